@@ -1,0 +1,3 @@
+"""DLRM training on Criteo click logs."""
+
+__version__ = "0.1.0"
