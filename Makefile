@@ -1,0 +1,31 @@
+# `make train`: create .venv on first use, preprocess the shipped Criteo sample once, train configs/main.json.
+# `make test`: the same venv, then the test suite (CPU; Triton kernels run in the interpreter).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SAMPLE := data/criteo_sample/metadata.json
+
+.PHONY: train test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+$(SAMPLE): data/day_0_head10k.tsv.gz | $(STAMP)
+	$(PY) -m dlrm.data.preprocess --input data/day_0_head10k.tsv.gz --output-dir data/criteo_sample \
+		--eval-fraction 0.2 --overwrite
+
+train: $(STAMP) $(SAMPLE)
+	$(PY) -m dlrm.train --config configs/main.json
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) data/criteo_sample runs

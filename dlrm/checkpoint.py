@@ -1,0 +1,31 @@
+"""Checkpoints: model and optimizer state, step, resolved config and table layout, written atomically."""
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def save_checkpoint(path: Path, **state: Any) -> None:
+    """torch.save `state` to `path` via a temporary file renamed into place, so a crash never leaves a
+    half-written checkpoint under the final name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Load a checkpoint written by `save_checkpoint` onto the CPU.
+
+    Raises:
+        ValueError: the file is missing or is not a DLRM checkpoint.
+    """
+    if not path.is_file():
+        raise ValueError(f"{path}: checkpoint not found")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    missing = [k for k in ("model", "config", "table_rows") if k not in state]
+    if missing:
+        raise ValueError(f"{path}: not a DLRM checkpoint (missing {', '.join(missing)})")
+    return state

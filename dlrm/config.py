@@ -1,0 +1,240 @@
+"""Run configuration: frozen dataclasses loaded from JSON with validation.
+
+A config file is one JSON object with the sections `data`, `model`, `train` and `profiler` (each optional,
+each defaulting to the values below) and a top-level `name`. Unknown keys and bad values raise ValueError
+naming the key, e.g. `model.embedding_dim: expected a positive int, got 0`.
+"""
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+DEVICES = ("auto", "cpu", "cuda")
+HASHINGS = ("modulus", "vocab")
+INTERACTIONS = ("dot", "cat")
+OPTIMIZERS = ("sgd", "adagrad")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the preprocessed data lives and how it is batched.
+
+    `path` is a directory written by `python -m dlrm.data.preprocess` (train/, eval/, metadata.json);
+    a relative path is resolved against the working directory.
+    """
+
+    path: str = "data/criteo_sample"
+    batch_size: int = 128
+    eval_batch_size: int = 4096
+    shuffle: bool = True
+    drop_last: bool = False
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """DLRM architecture (FB-DLRM Kaggle defaults).
+
+    `bottom_mlp` and `top_mlp` list layer widths without the input width: the bottom MLP reads the 13 dense
+    features, the top MLP reads the interaction output. The bottom MLP's last width must equal
+    `embedding_dim` and the top MLP's last width must be 1 (the logit).
+    `table_rows`: rows per embedding table (26 ints); null takes each table's train cardinality + 1 from
+    metadata.json. Either way rows are capped by `max_rows`. `hashing`: `modulus` maps a raw id x to
+    (x + 1) % rows; `vocab` maps train ids exactly and unseen ids to one shared out-of-vocabulary row.
+    """
+
+    embedding_dim: int = 16
+    bottom_mlp: tuple[int, ...] = (512, 256, 64, 16)
+    top_mlp: tuple[int, ...] = (512, 256, 1)
+    interaction: str = "dot"
+    hashing: str = "modulus"
+    table_rows: tuple[int, ...] | None = None
+    max_rows: int = 10_000_000
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimization and loop settings.
+
+    `embedding_lr` defaults to `lr`. `eval_interval` (steps) of null evaluates at each epoch's end only.
+    `patience`: stop after this many evaluations without a better eval AUC (null: never stop early).
+    `use_torch_compile` compiles the dense part with Inductor; `use_triton` runs MLP bias + activation
+    through our Triton kernel. Both may be set.
+    """
+
+    optimizer: str = "sgd"
+    lr: float = 0.1
+    embedding_lr: float | None = None
+    weight_decay: float = 0.0
+    epochs: int = 1
+    max_steps: int | None = None
+    log_interval: int = 50
+    eval_interval: int | None = None
+    patience: int | None = None
+    seed: int = 0
+    device: str = "auto"
+    use_torch_compile: bool = False
+    use_triton: bool = False
+
+
+@dataclass(frozen=True)
+class ProfilerConfig:
+    """torch.profiler schedule: skip `wait` steps, warm up `warmup`, record `active` (one cycle)."""
+
+    enabled: bool = True
+    wait: int = 5
+    warmup: int = 2
+    active: int = 3
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "dlrm"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def backend(self) -> str:
+        """ "eager", "compile", "triton" or "triton+compile"."""
+        parts = [
+            name
+            for name, on in (("triton", self.train.use_triton), ("compile", self.train.use_torch_compile))
+            if on
+        ]
+        return "+".join(parts) or "eager"
+
+
+_SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "profiler": ProfilerConfig}
+
+
+def _check_type(key: str, value: Any, annotation: Any) -> Any:
+    """Return `value` converted to the field's type, or raise ValueError naming `key`."""
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key}: expected a string, got {value!r}")
+        return value
+    if annotation == tuple[int, ...]:
+        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise ValueError(f"{key}: expected a list of integers, got {value!r}")
+        return tuple(value)
+    if annotation in (int | None, float | None, tuple[int, ...] | None):
+        if value is None:
+            return None
+        inner = next(a for a in annotation.__args__ if a is not type(None))
+        return _check_type(key, value, inner)
+    raise TypeError(f"{key}: unsupported field type {annotation}")
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'}: expected a JSON object, got {raw!r}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ValueError(f"{prefix}{unknown[0]}: unknown key (expected one of {', '.join(known)})")
+    values = {}
+    for name, value in raw.items():
+        if prefix == "" and name in _SECTIONS:
+            values[name] = _build(_SECTIONS[name], value, f"{name}.")
+        else:
+            values[name] = _check_type(prefix + name, value, known[name].type)
+    return cls(**values)
+
+
+def _require(ok: bool, key: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{key}: expected {expected}, got {value!r}")
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Check values that types alone do not; return `cfg`. Raises ValueError naming the key."""
+    d, m, t, p = cfg.data, cfg.model, cfg.train, cfg.profiler
+    _require(bool(cfg.name) and "/" not in cfg.name, "name", "a non-empty name without '/'", cfg.name)
+    _require(d.batch_size > 0, "data.batch_size", "a positive integer", d.batch_size)
+    _require(d.eval_batch_size > 0, "data.eval_batch_size", "a positive integer", d.eval_batch_size)
+    _require(m.embedding_dim > 0, "model.embedding_dim", "a positive integer", m.embedding_dim)
+    for key, widths in (("model.bottom_mlp", m.bottom_mlp), ("model.top_mlp", m.top_mlp)):
+        _require(
+            len(widths) > 0 and all(w > 0 for w in widths), key, "a non-empty list of positive widths", widths
+        )
+    _require(
+        m.bottom_mlp[-1] == m.embedding_dim,
+        "model.bottom_mlp",
+        f"a last width equal to model.embedding_dim ({m.embedding_dim})",
+        list(m.bottom_mlp),
+    )
+    _require(m.top_mlp[-1] == 1, "model.top_mlp", "a last width of 1 (the logit)", list(m.top_mlp))
+    _require(m.interaction in INTERACTIONS, "model.interaction", f"one of {INTERACTIONS}", m.interaction)
+    _require(m.hashing in HASHINGS, "model.hashing", f"one of {HASHINGS}", m.hashing)
+    if m.table_rows is not None:
+        _require(
+            len(m.table_rows) == 26 and all(r > 0 for r in m.table_rows),
+            "model.table_rows",
+            "26 positive integers or null",
+            m.table_rows,
+        )
+    _require(m.max_rows >= 2, "model.max_rows", "an integer >= 2", m.max_rows)
+    _require(t.optimizer in OPTIMIZERS, "train.optimizer", f"one of {OPTIMIZERS}", t.optimizer)
+    _require(t.lr > 0, "train.lr", "a positive number", t.lr)
+    if t.embedding_lr is not None:
+        _require(t.embedding_lr > 0, "train.embedding_lr", "a positive number or null", t.embedding_lr)
+    _require(t.weight_decay >= 0, "train.weight_decay", "a number >= 0", t.weight_decay)
+    _require(t.epochs > 0, "train.epochs", "a positive integer", t.epochs)
+    for key, value in (
+        ("train.max_steps", t.max_steps),
+        ("train.eval_interval", t.eval_interval),
+        ("train.patience", t.patience),
+    ):
+        if value is not None:
+            _require(value > 0, key, "a positive integer or null", value)
+    _require(t.log_interval > 0, "train.log_interval", "a positive integer", t.log_interval)
+    _require(t.device in DEVICES, "train.device", f"one of {DEVICES}", t.device)
+    for key, value in (("profiler.wait", p.wait), ("profiler.warmup", p.warmup)):
+        _require(value >= 0, key, "an integer >= 0", value)
+    _require(p.active > 0, "profiler.active", "a positive integer", p.active)
+    return cfg
+
+
+def from_dict(raw: dict[str, Any]) -> RunConfig:
+    """Build and validate a RunConfig from a parsed JSON object. Raises ValueError naming the bad key."""
+    return validate(_build(RunConfig, raw, ""))
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Load a JSON config file. Raises ValueError naming the file and the bad key or JSON position."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: config file not found") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
+    try:
+        return from_dict(raw)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
+def replace(cfg: RunConfig, section: str, **changes: Any) -> RunConfig:
+    """Return a validated copy of `cfg` with fields of one section changed (used by CLI overrides)."""
+    return validate(
+        dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
+    )

@@ -1,0 +1,72 @@
+"""Multi-layer perceptron used for the bottom MLP (DenseArch) and top MLP (OverArch).
+
+Every layer is y = act(x @ W^T + b), x: [B, K] -> y: [B, N]. The parameters live in nn.Linear layers whatever
+the backend, so the same seed gives the same initial weights and checkpoints move between backends:
+- eager / compile: `F.linear(x, W, b)` then the activation (PyTorch ops; Inductor fuses them under compile);
+- triton: a bias-free `F.linear(x, W)` (cuBLAS) followed by our fused add-bias-activation kernel
+  `kernels.bias_act`, forward and backward.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_TORCH_ACTIVATIONS = {
+    "identity": lambda x: x,
+    "relu": F.relu,
+    "sigmoid": torch.sigmoid,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class MLP(nn.Module):
+    """Stack of Linear layers with `activation` after each, and `last_activation` after the last.
+
+    Args:
+        in_features: K of the first layer.
+        widths: output width N of each layer.
+        activation: one of "identity", "relu", "sigmoid", "gelu_tanh", applied after all but the last layer.
+        last_activation: activation after the last layer.
+        use_triton: run bias + activation through the Triton kernel (see module docstring).
+    Raises:
+        ValueError: unknown activation.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        widths: tuple[int, ...],
+        activation: str = "relu",
+        last_activation: str = "relu",
+        use_triton: bool = False,
+    ):
+        super().__init__()
+        for act in (activation, last_activation):
+            if act not in _TORCH_ACTIVATIONS:
+                raise ValueError(f"unknown activation {act!r}: expected one of {tuple(_TORCH_ACTIVATIONS)}")
+        sizes = (in_features, *widths)
+        self.layers = nn.ModuleList(nn.Linear(k, n) for k, n in zip(sizes[:-1], sizes[1:], strict=True))
+        self.activations = [activation] * (len(widths) - 1) + [last_activation]
+        self.use_triton = use_triton
+        for layer in self.layers:
+            _init_fb_dlrm(layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, K] float -> [B, widths[-1]]."""
+        if self.use_triton:
+            from kernels.bias_act import bias_act
+
+            for layer, act in zip(self.layers, self.activations, strict=True):
+                x = bias_act(F.linear(x, layer.weight), layer.bias, act)
+            return x
+        for layer, act in zip(self.layers, self.activations, strict=True):
+            x = _TORCH_ACTIVATIONS[act](F.linear(x, layer.weight, layer.bias))
+        return x
+
+
+def _init_fb_dlrm(layer: nn.Linear) -> None:
+    """FB-DLRM's initialization: W ~ N(0, sqrt(2 / (K + N))), b ~ N(0, sqrt(1 / N)) (dlrm_s_pytorch.py)."""
+    n, k = layer.weight.shape
+    with torch.no_grad():
+        layer.weight.normal_(0.0, (2.0 / (k + n)) ** 0.5)
+        layer.bias.normal_(0.0, (1.0 / n) ** 0.5)

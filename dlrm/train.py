@@ -1,0 +1,309 @@
+"""`python -m dlrm.train`: train a DLRM on preprocessed Criteo data.
+
+Each run writes into its own directory (default `runs/<name>-<timestamp>/`): config.json (resolved config),
+TensorBoard events, a profiler trace `*.pt.trace.json`, checkpoints/last.pt and best.pt, and metrics.json.
+Watch it with `tensorboard --logdir runs`.
+"""
+
+import json
+import os
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import click
+import torch
+import torch.nn.functional as F
+from loguru import logger
+from torch.profiler import record_function
+from torch.utils.tensorboard import SummaryWriter
+
+from dlrm.checkpoint import save_checkpoint
+from dlrm.config import RunConfig, load_config, replace
+from dlrm.data.dataset import BatchLoader, load_metadata, open_split
+from dlrm.metrics import evaluate
+from dlrm.model import DLRM, build_model
+from dlrm.profiling import make_profiler
+
+
+def resolve_device(name: str) -> torch.device:
+    """ "auto" -> cuda when available else cpu. Raises ValueError for "cuda" without a GPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device: 'cuda' requested but no CUDA GPU is available (use auto or cpu)")
+    return torch.device(name)
+
+
+def make_optimizer(model: DLRM, cfg: RunConfig) -> torch.optim.Optimizer:
+    """SGD or Adagrad with two parameter groups: the MLPs (weight decay) and the embedding tables (sparse
+    gradients, `embedding_lr`, no weight decay: decaying every row each step would make the update dense)."""
+    t = cfg.train
+    groups = [
+        {"params": model.dense_parameters(), "lr": t.lr, "weight_decay": t.weight_decay},
+        {"params": model.embedding_parameters(), "lr": t.embedding_lr or t.lr, "weight_decay": 0.0},
+    ]
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=t.lr)
+    return torch.optim.Adagrad(groups, lr=t.lr)
+
+
+def compile_dense_part(model: DLRM) -> None:
+    """Compile the MLPs and the interaction with Inductor, in place. The embedding lookups stay eager:
+    their sparse gradients do not compile."""
+    for module in (model.dense_arch, model.interaction_arch, model.over_arch):
+        module.compile()
+
+
+def _use_interpreter_on_cpu(cfg: RunConfig, device: torch.device) -> None:
+    # Triton reads TRITON_INTERPRET when a kernel is decorated, so it must be set before kernels import.
+    if cfg.train.use_triton and device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _make_run_dir(cfg: RunConfig, output_dir: Path | None) -> Path:
+    if output_dir is None:
+        output_dir = Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    output_dir.mkdir(parents=True, exist_ok=True)
+    return output_dir
+
+
+def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
+    """Train per `cfg`, writing everything into the run directory; returns the metrics.json contents:
+    {"steps", "samples", "train_loss", "eval_auc", "eval_logloss", "samples_per_s", "wall_s", "backend", ...}.
+    "eval_auc"/"eval_logloss" are those of the best evaluation (saved as checkpoints/best.pt).
+
+    Raises:
+        ValueError: bad data directory, config values the data contradicts, or no CUDA for device "cuda".
+    """
+    t = cfg.train
+    device = resolve_device(t.device)
+    _use_interpreter_on_cpu(cfg, device)
+    torch.manual_seed(t.seed)
+    data_dir = Path(cfg.data.path)
+    metadata = load_metadata(data_dir)
+    train_set, eval_set = open_split(data_dir, "train"), open_split(data_dir, "eval")
+    model = build_model(cfg.model, metadata, train_set.sparse, use_triton=t.use_triton).to(device)
+    optimizer = make_optimizer(model, cfg)
+    if t.use_torch_compile:
+        compile_dense_part(model)
+    train_loader = BatchLoader(
+        train_set,
+        cfg.data.batch_size,
+        shuffle=cfg.data.shuffle,
+        seed=t.seed,
+        drop_last=cfg.data.drop_last,
+        device=device,
+    )
+    eval_loader = BatchLoader(eval_set, cfg.data.eval_batch_size, device=device)
+    if len(train_loader) == 0:
+        raise ValueError(
+            f"data.batch_size: {cfg.data.batch_size} leaves no batch of {train_set.num_rows} train rows"
+        )
+
+    run_dir = _make_run_dir(cfg, output_dir)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    logger.info(
+        "run {} | backend {} | device {} | train {} rows, eval {} rows | {} params",
+        run_dir,
+        cfg.backend,
+        device,
+        train_set.num_rows,
+        eval_set.num_rows,
+        sum(p.numel() for p in model.parameters()),
+    )
+    writer = SummaryWriter(str(run_dir))
+    writer.add_text("config", "```json\n" + json.dumps(cfg.to_dict(), indent=2) + "\n```")
+    table_rows = model.sparse_arch.table_rows
+
+    def checkpoint(name: str, step: int) -> None:
+        save_checkpoint(
+            run_dir / "checkpoints" / name,
+            model=model.state_dict(),
+            optimizer=optimizer.state_dict(),
+            step=step,
+            config=cfg.to_dict(),
+            table_rows=table_rows,
+        )
+
+    max_steps = t.max_steps or t.epochs * len(train_loader)
+    step, samples, first_step_s = 0, 0, 0.0
+    best, last_eval, last_eval_step, evals_since_best = None, None, None, 0
+    loss_sum = torch.zeros((), device=device)
+    interval_steps, interval_samples, interval_start = 0, 0, time.perf_counter()
+    timed_s, timed_samples = 0.0, 0  # training throughput: first step and evaluations excluded
+    train_loss = float("nan")
+    start = time.perf_counter()
+
+    def log_interval(epoch: int) -> None:
+        """Log the steps since the last log line; the one host sync (loss.item()) of the interval."""
+        nonlocal train_loss, timed_s, timed_samples, interval_steps, interval_samples, interval_start
+        if not interval_steps:
+            return
+        train_loss = loss_sum.item() / interval_steps
+        elapsed = time.perf_counter() - interval_start
+        timed_s, timed_samples = timed_s + elapsed, timed_samples + interval_samples
+        writer.add_scalar("train/loss", train_loss, step)
+        writer.add_scalar("perf/samples_per_s", interval_samples / elapsed, step)
+        writer.add_scalar("lr", optimizer.param_groups[0]["lr"], step)
+        logger.info(
+            "epoch {} step {} | loss {:.5f} | {:,.0f} samples/s | {:.2f} ms/step",
+            epoch,
+            step,
+            train_loss,
+            interval_samples / elapsed,
+            1000 * elapsed / interval_steps,
+        )
+        loss_sum.zero_()
+        interval_steps, interval_samples, interval_start = 0, 0, time.perf_counter()
+
+    def run_eval() -> bool:
+        """Evaluate, log, keep the best checkpoint; True when early stopping says stop."""
+        nonlocal best, last_eval, last_eval_step, evals_since_best, interval_start
+        eval_start = time.perf_counter()
+        last_eval, last_eval_step = evaluate(model, eval_loader, device), step
+        for key in ("auc", "logloss", "ne"):
+            writer.add_scalar(f"eval/{key}", last_eval[key], step)
+        logger.info(
+            "step {} | eval auc {:.4f} logloss {:.4f} ne {:.4f}",
+            step,
+            last_eval["auc"],
+            last_eval["logloss"],
+            last_eval["ne"],
+        )
+        if best is None or last_eval["auc"] > best["auc"]:
+            best, evals_since_best = {**last_eval, "step": step}, 0
+            checkpoint("best.pt", step)
+        else:
+            evals_since_best += 1
+        interval_start += time.perf_counter() - eval_start
+        if t.patience is not None and evals_since_best >= t.patience:
+            logger.info("early stop: no better eval AUC in {} evaluations", t.patience)
+            return True
+        return False
+
+    model.train()
+    stop = False
+    with make_profiler(cfg.profiler, run_dir, device) as profiler:
+        for epoch in range(t.epochs):
+            if stop or step >= max_steps:
+                break
+            train_loader.set_epoch(epoch)
+            batches = iter(train_loader)
+            while step < max_steps and not stop:
+                step_start = time.perf_counter()
+                with record_function("data"):
+                    batch = next(batches, None)
+                if batch is None:
+                    break
+                with record_function("forward"):
+                    logits = model(batch.dense, batch.sparse)
+                with record_function("loss"):
+                    loss = F.binary_cross_entropy_with_logits(logits.float(), batch.label)
+                with record_function("backward"):
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                with record_function("optimizer"):
+                    optimizer.step()
+                profiler.step()
+                step += 1
+                samples += batch.label.numel()
+                if step == 1:
+                    # The first step pays for compilation (Inductor, Triton JIT): reported apart.
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    first_step_s = time.perf_counter() - step_start
+                    logger.info("first step {:.2f} s (includes compile / kernel JIT)", first_step_s)
+                    train_loss = loss.item()
+                    interval_start = time.perf_counter()
+                else:
+                    loss_sum += loss.detach()
+                    interval_steps += 1
+                    interval_samples += batch.label.numel()
+                if step % t.log_interval == 0:
+                    log_interval(epoch)
+                if t.eval_interval and step % t.eval_interval == 0:
+                    stop = run_eval()
+            log_interval(epoch)
+            if not stop and last_eval_step != step:
+                stop = run_eval()  # end of epoch
+    wall_s = time.perf_counter() - start
+    checkpoint("last.pt", step)
+    metrics = {
+        "steps": step,
+        "samples": samples,
+        "train_loss": train_loss,
+        "eval_auc": best["auc"],
+        "eval_logloss": best["logloss"],
+        "eval_ne": best["ne"],
+        "best_step": best["step"],
+        "last_eval_auc": last_eval["auc"],
+        "samples_per_s": timed_samples / timed_s if timed_s else None,
+        "first_step_s": first_step_s,
+        "wall_s": wall_s,
+        "backend": cfg.backend,
+        "device": str(device),
+    }
+    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    writer.close()
+    logger.info(
+        "done: {} steps, best eval auc {:.4f} at step {}, metrics in {}",
+        step,
+        best["auc"],
+        best["step"],
+        run_dir / "metrics.json",
+    )
+    return metrics
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="JSON run config (see configs/).",
+)
+@click.option(
+    "--use-torch-compile", is_flag=True, help="Compile the MLPs and interaction with torch.compile."
+)
+@click.option(
+    "--use-triton",
+    is_flag=True,
+    help="MLP bias + activation through our Triton kernels (forward and backward). "
+    "On CPU they run in the Triton interpreter: correct but slow, meant for tests.",
+)
+@click.option(
+    "--output-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Run directory [default: runs/<name>-<timestamp>].",
+)
+@click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after N training steps.")
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default=None,
+    help="Overrides train.device from the config.",
+)
+@click.option("--seed", type=int, default=None, help="Overrides train.seed from the config.")
+def main(config_path, use_torch_compile, use_triton, output_dir, max_steps, device, seed):
+    """Train a DLRM on preprocessed Criteo data, then `tensorboard --logdir runs`."""
+    try:
+        cfg = load_config(config_path)
+        overrides = {
+            "use_torch_compile": use_torch_compile or cfg.train.use_torch_compile,
+            "use_triton": use_triton or cfg.train.use_triton,
+        }
+        for key, value in (("max_steps", max_steps), ("device", device), ("seed", seed)):
+            if value is not None:
+                overrides[key] = value
+        train(replace(cfg, "train", **overrides), output_dir)
+    except ValueError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

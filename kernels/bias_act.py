@@ -1,0 +1,444 @@
+"""Fused add-bias + activation, forward and backward: ``y = act(x + b)``.
+
+Math
+    z = x + b                      (b broadcast over rows)
+    y = act(z)
+    dx = dz = dy * act'(z)         (same dtype as x)
+    db = sum over rows of dz       (fp32 sum, returned in b's dtype)
+
+    act is one of ``ACTIVATIONS``:
+        identity   y = z                                  act'(z) = 1
+        relu       y = max(z, 0)                          act'(z) = 1 if z > 0 else 0
+        sigmoid    y = s(z) = 1 / (1 + exp(-z))           act'(z) = s(z) (1 - s(z))
+        gelu_tanh  y = 0.5 z (1 + tanh(u)),  u = sqrt(2/pi) (z + 0.044715 z^3)
+                     = z s(2u)                            act'(z) = s(2u) + 2 z s(2u) (1 - s(2u)) du/dz
+
+Shapes (glossary letters of a GEMM's output): x [M, N] (M rows, e.g. the batch B; N columns, the layer
+width), b [N], y [M, N], dy [M, N]. Any M >= 0 and N >= 1; inputs are made contiguous (row-major) by the
+launchers, so the kernels only take row strides and assume a column stride of 1.
+
+Dtypes: x and b both fp32, bf16 or fp16 (the same one); y, dx have x's dtype, db has b's dtype.
+Compute dtype: fp32. Every load is cast to fp32 at once (the interpreter computes bf16 wrongly
+otherwise) and the bias gradient is accumulated in fp32.
+
+Backward saves the *inputs* x and b (not the output y) and recomputes z = x + b in the backward kernel:
+that is one formula for every activation, and it costs the same bytes as saving y (x and y have the same
+shape and dtype; b is tiny). For relu and identity it is still correct, just not needed: relu'(z) is
+``z > 0``, which equals ``y > 0`` (what PyTorch's relu backward reads), and identity' is 1.
+
+The bias gradient is reduced inside the backward kernel: each program sums its BLOCK_M rows of dz into an
+fp32 partial per column and writes it to a [cdiv(M, BLOCK_M), N] fp32 buffer; the launcher then sums
+those partials with ``torch.sum(dim=0)``. No atomics, so db is deterministic run to run.
+
+It equals the PyTorch expression ``act(x + b)`` computed in fp32 and cast back to x's dtype (see
+``bias_act_ref``); used after a bias-free GEMM, ``bias_act(F.linear(x, W), b, "relu")`` equals
+``torch.relu(F.linear(x, W, b))``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = [
+    "ACTIVATIONS",
+    "bias_act",
+    "bias_act_ref",
+    "bias_act_fwd",
+    "bias_act_bwd",
+]
+
+ACTIVATIONS = ("identity", "relu", "sigmoid", "gelu_tanh")
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2 / pi)
+_GELU_C = 0.044715
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _act_fwd(z, ACTIVATION: tl.constexpr):
+    """act(z) for an fp32 tile z."""
+    if ACTIVATION == "relu":
+        y = tl.maximum(z, 0.0)
+    elif ACTIVATION == "sigmoid":
+        y = 1.0 / (1.0 + tl.exp(-z))
+    elif ACTIVATION == "gelu_tanh":
+        # 0.5 z (1 + tanh(u)) == z * sigmoid(2u); exp overflow to inf gives the right limits (0 or z).
+        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        y = z / (1.0 + tl.exp(-2.0 * u))
+    else:  # identity
+        y = z
+    return y
+
+
+@triton.jit
+def _act_grad(z, ACTIVATION: tl.constexpr):
+    """act'(z) for an fp32 tile z."""
+    if ACTIVATION == "relu":
+        g = tl.where(z > 0.0, 1.0, 0.0)
+    elif ACTIVATION == "sigmoid":
+        s = 1.0 / (1.0 + tl.exp(-z))
+        g = s * (1.0 - s)
+    elif ACTIVATION == "gelu_tanh":
+        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
+        s = 1.0 / (1.0 + tl.exp(-2.0 * u))  # sigmoid(2u) = (1 + tanh(u)) / 2
+        g = s + 2.0 * z * s * (1.0 - s) * du
+    else:  # identity
+        g = tl.full(z.shape, 1.0, tl.float32)
+    return g
+
+
+# M (the batch) changes between calls: do not specialize on it (value 1 / divisibility by 16), so a new
+# batch size reuses the compiled kernel.
+@triton.jit(do_not_specialize=["M"])
+def _bias_act_fwd_kernel(
+    # pointers
+    x_ptr,  # [M, N] input, fp32/bf16/fp16
+    b_ptr,  # [N] bias, same dtype as x
+    y_ptr,  # [M, N] output, same dtype as x
+    # sizes
+    M,
+    N,
+    # strides (row strides, in elements; the column stride is 1)
+    stride_xm,
+    stride_ym,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # int64 row offsets: M * N can pass 2**31.
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = rows < M
+    mask_n = cols < N
+    mask = mask_m[:, None] & mask_n[None, :]
+
+    b = tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = _act_fwd(x + b[None, :], ACTIVATION)
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _bias_act_bwd_kernel(
+    # pointers
+    dy_ptr,  # [M, N] upstream gradient, same dtype as x
+    x_ptr,  # [M, N] saved input
+    b_ptr,  # [N] saved bias
+    dx_ptr,  # [M, N] output: dz = dy * act'(x + b), same dtype as x
+    db_part_ptr,  # [cdiv(M, BLOCK_M), N] fp32 output: per-row-block column sums of dz
+    # sizes
+    M,
+    N,
+    # strides (row strides, in elements; the column stride is 1)
+    stride_dym,
+    stride_xm,
+    stride_dxm,
+    stride_pm,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = rows < M
+    mask_n = cols < N
+    mask = mask_m[:, None] & mask_n[None, :]
+
+    b = tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dz = dy * _act_grad(x + b[None, :], ACTIVATION)
+    tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :], dz.to(dx_ptr.dtype.element_ty), mask=mask)
+
+    # Masked-out rows must not leak into the sum (act'(b) * 0 is 0, but be explicit: NaN * 0 is NaN).
+    db_part = tl.sum(tl.where(mask, dz, 0.0), axis=0)
+    tl.store(db_part_ptr + pid_m.to(tl.int64) * stride_pm + cols, db_part, mask=mask_n)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tuning
+# --------------------------------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pick_config(n: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for a row width N. Row-wise op: the width alone decides.
+
+    A tile is up to 256 columns wide and about 4096 elements (16 fp32 per thread at 8 warps), which keeps
+    the grid >= ~128 programs at DLRM shapes (M >= 2048). The CPU interpreter pays ~5 ms per program and
+    almost nothing per element, so there we use tall tiles (BLOCK_M >= 128) to keep grids tiny.
+    """
+    block_n = min(max(triton.next_power_of_2(n), 16), 256)
+    block_m = min(max(4096 // block_n, 16), 256)
+    if _interpreting():
+        block_m = max(block_m, 128)
+    num_warps = 8 if block_m * block_n >= 4096 else 4
+    return block_m, block_n, num_warps
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(x: Tensor, b: Tensor, activation: str) -> None:
+    """Raise ValueError naming the offending values; works on fake tensors too."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"bias_act: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+    if x.dim() != 2:
+        raise ValueError(f"bias_act: x must be 2-D [M, N], got shape {tuple(x.shape)}")
+    if x.shape[1] < 1:
+        raise ValueError(f"bias_act: x must have N >= 1 columns, got shape {tuple(x.shape)}")
+    if b.dim() != 1 or b.shape[0] != x.shape[1]:
+        raise ValueError(
+            f"bias_act: bias must have shape [N] = [{x.shape[1]}] for x of shape {tuple(x.shape)}, "
+            f"got {tuple(b.shape)}"
+        )
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"bias_act: x dtype must be one of {_DTYPES}, got {x.dtype}")
+    if b.dtype != x.dtype:
+        raise ValueError(f"bias_act: bias dtype {b.dtype} differs from x dtype {x.dtype}")
+    if b.device != x.device:
+        raise ValueError(f"bias_act: bias is on {b.device} but x is on {x.device}")
+
+
+def _check_like(name: str, t: Tensor, x: Tensor) -> None:
+    if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device:
+        raise ValueError(
+            f"bias_act: {name} must match x ({tuple(x.shape)}, {x.dtype}, {x.device}), "
+            f"got ({tuple(t.shape)}, {t.dtype}, {t.device})"
+        )
+
+
+def bias_act_fwd(x: Tensor, b: Tensor, activation: str, out: Tensor | None = None) -> Tensor:
+    """Launch ``_bias_act_fwd_kernel``: ``y = act(x + b)``.
+
+    Args:
+        x: [M, N] fp32/bf16/fp16.
+        b: [N], x's dtype and device.
+        activation: one of ``ACTIVATIONS``.
+        out: optional contiguous [M, N] tensor of x's dtype to write y into (every element is written).
+
+    Returns:
+        y: [M, N], x's dtype (``out`` when given).
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices, activation, or ``out``.
+    """
+    _check_inputs(x, b, activation)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        _check_like("out", out, x)
+        if not out.is_contiguous():
+            raise ValueError(f"bias_act: out must be contiguous, got strides {out.stride()}")
+    m, n = x.shape
+    if m == 0:
+        return out
+    x = x.contiguous()
+    b = b.contiguous()
+    block_m, block_n, num_warps = _pick_config(n)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _bias_act_fwd_kernel[grid](
+        x, b, out,
+        m, n,
+        x.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, ACTIVATION=activation,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def bias_act_bwd(
+    dy: Tensor, x: Tensor, b: Tensor, activation: str, dx_out: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Launch ``_bias_act_bwd_kernel``: ``dx = dy * act'(x + b)``, ``db = dx.sum(0)`` (fp32 sum).
+
+    Args:
+        dy: [M, N] gradient of y, x's dtype and device.
+        x: [M, N] saved forward input, fp32/bf16/fp16.
+        b: [N] saved forward bias, x's dtype and device.
+        activation: one of ``ACTIVATIONS``.
+        dx_out: optional contiguous [M, N] tensor of x's dtype to write dx into (every element is written).
+
+    Returns:
+        (dx, db): dx [M, N] in x's dtype, db [N] in b's dtype (zeros when M == 0).
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices, activation, or ``dx_out``.
+    """
+    _check_inputs(x, b, activation)
+    _check_like("dy", dy, x)
+    if dx_out is None:
+        dx_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        _check_like("dx_out", dx_out, x)
+        if not dx_out.is_contiguous():
+            raise ValueError(f"bias_act: dx_out must be contiguous, got strides {dx_out.stride()}")
+    m, n = x.shape
+    if m == 0:
+        return dx_out, torch.zeros_like(b)
+    dy = dy.contiguous()  # autograd may hand in an expanded (stride-0) gradient
+    x = x.contiguous()
+    b = b.contiguous()
+    block_m, block_n, num_warps = _pick_config(n)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    # Every (row block, column) of the partials is written by exactly one program.
+    db_part = torch.empty((grid[0], n), dtype=torch.float32, device=x.device)
+    _bias_act_bwd_kernel[grid](
+        dy, x, b, dx_out, db_part,
+        m, n,
+        dy.stride(0), x.stride(0), dx_out.stride(0), db_part.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, ACTIVATION=activation,
+        num_warps=num_warps,
+    )  # fmt: skip
+    db = db_part.sum(dim=0).to(b.dtype)
+    return dx_out, db
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference (plain PyTorch, fp32) and CPU fallback
+# --------------------------------------------------------------------------------------------------
+
+
+def _act_ref(z: Tensor, activation: str) -> Tensor:
+    if activation == "identity":
+        return z
+    if activation == "relu":
+        return torch.relu(z)
+    if activation == "sigmoid":
+        return torch.sigmoid(z)
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(z, approximate="tanh")
+    raise ValueError(f"bias_act: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+
+
+def bias_act_ref(x: Tensor, bias: Tensor, activation: str) -> Tensor:
+    """Reference ``act(x + bias)`` in plain PyTorch: computed in fp32, cast back to x's dtype.
+
+    Differentiable by autograd (used by the tests for the reference gradients).
+
+    Args:
+        x: [M, N] float tensor.
+        bias: [N] float tensor.
+        activation: one of ``ACTIVATIONS``.
+
+    Returns:
+        [M, N] tensor of x's dtype.
+
+    Raises:
+        ValueError: unknown activation.
+    """
+    z = x.float() + bias.float()
+    return _act_ref(z, activation).to(x.dtype)
+
+
+def _bias_act_bwd_ref(dy: Tensor, x: Tensor, b: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    """Backward of ``bias_act_ref`` in plain PyTorch (fp32 math): the CPU fallback of the backward op."""
+    with torch.enable_grad():
+        z = (x.float() + b.float()).detach().requires_grad_(True)
+        (dz,) = torch.autograd.grad(_act_ref(z, activation), z, dy.float())
+    return dz.to(x.dtype), dz.sum(dim=0).to(b.dtype)
+
+
+def _use_triton(x: Tensor) -> bool:
+    """Triton runs on CUDA tensors, and on CPU tensors only in the interpreter (TRITON_INTERPRET=1)."""
+    return x.device.type == "cuda" or (x.device.type == "cpu" and _interpreting())
+
+
+# --------------------------------------------------------------------------------------------------
+# Autograd glue: custom ops, so the op works in eager and under torch.compile (no tracing into Triton)
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dlrm::bias_act", mutates_args=())
+def _bias_act_op(x: Tensor, bias: Tensor, activation: str) -> Tensor:
+    if _use_triton(x):
+        return bias_act_fwd(x, bias, activation)
+    _check_inputs(x, bias, activation)
+    return bias_act_ref(x, bias, activation)
+
+
+@_bias_act_op.register_fake
+def _bias_act_fake(x: Tensor, bias: Tensor, activation: str) -> Tensor:
+    _check_inputs(x, bias, activation)
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("dlrm::bias_act_backward", mutates_args=())
+def _bias_act_backward_op(dy: Tensor, x: Tensor, bias: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    if _use_triton(x):
+        return bias_act_bwd(dy, x, bias, activation)
+    _check_inputs(x, bias, activation)
+    _check_like("dy", dy, x)
+    return _bias_act_bwd_ref(dy, x, bias, activation)
+
+
+@_bias_act_backward_op.register_fake
+def _bias_act_backward_fake(dy: Tensor, x: Tensor, bias: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape), bias.new_empty(bias.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, bias, activation = inputs
+    # Save the inputs (z = x + b is recomputed in the backward kernel), not the output.
+    ctx.save_for_backward(x, bias)
+    ctx.activation = activation
+
+
+def _backward(ctx, dy: Tensor):
+    x, bias = ctx.saved_tensors
+    dx, db = _bias_act_backward_op(dy, x, bias, ctx.activation)
+    return dx, db, None
+
+
+_bias_act_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+
+
+def bias_act(x: Tensor, bias: Tensor, activation: str = "relu") -> Tensor:
+    """Fused ``act(x + bias)`` with a fused backward (dx and the bias gradient in one kernel).
+
+    Meant to follow a bias-free GEMM: ``bias_act(F.linear(x, W), b, "relu")`` equals
+    ``torch.relu(F.linear(x, W, b))``. Differentiable in x and bias; works in eager and under
+    ``torch.compile`` (it is the custom op ``torch.ops.dlrm.bias_act``). Runs the Triton kernels on CUDA
+    tensors (and on CPU under ``TRITON_INTERPRET=1``), else falls back to ``bias_act_ref``.
+
+    Args:
+        x: [M, N] tensor, fp32, bf16 or fp16 (M >= 0, N >= 1). Non-contiguous inputs are copied.
+        bias: [N] tensor, same dtype and device as x.
+        activation: one of ``ACTIVATIONS``: "identity", "relu" (default), "sigmoid", "gelu_tanh"
+            (``0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))``).
+
+    Returns:
+        [M, N] tensor of x's dtype: ``act(x + bias)`` computed in fp32.
+
+    Raises:
+        ValueError: x not 2-D or with N == 0, bias shape not [N], unknown activation, unsupported dtype,
+            x/bias dtype mismatch, or x/bias on different devices (the message names the values).
+    """
+    return _bias_act_op(x, bias, activation)

@@ -1,0 +1,57 @@
+"""Config loading: shipped configs load, and bad keys or values name the key."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dlrm.config import RunConfig, from_dict, load_config
+
+CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig) and cfg.name == path.stem
+
+
+def test_main_config_is_the_fb_dlrm_kaggle_architecture():
+    m = load_config(Path(__file__).parents[1] / "configs" / "main.json").model
+    assert (m.embedding_dim, m.bottom_mlp, m.top_mlp) == (16, (512, 256, 64, 16), (512, 256, 1))
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"modle": {}}, "modle: unknown key"),
+        ({"model": {"embeding_dim": 4}}, "model.embeding_dim: unknown key"),
+        ({"model": {"embedding_dim": 0, "bottom_mlp": [0]}}, "model.embedding_dim"),
+        ({"model": {"embedding_dim": 8}}, r"model.bottom_mlp: expected a last width equal to model.embedding_dim"),
+        ({"model": {"top_mlp": [64, 2]}}, "model.top_mlp: expected a last width of 1"),
+        ({"model": {"hashing": "md5"}}, "model.hashing: expected one of"),
+        ({"model": {"table_rows": [10, 10]}}, "model.table_rows"),
+        ({"train": {"lr": "fast"}}, "train.lr: expected a number"),
+        ({"train": {"optimizer": "adam"}}, "train.optimizer"),
+        ({"train": {"epochs": 1.5}}, "train.epochs: expected an integer"),
+        ({"data": {"shuffle": "yes"}}, "data.shuffle: expected true or false"),
+        ({"data": []}, "data: expected a JSON object"),
+        ({"profiler": {"active": 0}}, "profiler.active"),
+    ],
+)
+def test_bad_values_name_the_key(raw, message):
+    with pytest.raises(ValueError, match=message):
+        from_dict(raw)
+
+
+def test_load_config_names_the_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"train": {"seed": "x"}}))
+    with pytest.raises(ValueError, match=r"bad.json: train.seed"):
+        load_config(bad)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{\n  \"name\": }")
+    with pytest.raises(ValueError, match=r"broken.json: invalid JSON at line 2"):
+        load_config(broken)
+    with pytest.raises(ValueError, match="not found"):
+        load_config(tmp_path / "missing.json")
