@@ -10,6 +10,7 @@ Math
         identity   y = z                                  act'(z) = 1
         relu       y = max(z, 0)                          act'(z) = 1 if z > 0 else 0
         sigmoid    y = s(z) = 1 / (1 + exp(-z))           act'(z) = s(z) (1 - s(z))
+                   (computed as exp(-|z|)-based so exp never overflows)
         gelu_tanh  y = 0.5 z (1 + tanh(u)),  u = sqrt(2/pi) (z + 0.044715 z^3)
                      = z s(2u)                            act'(z) = s(2u) + 2 z s(2u) (1 - s(2u)) du/dz
 
@@ -65,16 +66,23 @@ _GELU_C = 0.044715
 
 
 @triton.jit
+def _sigmoid(v):
+    """1 / (1 + exp(-v)) for an fp32 tile, without overflow: exp only ever sees -|v|."""
+    t = tl.exp(-tl.abs(v))
+    return tl.where(v >= 0.0, 1.0 / (1.0 + t), t / (1.0 + t))
+
+
+@triton.jit
 def _act_fwd(z, ACTIVATION: tl.constexpr):
     """act(z) for an fp32 tile z."""
     if ACTIVATION == "relu":
         y = tl.maximum(z, 0.0)
     elif ACTIVATION == "sigmoid":
-        y = 1.0 / (1.0 + tl.exp(-z))
+        y = _sigmoid(z)
     elif ACTIVATION == "gelu_tanh":
-        # 0.5 z (1 + tanh(u)) == z * sigmoid(2u); exp overflow to inf gives the right limits (0 or z).
+        # 0.5 z (1 + tanh(u)) == z * sigmoid(2u)
         u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
-        y = z / (1.0 + tl.exp(-2.0 * u))
+        y = z * _sigmoid(2.0 * u)
     else:  # identity
         y = z
     return y
@@ -86,12 +94,12 @@ def _act_grad(z, ACTIVATION: tl.constexpr):
     if ACTIVATION == "relu":
         g = tl.where(z > 0.0, 1.0, 0.0)
     elif ACTIVATION == "sigmoid":
-        s = 1.0 / (1.0 + tl.exp(-z))
+        s = _sigmoid(z)
         g = s * (1.0 - s)
     elif ACTIVATION == "gelu_tanh":
         u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
         du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
-        s = 1.0 / (1.0 + tl.exp(-2.0 * u))  # sigmoid(2u) = (1 + tanh(u)) / 2
+        s = _sigmoid(2.0 * u)  # sigmoid(2u) = (1 + tanh(u)) / 2
         g = s + 2.0 * z * s * (1.0 - s) * du
     else:  # identity
         g = tl.full(z.shape, 1.0, tl.float32)
@@ -184,15 +192,16 @@ def _interpreting() -> bool:
 def _pick_config(n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a row width N. Row-wise op: the width alone decides.
 
-    A tile is up to 256 columns wide and about 4096 elements (16 fp32 per thread at 8 warps), which keeps
-    the grid >= ~128 programs at DLRM shapes (M >= 2048). The CPU interpreter pays ~5 ms per program and
-    almost nothing per element, so there we use tall tiles (BLOCK_M >= 128) to keep grids tiny.
+    Tiles of up to 128 columns and ~4096 elements (at least 32 rows), 4 warps: on an H200 at M=16384,
+    N=512 this ran the backward kernel at ~3.1 TB/s (fp32) / ~2.1 TB/s (bf16), where 256-wide tiles with 8
+    warps ran bf16 at ~1.1 TB/s; the forward was the same for both. The CPU interpreter pays ~5 ms per
+    program and almost nothing per element, so there we use tall tiles (BLOCK_M >= 128) to keep grids tiny.
     """
-    block_n = min(max(triton.next_power_of_2(n), 16), 256)
-    block_m = min(max(4096 // block_n, 16), 256)
+    block_n = min(max(triton.next_power_of_2(n), 16), 128)
+    block_m = min(max(4096 // block_n, 32), 256)
     if _interpreting():
         block_m = max(block_m, 128)
-    num_warps = 8 if block_m * block_n >= 4096 else 4
+    num_warps = 4
     return block_m, block_n, num_warps
 
 
@@ -354,10 +363,24 @@ def bias_act_ref(x: Tensor, bias: Tensor, activation: str) -> Tensor:
 
 
 def _bias_act_bwd_ref(dy: Tensor, x: Tensor, b: Tensor, activation: str) -> tuple[Tensor, Tensor]:
-    """Backward of ``bias_act_ref`` in plain PyTorch (fp32 math): the CPU fallback of the backward op."""
-    with torch.enable_grad():
-        z = (x.float() + b.float()).detach().requires_grad_(True)
-        (dz,) = torch.autograd.grad(_act_ref(z, activation), z, dy.float())
+    """Backward of ``bias_act_ref`` in plain PyTorch (fp32 math): the CPU fallback of the backward op.
+
+    Analytic, not torch.autograd.grad: inside a custom op's implementation autograd does not record.
+    """
+    z = x.float() + b.float()
+    if activation == "identity":
+        g = torch.ones_like(z)
+    elif activation == "relu":
+        g = (z > 0).float()
+    elif activation == "sigmoid":
+        s = torch.sigmoid(z)
+        g = s * (1.0 - s)
+    elif activation == "gelu_tanh":
+        t = torch.tanh(_SQRT_2_OVER_PI * (z + _GELU_C * z**3))
+        g = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * z * z)
+    else:
+        raise ValueError(f"bias_act: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+    dz = dy.float() * g
     return dz.to(x.dtype), dz.sum(dim=0).to(b.dtype)
 
 

@@ -1,7 +1,8 @@
 """Tests for kernels/bias_act.py: fused y = act(x + b), forward and backward.
 
 On CPU (no CUDA) conftest sets TRITON_INTERPRET=1, so the fp32 tests run the Triton kernels in the
-interpreter; bf16/fp16 and the DLRM-shape tests are GPU-only.
+interpreter; on a GPU machine the same tests run them on DEVICE = "cuda". bf16/fp16 and the DLRM-shape
+tests are GPU-only.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import kernels.bias_act as bias_act_mod
 from kernels.bias_act import ACTIVATIONS, bias_act, bias_act_bwd, bias_act_fwd, bias_act_ref
 from tests.tolerances import tol
 
+# Where the Triton kernels run: the GPU when there is one, else the CPU interpreter (see conftest).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(1, 1), (3, 7), (127, 65), (130, 513), (257, 16)]
 GPU_DTYPES = [torch.bfloat16, torch.float16]
 
@@ -55,7 +58,7 @@ def _check_fwd_bwd(m: int, n: int, activation: str, dtype: torch.dtype, device: 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_fwd_bwd_fp32(shape, activation):
-    _check_fwd_bwd(*shape, activation, torch.float32, "cpu")
+    _check_fwd_bwd(*shape, activation, torch.float32, DEVICE)
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu_tanh"])
@@ -63,12 +66,12 @@ def test_fwd_bwd_fp32(shape, activation):
 def test_kernels_write_every_element(shape, activation):
     """Poison the output buffers with NaN: every element must be overwritten by the kernels."""
     m, n = shape
-    x, b, dy = _inputs(m, n, torch.float32, seed=1)
-    y = torch.full((m, n), float("nan"))
+    x, b, dy = _inputs(m, n, torch.float32, DEVICE, seed=1)
+    y = torch.full((m, n), float("nan"), device=DEVICE)
     assert bias_act_fwd(x, b, activation, out=y) is y
     torch.testing.assert_close(y, bias_act_ref(x, b, activation), **tol(torch.float32, "fwd"))
 
-    dx = torch.full((m, n), float("nan"))
+    dx = torch.full((m, n), float("nan"), device=DEVICE)
     dx_ret, db = bias_act_bwd(dy, x, b, activation, dx_out=dx)
     assert dx_ret is dx
     x32 = x.clone().requires_grad_(True)
@@ -80,9 +83,9 @@ def test_kernels_write_every_element(shape, activation):
 
 def test_noncontiguous_inputs():
     """Transposed x and an expanded (stride-0) upstream gradient, as from y.sum().backward()."""
-    x, b, _ = _inputs(65, 127, torch.float32, seed=2)
+    x, b, _ = _inputs(65, 127, torch.float32, DEVICE, seed=2)
     xt = x.t().requires_grad_(True)  # [127, 65], column-major
-    bt = torch.randn(65, generator=torch.Generator().manual_seed(3)).requires_grad_(True)
+    bt = torch.randn(65, generator=torch.Generator().manual_seed(3)).to(DEVICE).requires_grad_(True)
     bias_act(xt, bt, "sigmoid").sum().backward()
     x32 = xt.detach().clone().requires_grad_(True)
     b32 = bt.detach().clone().requires_grad_(True)
@@ -95,10 +98,10 @@ def test_noncontiguous_inputs():
 def test_matches_linear_with_bias(activation):
     """bias_act(F.linear(x, W), b) == act(F.linear(x, W, b)), values and grads of x, W, b."""
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(37, 24, generator=g, requires_grad=True)
-    w = torch.randn(19, 24, generator=g, requires_grad=True)
-    b = torch.randn(19, generator=g, requires_grad=True)
-    dy = torch.randn(37, 19, generator=g)
+    x, w, b, dy = (
+        torch.randn(*shape, generator=g).to(DEVICE) for shape in ((37, 24), (19, 24), (19,), (37, 19))
+    )
+    x, w, b = (t.requires_grad_(True) for t in (x, w, b))
     act = {"identity": lambda z: z, "relu": torch.relu, "sigmoid": torch.sigmoid}.get(
         activation, lambda z: F.gelu(z, approximate="tanh")
     )
@@ -170,7 +173,7 @@ def test_invalid_buffers_raise_value_error():
 
 def test_opcheck():
     """Schema, fake (meta) kernel, autograd registration and AOT dispatch of dlrm::bias_act."""
-    x, b, _ = _inputs(5, 11, torch.float32, seed=6)
+    x, b, _ = _inputs(5, 11, torch.float32, DEVICE, seed=6)
     torch.library.opcheck(torch.ops.dlrm.bias_act.default, (x.requires_grad_(True), b, "gelu_tanh"))
 
 
@@ -189,10 +192,10 @@ def test_torch_compile_fullgraph():
         return bias_act(F.linear(x, w), b, "gelu_tanh")
 
     g = torch.Generator().manual_seed(8)
-    x = torch.randn(33, 24, generator=g, requires_grad=True)
-    w = torch.randn(17, 24, generator=g, requires_grad=True)
-    b = torch.randn(17, generator=g, requires_grad=True)
-    dy = torch.randn(33, 17, generator=g)
+    x, w, b, dy = (
+        torch.randn(*shape, generator=g).to(DEVICE) for shape in ((33, 24), (17, 24), (17,), (33, 17))
+    )
+    x, w, b = (t.requires_grad_(True) for t in (x, w, b))
 
     t0 = time.perf_counter()
     compiled = torch.compile(f, fullgraph=True)
