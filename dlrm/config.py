@@ -132,7 +132,9 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
             raise ValueError(f"{key}: expected a string, got {value!r}")
         return value
     if annotation == tuple[int, ...]:
-        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        if not isinstance(value, list | tuple) or any(
+            isinstance(v, bool) or not isinstance(v, int) for v in value
+        ):
             raise ValueError(f"{key}: expected a list of integers, got {value!r}")
         return tuple(value)
     if annotation in (int | None, float | None, tuple[int, ...] | None):

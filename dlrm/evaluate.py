@@ -16,10 +16,20 @@ from dlrm.train import resolve_device
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--checkpoint", "checkpoint_path", type=click.Path(path_type=Path), required=True,
-              help="checkpoints/best.pt or last.pt of a run.")
-@click.option("--data", "data_dir", type=click.Path(path_type=Path), required=True,
-              help="Preprocessed data directory (with metadata.json).")
+@click.option(
+    "--checkpoint",
+    "checkpoint_path",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="checkpoints/best.pt or last.pt of a run.",
+)
+@click.option(
+    "--data",
+    "data_dir",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Preprocessed data directory (with metadata.json).",
+)
 @click.option("--split", default="eval", help="Split subdirectory to evaluate.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=4096)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
@@ -33,7 +43,7 @@ def main(checkpoint_path, data_dir, split, batch_size, device):
         loader = BatchLoader(open_split(data_dir, split), batch_size, device=dev)
         with torch.no_grad():
             result = evaluate(model, loader, dev)
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)
     click.echo(json.dumps({"checkpoint": str(checkpoint_path), "split": split, **result}))

@@ -15,7 +15,10 @@ from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trac
 from dlrm.config import ProfilerConfig
 
 
-class _NoProfiler(contextlib.nullcontext):
+class _NoProfiler(contextlib.AbstractContextManager):
+    def __exit__(self, *exc) -> None:
+        return None
+
     def step(self) -> None:
         pass
 

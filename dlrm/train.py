@@ -300,7 +300,7 @@ def main(config_path, use_torch_compile, use_triton, output_dir, max_steps, devi
             if value is not None:
                 overrides[key] = value
         train(replace(cfg, "train", **overrides), output_dir)
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)
 

@@ -20,3 +20,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+SAMPLE_TSV = REPO / "data" / "day_0_head10k.tsv.gz"
+
+
+@pytest.fixture(scope="session")
+def criteo_sample(tmp_path_factory):
+    """The shipped 10,000 real Criteo rows, preprocessed once per test session (8,000 train / 2,000 eval)."""
+    from dlrm.data.preprocess import preprocess
+
+    out = tmp_path_factory.mktemp("criteo") / "sample"
+    preprocess([SAMPLE_TSV], out, eval_fraction=0.2)
+    return out

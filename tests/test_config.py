@@ -27,7 +27,10 @@ def test_main_config_is_the_fb_dlrm_kaggle_architecture():
         ({"modle": {}}, "modle: unknown key"),
         ({"model": {"embeding_dim": 4}}, "model.embeding_dim: unknown key"),
         ({"model": {"embedding_dim": 0, "bottom_mlp": [0]}}, "model.embedding_dim"),
-        ({"model": {"embedding_dim": 8}}, r"model.bottom_mlp: expected a last width equal to model.embedding_dim"),
+        (
+            {"model": {"embedding_dim": 8}},
+            r"model.bottom_mlp: expected a last width equal to model.embedding_dim",
+        ),
         ({"model": {"top_mlp": [64, 2]}}, "model.top_mlp: expected a last width of 1"),
         ({"model": {"hashing": "md5"}}, "model.hashing: expected one of"),
         ({"model": {"table_rows": [10, 10]}}, "model.table_rows"),
@@ -50,7 +53,7 @@ def test_load_config_names_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"bad.json: train.seed"):
         load_config(bad)
     broken = tmp_path / "broken.json"
-    broken.write_text("{\n  \"name\": }")
+    broken.write_text('{\n  "name": }')
     with pytest.raises(ValueError, match=r"broken.json: invalid JSON at line 2"):
         load_config(broken)
     with pytest.raises(ValueError, match="not found"):

@@ -1,0 +1,245 @@
+"""Batch reader for preprocessed Criteo parquet splits: whole batches sliced out of in-memory tensors.
+
+Letters: B batch, N rows of a split; 13 dense features (N_dense) and 26 sparse features (F).
+
+    dataset = open_split("data/criteo_sample", "train")      # ParquetDataset, N rows in memory
+    loader = BatchLoader(dataset, batch_size=128, shuffle=True, device=torch.device("cuda"))
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:                                     # Batch(dense, sparse, label) on the device
+            ...
+
+The split is read once with pyarrow into column tensors (the shipped sample is small); each batch is one
+slice (or one index_select when shuffling) of those tensors, not B per-row lookups and a collate.
+Dense counts are transformed once at load by log(1 + max(x, 0)), the FB-DLRM / TorchRec convention.
+Two parquet layouts are accepted: ours (`label`, `I1..I13`, `C1..C26`, written by dlrm.data.preprocess)
+and the lecture notebook's (`labels`, `DENSE_0..12`, `SPARSE_0..25`).
+"""
+
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from torch import Tensor
+
+from dlrm.data.preprocess import load_metadata
+from dlrm.data.schema import (
+    DENSE_COLUMNS,
+    LABEL,
+    LECTURE_DENSE_COLUMNS,
+    LECTURE_LABEL,
+    LECTURE_SPARSE_COLUMNS,
+    MISSING_CATEGORY,
+    SPARSE_COLUMNS,
+)
+
+# (label, dense, sparse) column names of each accepted parquet layout.
+_LAYOUTS = (
+    (LABEL, DENSE_COLUMNS, SPARSE_COLUMNS),
+    (LECTURE_LABEL, LECTURE_DENSE_COLUMNS, LECTURE_SPARSE_COLUMNS),
+)
+_LAYOUT_NAMES = "label, I1..I13, C1..C26 or labels, DENSE_0..12, SPARSE_0..25"
+
+
+class Batch(NamedTuple):
+    """One mini-batch.
+
+    dense: [B, 13] float32, log(1 + max(count, 0)).
+    sparse: [B, 26] int64, raw category ids (-1 = missing); hashing into tables is the model's job.
+    label: [B] float32, 0 or 1.
+    """
+
+    dense: Tensor
+    sparse: Tensor
+    label: Tensor
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        """The batch on `device` (the same tensors where they are already there)."""
+        return Batch(*(t.to(device, non_blocking=non_blocking) for t in self))
+
+    def pin_memory(self) -> "Batch":
+        """The batch copied into page-locked host memory, for asynchronous copies to the GPU (needs CUDA)."""
+        return Batch(*(t.pin_memory() for t in self))
+
+
+class ParquetDataset:
+    """All rows of a preprocessed split, held in memory as tensors.
+
+    Args:
+        source: a split directory of *.parquet files (e.g. data/criteo_sample/train), read in name order,
+            or a list of parquet files, read in the given order.
+    Attributes:
+        files: the parquet files read.
+        dense: [N, 13] float32, log(1 + max(count, 0)); missing counts are 0.
+        sparse: [N, 26] int64 raw category ids, -1 = missing.
+        label: [N] float32, 0 or 1.
+    Raises:
+        FileNotFoundError: the directory holds no parquet file, or a listed file does not exist.
+        ValueError: a file lacks columns of both accepted layouts (the message names the file and the
+            missing columns), or a column has a non-numeric type.
+    """
+
+    def __init__(self, source: Path | str | Sequence[Path | str]) -> None:
+        if isinstance(source, str | Path):
+            directory = Path(source)
+            files = sorted(directory.glob("*.parquet"))
+            if not files:
+                raise FileNotFoundError(
+                    f"no *.parquet files in {directory}: run python -m dlrm.data.preprocess"
+                )
+        else:
+            files = [Path(f) for f in source]
+            if not files:
+                raise ValueError("no parquet files given")
+        self.files = files
+        parts = [_read_file(f) for f in files]
+        self.label = torch.from_numpy(np.concatenate([p[0] for p in parts]))
+        dense = torch.from_numpy(np.concatenate([p[1] for p in parts]))
+        self.dense = torch.log1p(dense.clamp_min(0))
+        self.sparse = torch.from_numpy(np.concatenate([p[2] for p in parts]))
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.label)
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def batch(self, index: slice | Tensor) -> Batch:
+        """Rows `index` (a slice, giving views of the dataset's tensors, or [B] int64 row indices)."""
+        if isinstance(index, slice):
+            return Batch(self.dense[index], self.sparse[index], self.label[index])
+        return Batch(self.dense.index_select(0, index), self.sparse.index_select(0, index), self.label[index])
+
+    def __repr__(self) -> str:
+        return f"ParquetDataset({self.num_rows} rows from {len(self.files)} file(s))"
+
+
+def _read_file(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(label [n] float32, dense [n, 13] float32 raw counts, sparse [n, 26] int64) of one parquet file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such parquet file")
+    schema = pq.read_schema(path)
+    names = set(schema.names)
+    missing_per_layout = [[c for c in (lab, *den, *spa) if c not in names] for lab, den, spa in _LAYOUTS]
+    # Name the columns missing from the layout the file comes closest to.
+    best = min(range(len(_LAYOUTS)), key=lambda i: len(missing_per_layout[i]))
+    if missing_per_layout[best]:
+        missing = ", ".join(missing_per_layout[best])
+        raise ValueError(f"{path}: missing columns {missing} (expected {_LAYOUT_NAMES})")
+    label, dense, sparse = _LAYOUTS[best]
+    for column in (label, *dense):
+        if not _is_numeric(schema.field(column).type):
+            raise ValueError(
+                f"{path}: column {column} has type {schema.field(column).type}, expected a number"
+            )
+    for column in sparse:
+        if not pa.types.is_integer(schema.field(column).type):
+            raise ValueError(
+                f"{path}: column {column} has type {schema.field(column).type}, expected integers"
+            )
+
+    table = pq.read_table(path, columns=[label, *dense, *sparse])
+
+    def column(name: str, dtype: pa.DataType, fill: int) -> np.ndarray:
+        # Unsafe cast: large counts may round to float32, as they do in preprocess.
+        values = pc.cast(table.column(name), dtype, safe=pa.types.is_integer(dtype))
+        return pc.fill_null(values, fill).to_numpy()
+
+    return (
+        column(label, pa.float32(), 0),
+        np.stack([column(c, pa.float32(), 0) for c in dense], axis=1),
+        np.stack([column(c, pa.int64(), MISSING_CATEGORY) for c in sparse], axis=1),
+    )
+
+
+def _is_numeric(dtype: pa.DataType) -> bool:
+    return pa.types.is_integer(dtype) or pa.types.is_floating(dtype) or pa.types.is_boolean(dtype)
+
+
+def open_split(data_dir: Path | str, split: str) -> ParquetDataset:
+    """The `split` ("train" or "eval") of a preprocessed data directory.
+
+    Uses the shard list of `data_dir`/metadata.json when there is one, else `data_dir`/`split`/*.parquet.
+    Raises:
+        FileNotFoundError: no parquet files for the split.
+        ValueError: metadata.json lists no such split, or the split is empty.
+    """
+    data_dir = Path(data_dir)
+    if not (data_dir / "metadata.json").is_file():
+        return ParquetDataset(data_dir / split)
+    files = load_metadata(data_dir)["files"]
+    if split not in files:
+        raise ValueError(f"{data_dir}/metadata.json has no split {split!r} (it has {', '.join(files)})")
+    if not files[split]:
+        raise ValueError(f"split {split!r} of {data_dir} is empty (preprocessed with --eval-fraction 0?)")
+    return ParquetDataset([data_dir / f for f in files[split]])
+
+
+class BatchLoader:
+    """Iterates a dataset in mini-batches of `batch_size` rows, as `Batch`es on `device`.
+
+    Args:
+        dataset: the rows (a ParquetDataset).
+        batch_size: rows per batch (B); the last batch is smaller unless `drop_last`.
+        shuffle: visit rows in a random order that depends only on `seed` + the epoch (see `set_epoch`).
+        seed: base seed of the shuffle.
+        drop_last: leave out the last batch if it has fewer than `batch_size` rows.
+        device: where batches are delivered. For CUDA each batch is pinned and copied non-blocking.
+    Without shuffling on the CPU, batches are views of the dataset's tensors: do not modify them in place.
+    Raises:
+        ValueError: batch_size < 1.
+    """
+
+    def __init__(
+        self,
+        dataset: ParquetDataset,
+        batch_size: int,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.device = torch.device(device)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the shuffle order of `epoch` (the generator is seeded with seed + epoch)."""
+        self.epoch = epoch
+
+    @property
+    def num_rows(self) -> int:
+        return self.dataset.num_rows
+
+    def __len__(self) -> int:
+        """Number of batches per epoch."""
+        if self.drop_last:
+            return self.num_rows // self.batch_size
+        return math.ceil(self.num_rows / self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        order = None
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_rows, generator=generator)
+        # Pinned host memory lets the host-to-device copy run asynchronously; only CUDA has it.
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            stop = start + self.batch_size
+            batch = self.dataset.batch(slice(start, stop) if order is None else order[start:stop])
+            if pin:
+                batch = batch.pin_memory()
+            yield batch.to(self.device, non_blocking=pin)

@@ -1,0 +1,125 @@
+"""End-to-end training on real Criteo rows: run outputs, backends agree, CLI errors."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from dlrm import evaluate as evaluate_cli
+from dlrm import train as train_cli
+from dlrm.config import load_config, replace
+from tests.conftest import REPO
+
+TINY = REPO / "configs" / "tiny.json"
+
+
+def _tiny(data_dir, **train):
+    cfg = load_config(TINY)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(data_dir)))
+    return replace(cfg, "train", device="cpu", **train)
+
+
+def _losses(run_dir) -> list[float]:
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    return [e.value for e in events.Scalars("train/loss")]
+
+
+def test_tiny_run_writes_events_trace_checkpoints_and_metrics(criteo_sample, tmp_path):
+    run = tmp_path / "run"
+    metrics = train_cli.train(_tiny(criteo_sample), run)
+    on_disk = json.loads((run / "metrics.json").read_text())
+    assert on_disk == metrics
+    expected = {
+        "steps",
+        "samples",
+        "train_loss",
+        "eval_auc",
+        "eval_logloss",
+        "samples_per_s",
+        "wall_s",
+        "backend",
+    }
+    assert expected <= set(metrics)
+    assert metrics["steps"] == 8 and metrics["samples"] == 8 * 256 and metrics["backend"] == "eager"
+    assert 0.0 < metrics["eval_auc"] < 1.0 and metrics["eval_logloss"] > 0
+    assert json.loads((run / "config.json").read_text())["name"] == "tiny"
+    assert list(run.glob("events.out.tfevents.*"))
+    traces = list(run.glob("*.pt.trace.json"))
+    assert len(traces) == 1
+    trace_names = {e.get("name") for e in json.loads(traces[0].read_text())["traceEvents"]}
+    for stage in (
+        "data",
+        "embedding",
+        "bottom_mlp",
+        "interaction",
+        "top_mlp",
+        "loss",
+        "backward",
+        "optimizer",
+    ):
+        assert stage in trace_names, stage
+    events = EventAccumulator(str(run))
+    events.Reload()
+    for tag in ("train/loss", "eval/auc", "eval/logloss", "perf/samples_per_s", "lr"):
+        assert tag in events.Tags()["scalars"], tag
+    state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
+    assert state["step"] == 8 and "optimizer" in state
+
+    result = CliRunner().invoke(
+        evaluate_cli.main,
+        ["--checkpoint", str(run / "checkpoints" / "best.pt"), "--data", str(criteo_sample)],
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["auc"] == pytest.approx(metrics["eval_auc"], abs=1e-6)
+
+
+def test_backends_give_the_same_loss_curve(criteo_sample, tmp_path):
+    curves = {}
+    for name, flags in {
+        "eager": {},
+        "compile": {"use_torch_compile": True},
+        "triton": {"use_triton": True},
+    }.items():
+        cfg = _tiny(criteo_sample, log_interval=1, max_steps=6, **flags)
+        train_cli.train(
+            dataclasses.replace(cfg, profiler=dataclasses.replace(cfg.profiler, enabled=False)),
+            tmp_path / name,
+        )
+        curves[name] = _losses(tmp_path / name)
+    assert len(curves["eager"]) == 5  # steps 2..6; step 1 (compile) is reported apart
+    for name in ("compile", "triton"):
+        torch.testing.assert_close(curves[name], curves["eager"], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_adagrad_and_vocab_hashing_train(criteo_sample, tmp_path):
+    cfg = _tiny(criteo_sample, optimizer="adagrad", lr=0.05)
+    cfg = replace(cfg, "model", hashing="vocab")
+    metrics = train_cli.train(cfg, tmp_path / "run")
+    assert metrics["steps"] == 8 and 0.0 < metrics["eval_auc"] < 1.0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--config", "missing.json"], "missing.json: config file not found"),
+        (["--config", str(TINY), "--max-steps", "0"], "--max-steps"),
+    ],
+)
+def test_cli_errors(args, message):
+    result = CliRunner().invoke(train_cli.main, args)
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_cli_reports_missing_data_dir(tmp_path):
+    config = tmp_path / "c.json"
+    raw = json.loads(TINY.read_text())
+    raw["data"]["path"] = str(tmp_path / "nowhere")
+    config.write_text(json.dumps(raw))
+    result = CliRunner().invoke(train_cli.main, ["--config", str(config), "--device", "cpu"])
+    assert result.exit_code == 2
+    assert "nowhere" in result.output and "metadata.json" in result.output
