@@ -185,8 +185,9 @@ def _bias_act_bwd_kernel(
 # --------------------------------------------------------------------------------------------------
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Whether the kernels above were decorated for the interpreter: Triton reads TRITON_INTERPRET at decoration
+# time, so a later change of the variable does not change how they run.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _pick_config(n: int) -> tuple[int, int, int]:
@@ -199,7 +200,7 @@ def _pick_config(n: int) -> tuple[int, int, int]:
     """
     block_n = min(max(triton.next_power_of_2(n), 16), 128)
     block_m = min(max(4096 // block_n, 32), 256)
-    if _interpreting():
+    if _INTERPRETED:
         block_m = max(block_m, 128)
     num_warps = 4
     return block_m, block_n, num_warps
@@ -386,7 +387,7 @@ def _bias_act_bwd_ref(dy: Tensor, x: Tensor, b: Tensor, activation: str) -> tupl
 
 def _use_triton(x: Tensor) -> bool:
     """Triton runs on CUDA tensors, and on CPU tensors only in the interpreter (TRITON_INTERPRET=1)."""
-    return x.device.type == "cuda" or (x.device.type == "cpu" and _interpreting())
+    return x.device.type == "cuda" or (x.device.type == "cpu" and _INTERPRETED)
 
 
 # --------------------------------------------------------------------------------------------------

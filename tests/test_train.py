@@ -19,7 +19,7 @@ TINY = REPO / "configs" / "tiny.json"
 def _tiny(data_dir, **train):
     cfg = load_config(TINY)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(data_dir)))
-    return replace(cfg, "train", device="cpu", **train)
+    return replace(cfg, "train", **train)  # device auto: CPU in CI, CUDA on a GPU machine
 
 
 def _losses(run_dir) -> list[float]:
