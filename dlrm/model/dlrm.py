@@ -73,6 +73,8 @@ class SparseArch(nn.Module):
             raise ValueError(f"expected {NUM_SPARSE} table sizes, got {table_rows!r}")
         self.hashing = hashing
         self.table_rows = list(table_rows)
+        # A buffer, so hashing does not copy the sizes to the device every step.
+        self.register_buffer("rows", torch.tensor(self.table_rows), persistent=False)
         self.embeddings = nn.ModuleList(nn.Embedding(rows, embedding_dim, sparse=True) for rows in table_rows)
         for table in self.embeddings:
             bound = (1.0 / table.num_embeddings) ** 0.5  # FB-DLRM: U(-sqrt(1/rows), sqrt(1/rows))
@@ -81,8 +83,7 @@ class SparseArch(nn.Module):
     def hash_ids(self, sparse: torch.Tensor) -> torch.Tensor:
         """Raw ids [B, F] int64 -> row indices [B, F] int64, one column per table."""
         if self.hashing == "modulus":
-            rows = torch.tensor(self.table_rows, device=sparse.device)
-            return torch.remainder(sparse + 1, rows)
+            return torch.remainder(sparse + 1, self.rows)
         columns = []
         for f in range(NUM_SPARSE):
             vocab = getattr(self, f"vocab_{f}")
