@@ -15,6 +15,7 @@ DEVICES = ("auto", "cpu", "cuda")
 HASHINGS = ("modulus", "vocab")
 INTERACTIONS = ("dot", "cat")
 OPTIMIZERS = ("sgd", "adagrad")
+TRITON_MLP_KERNELS = ("linear_act", "bias_act")
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,9 @@ class TrainConfig:
 
     `embedding_lr` defaults to `lr`. `eval_interval` (steps) of null evaluates at each epoch's end only.
     `patience`: stop after this many evaluations without a better eval AUC (null: never stop early).
-    `use_torch_compile` compiles the dense part with Inductor; `use_triton` runs MLP bias + activation
-    through our Triton kernel. Both may be set.
+    `use_torch_compile` compiles the dense part with Inductor; `use_triton` runs the MLP layers on our Triton
+    kernels: `triton_mlp_kernel` "linear_act" (GEMM + bias + activation fused) or "bias_act" (cuBLAS GEMM,
+    then fused bias + activation). Both flags may be set.
     """
 
     optimizer: str = "sgd"
@@ -76,6 +78,7 @@ class TrainConfig:
     device: str = "auto"
     use_torch_compile: bool = False
     use_triton: bool = False
+    triton_mlp_kernel: str = "linear_act"
 
 
 @dataclass(frozen=True)
@@ -101,13 +104,18 @@ class RunConfig:
 
     @property
     def backend(self) -> str:
-        """ "eager", "compile", "triton" or "triton+compile"."""
+        """Backend name: eager, compile, triton or triton+compile."""
         parts = [
             name
             for name, on in (("triton", self.train.use_triton), ("compile", self.train.use_torch_compile))
             if on
         ]
         return "+".join(parts) or "eager"
+
+    @property
+    def mlp_kernel(self) -> str:
+        """How the model's MLP layers run (dlrm.model.mlp.MLP_KERNELS)."""
+        return self.train.triton_mlp_kernel if self.train.use_triton else "torch"
 
 
 _SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "profiler": ProfilerConfig}
@@ -209,6 +217,12 @@ def validate(cfg: RunConfig) -> RunConfig:
             _require(value > 0, key, "a positive integer or null", value)
     _require(t.log_interval > 0, "train.log_interval", "a positive integer", t.log_interval)
     _require(t.device in DEVICES, "train.device", f"one of {DEVICES}", t.device)
+    _require(
+        t.triton_mlp_kernel in TRITON_MLP_KERNELS,
+        "train.triton_mlp_kernel",
+        f"one of {TRITON_MLP_KERNELS}",
+        t.triton_mlp_kernel,
+    )
     for key, value in (("profiler.wait", p.wait), ("profiler.warmup", p.warmup)):
         _require(value >= 0, key, "an integer >= 0", value)
     _require(p.active > 0, "profiler.active", "a positive integer", p.active)

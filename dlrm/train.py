@@ -84,7 +84,7 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
     data_dir = Path(cfg.data.path)
     metadata = load_metadata(data_dir)
     train_set, eval_set = open_split(data_dir, "train"), open_split(data_dir, "eval")
-    model = build_model(cfg.model, metadata, train_set.sparse, use_triton=t.use_triton).to(device)
+    model = build_model(cfg.model, metadata, train_set.sparse, mlp_kernel=cfg.mlp_kernel).to(device)
     optimizer = make_optimizer(model, cfg)
     if t.use_torch_compile:
         compile_dense_part(model)
@@ -243,6 +243,7 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
         "first_step_s": first_step_s,
         "wall_s": wall_s,
         "backend": cfg.backend,
+        "mlp_kernel": cfg.mlp_kernel,
         "device": str(device),
     }
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
@@ -271,8 +272,15 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
 @click.option(
     "--use-triton",
     is_flag=True,
-    help="MLP bias + activation through our Triton kernels (forward and backward). "
+    help="MLP layers on our Triton kernels (forward and backward). "
     "On CPU they run in the Triton interpreter: correct but slow, meant for tests.",
+)
+@click.option(
+    "--triton-mlp-kernel",
+    type=click.Choice(["linear_act", "bias_act"]),
+    default=None,
+    help="With --use-triton: fused GEMM+bias+activation (linear_act) or cuBLAS GEMM + fused bias+activation "
+    "(bias_act). Overrides train.triton_mlp_kernel.",
 )
 @click.option(
     "--output-dir",
@@ -288,7 +296,7 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
     help="Overrides train.device from the config.",
 )
 @click.option("--seed", type=int, default=None, help="Overrides train.seed from the config.")
-def main(config_path, use_torch_compile, use_triton, output_dir, max_steps, device, seed):
+def main(config_path, use_torch_compile, use_triton, triton_mlp_kernel, output_dir, max_steps, device, seed):
     """Train a DLRM on preprocessed Criteo data, then `tensorboard --logdir runs`."""
     try:
         cfg = load_config(config_path)
@@ -296,7 +304,12 @@ def main(config_path, use_torch_compile, use_triton, output_dir, max_steps, devi
             "use_torch_compile": use_torch_compile or cfg.train.use_torch_compile,
             "use_triton": use_triton or cfg.train.use_triton,
         }
-        for key, value in (("max_steps", max_steps), ("device", device), ("seed", seed)):
+        for key, value in (
+            ("triton_mlp_kernel", triton_mlp_kernel),
+            ("max_steps", max_steps),
+            ("device", device),
+            ("seed", seed),
+        ):
             if value is not None:
                 overrides[key] = value
         train(replace(cfg, "train", **overrides), output_dir)

@@ -30,6 +30,7 @@ FLAGS = {
     "eager": {},
     "compile": {"use_torch_compile": True},
     "triton": {"use_triton": True},
+    "triton_bias_act": {"use_triton": True, "triton_mlp_kernel": "bias_act"},
     "triton+compile": {"use_triton": True, "use_torch_compile": True},
 }
 

@@ -83,6 +83,7 @@ def test_backends_give_the_same_loss_curve(criteo_sample, tmp_path):
         "eager": {},
         "compile": {"use_torch_compile": True},
         "triton": {"use_triton": True},
+        "triton_bias_act": {"use_triton": True, "triton_mlp_kernel": "bias_act"},
     }.items():
         cfg = _tiny(criteo_sample, log_interval=1, max_steps=6, **flags)
         train_cli.train(
@@ -91,7 +92,7 @@ def test_backends_give_the_same_loss_curve(criteo_sample, tmp_path):
         )
         curves[name] = _losses(tmp_path / name)
     assert len(curves["eager"]) == 5  # steps 2..6; step 1 (compile) is reported apart
-    for name in ("compile", "triton"):
+    for name in ("compile", "triton", "triton_bias_act"):
         torch.testing.assert_close(curves[name], curves["eager"], rtol=1e-4, atol=1e-5, msg=name)
 
 

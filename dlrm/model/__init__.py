@@ -8,7 +8,7 @@ from dlrm.model.tables import build_vocabularies, resolve_table_rows
 
 
 def build_model(
-    cfg: ModelConfig, metadata: dict, train_sparse: torch.Tensor, use_triton: bool = False
+    cfg: ModelConfig, metadata: dict, train_sparse: torch.Tensor, mlp_kernel: str = "torch"
 ) -> DLRM:
     """A freshly initialized DLRM sized from the config and the training data.
 
@@ -16,22 +16,22 @@ def build_model(
         cfg: model section of the run config.
         metadata: preprocess metadata.json (cardinalities for modulus hashing without `table_rows`).
         train_sparse: [rows, F] int64 raw train ids (vocabularies for vocab hashing).
-        use_triton: MLP bias + activation through our Triton kernel.
+        mlp_kernel: how MLP layers run: "torch", "bias_act" or "linear_act" (dlrm.model.mlp).
     """
     if cfg.hashing == "vocab":
-        return DLRM(cfg, vocabularies=build_vocabularies(train_sparse, cfg.max_rows), use_triton=use_triton)
-    return DLRM(cfg, table_rows=resolve_table_rows(cfg, metadata), use_triton=use_triton)
+        return DLRM(cfg, vocabularies=build_vocabularies(train_sparse, cfg.max_rows), mlp_kernel=mlp_kernel)
+    return DLRM(cfg, table_rows=resolve_table_rows(cfg, metadata), mlp_kernel=mlp_kernel)
 
 
 def model_from_checkpoint(
-    cfg: ModelConfig, table_rows: list[int], state: dict, use_triton: bool = False
+    cfg: ModelConfig, table_rows: list[int], state: dict, mlp_kernel: str = "torch"
 ) -> DLRM:
     """Rebuild a DLRM with the table layout stored in a checkpoint and load its weights."""
     if cfg.hashing == "vocab":
         placeholders = [torch.empty(rows - 1, dtype=torch.int64) for rows in table_rows]
-        model = DLRM(cfg, vocabularies=placeholders, use_triton=use_triton)
+        model = DLRM(cfg, vocabularies=placeholders, mlp_kernel=mlp_kernel)
     else:
-        model = DLRM(cfg, table_rows=table_rows, use_triton=use_triton)
+        model = DLRM(cfg, table_rows=table_rows, mlp_kernel=mlp_kernel)
     model.load_state_dict(state)
     return model
 

@@ -25,9 +25,9 @@ from dlrm.model.mlp import MLP
 class DenseArch(nn.Module):
     """Bottom MLP over the dense features, ReLU after every layer: [B, N_dense] f32 -> [B, D]."""
 
-    def __init__(self, widths: tuple[int, ...], use_triton: bool = False):
+    def __init__(self, widths: tuple[int, ...], mlp_kernel: str = "torch"):
         super().__init__()
-        self.mlp = MLP(NUM_DENSE, widths, "relu", "relu", use_triton)
+        self.mlp = MLP(NUM_DENSE, widths, "relu", "relu", mlp_kernel)
 
     def forward(self, dense: torch.Tensor) -> torch.Tensor:
         return self.mlp(dense)
@@ -132,9 +132,9 @@ class InteractionArch(nn.Module):
 class OverArch(nn.Module):
     """Top MLP, ReLU between layers and none after the last: [B, interaction width] -> logit [B]."""
 
-    def __init__(self, in_features: int, widths: tuple[int, ...], use_triton: bool = False):
+    def __init__(self, in_features: int, widths: tuple[int, ...], mlp_kernel: str = "torch"):
         super().__init__()
-        self.mlp = MLP(in_features, widths, "relu", "identity", use_triton)
+        self.mlp = MLP(in_features, widths, "relu", "identity", mlp_kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(x).squeeze(1)
@@ -147,7 +147,7 @@ class DLRM(nn.Module):
         cfg: the model section of the run config.
         table_rows: rows per table (F ints), already resolved from config/metadata and capped.
         vocabularies: F sorted id tensors when cfg.hashing == "vocab".
-        use_triton: MLP bias + activation through our Triton kernel.
+        mlp_kernel: how MLP layers run: "torch", "bias_act" or "linear_act" (dlrm.model.mlp).
     """
 
     def __init__(
@@ -155,13 +155,13 @@ class DLRM(nn.Module):
         cfg: ModelConfig,
         table_rows: list[int] | None = None,
         vocabularies: list[torch.Tensor] | None = None,
-        use_triton: bool = False,
+        mlp_kernel: str = "torch",
     ):
         super().__init__()
-        self.dense_arch = DenseArch(cfg.bottom_mlp, use_triton)
+        self.dense_arch = DenseArch(cfg.bottom_mlp, mlp_kernel)
         self.sparse_arch = SparseArch(cfg.embedding_dim, table_rows, cfg.hashing, vocabularies)
         self.interaction_arch = InteractionArch(cfg.embedding_dim, cfg.interaction)
-        self.over_arch = OverArch(self.interaction_arch.out_features, cfg.top_mlp, use_triton)
+        self.over_arch = OverArch(self.interaction_arch.out_features, cfg.top_mlp, mlp_kernel)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         with record_function("embedding"):

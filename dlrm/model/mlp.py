@@ -1,15 +1,20 @@
 """Multi-layer perceptron used for the bottom MLP (DenseArch) and top MLP (OverArch).
 
 Every layer is y = act(x @ W^T + b), x: [B, K] -> y: [B, N]. The parameters live in nn.Linear layers whatever
-the backend, so the same seed gives the same initial weights and checkpoints move between backends:
-- eager / compile: `F.linear(x, W, b)` then the activation (PyTorch ops; Inductor fuses them under compile);
-- triton: a bias-free `F.linear(x, W)` (cuBLAS) followed by our fused add-bias-activation kernel
-  `kernels.bias_act`, forward and backward.
+the kernel, so the same seed gives the same initial weights and checkpoints move between backends.
+`kernel` picks how a layer runs:
+- "torch": `F.linear(x, W, b)` then the activation (PyTorch ops; Inductor fuses them under compile);
+- "bias_act": a bias-free `F.linear(x, W)` (cuBLAS) followed by our fused add-bias-activation Triton kernel
+  `kernels.bias_act`, forward and backward;
+- "linear_act": the whole layer, GEMM + bias + activation, in our Triton kernel `kernels.linear_act`,
+  forward and backward.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+MLP_KERNELS = ("torch", "bias_act", "linear_act")
 
 _TORCH_ACTIVATIONS = {
     "identity": lambda x: x,
@@ -27,9 +32,9 @@ class MLP(nn.Module):
         widths: output width N of each layer.
         activation: one of "identity", "relu", "sigmoid", "gelu_tanh", applied after all but the last layer.
         last_activation: activation after the last layer.
-        use_triton: run bias + activation through the Triton kernel (see module docstring).
+        kernel: "torch", "bias_act" or "linear_act" (see module docstring).
     Raises:
-        ValueError: unknown activation.
+        ValueError: unknown activation or kernel.
     """
 
     def __init__(
@@ -38,22 +43,31 @@ class MLP(nn.Module):
         widths: tuple[int, ...],
         activation: str = "relu",
         last_activation: str = "relu",
-        use_triton: bool = False,
+        kernel: str = "torch",
     ):
         super().__init__()
         for act in (activation, last_activation):
             if act not in _TORCH_ACTIVATIONS:
                 raise ValueError(f"unknown activation {act!r}: expected one of {tuple(_TORCH_ACTIVATIONS)}")
+        if kernel not in MLP_KERNELS:
+            raise ValueError(f"unknown MLP kernel {kernel!r}: expected one of {MLP_KERNELS}")
         sizes = (in_features, *widths)
         self.layers = nn.ModuleList(nn.Linear(k, n) for k, n in zip(sizes[:-1], sizes[1:], strict=True))
         self.activations = [activation] * (len(widths) - 1) + [last_activation]
-        self.use_triton = use_triton
+        self.kernel = kernel
         for layer in self.layers:
             _init_fb_dlrm(layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, K] float -> [B, widths[-1]]."""
-        if self.use_triton:
+        # Kernels import here, not at module load: TRITON_INTERPRET must be decided before they are decorated.
+        if self.kernel == "linear_act":
+            from kernels.linear_act import linear_act
+
+            for layer, act in zip(self.layers, self.activations, strict=True):
+                x = linear_act(x, layer.weight, layer.bias, act)
+            return x
+        if self.kernel == "bias_act":
             from kernels.bias_act import bias_act
 
             for layer, act in zip(self.layers, self.activations, strict=True):
