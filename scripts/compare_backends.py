@@ -3,7 +3,8 @@
     python scripts/compare_backends.py --config configs/main.json --backends eager,compile,triton
 
 Prints a table (eval AUC / logloss of the best evaluation, final train loss, samples/s excluding the first
-step, first-step seconds including compilation) and appends one row per backend to
+step, first-step seconds including compilation, the largest gap between the backend's logged train loss
+and eager's at the same steps) and appends one row per backend to
 scripts/results/backends.csv with the device name, torch/triton versions and git sha. The ratio column is
 samples/s over the eager run of the same invocation.
 """
@@ -21,6 +22,7 @@ import click
 import torch
 import triton
 from loguru import logger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dlrm.config import load_config, replace
 from dlrm.train import resolve_device, train
@@ -44,13 +46,26 @@ def _git_sha() -> str:
         return "unknown"
 
 
+def _loss_curve(run_dir: Path) -> list[float]:
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    return [e.value for e in events.Scalars("train/loss")]
+
+
 @click.command(context_settings={"show_default": True})
 @click.option("--config", "config_path", type=click.Path(path_type=Path), default=Path("configs/main.json"))
 @click.option("--backends", default="eager,compile,triton,triton+compile", help="Comma-separated backends.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
-def main(config_path, backends, device):
+@click.option("--max-steps", type=click.IntRange(min=2), default=None, help="Overrides train.max_steps.")
+@click.option(
+    "--log-interval", type=click.IntRange(min=1), default=None, help="Overrides train.log_interval."
+)
+def main(config_path, backends, device, max_steps, log_interval):
+    """Train CONFIG once per backend on the same seed; print and record quality, speed and loss-curve gaps."""
     cfg = load_config(config_path)
     cfg = dataclasses.replace(cfg, profiler=dataclasses.replace(cfg.profiler, enabled=False))
+    overrides = {k: v for k, v in (("max_steps", max_steps), ("log_interval", log_interval)) if v is not None}
+    cfg = replace(cfg, "train", device=device, **overrides)
     names = backends.split(",")
     unknown = [n for n in names if n not in FLAGS]
     if unknown:
@@ -59,56 +74,46 @@ def main(config_path, backends, device):
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
-    rows = []
+    keys = ("eval_auc", "eval_logloss", "best_step", "train_loss", "samples_per_s", "first_step_s")
+    rows, curves = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            run_cfg = replace(cfg, "train", device=device, **FLAGS[name])
-            m = train(run_cfg, Path(tmp) / name.replace("+", "_"))
-            rows.append(
-                {
-                    "backend": name,
-                    **{
-                        k: m[k]
-                        for k in (
-                            "eval_auc",
-                            "eval_logloss",
-                            "best_step",
-                            "train_loss",
-                            "samples_per_s",
-                            "first_step_s",
-                        )
-                    },
-                }
-            )
-    eager = next((r["samples_per_s"] for r in rows if r["backend"] == "eager"), None)
-    stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            run_dir = Path(tmp) / name.replace("+", "_")
+            metrics = train(replace(cfg, "train", **FLAGS[name]), run_dir)
+            curves[name] = _loss_curve(run_dir)
+            rows.append({"backend": name, **{k: metrics[k] for k in keys}})
+    eager = next((r for r in rows if r["backend"] == "eager"), None)
+    for r in rows:
+        r["ratio_vs_eager"] = round(r["samples_per_s"] / eager["samples_per_s"], 3) if eager else None
+        gaps = [abs(a - b) for a, b in zip(curves[r["backend"]], curves.get("eager", []), strict=False)]
+        r["max_loss_gap_vs_eager"] = max(gaps) if eager else None
     common = {
-        "date": stamp,
+        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "config": config_path.stem,
         "batch": cfg.data.batch_size,
+        "steps": cfg.train.max_steps,
         "device": device_name,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "git_sha": _git_sha(),
     }
-    print(f"{config_path.name}, batch {cfg.data.batch_size}, seed {cfg.train.seed}, {device_name}")
-    print(
-        f"{'backend':<16}{'eval_auc':>9}{'logloss':>9}{'best_step':>10}{'train_loss':>11}"
-        f"{'samples/s':>11}{'vs eager':>9}{'first_step_s':>13}"
-    )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     new_file = not RESULTS.exists()
     with RESULTS.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*common, *rows[0], "ratio_vs_eager"])
+        writer = csv.DictWriter(f, fieldnames=[*common, *rows[0]])
         if new_file:
             writer.writeheader()
-        for r in rows:
-            ratio = r["samples_per_s"] / eager if eager else float("nan")
-            writer.writerow({**common, **r, "ratio_vs_eager": round(ratio, 3)})
-            print(
-                f"{r['backend']:<16}{r['eval_auc']:>9.4f}{r['eval_logloss']:>9.4f}{r['best_step']:>10}"
-                f"{r['train_loss']:>11.4f}{r['samples_per_s']:>11,.0f}{ratio:>9.2f}{r['first_step_s']:>13.2f}"
-            )
+        writer.writerows({**common, **r} for r in rows)
+    print(f"{config_path.name}, batch {cfg.data.batch_size}, seed {cfg.train.seed}, {device_name}")
+    header = ("backend", "eval_auc", "logloss", "best_step", "train_loss", "samples/s", "vs eager", "first_s",
+              "max loss gap")  # fmt: skip
+    print(f"{header[0]:<16}" + "".join(f"{h:>13}" for h in header[1:]))
+    for r in rows:
+        print(
+            f"{r['backend']:<16}{r['eval_auc']:>13.4f}{r['eval_logloss']:>13.4f}{r['best_step']:>13}"
+            f"{r['train_loss']:>13.4f}{r['samples_per_s']:>13,.0f}{r['ratio_vs_eager'] or 0:>13.2f}"
+            f"{r['first_step_s']:>13.2f}{r['max_loss_gap_vs_eager'] or 0:>13.2e}"
+        )
 
 
 if __name__ == "__main__":

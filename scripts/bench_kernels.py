@@ -1,0 +1,224 @@
+"""Benchmark the MLP layer kernels on a GPU: eager PyTorch, torch.compile, bias_act and linear_act.
+
+    python scripts/bench_kernels.py [--configs kaggle,mlperf] [--batches 2048,16384] [--precisions tf32,bf16]
+
+For every MLP layer of configs/<config>.json (K -> N, its activation) and batch B it times, with CUDA events
+(triton.testing.do_bench, median), the forward and the forward + backward of:
+    eager       act(F.linear(x, W, b))                        PyTorch ops, the baseline
+    compile     torch.compile of that function                Inductor (compile time reported apart)
+    bias_act    bias_act(F.linear(x, W), b, act)              cuBLAS GEMM + our fused bias+activation kernel
+    linear_act  linear_act(x, W, b, act)                      our fused GEMM + bias + activation kernel
+Precisions: tf32 (fp32 tensors, TF32 matmuls allowed for every path) and bf16. Inputs rotate over several
+buffer sets so the L2 cache does not hold them between repeats.
+
+It first measures the two ceilings on this GPU: device-to-device copy bandwidth (bytes read + written) and
+the GEMM rate (8192^3 matmul) per precision, and reports each row's TFLOP/s as a % of that rate. The
+bias_act rows also report GB/s against the copy bandwidth. Every row is appended to
+scripts/results/kernels.csv; the summary (sum over a config's layers, ratio to eager and compile in the
+same run) is printed last.
+"""
+
+import csv
+import os
+import subprocess
+from datetime import UTC, datetime
+from pathlib import Path
+
+import click
+import torch
+import torch.nn.functional as F
+import triton
+from kernels.linear_act import linear_act
+from triton.testing import do_bench
+
+from dlrm.config import load_config
+from dlrm.data.schema import NUM_DENSE
+from dlrm.model.dlrm import InteractionArch
+from kernels.bias_act import bias_act
+
+RESULTS = Path(__file__).parent / "results" / "kernels.csv"
+CONFIG_DIR = Path(__file__).parents[1] / "configs"
+DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
+TORCH_ACT = {"relu": F.relu, "identity": lambda z: z}
+PATHS = ("eager", "compile", "bias_act", "linear_act")
+ROTATE = 4  # input sets cycled through between repeats
+
+
+def mlp_layers(config: str) -> list[tuple[int, int, str]]:
+    """(K, N, activation) of every MLP layer of configs/<config>.json, bottom MLP then top MLP."""
+    model = load_config(CONFIG_DIR / f"{config}.json").model
+    top_in = InteractionArch(model.embedding_dim, model.interaction).out_features
+    layers = []
+    for k, widths, last in ((NUM_DENSE, model.bottom_mlp, "relu"), (top_in, model.top_mlp, "identity")):
+        for i, n in enumerate(widths):
+            layers.append((k, n, last if i == len(widths) - 1 else "relu"))
+            k = n
+    return layers
+
+
+def _git_sha() -> str:
+    try:
+        return (
+            os.environ.get("GIT_SHA")
+            or subprocess.check_output(
+                ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
+            ).strip()
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _median_ms(fn) -> float:
+    return do_bench(fn, warmup=50, rep=200, return_mode="median")
+
+
+def measure_ceilings() -> dict[str, float]:
+    """Copy bandwidth (GB/s, read + write) and GEMM TFLOP/s per precision, measured on this GPU."""
+    src = torch.randn(256 * 2**20, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    ceilings = {"copy_gbps": 2 * src.numel() * 4 / _median_ms(lambda: dst.copy_(src)) / 1e6}
+    n = 8192
+    for name, dtype in DTYPES.items():
+        a, b = torch.randn(n, n, device="cuda", dtype=dtype), torch.randn(n, n, device="cuda", dtype=dtype)
+        ceilings[f"gemm_tflops_{name}"] = 2 * n**3 / _median_ms(lambda a=a, b=b: a @ b) / 1e9
+    return ceilings
+
+
+def _layer_fns(path: str, act: str):
+    """(forward fn(x, W, b), compile seconds) for one path."""
+    if path == "eager":
+        return (lambda x, w, b: TORCH_ACT[act](F.linear(x, w, b))), 0.0
+    if path == "bias_act":
+        return (lambda x, w, b: bias_act(F.linear(x, w), b, act)), 0.0
+    if path == "linear_act":
+        return (lambda x, w, b: linear_act(x, w, b, act)), 0.0
+    return torch.compile(lambda x, w, b: TORCH_ACT[act](F.linear(x, w, b)), dynamic=False), None
+
+
+def bench_layer(path: str, m: int, k: int, n: int, act: str, dtype: torch.dtype) -> dict[str, float]:
+    """Forward and forward+backward median ms of one layer on one path (+ compile seconds for compile)."""
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
+    sets = []
+    for _ in range(ROTATE):
+        x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        w = (torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5).requires_grad_()
+        b = torch.randn(n, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        dy = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
+        sets.append((x, w, b, dy))
+    fn, compile_s = _layer_fns(path, act)
+    if compile_s is None:
+        torch.cuda.synchronize()
+        start = datetime.now()
+        x, w, b, dy = sets[0]
+        fn(x, w, b).backward(dy)
+        with torch.no_grad():
+            fn(x, w, b)
+        torch.cuda.synchronize()
+        compile_s = (datetime.now() - start).total_seconds()
+    i = iter(range(10**9))
+
+    def fwd():
+        x, w, b, _ = sets[next(i) % ROTATE]
+        with torch.no_grad():
+            fn(x, w, b)
+
+    def fwd_bwd():
+        x, w, b, dy = sets[next(i) % ROTATE]
+        fn(x, w, b).backward(dy)
+
+    grads = [t for s in sets for t in s[:3]]
+    fwd_ms = _median_ms(fwd)
+    fwd_bwd_ms = do_bench(fwd_bwd, warmup=50, rep=200, grad_to_none=grads, return_mode="median")
+    return {"fwd": fwd_ms, "fwd+bwd": fwd_bwd_ms, "compile_s": compile_s}
+
+
+def bench_bias_act_bandwidth(m: int, n: int, dtype: torch.dtype, copy_gbps: float) -> tuple[float, float]:
+    """Bandwidth of bias_act alone as % of copy: forward reads x, b and writes y; backward reads dy, x, b
+    and writes dx."""
+    from kernels.bias_act import bias_act_bwd, bias_act_fwd
+
+    x, dy = torch.randn(m, n, device="cuda", dtype=dtype), torch.randn(m, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, device="cuda", dtype=dtype)
+    size = x.element_size()
+    fwd_gbps = (2 * m * n + n) * size / _median_ms(lambda: bias_act_fwd(x, b, "relu")) / 1e6
+    bwd_gbps = (3 * m * n + n) * size / _median_ms(lambda: bias_act_bwd(dy, x, b, "relu")) / 1e6
+    return 100 * fwd_gbps / copy_gbps, 100 * bwd_gbps / copy_gbps
+
+
+def _print_summary(summary: list, path_list: list[str], gpu: str) -> None:
+    print(f"\nsum over each config's MLP layers, ms (ratio = eager / path, same run), {gpu}")
+    print(f"{'config':<8}{'prec':<6}{'B':>7}  {'pass':<8}" + "".join(f"{p:>20}" for p in path_list))
+    for config, precision, m, totals in summary:
+        for ps in ("fwd", "fwd+bwd"):
+            base = totals.get(("eager", ps), float("nan"))
+            cells = "".join(f"{totals[(p, ps)]:>10.4f} ({base / totals[(p, ps)]:>5.2f}x)" for p in path_list)
+            print(f"{config:<8}{precision:<6}{m:>7}  {ps:<8}{cells}")
+    if "compile" in path_list and "linear_act" in path_list:
+        ratios = [
+            f"{c}/{p}/B={m}: {t[('compile', 'fwd+bwd')] / t[('linear_act', 'fwd+bwd')]:.2f}x"
+            for c, p, m, t in summary
+        ]
+        print("linear_act fwd+bwd speed-up over compile: " + ", ".join(ratios))
+
+
+@click.command(context_settings={"show_default": True})
+@click.option("--configs", default="kaggle", help="Comma-separated names of configs/*.json (kaggle, mlperf).")
+@click.option("--batches", default="2048,16384", help="Comma-separated batch sizes B (= M).")
+@click.option("--precisions", default="tf32,bf16", help="Comma-separated: tf32, bf16.")
+@click.option(
+    "--paths", default=",".join(PATHS), help="Comma-separated paths to time; eager first for ratios."
+)
+def main(configs, batches, precisions, paths):
+    """Time the MLP layer paths on this GPU and append the rows to scripts/results/kernels.csv."""
+    if not torch.cuda.is_available():
+        raise click.UsageError("bench_kernels.py needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    gpu = torch.cuda.get_device_name()
+    ceilings = measure_ceilings()
+    gemm = ", ".join(f"GEMM {p} {ceilings[f'gemm_tflops_{p}']:.0f} TFLOP/s" for p in DTYPES)
+    print(f"{gpu}: copy {ceilings['copy_gbps']:.0f} GB/s, {gemm}")
+    common = {"date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "gpu": gpu}
+    common |= {"torch": torch.__version__, "triton": triton.__version__, "git_sha": _git_sha()}
+    rows, summary = [], []
+    path_list = paths.split(",")
+    for config in configs.split(","):
+        for precision in precisions.split(","):
+            peak = ceilings[f"gemm_tflops_{precision}"]
+            for m in (int(b) for b in batches.split(",")):
+                totals = {(p, ps): 0.0 for p in path_list for ps in ("fwd", "fwd+bwd")}
+                for k, n, act in mlp_layers(config):
+                    flops = {"fwd": 2 * m * n * k, "fwd+bwd": 6 * m * n * k}
+                    times = {path: bench_layer(path, m, k, n, act, DTYPES[precision]) for path in path_list}
+                    base = times[path_list[0]]
+                    for path, t in times.items():
+                        for ps in ("fwd", "fwd+bwd"):
+                            totals[(path, ps)] += t[ps]
+                            tflops = flops[ps] / t[ps] / 1e9
+                            rows.append(dict(
+                                common, config=config, layer=f"{k}->{n}", act=act, batch=m,
+                                precision=precision, path=path, **{"pass": ps}, ms=round(t[ps], 5),
+                                tflops=round(tflops, 2),
+                                pct_gemm_peak=round(100 * tflops / peak, 2),
+                                ratio_vs_eager=round(base[ps] / t[ps], 3), compile_s=round(t["compile_s"], 2),
+                            ))  # fmt: skip
+                summary.append((config, precision, m, totals))
+    fwd_pct, bwd_pct = bench_bias_act_bandwidth(65536, 512, torch.bfloat16, ceilings["copy_gbps"])
+    print(f"bias_act alone, M=65536 N=512 bf16: forward {fwd_pct:.0f}%, backward {bwd_pct:.0f}% of copy BW")
+    for ps, pct in (("fwd", fwd_pct), ("bwd", bwd_pct)):
+        rows.append(dict(common, config="-", layer="65536x512", act="relu", batch=65536, precision="bf16",
+                         path="bias_act_alone", **{"pass": ps}, pct_copy_bw=round(pct, 1)))  # fmt: skip
+
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    fields = [*common, "config", "layer", "act", "batch", "precision", "path", "pass", "ms", "tflops"]
+    fields += ["pct_gemm_peak", "pct_copy_bw", "ratio_vs_eager", "compile_s"]
+    new_file = not RESULTS.exists()
+    with RESULTS.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        if new_file:
+            writer.writeheader()
+        writer.writerows(rows)
+    _print_summary(summary, path_list, gpu)
+
+
+if __name__ == "__main__":
+    main()
