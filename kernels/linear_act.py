@@ -1,0 +1,821 @@
+"""Fused Linear + bias + activation, forward and backward: ``y = act(x @ W^T + b)``.
+
+Math (nn.Linear layout: W is [N, K], one row per output feature)
+    z  = x @ W^T + b                 (b broadcast over rows; optional)
+    y  = act(z)
+    dz = dy * act'(z)                (never materialized: formed in registers inside both backward GEMMs)
+    dx = dz @ W                      [M, K]
+    dW = dz^T @ x                    [N, K]
+    db = sum over rows of dz         [N]
+
+    act is one of ``ACTIVATIONS``:
+        identity   y = z                                  act'(z) = 1
+        relu       y = max(z, 0)                          act'(z) = 1 if y > 0 else 0      (from y)
+        sigmoid    y = s(z) = 1 / (1 + exp(-z))           act'(z) = y (1 - y)              (from y)
+                   (computed exp(-|z|)-based so exp never overflows)
+        gelu_tanh  y = 0.5 z (1 + tanh(u)),  u = sqrt(2/pi) (z + 0.044715 z^3)
+                     = z s(2u)                            act'(z) = s(2u) + 2 z s(2u) (1 - s(2u)) du/dz
+        silu       y = z s(z)                             act'(z) = s(z) (1 + z (1 - s(z)))
+
+Shapes (glossary letters of a GEMM): x [M, K] (M rows, e.g. the batch B; K input features), W [N, K],
+b [N] or None, y [M, N]. Any M >= 0, N >= 1, K >= 1 (e.g. K = 13 dense features, N = 1 logit, M = 1).
+Inputs are made contiguous (row-major) by the launchers, so the kernels take row strides only.
+
+Dtypes: x, W and b all fp32, bf16 or fp16 (one dtype); y, dx, dW, db have that dtype.
+Compute dtype: fp32 accumulation everywhere. The GEMM operands go to ``tl.dot`` in their own dtype on the
+GPU: bf16/fp16 tensor cores, and for fp32 the default TF32 tensor-core precision (10-bit mantissa
+operands, fp32 accumulate: a relative error of ~1e-3 per product, like ``torch.backends.cuda.matmul.
+allow_tf32 = True``). In the CPU interpreter the operands are cast to fp32 first (``DOT_FP32``: its bf16
+``dot`` is wrong), so there the GEMM is plain fp32. Bias, activation and act' run in fp32 on values cast
+right after load; in the backward GEMMs dz is rounded to the input dtype before the dot (as PyTorch does).
+
+What the forward saves for backward (besides the inputs x and W):
+    identity            nothing (act' = 1)
+    relu, sigmoid       the output y: relu' = (y > 0), sigmoid' = y (1 - y); no extra tensor is written
+    gelu_tanh, silu     the pre-activation z, written by the forward kernel as a second [M, N] output
+                        (``SAVE_Z``), since act' cannot be taken from y
+
+Backward (two GEMM kernels, no elementwise pass over dy):
+    ``_linear_act_bwd_dx_kernel``: one program per [BLOCK_M, BLOCK_K] tile of dx, reducing over N: it loads
+        dy and the saved y/z tiles [BLOCK_M, BLOCK_N], forms dz in registers and dots it with a W tile.
+    ``_linear_act_bwd_dw_kernel``: one program per ([BLOCK_N, BLOCK_K] tile of dW, chunk of rows), reducing
+        over M: it forms dz the same way and dots dz^T with an x tile; the programs of the first K tile
+        also sum dz over rows for db. Split-M: DLRM layers are small (N * K of a few thousand) while M
+        (the batch) is large, so the rows are cut into ``splits`` chunks (see ``_dw_rows_per_split``);
+        each program writes its fp32 partials to [splits, N, K] and [splits, N] buffers, and the launcher
+        sums them over the split axis (``torch.sum``). No atomics: every partial element is written by
+        exactly one program, so autotuning re-runs are harmless and the result is the same run to run
+        (for a given autotuned config).
+
+It equals the PyTorch expression ``act(F.linear(x, W, b))`` computed in fp32 and cast back to x's dtype
+(see ``linear_act_ref``), up to the GEMM precision above.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = [
+    "ACTIVATIONS",
+    "linear_act",
+    "linear_act_ref",
+    "linear_act_fwd",
+    "linear_act_bwd",
+]
+
+ACTIVATIONS = ("identity", "relu", "sigmoid", "gelu_tanh", "silu")
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SAVES_Y = ("relu", "sigmoid")  # act' is a function of y = act(z)
+_SAVES_Z = ("gelu_tanh", "silu")  # act' needs z
+_SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2 / pi)
+_GELU_C = 0.044715
+
+# Whether the kernels below are decorated for the interpreter: Triton reads TRITON_INTERPRET at decoration
+# time, so a later change of the variable does not change how they run.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sigmoid(v):
+    """1 / (1 + exp(-v)) for an fp32 tile, without overflow: exp only ever sees -|v|."""
+    t = tl.exp(-tl.abs(v))
+    return tl.where(v >= 0.0, 1.0 / (1.0 + t), t / (1.0 + t))
+
+
+@triton.jit
+def _act_fwd(z, ACTIVATION: tl.constexpr):
+    """act(z) for an fp32 tile z."""
+    if ACTIVATION == "relu":
+        y = tl.maximum(z, 0.0)
+    elif ACTIVATION == "sigmoid":
+        y = _sigmoid(z)
+    elif ACTIVATION == "gelu_tanh":
+        # 0.5 z (1 + tanh(u)) == z * sigmoid(2u)
+        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        y = z * _sigmoid(2.0 * u)
+    elif ACTIVATION == "silu":
+        y = z * _sigmoid(z)
+    else:  # identity
+        y = z
+    return y
+
+
+@triton.jit
+def _act_bwd(dy, s, ACTIVATION: tl.constexpr):
+    """dz = dy * act'(.) for fp32 tiles; s is the saved tile: y for relu/sigmoid, z for gelu_tanh/silu."""
+    if ACTIVATION == "relu":
+        dz = tl.where(s > 0.0, dy, 0.0)
+    elif ACTIVATION == "sigmoid":
+        dz = dy * s * (1.0 - s)
+    elif ACTIVATION == "gelu_tanh":
+        u = 0.7978845608028654 * (s + 0.044715 * s * s * s)
+        du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * s * s)
+        sg = _sigmoid(2.0 * u)  # sigmoid(2u) = (1 + tanh(u)) / 2
+        dz = dy * (sg + 2.0 * s * sg * (1.0 - sg) * du)
+    elif ACTIVATION == "silu":
+        sg = _sigmoid(s)
+        dz = dy * (sg * (1.0 + s * (1.0 - sg)))
+    else:  # identity
+        dz = dy
+    return dz
+
+
+@triton.jit
+def _grouped_tile(pid, num_pid_a, num_pid_b, GROUP: tl.constexpr):
+    """(pid_a, pid_b) of a 1-D program id, in groups of GROUP rows of tiles (L2 reuse of the B operand)."""
+    num_pid_in_group = GROUP * num_pid_b
+    group_id = pid // num_pid_in_group
+    first_pid_a = group_id * GROUP
+    group_size = min(num_pid_a - first_pid_a, GROUP)
+    pid_a = first_pid_a + (pid % num_pid_in_group) % group_size
+    pid_b = (pid % num_pid_in_group) // group_size
+    return pid_a, pid_b
+
+
+# M (the batch) changes between calls: do not specialize on it (value 1 / divisibility by 16), so a new
+# batch size reuses the compiled kernel. M_BUCKET only feeds the autotuning key (a power of two >= 64).
+@triton.jit(do_not_specialize=["M"])
+def _linear_act_fwd_kernel(
+    # pointers
+    x_ptr,  # [M, K] input, fp32/bf16/fp16
+    w_ptr,  # [N, K] weight, x's dtype
+    b_ptr,  # [N] bias, x's dtype (not read unless HAS_BIAS)
+    y_ptr,  # [M, N] output y = act(z), x's dtype
+    z_ptr,  # [M, N] output z = x @ W^T + b, x's dtype (not written unless SAVE_Z)
+    # sizes
+    M,
+    N,
+    K,
+    M_BUCKET,  # autotuning key only
+    # strides (row strides, in elements; the column stride is 1)
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    stride_zm,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr,
+    SAVE_Z: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # cast dot operands to fp32 (interpreter only)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # reduction chunk
+    GROUP: tl.constexpr,
+):
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    # int64 row offsets: M * K and M * N can pass 2**31.
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    mask_m = rows < M
+    mask_n = cols < N
+
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N] tile of W^T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = ks < K - k0
+        a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    # Epilogue: bias, (z), activation, in fp32.
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SAVE_Z:
+        tl.store(z_ptr + rows[:, None] * stride_zm + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
+    y = _act_fwd(acc, ACTIVATION)
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_act_bwd_dx_kernel(
+    # pointers
+    dy_ptr,  # [M, N] upstream gradient, x's dtype
+    s_ptr,  # [M, N] saved y (relu, sigmoid) or z (gelu_tanh, silu); not read for identity
+    w_ptr,  # [N, K] weight
+    dx_ptr,  # [M, K] output dx = dz @ W, x's dtype
+    # sizes
+    M,
+    N,
+    K,
+    M_BUCKET,  # autotuning key only
+    # strides (row strides, in elements; the column stride is 1)
+    stride_dym,
+    stride_sm,
+    stride_wn,
+    stride_dxm,
+    # meta-parameters
+    ACTIVATION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # reduction chunk
+    GROUP: tl.constexpr,
+):
+    pid_m, pid_k = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_K), GROUP)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ks = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ns = tl.arange(0, BLOCK_N)
+    mask_m = rows < M
+    mask_k = ks < K
+
+    dy_ptrs = dy_ptr + rows[:, None] * stride_dym + ns[None, :]  # [BLOCK_M, BLOCK_N]
+    s_ptrs = s_ptr + rows[:, None] * stride_sm + ns[None, :]
+    w_ptrs = w_ptr + ns[:, None].to(tl.int64) * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]
+    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        mask_n = ns < N - n0
+        mask_mn = mask_m[:, None] & mask_n[None, :]
+        # dz = dy * act'(.) in registers; masked elements load 0 and give dz = 0 for every activation.
+        dy = tl.load(dy_ptrs, mask=mask_mn, other=0.0).to(tl.float32)
+        if ACTIVATION == "identity":
+            dz = dy
+        else:
+            s = tl.load(s_ptrs, mask=mask_mn, other=0.0).to(tl.float32)
+            dz = _act_bwd(dy, s, ACTIVATION)
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        if DOT_FP32:
+            w = w.to(tl.float32)
+        else:
+            dz = dz.to(w_ptr.dtype.element_ty)
+        acc = tl.dot(dz, w, acc)
+        dy_ptrs += BLOCK_N
+        s_ptrs += BLOCK_N
+        w_ptrs += BLOCK_N * stride_wn
+
+    mask = mask_m[:, None] & mask_k[None, :]
+    tl.store(dx_ptr + rows[:, None] * stride_dxm + ks[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ROWS_PER_SPLIT follows M: do not specialize on it either.
+@triton.jit(do_not_specialize=["M", "ROWS_PER_SPLIT"])
+def _linear_act_bwd_dw_kernel(
+    # pointers
+    dy_ptr,  # [M, N] upstream gradient, x's dtype
+    s_ptr,  # [M, N] saved y (relu, sigmoid) or z (gelu_tanh, silu); not read for identity
+    x_ptr,  # [M, K] saved input
+    dw_part_ptr,  # [splits, N, K] fp32 output: per-split partial sums of dz^T @ x
+    db_part_ptr,  # [splits, N] fp32 output: per-split column sums of dz (not written unless HAS_BIAS)
+    # sizes
+    M,
+    N,
+    K,
+    M_BUCKET,  # autotuning key only
+    ROWS_PER_SPLIT,  # rows of each split (the last may be shorter)
+    # strides (in elements; the column stride is 1)
+    stride_dym,
+    stride_sm,
+    stride_xm,
+    stride_dws,  # dw_part split stride (N * K)
+    stride_dwn,  # dw_part row stride (K)
+    stride_dbs,  # db_part split stride (N)
+    # meta-parameters
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # reduction chunk
+):
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    pid_n = pid // num_pid_k
+    pid_k = pid % num_pid_k
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_n = cols < N
+    mask_k = ks < K
+
+    row_start = pid_s.to(tl.int64) * ROWS_PER_SPLIT
+    row_end = tl.minimum(row_start + ROWS_PER_SPLIT, M)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    dy_ptrs = dy_ptr + rows[:, None] * stride_dym + cols[None, :]  # [BLOCK_M, BLOCK_N]
+    s_ptrs = s_ptr + rows[:, None] * stride_sm + cols[None, :]
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for m0 in range(0, row_end - row_start, BLOCK_M):
+        mask_m = rows < row_end - m0
+        mask_mn = mask_m[:, None] & mask_n[None, :]
+        # Masked-out elements load 0 and give dz = 0 for every activation: they add nothing below.
+        dy = tl.load(dy_ptrs, mask=mask_mn, other=0.0).to(tl.float32)
+        if ACTIVATION == "identity":
+            dz = dy
+        else:
+            s = tl.load(s_ptrs, mask=mask_mn, other=0.0).to(tl.float32)
+            dz = _act_bwd(dy, s, ACTIVATION)
+        if HAS_BIAS:
+            db_acc += tl.sum(dz, axis=0)
+        xt = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if DOT_FP32:
+            xt = xt.to(tl.float32)
+        else:
+            dz = dz.to(x_ptr.dtype.element_ty)
+        acc = tl.dot(tl.trans(dz), xt, acc)
+        dy_ptrs += BLOCK_M * stride_dym
+        s_ptrs += BLOCK_M * stride_sm
+        x_ptrs += BLOCK_M * stride_xm
+
+    mask = mask_n[:, None] & mask_k[None, :]
+    dw_ptrs = dw_part_ptr + pid_s.to(tl.int64) * stride_dws + cols[:, None] * stride_dwn + ks[None, :]
+    tl.store(dw_ptrs, acc, mask=mask)
+    if HAS_BIAS:
+        # Every program of this column block computed the same db_acc; the one of the first K tile stores it.
+        tl.store(db_part_ptr + pid_s.to(tl.int64) * stride_dbs + cols, db_acc, mask=mask_n & (pid_k == 0))
+
+
+# --------------------------------------------------------------------------------------------------
+# Tuning
+# --------------------------------------------------------------------------------------------------
+
+# Autotuning key: the output/reduction widths and a power-of-two bucket of M (see _m_bucket), so a new batch
+# size in the same bucket reuses the tuned config. Triton adds the tensors' dtypes to the key itself.
+_KEY = ["M_BUCKET", "N", "K"]
+_M_BUCKET_MIN, _M_BUCKET_MAX = 64, 65536
+
+# Hopper configs: (tile rows, tile cols, num_warps, num_stages) plus a reduction chunk. Tile dims per kernel
+# (rows, cols | reduction): fwd (BLOCK_M, BLOCK_N | BLOCK_K), dx (BLOCK_M, BLOCK_K | BLOCK_N),
+# dw (BLOCK_N, BLOCK_K | BLOCK_M).
+# 16-bit operands use a 64-deep reduction chunk, fp32 a 32-deep one (same bytes per stage in shared memory:
+# 128x256 tiles with 3 stages need ~144 KiB either way, under Hopper's 227 KiB); _pruner keeps the set of the
+# operand's element size.
+_GPU_SHAPES = [
+    (128, 256, 8, 3),
+    (256, 128, 8, 3),
+    (128, 128, 4, 4),
+    (128, 64, 4, 4),
+    (64, 128, 4, 4),
+    (64, 64, 4, 4),
+]
+_RED_BY_ELEMENT_SIZE = {2: 64, 4: 32}
+# The interpreter runs ~5 ms per program and takes one config: 32-wide tiles, so the tests' small shapes still
+# span several tiles (and partial ones) in every dimension.
+_INTERPRETER_SHAPE = (32, 32, 32, 4, 1)
+
+
+def _configs(names: tuple[str, str, str], extra: dict) -> list[triton.Config]:
+    if _INTERPRETED:
+        a, b, r, warps, stages = _INTERPRETER_SHAPE
+        return [
+            triton.Config({names[0]: a, names[1]: b, names[2]: r, **extra}, num_warps=warps, num_stages=1)
+        ]
+    return [
+        triton.Config({names[0]: a, names[1]: b, names[2]: r, **extra}, num_warps=warps, num_stages=stages)
+        for r in _RED_BY_ELEMENT_SIZE.values()
+        for a, b, warps, stages in _GPU_SHAPES
+    ]
+
+
+def _pruner(names: tuple[str, str, str], dims: tuple[str, str], operand: str):
+    """Keep the configs of the operand's element size whose tiles are not far larger than the problem.
+
+    A tile dim of 64 always stays, so every problem keeps at least the (64, 64) config.
+    """
+
+    def prune(configs, named_args, **kwargs):
+        elsize = named_args[operand].element_size()
+        limits = [max(64, triton.next_power_of_2(int(named_args[d]))) for d in dims]
+        kept = [
+            c
+            for c in configs
+            if c.kwargs[names[2]] == _RED_BY_ELEMENT_SIZE[elsize]
+            and c.kwargs[names[0]] <= limits[0]
+            and c.kwargs[names[1]] <= limits[1]
+        ]
+        return kept or configs[-1:]
+
+    return prune
+
+
+def _quick_bench(kernel_call, quantiles):
+    """Shorter than Triton's default (25 ms warm-up, 100 ms measured) per config: ample for these kernels."""
+    from triton.testing import do_bench
+
+    return do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+
+
+def _autotuned(kernel, names: tuple[str, str, str], dims: tuple[str, str], operand: str, extra: dict):
+    """``triton.autotune`` over the Hopper configs; one fixed config in the interpreter (no benchmarking)."""
+    if _INTERPRETED:
+        return triton.autotune(configs=_configs(names, extra), key=_KEY)(kernel)
+    return triton.autotune(
+        configs=_configs(names, extra),
+        key=_KEY,
+        prune_configs_by={"early_config_prune": _pruner(names, dims, operand)},
+        do_bench=_quick_bench,
+    )(kernel)
+
+
+_linear_act_fwd_kernel = _autotuned(
+    _linear_act_fwd_kernel, ("BLOCK_M", "BLOCK_N", "BLOCK_K"), ("M_BUCKET", "N"), "x_ptr", {"GROUP": 8}
+)
+_linear_act_bwd_dx_kernel = _autotuned(
+    _linear_act_bwd_dx_kernel, ("BLOCK_M", "BLOCK_K", "BLOCK_N"), ("M_BUCKET", "K"), "w_ptr", {"GROUP": 8}
+)
+_linear_act_bwd_dw_kernel = _autotuned(
+    _linear_act_bwd_dw_kernel, ("BLOCK_N", "BLOCK_K", "BLOCK_M"), ("N", "K"), "x_ptr", {}
+)
+
+
+def _m_bucket(m: int) -> int:
+    """next_power_of_2(M) clamped to [64, 65536]: the M part of the autotuning key."""
+    return min(max(triton.next_power_of_2(m), _M_BUCKET_MIN), _M_BUCKET_MAX)
+
+
+# Split-M for dW: aim for about two waves of programs on an H100/H200 (132 SMs), but give each split at
+# least _DW_MIN_ROWS rows (so the partial buffers stay small next to x and dy), in whole multiples of the
+# largest BLOCK_M of any config (so no config sees a ragged split except the last).
+_DW_TARGET_PROGRAMS = 264
+_DW_MIN_ROWS = 1024
+_DW_ROW_ALIGN = 256
+
+
+def _dw_rows_per_split(m: int, n: int, k: int) -> int:
+    """Rows of M per dW program, e.g. M=65536: N=16, K=64 -> 1024 (64 splits); N=K=1024 -> 13312 (5)."""
+    tiles = triton.cdiv(n, 128) * triton.cdiv(k, 128)
+    splits = max(1, min(triton.cdiv(_DW_TARGET_PROGRAMS, tiles), m // _DW_MIN_ROWS))
+    return triton.cdiv(triton.cdiv(m, splits), _DW_ROW_ALIGN) * _DW_ROW_ALIGN
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Every buffer the launchers hand to a kernel comes from here (tests poison it with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _check_inputs(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> None:
+    """Raise ValueError naming the offending values; works on fake tensors too."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"linear_act: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+    if x.dim() != 2:
+        raise ValueError(f"linear_act: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"linear_act: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"linear_act: weight [N, K] must have K = {x.shape[1]} columns for x of shape {tuple(x.shape)}, "
+            f"got {tuple(weight.shape)}"
+        )
+    if x.shape[1] < 1 or weight.shape[0] < 1:
+        raise ValueError(
+            f"linear_act: need K >= 1 and N >= 1, got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
+        )
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"linear_act: x dtype must be one of {_DTYPES}, got {x.dtype}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"linear_act: weight dtype {weight.dtype} differs from x dtype {x.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"linear_act: weight is on {weight.device} but x is on {x.device}")
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"linear_act: bias must have shape [N] = [{weight.shape[0]}] for weight of shape "
+                f"{tuple(weight.shape)}, got {tuple(bias.shape)}"
+            )
+        if bias.dtype != x.dtype:
+            raise ValueError(f"linear_act: bias dtype {bias.dtype} differs from x dtype {x.dtype}")
+        if bias.device != x.device:
+            raise ValueError(f"linear_act: bias is on {bias.device} but x is on {x.device}")
+
+
+def _check_like(name: str, t: Tensor | None, shape: tuple[int, ...], x: Tensor) -> None:
+    if t is None or tuple(t.shape) != tuple(shape) or t.dtype != x.dtype or t.device != x.device:
+        got = "None" if t is None else f"({tuple(t.shape)}, {t.dtype}, {t.device})"
+        raise ValueError(f"linear_act: {name} must be ({tuple(shape)}, {x.dtype}, {x.device}), got {got}")
+
+
+def _check_bwd_inputs(
+    dy: Tensor, x: Tensor, weight: Tensor, saved: Tensor | None, activation: str, has_bias: bool
+) -> None:
+    _check_inputs(x, weight, None, activation)
+    if not isinstance(has_bias, bool):
+        raise ValueError(f"linear_act: has_bias must be a bool, got {has_bias!r}")
+    shape = (x.shape[0], weight.shape[0])
+    _check_like("dy", dy, shape, x)
+    if activation != "identity":
+        what = "y" if activation in _SAVES_Y else "z"
+        _check_like(f"saved (the forward's {what} for {activation!r})", saved, shape, x)
+
+
+def linear_act_fwd(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
+) -> tuple[Tensor, Tensor | None]:
+    """Launch ``_linear_act_fwd_kernel``: ``y = act(x @ weight^T + bias)``.
+
+    Args:
+        x: [M, K] fp32/bf16/fp16.
+        weight: [N, K], x's dtype and device.
+        bias: [N], x's dtype and device, or None.
+        activation: one of ``ACTIVATIONS``.
+
+    Returns:
+        (y, saved): y [M, N] in x's dtype; saved is what ``linear_act_bwd`` needs: None for identity, y
+        itself for relu and sigmoid, the pre-activation z [M, N] (x's dtype) for gelu_tanh and silu.
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices or activation.
+    """
+    _check_inputs(x, weight, bias, activation)
+    m, k = x.shape
+    n = weight.shape[0]
+    save_z = activation in _SAVES_Z
+    y = _empty((m, n), x.dtype, x.device)
+    z = _empty((m, n), x.dtype, x.device) if save_z else None
+    saved = z if save_z else (y if activation in _SAVES_Y else None)
+    if m == 0:
+        return y, saved
+    x = x.contiguous()
+    weight = weight.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    _linear_act_fwd_kernel[grid](
+        x, weight, bias if bias is not None else x, y, z if save_z else y,
+        m, n, k, _m_bucket(m),
+        x.stride(0), weight.stride(0), y.stride(0), (z if save_z else y).stride(0),
+        HAS_BIAS=bias is not None, SAVE_Z=save_z, ACTIVATION=activation, DOT_FP32=_INTERPRETED,
+    )  # fmt: skip
+    return y, saved
+
+
+def linear_act_bwd(
+    dy: Tensor, x: Tensor, weight: Tensor, saved: Tensor | None, activation: str, has_bias: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Launch the two backward kernels: ``dz = dy * act'``, ``dx = dz @ W``, ``dW = dz^T @ x``, ``db``.
+
+    Args:
+        dy: [M, N] gradient of y, x's dtype and device.
+        x: [M, K] saved forward input, fp32/bf16/fp16.
+        weight: [N, K] saved weight, x's dtype and device.
+        saved: the second output of ``linear_act_fwd`` (None or ignored for identity; y for relu and
+            sigmoid; z for gelu_tanh and silu): [M, N], x's dtype and device.
+        activation: one of ``ACTIVATIONS``, as in the forward.
+        has_bias: whether to return db (the forward had a bias).
+
+    Returns:
+        (dx, dw, db): dx [M, K], dw [N, K], db [N] (None unless has_bias), all in x's dtype; dw and db
+        are zeros when M == 0.
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices or activation, or a missing ``saved``.
+    """
+    _check_bwd_inputs(dy, x, weight, saved, activation, has_bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    dx = _empty((m, k), x.dtype, x.device)
+    if m == 0:
+        db = torch.zeros(n, dtype=x.dtype, device=x.device) if has_bias else None
+        return dx, torch.zeros(n, k, dtype=x.dtype, device=x.device), db
+    dy = dy.contiguous()  # autograd may hand in an expanded (stride-0) gradient
+    x = x.contiguous()
+    weight = weight.contiguous()
+    s = saved.contiguous() if activation != "identity" else dy  # dy: a dummy, never read for identity
+    m_bucket = _m_bucket(m)
+
+    def grid_dx(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_K"]),)
+
+    _linear_act_bwd_dx_kernel[grid_dx](
+        dy, s, weight, dx,
+        m, n, k, m_bucket,
+        dy.stride(0), s.stride(0), weight.stride(0), dx.stride(0),
+        ACTIVATION=activation, DOT_FP32=_INTERPRETED,
+    )  # fmt: skip
+
+    rows_per_split = _dw_rows_per_split(m, n, k)
+    splits = triton.cdiv(m, rows_per_split)
+    # Every (split, n, k) of the partials is written by exactly one program (and (split, n) of db_part).
+    dw_part = _empty((splits, n, k), torch.float32, x.device)
+    db_part = _empty((splits, n), torch.float32, x.device) if has_bias else dw_part
+
+    def grid_dw(meta):
+        return (triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(k, meta["BLOCK_K"]), splits)
+
+    _linear_act_bwd_dw_kernel[grid_dw](
+        dy, s, x, dw_part, db_part,
+        m, n, k, m_bucket, rows_per_split,
+        dy.stride(0), s.stride(0), x.stride(0), dw_part.stride(0), dw_part.stride(1), db_part.stride(0),
+        HAS_BIAS=has_bias, ACTIVATION=activation, DOT_FP32=_INTERPRETED,
+    )  # fmt: skip
+    dw = (dw_part[0] if splits == 1 else dw_part.sum(dim=0)).to(x.dtype)
+    db = (db_part[0] if splits == 1 else db_part.sum(dim=0)).to(x.dtype) if has_bias else None
+    return dx, dw, db
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference (plain PyTorch, fp32) and CPU fallback
+# --------------------------------------------------------------------------------------------------
+
+
+def _act_ref(z: Tensor, activation: str) -> Tensor:
+    if activation == "identity":
+        return z
+    if activation == "relu":
+        return torch.relu(z)
+    if activation == "sigmoid":
+        return torch.sigmoid(z)
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(z, approximate="tanh")
+    if activation == "silu":
+        return torch.nn.functional.silu(z)
+    raise ValueError(f"linear_act: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+
+
+def linear_act_ref(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    """Reference ``act(F.linear(x, weight, bias))`` in plain PyTorch: fp32 math, cast back to x's dtype.
+
+    Differentiable by autograd (used by the tests for the reference gradients).
+
+    Args:
+        x: [M, K] float tensor.
+        weight: [N, K] float tensor.
+        bias: [N] float tensor or None.
+        activation: one of ``ACTIVATIONS``.
+
+    Returns:
+        [M, N] tensor of x's dtype.
+
+    Raises:
+        ValueError: unknown activation.
+    """
+    z = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return _act_ref(z, activation).to(x.dtype)
+
+
+def _linear_act_fwd_ref(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
+) -> tuple[Tensor, Tensor | None]:
+    """``linear_act_fwd`` in plain PyTorch (fp32 math): the CPU fallback of the forward op."""
+    z = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    y = _act_ref(z, activation).to(x.dtype)
+    if activation in _SAVES_Z:
+        return y, z.to(x.dtype)
+    return y, (y if activation in _SAVES_Y else None)
+
+
+def _linear_act_bwd_ref(
+    dy: Tensor, x: Tensor, weight: Tensor, saved: Tensor | None, activation: str, has_bias: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``linear_act_bwd`` in plain PyTorch (fp32 math): the CPU fallback of the backward op.
+
+    Analytic, not torch.autograd.grad: inside a custom op's implementation autograd does not record.
+    """
+    dy = dy.float()
+    s = saved.float() if saved is not None else None
+    if activation == "identity":
+        dz = dy
+    elif activation == "relu":
+        dz = torch.where(s > 0, dy, 0.0)
+    elif activation == "sigmoid":
+        dz = dy * s * (1.0 - s)
+    elif activation == "gelu_tanh":
+        t = torch.tanh(_SQRT_2_OVER_PI * (s + _GELU_C * s**3))
+        dz = dy * (
+            0.5 * (1.0 + t) + 0.5 * s * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * s * s)
+        )
+    elif activation == "silu":
+        sg = torch.sigmoid(s)
+        dz = dy * sg * (1.0 + s * (1.0 - sg))
+    else:
+        raise ValueError(f"linear_act: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+    dx = (dz @ weight.float()).to(x.dtype)
+    dw = (dz.t() @ x.float()).to(x.dtype)
+    db = dz.sum(dim=0).to(x.dtype) if has_bias else None
+    return dx, dw, db
+
+
+def _use_triton(x: Tensor) -> bool:
+    """Triton runs on CUDA tensors, and on CPU tensors only in the interpreter (TRITON_INTERPRET=1)."""
+    return x.device.type == "cuda" or (x.device.type == "cpu" and _INTERPRETED)
+
+
+# --------------------------------------------------------------------------------------------------
+# Autograd glue: custom ops, so the op works in eager and under torch.compile (no tracing into Triton)
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dlrm::linear_act", mutates_args=())
+def _linear_act_op(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> tuple[Tensor, Tensor]:
+    """Returns (y, z); z is the pre-activation for gelu_tanh/silu and an empty [0] tensor otherwise.
+
+    (Custom-op outputs may not alias each other, so y is not returned twice for relu/sigmoid: the autograd
+    glue saves the output y itself.)
+    """
+    if _use_triton(x):
+        y, saved = linear_act_fwd(x, weight, bias, activation)
+    else:
+        _check_inputs(x, weight, bias, activation)
+        y, saved = _linear_act_fwd_ref(x, weight, bias, activation)
+    z = saved if activation in _SAVES_Z else x.new_empty((0,))
+    return y, z
+
+
+@_linear_act_op.register_fake
+def _linear_act_fake(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
+) -> tuple[Tensor, Tensor]:
+    _check_inputs(x, weight, bias, activation)
+    shape = (x.shape[0], weight.shape[0])
+    return x.new_empty(shape), x.new_empty(shape if activation in _SAVES_Z else (0,))
+
+
+@torch.library.custom_op("dlrm::linear_act_backward", mutates_args=())
+def _linear_act_backward_op(
+    dy: Tensor, x: Tensor, weight: Tensor, saved: Tensor | None, activation: str, has_bias: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (dx, dw, db); db is an empty [0] tensor when has_bias is False."""
+    if _use_triton(x):
+        dx, dw, db = linear_act_bwd(dy, x, weight, saved, activation, has_bias)
+    else:
+        _check_bwd_inputs(dy, x, weight, saved, activation, has_bias)
+        dx, dw, db = _linear_act_bwd_ref(dy, x, weight, saved, activation, has_bias)
+    return dx, dw, db if db is not None else x.new_empty((0,))
+
+
+@_linear_act_backward_op.register_fake
+def _linear_act_backward_fake(
+    dy: Tensor, x: Tensor, weight: Tensor, saved: Tensor | None, activation: str, has_bias: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    return (
+        x.new_empty(x.shape),
+        weight.new_empty(weight.shape),
+        x.new_empty((weight.shape[0],) if has_bias else (0,)),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, activation = inputs
+    y, z = output
+    # Save y for relu/sigmoid, z for gelu_tanh/silu, nothing extra for identity (module docstring).
+    saved = y if activation in _SAVES_Y else (z if activation in _SAVES_Z else None)
+    ctx.save_for_backward(x, weight, saved)
+    ctx.activation = activation
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, dy: Tensor, _dz: Tensor | None):
+    # _dz: gradient w.r.t. the internal z output, which linear_act never exposes (always zero/None).
+    x, weight, saved = ctx.saved_tensors
+    dx, dw, db = _linear_act_backward_op(dy, x, weight, saved, ctx.activation, ctx.has_bias)
+    return dx, dw, (db if ctx.has_bias else None), None
+
+
+_linear_act_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+
+
+def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str = "relu") -> Tensor:
+    """Fused ``act(x @ weight^T + bias)`` (an nn.Linear plus activation) with a fused backward.
+
+    Equals ``act(F.linear(x, weight, bias))``. Differentiable in x, weight and bias; works in eager and
+    under ``torch.compile`` (it is the custom op ``torch.ops.dlrm.linear_act``, whose backward is the
+    custom op ``torch.ops.dlrm.linear_act_backward``). Runs the Triton kernels on CUDA tensors (and on CPU
+    under ``TRITON_INTERPRET=1``), else falls back to plain PyTorch (``linear_act_ref``'s math).
+
+    Args:
+        x: [M, K] tensor, fp32, bf16 or fp16 (M >= 0, K >= 1). Non-contiguous inputs are copied.
+        weight: [N, K] tensor (nn.Linear layout, N >= 1), same dtype and device as x.
+        bias: [N] tensor, same dtype and device as x, or None (no bias).
+        activation: one of ``ACTIVATIONS``: "identity", "relu" (default), "sigmoid", "gelu_tanh"
+            (``0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))``), "silu" (``z sigmoid(z)``).
+
+    Returns:
+        [M, N] tensor of x's dtype: the GEMM accumulated in fp32 (TF32 tensor cores for fp32 inputs on
+        the GPU), bias and activation in fp32, rounded once to x's dtype.
+
+    Raises:
+        ValueError: x or weight not 2-D, K mismatch, N == 0 or K == 0, bias shape not [N], unknown
+            activation, unsupported dtype, dtype mismatch, or tensors on different devices (the message
+            names the values).
+    """
+    y, _ = _linear_act_op(x, weight, bias, activation)
+    return y

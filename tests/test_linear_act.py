@@ -1,0 +1,371 @@
+"""Tests for kernels/linear_act.py: fused y = act(x @ W^T + b), forward and backward.
+
+On CPU (no CUDA) conftest sets TRITON_INTERPRET=1, so the tests run the Triton kernels in the interpreter,
+where the GEMMs are plain fp32 and compare elementwise with the fp32 reference's autograd gradients. On a
+GPU machine the same tests run on DEVICE = "cuda", where fp32 GEMMs use TF32: there (and for bf16/fp16
+anywhere) values are checked as a relative norm, and the backward against PyTorch's own activation
+backward applied to the tensor the forward saved (so relu's kink, where TF32 rounding can flip the sign of
+z, does not count as an error of the backward kernels). DLRM-shape tests are GPU-only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels.linear_act as linear_act_mod
+from kernels.linear_act import ACTIVATIONS, linear_act, linear_act_bwd, linear_act_fwd, linear_act_ref
+from tests.tolerances import tol
+
+# Where the Triton kernels run: the GPU when there is one, else the CPU interpreter (see conftest).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (M, N, K): ones, primes, and non-multiples of every block size (32 in the interpreter, 64..256 on the GPU).
+SHAPES = [(1, 1, 1), (3, 7, 5), (127, 65, 13), (130, 33, 257)]
+
+
+def _ids(s):
+    return "x".join(map(str, s))
+
+
+def _inputs(m: int, n: int, k: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+    """Fresh random x [M, K], W [N, K], b [N], dy [M, N] (never zeros), from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / math.sqrt(k)  # nn.Linear-like scale: |z| ~ 1
+    b = torch.randn(n, generator=g)
+    dy = torch.randn(m, n, generator=g)
+    return tuple(t.to(device=device, dtype=dtype) for t in (x, w, b, dy))
+
+
+def _grads_from_saved(dy, x, w, saved, activation: str, has_bias: bool):
+    """fp32 (dx, dW, db) from PyTorch's own activation backward at the forward's saved y or z."""
+    dy = dy.float()
+    s = None if saved is None else saved.float()
+    dz = {
+        "identity": lambda: dy,
+        "relu": lambda: torch.ops.aten.threshold_backward(dy, s, 0.0),
+        "sigmoid": lambda: torch.ops.aten.sigmoid_backward(dy, s),
+        "gelu_tanh": lambda: torch.ops.aten.gelu_backward(dy, s, approximate="tanh"),
+        "silu": lambda: torch.ops.aten.silu_backward(dy, s),
+    }[activation]()
+    return dz @ w.float(), dz.t() @ x.float(), dz.sum(0) if has_bias else None
+
+
+def _assert_norm_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str):
+    """||actual - expected|| <= rtol ||expected|| + atol sqrt(numel), with tol(dtype, "gemm_norm")."""
+    t = tol(dtype, "gemm_norm")
+    err = (actual.float() - expected.float()).norm().item()
+    ref = expected.float().norm().item()
+    bound = t["rtol"] * ref + t["atol"] * math.sqrt(max(expected.numel(), 1))
+    assert err <= bound, f"{what}: ||out - ref|| = {err:.3e} > {bound:.3e} (||ref|| = {ref:.3e})"
+
+
+def _check_fwd_bwd(m, n, k, activation, has_bias, dtype, device, seed=0):
+    """linear_act forward and autograd backward against the fp32 reference (see the module docstring)."""
+    x, w, b, dy = _inputs(m, n, k, dtype, device, seed)
+    b = b if has_bias else None
+    leaves = [t.requires_grad_(True) for t in (x, w, b) if t is not None]
+    y = linear_act(x, w, b, activation)
+    grads = torch.autograd.grad(y, leaves, dy)
+
+    assert y.dtype == dtype and y.shape == (m, n)
+    for got, leaf in zip(grads, leaves, strict=True):
+        assert got.dtype == dtype and got.shape == leaf.shape
+
+    leaves32 = [t.detach().float().requires_grad_(True) for t in leaves]
+    x32, w32 = leaves32[:2]
+    y32 = linear_act_ref(x32, w32, leaves32[2] if has_bias else None, activation)
+    names = ("y", "dx", "dW", "db")
+    if dtype == torch.float32 and device == "cpu":  # interpreter: a plain fp32 GEMM, compare elementwise
+        grads32 = torch.autograd.grad(y32, leaves32, dy.float())
+        for got, want, name in zip((y, *grads), (y32, *grads32), names, strict=False):
+            torch.testing.assert_close(got, want, **tol(dtype, "gemm"), msg=lambda s, n=name: f"{n}: {s}")
+    else:  # tensor cores: relative norm; backward from the saved tensor (see the module docstring)
+        _, saved = linear_act_fwd(x.detach(), w.detach(), None if b is None else b.detach(), activation)
+        want = _grads_from_saved(dy, x.detach(), w.detach(), saved, activation, has_bias)
+        for got, ref, name in zip((y, *grads), (y32, *want), names, strict=False):
+            _assert_norm_close(got, ref, dtype, f"{name} {activation} {(m, n, k)} {dtype}")
+
+
+# ----------------------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_fwd_bwd_fp32(shape, activation, has_bias):
+    _check_fwd_bwd(*shape, activation, has_bias, torch.float32, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("activation", ["relu", "gelu_tanh"])
+def test_fwd_bwd_half(activation, dtype):
+    """bf16/fp16 through the kernels (in the interpreter the dot operands are cast to fp32 first)."""
+    _check_fwd_bwd(127, 65, 13, activation, True, dtype, DEVICE, seed=1)
+
+
+@pytest.mark.parametrize("activation", ["identity", "silu"])
+def test_dw_split_m(monkeypatch, activation):
+    """dW/db reduced over several M splits (the last one ragged), summed by the launcher."""
+    monkeypatch.setattr(linear_act_mod, "_dw_rows_per_split", lambda m, n, k: 40)  # 130 = 40+40+40+10 rows
+    _check_fwd_bwd(130, 33, 70, activation, True, torch.float32, DEVICE, seed=2)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu_tanh"])
+def test_kernels_write_every_element(monkeypatch, activation):
+    """Every launcher buffer (y, z, dx, dW/db partials) is poisoned with NaN: the kernels must fill it."""
+
+    def nan_empty(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(linear_act_mod, "_empty", nan_empty)
+    monkeypatch.setattr(linear_act_mod, "_dw_rows_per_split", lambda m, n, k: 64)  # 3 splits of 130 rows
+    _check_fwd_bwd(130, 33, 70, activation, True, torch.float32, DEVICE, seed=3)
+
+
+def test_saved_tensors():
+    """Forward saves nothing for identity, y itself for relu/sigmoid, z = x @ W^T + b for gelu_tanh/silu."""
+    x, w, b, _ = _inputs(37, 19, 24, torch.float32, DEVICE, seed=4)
+    z_ref = F.linear(x, w, b)
+    for activation in ACTIVATIONS:
+        y, saved = linear_act_fwd(x, w, b, activation)
+        if activation == "identity":
+            assert saved is None
+        elif activation in ("relu", "sigmoid"):
+            assert saved is y
+        else:
+            assert saved.shape == y.shape and saved.data_ptr() != y.data_ptr()
+            _assert_norm_close(saved, z_ref, torch.float32, f"z {activation}")
+
+
+def test_noncontiguous_inputs():
+    """Transposed x and W and an expanded (stride-0) upstream gradient, as from y.sum().backward()."""
+    g = torch.Generator().manual_seed(5)
+    xt = torch.randn(24, 37, generator=g).to(DEVICE).t().requires_grad_(True)  # [37, 24], column-major
+    wt = (torch.randn(24, 19, generator=g) / 5).to(DEVICE).t().requires_grad_(True)  # [19, 24]
+    b = torch.randn(19, generator=g).to(DEVICE).requires_grad_(True)
+    linear_act(xt, wt, b, "silu").sum().backward()
+    x32, w32, b32 = (t.detach().clone().requires_grad_(True) for t in (xt, wt, b))
+    linear_act_ref(x32, w32, b32, "silu").sum().backward()
+    kind = "gemm" if DEVICE == "cpu" else "gemm_norm"
+    for got, want in ((xt.grad, x32.grad), (wt.grad, w32.grad), (b.grad, b32.grad)):
+        if kind == "gemm":
+            torch.testing.assert_close(got, want, **tol(torch.float32, kind))
+        else:
+            _assert_norm_close(got, want, torch.float32, "grad")
+
+
+def test_empty_batch():
+    """M == 0: empty y and dx; dW and db are zeros."""
+    x = torch.randn(0, 9, device=DEVICE, requires_grad=True)
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(5, 9, generator=g).to(DEVICE).requires_grad_(True)
+    b = torch.randn(5, generator=g).to(DEVICE).requires_grad_(True)
+    y = linear_act(x, w, b, "gelu_tanh")
+    assert y.shape == (0, 5) and y.dtype == torch.float32
+    y.sum().backward()
+    assert x.grad.shape == (0, 9)
+    torch.testing.assert_close(w.grad, torch.zeros(5, 9, device=DEVICE))
+    torch.testing.assert_close(b.grad, torch.zeros(5, device=DEVICE))
+
+    y, saved = linear_act_fwd(x.detach(), w.detach(), None, "relu")
+    dx, dw, db = linear_act_bwd(
+        torch.empty(0, 5, device=DEVICE), x.detach(), w.detach(), saved, "relu", False
+    )
+    assert dx.shape == (0, 9) and db is None
+    torch.testing.assert_close(dw, torch.zeros(5, 9, device=DEVICE))
+
+
+_X = torch.ones(4, 6)
+_W = torch.ones(3, 6)
+_B = torch.ones(3)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((torch.ones(6), _W, _B, "relu"), r"x must be 2-D.*\(6,\)"),
+        ((torch.ones(2, 4, 6), _W, _B, "relu"), r"x must be 2-D.*\(2, 4, 6\)"),
+        ((_X, torch.ones(6), _B, "relu"), r"weight must be 2-D.*\(6,\)"),
+        ((_X, torch.ones(3, 5), _B, "relu"), r"K = 6.*\(4, 6\).*\(3, 5\)"),
+        ((torch.ones(4, 0), torch.ones(3, 0), _B, "relu"), r"K >= 1 and N >= 1.*\(4, 0\).*\(3, 0\)"),
+        ((_X, torch.ones(0, 6), torch.ones(0), "relu"), r"K >= 1 and N >= 1.*\(0, 6\)"),
+        ((_X, _W, torch.ones(4), "relu"), r"\[3\].*\(4,\)"),
+        ((_X, _W, torch.ones(1, 3), "relu"), r"\[3\].*\(1, 3\)"),
+        ((_X, _W, _B, "swish"), r"'swish'.*identity.*relu.*sigmoid.*gelu_tanh.*silu"),
+        ((_X, _W.double(), _B, "relu"), r"weight dtype torch.float64.*torch.float32"),
+        ((_X, _W, _B.half(), "relu"), r"bias dtype torch.float16.*torch.float32"),
+        ((_X.long(), _W.long(), _B.long(), "relu"), r"torch.int64"),
+        ((_X, torch.ones(3, 6, device="meta"), _B, "relu"), r"weight is on meta.*cpu"),
+        ((_X, _W, torch.ones(3, device="meta"), "relu"), r"bias is on meta.*cpu"),
+    ],
+    ids=[
+        "x-1d", "x-3d", "w-1d", "k-mismatch", "k-zero", "n-zero", "b-short", "b-2d", "activation",
+        "w-dtype", "b-dtype", "int-dtype", "w-device", "b-device",
+    ],
+)  # fmt: skip
+def test_invalid_inputs_raise_value_error(args, match):
+    x, w, b, activation = args
+    with pytest.raises(ValueError, match=match):
+        linear_act_fwd(*args)
+    if b is _B:  # the backward takes no bias
+        dy = torch.ones(x.shape[0] if x.dim() else 1, w.shape[0] if w.dim() else 1)
+        with pytest.raises(ValueError, match=match):
+            linear_act_bwd(dy, x, w, dy, activation, True)
+    if all(t.device.type == "cpu" for t in args[:3]):  # the custom op itself dispatches on mixed devices
+        with pytest.raises(ValueError, match=match):
+            linear_act(*args)
+
+
+def test_invalid_backward_inputs_raise_value_error():
+    dy = torch.ones(4, 3)
+    with pytest.raises(ValueError, match=r"dy must be \(\(4, 3\).*got \(\(4, 5\)"):
+        linear_act_bwd(torch.ones(4, 5), _X, _W, dy, "relu", True)
+    with pytest.raises(ValueError, match=r"dy must be .*torch.float16"):
+        linear_act_bwd(dy.half(), _X, _W, dy, "relu", True)
+    with pytest.raises(ValueError, match=r"saved \(the forward's y for 'sigmoid'\).*got None"):
+        linear_act_bwd(dy, _X, _W, None, "sigmoid", True)
+    with pytest.raises(ValueError, match=r"saved \(the forward's z for 'silu'\).*got \(\(4, 6\)"):
+        linear_act_bwd(dy, _X, _W, _X, "silu", True)
+    with pytest.raises(ValueError, match=r"has_bias must be a bool, got 1"):
+        linear_act_bwd(dy, _X, _W, dy, "relu", 1)
+
+
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "nobias"])
+def test_opcheck(has_bias):
+    """Schema, fake (meta) kernels, autograd registration and AOT dispatch of dlrm::linear_act."""
+    x, w, b, _ = _inputs(5, 11, 7, torch.float32, DEVICE, seed=7)
+    args = (x.requires_grad_(True), w.requires_grad_(True), b.requires_grad_(True) if has_bias else None)
+    torch.library.opcheck(torch.ops.dlrm.linear_act.default, (*args, "gelu_tanh"))
+
+
+def test_cpu_fallback_without_triton(monkeypatch):
+    """With Triton unusable (CPU tensors, no interpreter) the ops fall back to plain PyTorch."""
+    monkeypatch.setattr(linear_act_mod, "_use_triton", lambda x: False)
+    for activation in ACTIVATIONS:
+        for has_bias in (True, False):
+            _check_fwd_bwd(67, 33, 20, activation, has_bias, torch.float32, "cpu", seed=8)
+
+
+def test_m_bucket_and_dw_splits():
+    assert [linear_act_mod._m_bucket(m) for m in (1, 64, 65, 2048, 2049, 65536, 10**6)] == [
+        64, 64, 128, 2048, 4096, 65536, 65536,
+    ]  # fmt: skip
+    f = linear_act_mod._dw_rows_per_split
+    assert f(65536, 16, 64) == 1024  # one (N, K) tile: 64 splits
+    assert f(65536, 1024, 1024) == 13312  # 64 tiles: 5 splits
+    assert f(128, 512, 13) == 256  # small batch: one split
+    for m, n, k in ((1, 1, 1), (2049, 256, 512), (16384, 1, 256), (65536, 512, 479)):
+        rows = f(m, n, k)
+        assert rows % 256 == 0 and (rows >= m or rows >= 1024)  # whole blocks; one split or >= 1024 rows
+
+
+def test_torch_compile_fullgraph():
+    """torch.compile(fullgraph=True) traces the custom ops (no graph break) and matches eager."""
+    torch._dynamo.reset()
+
+    def mlp(x, w1, b1, w2):
+        return linear_act(linear_act(x, w1, b1, "relu"), w2, None, "sigmoid")
+
+    g = torch.Generator().manual_seed(9)
+    x, w1, b1, w2 = (torch.randn(*s, generator=g).to(DEVICE) for s in ((33, 13), (24, 13), (24,), (3, 24)))
+    dy = torch.randn(33, 3, generator=g).to(DEVICE)
+    leaves = [t.requires_grad_(True) for t in (x, w1, b1, w2)]
+
+    t0 = time.perf_counter()
+    y = torch.compile(mlp, fullgraph=True)(*leaves)
+    grads = torch.autograd.grad(y, leaves, dy)
+    print(f"torch.compile first call (fwd+bwd): {time.perf_counter() - t0:.1f} s")
+
+    y_eager = mlp(*leaves)
+    grads_eager = torch.autograd.grad(y_eager, leaves, dy)
+    # Same kernels on both sides: only Inductor's own ops around them could differ.
+    torch.testing.assert_close(y, y_eager, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, grads_eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+# (K, N) of every layer of the DLRM MLPs (bottom then top), deduplicated across the two configs.
+KAGGLE_LAYERS = [(13, 512), (512, 256), (256, 64), (64, 16), (367, 512), (512, 256), (256, 1)]
+MLPERF_LAYERS = [(13, 512), (512, 256), (256, 128), (479, 1024), (1024, 1024), (1024, 512), (512, 256)]
+MLPERF_LAYERS += [(256, 1)]
+DLRM_LAYERS = sorted(set(KAGGLE_LAYERS + MLPERF_LAYERS))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activations_half_gpu(activation, has_bias, dtype):
+    for shape in SHAPES:
+        _check_fwd_bwd(*shape, activation, has_bias, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layer", DLRM_LAYERS, ids=lambda kn: f"{kn[0]}to{kn[1]}")
+@pytest.mark.parametrize("m", [128, 2048, 16384, 65536])
+def test_dlrm_shapes_gpu(m, layer, dtype):
+    """Every MLP layer at DLRM batch sizes: relu hidden layers, identity for the logit (N = 1)."""
+    k, n = layer
+    _check_fwd_bwd(m, n, k, "identity" if n == 1 else "relu", True, dtype, "cuda", seed=m + n + k)
+
+
+@pytest.mark.gpu
+def test_new_batch_size_does_not_recompile_gpu():
+    kernels = [
+        linear_act_mod._linear_act_fwd_kernel.fn,
+        linear_act_mod._linear_act_bwd_dx_kernel.fn,
+        linear_act_mod._linear_act_bwd_dw_kernel.fn,
+    ]
+    if not all(hasattr(k, "device_caches") for k in kernels):
+        pytest.skip("this Triton has no JITFunction.device_caches")
+
+    def n_compiled():
+        return sum(len(entry[0]) for k in kernels for entry in k.device_caches.values())
+
+    x, w, b, dy = _inputs(2048, 64, 96, torch.bfloat16, "cuda", seed=10)
+    for m in (2048, 1100):  # tune both buckets once
+        y, saved = linear_act_fwd(x[:m], w, b, "silu")
+        linear_act_bwd(dy[:m], x[:m], w, saved, "silu", True)
+    before = n_compiled()
+    for m in (1025, 1500, 1999, 2047):  # same bucket (2048), new batch sizes
+        y, saved = linear_act_fwd(x[:m], w, b, "silu")
+        linear_act_bwd(dy[:m], x[:m], w, saved, "silu", True)
+    assert n_compiled() == before
+
+
+@pytest.mark.gpu
+def test_int64_offsets_gpu():
+    """M * K > 2**31 elements: the row offsets must not overflow int32."""
+    k, n = 1024, 16
+    m = 2**31 // k + 3
+    if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
+        pytest.skip("needs ~30 GiB of GPU memory")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / 32
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+    y, saved = linear_act_fwd(x, w, b, "gelu_tanh")
+    for rows in (slice(0, 64), slice(m - 64, m)):
+        _assert_norm_close(y[rows], linear_act_ref(x[rows], w, b, "gelu_tanh").float(), torch.bfloat16, "y")
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    dx, dw, db = linear_act_bwd(dy, x, w, saved, "gelu_tanh", True)
+    for rows in (slice(0, 64), slice(m - 64, m)):
+        want = _grads_from_saved(dy[rows], x[rows], w, saved[rows], "gelu_tanh", False)[0]
+        _assert_norm_close(dx[rows], want, torch.bfloat16, "dx")
+    dw_ref = torch.zeros(n, k, device="cuda")
+    db_ref = torch.zeros(n, device="cuda")
+    for start in range(0, m, 2**20):
+        rows = slice(start, start + 2**20)
+        _, dw_c, db_c = _grads_from_saved(dy[rows], x[rows], w, saved[rows], "gelu_tanh", True)
+        dw_ref += dw_c
+        db_ref += db_c
+    _assert_norm_close(dw, dw_ref, torch.bfloat16, "dW")
+    _assert_norm_close(db, db_ref, torch.bfloat16, "db")
