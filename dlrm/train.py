@@ -51,9 +51,10 @@ def make_optimizer(model: DLRM, cfg: RunConfig) -> torch.optim.Optimizer:
 
 def compile_dense_part(model: DLRM) -> None:
     """Compile the MLPs and the interaction with Inductor, in place. The embedding lookups stay eager:
-    their sparse gradients do not compile."""
+    their sparse gradients do not compile. The batch dimension is dynamic from the start, so the last
+    partial batch and the eval batch size do not trigger recompiles."""
     for module in (model.dense_arch, model.interaction_arch, model.over_arch):
-        module.compile()
+        module.compile(dynamic=True)
 
 
 def _use_interpreter_on_cpu(cfg: RunConfig, device: torch.device) -> None:

@@ -23,11 +23,12 @@ Inputs are made contiguous (row-major) by the launchers, so the kernels take row
 
 Dtypes: x, W and b all fp32, bf16 or fp16 (one dtype); y, dx, dW, db have that dtype.
 Compute dtype: fp32 accumulation everywhere. The GEMM operands go to ``tl.dot`` in their own dtype on the
-GPU: bf16/fp16 tensor cores, and for fp32 the default TF32 tensor-core precision (10-bit mantissa
-operands, fp32 accumulate: a relative error of ~1e-3 per product, like ``torch.backends.cuda.matmul.
-allow_tf32 = True``). In the CPU interpreter the operands are cast to fp32 first (``DOT_FP32``: its bf16
-``dot`` is wrong), so there the GEMM is plain fp32. Bias, activation and act' run in fp32 on values cast
-right after load; in the backward GEMMs dz is rounded to the input dtype before the dot (as PyTorch does).
+GPU: bf16/fp16 tensor cores; fp32 follows ``torch.backends.cuda.matmul.allow_tf32`` like cuBLAS does:
+IEEE fp32 products when it is False (PyTorch's default), TF32 tensor cores (10-bit mantissa operands, fp32
+accumulate: a relative error of ~1e-3 per product) when it is True. In the CPU interpreter the operands
+are cast to fp32 first (``DOT_FP32``: its bf16 ``dot`` is wrong), so there the GEMM is plain fp32.
+Bias, activation and act' run in fp32 on values cast right after load; in the backward GEMMs dz is
+rounded to the input dtype before the dot (as PyTorch does).
 
 What the forward saves for backward (besides the inputs x and W):
     identity            nothing (act' = 1)
@@ -168,6 +169,7 @@ def _linear_act_fwd_kernel(
     SAVE_Z: tl.constexpr,
     ACTIVATION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # cast dot operands to fp32 (interpreter only)
+    INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "ieee" (torch's allow_tf32)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # reduction chunk
@@ -191,7 +193,7 @@ def _linear_act_fwd_kernel(
         if DOT_FP32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -225,6 +227,7 @@ def _linear_act_bwd_dx_kernel(
     # meta-parameters
     ACTIVATION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,  # reduction chunk
@@ -256,7 +259,7 @@ def _linear_act_bwd_dx_kernel(
             w = w.to(tl.float32)
         else:
             dz = dz.to(w_ptr.dtype.element_ty)
-        acc = tl.dot(dz, w, acc)
+        acc = tl.dot(dz, w, acc, input_precision=INPUT_PRECISION)
         dy_ptrs += BLOCK_N
         s_ptrs += BLOCK_N
         w_ptrs += BLOCK_N * stride_wn
@@ -291,6 +294,7 @@ def _linear_act_bwd_dw_kernel(
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,  # reduction chunk
@@ -330,7 +334,7 @@ def _linear_act_bwd_dw_kernel(
             xt = xt.to(tl.float32)
         else:
             dz = dz.to(x_ptr.dtype.element_ty)
-        acc = tl.dot(tl.trans(dz), xt, acc)
+        acc = tl.dot(tl.trans(dz), xt, acc, input_precision=INPUT_PRECISION)
         dy_ptrs += BLOCK_M * stride_dym
         s_ptrs += BLOCK_M * stride_sm
         x_ptrs += BLOCK_M * stride_xm
@@ -558,9 +562,16 @@ def linear_act_fwd(
         x, weight, bias if bias is not None else x, y, z if save_z else y,
         m, n, k, _m_bucket(m),
         x.stride(0), weight.stride(0), y.stride(0), (z if save_z else y).stride(0),
-        HAS_BIAS=bias is not None, SAVE_Z=save_z, ACTIVATION=activation, DOT_FP32=_INTERPRETED,
+        HAS_BIAS=bias is not None, SAVE_Z=save_z, ACTIVATION=activation,
+        DOT_FP32=_INTERPRETED, INPUT_PRECISION=_input_precision(x.dtype),
     )  # fmt: skip
     return y, saved
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    """How tl.dot multiplies fp32 operands: TF32 tensor cores only where PyTorch's own matmuls may
+    (``torch.backends.cuda.matmul.allow_tf32``), so every backend computes the same GEMM precision."""
+    return "tf32" if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 def linear_act_bwd(
@@ -604,7 +615,8 @@ def linear_act_bwd(
         dy, s, weight, dx,
         m, n, k, m_bucket,
         dy.stride(0), s.stride(0), weight.stride(0), dx.stride(0),
-        ACTIVATION=activation, DOT_FP32=_INTERPRETED,
+        ACTIVATION=activation,
+        DOT_FP32=_INTERPRETED, INPUT_PRECISION=_input_precision(x.dtype),
     )  # fmt: skip
 
     rows_per_split = _dw_rows_per_split(m, n, k)
@@ -620,7 +632,8 @@ def linear_act_bwd(
         dy, s, x, dw_part, db_part,
         m, n, k, m_bucket, rows_per_split,
         dy.stride(0), s.stride(0), x.stride(0), dw_part.stride(0), dw_part.stride(1), db_part.stride(0),
-        HAS_BIAS=has_bias, ACTIVATION=activation, DOT_FP32=_INTERPRETED,
+        HAS_BIAS=has_bias, ACTIVATION=activation,
+        DOT_FP32=_INTERPRETED, INPUT_PRECISION=_input_precision(x.dtype),
     )  # fmt: skip
     dw = (dw_part[0] if splits == 1 else dw_part.sum(dim=0)).to(x.dtype)
     db = (db_part[0] if splits == 1 else db_part.sum(dim=0)).to(x.dtype) if has_bias else None

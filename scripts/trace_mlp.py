@@ -29,6 +29,7 @@ def kernels_of_step(kernel: str, widths: tuple[int, ...], batch: int, trace: Pat
     x = torch.rand(batch, NUM_DENSE, device="cuda")
     for _ in range(3):  # warm-up: JIT and autotuning stay out of the profile
         arch(x).sum().backward()
+    arch.zero_grad(set_to_none=True)  # as the training loop does: no gradient accumulation kernels
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         arch(x).sum().backward()

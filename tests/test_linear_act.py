@@ -318,6 +318,15 @@ def test_dlrm_shapes_gpu(m, layer, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layer", DLRM_LAYERS, ids=lambda kn: f"{kn[0]}to{kn[1]}")
+def test_dlrm_shapes_tf32_gpu(monkeypatch, layer):
+    """fp32 with TF32 matmuls allowed: the kernel's dots switch to TF32, still within the tf32 norm bound."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    k, n = layer
+    _check_fwd_bwd(16384, n, k, "identity" if n == 1 else "relu", True, torch.float32, "cuda", seed=n + k)
+
+
+@pytest.mark.gpu
 def test_new_batch_size_does_not_recompile_gpu():
     kernels = [
         linear_act_mod._linear_act_fwd_kernel.fn,
