@@ -2,12 +2,15 @@
 
     python scripts/bench_kernels.py [--configs kaggle,mlperf] [--batches 2048,16384] [--precisions tf32,bf16]
 
-For every MLP layer of configs/<config>.json (K -> N, its activation) and batch B it times, with CUDA events
-(triton.testing.do_bench, median), the forward and the forward + backward of:
+For every MLP layer of configs/<config>.json (K -> N, its activation) and batch B it times the forward and
+the forward + backward of:
     eager       act(F.linear(x, W, b))                        PyTorch ops, the baseline
     compile     torch.compile of that function                Inductor (compile time reported apart)
     bias_act    bias_act(F.linear(x, W), b, act)              cuBLAS GEMM + our fused bias+activation kernel
     linear_act  linear_act(x, W, b, act)                      our fused GEMM + bias + activation kernel
+each two ways (median of CUDA-event timings, triton.testing.do_bench): "launch", called from Python as an
+eager training loop does (host launch overhead included), and "graph", replays of a CUDA graph of the same
+calls (GPU time only, what a graph-captured training step pays).
 Precisions: tf32 (fp32 tensors, TF32 matmuls allowed for every path) and bf16. Inputs rotate over several
 buffer sets so the L2 cache does not hold them between repeats.
 
@@ -28,13 +31,13 @@ import click
 import torch
 import torch.nn.functional as F
 import triton
-from kernels.linear_act import linear_act
 from triton.testing import do_bench
 
 from dlrm.config import load_config
 from dlrm.data.schema import NUM_DENSE
 from dlrm.model.dlrm import InteractionArch
 from kernels.bias_act import bias_act
+from kernels.linear_act import linear_act
 
 RESULTS = Path(__file__).parent / "results" / "kernels.csv"
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
@@ -42,6 +45,7 @@ DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
 TORCH_ACT = {"relu": F.relu, "identity": lambda z: z}
 PATHS = ("eager", "compile", "bias_act", "linear_act")
 ROTATE = 4  # input sets cycled through between repeats
+PASSES = ("launch fwd", "launch fwd+bwd", "graph fwd", "graph fwd+bwd")
 
 
 def mlp_layers(config: str) -> list[tuple[int, int, str]]:
@@ -92,11 +96,30 @@ def _layer_fns(path: str, act: str):
         return (lambda x, w, b: bias_act(F.linear(x, w), b, act)), 0.0
     if path == "linear_act":
         return (lambda x, w, b: linear_act(x, w, b, act)), 0.0
+    torch._dynamo.reset()  # each layer compiles afresh: the lambda's code object is shared between layers
     return torch.compile(lambda x, w, b: TORCH_ACT[act](F.linear(x, w, b)), dynamic=False), None
 
 
+def _graph_ms(step, repeats: int = 20) -> float:
+    """GPU time of one `step()`: `repeats` calls captured in a CUDA graph, median of replays / repeats.
+    No host launch overhead: this is what the kernels cost when the training step is graph-captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (autotuning, allocations) outside the capture
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            step()
+    return _median_ms(graph.replay) / repeats
+
+
 def bench_layer(path: str, m: int, k: int, n: int, act: str, dtype: torch.dtype) -> dict[str, float]:
-    """Forward and forward+backward median ms of one layer on one path (+ compile seconds for compile)."""
+    """Median ms of one layer on one path: forward and forward+backward, each timed as launched from
+    Python ("launch", host overhead included) and as CUDA-graph replays ("graph", GPU time only);
+    plus compile seconds for the compile path."""
     g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
     sets = []
     for _ in range(ROTATE):
@@ -124,12 +147,16 @@ def bench_layer(path: str, m: int, k: int, n: int, act: str, dtype: torch.dtype)
 
     def fwd_bwd():
         x, w, b, dy = sets[next(i) % ROTATE]
+        x.grad = w.grad = b.grad = None
         fn(x, w, b).backward(dy)
 
-    grads = [t for s in sets for t in s[:3]]
-    fwd_ms = _median_ms(fwd)
-    fwd_bwd_ms = do_bench(fwd_bwd, warmup=50, rep=200, grad_to_none=grads, return_mode="median")
-    return {"fwd": fwd_ms, "fwd+bwd": fwd_bwd_ms, "compile_s": compile_s}
+    return {
+        "launch fwd": _median_ms(fwd),
+        "launch fwd+bwd": _median_ms(fwd_bwd),
+        "graph fwd": _graph_ms(fwd),
+        "graph fwd+bwd": _graph_ms(fwd_bwd),
+        "compile_s": compile_s,
+    }
 
 
 def bench_bias_act_bandwidth(m: int, n: int, dtype: torch.dtype, copy_gbps: float) -> tuple[float, float]:
@@ -147,16 +174,17 @@ def bench_bias_act_bandwidth(m: int, n: int, dtype: torch.dtype, copy_gbps: floa
 
 def _print_summary(summary: list, path_list: list[str], gpu: str) -> None:
     print(f"\nsum over each config's MLP layers, ms (ratio = eager / path, same run), {gpu}")
-    print(f"{'config':<8}{'prec':<6}{'B':>7}  {'pass':<8}" + "".join(f"{p:>20}" for p in path_list))
+    print(f"{'config':<8}{'prec':<6}{'B':>7}  {'pass':<15}" + "".join(f"{p:>20}" for p in path_list))
     for config, precision, m, totals in summary:
-        for ps in ("fwd", "fwd+bwd"):
+        for ps in PASSES:
             base = totals.get(("eager", ps), float("nan"))
             cells = "".join(f"{totals[(p, ps)]:>10.4f} ({base / totals[(p, ps)]:>5.2f}x)" for p in path_list)
-            print(f"{config:<8}{precision:<6}{m:>7}  {ps:<8}{cells}")
+            print(f"{config:<8}{precision:<6}{m:>7}  {ps:<15}{cells}")
     if "compile" in path_list and "linear_act" in path_list:
         ratios = [
-            f"{c}/{p}/B={m}: {t[('compile', 'fwd+bwd')] / t[('linear_act', 'fwd+bwd')]:.2f}x"
+            f"{c}/{p}/B={m}/{ps}: {t[('compile', ps)] / t[('linear_act', ps)]:.2f}x"
             for c, p, m, t in summary
+            for ps in ("launch fwd+bwd", "graph fwd+bwd")
         ]
         print("linear_act fwd+bwd speed-up over compile: " + ", ".join(ratios))
 
@@ -185,13 +213,13 @@ def main(configs, batches, precisions, paths):
         for precision in precisions.split(","):
             peak = ceilings[f"gemm_tflops_{precision}"]
             for m in (int(b) for b in batches.split(",")):
-                totals = {(p, ps): 0.0 for p in path_list for ps in ("fwd", "fwd+bwd")}
+                totals = {(p, ps): 0.0 for p in path_list for ps in PASSES}
                 for k, n, act in mlp_layers(config):
-                    flops = {"fwd": 2 * m * n * k, "fwd+bwd": 6 * m * n * k}
+                    flops = {ps: (6 if ps.endswith("bwd") else 2) * m * n * k for ps in PASSES}
                     times = {path: bench_layer(path, m, k, n, act, DTYPES[precision]) for path in path_list}
                     base = times[path_list[0]]
                     for path, t in times.items():
-                        for ps in ("fwd", "fwd+bwd"):
+                        for ps in PASSES:
                             totals[(path, ps)] += t[ps]
                             tflops = flops[ps] / t[ps] / 1e9
                             rows.append(dict(
