@@ -6,13 +6,8 @@ Math
     dx = dz = dy * act'(z)         (same dtype as x)
     db = sum over rows of dz       (fp32 sum, returned in b's dtype)
 
-    act is one of ``ACTIVATIONS``:
-        identity   y = z                                  act'(z) = 1
-        relu       y = max(z, 0)                          act'(z) = 1 if z > 0 else 0
-        sigmoid    y = s(z) = 1 / (1 + exp(-z))           act'(z) = s(z) (1 - s(z))
-                   (computed as exp(-|z|)-based so exp never overflows)
-        gelu_tanh  y = 0.5 z (1 + tanh(u)),  u = sqrt(2/pi) (z + 0.044715 z^3)
-                     = z s(2u)                            act'(z) = s(2u) + 2 z s(2u) (1 - s(2u)) du/dz
+    act is one of ``ACTIVATIONS`` (identity, relu, sigmoid, gelu_tanh, silu), with the formulas of act and
+    act' in ``kernels/activations.py``.
 
 Shapes (glossary letters of a GEMM's output): x [M, N] (M rows, e.g. the batch B; N columns, the layer
 width), b [N], y [M, N], dy [M, N]. Any M >= 0 and N >= 1; inputs are made contiguous (row-major) by the
@@ -45,6 +40,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.activations import ACTIVATIONS, act_fwd, act_grad, act_grad_ref, act_ref, check_activation
+
 __all__ = [
     "ACTIVATIONS",
     "bias_act",
@@ -53,57 +50,12 @@ __all__ = [
     "bias_act_bwd",
 ]
 
-ACTIVATIONS = ("identity", "relu", "sigmoid", "gelu_tanh")
-
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2 / pi)
-_GELU_C = 0.044715
 
 
 # --------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _sigmoid(v):
-    """1 / (1 + exp(-v)) for an fp32 tile, without overflow: exp only ever sees -|v|."""
-    t = tl.exp(-tl.abs(v))
-    return tl.where(v >= 0.0, 1.0 / (1.0 + t), t / (1.0 + t))
-
-
-@triton.jit
-def _act_fwd(z, ACTIVATION: tl.constexpr):
-    """act(z) for an fp32 tile z."""
-    if ACTIVATION == "relu":
-        y = tl.maximum(z, 0.0)
-    elif ACTIVATION == "sigmoid":
-        y = _sigmoid(z)
-    elif ACTIVATION == "gelu_tanh":
-        # 0.5 z (1 + tanh(u)) == z * sigmoid(2u)
-        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
-        y = z * _sigmoid(2.0 * u)
-    else:  # identity
-        y = z
-    return y
-
-
-@triton.jit
-def _act_grad(z, ACTIVATION: tl.constexpr):
-    """act'(z) for an fp32 tile z."""
-    if ACTIVATION == "relu":
-        g = tl.where(z > 0.0, 1.0, 0.0)
-    elif ACTIVATION == "sigmoid":
-        s = _sigmoid(z)
-        g = s * (1.0 - s)
-    elif ACTIVATION == "gelu_tanh":
-        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
-        du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
-        s = _sigmoid(2.0 * u)  # sigmoid(2u) = (1 + tanh(u)) / 2
-        g = s + 2.0 * z * s * (1.0 - s) * du
-    else:  # identity
-        g = tl.full(z.shape, 1.0, tl.float32)
-    return g
 
 
 # M (the batch) changes between calls: do not specialize on it (value 1 / divisibility by 16), so a new
@@ -136,7 +88,7 @@ def _bias_act_fwd_kernel(
 
     b = tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = _act_fwd(x + b[None, :], ACTIVATION)
+    y = act_fwd(x + b[None, :], ACTIVATION)
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -172,7 +124,7 @@ def _bias_act_bwd_kernel(
     b = tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dz = dy * _act_grad(x + b[None, :], ACTIVATION)
+    dz = dy * act_grad(x + b[None, :], ACTIVATION)
     tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :], dz.to(dx_ptr.dtype.element_ty), mask=mask)
 
     # Masked-out rows must not leak into the sum (act'(b) * 0 is 0, but be explicit: NaN * 0 is NaN).
@@ -213,8 +165,7 @@ def _pick_config(n: int) -> tuple[int, int, int]:
 
 def _check_inputs(x: Tensor, b: Tensor, activation: str) -> None:
     """Raise ValueError naming the offending values; works on fake tensors too."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"bias_act: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+    check_activation("bias_act", activation)
     if x.dim() != 2:
         raise ValueError(f"bias_act: x must be 2-D [M, N], got shape {tuple(x.shape)}")
     if x.shape[1] < 1:
@@ -331,18 +282,6 @@ def bias_act_bwd(
 # --------------------------------------------------------------------------------------------------
 
 
-def _act_ref(z: Tensor, activation: str) -> Tensor:
-    if activation == "identity":
-        return z
-    if activation == "relu":
-        return torch.relu(z)
-    if activation == "sigmoid":
-        return torch.sigmoid(z)
-    if activation == "gelu_tanh":
-        return torch.nn.functional.gelu(z, approximate="tanh")
-    raise ValueError(f"bias_act: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
-
-
 def bias_act_ref(x: Tensor, bias: Tensor, activation: str) -> Tensor:
     """Reference ``act(x + bias)`` in plain PyTorch: computed in fp32, cast back to x's dtype.
 
@@ -359,8 +298,7 @@ def bias_act_ref(x: Tensor, bias: Tensor, activation: str) -> Tensor:
     Raises:
         ValueError: unknown activation.
     """
-    z = x.float() + bias.float()
-    return _act_ref(z, activation).to(x.dtype)
+    return act_ref(x.float() + bias.float(), activation).to(x.dtype)
 
 
 def _bias_act_bwd_ref(dy: Tensor, x: Tensor, b: Tensor, activation: str) -> tuple[Tensor, Tensor]:
@@ -368,19 +306,7 @@ def _bias_act_bwd_ref(dy: Tensor, x: Tensor, b: Tensor, activation: str) -> tupl
 
     Analytic, not torch.autograd.grad: inside a custom op's implementation autograd does not record.
     """
-    z = x.float() + b.float()
-    if activation == "identity":
-        g = torch.ones_like(z)
-    elif activation == "relu":
-        g = (z > 0).float()
-    elif activation == "sigmoid":
-        s = torch.sigmoid(z)
-        g = s * (1.0 - s)
-    elif activation == "gelu_tanh":
-        t = torch.tanh(_SQRT_2_OVER_PI * (z + _GELU_C * z**3))
-        g = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * z * z)
-    else:
-        raise ValueError(f"bias_act: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+    g = act_grad_ref(x.float() + b.float(), activation)
     dz = dy.float() * g
     return dz.to(x.dtype), dz.sum(dim=0).to(b.dtype)
 
@@ -456,7 +382,7 @@ def bias_act(x: Tensor, bias: Tensor, activation: str = "relu") -> Tensor:
         x: [M, N] tensor, fp32, bf16 or fp16 (M >= 0, N >= 1). Non-contiguous inputs are copied.
         bias: [N] tensor, same dtype and device as x.
         activation: one of ``ACTIVATIONS``: "identity", "relu" (default), "sigmoid", "gelu_tanh"
-            (``0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))``).
+            (``0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))``), "silu".
 
     Returns:
         [M, N] tensor of x's dtype: ``act(x + bias)`` computed in fp32.

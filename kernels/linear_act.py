@@ -8,14 +8,9 @@ Math (nn.Linear layout: W is [N, K], one row per output feature)
     dW = dz^T @ x                    [N, K]
     db = sum over rows of dz         [N]
 
-    act is one of ``ACTIVATIONS``:
-        identity   y = z                                  act'(z) = 1
-        relu       y = max(z, 0)                          act'(z) = 1 if y > 0 else 0      (from y)
-        sigmoid    y = s(z) = 1 / (1 + exp(-z))           act'(z) = y (1 - y)              (from y)
-                   (computed exp(-|z|)-based so exp never overflows)
-        gelu_tanh  y = 0.5 z (1 + tanh(u)),  u = sqrt(2/pi) (z + 0.044715 z^3)
-                     = z s(2u)                            act'(z) = s(2u) + 2 z s(2u) (1 - s(2u)) du/dz
-        silu       y = z s(z)                             act'(z) = s(z) (1 + z (1 - s(z)))
+    act is one of ``ACTIVATIONS`` (identity, relu, sigmoid, gelu_tanh, silu; formulas in
+    ``kernels/activations.py``); relu' and sigmoid' are taken from the output y (relu' = [y > 0],
+    sigmoid' = y (1 - y)), gelu_tanh' and silu' from the pre-activation z.
 
 Shapes (glossary letters of a GEMM): x [M, K] (M rows, e.g. the batch B; K input features), W [N, K],
 b [N] or None, y [M, N]. Any M >= 0, N >= 1, K >= 1 (e.g. K = 13 dense features, N = 1 logit, M = 1).
@@ -61,6 +56,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.activations import ACTIVATIONS, act_fwd, act_grad, act_grad_ref, act_ref, check_activation
+
 __all__ = [
     "ACTIVATIONS",
     "linear_act",
@@ -69,13 +66,9 @@ __all__ = [
     "linear_act_bwd",
 ]
 
-ACTIVATIONS = ("identity", "relu", "sigmoid", "gelu_tanh", "silu")
-
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SAVES_Y = ("relu", "sigmoid")  # act' is a function of y = act(z)
 _SAVES_Z = ("gelu_tanh", "silu")  # act' needs z
-_SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2 / pi)
-_GELU_C = 0.044715
 
 # Whether the kernels below are decorated for the interpreter: Triton reads TRITON_INTERPRET at decoration
 # time, so a later change of the variable does not change how they run.
@@ -88,47 +81,16 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
-def _sigmoid(v):
-    """1 / (1 + exp(-v)) for an fp32 tile, without overflow: exp only ever sees -|v|."""
-    t = tl.exp(-tl.abs(v))
-    return tl.where(v >= 0.0, 1.0 / (1.0 + t), t / (1.0 + t))
-
-
-@triton.jit
-def _act_fwd(z, ACTIVATION: tl.constexpr):
-    """act(z) for an fp32 tile z."""
-    if ACTIVATION == "relu":
-        y = tl.maximum(z, 0.0)
-    elif ACTIVATION == "sigmoid":
-        y = _sigmoid(z)
-    elif ACTIVATION == "gelu_tanh":
-        # 0.5 z (1 + tanh(u)) == z * sigmoid(2u)
-        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
-        y = z * _sigmoid(2.0 * u)
-    elif ACTIVATION == "silu":
-        y = z * _sigmoid(z)
-    else:  # identity
-        y = z
-    return y
-
-
-@triton.jit
 def _act_bwd(dy, s, ACTIVATION: tl.constexpr):
     """dz = dy * act'(.) for fp32 tiles; s is the saved tile: y for relu/sigmoid, z for gelu_tanh/silu."""
     if ACTIVATION == "relu":
         dz = tl.where(s > 0.0, dy, 0.0)
     elif ACTIVATION == "sigmoid":
         dz = dy * s * (1.0 - s)
-    elif ACTIVATION == "gelu_tanh":
-        u = 0.7978845608028654 * (s + 0.044715 * s * s * s)
-        du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * s * s)
-        sg = _sigmoid(2.0 * u)  # sigmoid(2u) = (1 + tanh(u)) / 2
-        dz = dy * (sg + 2.0 * s * sg * (1.0 - sg) * du)
-    elif ACTIVATION == "silu":
-        sg = _sigmoid(s)
-        dz = dy * (sg * (1.0 + s * (1.0 - sg)))
-    else:  # identity
+    elif ACTIVATION == "identity":
         dz = dy
+    else:  # gelu_tanh, silu: s is z
+        dz = dy * act_grad(s, ACTIVATION)
     return dz
 
 
@@ -203,7 +165,7 @@ def _linear_act_fwd_kernel(
     mask = mask_m[:, None] & mask_n[None, :]
     if SAVE_Z:
         tl.store(z_ptr + rows[:, None] * stride_zm + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
-    y = _act_fwd(acc, ACTIVATION)
+    y = act_fwd(acc, ACTIVATION)
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -472,8 +434,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 def _check_inputs(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> None:
     """Raise ValueError naming the offending values; works on fake tensors too."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"linear_act: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+    check_activation("linear_act", activation)
     if x.dim() != 2:
         raise ValueError(f"linear_act: x must be 2-D [M, K], got shape {tuple(x.shape)}")
     if weight.dim() != 2:
@@ -645,20 +606,6 @@ def linear_act_bwd(
 # --------------------------------------------------------------------------------------------------
 
 
-def _act_ref(z: Tensor, activation: str) -> Tensor:
-    if activation == "identity":
-        return z
-    if activation == "relu":
-        return torch.relu(z)
-    if activation == "sigmoid":
-        return torch.sigmoid(z)
-    if activation == "gelu_tanh":
-        return torch.nn.functional.gelu(z, approximate="tanh")
-    if activation == "silu":
-        return torch.nn.functional.silu(z)
-    raise ValueError(f"linear_act: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
-
-
 def linear_act_ref(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
     """Reference ``act(F.linear(x, weight, bias))`` in plain PyTorch: fp32 math, cast back to x's dtype.
 
@@ -677,7 +624,7 @@ def linear_act_ref(x: Tensor, weight: Tensor, bias: Tensor | None, activation: s
         ValueError: unknown activation.
     """
     z = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    return _act_ref(z, activation).to(x.dtype)
+    return act_ref(z, activation).to(x.dtype)
 
 
 def _linear_act_fwd_ref(
@@ -685,7 +632,7 @@ def _linear_act_fwd_ref(
 ) -> tuple[Tensor, Tensor | None]:
     """``linear_act_fwd`` in plain PyTorch (fp32 math): the CPU fallback of the forward op."""
     z = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    y = _act_ref(z, activation).to(x.dtype)
+    y = act_ref(z, activation).to(x.dtype)
     if activation in _SAVES_Z:
         return y, z.to(x.dtype)
     return y, (y if activation in _SAVES_Y else None)
@@ -706,16 +653,8 @@ def _linear_act_bwd_ref(
         dz = torch.where(s > 0, dy, 0.0)
     elif activation == "sigmoid":
         dz = dy * s * (1.0 - s)
-    elif activation == "gelu_tanh":
-        t = torch.tanh(_SQRT_2_OVER_PI * (s + _GELU_C * s**3))
-        dz = dy * (
-            0.5 * (1.0 + t) + 0.5 * s * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * s * s)
-        )
-    elif activation == "silu":
-        sg = torch.sigmoid(s)
-        dz = dy * sg * (1.0 + s * (1.0 - sg))
-    else:
-        raise ValueError(f"linear_act: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+    else:  # gelu_tanh, silu: s is z
+        dz = dy * act_grad_ref(s, activation)
     dx = (dz @ weight.float()).to(x.dtype)
     dw = (dz.t() @ x.float()).to(x.dtype)
     db = dz.sum(dim=0).to(x.dtype) if has_bias else None

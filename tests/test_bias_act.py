@@ -102,9 +102,13 @@ def test_matches_linear_with_bias(activation):
         torch.randn(*shape, generator=g).to(DEVICE) for shape in ((37, 24), (19, 24), (19,), (37, 19))
     )
     x, w, b = (t.requires_grad_(True) for t in (x, w, b))
-    act = {"identity": lambda z: z, "relu": torch.relu, "sigmoid": torch.sigmoid}.get(
-        activation, lambda z: F.gelu(z, approximate="tanh")
-    )
+    act = {
+        "identity": lambda z: z,
+        "relu": torch.relu,
+        "sigmoid": torch.sigmoid,
+        "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+        "silu": F.silu,
+    }[activation]
 
     y = bias_act(F.linear(x, w), b, activation)
     grads = torch.autograd.grad(y, (x, w, b), dy)

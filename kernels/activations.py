@@ -1,0 +1,106 @@
+"""Activations shared by the MLP kernels: Triton device functions and their PyTorch references.
+
+    identity   y = z                                  act'(z) = 1
+    relu       y = max(z, 0)                          act'(z) = 1 if z > 0 else 0   (= [y > 0])
+    sigmoid    y = s(z) = 1 / (1 + exp(-z))           act'(z) = s(z) (1 - s(z))     (= y (1 - y))
+    gelu_tanh  y = 0.5 z (1 + tanh(u)), u = sqrt(2/pi) (z + 0.044715 z^3)  (GELU, tanh approximation;
+               = z s(2u))                             act'(z) = s(2u) + 2 z s(2u) (1 - s(2u)) du/dz
+    silu       y = z s(z)                             act'(z) = s(z) (1 + z (1 - s(z)))
+
+The Triton functions take and return fp32 tiles; the sigmoid is computed from exp(-|z|), which never
+overflows. The references equal torch.relu / torch.sigmoid / F.gelu(approximate="tanh") / F.silu.
+"""
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+ACTIVATIONS = ("identity", "relu", "sigmoid", "gelu_tanh", "silu")
+
+_SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2 / pi)
+_GELU_C = 0.044715
+
+
+def check_activation(op: str, activation: str) -> None:
+    """Raise ValueError naming `op` and the allowed values when `activation` is unknown."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+
+
+@triton.jit
+def sigmoid(v):
+    """1 / (1 + exp(-v)) for an fp32 tile, without overflow: exp only ever sees -|v|."""
+    t = tl.exp(-tl.abs(v))
+    return tl.where(v >= 0.0, 1.0 / (1.0 + t), t / (1.0 + t))
+
+
+@triton.jit
+def act_fwd(z, ACTIVATION: tl.constexpr):
+    """act(z) for an fp32 tile z."""
+    if ACTIVATION == "relu":
+        y = tl.maximum(z, 0.0)
+    elif ACTIVATION == "sigmoid":
+        y = sigmoid(z)
+    elif ACTIVATION == "gelu_tanh":
+        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        y = z * sigmoid(2.0 * u)  # 0.5 z (1 + tanh(u)) == z sigmoid(2u)
+    elif ACTIVATION == "silu":
+        y = z * sigmoid(z)
+    else:  # identity
+        y = z
+    return y
+
+
+@triton.jit
+def act_grad(z, ACTIVATION: tl.constexpr):
+    """act'(z) for an fp32 tile z."""
+    if ACTIVATION == "relu":
+        g = tl.where(z > 0.0, 1.0, 0.0)
+    elif ACTIVATION == "sigmoid":
+        s = sigmoid(z)
+        g = s * (1.0 - s)
+    elif ACTIVATION == "gelu_tanh":
+        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
+        s = sigmoid(2.0 * u)  # sigmoid(2u) = (1 + tanh(u)) / 2
+        g = s + 2.0 * z * s * (1.0 - s) * du
+    elif ACTIVATION == "silu":
+        s = sigmoid(z)
+        g = s * (1.0 + z * (1.0 - s))
+    else:  # identity
+        g = tl.full(z.shape, 1.0, tl.float32)
+    return g
+
+
+def act_ref(z: Tensor, activation: str) -> Tensor:
+    """act(z) in plain PyTorch (differentiable). Raises ValueError for an unknown activation."""
+    check_activation("act_ref", activation)
+    if activation == "relu":
+        return torch.relu(z)
+    if activation == "sigmoid":
+        return torch.sigmoid(z)
+    if activation == "gelu_tanh":
+        return F.gelu(z, approximate="tanh")
+    if activation == "silu":
+        return F.silu(z)
+    return z
+
+
+def act_grad_ref(z: Tensor, activation: str) -> Tensor:
+    """act'(z) in plain PyTorch, analytic (inside a custom op's implementation autograd does not record).
+    Raises ValueError for an unknown activation."""
+    check_activation("act_grad_ref", activation)
+    if activation == "relu":
+        return (z > 0).to(z.dtype)
+    if activation == "sigmoid":
+        s = torch.sigmoid(z)
+        return s * (1.0 - s)
+    if activation == "gelu_tanh":
+        t = torch.tanh(_SQRT_2_OVER_PI * (z + _GELU_C * z**3))
+        return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * z * z)
+    if activation == "silu":
+        s = torch.sigmoid(z)
+        return s * (1.0 + z * (1.0 - s))
+    return torch.ones_like(z)
