@@ -324,3 +324,14 @@ def test_skip_bad_lines_still_fails_on_truncated_gz(tmp_path):
     with pytest.raises(PreprocessError, match=f"line {line}: truncated"):
         preprocess([path], tmp_path / "out", skip_bad_lines=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.tsv.gz"]
+
+
+def test_counts_past_float32_exact_range_are_kept(tmp_path):
+    """Criteo's I5 reaches ~23M, past 2**24: such a count rounds to the nearest float32 instead of failing."""
+    fields = ["0", *["1"] * 13, *["0a1b2c3d"] * 26]
+    fields[5] = "23000001"  # I5
+    path = tmp_path / "big.tsv"
+    path.write_text("\t".join(fields) + "\n" + "\t".join(["1", *fields[1:]]) + "\n")
+    preprocess([path], tmp_path / "out", eval_fraction=0.5)
+    value = pq.read_table(tmp_path / "out" / "train").column("I5")[0].as_py()
+    assert value == pytest.approx(23000001, rel=1e-7)

@@ -135,7 +135,7 @@ def preprocess(
             inputs, line_counts, first_eval_line, tmp_dir, rows_per_file, skip_bad_lines, eval_fraction
         )
         (tmp_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
-        _move_into_place(tmp_dir, output_dir)
+        move_into_place(tmp_dir, output_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
@@ -182,7 +182,7 @@ def _check_arguments(
             )
 
 
-def _move_into_place(tmp_dir: Path, output_dir: Path) -> None:
+def move_into_place(tmp_dir: Path, output_dir: Path) -> None:
     """Rename the finished `tmp_dir` to `output_dir`, replacing an earlier output if there is one."""
     if output_dir.exists():
         old_dir = output_dir.with_name(f"{output_dir.name}.old-{os.getpid()}")
@@ -335,7 +335,8 @@ def _convert(raw: pa.RecordBatch) -> tuple[pa.RecordBatch, np.ndarray, Callable[
         elif name in DENSE_COLUMNS:
             ok = pc.or_(empty, pc.match_substring_regex(values, _INTEGER_PATTERN))
             digits = pc.cast(pc.if_else(pc.and_not(ok, empty), values, b"0"), pa.string())
-            arrays.append(pc.cast(pc.cast(digits, pa.int64()), pa.float32()))
+            # Not a safe cast: counts past 2**24 (Criteo's I5 reaches ~23M) round to the nearest float32.
+            arrays.append(pc.cast(pc.cast(digits, pa.int64()), pa.float32(), safe=False))
         else:
             ok = pc.or_(empty, pc.match_substring_regex(values, _HEX_PATTERN))
             ids = _parse_hex(pc.if_else(ok, values, b""))
@@ -393,7 +394,7 @@ class _DistinctCounter:
         self._pending, self._pending_size = [], 0
 
 
-class _SplitWriter:
+class SplitWriter:
     """Writes one split as parquet shards of at most `rows_per_file` rows and tracks its statistics."""
 
     def __init__(self, root: Path, split: str, rows_per_file: int, collect_feature_stats: bool) -> None:
@@ -470,8 +471,8 @@ def _write_splits(
     eval_fraction: float,
 ) -> dict:
     """Second pass: parse every input and write its rows to the train or eval split by line position."""
-    train = _SplitWriter(out_dir, "train", rows_per_file, collect_feature_stats=True)
-    eval_ = _SplitWriter(out_dir, "eval", rows_per_file, collect_feature_stats=False)
+    train = SplitWriter(out_dir, "train", rows_per_file, collect_feature_stats=True)
+    eval_ = SplitWriter(out_dir, "eval", rows_per_file, collect_feature_stats=False)
     skipped = 0
     lines_before = 0  # lines of the inputs before the current one
     with tqdm(
@@ -497,16 +498,23 @@ def _write_splits(
     eval_.close()
     if train.rows == 0:
         raise PreprocessError("no train rows: every line is bad or the eval fraction takes them all")
+    return build_metadata(train, eval_, [str(p) for p in inputs], eval_fraction, skipped)
+
+
+def build_metadata(
+    train: SplitWriter, eval_: SplitWriter, source: list[str], eval_fraction: float, skipped_lines: int
+) -> dict:
+    """The metadata.json contents for two closed split writers (train with feature statistics)."""
     return {
         "version": __version__,
-        "source": [str(p) for p in inputs],
+        "source": source,
         "eval_fraction": eval_fraction,
         "rows": {"train": train.rows, "eval": eval_.rows},
         "files": {"train": train.files, "eval": eval_.files},
         "positive_rate": {"train": train.positive_rate(), "eval": eval_.positive_rate()},
         "categorical": train.cardinalities(),
         "dense": train.dense_stats(),
-        "skipped_lines": skipped,
+        "skipped_lines": skipped_lines,
     }
 
 
