@@ -1,0 +1,242 @@
+"""Tests of dlrm.data.synthetic: raw TSV that preprocess accepts, parquet that the loader reads, determinism,
+Zipf-like ids within the cardinalities, a learnable planted signal, and one-line CLI errors."""
+
+import gzip
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from click.testing import CliRunner
+from torchmetrics.functional.classification import binary_auroc
+
+from dlrm.data import synthetic
+from dlrm.data.dataset import BatchLoader, open_split
+from dlrm.data.preprocess import load_metadata, preprocess
+from dlrm.data.schema import MISSING_CATEGORY, NUM_DENSE, NUM_SPARSE, RAW_COLUMNS
+from dlrm.data.synthetic import (
+    KAGGLE_CARDINALITIES,
+    TERABYTE_CARDINALITIES,
+    SyntheticConfig,
+    generate_rows,
+    iter_blocks,
+    main,
+    planted_logit,
+    preset_cardinalities,
+    write_parquet,
+    write_tsv,
+)
+
+HEX_ID = re.compile(r"^[0-9a-f]{8}$")
+SMALL = SyntheticConfig(preset_cardinalities("kaggle", max_cardinality=100), seed=3)
+
+
+def test_presets():
+    assert len(KAGGLE_CARDINALITIES) == len(TERABYTE_CARDINALITIES) == NUM_SPARSE
+    assert sum(KAGGLE_CARDINALITIES) == 33_762_577
+    assert sum(TERABYTE_CARDINALITIES) == 177_944_275
+    assert preset_cardinalities("terabyte", 1000) == tuple(min(k, 1000) for k in TERABYTE_CARDINALITIES)
+
+
+def test_tsv_is_raw_criteo_that_preprocess_reads(tmp_path):
+    path = tmp_path / "day.tsv.gz"
+    write_tsv(SyntheticConfig(seed=1), 4000, path, block_size=1500)
+    fields = [line.split("\t") for line in gzip.decompress(path.read_bytes()).decode().splitlines()]
+    assert len(fields) == 4000
+    assert {len(f) for f in fields} == {len(RAW_COLUMNS)}
+    labels = np.array([int(f[0]) for f in fields])
+    assert set(labels) <= {0, 1}
+    assert 0.05 < labels.mean() < 0.2  # ctr 0.1
+    dense = [f[1 : 1 + NUM_DENSE] for f in fields]
+    sparse = [f[1 + NUM_DENSE :] for f in fields]
+    assert all(re.fullmatch(r"-?[0-9]+", v) for row in dense for v in row if v)
+    assert all(HEX_ID.match(v) for row in sparse for v in row if v)
+    assert sum(v == "" for row in dense for v in row) > 1000  # I1, I10, I12 are missing about half the time
+    assert sum(v == "" for row in sparse for v in row) > 1000
+    assert any(row[1].startswith("-") for row in dense)  # I2 may be negative
+
+    metadata = preprocess([path], tmp_path / "pre", eval_fraction=0.25)
+    assert metadata["rows"] == {"train": 3000, "eval": 1000}
+    assert metadata["skipped_lines"] == 0
+
+
+def test_parquet_is_what_preprocess_makes_of_the_tsv(tmp_path):
+    config = SyntheticConfig(preset_cardinalities("terabyte", 5000), seed=2, ctr=0.2)
+    write_tsv(config, 3000, tmp_path / "day.tsv", block_size=700)
+    preprocess([tmp_path / "day.tsv"], tmp_path / "pre", eval_fraction=0.3, rows_per_file=1000)
+    written = write_parquet(
+        config, 3000, tmp_path / "syn", eval_fraction=0.3, rows_per_file=1000, block_size=900
+    )
+
+    expected, actual = load_metadata(tmp_path / "pre"), load_metadata(tmp_path / "syn")
+    assert actual.keys() == expected.keys()
+    assert {k: v for k, v in actual.items() if k != "source"} == {
+        k: v for k, v in expected.items() if k != "source"
+    }
+    assert {k: written[k] for k in ("rows", "files", "categorical")} == {
+        k: actual[k] for k in ("rows", "files", "categorical")
+    }
+    for split in ("train", "eval"):
+        for file in actual["files"][split]:
+            assert pq.read_table(tmp_path / "syn" / file).equals(pq.read_table(tmp_path / "pre" / file))
+
+
+def test_parquet_loads_with_the_dataset_and_loader(tmp_path):
+    write_parquet(SMALL, 5000, tmp_path / "syn", block_size=2048)
+    train, eval_ = open_split(tmp_path / "syn", "train"), open_split(tmp_path / "syn", "eval")
+    assert (train.num_rows, eval_.num_rows) == (4000, 1000)
+    batches = list(BatchLoader(train, batch_size=512, shuffle=True))
+    assert len(batches) == 8
+    assert batches[0].dense.shape == (512, NUM_DENSE) and batches[0].dense.dtype == torch.float32
+    assert batches[0].sparse.shape == (512, NUM_SPARSE) and batches[0].sparse.dtype == torch.int64
+    assert batches[-1].label.shape == (4000 - 7 * 512,)
+    assert torch.isfinite(train.dense).all() and (train.dense >= 0).all()
+    assert set(train.label.unique().tolist()) == {0.0, 1.0}
+    assert ((train.sparse == MISSING_CATEGORY) | ((train.sparse >= 0) & (train.sparse < 2**32))).all()
+
+
+def test_rows_depend_on_the_seed_only(tmp_path):
+    rows = 40_000  # more than two random-number chunks, so blocks straddle chunk boundaries
+    whole = generate_rows(SMALL, 0, rows)
+    for block_size in (1000, 7777, 16384, 65536):
+        blocks = list(iter_blocks(SMALL, rows, block_size))
+        assert [b.num_rows for b in blocks[:-1]] == [block_size] * (len(blocks) - 1)
+        for field, a in zip(whole._fields, whole, strict=True):
+            np.testing.assert_array_equal(
+                np.concatenate([getattr(b, field) for b in blocks]), a, err_msg=field
+            )
+    part = generate_rows(SMALL, 12_345, 23_456)
+    for a, b in zip(part, whole.slice(12_345, 23_456), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    write_tsv(SMALL, 3000, tmp_path / "a.tsv", block_size=3000)
+    write_tsv(SMALL, 3000, tmp_path / "b.tsv", block_size=256)
+    write_tsv(SyntheticConfig(SMALL.cardinalities, seed=4), 3000, tmp_path / "c.tsv")
+    assert (tmp_path / "a.tsv").read_bytes() == (tmp_path / "b.tsv").read_bytes()
+    a_lines = (tmp_path / "a.tsv").read_text().splitlines()
+    c_lines = (tmp_path / "c.tsv").read_text().splitlines()
+    assert sum(a != c for a, c in zip(a_lines, c_lines, strict=True)) > 2900
+
+
+def test_ids_follow_the_cardinalities_and_are_skewed():
+    config = SyntheticConfig(preset_cardinalities("kaggle", max_cardinality=50), seed=5)
+    sparse = generate_rows(config, 0, 20_000).sparse
+    for c, cardinality in enumerate(config.cardinalities):
+        ids = sparse[:, c][sparse[:, c] != MISSING_CATEGORY]
+        _, counts = np.unique(ids, return_counts=True)
+        assert len(counts) <= cardinality
+        if cardinality == 50:
+            assert len(counts) == 50  # 20k draws reach every rank of a 50-id column
+            assert counts.max() > 10 * np.median(counts)
+    # Uncapped: big columns are long-tailed and spread over 32-bit ids.
+    big = generate_rows(SyntheticConfig(seed=5), 0, 20_000).sparse[:, 2]  # C3, 10M ids
+    ids, counts = np.unique(big[big != MISSING_CATEGORY], return_counts=True)
+    assert 2000 < len(ids) < 20_000 and counts.max() > 500
+    assert ids.max() > 2**31
+
+
+def test_planted_signal_is_learnable(tmp_path):
+    torch.manual_seed(0)
+    write_parquet(SMALL, 20_000, tmp_path / "syn")
+    train, eval_ = open_split(tmp_path / "syn", "train"), open_split(tmp_path / "syn", "eval")
+
+    # Logistic regression: one weight per (column, id mod P) plus a linear term in the dense features,
+    # full-batch Adam.
+    buckets = 1009
+
+    def model(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        rows = torch.arange(NUM_SPARSE) * (buckets + 1) + torch.where(sparse < 0, buckets, sparse % buckets)
+        return torch.nn.functional.embedding(rows, table).sum(dim=(1, 2)) + linear(dense).squeeze(1)
+
+    table = torch.zeros(NUM_SPARSE * (buckets + 1), 1, requires_grad=True)
+    linear = torch.nn.Linear(NUM_DENSE, 1)
+    optimizer = torch.optim.Adam([table, *linear.parameters()], lr=0.2)
+    for _ in range(60):
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            model(train.dense, train.sparse), train.label
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        auc = binary_auroc(model(eval_.dense, eval_.sparse), eval_.label.long()).item()
+
+    # The planted model itself, on the raw counts (the loader's dense is log1p of them).
+    oracle = planted_logit(SMALL, torch.expm1(eval_.dense).round().numpy(), eval_.sparse.numpy())
+    oracle_auc = binary_auroc(torch.from_numpy(oracle), eval_.label.long()).item()
+    assert oracle_auc > 0.78
+    assert auc > 0.7, (auc, oracle_auc)
+
+
+def test_no_partial_output_on_failure(tmp_path, monkeypatch):
+    calls = []
+
+    def fail_on_second_block(rows):
+        calls.append(rows.num_rows)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real(rows)
+
+    real = synthetic.to_raw_table
+    monkeypatch.setattr(synthetic, "to_raw_table", fail_on_second_block)
+    with pytest.raises(RuntimeError, match="boom"):
+        write_tsv(SMALL, 3000, tmp_path / "x.tsv.gz", block_size=1000)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_writes_tsv_and_parquet(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["--rows", "1000", "--output", str(tmp_path / "a.tsv"), "--seed", "7"])
+    assert result.exit_code == 0, result.output
+    assert len((tmp_path / "a.tsv").read_text().splitlines()) == 1000
+    args = ["--rows", "1000", "--output-dir", str(tmp_path / "d"), "--eval-fraction", "0.1"]
+    result = runner.invoke(main, [*args, "--cardinalities", "terabyte", "--max-cardinality", "1000"])
+    assert result.exit_code == 0, result.output
+    assert load_metadata(tmp_path / "d")["rows"] == {"train": 900, "eval": 100}
+    # An existing output is kept unless --overwrite.
+    assert runner.invoke(main, args).exit_code == 2
+    assert runner.invoke(main, [*args, "--overwrite", "--seed", "1"]).exit_code == 0
+    assert runner.invoke(main, ["--help"]).exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--rows", "10"], "exactly one of --output"),
+        (["--rows", "10", "--output", "a.tsv", "--output-dir", "d"], "exactly one of --output"),
+        (["--rows", "0", "--output", "a.tsv"], "rows must be at least 1"),
+        (["--rows", "ten", "--output", "a.tsv"], "'ten' is not a valid integer"),
+        (["--rows", "10", "--output", "a.tsv", "--block-size", "0"], "block size must be at least 1"),
+        (["--rows", "10", "--output", "a.tsv", "--max-cardinality", "0"], "max cardinality"),
+        (["--rows", "10", "--output", "a.tsv", "--ctr", "1.5"], "ctr must be in (0, 1)"),
+        (["--rows", "10", "--output", "a.tsv", "--seed", "-1"], "seed must be non-negative"),
+        (["--rows", "10", "--output-dir", "d", "--eval-fraction", "1"], "eval fraction"),
+        (["--rows", "1", "--output-dir", "d", "--eval-fraction", "0.9"], "no train rows"),
+        (["--rows", "10", "--output", "missing/a.tsv"], "no such directory"),
+        (["--rows", "10", "--output", "a.tsv", "--cardinalities", "huge"], "huge"),
+    ],
+)
+def test_cli_bad_arguments(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_module_entry_point_error(tmp_path):
+    out = tmp_path / "a.tsv"
+    result = subprocess.run(
+        [sys.executable, "-m", "dlrm.data.synthetic", "--rows", "0", "--output", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
+    )
+    assert result.returncode == 2
+    assert result.stderr == "error: rows must be at least 1, got 0\n"
+    assert not out.exists()
