@@ -21,7 +21,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from dlrm.checkpoint import save_checkpoint
 from dlrm.config import RunConfig, load_config, replace
-from dlrm.data.dataset import BatchLoader, load_metadata, open_split
+from dlrm.data.dataset import Batch, BatchLoader, load_metadata, open_split
 from dlrm.metrics import evaluate
 from dlrm.model import DLRM, build_model
 from dlrm.profiling import make_profiler
@@ -55,6 +55,20 @@ def compile_dense_part(model: DLRM) -> None:
     partial batch and the eval batch size do not trigger recompiles."""
     for module in (model.dense_arch, model.interaction_arch, model.over_arch):
         module.compile(dynamic=True)
+
+
+def train_step(model: DLRM, optimizer: torch.optim.Optimizer, batch: Batch) -> torch.Tensor:
+    """One optimization step on `batch`; returns the mean BCE-with-logits loss, a device scalar (no sync)."""
+    with record_function("forward"):
+        logits = model(batch.dense, batch.sparse)
+    with record_function("loss"):
+        loss = F.binary_cross_entropy_with_logits(logits.float(), batch.label)
+    with record_function("backward"):
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+    with record_function("optimizer"):
+        optimizer.step()
+    return loss
 
 
 def _use_interpreter_on_cpu(cfg: RunConfig, device: torch.device) -> None:
@@ -198,15 +212,7 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
                     batch = next(batches, None)
                 if batch is None:
                     break
-                with record_function("forward"):
-                    logits = model(batch.dense, batch.sparse)
-                with record_function("loss"):
-                    loss = F.binary_cross_entropy_with_logits(logits.float(), batch.label)
-                with record_function("backward"):
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                with record_function("optimizer"):
-                    optimizer.step()
+                loss = train_step(model, optimizer, batch)
                 profiler.step()
                 step += 1
                 samples += batch.label.numel()

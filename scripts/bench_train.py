@@ -1,0 +1,148 @@
+"""Benchmark the whole DLRM training step on a GPU, per config, backend and batch size.
+
+    python scripts/bench_train.py [--configs kaggle,mlperf] [--batches 2048,16384,65536] \
+        [--backends eager,compile,triton,triton+compile] [--steps 50]
+
+Trains the real model code (dlrm.model, dlrm.train.train_step, SGD with sparse embedding gradients) on
+GPU-resident random batches: dense ~ U(0, 3) (the range of log1p counts), sparse ids uniform over each
+table's rows (uniform, so no cache-friendly hot rows as in real data), labels ~ Bernoulli(0.25); a pool of
+batches is generated once and cycled, so the step never waits for data. Tables: the 26 Kaggle
+cardinalities (33.8M rows), capped by the config's max_rows or `--max-rows` (e.g. 4000000 for mlperf).
+After warm-up (the first step, with compilation and autotuning, is timed apart) it times `--steps` steps
+with CUDA events and reports ms/step, samples/s, peak GPU memory and the ratio to the eager backend of the
+same invocation; rows go to scripts/results/train.csv.
+"""
+
+import csv
+import os
+import subprocess
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import click
+import torch
+import triton
+
+from dlrm.config import load_config, replace
+from dlrm.data.dataset import Batch
+from dlrm.data.schema import NUM_DENSE
+from dlrm.data.synthetic import CARDINALITY_PRESETS
+from dlrm.model import DLRM
+from dlrm.train import compile_dense_part, make_optimizer, train_step
+
+RESULTS = Path(__file__).parent / "results" / "train.csv"
+CONFIG_DIR = Path(__file__).parents[1] / "configs"
+FLAGS = {
+    "eager": {},
+    "compile": {"use_torch_compile": True},
+    "triton": {"use_triton": True},
+    "triton+compile": {"use_triton": True, "use_torch_compile": True},
+}
+POOL = 8  # distinct batches cycled through
+
+
+def _git_sha() -> str:
+    try:
+        return (
+            os.environ.get("GIT_SHA")
+            or subprocess.check_output(
+                ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
+            ).strip()
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def random_batches(batch: int, table_rows: list[int], generator: torch.Generator) -> list[Batch]:
+    """POOL GPU-resident batches: dense [B, 13] f32, sparse [B, 26] i64 within each table, label [B] f32."""
+    rows = torch.tensor(table_rows, device="cuda")
+    pool = []
+    for _ in range(POOL):
+        dense = 3 * torch.rand(batch, NUM_DENSE, device="cuda", generator=generator)
+        uniform = torch.rand(batch, len(table_rows), device="cuda", generator=generator, dtype=torch.float64)
+        sparse = (uniform * rows).long()
+        label = (torch.rand(batch, device="cuda", generator=generator) < 0.25).float()
+        pool.append(Batch(dense, sparse, label))
+    return pool
+
+
+def bench(config: str, backend: str, batch: int, steps: int, max_rows: int | None) -> dict:
+    """Train `steps` timed steps of configs/<config>.json with `backend` at batch size `batch`."""
+    cfg = replace(load_config(CONFIG_DIR / f"{config}.json"), "train", **FLAGS[backend])
+    cap = max_rows or cfg.model.max_rows
+    table_rows = [min(rows, cap) for rows in CARDINALITY_PRESETS["kaggle"]]
+    torch.manual_seed(0)
+    model = DLRM(cfg.model, table_rows=table_rows, mlp_kernel=cfg.mlp_kernel).cuda()
+    optimizer = make_optimizer(model, cfg)
+    if cfg.train.use_torch_compile:
+        compile_dense_part(model)
+    pool = random_batches(batch, table_rows, torch.Generator(device="cuda").manual_seed(batch))
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    train_step(model, optimizer, pool[0])
+    torch.cuda.synchronize()
+    first_step_s = time.perf_counter() - start
+    for i in range(1, 2 * POOL):  # warm-up: allocator, cuBLAS handles, remaining autotuning
+        train_step(model, optimizer, pool[i % POOL])
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    begin.record()
+    for i in range(steps):
+        loss = train_step(model, optimizer, pool[i % POOL])
+    end.record()
+    torch.cuda.synchronize()
+    ms = begin.elapsed_time(end) / steps
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"{config}/{backend}/B={batch}: loss is {loss.item()}")
+    result = {
+        "config": config, "backend": backend, "batch": batch, "table_rows_total": sum(table_rows),
+        "ms_per_step": round(ms, 4), "samples_per_s": round(batch / ms * 1000),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "first_step_s": round(first_step_s, 2),
+    }  # fmt: skip
+    del model, optimizer, pool
+    torch.cuda.empty_cache()
+    return result
+
+
+@click.command(context_settings={"show_default": True})
+@click.option("--configs", default="kaggle", help="Comma-separated names of configs/*.json.")
+@click.option("--batches", default="2048,16384,65536", help="Comma-separated batch sizes.")
+@click.option("--backends", default=",".join(FLAGS), help="Comma-separated; eager first for the ratios.")
+@click.option("--steps", type=click.IntRange(min=1), default=50, help="Timed steps per run.")
+@click.option("--max-rows", type=click.IntRange(min=2), default=None, help="Cap on rows per table.")
+def main(configs, batches, backends, steps, max_rows):
+    """Time the DLRM training step per config, backend and batch; append rows to scripts/results/train.csv."""
+    if not torch.cuda.is_available():
+        raise click.UsageError("bench_train.py needs a CUDA GPU")
+    common = {"date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "gpu": torch.cuda.get_device_name()}
+    common |= {"torch": torch.__version__, "triton": triton.__version__, "git_sha": _git_sha()}
+    common |= {"data": "gpu-resident random ids", "precision": "fp32", "optimizer": "sgd"}
+    rows = []
+    for config in configs.split(","):
+        for batch in (int(b) for b in batches.split(",")):
+            eager = None
+            for backend in backends.split(","):
+                r = bench(config, backend, batch, steps, max_rows)
+                eager = r["samples_per_s"] if backend == "eager" else eager
+                ratio = round(r["samples_per_s"] / eager, 3) if eager else None
+                rows.append({**common, **r, "ratio_vs_eager": ratio})
+                print(
+                    f"{config:<8}{backend:<16}B={batch:<7}{r['ms_per_step']:>9.3f} ms/step "
+                    f"{r['samples_per_s']:>12,} samples/s  vs eager {ratio or float('nan'):>5.2f}x  "
+                    f"peak {r['peak_mem_gib']:>6.2f} GiB  first step {r['first_step_s']:.1f} s",
+                    flush=True,
+                )
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    new_file = not RESULTS.exists()
+    with RESULTS.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        if new_file:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
