@@ -72,9 +72,16 @@ def train_step(model: DLRM, optimizer: torch.optim.Optimizer, batch: Batch) -> t
 
 
 def _use_interpreter_on_cpu(cfg: RunConfig, device: torch.device) -> None:
-    # Triton reads TRITON_INTERPRET when a kernel is decorated, so it must be set before kernels import.
-    if cfg.train.use_triton and device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    """On a CPU our Triton kernels run in the interpreter, which works only when TRITON_INTERPRET=1 is set
+    before triton is first imported. Raises ValueError when triton was imported without it."""
+    if not (cfg.train.use_triton and device.type == "cpu") or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if "triton" in sys.modules:
+        raise ValueError(
+            "--use-triton on the CPU needs the Triton interpreter, but triton was imported before it could "
+            "be switched on: set TRITON_INTERPRET=1 in the environment before starting Python"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def _make_run_dir(cfg: RunConfig, output_dir: Path | None) -> Path:

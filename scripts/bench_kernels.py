@@ -21,16 +21,13 @@ scripts/results/kernels.csv; the summary (sum over a config's layers, ratio to e
 same run) is printed last.
 """
 
-import csv
-import os
-import subprocess
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 import click
 import torch
 import torch.nn.functional as F
-import triton
+from results_csv import append_rows, provenance
 from triton.testing import do_bench
 
 from dlrm.config import load_config
@@ -58,18 +55,6 @@ def mlp_layers(config: str) -> list[tuple[int, int, str]]:
             layers.append((k, n, last if i == len(widths) - 1 else "relu"))
             k = n
     return layers
-
-
-def _git_sha() -> str:
-    try:
-        return (
-            os.environ.get("GIT_SHA")
-            or subprocess.check_output(
-                ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
-            ).strip()
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _median_ms(fn) -> float:
@@ -205,8 +190,7 @@ def main(configs, batches, precisions, paths):
     ceilings = measure_ceilings()
     gemm = ", ".join(f"GEMM {p} {ceilings[f'gemm_tflops_{p}']:.0f} TFLOP/s" for p in DTYPES)
     print(f"{gpu}: copy {ceilings['copy_gbps']:.0f} GB/s, {gemm}")
-    common = {"date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "gpu": gpu}
-    common |= {"torch": torch.__version__, "triton": triton.__version__, "git_sha": _git_sha()}
+    common = provenance(gpu)
     rows, summary = [], []
     path_list = paths.split(",")
     for config in configs.split(","):
@@ -236,15 +220,7 @@ def main(configs, batches, precisions, paths):
         rows.append(dict(common, config="-", layer="65536x512", act="relu", batch=65536, precision="bf16",
                          path="bias_act_alone", **{"pass": ps}, pct_copy_bw=round(pct, 1)))  # fmt: skip
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    fields = [*common, "config", "layer", "act", "batch", "precision", "path", "pass", "ms", "tflops"]
-    fields += ["pct_gemm_peak", "pct_copy_bw", "ratio_vs_eager", "compile_s"]
-    new_file = not RESULTS.exists()
-    with RESULTS.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        if new_file:
-            writer.writeheader()
-        writer.writerows(rows)
+    append_rows(RESULTS, rows)
     _print_summary(summary, path_list, gpu)
 
 

@@ -13,16 +13,12 @@ with CUDA events and reports ms/step, samples/s, peak GPU memory and the ratio t
 same invocation; rows go to scripts/results/train.csv.
 """
 
-import csv
-import os
-import subprocess
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import click
 import torch
-import triton
+from results_csv import append_rows, provenance
 
 from dlrm.config import load_config, replace
 from dlrm.data.dataset import Batch
@@ -40,18 +36,6 @@ FLAGS = {
     "triton+compile": {"use_triton": True, "use_torch_compile": True},
 }
 POOL = 8  # distinct batches cycled through
-
-
-def _git_sha() -> str:
-    try:
-        return (
-            os.environ.get("GIT_SHA")
-            or subprocess.check_output(
-                ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
-            ).strip()
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def random_batches(batch: int, table_rows: list[int], generator: torch.Generator) -> list[Batch]:
@@ -117,8 +101,7 @@ def main(configs, batches, backends, steps, max_rows):
     """Time the DLRM training step per config, backend and batch; append rows to scripts/results/train.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_train.py needs a CUDA GPU")
-    common = {"date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "gpu": torch.cuda.get_device_name()}
-    common |= {"torch": torch.__version__, "triton": triton.__version__, "git_sha": _git_sha()}
+    common = provenance(torch.cuda.get_device_name())
     common |= {"data": "gpu-resident random ids", "precision": "fp32", "optimizer": "sgd"}
     rows = []
     for config in configs.split(","):
@@ -135,13 +118,7 @@ def main(configs, batches, backends, steps, max_rows):
                     f"peak {r['peak_mem_gib']:>6.2f} GiB  first step {r['first_step_s']:.1f} s",
                     flush=True,
                 )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    new_file = not RESULTS.exists()
-    with RESULTS.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        if new_file:
-            writer.writeheader()
-        writer.writerows(rows)
+    append_rows(RESULTS, rows)
 
 
 if __name__ == "__main__":

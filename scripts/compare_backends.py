@@ -9,19 +9,16 @@ scripts/results/backends.csv with the device name, torch/triton versions and git
 samples/s over the eager run of the same invocation.
 """
 
-import csv
 import dataclasses
 import os
-import subprocess
 import sys
 import tempfile
-from datetime import UTC, datetime
 from pathlib import Path
 
 import click
 import torch
-import triton
 from loguru import logger
+from results_csv import append_rows, provenance
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dlrm.config import load_config, replace
@@ -35,15 +32,6 @@ FLAGS = {
     "triton_bias_act": {"use_triton": True, "triton_mlp_kernel": "bias_act"},
     "triton+compile": {"use_triton": True, "use_torch_compile": True},
 }
-
-
-def _git_sha() -> str:
-    if os.environ.get("GIT_SHA"):
-        return os.environ["GIT_SHA"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _loss_curve(run_dir: Path) -> list[float]:
@@ -71,6 +59,9 @@ def main(config_path, backends, device, max_steps, log_interval):
     if unknown:
         raise click.BadParameter(f"unknown backend {unknown[0]!r}: expected one of {', '.join(FLAGS)}")
     dev = resolve_device(device)
+    if dev.type == "cpu" and any("triton" in name for name in names):
+        # Before anything imports triton (the compile backend does): our kernels run in the interpreter.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
@@ -87,23 +78,9 @@ def main(config_path, backends, device, max_steps, log_interval):
         r["ratio_vs_eager"] = round(r["samples_per_s"] / eager["samples_per_s"], 3) if eager else None
         gaps = [abs(a - b) for a, b in zip(curves[r["backend"]], curves.get("eager", []), strict=False)]
         r["max_loss_gap_vs_eager"] = max(gaps) if eager else None
-    common = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "config": config_path.stem,
-        "batch": cfg.data.batch_size,
-        "steps": cfg.train.max_steps,
-        "device": device_name,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "git_sha": _git_sha(),
-    }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    new_file = not RESULTS.exists()
-    with RESULTS.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*common, *rows[0]])
-        if new_file:
-            writer.writeheader()
-        writer.writerows({**common, **r} for r in rows)
+    common = {**provenance(device_name), "config": config_path.stem, "batch": cfg.data.batch_size}
+    common["steps"] = cfg.train.max_steps
+    append_rows(RESULTS, [{**common, **r} for r in rows])
     print(f"{config_path.name}, batch {cfg.data.batch_size}, seed {cfg.train.seed}, {device_name}")
     header = ("backend", "eval_auc", "logloss", "best_step", "train_loss", "samples/s", "vs eager", "first_s",
               "max loss gap")  # fmt: skip

@@ -2,6 +2,9 @@
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -124,3 +127,19 @@ def test_cli_reports_missing_data_dir(tmp_path):
     result = CliRunner().invoke(train_cli.main, ["--config", str(config), "--device", "cpu"])
     assert result.exit_code == 2
     assert "nowhere" in result.output and "metadata.json" in result.output
+
+
+def test_triton_on_cpu_after_triton_import_is_a_clear_error(criteo_sample, tmp_path):
+    """The interpreter must be chosen before triton is imported; a late --use-triton on CPU says so."""
+    config = tmp_path / "c.json"
+    raw = json.loads(TINY.read_text())
+    raw["data"]["path"] = str(criteo_sample)
+    config.write_text(json.dumps(raw))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "import sys, triton; from dlrm.train import main; "
+        f"main(['--config', {str(config)!r}, '--use-triton', '--device', 'cpu', '--max-steps', '1'])"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+    assert result.returncode == 2
+    assert "set TRITON_INTERPRET=1" in result.stderr and "Traceback" not in result.stderr
