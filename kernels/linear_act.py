@@ -536,8 +536,14 @@ def _input_precision(dtype: torch.dtype) -> str:
 
 
 def linear_act_bwd(
-    dy: Tensor, x: Tensor, weight: Tensor, saved: Tensor | None, activation: str, has_bias: bool
-) -> tuple[Tensor, Tensor, Tensor | None]:
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    saved: Tensor | None,
+    activation: str,
+    has_bias: bool,
+    needs_dx: bool = True,
+) -> tuple[Tensor | None, Tensor, Tensor | None]:
     """Launch the two backward kernels: ``dz = dy * act'``, ``dx = dz @ W``, ``dW = dz^T @ x``, ``db``.
 
     Args:
@@ -548,10 +554,12 @@ def linear_act_bwd(
             sigmoid; z for gelu_tanh and silu): [M, N], x's dtype and device.
         activation: one of ``ACTIVATIONS``, as in the forward.
         has_bias: whether to return db (the forward had a bias).
+        needs_dx: whether to compute dx; False skips its kernel (e.g. the first layer, whose input needs
+            no gradient).
 
     Returns:
-        (dx, dw, db): dx [M, K], dw [N, K], db [N] (None unless has_bias), all in x's dtype; dw and db
-        are zeros when M == 0.
+        (dx, dw, db): dx [M, K] (None unless needs_dx), dw [N, K], db [N] (None unless has_bias), all in
+        x's dtype; dw and db are zeros when M == 0.
 
     Raises:
         ValueError: bad shapes, dtypes, devices or activation, or a missing ``saved``.
@@ -559,7 +567,7 @@ def linear_act_bwd(
     _check_bwd_inputs(dy, x, weight, saved, activation, has_bias)
     m, k = x.shape
     n = weight.shape[0]
-    dx = _empty((m, k), x.dtype, x.device)
+    dx = _empty((m, k), x.dtype, x.device) if needs_dx else None
     if m == 0:
         db = torch.zeros(n, dtype=x.dtype, device=x.device) if has_bias else None
         return dx, torch.zeros(n, k, dtype=x.dtype, device=x.device), db
@@ -572,13 +580,14 @@ def linear_act_bwd(
     def grid_dx(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_K"]),)
 
-    _linear_act_bwd_dx_kernel[grid_dx](
-        dy, s, weight, dx,
-        m, n, k, m_bucket,
-        dy.stride(0), s.stride(0), weight.stride(0), dx.stride(0),
-        ACTIVATION=activation,
-        DOT_FP32=_INTERPRETED, INPUT_PRECISION=_input_precision(x.dtype),
-    )  # fmt: skip
+    if needs_dx:
+        _linear_act_bwd_dx_kernel[grid_dx](
+            dy, s, weight, dx,
+            m, n, k, m_bucket,
+            dy.stride(0), s.stride(0), weight.stride(0), dx.stride(0),
+            ACTIVATION=activation,
+            DOT_FP32=_INTERPRETED, INPUT_PRECISION=_input_precision(x.dtype),
+        )  # fmt: skip
 
     rows_per_split = _dw_rows_per_split(m, n, k)
     splits = triton.cdiv(m, rows_per_split)
@@ -639,8 +648,14 @@ def _linear_act_fwd_ref(
 
 
 def _linear_act_bwd_ref(
-    dy: Tensor, x: Tensor, weight: Tensor, saved: Tensor | None, activation: str, has_bias: bool
-) -> tuple[Tensor, Tensor, Tensor | None]:
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    saved: Tensor | None,
+    activation: str,
+    has_bias: bool,
+    needs_dx: bool,
+) -> tuple[Tensor | None, Tensor, Tensor | None]:
     """``linear_act_bwd`` in plain PyTorch (fp32 math): the CPU fallback of the backward op.
 
     Analytic, not torch.autograd.grad: inside a custom op's implementation autograd does not record.
@@ -655,7 +670,7 @@ def _linear_act_bwd_ref(
         dz = dy * s * (1.0 - s)
     else:  # gelu_tanh, silu: s is z
         dz = dy * act_grad_ref(s, activation)
-    dx = (dz @ weight.float()).to(x.dtype)
+    dx = (dz @ weight.float()).to(x.dtype) if needs_dx else None
     dw = (dz.t() @ x.float()).to(x.dtype)
     db = dz.sum(dim=0).to(x.dtype) if has_bias else None
     return dx, dw, db
@@ -698,23 +713,36 @@ def _linear_act_fake(
 
 @torch.library.custom_op("dlrm::linear_act_backward", mutates_args=())
 def _linear_act_backward_op(
-    dy: Tensor, x: Tensor, weight: Tensor, saved: Tensor | None, activation: str, has_bias: bool
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    saved: Tensor | None,
+    activation: str,
+    has_bias: bool,
+    needs_dx: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (dx, dw, db); db is an empty [0] tensor when has_bias is False."""
+    """Returns (dx, dw, db); dx / db are empty [0] tensors when needs_dx / has_bias is False."""
     if _use_triton(x):
-        dx, dw, db = linear_act_bwd(dy, x, weight, saved, activation, has_bias)
+        dx, dw, db = linear_act_bwd(dy, x, weight, saved, activation, has_bias, needs_dx)
     else:
         _check_bwd_inputs(dy, x, weight, saved, activation, has_bias)
-        dx, dw, db = _linear_act_bwd_ref(dy, x, weight, saved, activation, has_bias)
-    return dx, dw, db if db is not None else x.new_empty((0,))
+        dx, dw, db = _linear_act_bwd_ref(dy, x, weight, saved, activation, has_bias, needs_dx)
+    empty = x.new_empty((0,))
+    return (dx if dx is not None else empty), dw, (db if db is not None else empty)
 
 
 @_linear_act_backward_op.register_fake
 def _linear_act_backward_fake(
-    dy: Tensor, x: Tensor, weight: Tensor, saved: Tensor | None, activation: str, has_bias: bool
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    saved: Tensor | None,
+    activation: str,
+    has_bias: bool,
+    needs_dx: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return (
-        x.new_empty(x.shape),
+        x.new_empty(x.shape if needs_dx else (0,)),
         weight.new_empty(weight.shape),
         x.new_empty((weight.shape[0],) if has_bias else (0,)),
     )
@@ -733,8 +761,9 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, dy: Tensor, _dz: Tensor | None):
     # _dz: gradient w.r.t. the internal z output, which linear_act never exposes (always zero/None).
     x, weight, saved = ctx.saved_tensors
-    dx, dw, db = _linear_act_backward_op(dy, x, weight, saved, ctx.activation, ctx.has_bias)
-    return dx, dw, (db if ctx.has_bias else None), None
+    needs_dx = ctx.needs_input_grad[0]  # False for the first layer: its input is data
+    dx, dw, db = _linear_act_backward_op(dy, x, weight, saved, ctx.activation, ctx.has_bias, needs_dx)
+    return (dx if needs_dx else None), dw, (db if ctx.has_bias else None), None
 
 
 _linear_act_op.register_autograd(_backward, setup_context=_setup_context)

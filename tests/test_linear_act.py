@@ -101,6 +101,33 @@ def test_fwd_bwd_fp32(shape, activation, has_bias):
     _check_fwd_bwd(*shape, activation, has_bias, torch.float32, DEVICE)
 
 
+class _Recorder:
+    """Stands in for a kernel: records the grid of each launch instead of running it."""
+
+    def __init__(self, launches: list):
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(grid)
+
+
+@pytest.mark.parametrize("activation", ["relu", "silu"])
+def test_input_without_grad_skips_dx(monkeypatch, activation):
+    """A first layer's input needs no gradient: dx is not computed, dW and db still match the reference."""
+    launches = []
+    monkeypatch.setattr(linear_act_mod, "_linear_act_bwd_dx_kernel", _Recorder(launches))
+    x, w, b, dy = _inputs(67, 33, 13, torch.float32, DEVICE, seed=5)
+    w.requires_grad_(True)
+    b.requires_grad_(True)
+    dw, db = torch.autograd.grad(linear_act(x, w, b, activation), (w, b), dy)
+    w32, b32 = w.detach().requires_grad_(True), b.detach().requires_grad_(True)
+    dw32, db32 = torch.autograd.grad(linear_act_ref(x, w32, b32, activation), (w32, b32), dy)
+    kind = "gemm" if DEVICE == "cpu" else "gemm_norm"
+    torch.testing.assert_close(dw, dw32, **tol(torch.float32, kind))
+    torch.testing.assert_close(db, db32, **tol(torch.float32, kind))
+    assert launches == []
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("activation", ["relu", "gelu_tanh"])
 def test_fwd_bwd_half(activation, dtype):
