@@ -33,14 +33,13 @@ It equals the PyTorch expression ``act(x + b)`` computed in fp32 and cast back t
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from kernels.activations import ACTIVATIONS, act_fwd, act_grad, act_grad_ref, act_ref, check_activation
+from kernels.launch import DTYPES, INTERPRETED, use_triton
 
 __all__ = [
     "ACTIVATIONS",
@@ -49,8 +48,6 @@ __all__ = [
     "bias_act_fwd",
     "bias_act_bwd",
 ]
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -137,11 +134,6 @@ def _bias_act_bwd_kernel(
 # --------------------------------------------------------------------------------------------------
 
 
-# Whether the kernels above were decorated for the interpreter: Triton reads TRITON_INTERPRET at decoration
-# time, so a later change of the variable does not change how they run.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _pick_config(n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a row width N. Row-wise op: the width alone decides.
 
@@ -152,7 +144,7 @@ def _pick_config(n: int) -> tuple[int, int, int]:
     """
     block_n = min(max(triton.next_power_of_2(n), 16), 128)
     block_m = min(max(4096 // block_n, 32), 256)
-    if _INTERPRETED:
+    if INTERPRETED:
         block_m = max(block_m, 128)
     num_warps = 4
     return block_m, block_n, num_warps
@@ -175,8 +167,8 @@ def _check_inputs(x: Tensor, b: Tensor, activation: str) -> None:
             f"bias_act: bias must have shape [N] = [{x.shape[1]}] for x of shape {tuple(x.shape)}, "
             f"got {tuple(b.shape)}"
         )
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"bias_act: x dtype must be one of {_DTYPES}, got {x.dtype}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"bias_act: x dtype must be one of {DTYPES}, got {x.dtype}")
     if b.dtype != x.dtype:
         raise ValueError(f"bias_act: bias dtype {b.dtype} differs from x dtype {x.dtype}")
     if b.device != x.device:
@@ -311,11 +303,6 @@ def _bias_act_bwd_ref(dy: Tensor, x: Tensor, b: Tensor, activation: str) -> tupl
     return dz.to(x.dtype), dz.sum(dim=0).to(b.dtype)
 
 
-def _use_triton(x: Tensor) -> bool:
-    """Triton runs on CUDA tensors, and on CPU tensors only in the interpreter (TRITON_INTERPRET=1)."""
-    return x.device.type == "cuda" or (x.device.type == "cpu" and _INTERPRETED)
-
-
 # --------------------------------------------------------------------------------------------------
 # Autograd glue: custom ops, so the op works in eager and under torch.compile (no tracing into Triton)
 # --------------------------------------------------------------------------------------------------
@@ -323,7 +310,7 @@ def _use_triton(x: Tensor) -> bool:
 
 @torch.library.custom_op("dlrm::bias_act", mutates_args=())
 def _bias_act_op(x: Tensor, bias: Tensor, activation: str) -> Tensor:
-    if _use_triton(x):
+    if use_triton(x):
         return bias_act_fwd(x, bias, activation)
     _check_inputs(x, bias, activation)
     return bias_act_ref(x, bias, activation)
@@ -337,7 +324,7 @@ def _bias_act_fake(x: Tensor, bias: Tensor, activation: str) -> Tensor:
 
 @torch.library.custom_op("dlrm::bias_act_backward", mutates_args=())
 def _bias_act_backward_op(dy: Tensor, x: Tensor, bias: Tensor, activation: str) -> tuple[Tensor, Tensor]:
-    if _use_triton(x):
+    if use_triton(x):
         return bias_act_bwd(dy, x, bias, activation)
     _check_inputs(x, bias, activation)
     _check_like("dy", dy, x)

@@ -49,14 +49,13 @@ It equals the PyTorch expression ``act(F.linear(x, W, b))`` computed in fp32 and
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from kernels.activations import ACTIVATIONS, act_fwd, act_grad, act_grad_ref, act_ref, check_activation
+from kernels.launch import DTYPES, INTERPRETED, use_triton
 
 __all__ = [
     "ACTIVATIONS",
@@ -66,14 +65,8 @@ __all__ = [
     "linear_act_bwd",
 ]
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SAVES_Y = ("relu", "sigmoid")  # act' is a function of y = act(z)
 _SAVES_Z = ("gelu_tanh", "silu")  # act' needs z
-
-# Whether the kernels below are decorated for the interpreter: Triton reads TRITON_INTERPRET at decoration
-# time, so a later change of the variable does not change how they run.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 # --------------------------------------------------------------------------------------------------
 # Kernels
@@ -339,7 +332,7 @@ _INTERPRETER_SHAPE = (32, 32, 32, 4, 1)
 
 
 def _configs(names: tuple[str, str, str], extra: dict) -> list[triton.Config]:
-    if _INTERPRETED:
+    if INTERPRETED:
         a, b, r, warps, stages = _INTERPRETER_SHAPE
         return [
             triton.Config({names[0]: a, names[1]: b, names[2]: r, **extra}, num_warps=warps, num_stages=1)
@@ -381,7 +374,7 @@ def _quick_bench(kernel_call, quantiles):
 
 def _autotuned(kernel, names: tuple[str, str, str], dims: tuple[str, str], operand: str, extra: dict):
     """``triton.autotune`` over the Hopper configs; one fixed config in the interpreter (no benchmarking)."""
-    if _INTERPRETED:
+    if INTERPRETED:
         return triton.autotune(configs=_configs(names, extra), key=_KEY)(kernel)
     return triton.autotune(
         configs=_configs(names, extra),
@@ -448,8 +441,8 @@ def _check_inputs(x: Tensor, weight: Tensor, bias: Tensor | None, activation: st
         raise ValueError(
             f"linear_act: need K >= 1 and N >= 1, got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
         )
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"linear_act: x dtype must be one of {_DTYPES}, got {x.dtype}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"linear_act: x dtype must be one of {DTYPES}, got {x.dtype}")
     if weight.dtype != x.dtype:
         raise ValueError(f"linear_act: weight dtype {weight.dtype} differs from x dtype {x.dtype}")
     if weight.device != x.device:
@@ -524,7 +517,7 @@ def linear_act_fwd(
         m, n, k, _m_bucket(m),
         x.stride(0), weight.stride(0), y.stride(0), (z if save_z else y).stride(0),
         HAS_BIAS=bias is not None, SAVE_Z=save_z, ACTIVATION=activation,
-        DOT_FP32=_INTERPRETED, INPUT_PRECISION=_input_precision(x.dtype),
+        DOT_FP32=INTERPRETED, INPUT_PRECISION=_input_precision(x.dtype),
     )  # fmt: skip
     return y, saved
 
@@ -586,7 +579,7 @@ def linear_act_bwd(
             m, n, k, m_bucket,
             dy.stride(0), s.stride(0), weight.stride(0), dx.stride(0),
             ACTIVATION=activation,
-            DOT_FP32=_INTERPRETED, INPUT_PRECISION=_input_precision(x.dtype),
+            DOT_FP32=INTERPRETED, INPUT_PRECISION=_input_precision(x.dtype),
         )  # fmt: skip
 
     rows_per_split = _dw_rows_per_split(m, n, k)
@@ -603,7 +596,7 @@ def linear_act_bwd(
         m, n, k, m_bucket, rows_per_split,
         dy.stride(0), s.stride(0), x.stride(0), dw_part.stride(0), dw_part.stride(1), db_part.stride(0),
         HAS_BIAS=has_bias, ACTIVATION=activation,
-        DOT_FP32=_INTERPRETED, INPUT_PRECISION=_input_precision(x.dtype),
+        DOT_FP32=INTERPRETED, INPUT_PRECISION=_input_precision(x.dtype),
     )  # fmt: skip
     dw = (dw_part[0] if splits == 1 else dw_part.sum(dim=0)).to(x.dtype)
     db = (db_part[0] if splits == 1 else db_part.sum(dim=0)).to(x.dtype) if has_bias else None
@@ -676,11 +669,6 @@ def _linear_act_bwd_ref(
     return dx, dw, db
 
 
-def _use_triton(x: Tensor) -> bool:
-    """Triton runs on CUDA tensors, and on CPU tensors only in the interpreter (TRITON_INTERPRET=1)."""
-    return x.device.type == "cuda" or (x.device.type == "cpu" and _INTERPRETED)
-
-
 # --------------------------------------------------------------------------------------------------
 # Autograd glue: custom ops, so the op works in eager and under torch.compile (no tracing into Triton)
 # --------------------------------------------------------------------------------------------------
@@ -693,7 +681,7 @@ def _linear_act_op(x: Tensor, weight: Tensor, bias: Tensor | None, activation: s
     (Custom-op outputs may not alias each other, so y is not returned twice for relu/sigmoid: the autograd
     glue saves the output y itself.)
     """
-    if _use_triton(x):
+    if use_triton(x):
         y, saved = linear_act_fwd(x, weight, bias, activation)
     else:
         _check_inputs(x, weight, bias, activation)
@@ -722,7 +710,7 @@ def _linear_act_backward_op(
     needs_dx: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (dx, dw, db); dx / db are empty [0] tensors when needs_dx / has_bias is False."""
-    if _use_triton(x):
+    if use_triton(x):
         dx, dw, db = linear_act_bwd(dy, x, weight, saved, activation, has_bias, needs_dx)
     else:
         _check_bwd_inputs(dy, x, weight, saved, activation, has_bias)

@@ -183,7 +183,7 @@ def test_opcheck():
 
 def test_cpu_fallback_without_triton(monkeypatch):
     """With Triton unusable (CPU tensors, no interpreter) the op falls back to bias_act_ref."""
-    monkeypatch.setattr(bias_act_mod, "_use_triton", lambda x: False)
+    monkeypatch.setattr(bias_act_mod, "use_triton", lambda x: False)
     for activation in ACTIVATIONS:
         _check_fwd_bwd(67, 33, activation, torch.float32, "cpu", seed=7)
 

@@ -272,7 +272,7 @@ def test_opcheck(has_bias):
 
 def test_cpu_fallback_without_triton(monkeypatch):
     """With Triton unusable (CPU tensors, no interpreter) the ops fall back to plain PyTorch."""
-    monkeypatch.setattr(linear_act_mod, "_use_triton", lambda x: False)
+    monkeypatch.setattr(linear_act_mod, "use_triton", lambda x: False)
     for activation in ACTIVATIONS:
         for has_bias in (True, False):
             _check_fwd_bwd(67, 33, 20, activation, has_bias, torch.float32, "cpu", seed=8)
