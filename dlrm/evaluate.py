@@ -30,7 +30,9 @@ from dlrm.train import resolve_device
     required=True,
     help="Preprocessed data directory (with metadata.json).",
 )
-@click.option("--split", default="eval", help="Split subdirectory to evaluate.")
+@click.option(
+    "--split", default="eval", help="Split to evaluate: eval, or val / test for layouts kaggle, terabyte."
+)
 @click.option("--batch-size", type=click.IntRange(min=1), default=4096)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
 def main(checkpoint_path, data_dir, split, batch_size, device):

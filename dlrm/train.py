@@ -105,7 +105,9 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
     torch.manual_seed(t.seed)
     data_dir = Path(cfg.data.path)
     metadata = load_metadata(data_dir)
-    train_set, eval_set = open_split(data_dir, "train"), open_split(data_dir, "eval")
+    # Layouts kaggle and terabyte hold out "val" (model selection) and "test"; layout fraction: "eval".
+    eval_split = "val" if "val" in metadata.get("files", {}) else "eval"
+    train_set, eval_set = open_split(data_dir, "train"), open_split(data_dir, eval_split)
     model = build_model(cfg.model, metadata, train_set.sparse, mlp_kernel=cfg.mlp_kernel).to(device)
     optimizer = make_optimizer(model, cfg)
     if t.use_torch_compile:
@@ -127,11 +129,12 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
     run_dir = _make_run_dir(cfg, output_dir)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     logger.info(
-        "run {} | backend {} | device {} | train {} rows, eval {} rows | {} params",
+        "run {} | backend {} | device {} | train {} rows, {} {} rows | {} params",
         run_dir,
         cfg.backend,
         device,
         train_set.num_rows,
+        eval_split,
         eval_set.num_rows,
         sum(p.numel() for p in model.parameters()),
     )
@@ -252,6 +255,8 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
         "eval_logloss": best["logloss"],
         "eval_ne": best["ne"],
         "best_step": best["step"],
+        "eval_split": eval_split,
+        "eval_samples": best["samples"],
         "last_eval_auc": last_eval["auc"],
         "samples_per_s": timed_samples / timed_s if timed_s else None,
         "first_step_s": first_step_s,

@@ -335,3 +335,40 @@ def test_counts_past_float32_exact_range_are_kept(tmp_path):
     preprocess([path], tmp_path / "out", eval_fraction=0.5)
     value = pq.read_table(tmp_path / "out" / "train").column("I5")[0].as_py()
     assert value == pytest.approx(23000001, rel=1e-7)
+
+
+def test_kaggle_layout_cuts_seven_days_and_halves_the_last(tmp_path, lines):
+    """FB-DLRM's Kaggle split: 10,000 lines -> days of 1429 x 4 and 1428 x 3; days 0-5 train (8572 lines),
+    day 6 (1428 lines) halved into val then test."""
+    out = tmp_path / "kaggle"
+    metadata = preprocess([SAMPLE], out, layout="kaggle", rows_per_file=3000)
+    assert metadata["layout"] == "kaggle" and metadata["eval_fraction"] is None
+    assert metadata["rows"] == {"train": 8572, "val": 714, "test": 714}
+    reference = reference_rows(lines)
+    for split, rows in (("train", slice(0, 8572)), ("val", slice(8572, 9286)), ("test", slice(9286, 10000))):
+        table = read_split(out, split)
+        for name in (LABEL, "I5", "C3"):
+            assert table.column(name).to_pylist() == reference[name][rows], (split, name)
+
+
+def test_terabyte_layout_halves_the_last_input(tmp_path, lines):
+    days = [write_tsv(tmp_path / f"day_{i}", lines[i * 3000 : (i + 1) * 3000]) for i in range(3)]
+    days.append(write_tsv(tmp_path / "day_3", lines[9000:9101]))  # 101 lines: val gets the odd one
+    out = tmp_path / "terabyte"
+    metadata = preprocess(days, out, layout="terabyte")
+    assert metadata["rows"] == {"train": 9000, "val": 51, "test": 50}
+    reference = reference_rows(lines)
+    assert read_split(out, "test").column("C1").to_pylist() == reference["C1"][9051:9101]
+
+
+def test_terabyte_layout_needs_separate_days(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "dlrm.data.preprocess", "--input", str(SAMPLE), "--output-dir",
+         str(tmp_path / "out"), "--layout", "terabyte"],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: layout terabyte needs the days as separate inputs (day_0 .. day_23)"
+    ]
+    assert not (tmp_path / "out").exists()

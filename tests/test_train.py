@@ -143,3 +143,25 @@ def test_triton_on_cpu_after_triton_import_is_a_clear_error(criteo_sample, tmp_p
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
     assert result.returncode == 2
     assert "set TRITON_INTERPRET=1" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_kaggle_layout_trains_and_selects_on_val(tmp_path):
+    from dlrm.data.preprocess import preprocess
+
+    data = tmp_path / "kaggle"
+    preprocess([REPO / "data" / "day_0_head10k.tsv.gz"], data, layout="kaggle")
+    metrics = train_cli.train(_tiny(data, max_steps=4), tmp_path / "run")
+    assert metrics["eval_split"] == "val" and metrics["eval_samples"] == 714
+    result = CliRunner().invoke(
+        evaluate_cli.main,
+        [
+            "--checkpoint",
+            str(tmp_path / "run" / "checkpoints" / "best.pt"),
+            "--data",
+            str(data),
+            "--split",
+            "test",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["samples"] == 714

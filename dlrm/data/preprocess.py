@@ -1,14 +1,21 @@
 """`python -m dlrm.data.preprocess`: raw Criteo TSV(.gz) click logs -> parquet shards + metadata.json.
 
     python -m dlrm.data.preprocess --input day_0.gz [--input day_1.gz ...] --output-dir DIR \\
-        [--eval-fraction 0.2] [--rows-per-file 1000000] [--skip-bad-lines] [--overwrite]
+        [--layout fraction|kaggle|terabyte] [--eval-fraction 0.2] [--rows-per-file 1000000] \\
+        [--skip-bad-lines] [--overwrite]
 
 Inputs are raw Criteo lines (40 tab-separated fields, no header: label, I1..I13, C1..C26), plain or gzip,
-given in time order. The last `eval_fraction` of all lines, in file order over the inputs concatenated,
-becomes the eval split (CTR hold-out is by time); the rest is the train split. Output:
+given in time order. Splits are cut by line position over the inputs concatenated (CTR hold-out is by
+time), per `--layout`:
+    fraction   the last `eval_fraction` of the lines is the eval split, the rest train;
+    kaggle     FB-DLRM's convention for the Kaggle train.txt: the lines cut into 7 equal "days" (the first
+               total % 7 days one line longer), days 0-5 train, day 6 halved: val, then test;
+    terabyte   the 1TB logs given as day_0 .. day_23: every input but the last is train, the last day is
+               halved: val, then test.
+The first half of a halved day gets the odd line. Output:
 
     DIR/train/part-00000.parquet ...   at most `rows_per_file` rows each
-    DIR/eval/part-00000.parquet ...
+    DIR/eval/part-00000.parquet ...    (or DIR/val/..., DIR/test/...)
     DIR/metadata.json                  row counts, shard list, positive rates, train cardinalities and
                                        dense statistics (see `preprocess`)
 
@@ -51,7 +58,7 @@ from dlrm.data.schema import (
     SPARSE_COLUMNS,
 )
 
-SPLITS = ("train", "eval")
+LAYOUTS = ("fraction", "kaggle", "terabyte")
 METADATA_FILE = "metadata.json"
 OUTPUT_SCHEMA = pa.schema(
     [
@@ -90,10 +97,30 @@ def load_metadata(data_dir: Path | str) -> dict:
     return json.loads(path.read_text())
 
 
+def split_starts(layout: str, line_counts: list[int], eval_fraction: float) -> list[tuple[str, int]]:
+    """The splits of `layout` in file order, as (name, 0-based first line over all inputs); each runs to
+    the next one's first line (see the module docstring). Raises PreprocessError for an unknown layout
+    or, for terabyte, fewer than two inputs."""
+    total = sum(line_counts)
+    if layout == "fraction":
+        return [("train", 0), ("eval", total - round(total * eval_fraction))]
+    if layout == "kaggle":
+        per_day, longer_days = divmod(total, 7)
+        held_out = 6 * per_day + min(6, longer_days)  # first line of day 6
+    elif layout == "terabyte":
+        if len(line_counts) < 2:
+            raise PreprocessError("layout terabyte needs the days as separate inputs (day_0 .. day_23)")
+        held_out = total - line_counts[-1]
+    else:
+        raise PreprocessError(f"unknown layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+    return [("train", 0), ("val", held_out), ("test", held_out + (total - held_out + 1) // 2)]
+
+
 def preprocess(
     inputs: Sequence[Path | str],
     output_dir: Path | str,
     eval_fraction: float = 0.2,
+    layout: str = "fraction",
     rows_per_file: int = 1_000_000,
     skip_bad_lines: bool = False,
     overwrite: bool = False,
@@ -103,15 +130,17 @@ def preprocess(
     Args:
         inputs: raw Criteo TSV files, plain or gzip, in time order.
         output_dir: directory to create; it must not exist unless `overwrite`.
-        eval_fraction: share of lines, taken from the end, that forms the eval split; in [0, 1).
+        eval_fraction: layout "fraction": share of lines, taken from the end, that forms the eval split;
+            in [0, 1).
+        layout: "fraction", "kaggle" or "terabyte" (see the module docstring).
         rows_per_file: maximum rows per parquet shard.
         skip_bad_lines: count and leave out malformed lines instead of stopping at the first one.
         overwrite: replace an existing `output_dir` that holds an earlier preprocess output.
     Returns:
         The metadata written to metadata.json:
-        {"version", "source": [inputs], "eval_fraction", "rows": {"train", "eval"},
-         "files": {"train": [paths relative to output_dir], "eval": [...]},
-         "positive_rate": {"train", "eval"} (null for an empty split),
+        {"version", "source": [inputs], "layout", "eval_fraction" (null unless layout "fraction"),
+         "rows": {split: rows}, "files": {split: [paths relative to output_dir]},
+         "positive_rate": {split: rate} (null for an empty split),
          "categorical": {"C1": {"cardinality": distinct non-missing train values}, ...},
          "dense": {"I1": {"min", "max", "mean"} over train after missing -> 0, ...}, "skipped_lines"}.
     Raises:
@@ -125,15 +154,15 @@ def preprocess(
 
     line_counts = _count_lines_of_inputs(inputs)
     total_lines = sum(line_counts)
-    first_eval_line = total_lines - round(total_lines * eval_fraction)  # 0-based over all inputs
+    starts = split_starts(layout, line_counts, eval_fraction)
 
     tmp_dir = output_dir.with_name(f"{output_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a killed run whose pid was reused
     try:
         tmp_dir.mkdir(parents=True)
-        metadata = _write_splits(
-            inputs, line_counts, first_eval_line, tmp_dir, rows_per_file, skip_bad_lines, eval_fraction
-        )
+        metadata = _write_splits(inputs, line_counts, starts, tmp_dir, rows_per_file, skip_bad_lines)
+        metadata["layout"] = layout
+        metadata["eval_fraction"] = eval_fraction if layout == "fraction" else None
         (tmp_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
         move_into_place(tmp_dir, output_dir)
     except BaseException:
@@ -144,13 +173,12 @@ def preprocess(
     if metadata["skipped_lines"]:
         logger.warning("skipped {:,} bad line(s)", metadata["skipped_lines"])
     logger.info(
-        "preprocessed {:,} lines from {} file(s) in {:.1f} s ({:,.0f} rows/s): {:,} train / {:,} eval -> {}",
+        "preprocessed {:,} lines from {} file(s) in {:.1f} s ({:,.0f} rows/s): {} -> {}",
         total_lines,
         len(inputs),
         seconds,
         total_lines / seconds,
-        metadata["rows"]["train"],
-        metadata["rows"]["eval"],
+        " / ".join(f"{rows:,} {split}" for split, rows in metadata["rows"].items()),
         output_dir,
     )
     return metadata
@@ -464,15 +492,17 @@ class SplitWriter:
 def _write_splits(
     inputs: list[Path],
     line_counts: list[int],
-    first_eval_line: int,
+    starts: list[tuple[str, int]],
     out_dir: Path,
     rows_per_file: int,
     skip_bad_lines: bool,
-    eval_fraction: float,
 ) -> dict:
-    """Second pass: parse every input and write its rows to the train or eval split by line position."""
-    train = SplitWriter(out_dir, "train", rows_per_file, collect_feature_stats=True)
-    eval_ = SplitWriter(out_dir, "eval", rows_per_file, collect_feature_stats=False)
+    """Second pass: parse every input and write its rows to the splits by line position (`starts`)."""
+    writers = {
+        name: SplitWriter(out_dir, name, rows_per_file, collect_feature_stats=name == "train")
+        for name, _ in starts
+    }
+    first_lines = np.array([first for _, first in starts[1:]])
     skipped = 0
     lines_before = 0  # lines of the inputs before the current one
     with tqdm(
@@ -481,10 +511,10 @@ def _write_splits(
         for path, line_count in zip(inputs, line_counts, strict=True):
             lines_read = 0
             for block in _parse_file(path, skip_bad_lines):
-                # Lines are increasing, so the train rows of a block come first.
-                n_train = int(np.searchsorted(lines_before + block.lines - 1, first_eval_line))
-                train.write(block.rows.slice(0, n_train))
-                eval_.write(block.rows.slice(n_train))
+                # Lines are increasing, so a block holds consecutive runs of the splits, in split order.
+                cuts = [0, *np.searchsorted(lines_before + block.lines - 1, first_lines), len(block.lines)]
+                for writer, begin, end in zip(writers.values(), cuts[:-1], cuts[1:], strict=True):
+                    writer.write(block.rows.slice(int(begin), int(end - begin)))
                 skipped += block.bad_lines
                 lines_read += block.lines_read
                 bar.update(block.lines_read)
@@ -494,24 +524,22 @@ def _write_splits(
                     f"{path}: parsed {lines_read} lines but counted {line_count} (stray carriage returns?)"
                 )
             lines_before += line_count
-    train.close()
-    eval_.close()
-    if train.rows == 0:
-        raise PreprocessError("no train rows: every line is bad or the eval fraction takes them all")
-    return build_metadata(train, eval_, [str(p) for p in inputs], eval_fraction, skipped)
+    for writer in writers.values():
+        writer.close()
+    if writers["train"].rows == 0:
+        raise PreprocessError("no train rows: every line is bad or the hold-out splits take them all")
+    return build_metadata(writers, [str(p) for p in inputs], skipped)
 
 
-def build_metadata(
-    train: SplitWriter, eval_: SplitWriter, source: list[str], eval_fraction: float, skipped_lines: int
-) -> dict:
-    """The metadata.json contents for two closed split writers (train with feature statistics)."""
+def build_metadata(writers: dict[str, SplitWriter], source: list[str], skipped_lines: int) -> dict:
+    """The metadata.json contents for closed split writers; "train" carries the feature statistics."""
+    train = writers["train"]
     return {
         "version": __version__,
         "source": source,
-        "eval_fraction": eval_fraction,
-        "rows": {"train": train.rows, "eval": eval_.rows},
-        "files": {"train": train.files, "eval": eval_.files},
-        "positive_rate": {"train": train.positive_rate(), "eval": eval_.positive_rate()},
+        "rows": {name: w.rows for name, w in writers.items()},
+        "files": {name: w.files for name, w in writers.items()},
+        "positive_rate": {name: w.positive_rate() for name, w in writers.items()},
         "categorical": train.cardinalities(),
         "dense": train.dense_stats(),
         "skipped_lines": skipped_lines,
@@ -529,6 +557,14 @@ def build_metadata(
 )
 @click.option("--output-dir", required=True, type=click.Path(path_type=Path), help="Directory to create.")
 @click.option(
+    "--layout",
+    type=click.Choice(LAYOUTS),
+    default="fraction",
+    show_default=True,
+    help="Splits: fraction (train/eval by --eval-fraction), kaggle (FB-DLRM's 7 days of train.txt: "
+    "6 train, the last halved into val/test), terabyte (inputs day_0..day_23: the last halved: val/test).",
+)
+@click.option(
     "--eval-fraction",
     default=0.2,
     show_default=True,
@@ -542,14 +578,15 @@ def build_metadata(
 def main(
     inputs: tuple[Path, ...],
     output_dir: Path,
+    layout: str,
     eval_fraction: float,
     rows_per_file: int,
     skip_bad_lines: bool,
     overwrite: bool,
 ) -> None:
-    """Convert raw Criteo click logs into train/eval parquet shards and metadata.json."""
+    """Convert raw Criteo click logs into parquet shards per split and metadata.json."""
     try:
-        preprocess(list(inputs), output_dir, eval_fraction, rows_per_file, skip_bad_lines, overwrite)
+        preprocess(list(inputs), output_dir, eval_fraction, layout, rows_per_file, skip_bad_lines, overwrite)
     except PreprocessError as e:
         click.echo(f"error: {e}", err=True)
         raise click.exceptions.Exit(2) from None

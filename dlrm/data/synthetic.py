@@ -543,7 +543,8 @@ def write_parquet(
                 bar.update(block.num_rows)
         train.close()
         eval_.close()
-        metadata = build_metadata(train, eval_, [_describe(config, rows)], eval_fraction, skipped_lines=0)
+        metadata = build_metadata({"train": train, "eval": eval_}, [_describe(config, rows)], skipped_lines=0)
+        metadata |= {"layout": "fraction", "eval_fraction": eval_fraction}
         (tmp_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
         move_into_place(tmp_dir, output_dir)
     except BaseException:
