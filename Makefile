@@ -1,12 +1,13 @@
 # `make train`: create .venv on first use, preprocess the shipped Criteo sample once, train configs/main.json.
 # `make test`: the same venv, then the test suite (CPU; Triton kernels run in the interpreter).
+# `make bench`: the GPU benchmarks (MLP kernels, training step); rows go to scripts/results/.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SAMPLE := data/criteo_sample/metadata.json
 
-.PHONY: train test lint clean
+.PHONY: train test bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +24,10 @@ train: $(STAMP) $(SAMPLE)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) scripts/bench_kernels.py --batches 16384
+	$(PY) scripts/bench_train.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
