@@ -127,7 +127,8 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
         )
 
     run_dir = _make_run_dir(cfg, output_dir)
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    config_json = json.dumps(cfg.to_dict(), indent=2)
+    (run_dir / "config.json").write_text(config_json)
     logger.info(
         "run {} | backend {} | device {} | train {} rows, {} {} rows | {} params",
         run_dir,
@@ -139,7 +140,7 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
         sum(p.numel() for p in model.parameters()),
     )
     writer = SummaryWriter(str(run_dir))
-    writer.add_text("config", "```json\n" + json.dumps(cfg.to_dict(), indent=2) + "\n```")
+    writer.add_text("config", "```json\n" + config_json + "\n```")
     table_rows = model.sparse_arch.table_rows
 
     def checkpoint(name: str, step: int) -> None:

@@ -33,13 +33,13 @@ from triton.testing import do_bench
 from dlrm.config import load_config
 from dlrm.data.schema import NUM_DENSE
 from dlrm.model.dlrm import InteractionArch
+from kernels.activations import act_ref
 from kernels.bias_act import bias_act
 from kernels.linear_act import linear_act
 
 RESULTS = Path(__file__).parent / "results" / "kernels.csv"
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
-TORCH_ACT = {"relu": F.relu, "identity": lambda z: z}
 PATHS = ("eager", "compile", "bias_act", "linear_act")
 ROTATE = 4  # input sets cycled through between repeats
 PASSES = ("launch fwd", "launch fwd+bwd", "graph fwd", "graph fwd+bwd")
@@ -76,13 +76,13 @@ def measure_ceilings() -> dict[str, float]:
 def _layer_fns(path: str, act: str):
     """(forward fn(x, W, b), compile seconds) for one path."""
     if path == "eager":
-        return (lambda x, w, b: TORCH_ACT[act](F.linear(x, w, b))), 0.0
+        return (lambda x, w, b: act_ref(F.linear(x, w, b), act)), 0.0
     if path == "bias_act":
         return (lambda x, w, b: bias_act(F.linear(x, w), b, act)), 0.0
     if path == "linear_act":
         return (lambda x, w, b: linear_act(x, w, b, act)), 0.0
     torch._dynamo.reset()  # each layer compiles afresh: the lambda's code object is shared between layers
-    return torch.compile(lambda x, w, b: TORCH_ACT[act](F.linear(x, w, b)), dynamic=False), None
+    return torch.compile(lambda x, w, b: act_ref(F.linear(x, w, b), act), dynamic=False), None
 
 
 def _graph_ms(step, repeats: int = 20) -> float:
