@@ -60,9 +60,11 @@ class TrainConfig:
 
     `embedding_lr` defaults to `lr`. `eval_interval` (steps) of null evaluates at each epoch's end only.
     `patience`: stop after this many evaluations without a better eval AUC (null: never stop early).
-    `use_torch_compile` compiles the dense part with Inductor; `use_triton` runs the MLP layers on our Triton
-    kernels: `triton_mlp_kernel` "linear_act" (GEMM + bias + activation fused) or "bias_act" (cuBLAS GEMM,
-    then fused bias + activation). Both flags may be set.
+    `use_torch_compile` compiles the dense part with Inductor. `use_triton` runs the model on our Triton
+    kernels: table-batched embeddings whose backward applies the optimizer (SGD or Adagrad) to the touched
+    rows, the dot interaction, the loss, and the MLP layers, which `triton_mlp_kernel` picks: "linear_act"
+    (GEMM + bias + activation fused) or "bias_act" (cuBLAS GEMM, then fused bias + activation).
+    Both flags may be set.
     """
 
     optimizer: str = "sgd"
@@ -116,6 +118,11 @@ class RunConfig:
     def mlp_kernel(self) -> str:
         """How the model's MLP layers run (dlrm.model.mlp.MLP_KERNELS)."""
         return self.train.triton_mlp_kernel if self.train.use_triton else "torch"
+
+    @property
+    def sparse_kernel(self) -> str:
+        """How the embeddings, interaction and loss run (dlrm.model.dlrm.SPARSE_KERNELS)."""
+        return "triton" if self.train.use_triton else "torch"
 
 
 _SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "profiler": ProfilerConfig}

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import click
 import torch
-import torch.nn.functional as F
 from loguru import logger
 from torch.profiler import record_function
 from torch.utils.tensorboard import SummaryWriter
@@ -38,12 +37,16 @@ def resolve_device(name: str) -> torch.device:
 
 def make_optimizer(model: DLRM, cfg: RunConfig) -> torch.optim.Optimizer:
     """SGD or Adagrad with two parameter groups: the MLPs (weight decay) and the embedding tables (sparse
-    gradients, `embedding_lr`, no weight decay: decaying every row each step would make the update dense)."""
+    gradients, `embedding_lr`, no weight decay: decaying every row each step would make the update dense).
+    With the "triton" sparse kernel the tables are not in the torch optimizer: the same update (lr
+    `embedding_lr`, Adagrad's default eps) is fused into the embedding kernel's backward."""
     t = cfg.train
-    groups = [
-        {"params": model.dense_parameters(), "lr": t.lr, "weight_decay": t.weight_decay},
-        {"params": model.embedding_parameters(), "lr": t.embedding_lr or t.lr, "weight_decay": 0.0},
-    ]
+    embedding_lr = t.embedding_lr or t.lr
+    groups = [{"params": model.dense_parameters(), "lr": t.lr, "weight_decay": t.weight_decay}]
+    if model.sparse_arch.kernel == "triton":
+        model.sparse_arch.configure_optimizer(t.optimizer, embedding_lr)
+    else:
+        groups.append({"params": model.embedding_parameters(), "lr": embedding_lr, "weight_decay": 0.0})
     if t.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=t.lr)
     return torch.optim.Adagrad(groups, lr=t.lr)
@@ -62,7 +65,7 @@ def train_step(model: DLRM, optimizer: torch.optim.Optimizer, batch: Batch) -> t
     with record_function("forward"):
         logits = model(batch.dense, batch.sparse)
     with record_function("loss"):
-        loss = F.binary_cross_entropy_with_logits(logits.float(), batch.label)
+        loss = model.loss(logits, batch.label)
     with record_function("backward"):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -108,7 +111,8 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
     # Layouts kaggle and terabyte hold out "val" (model selection) and "test"; layout fraction: "eval".
     eval_split = "val" if "val" in metadata.get("files", {}) else "eval"
     train_set, eval_set = open_split(data_dir, "train"), open_split(data_dir, eval_split)
-    model = build_model(cfg.model, metadata, train_set.sparse, mlp_kernel=cfg.mlp_kernel).to(device)
+    kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
+    model = build_model(cfg.model, metadata, train_set.sparse, **kernels).to(device)
     optimizer = make_optimizer(model, cfg)
     if t.use_torch_compile:
         compile_dense_part(model)
@@ -264,6 +268,7 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
         "wall_s": wall_s,
         "backend": cfg.backend,
         "mlp_kernel": cfg.mlp_kernel,
+        "sparse_kernel": cfg.sparse_kernel,
         "device": str(device),
     }
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))

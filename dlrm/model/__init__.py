@@ -8,7 +8,11 @@ from dlrm.model.tables import build_vocabularies, resolve_table_rows
 
 
 def build_model(
-    cfg: ModelConfig, metadata: dict, train_sparse: torch.Tensor, mlp_kernel: str = "torch"
+    cfg: ModelConfig,
+    metadata: dict,
+    train_sparse: torch.Tensor,
+    mlp_kernel: str = "torch",
+    sparse_kernel: str = "torch",
 ) -> DLRM:
     """A freshly initialized DLRM sized from the config and the training data.
 
@@ -17,10 +21,12 @@ def build_model(
         metadata: preprocess metadata.json (cardinalities for modulus hashing without `table_rows`).
         train_sparse: [rows, F] int64 raw train ids (vocabularies for vocab hashing).
         mlp_kernel: how MLP layers run: "torch", "bias_act" or "linear_act" (dlrm.model.mlp).
+        sparse_kernel: how embeddings, interaction and loss run: "torch" or "triton" (dlrm.model.dlrm.DLRM).
     """
+    kernels = {"mlp_kernel": mlp_kernel, "sparse_kernel": sparse_kernel}
     if cfg.hashing == "vocab":
-        return DLRM(cfg, vocabularies=build_vocabularies(train_sparse, cfg.max_rows), mlp_kernel=mlp_kernel)
-    return DLRM(cfg, table_rows=resolve_table_rows(cfg, metadata), mlp_kernel=mlp_kernel)
+        return DLRM(cfg, vocabularies=build_vocabularies(train_sparse, cfg.max_rows), **kernels)
+    return DLRM(cfg, table_rows=resolve_table_rows(cfg, metadata), **kernels)
 
 
 def model_from_checkpoint(

@@ -14,12 +14,15 @@ The model returns logits; the sigmoid is applied once, in evaluation/prediction.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
 from dlrm.config import ModelConfig
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model.mlp import MLP
+
+SPARSE_KERNELS = ("torch", "triton")
 
 
 class DenseArch(nn.Module):
@@ -42,15 +45,22 @@ class SparseArch(nn.Module):
       included as a value); ids not in the vocabulary share the last row, the out-of-vocabulary row.
       rows_f = len(vocabulary_f) + 1.
 
-    Tables are nn.Embedding with sparse gradients, so optimizers touch only the looked-up rows.
+    `kernel` picks how the tables are held and updated:
+    - "torch": F nn.Embedding tables with sparse gradients; a torch optimizer updates the looked-up rows.
+    - "triton": one table-batched [sum of rows_f, D] weight (`weights`, table f from row offsets[f]) looked
+      up by our one-launch kernel `kernels.embedding`, whose backward applies the optimizer to the touched
+      rows itself (set it with `configure_optimizer`; no weight gradient is produced).
+    Both initialize identically for a seed and save the same state_dict keys (`embeddings.<f>.weight`), so
+    checkpoints move between them.
 
     Args:
         embedding_dim: D.
         table_rows: rows_f per table (F ints). Ignored for "vocab", which takes len(vocabulary) + 1.
         hashing: "modulus" or "vocab".
         vocabularies: for "vocab", F sorted int64 tensors of known ids.
+        kernel: "torch" or "triton".
     Raises:
-        ValueError: wrong number of tables or vocabularies, unknown hashing.
+        ValueError: wrong number of tables or vocabularies, unknown hashing or kernel.
     """
 
     def __init__(
@@ -59,8 +69,11 @@ class SparseArch(nn.Module):
         table_rows: list[int] | None = None,
         hashing: str = "modulus",
         vocabularies: list[torch.Tensor] | None = None,
+        kernel: str = "torch",
     ):
         super().__init__()
+        if kernel not in SPARSE_KERNELS:
+            raise ValueError(f"unknown sparse kernel {kernel!r}: expected one of {SPARSE_KERNELS}")
         if hashing == "vocab":
             if vocabularies is None or len(vocabularies) != NUM_SPARSE:
                 raise ValueError(f"hashing 'vocab' needs {NUM_SPARSE} vocabularies")
@@ -75,13 +88,46 @@ class SparseArch(nn.Module):
         self.table_rows = list(table_rows)
         # A buffer, so hashing does not copy the sizes to the device every step.
         self.register_buffer("rows", torch.tensor(self.table_rows), persistent=False)
-        self.embeddings = nn.ModuleList(nn.Embedding(rows, embedding_dim, sparse=True) for rows in table_rows)
-        for table in self.embeddings:
-            bound = (1.0 / table.num_embeddings) ** 0.5  # FB-DLRM: U(-sqrt(1/rows), sqrt(1/rows))
-            nn.init.uniform_(table.weight, -bound, bound)
+        self.kernel = kernel
+        if kernel == "torch":
+            self.embeddings = nn.ModuleList(
+                nn.Embedding(rows, embedding_dim, sparse=True) for rows in table_rows
+            )
+            tables = [table.weight.data for table in self.embeddings]
+        else:
+            self.weights = nn.Parameter(torch.empty(sum(table_rows), embedding_dim))
+            tables = list(self.weights.data.split(self.table_rows))
+            for table in tables:  # what nn.Embedding's constructor does, so a seed gives the same weights
+                nn.init.normal_(table)
+            offsets = torch.tensor([0, *self.table_rows[:-1]]).cumsum(0)
+            self.register_buffer("offsets", offsets, persistent=False)
+            self.register_buffer("optimizer_state", torch.zeros(0), persistent=False)
+            self.optimizer = ("sgd", 0.0, 0.0)
+            self.register_state_dict_post_hook(_split_tables)
+            self.register_load_state_dict_pre_hook(_join_tables)
+        for table in tables:
+            bound = (1.0 / table.shape[0]) ** 0.5  # FB-DLRM: U(-sqrt(1/rows), sqrt(1/rows))
+            nn.init.uniform_(table, -bound, bound)
+
+    def configure_optimizer(self, optimizer: str, lr: float, eps: float = 1e-10) -> None:
+        """For kernel "triton": the update its backward applies, "sgd" or "adagrad" (torch.optim's
+        semantics) or "rowwise_adagrad"; allocates the optimizer state next to the weights (call it after
+        moving the module to its device).
+
+        Raises:
+            ValueError: kernel "torch" (its tables take a torch optimizer), or an unknown optimizer.
+        """
+        if self.kernel != "triton":
+            raise ValueError(
+                "configure_optimizer is for kernel 'triton'; give kernel 'torch' tables to a torch optimizer"
+            )
+        from kernels.embedding import optimizer_state
+
+        self.optimizer_state = optimizer_state(self.weights.detach(), optimizer)
+        self.optimizer = (optimizer, lr, eps)
 
     def hash_ids(self, sparse: torch.Tensor) -> torch.Tensor:
-        """Raw ids [B, F] int64 -> row indices [B, F] int64, one column per table."""
+        """Raw ids [B, F] int64 -> row indices [B, F] int64 within each table."""
         if self.hashing == "modulus":
             return torch.remainder(sparse + 1, self.rows)
         columns = []
@@ -94,8 +140,32 @@ class SparseArch(nn.Module):
 
     def forward(self, sparse: torch.Tensor) -> torch.Tensor:
         """sparse: [B, F] int64 raw ids -> embeddings [B, F, D]."""
+        if self.kernel == "triton":
+            from kernels.embedding import embedding_lookup
+
+            # The kernel hashes modulus ids itself; vocab rows are looked up here first.
+            ids, hashing = (
+                (sparse, "modulus") if self.hashing == "modulus" else (self.hash_ids(sparse), "index")
+            )
+            optimizer, lr, eps = self.optimizer
+            state, offsets = self.optimizer_state, self.offsets
+            return embedding_lookup(self.weights, state, offsets, self.rows, ids, hashing, optimizer, lr, eps)
         rows = self.hash_ids(sparse)
         return torch.stack([table(rows[:, f]) for f, table in enumerate(self.embeddings)], dim=1)
+
+
+def _split_tables(module: SparseArch, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """state_dict post-hook of the table-batched SparseArch: save per-table keys, as kernel "torch" does."""
+    weights = state_dict.pop(prefix + "weights")
+    for f, table in enumerate(weights.split(module.table_rows)):
+        state_dict[f"{prefix}embeddings.{f}.weight"] = table
+
+
+def _join_tables(module: SparseArch, state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook of the table-batched SparseArch: per-table keys -> one `weights` tensor."""
+    keys = [f"{prefix}embeddings.{f}.weight" for f in range(len(module.table_rows))]
+    if all(k in state_dict for k in keys):
+        state_dict[prefix + "weights"] = torch.cat([state_dict.pop(k) for k in keys])
 
 
 class InteractionArch(nn.Module):
@@ -105,10 +175,20 @@ class InteractionArch(nn.Module):
     take Z = T @ T^T and keep the strict lower triangle Z[:, i, j], i > j, in row-major order
     (F(F+1)/2 = 351 products for F = 26); output [dense | products], [B, D + 351] (367 for D = 16).
     "cat": [dense | embeddings flattened], [B, (F + 1) D].
+    `kernel` "triton" runs "dot" as our one-kernel interaction (`kernels.interaction`), forward and backward.
     """
 
-    def __init__(self, embedding_dim: int, interaction: str = "dot", num_sparse: int = NUM_SPARSE):
+    def __init__(
+        self,
+        embedding_dim: int,
+        interaction: str = "dot",
+        num_sparse: int = NUM_SPARSE,
+        kernel: str = "torch",
+    ):
         super().__init__()
+        if kernel not in SPARSE_KERNELS:
+            raise ValueError(f"unknown interaction kernel {kernel!r}: expected one of {SPARSE_KERNELS}")
+        self.kernel = kernel
         if interaction not in ("dot", "cat"):
             raise ValueError(f"unknown interaction {interaction!r}: expected 'dot' or 'cat'")
         self.interaction = interaction
@@ -124,6 +204,10 @@ class InteractionArch(nn.Module):
     def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         if self.interaction == "cat":
             return torch.cat([dense, embedded.flatten(1)], dim=1)
+        if self.kernel == "triton":
+            from kernels.interaction import dot_interaction
+
+            return dot_interaction(dense, embedded)
         t = torch.cat([dense.unsqueeze(1), embedded], dim=1)
         z = torch.bmm(t, t.transpose(1, 2))
         return torch.cat([dense, z[:, self.li, self.lj]], dim=1)
@@ -148,6 +232,8 @@ class DLRM(nn.Module):
         table_rows: rows per table (F ints), already resolved from config/metadata and capped.
         vocabularies: F sorted id tensors when cfg.hashing == "vocab".
         mlp_kernel: how MLP layers run: "torch", "bias_act" or "linear_act" (dlrm.model.mlp).
+        sparse_kernel: how the embeddings, the interaction and the loss run: "torch" or "triton" (our
+            table-batched embedding with the fused optimizer update, interaction and loss kernels).
     """
 
     def __init__(
@@ -156,11 +242,12 @@ class DLRM(nn.Module):
         table_rows: list[int] | None = None,
         vocabularies: list[torch.Tensor] | None = None,
         mlp_kernel: str = "torch",
+        sparse_kernel: str = "torch",
     ):
         super().__init__()
         self.dense_arch = DenseArch(cfg.bottom_mlp, mlp_kernel)
-        self.sparse_arch = SparseArch(cfg.embedding_dim, table_rows, cfg.hashing, vocabularies)
-        self.interaction_arch = InteractionArch(cfg.embedding_dim, cfg.interaction)
+        self.sparse_arch = SparseArch(cfg.embedding_dim, table_rows, cfg.hashing, vocabularies, sparse_kernel)
+        self.interaction_arch = InteractionArch(cfg.embedding_dim, cfg.interaction, kernel=sparse_kernel)
         self.over_arch = OverArch(self.interaction_arch.out_features, cfg.top_mlp, mlp_kernel)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
@@ -178,5 +265,17 @@ class DLRM(nn.Module):
         return [*self.dense_arch.parameters(), *self.over_arch.parameters()]
 
     def embedding_parameters(self) -> list[nn.Parameter]:
-        """Embedding tables (sparse gradients)."""
+        """Embedding tables for a torch optimizer (sparse gradients); none for the "triton" sparse kernel,
+        whose backward updates its tables itself (SparseArch.configure_optimizer)."""
+        if self.sparse_arch.kernel == "triton":
+            return []
         return list(self.sparse_arch.parameters())
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean BCE-with-logits of logits [B] against labels [B] float: a 0-d fp32 tensor (computed in fp32;
+        one fused kernel, forward and gradient, for the "triton" sparse kernel)."""
+        if self.sparse_arch.kernel == "triton":
+            from kernels.loss import bce_with_logits
+
+            return bce_with_logits(logits, labels)
+        return F.binary_cross_entropy_with_logits(logits.float(), labels)

@@ -1,0 +1,250 @@
+"""DLRM dot interaction in one kernel per sample, forward and backward.
+
+Math (FB-DLRM's `interact_features` with self-interaction off; letters of dlrm/model/dlrm.py)
+    T = [dense; embedded]               [F+1, D] per sample (row 0 the bottom MLP's output)
+    Z = T T^T                           [F+1, F+1]
+    out = [dense | Z[i, j] for i > j]   [D + F(F+1)/2], products in row-major strict-lower-triangle order
+                                        (torch.tril_indices(F+1, F+1, -1)): Z[1,0], Z[2,0], Z[2,1], ...
+                                        product (i, j) at column D + i(i-1)/2 + j
+    backward, with G[i, j] = dout[D + pos(max(i,j), min(i,j))] for i != j, G[i, i] = 0 (symmetric):
+    dT = G T;   ddense = dT[0] + dout[:D];   dembedded = dT[1:]
+
+Shapes: dense [B, D], embedded [B, F, D], out [B, D + F(F+1)/2] (367 for F = 26, D = 16).
+Dtypes: fp32, bf16, fp16 (dense and embedded alike); out and gradients in the input dtype. Compute: fp32
+(IEEE dot products, not TF32: every value is loaded as fp32, the interpreter needs it for bf16 anyway).
+Each program loads one sample's F+1 vectors once and writes its whole output row: no bmm, no gather of
+the triangle, no concat, and no [B, F+1, F+1] intermediate. Backward saves the inputs (dense, embedded).
+The output width is not padded: the top MLP's first layer (and its checkpoints) stay as in eager.
+The PyTorch reference is `dot_interaction_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.launch import DTYPES, use_triton
+
+__all__ = ["dot_interaction", "dot_interaction_ref", "interaction_width"]
+
+
+def interaction_width(num_sparse: int, embedding_dim: int) -> int:
+    """Output width D + F(F+1)/2 of the dot interaction."""
+    return embedding_dim + num_sparse * (num_sparse + 1) // 2
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_vectors(dense_ptr, emb_ptr, b, F, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """T [BLOCK_T, BLOCK_D] fp32 of sample b: row 0 dense, rows 1..F the embeddings, zero padding."""
+    t = tl.arange(0, BLOCK_T)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    in_d = d < D
+    dense = tl.load(dense_ptr + b * D + d + t * 0, mask=(t == 0) & in_d, other=0.0)
+    emb = tl.load(emb_ptr + (b * F + t - 1) * D + d, mask=(t >= 1) & (t <= F) & in_d, other=0.0)
+    return dense.to(tl.float32) + emb.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["B"])
+def _interaction_fwd_kernel(
+    # pointers
+    dense_ptr,  # [B, D]
+    emb_ptr,  # [B, F, D]
+    out_ptr,  # [B, W], W = D + F(F+1)/2
+    # sizes
+    B,
+    F,
+    D,
+    W,
+    # meta-parameters
+    BLOCK_T: tl.constexpr,  # >= F + 1, power of two, >= 16 (tl.dot)
+    BLOCK_D: tl.constexpr,  # >= D, power of two, >= 16 (tl.dot)
+):
+    b = tl.program_id(0).to(tl.int64)
+    vectors = _load_vectors(dense_ptr, emb_ptr, b, F, D, BLOCK_T, BLOCK_D)
+    z = tl.dot(vectors, tl.trans(vectors), input_precision="ieee")
+    i = tl.arange(0, BLOCK_T)[:, None]
+    j = tl.arange(0, BLOCK_T)[None, :]
+    out_row = out_ptr + b * W
+    tl.store(out_row + D + i * (i - 1) // 2 + j, z.to(out_ptr.dtype.element_ty), mask=(i > j) & (i <= F))
+    d = tl.arange(0, BLOCK_D)
+    dense = tl.load(dense_ptr + b * D + d, mask=d < D)
+    tl.store(out_row + d, dense, mask=d < D)
+
+
+@triton.jit(do_not_specialize=["B"])
+def _interaction_bwd_kernel(
+    # pointers
+    dense_ptr,  # [B, D]
+    emb_ptr,  # [B, F, D]
+    dout_ptr,  # [B, W]
+    ddense_ptr,  # [B, D]
+    demb_ptr,  # [B, F, D]
+    # sizes
+    B,
+    F,
+    D,
+    W,
+    # meta-parameters
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    vectors = _load_vectors(dense_ptr, emb_ptr, b, F, D, BLOCK_T, BLOCK_D)
+    i = tl.arange(0, BLOCK_T)[:, None]
+    j = tl.arange(0, BLOCK_T)[None, :]
+    hi = tl.maximum(i, j)
+    lo = tl.minimum(i, j)
+    dout_row = dout_ptr + b * W
+    g = tl.load(dout_row + D + hi * (hi - 1) // 2 + lo, mask=(i != j) & (hi <= F), other=0.0).to(tl.float32)
+    dvectors = tl.dot(g, vectors, input_precision="ieee")  # [BLOCK_T, BLOCK_D]
+    t = tl.arange(0, BLOCK_T)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    in_d = d < D
+    tl.store(
+        demb_ptr + (b * F + t - 1) * D + d,
+        dvectors.to(demb_ptr.dtype.element_ty),
+        mask=(t >= 1) & (t <= F) & in_d,
+    )
+    d1 = tl.arange(0, BLOCK_D)
+    passthrough = tl.load(dout_row + d1, mask=d1 < D, other=0.0).to(tl.float32)
+    ddense = tl.sum(tl.where(t == 0, dvectors, 0.0), axis=0) + passthrough
+    tl.store(ddense_ptr + b * D + d1, ddense.to(ddense_ptr.dtype.element_ty), mask=d1 < D)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(dense: Tensor, embedded: Tensor) -> None:
+    if dense.ndim != 2 or embedded.ndim != 3:
+        raise ValueError(
+            f"expected dense [B, D] and embedded [B, F, D], got {list(dense.shape)}, {list(embedded.shape)}"
+        )
+    if embedded.shape[0] != dense.shape[0] or embedded.shape[2] != dense.shape[1] or dense.shape[1] < 1:
+        raise ValueError(
+            f"dense {list(dense.shape)} and embedded {list(embedded.shape)} disagree on B or D (D >= 1)"
+        )
+    if dense.dtype not in DTYPES or embedded.dtype != dense.dtype:
+        raise ValueError(
+            f"dense/embedded dtypes {dense.dtype}/{embedded.dtype}: expected one of {DTYPES}, same"
+        )
+    if dense.device != embedded.device:
+        raise ValueError(f"dense on {dense.device} but embedded on {embedded.device}")
+
+
+def _blocks(f: int, d: int) -> tuple[int, int]:
+    return max(16, triton.next_power_of_2(f + 1)), max(16, triton.next_power_of_2(d))
+
+
+def dot_interaction_fwd(dense: Tensor, embedded: Tensor) -> Tensor:
+    """Launch the forward kernel; see `dot_interaction`."""
+    _check_inputs(dense, embedded)
+    dense, embedded = dense.contiguous(), embedded.contiguous()
+    b, f, d = embedded.shape
+    w = interaction_width(f, d)
+    out = dense.new_empty(b, w)
+    if b == 0:
+        return out
+    block_t, block_d = _blocks(f, d)
+    _interaction_fwd_kernel[(b,)](dense, embedded, out, b, f, d, w, BLOCK_T=block_t, BLOCK_D=block_d)
+    return out
+
+
+def dot_interaction_bwd(dout: Tensor, dense: Tensor, embedded: Tensor) -> tuple[Tensor, Tensor]:
+    """Launch the backward kernel: (ddense [B, D], dembedded [B, F, D])."""
+    _check_inputs(dense, embedded)
+    dense, embedded, dout = dense.contiguous(), embedded.contiguous(), dout.contiguous()
+    b, f, d = embedded.shape
+    w = interaction_width(f, d)
+    if dout.shape != (b, w):
+        raise ValueError(f"dout must be [{b}, {w}], got {list(dout.shape)}")
+    ddense, dembedded = torch.empty_like(dense), torch.empty_like(embedded)
+    if b == 0:
+        return ddense, dembedded
+    block_t, block_d = _blocks(f, d)
+    _interaction_bwd_kernel[(b,)](
+        dense, embedded, dout, ddense, dembedded, b, f, d, w, BLOCK_T=block_t, BLOCK_D=block_d
+    )
+    return ddense, dembedded
+
+
+def dot_interaction_ref(dense: Tensor, embedded: Tensor) -> Tensor:
+    """PyTorch reference in fp32 (bmm, triangle gather, concat), cast back to the input dtype."""
+    t = torch.cat([dense.unsqueeze(1), embedded], dim=1).float()
+    z = torch.bmm(t, t.transpose(1, 2))
+    li, lj = torch.tril_indices(t.shape[1], t.shape[1], offset=-1, device=t.device)
+    return torch.cat([dense.float(), z[:, li, lj]], dim=1).to(dense.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Autograd glue
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dlrm::dot_interaction", mutates_args=())
+def _interaction_op(dense: Tensor, embedded: Tensor) -> Tensor:
+    if use_triton(dense):
+        return dot_interaction_fwd(dense, embedded)
+    _check_inputs(dense, embedded)
+    return dot_interaction_ref(dense, embedded)
+
+
+@_interaction_op.register_fake
+def _interaction_fake(dense: Tensor, embedded: Tensor) -> Tensor:
+    b, f, d = embedded.shape
+    return dense.new_empty(b, interaction_width(f, d))
+
+
+@torch.library.custom_op("dlrm::dot_interaction_backward", mutates_args=())
+def _interaction_backward_op(dout: Tensor, dense: Tensor, embedded: Tensor) -> tuple[Tensor, Tensor]:
+    if use_triton(dense):
+        return dot_interaction_bwd(dout, dense, embedded)
+    with torch.enable_grad():
+        dense_ = dense.detach().float().requires_grad_()
+        embedded_ = embedded.detach().float().requires_grad_()
+        ddense, dembedded = torch.autograd.grad(
+            dot_interaction_ref(dense_, embedded_), (dense_, embedded_), dout
+        )
+    return ddense.to(dense.dtype), dembedded.to(embedded.dtype)
+
+
+@_interaction_backward_op.register_fake
+def _interaction_backward_fake(dout: Tensor, dense: Tensor, embedded: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(dense), torch.empty_like(embedded)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, dout: Tensor):
+    dense, embedded = ctx.saved_tensors
+    return _interaction_backward_op(dout, dense, embedded)
+
+
+_interaction_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def dot_interaction(dense: Tensor, embedded: Tensor) -> Tensor:
+    """DLRM dot interaction `[dense | strict lower triangle of T T^T]`, T = [dense; embedded] per sample.
+
+    One Triton kernel forward and one backward on CUDA (and on CPU under TRITON_INTERPRET=1), else the
+    PyTorch reference. Differentiable in both inputs; the custom op `torch.ops.dlrm.dot_interaction`.
+
+    Args:
+        dense: [B, D] bottom MLP output, fp32/bf16/fp16.
+        embedded: [B, F, D] embedding vectors, same dtype and device.
+    Returns:
+        [B, D + F(F+1)/2] in the input dtype (module docstring gives the column order).
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match (the message names them).
+    """
+    return _interaction_op(dense, embedded)

@@ -1,0 +1,187 @@
+"""Binary cross-entropy with logits, forward and gradient in one kernel.
+
+Math (x the logit, y the 0/1 label, B samples)
+    loss_i = max(x, 0) - x y + log(1 + exp(-|x|))      (the numerically stable form, no overflow)
+    loss   = (1/B) sum_i loss_i
+    dloss/dx_i = (sigmoid(x_i) - y_i) / B
+This is torch.nn.functional.binary_cross_entropy_with_logits (reduction "mean", and "sum" for the
+evaluation accumulator).
+
+Shapes and dtypes: logits [B] fp32/bf16/fp16, labels [B] float (0/1); loss a 0-d fp32 tensor, the
+gradient [B] in the logits' dtype. Compute: fp32.
+The forward computes the gradient too (it costs one more [B] store and saves a backward kernel); backward
+only scales it by the incoming gradient of the loss. Each program adds its partial sum to the 0-d result
+with one fp32 atomic add, so the result needs no second reduction pass and no host sync.
+`bce_with_logits_accumulate_` adds sum_i loss_i into a running fp32 total in place: evaluation can sum
+the loss over many batches on the device and read it once.
+The PyTorch reference is `bce_with_logits_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.activations import sigmoid
+from kernels.launch import DTYPES, use_triton
+
+__all__ = ["bce_with_logits", "bce_with_logits_accumulate_", "bce_with_logits_ref"]
+
+_BLOCK = 1024
+
+
+@triton.jit(do_not_specialize=["B", "scale"])
+def _bce_fwd_kernel(
+    # pointers
+    logits_ptr,  # [B]
+    labels_ptr,  # [B]
+    loss_ptr,  # 0-d fp32, accumulated into with atomics
+    dlogits_ptr,  # [B], logits' dtype (unused without WRITE_GRAD)
+    # sizes
+    B,
+    # scale of the loss and the gradient: 1/B for the mean, 1 for the sum
+    scale,
+    # meta-parameters
+    WRITE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = i < B
+    x = tl.load(logits_ptr + i, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(labels_ptr + i, mask=mask, other=0.0).to(tl.float32)
+    loss = tl.maximum(x, 0.0) - x * y + tl.log(1.0 + tl.exp(-tl.abs(x)))
+    tl.atomic_add(loss_ptr, tl.sum(tl.where(mask, loss, 0.0), axis=0) * scale)
+    if WRITE_GRAD:
+        tl.store(dlogits_ptr + i, ((sigmoid(x) - y) * scale).to(dlogits_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_inputs(logits: Tensor, labels: Tensor) -> None:
+    if logits.ndim != 1 or labels.shape != logits.shape:
+        raise ValueError(
+            f"logits and labels must both be [B], got {list(logits.shape)} and {list(labels.shape)}"
+        )
+    if logits.dtype not in DTYPES or not labels.is_floating_point():
+        raise ValueError(
+            f"logits dtype {logits.dtype} (expected one of {DTYPES}), labels {labels.dtype} (float)"
+        )
+    if logits.device != labels.device:
+        raise ValueError(f"logits on {logits.device} but labels on {labels.device}")
+
+
+def _launch(logits: Tensor, labels: Tensor, loss: Tensor, dlogits: Tensor | None, scale: float) -> None:
+    b = logits.shape[0]
+    if b == 0:
+        return
+    _bce_fwd_kernel[(triton.cdiv(b, _BLOCK),)](
+        logits, labels, loss, dlogits if dlogits is not None else logits, b, scale,
+        WRITE_GRAD=dlogits is not None, BLOCK=_BLOCK,
+    )  # fmt: skip
+
+
+def bce_with_logits_fwd(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """Launch the kernel: (mean loss, 0-d fp32; dloss/dlogits [B]). See `bce_with_logits`."""
+    _check_inputs(logits, labels)
+    logits, labels = logits.contiguous(), labels.contiguous()
+    loss = torch.zeros((), dtype=torch.float32, device=logits.device)
+    dlogits = torch.empty_like(logits)
+    # An empty batch gives the mean of nothing, NaN, as PyTorch does.
+    scale = 1.0 / logits.shape[0] if logits.shape[0] else float("nan")
+    _launch(logits, labels, loss, dlogits, scale)
+    if logits.shape[0] == 0:
+        loss.fill_(float("nan"))
+    return loss, dlogits
+
+
+def bce_with_logits_ref(logits: Tensor, labels: Tensor, reduction: str = "mean") -> Tensor:
+    """PyTorch reference: F.binary_cross_entropy_with_logits in fp32."""
+    return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction=reduction)
+
+
+# --------------------------------------------------------------------------------------------------
+# Autograd glue
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dlrm::bce_with_logits", mutates_args=())
+def _bce_op(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    if use_triton(logits):
+        return bce_with_logits_fwd(logits, labels)
+    _check_inputs(logits, labels)
+    x = logits.detach().float().requires_grad_()
+    with torch.enable_grad():
+        loss = bce_with_logits_ref(x, labels)
+        (grad,) = torch.autograd.grad(loss, x)
+    return loss.detach(), grad.to(logits.dtype)
+
+
+@_bce_op.register_fake
+def _bce_fake(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    return logits.new_empty((), dtype=torch.float32), torch.empty_like(logits)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _, dlogits = output
+    ctx.save_for_backward(dlogits)
+    ctx.mark_non_differentiable(dlogits)
+
+
+def _backward(ctx, grad_loss: Tensor, _grad_dlogits):
+    (dlogits,) = ctx.saved_tensors
+    return dlogits * grad_loss.to(dlogits.dtype), None
+
+
+_bce_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("dlrm::bce_with_logits_accumulate_", mutates_args=("total",))
+def _bce_accumulate_op(logits: Tensor, labels: Tensor, total: Tensor) -> None:
+    if use_triton(logits):
+        _launch(logits.contiguous(), labels.contiguous(), total, None, 1.0)
+    else:
+        total += bce_with_logits_ref(logits, labels, reduction="sum")
+
+
+@_bce_accumulate_op.register_fake
+def _bce_accumulate_fake(logits: Tensor, labels: Tensor, total: Tensor) -> None:
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+
+
+def bce_with_logits(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean binary cross-entropy with logits; differentiable in `logits` (the custom op
+    `torch.ops.dlrm.bce_with_logits`). One Triton kernel on CUDA (and on CPU under TRITON_INTERPRET=1).
+
+    Args:
+        logits: [B] fp32/bf16/fp16.
+        labels: [B] float, 0 or 1, same device.
+    Returns:
+        0-d fp32 tensor, mean over the batch (NaN for B = 0, as PyTorch).
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match (the message names them).
+    """
+    loss, _ = _bce_op(logits, labels)
+    return loss
+
+
+def bce_with_logits_accumulate_(logits: Tensor, labels: Tensor, total: Tensor) -> None:
+    """Add the summed BCE-with-logits of a batch to `total` in place (no host sync, no autograd).
+
+    Args:
+        logits: [B] fp32/bf16/fp16; labels: [B] float 0/1.
+        total: 0-d fp32 running sum on the same device, updated in place.
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match, or `total` not a 0-d fp32 tensor.
+    """
+    _check_inputs(logits, labels)
+    if total.shape != () or total.dtype != torch.float32 or total.device != logits.device:
+        raise ValueError(
+            f"total must be a 0-d fp32 tensor on {logits.device}, got {total.dtype} {list(total.shape)}"
+        )
+    _bce_accumulate_op(logits, labels, total)
