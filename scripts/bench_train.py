@@ -3,7 +3,7 @@
     python scripts/bench_train.py [--configs kaggle,mlperf] [--batches 2048,16384,65536] \
         [--backends eager,compile,triton,triton+compile] [--steps 50]
 
-Trains the real model code (dlrm.model, dlrm.train.train_step, SGD with sparse embedding gradients) on
+Trains the real model code (dlrm.model, dlrm.train.train_step, SGD; fused into backward under triton) on
 GPU-resident random batches: dense ~ U(0, 3) (the range of log1p counts), sparse ids uniform over each
 table's rows (uniform, so no cache-friendly hot rows as in real data), labels ~ Bernoulli(0.25); a pool of
 batches is generated once and cycled, so the step never waits for data. Tables: the 26 Kaggle
@@ -57,7 +57,8 @@ def bench(config: str, backend: str, batch: int, steps: int, max_rows: int | Non
     cap = max_rows or cfg.model.max_rows
     table_rows = [min(rows, cap) for rows in CARDINALITY_PRESETS["kaggle"]]
     torch.manual_seed(0)
-    model = DLRM(cfg.model, table_rows=table_rows, mlp_kernel=cfg.mlp_kernel).cuda()
+    kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
+    model = DLRM(cfg.model, table_rows=table_rows, **kernels).cuda()
     optimizer = make_optimizer(model, cfg)
     if cfg.train.use_torch_compile:
         compile_dense_part(model)

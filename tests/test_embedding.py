@@ -1,0 +1,193 @@
+"""Tests for kernels/embedding.py: table-batched lookup with hashing, and the optimizer fused into backward.
+
+The references are PyTorch itself: the lookup against indexing the tables, the updates against
+nn.Embedding(sparse=True) + torch.optim.SGD / Adagrad (row-wise Adagrad, which torch.optim lacks, against
+its formula in `embedding_update_ref`). On CPU the kernels run in the Triton interpreter (conftest).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kernels.embedding import (
+    OPTIMIZERS,
+    embedding_lookup,
+    embedding_lookup_ref,
+    embedding_update,
+    embedding_update_ref,
+    optimizer_state,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KAGGLE_ROWS = [
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992, 5461306, 10,
+    5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+]  # fmt: skip
+
+
+def _tables(rows: list[int], d: int, dtype=torch.float32, device=DEVICE, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    weights = torch.randn(sum(rows), d, generator=g, device=device).to(dtype)
+    offsets = torch.tensor([0, *rows[:-1]]).cumsum(0).to(device)
+    return weights, offsets, torch.tensor(rows, device=device)
+
+
+def _ids(b: int, rows: list[int], seed: int = 1, device=DEVICE) -> torch.Tensor:
+    """Raw ids [B, F]: -1 (missing), the table edges (rows - 2 and rows - 1 map to rows - 1 and 0), and
+    random ids up to 3x the rows (wrapping), with repeats since B exceeds small tables."""
+    g = torch.Generator().manual_seed(seed)
+    r = torch.tensor(rows)
+    ids = (torch.rand(b, len(rows), generator=g) * 3 * r).long()
+    ids[0] = -1
+    if b > 2:
+        ids[1], ids[2] = r - 2, r - 1
+    return ids.to(device)
+
+
+@pytest.mark.parametrize("d", [4, 16, 24, 128])
+@pytest.mark.parametrize("b", [1, 5, 67])
+def test_lookup_is_the_exact_gather(b, d):
+    rows = [1, 7, 3, 130, 2]
+    weights, offsets, r = _tables(rows, d)
+    ids = _ids(b, rows)
+    out = embedding_lookup(weights, optimizer_state(weights, "sgd"), offsets, r, ids)
+    expected = torch.stack([weights[offsets[f] + (ids[:, f] + 1) % rows[f]] for f in range(len(rows))], dim=1)
+    assert out.shape == (b, len(rows), d)
+    assert torch.equal(out, expected)  # a gather: bit-exact
+
+
+def test_index_hashing_takes_rows_as_given():
+    rows = [4, 9, 2]
+    weights, offsets, r = _tables(rows, 8)
+    g = torch.Generator().manual_seed(2)
+    within = torch.stack([torch.randint(0, n, (33,), generator=g) for n in rows], dim=1).to(DEVICE)
+    out = embedding_lookup(weights, optimizer_state(weights, "sgd"), offsets, r, within, hashing="index")
+    assert torch.equal(out, weights[within + offsets])
+
+
+def _eager_step(rows, weights, ids, grad, optimizer, lr):
+    """nn.Embedding(sparse=True) tables + torch.optim: the project's eager path for one step."""
+    tables = nn.ModuleList(nn.Embedding(n, weights.shape[1], sparse=True) for n in rows).to(weights.device)
+    with torch.no_grad():
+        for table, part in zip(tables, weights.split(rows), strict=True):
+            table.weight.copy_(part)
+    opt = (torch.optim.SGD if optimizer == "sgd" else torch.optim.Adagrad)(tables.parameters(), lr=lr)
+    r = torch.tensor(rows, device=ids.device)
+    out = torch.stack([t((ids[:, f] + 1) % r[f]) for f, t in enumerate(tables)], dim=1)
+    out.backward(grad)
+    opt.step()
+    new_weights = torch.cat([t.weight.detach() for t in tables])
+    if optimizer == "sgd":
+        return new_weights, None
+    return new_weights, torch.cat([opt.state[t.weight]["sum"] for t in tables])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("d", [4, 24])
+def test_update_matches_torch_optim(optimizer, d):
+    rows = [1, 7, 3, 130, 2]
+    weights, offsets, r = _tables(rows, d)
+    ids = _ids(40, rows)  # tables of 1..7 rows: many repeated ids
+    grad = torch.randn(40, len(rows), d, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    expected_w, expected_state = _eager_step(rows, weights.clone(), ids, grad, optimizer, 0.1)
+
+    w = weights.clone().requires_grad_()
+    state = optimizer_state(w, optimizer)
+    embedding_lookup(w, state, offsets, r, ids, "modulus", optimizer, 0.1).backward(grad)
+    assert w.grad is None  # the update happened in backward; no gradient is left behind
+    torch.testing.assert_close(w.detach(), expected_w, rtol=1e-5, atol=1e-6)
+    if expected_state is not None:
+        torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-6)
+    untouched = torch.ones(sum(rows), dtype=torch.bool, device=DEVICE)
+    untouched[(ids + 1) % r + offsets] = False
+    assert torch.equal(w.detach()[untouched], weights[untouched])
+
+
+@pytest.mark.parametrize("d", [4, 16])
+def test_rowwise_adagrad_matches_its_formula(d):
+    rows = [3, 50, 1]
+    weights, offsets, r = _tables(rows, d)
+    ids = _ids(31, rows)
+    index = (ids + 1) % r + offsets
+    expected_w, expected_state = weights.clone(), optimizer_state(weights, "rowwise_adagrad")
+    w, state = weights.clone().requires_grad_(), optimizer_state(weights, "rowwise_adagrad")
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):  # the second step reads the first step's state
+        grad = torch.randn(31, len(rows), d, generator=g).to(DEVICE)
+        embedding_lookup(w, state, offsets, r, ids, "modulus", "rowwise_adagrad", 0.05).backward(grad)
+        embedding_update_ref(expected_w, expected_state, index, grad, "rowwise_adagrad", 0.05, 1e-10)
+    torch.testing.assert_close(w.detach(), expected_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-6)
+    assert state.shape == (sum(rows),) and bool((state[index.flatten()] > 0).all())
+
+
+def test_update_ref_sums_repeated_rows_before_adagrad():
+    """Adagrad is not additive: two lookups of one row must count as one gradient (g1 + g2)."""
+    w, state = torch.zeros(2, 1), torch.zeros(2, 1)
+    embedding_update_ref(w, state, torch.tensor([1, 1]), torch.tensor([[1.0], [2.0]]), "adagrad", 1.0, 0.0)
+    assert state[1].item() == 9.0 and w[1].item() == pytest.approx(-1.0)
+
+
+def test_errors_name_the_problem():
+    weights, offsets, r = _tables([3, 4], 4)
+    state = optimizer_state(weights, "sgd")
+    with pytest.raises(ValueError, match=r"ids must be \[B, 2\] int64"):
+        embedding_lookup(weights, state, offsets, r, torch.zeros(3, 5, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="unknown hashing"):
+        embedding_lookup(weights, state, offsets, r, _ids(2, [3, 4]), hashing="xor")
+    with pytest.raises(ValueError, match="unknown embedding optimizer"):
+        optimizer_state(weights, "adam")
+    with pytest.raises(ValueError, match="adagrad state must be"):
+        embedding_update(weights, torch.zeros(7), torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2, 4),
+                         "adagrad", 0.1, 1e-10)  # fmt: skip
+    with pytest.raises(ValueError, match="weights dtype"):
+        embedding_lookup(weights.double(), state, offsets, r, _ids(2, [3, 4]))
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("d", [16, 128])
+def test_kaggle_cardinalities_on_gpu(d, optimizer):
+    """Forward exact, one fused update equal to the reference: Kaggle tables (33.8M rows), B=16384."""
+    weights, offsets, r = _tables(KAGGLE_ROWS, d, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    u = torch.rand(16384, len(KAGGLE_ROWS), device="cuda", generator=g, dtype=torch.float64) ** 4  # skewed
+    ids = (u * r).long() - 1
+    out_ref, index = embedding_lookup_ref(weights, offsets, r, ids, "modulus")
+    w = weights.clone().requires_grad_()
+    state = optimizer_state(w, optimizer)
+    out = embedding_lookup(w, state, offsets, r, ids, "modulus", optimizer, 0.01)
+    assert torch.equal(out, out_ref)
+    grad = torch.randn(out.shape, device="cuda", generator=g)
+    out.backward(grad)
+    expected_state = optimizer_state(weights, optimizer)
+    embedding_update_ref(weights, expected_state, index, grad, optimizer, 0.01, 1e-10)
+    touched = index.flatten().unique()
+    torch.testing.assert_close(w.detach()[touched], weights[touched], rtol=1e-5, atol=1e-6)
+    if optimizer != "sgd":
+        torch.testing.assert_close(state[touched], expected_state[touched], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_bf16_weights_on_gpu(optimizer):
+    """bf16 weights (fp32 state): the update is computed in fp32 and rounded once, like the reference."""
+    rows = [5, 1000, 3]
+    weights, offsets, r = _tables(rows, 16, dtype=torch.bfloat16, device="cuda")
+    ids = _ids(300, rows, device="cuda")
+    w = weights.clone().requires_grad_()
+    state = optimizer_state(w, optimizer)
+    out = embedding_lookup(w, state, offsets, r, ids, "modulus", optimizer, 0.1)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, embedding_lookup_ref(weights, offsets, r, ids, "modulus")[0])
+    grad = torch.randn(out.shape, device="cuda")
+    out.backward(grad)
+    expected_state = optimizer_state(weights, optimizer)
+    embedding_update_ref(weights, expected_state, (ids + 1) % r + offsets, grad, optimizer, 0.1, 1e-10)
+    # One bf16 rounding on each side of the same fp32 value: at most 1 ulp apart.
+    torch.testing.assert_close(w.detach(), weights, rtol=1.6e-2, atol=1e-5)

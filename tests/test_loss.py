@@ -1,0 +1,80 @@
+"""Tests for kernels/loss.py: BCE-with-logits forward + gradient in one kernel, and the evaluation
+accumulator, against torch.nn.functional.binary_cross_entropy_with_logits in fp32."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.loss import bce_with_logits, bce_with_logits_accumulate_
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(b: int, scale: float = 4.0, seed: int = 0, device: str = DEVICE):
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = scale * torch.randn(b, generator=g, device=device)
+    labels = (torch.rand(b, generator=g, device=device) < 0.3).float()
+    return logits, labels
+
+
+@pytest.mark.parametrize("b", [1, 7, 1024, 3001])
+@pytest.mark.parametrize("scale", [1.0, 60.0])  # 60: exp(|x|) would overflow fp32 in a naive form
+def test_loss_and_gradient_match_torch(b, scale):
+    logits, labels = _inputs(b, scale)
+    x = logits.clone().requires_grad_()
+    loss = bce_with_logits(x, labels)
+    loss.backward()
+    x_ref = logits.clone().requires_grad_()
+    expected = F.binary_cross_entropy_with_logits(x_ref, labels)
+    expected.backward()
+    assert loss.shape == () and loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-8)
+
+
+def test_gradient_scales_with_the_incoming_gradient():
+    logits, labels = _inputs(50)
+    x = logits.clone().requires_grad_()
+    (3.0 * bce_with_logits(x, labels)).backward()
+    expected = 3.0 * (torch.sigmoid(logits) - labels) / 50
+    torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-8)
+
+
+def test_accumulate_sums_over_batches():
+    total = torch.zeros((), device=DEVICE)
+    expected = 0.0
+    for seed in range(3):
+        logits, labels = _inputs(777, seed=seed)
+        bce_with_logits_accumulate_(logits, labels, total)
+        expected += F.binary_cross_entropy_with_logits(
+            logits.double(), labels.double(), reduction="sum"
+        ).item()
+    assert total.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_empty_batch_is_nan_and_errors():
+    assert math.isnan(bce_with_logits(torch.zeros(0, device=DEVICE), torch.zeros(0, device=DEVICE)).item())
+    with pytest.raises(ValueError, match=r"must both be \[B\]"):
+        bce_with_logits(torch.zeros(3), torch.zeros(4))
+    with pytest.raises(ValueError, match="0-d fp32"):
+        bce_with_logits_accumulate_(torch.zeros(3), torch.zeros(3), torch.zeros(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [128, 65536])
+def test_bf16_logits_on_gpu(b):
+    logits, labels = _inputs(b, device="cuda")
+    x = logits.to(torch.bfloat16).requires_grad_()
+    loss = bce_with_logits(x, labels)
+    loss.backward()
+    x_ref = x.detach().float().requires_grad_()
+    expected = F.binary_cross_entropy_with_logits(x_ref, labels)
+    expected.backward()
+    torch.testing.assert_close(
+        loss, expected, rtol=1e-5, atol=1e-6
+    )  # computed in fp32 from the same bf16 values
+    torch.testing.assert_close(x.grad.float(), x_ref.grad, rtol=1.6e-2, atol=1e-7)  # one bf16 rounding
