@@ -168,11 +168,14 @@ def _embedding_segment_update_kernel(
     BLOCK_D: tl.constexpr,
 ):
     p = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    row = tl.load(sorted_ptr + p, mask=p < N, other=-1)
-    previous = tl.load(sorted_ptr + p - 1, mask=(p > 0) & (p < N), other=-1)
+    valid = p < N
+    row = tl.load(sorted_ptr + p, mask=valid, other=-1)
+    previous = tl.load(sorted_ptr + p - 1, mask=(p > 0) & valid, other=-1)
     # The first sorted position of each distinct row applies that row's update; the others do nothing.
-    head = (p < N) & (row != previous)
-    segment = tl.load(segment_ptr + p, mask=head, other=0)
+    head = valid & (row != previous)
+    # 1-D loads are masked by `valid`, not by the data-dependent `head`: Triton 3.6 fails to compile a
+    # load masked by `head` here (TritonGPURemoveLayoutConversions), and reading more is harmless.
+    segment = tl.load(segment_ptr + p, mask=valid, other=0)
     d = tl.arange(0, BLOCK_D)
     mask = head[:, None] & (d < D)[None, :]
     grad = tl.load(sums_ptr + segment[:, None] * D + d[None, :], mask=mask, other=0.0)
@@ -186,7 +189,7 @@ def _embedding_segment_update_kernel(
         tl.store(s_ptrs, state, mask=mask)
         step = lr * grad / (tl.sqrt(state) + eps)
     else:
-        state = tl.load(state_ptr + row, mask=head, other=0.0) + tl.sum(grad * grad, axis=1) / D
+        state = tl.load(state_ptr + row, mask=valid, other=0.0) + tl.sum(grad * grad, axis=1) / D
         tl.store(state_ptr + row, state, mask=head)
         step = lr * grad / (tl.sqrt(state)[:, None] + eps)
     tl.store(w_ptrs, (weights - step).to(weights_ptr.dtype.element_ty), mask=mask)
