@@ -168,9 +168,13 @@ def test_kaggle_cardinalities_on_gpu(d, optimizer):
     expected_state = optimizer_state(weights, optimizer)
     embedding_update_ref(weights, expected_state, index, grad, optimizer, 0.01, 1e-10)
     touched = index.flatten().unique()
-    torch.testing.assert_close(w.detach()[touched], weights[touched], rtol=1e-5, atol=1e-6)
+    # Skewed ids repeat hot rows thousands of times: both sides sum those gradients with fp32 atomics in
+    # different orders (seen 8.8e-6 in a weight, 4.9e-5 relative). Adagrad's state squares such sums, and
+    # cancellation in a sum makes its relative error large (seen 5.5e-4 relative, 0.24 on a state of
+    # thousands): rtol 1e-3 there.
+    torch.testing.assert_close(w.detach()[touched], weights[touched], rtol=1e-4, atol=2e-5)
     if optimizer != "sgd":
-        torch.testing.assert_close(state[touched], expected_state[touched], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state[touched], expected_state[touched], rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.gpu

@@ -1,5 +1,10 @@
 """DLRM model pieces against brute-force references."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +14,7 @@ from dlrm.model import DLRM, model_from_checkpoint
 from dlrm.model.dlrm import InteractionArch, SparseArch
 from dlrm.model.tables import build_vocabularies, resolve_table_rows
 
+REPO = Path(__file__).resolve().parents[1]
 SMALL = ModelConfig(embedding_dim=4, bottom_mlp=(8, 4), top_mlp=(8, 1), max_rows=50)
 
 
@@ -156,3 +162,15 @@ def test_checkpoints_move_between_sparse_kernels():
     assert triton.embedding_parameters() == []
     with pytest.raises(ValueError, match="configure_optimizer is for kernel 'triton'"):
         eager.sparse_arch.configure_optimizer("sgd", 0.1)
+
+
+def test_triton_sparse_path_falls_back_to_pytorch_without_triton(tmp_path):
+    """On a CPU without the interpreter the custom ops run their PyTorch references, and train the same."""
+    code = (
+        "import torch; from tests.test_model import test_triton_sparse_kernels_train_like_eager as t; "
+        "from kernels.launch import INTERPRETED; assert not INTERPRETED; "
+        "t('adagrad', 'modulus'); t('sgd', 'vocab')"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stderr
