@@ -37,7 +37,6 @@ from dlrm.data.schema import (
     LECTURE_SPARSE_COLUMNS,
     MISSING_CATEGORY,
     NUM_DENSE,
-    NUM_SPARSE,
     SPARSE_COLUMNS,
 )
 
@@ -89,7 +88,7 @@ class ParquetDataset:
 
     def __init__(self, source: Path | str | Sequence[Path | str]) -> None:
         self.files = split_files(source)
-        parts = [decode_table(pq.read_table(f, columns=columns_of(f)), f) for f in self.files]
+        parts = [_read_file(f) for f in self.files]
         self.dense, self.sparse, self.label = (torch.cat(tensors) for tensors in zip(*parts, strict=True))
 
     @property
@@ -107,6 +106,11 @@ class ParquetDataset:
 
     def __repr__(self) -> str:
         return f"ParquetDataset({self.num_rows} rows from {len(self.files)} file(s))"
+
+
+def _read_file(path: Path) -> Batch:
+    columns = columns_of(path)
+    return decode_table(pq.read_table(path, columns=columns), columns, path)
 
 
 def split_files(source: Path | str | Sequence[Path | str]) -> list[Path]:
@@ -159,32 +163,37 @@ def columns_of(path: Path) -> list[str]:
     return [label, *dense, *sparse]
 
 
-def decode_table(table: pa.Table, path: Path) -> Batch:
-    """The rows of `table` (columns as returned by `columns_of(path)`, in that order) as a Batch:
-    dense [n, 13] float32 log(1 + max(count, 0)) with missing counts 0, sparse [n, 26] int64 with missing
-    ids -1, label [n] float32. `path` only names the file in errors.
+def decode_table(table: pa.Table, columns: list[str], path: Path) -> Batch:
+    """The rows of `table` as a Batch: dense [n, 13] float32 log(1 + max(count, 0)) with missing counts 0,
+    sparse [n, 26] int64 with missing ids -1, label [n] float32.
 
+    Args:
+        table: rows read from the parquet file `path` (which only names the file in errors).
+        columns: [label, 13 dense, 26 sparse] column names, as returned by `columns_of(path)`.
     Raises:
-        ValueError: an id does not fit int64.
+        ValueError: `table` lacks some of `columns` (the file changed since `columns_of` read it), or an id
+            does not fit int64.
     """
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{path}: missing columns {', '.join(missing)} (expected {_LAYOUT_NAMES})")
 
-    def column(index: int, dtype: pa.DataType, fill: int) -> np.ndarray:
+    def column(name: str, dtype: pa.DataType, fill: int) -> np.ndarray:
         # Unsafe cast for floats: large counts may round to float32, as they do in preprocess.
         try:
-            values = pc.cast(table.column(index), dtype, safe=pa.types.is_integer(dtype))
+            values = pc.cast(table.column(name), dtype, safe=pa.types.is_integer(dtype))
         except pa.ArrowInvalid as err:
-            raise ValueError(f"{path}: column {table.column_names[index]}: {err}") from None
+            raise ValueError(f"{path}: column {name}: {err}") from None
         return pc.fill_null(values, fill).to_numpy()
 
-    dense_end = 1 + NUM_DENSE
-    dense = np.stack([column(i, pa.float32(), 0) for i in range(1, dense_end)], axis=1)
-    sparse = np.stack(
-        [column(i, pa.int64(), MISSING_CATEGORY) for i in range(dense_end, dense_end + NUM_SPARSE)], axis=1
-    )
+    label, dense, sparse = columns[0], columns[1 : 1 + NUM_DENSE], columns[1 + NUM_DENSE :]
     return Batch(
-        torch.log1p(torch.from_numpy(dense).clamp_min_(0)),
-        torch.from_numpy(sparse),
-        torch.from_numpy(column(0, pa.float32(), 0)),
+        torch.log1p(
+            torch.from_numpy(np.stack([column(c, pa.float32(), 0) for c in dense], axis=1)).clamp_min_(0)
+        ),
+        torch.from_numpy(np.stack([column(c, pa.int64(), MISSING_CATEGORY) for c in sparse], axis=1)),
+        # A copy: pyarrow's zero-copy arrays are read-only, and torch tensors are writable.
+        torch.from_numpy(column(label, pa.float32(), 0).copy()),
     )
 
 
