@@ -1,6 +1,7 @@
 """Tests of the streaming loader (dlrm.data.streaming) on small multi-file, multi-row-group parquet splits."""
 
 import math
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -271,15 +272,14 @@ def test_the_consumer_gets_the_worker_exception_itself(files, monkeypatch):
     assert raised.value is failure
 
 
-def test_abandoned_iterators_stop_their_thread(files):
-    import threading
-
+def test_abandoned_iterators_stop_their_threads(files):
     loader = StreamingLoader(files, batch_size=5, prefetch=1)
     for _ in range(3):
         batches = iter(loader)
         next(batches)
+        assert any(t.name.startswith("dlrm-read") for t in threading.enumerate())
         del batches
-    assert not [t for t in threading.enumerate() if t.name == "dlrm-prefetch"]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("dlrm-")]
 
 
 def test_real_rows_through_the_streaming_loader(criteo_sample):
@@ -323,3 +323,11 @@ def test_cuda_batches_match_cpu_batches(files):
         for on_gpu, on_cpu in zip(cuda, cpu, strict=True):
             assert all(t.is_cuda for t in on_gpu)
             assert all(torch.equal(a.cpu(), b) for a, b in zip(on_gpu, on_cpu, strict=True))
+
+
+def test_a_file_gone_since_opening_names_file_and_row_group(tmp_path):
+    paths = write_id_files(tmp_path, ((20, 10), (20, 10)))
+    loader = StreamingLoader(paths, batch_size=5)
+    paths[1].unlink()
+    with pytest.raises(ValueError, match=r"part-00001.parquet: row group 0: "):
+        list(loader)

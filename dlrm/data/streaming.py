@@ -38,6 +38,7 @@ import bisect
 import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -52,6 +53,8 @@ from dlrm.data.prefetch import prefetch_to_device
 
 # Domain tags of the random streams, so that no two draws of an epoch share a seed.
 _UNIT_ORDER, _UNIT_ROWS, _BUFFER = 0, 1, 2
+# Row groups read and decoded ahead, in as many threads, when the loader prefetches.
+_READERS = 4
 # State keys that must match the loader's for a resume to be exact.
 _STATE_KEYS = ("seed", "shuffle", "shuffle_buffer", "batch_size", "drop_last", "world_size", "num_rows")
 
@@ -295,7 +298,8 @@ class StreamingLoader:
     def __iter__(self) -> Iterator[Batch]:
         start, self._resume_at = self._resume_at, 0
         self._consumed = start
-        batches = _EpochStream(self, self.epoch, self._read).batches(start)
+        readahead = _READERS if self.prefetch else 0
+        batches = _EpochStream(self, self.epoch, self._read, readahead).batches(start)
         if self.prefetch:
             source = prefetch_to_device(batches, self.device, self.prefetch)
         else:
@@ -378,10 +382,18 @@ class StreamingLoader:
 class _EpochStream:
     """The batches of one epoch of one rank, produced from the pieces of the plan through the buffer."""
 
-    def __init__(self, loader: StreamingLoader, epoch: int, read: Callable[[_Piece, int], _Rows]) -> None:
+    def __init__(
+        self, loader: StreamingLoader, epoch: int, read: Callable[[_Piece, int], _Rows], readahead: int = 0
+    ) -> None:
         self.loader, self.epoch, self.read = loader, epoch, read
         self.pieces = loader._plan(epoch)
         self.next_piece = 0
+        # Pieces read ahead by a pool of `readahead` threads (pyarrow and torch release the GIL while
+        # decoding and copying), or none: read when needed.
+        self.readahead = readahead
+        self.pool: ThreadPoolExecutor | None = None
+        self.ahead: deque[Future] = deque()
+        self.submitted = 0
         self.buffer = _ShuffleBuffer(loader.shuffle_buffer)
         self.ready: deque[_Rows] = deque()  # rows out of the buffer, not yet batched
         self.ready_rows = 0
@@ -390,13 +402,18 @@ class _EpochStream:
         """Batches `start`, `start` + 1, ... of the epoch, on the CPU."""
         if start:
             self._restore(start)
-        while (rows := self.next_batch()) is not None:
-            yield rows.data
+        self.submitted = self.next_piece
+        try:
+            while (rows := self.next_batch()) is not None:
+                yield rows.data
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(cancel_futures=True)
 
     def next_batch(self) -> _Rows | None:
         size = self.loader.batch_size
         while self.ready_rows < size and self.next_piece < len(self.pieces):
-            rows = self.read(self.pieces[self.next_piece], self.epoch)
+            rows = self._read_next()
             if self.buffer.capacity:
                 rng_key = (_BUFFER, self.loader.seed, self.epoch, self.loader.rank, self.next_piece)
                 rows = self.buffer.push(rows, rng_key)
@@ -411,6 +428,17 @@ class _EpochStream:
         if self.ready_rows < size and (self.loader.drop_last or not self.ready_rows):
             return None
         return self._take(min(size, self.ready_rows))
+
+    def _read_next(self) -> _Rows:
+        """The rows of piece `next_piece`, keeping up to `readahead` later pieces in flight."""
+        if not self.readahead:
+            return self.read(self.pieces[self.next_piece], self.epoch)
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(self.readahead, thread_name_prefix="dlrm-read")
+        while self.submitted < min(self.next_piece + 1 + self.readahead, len(self.pieces)):
+            self.ahead.append(self.pool.submit(self.read, self.pieces[self.submitted], self.epoch))
+            self.submitted += 1
+        return self.ahead.popleft().result()
 
     def _take(self, n: int) -> _Rows:
         parts = []
