@@ -1,4 +1,4 @@
-"""Streaming loader for parquet splits larger than memory: row groups read one at a time, shuffled by row
+"""Streaming loader for parquet splits larger than memory: row groups read as needed, shuffled by row
 group, by row and through a bounded shuffle buffer; deterministic for a seed, resumable, rank-aware.
 
 Letters: B batch, N rows of the split, W world size; 13 dense features (N_dense), 26 sparse features (F).
@@ -24,8 +24,9 @@ One epoch of seed s. All ranks compute the same plan from the row-group sizes al
 3. Shuffle buffer (with shuffle and `shuffle_buffer` > 0): each unit's rows join the buffer; whenever it
    would hold more than `shuffle_buffer` rows, a random set of the excess (draw from (s, epoch, rank, unit
    position)) leaves it for the batches; at the end of the stream the rest leaves in random order. A row
-   thus comes out at most `shuffle_buffer` + (one unit) rows before its place in the stream, and memory
-   holds at most the buffer plus about two units.
+   thus comes out at most `shuffle_buffer` + (one unit) rows before its place in the stream. Memory holds
+   the buffer (264 bytes per row), about two units, the units read ahead (`_READERS`, when prefetching)
+   and the prefetched batches.
 4. Batches of B rows; the last, smaller one is kept unless drop_last.
 
 Resumption: the state is (epoch, batches consumed). Steps 1-3 depend only on row counts, so
@@ -142,14 +143,13 @@ class _ShuffleBuffer:
 
     def push(self, rows: _Rows, rng_key: tuple[int, ...]) -> _Rows | None:
         """Add `rows`; return the rows that leave (None while the buffer is still filling)."""
-        if self.rows is None:
-            self.rows = _empty_like(rows, self.capacity)
         total = self.size + len(rows)
         if total <= self.capacity:
             self.fill(rows)
             return None
         # Of the buffer's rows followed by the new ones (positions 0 .. total - 1), a random
         # total - capacity leave; the new rows that stay fill the places of those that left.
+        self._allocate(rows)
         order = _permutation(total, *rng_key)
         leave, stay = order[: total - self.capacity], order[total - self.capacity :]
         out = _empty_like(rows, len(leave))
@@ -167,8 +167,7 @@ class _ShuffleBuffer:
 
     def fill(self, rows: _Rows) -> None:
         """Add `rows`, which must fit, behind the rows held."""
-        if self.rows is None:
-            self.rows = _empty_like(rows, self.capacity)
+        self._allocate(rows)
         _copy_into(self.rows, torch.arange(self.size, self.size + len(rows)), rows)
         self.size += len(rows)
 
@@ -183,10 +182,14 @@ class _ShuffleBuffer:
     def held(self) -> _Rows:
         return self.rows[: self.size]
 
+    def _allocate(self, like: _Rows) -> None:
+        if self.rows is None:
+            self.rows = _empty_like(like, self.capacity)
+
 
 class StreamingLoader:
-    """Iterates the rows of parquet files in mini-batches, one row group in memory at a time (see the
-    module docstring for the order of the rows).
+    """Iterates the rows of parquet files in mini-batches, reading a few row groups at a time (see the
+    module docstring for the order of the rows and what memory holds).
 
     Args:
         source: a directory of *.parquet files (read in name order) or a list of parquet files, e.g.
@@ -394,7 +397,8 @@ class _EpochStream:
         self.pool: ThreadPoolExecutor | None = None
         self.ahead: deque[Future] = deque()
         self.submitted = 0
-        self.buffer = _ShuffleBuffer(loader.shuffle_buffer)
+        # A buffer larger than the rank's rows would only hold them all: allocate no more.
+        self.buffer = _ShuffleBuffer(min(loader.shuffle_buffer, loader.rows_per_rank))
         self.ready: deque[_Rows] = deque()  # rows out of the buffer, not yet batched
         self.ready_rows = 0
 
