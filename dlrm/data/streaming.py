@@ -142,26 +142,28 @@ class _ShuffleBuffer:
         self.rows: _Rows | None = None  # room for `capacity` rows, allocated with the first push
 
     def push(self, rows: _Rows, rng_key: tuple[int, ...]) -> _Rows | None:
-        """Add `rows`; return the rows that leave (None while the buffer is still filling)."""
+        """Add `rows`, which must come in random order (a shuffled unit's rows do); return the rows that
+        leave (None while the buffer is still filling)."""
         total = self.size + len(rows)
         if total <= self.capacity:
             self.fill(rows)
             return None
-        # Of the buffer's rows followed by the new ones (positions 0 .. total - 1), a random
-        # total - capacity leave; the new rows that stay fill the places of those that left.
         self._allocate(rows)
-        order = _permutation(total, *rng_key)
-        leave, stay = order[: total - self.capacity], order[total - self.capacity :]
-        out = _empty_like(rows, len(leave))
-        from_buffer = leave < self.size
-        taken = torch.nonzero(from_buffer).squeeze(1)
-        if len(taken):
-            _copy_into(out, taken, self.rows, leave[taken])
-        arriving = torch.nonzero(~from_buffer).squeeze(1)
-        _copy_into(out, arriving, rows, leave[arriving] - self.size)
-        staying_new = stay[stay >= self.size] - self.size
-        free = torch.cat([leave[from_buffer], torch.arange(self.size, self.capacity)])
-        _copy_into(self.rows, free, rows, staying_new)
+        # Of the rows held and the new ones, a uniformly random set of total - capacity leave: a
+        # hypergeometric share of it from random slots of the buffer, the rest a prefix of the new rows (a
+        # random subset, as they come in random order). The new rows that stay take the freed slots and
+        # the room left. Leaving rows are interleaved at random positions: no batch is all one unit's.
+        rng = _rng(*rng_key)
+        leaving = total - self.capacity
+        from_buffer = int(rng.hypergeometric(self.size, len(rows), leaving)) if self.size else 0
+        slots = torch.from_numpy(rng.choice(self.size, from_buffer, replace=False))
+        places = torch.from_numpy(rng.permutation(leaving))
+        from_new = leaving - from_buffer
+        out = _empty_like(rows, leaving)
+        _copy_into(out, places[:from_buffer], self.rows, slots)
+        _copy_into(out, places[from_buffer:], rows[:from_new])
+        _copy_into(self.rows, slots, rows[from_new : from_new + from_buffer])
+        _copy_into(self.rows, torch.arange(self.size, self.capacity), rows[from_new + from_buffer :])
         self.size = self.capacity
         return out
 
