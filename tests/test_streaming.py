@@ -211,6 +211,21 @@ def test_resume_mid_epoch_gives_the_remaining_batches(files, shuffle, shuffle_bu
         assert len(ids_of(resumed)) == len(expected)
 
 
+def test_resume_with_prefetch_reads_back_the_buffer_in_the_thread(files):
+    def make():
+        return StreamingLoader(files, batch_size=6, shuffle=True, seed=2, shuffle_buffer=25, prefetch=3)
+
+    expected = ids_of(make())
+    first = make()
+    batches = iter(first)
+    head = ids_of(next(batches) for _ in range(5))
+    state = first.state_dict()
+    batches.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + ids_of(resumed) == expected
+
+
 def test_resume_refuses_a_state_of_other_settings(files):
     state = StreamingLoader(files, batch_size=6, shuffle=True, shuffle_buffer=4).state_dict()
     with pytest.raises(ValueError, match="loader state: batch_size is 6, this loader has 7"):

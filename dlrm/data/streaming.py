@@ -417,6 +417,7 @@ class _EpochStream:
                 self.pool.shutdown(cancel_futures=True)
 
     def next_batch(self) -> _Rows | None:
+        """The next batch's rows (B, or fewer at the end unless drop_last); None after the last."""
         size = self.loader.batch_size
         while self.ready_rows < size and self.next_piece < len(self.pieces):
             rows = self._read_next()
