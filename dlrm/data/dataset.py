@@ -14,6 +14,8 @@ slice (or one index_select when shuffling) of those tensors, not B per-row looku
 Dense counts are transformed once at load by log(1 + max(x, 0)), the FB-DLRM / TorchRec convention.
 Two parquet layouts are accepted: ours (`label`, `I1..I13`, `C1..C26`, written by dlrm.data.preprocess)
 and the lecture notebook's (`labels`, `DENSE_0..12`, `SPARSE_0..25`).
+The file listing (`split_paths`, `split_files`), layout check (`columns_of`) and decoding (`decode_table`)
+are shared with the GPU-resident (dlrm.data.resident) and streaming (dlrm.data.streaming) loaders.
 """
 
 import math
