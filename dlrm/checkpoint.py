@@ -1,4 +1,10 @@
-"""Checkpoints: model and optimizer state, step, resolved config and table layout, written atomically."""
+"""Checkpoints: model and optimizer state, step, resolved config and table layout, written atomically.
+
+With `data.loader` "streaming" a checkpoint also holds `loader`: the train loader's position
+(`StreamingLoader.state_dict()`: epoch, batches consumed, and the settings a resume must match); other
+loaders store None. Training does not resume from checkpoints yet: a resuming run would rebuild the loader
+with the same settings, call `load_state_dict(state["loader"])` and get exactly the batches that followed.
+"""
 
 import os
 from pathlib import Path

@@ -13,6 +13,7 @@ from typing import Any
 
 DEVICES = ("auto", "cpu", "cuda")
 HASHINGS = ("modulus", "vocab")
+LOADERS = ("memory", "gpu_resident", "streaming")
 INTERACTIONS = ("dot", "cat")
 OPTIMIZERS = ("sgd", "adagrad")
 TRITON_MLP_KERNELS = ("linear_act", "bias_act")
@@ -24,6 +25,12 @@ class DataConfig:
 
     `path` is a directory written by `python -m dlrm.data.preprocess` (train/, eval/, metadata.json);
     a relative path is resolved against the working directory.
+    `loader` reads the train split: "memory" (host tensors, a pinned copy per batch; dlrm.data.dataset),
+    "gpu_resident" (the whole split in device memory, batches gathered on the device; dlrm.data.resident)
+    or "streaming" (parquet row groups read as needed, for splits larger than memory; dlrm.data.streaming).
+    The eval split is always read by "memory". Streaming only: `shuffle_buffer` rows mixed across row
+    groups (0: rows shuffled within their row group only) and `prefetch` batches read ahead by a background
+    thread (0: read in the training loop).
     """
 
     path: str = "data/criteo_sample"
@@ -31,6 +38,9 @@ class DataConfig:
     eval_batch_size: int = 4096
     shuffle: bool = True
     drop_last: bool = False
+    loader: str = "memory"
+    shuffle_buffer: int = 1_000_000
+    prefetch: int = 4
 
 
 @dataclass(frozen=True)
@@ -187,6 +197,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _require(bool(cfg.name) and "/" not in cfg.name, "name", "a non-empty name without '/'", cfg.name)
     _require(d.batch_size > 0, "data.batch_size", "a positive integer", d.batch_size)
     _require(d.eval_batch_size > 0, "data.eval_batch_size", "a positive integer", d.eval_batch_size)
+    _require(d.loader in LOADERS, "data.loader", f"one of {LOADERS}", d.loader)
+    _require(d.shuffle_buffer >= 0, "data.shuffle_buffer", "an integer >= 0 (rows)", d.shuffle_buffer)
+    _require(d.prefetch >= 0, "data.prefetch", "an integer >= 0 (batches)", d.prefetch)
     _require(m.embedding_dim > 0, "model.embedding_dim", "a positive integer", m.embedding_dim)
     for key, widths in (("model.bottom_mlp", m.bottom_mlp), ("model.top_mlp", m.top_mlp)):
         _require(
@@ -201,6 +214,13 @@ def validate(cfg: RunConfig) -> RunConfig:
     _require(m.top_mlp[-1] == 1, "model.top_mlp", "a last width of 1 (the logit)", list(m.top_mlp))
     _require(m.interaction in INTERACTIONS, "model.interaction", f"one of {INTERACTIONS}", m.interaction)
     _require(m.hashing in HASHINGS, "model.hashing", f"one of {HASHINGS}", m.hashing)
+    # Vocabularies are built from every train id in memory, which the streaming loader never holds.
+    _require(
+        not (d.loader == "streaming" and m.hashing == "vocab"),
+        "data.loader",
+        "'memory' or 'gpu_resident' with model.hashing 'vocab'",
+        d.loader,
+    )
     if m.table_rows is not None:
         _require(
             len(m.table_rows) == 26 and all(r > 0 for r in m.table_rows),

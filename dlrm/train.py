@@ -21,6 +21,9 @@ from torch.utils.tensorboard import SummaryWriter
 from dlrm.checkpoint import save_checkpoint
 from dlrm.config import RunConfig, load_config, replace
 from dlrm.data.dataset import Batch, BatchLoader, load_metadata, open_split
+from dlrm.data.loaders import make_train_loader
+from dlrm.data.schema import NUM_SPARSE
+from dlrm.data.streaming import StreamingLoader
 from dlrm.metrics import evaluate
 from dlrm.model import DLRM, build_model
 from dlrm.profiling import make_profiler
@@ -110,24 +113,21 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
     metadata = load_metadata(data_dir)
     # Layouts kaggle and terabyte hold out "val" (model selection) and "test"; layout fraction: "eval".
     eval_split = "val" if "val" in metadata.get("files", {}) else "eval"
-    train_set, eval_set = open_split(data_dir, "train"), open_split(data_dir, eval_split)
+    # The streaming loader never holds the train split; config validation then requires modulus hashing,
+    # which needs no train ids.
+    train_set = None if cfg.data.loader == "streaming" else open_split(data_dir, "train")
+    eval_set = open_split(data_dir, eval_split)
+    train_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64) if train_set is None else train_set.sparse
     kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
-    model = build_model(cfg.model, metadata, train_set.sparse, **kernels).to(device)
+    model = build_model(cfg.model, metadata, train_ids, **kernels).to(device)
     optimizer = make_optimizer(model, cfg)
     if t.use_torch_compile:
         compile_dense_part(model)
-    train_loader = BatchLoader(
-        train_set,
-        cfg.data.batch_size,
-        shuffle=cfg.data.shuffle,
-        seed=t.seed,
-        drop_last=cfg.data.drop_last,
-        device=device,
-    )
+    train_loader = make_train_loader(cfg.data, data_dir, t.seed, device, train_set)
     eval_loader = BatchLoader(eval_set, cfg.data.eval_batch_size, device=device)
     if len(train_loader) == 0:
         raise ValueError(
-            f"data.batch_size: {cfg.data.batch_size} leaves no batch of {train_set.num_rows} train rows"
+            f"data.batch_size: {cfg.data.batch_size} leaves no batch of {train_loader.num_rows} train rows"
         )
 
     run_dir = _make_run_dir(cfg, output_dir)
@@ -138,7 +138,7 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
         run_dir,
         cfg.backend,
         device,
-        train_set.num_rows,
+        train_loader.num_rows,
         eval_split,
         eval_set.num_rows,
         sum(p.numel() for p in model.parameters()),
@@ -155,6 +155,7 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
             step=step,
             config=cfg.to_dict(),
             table_rows=table_rows,
+            loader=train_loader.state_dict() if isinstance(train_loader, StreamingLoader) else None,
         )
 
     max_steps = t.max_steps or t.epochs * len(train_loader)

@@ -39,6 +39,17 @@ def test_main_config_is_the_fb_dlrm_kaggle_architecture():
         ({"train": {"epochs": 1.5}}, "train.epochs: expected an integer"),
         ({"data": {"shuffle": "yes"}}, "data.shuffle: expected true or false"),
         ({"data": []}, "data: expected a JSON object"),
+        (
+            {"data": {"loader": "disk"}},
+            r"data.loader: expected one of \('memory', 'gpu_resident', 'streaming'\)",
+        ),
+        ({"data": {"shuffle_buffer": -1}}, r"data.shuffle_buffer: expected an integer >= 0 \(rows\), got -1"),
+        ({"data": {"shuffle_buffer": 1.5}}, "data.shuffle_buffer: expected an integer"),
+        ({"data": {"prefetch": -2}}, r"data.prefetch: expected an integer >= 0 \(batches\), got -2"),
+        (
+            {"data": {"loader": "streaming"}, "model": {"hashing": "vocab"}},
+            "data.loader: expected 'memory' or 'gpu_resident' with model.hashing 'vocab', got 'streaming'",
+        ),
         ({"profiler": {"active": 0}}, "profiler.active"),
     ],
 )
@@ -58,3 +69,16 @@ def test_load_config_names_the_file(tmp_path):
         load_config(broken)
     with pytest.raises(ValueError, match="not found"):
         load_config(tmp_path / "missing.json")
+
+
+def test_loader_keys_default_and_load():
+    assert (RunConfig().data.loader, RunConfig().data.shuffle_buffer, RunConfig().data.prefetch) == (
+        "memory",
+        1_000_000,
+        4,
+    )
+    data = from_dict({"data": {"loader": "streaming", "shuffle_buffer": 0, "prefetch": 0}}).data
+    assert (data.loader, data.shuffle_buffer, data.prefetch) == ("streaming", 0, 0)
+    assert from_dict({"data": {"loader": "gpu_resident"}, "model": {"hashing": "vocab"}}).data.loader == (
+        "gpu_resident"
+    )

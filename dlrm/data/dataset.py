@@ -14,6 +14,8 @@ slice (or one index_select when shuffling) of those tensors, not B per-row looku
 Dense counts are transformed once at load by log(1 + max(x, 0)), the FB-DLRM / TorchRec convention.
 Two parquet layouts are accepted: ours (`label`, `I1..I13`, `C1..C26`, written by dlrm.data.preprocess)
 and the lecture notebook's (`labels`, `DENSE_0..12`, `SPARSE_0..25`).
+The file listing (`split_paths`, `split_files`), layout check (`columns_of`) and decoding (`decode_table`)
+are shared with the GPU-resident (dlrm.data.resident) and streaming (dlrm.data.streaming) loaders.
 """
 
 import math
@@ -36,6 +38,7 @@ from dlrm.data.schema import (
     LECTURE_LABEL,
     LECTURE_SPARSE_COLUMNS,
     MISSING_CATEGORY,
+    NUM_DENSE,
     SPARSE_COLUMNS,
 )
 
@@ -86,23 +89,9 @@ class ParquetDataset:
     """
 
     def __init__(self, source: Path | str | Sequence[Path | str]) -> None:
-        if isinstance(source, str | Path):
-            directory = Path(source)
-            files = sorted(directory.glob("*.parquet"))
-            if not files:
-                raise FileNotFoundError(
-                    f"no *.parquet files in {directory}: run python -m dlrm.data.preprocess"
-                )
-        else:
-            files = [Path(f) for f in source]
-            if not files:
-                raise ValueError("no parquet files given")
-        self.files = files
-        parts = [_read_file(f) for f in files]
-        self.label = torch.from_numpy(np.concatenate([p[0] for p in parts]))
-        dense = torch.from_numpy(np.concatenate([p[1] for p in parts]))
-        self.dense = torch.log1p(dense.clamp_min(0))
-        self.sparse = torch.from_numpy(np.concatenate([p[2] for p in parts]))
+        self.files = split_files(source)
+        parts = [_read_file(f) for f in self.files]
+        self.dense, self.sparse, self.label = (torch.cat(tensors) for tensors in zip(*parts, strict=True))
 
     @property
     def num_rows(self) -> int:
@@ -121,8 +110,37 @@ class ParquetDataset:
         return f"ParquetDataset({self.num_rows} rows from {len(self.files)} file(s))"
 
 
-def _read_file(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(label [n] float32, dense [n, 13] float32 raw counts, sparse [n, 26] int64) of one parquet file."""
+def _read_file(path: Path) -> Batch:
+    columns = columns_of(path)
+    return decode_table(pq.read_table(path, columns=columns), columns, path)
+
+
+def split_files(source: Path | str | Sequence[Path | str]) -> list[Path]:
+    """The parquet files of `source`: a directory's *.parquet in name order, or the given list as is.
+
+    Raises:
+        FileNotFoundError: the directory holds no parquet file.
+        ValueError: an empty list.
+    """
+    if isinstance(source, str | Path):
+        directory = Path(source)
+        files = sorted(directory.glob("*.parquet"))
+        if not files:
+            raise FileNotFoundError(f"no *.parquet files in {directory}: run python -m dlrm.data.preprocess")
+        return files
+    if not source:
+        raise ValueError("no parquet files given")
+    return [Path(f) for f in source]
+
+
+def columns_of(path: Path) -> list[str]:
+    """The columns to read from the parquet file `path`: [label, 13 dense, 26 sparse] of its layout.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file lacks columns of both accepted layouts (the message names the file and the
+            missing columns), or a column has a non-numeric type.
+    """
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such parquet file")
     schema = pq.read_schema(path)
@@ -144,18 +162,40 @@ def _read_file(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             raise ValueError(
                 f"{path}: column {column} has type {schema.field(column).type}, expected integers"
             )
+    return [label, *dense, *sparse]
 
-    table = pq.read_table(path, columns=[label, *dense, *sparse])
+
+def decode_table(table: pa.Table, columns: list[str], path: Path) -> Batch:
+    """The rows of `table` as a Batch: dense [n, 13] float32 log(1 + max(count, 0)) with missing counts 0,
+    sparse [n, 26] int64 with missing ids -1, label [n] float32.
+
+    Args:
+        table: rows read from the parquet file `path` (which only names the file in errors).
+        columns: [label, 13 dense, 26 sparse] column names, as returned by `columns_of(path)`.
+    Raises:
+        ValueError: `table` lacks some of `columns` (the file changed since `columns_of` read it), or an id
+            does not fit int64.
+    """
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{path}: missing columns {', '.join(missing)} (expected {_LAYOUT_NAMES})")
 
     def column(name: str, dtype: pa.DataType, fill: int) -> np.ndarray:
-        # Unsafe cast: large counts may round to float32, as they do in preprocess.
-        values = pc.cast(table.column(name), dtype, safe=pa.types.is_integer(dtype))
+        # Unsafe cast for floats: large counts may round to float32, as they do in preprocess.
+        try:
+            values = pc.cast(table.column(name), dtype, safe=pa.types.is_integer(dtype))
+        except pa.ArrowInvalid as err:
+            raise ValueError(f"{path}: column {name}: {err}") from None
         return pc.fill_null(values, fill).to_numpy()
 
-    return (
-        column(label, pa.float32(), 0),
-        np.stack([column(c, pa.float32(), 0) for c in dense], axis=1),
-        np.stack([column(c, pa.int64(), MISSING_CATEGORY) for c in sparse], axis=1),
+    label, dense, sparse = columns[0], columns[1 : 1 + NUM_DENSE], columns[1 + NUM_DENSE :]
+    return Batch(
+        torch.log1p(
+            torch.from_numpy(np.stack([column(c, pa.float32(), 0) for c in dense], axis=1)).clamp_min_(0)
+        ),
+        torch.from_numpy(np.stack([column(c, pa.int64(), MISSING_CATEGORY) for c in sparse], axis=1)),
+        # A copy: pyarrow's zero-copy arrays are read-only, and torch tensors are writable.
+        torch.from_numpy(column(label, pa.float32(), 0).copy()),
     )
 
 
@@ -164,22 +204,27 @@ def _is_numeric(dtype: pa.DataType) -> bool:
 
 
 def open_split(data_dir: Path | str, split: str) -> ParquetDataset:
-    """The `split` ("train" or "eval") of a preprocessed data directory.
+    """The `split` ("train", "eval", ...) of a preprocessed data directory, in memory (see `split_paths`)."""
+    return ParquetDataset(split_paths(data_dir, split))
 
-    Uses the shard list of `data_dir`/metadata.json when there is one, else `data_dir`/`split`/*.parquet.
+
+def split_paths(data_dir: Path | str, split: str) -> list[Path]:
+    """The parquet files of `split`: the shard list of `data_dir`/metadata.json when there is one, else
+    `data_dir`/`split`/*.parquet in name order.
+
     Raises:
         FileNotFoundError: no parquet files for the split.
         ValueError: metadata.json lists no such split, or the split is empty.
     """
     data_dir = Path(data_dir)
     if not (data_dir / "metadata.json").is_file():
-        return ParquetDataset(data_dir / split)
+        return split_files(data_dir / split)
     files = load_metadata(data_dir)["files"]
     if split not in files:
         raise ValueError(f"{data_dir}/metadata.json has no split {split!r} (it has {', '.join(files)})")
     if not files[split]:
         raise ValueError(f"split {split!r} of {data_dir} is empty (preprocessed with --eval-fraction 0?)")
-    return ParquetDataset([data_dir / f for f in files[split]])
+    return [data_dir / f for f in files[split]]
 
 
 class BatchLoader:

@@ -1,0 +1,46 @@
+"""The train split's loader, as `data.loader` of the run config selects it (see dlrm.config.DataConfig)."""
+
+from pathlib import Path
+
+import torch
+
+from dlrm.config import DataConfig
+from dlrm.data.dataset import BatchLoader, ParquetDataset, open_split, split_paths
+from dlrm.data.resident import ResidentLoader
+from dlrm.data.streaming import StreamingLoader
+
+TrainLoader = BatchLoader | ResidentLoader | StreamingLoader
+
+
+def make_train_loader(
+    cfg: DataConfig,
+    data_dir: Path,
+    seed: int,
+    device: torch.device,
+    train_set: ParquetDataset | None = None,
+) -> TrainLoader:
+    """The loader of `data_dir`'s train split per `cfg`: "memory" -> BatchLoader, "gpu_resident" ->
+    ResidentLoader, "streaming" -> StreamingLoader (one process: rank 0 of 1).
+
+    Args:
+        train_set: the split already in memory, for "memory" and "gpu_resident" (read here when None);
+            "streaming" reads the parquet files itself.
+    Raises:
+        FileNotFoundError, ValueError: as dlrm.data.dataset.open_split / split_paths, and from the loaders.
+    """
+    if cfg.loader == "streaming":
+        return StreamingLoader(
+            split_paths(data_dir, "train"),
+            cfg.batch_size,
+            shuffle=cfg.shuffle,
+            seed=seed,
+            drop_last=cfg.drop_last,
+            shuffle_buffer=cfg.shuffle_buffer,
+            device=device,
+            prefetch=cfg.prefetch,
+        )
+    train_set = train_set if train_set is not None else open_split(data_dir, "train")
+    loader = ResidentLoader if cfg.loader == "gpu_resident" else BatchLoader
+    return loader(
+        train_set, cfg.batch_size, shuffle=cfg.shuffle, seed=seed, drop_last=cfg.drop_last, device=device
+    )

@@ -1,0 +1,159 @@
+"""Benchmark the train loaders alone (no model): samples/s of each `data.loader` mode per batch size.
+
+    python scripts/bench_loader.py [--rows 4000000] [--device cuda|cpu] [--batches 2048,16384,65536] \
+        [--modes memory,gpu_resident,streaming,streaming_sync] [--shuffle-buffer 1000000] [--prefetch 8] \
+        [--repeats 3] [--data-dir DIR]
+
+Writes (once, reused after) a synthetic parquet data directory of `--rows` rows with the Kaggle cardinalities
+(python -m dlrm.data.synthetic; row groups of 65,536 rows in shards of 1M rows) and times shuffled epochs
+of its train split (80% of the rows) per mode:
+    memory          BatchLoader: split in host memory, a pinned copy + host-to-device copy per batch
+    gpu_resident    ResidentLoader: split in device memory, device randperm, a device gather per batch
+    streaming       StreamingLoader with a background thread `--prefetch` batches ahead (the row-group reads,
+                    decoding, shuffle buffer, pinning and side-stream copies all in that thread)
+    streaming_sync  StreamingLoader without the thread (prefetch 0): the same work in the consumer
+A mode's epoch is timed by the wall clock from the first `next` to the last batch on the device
+(synchronized), after one untimed warm-up epoch (page cache, allocator, CUDA context); the median of
+`--repeats` epochs is reported, as samples/s and as a ratio to memory's in the same invocation. On CUDA the
+fastest training-step rate of scripts/results/train.csv on the same GPU is shown next to it (issue 6's
+targets: gpu_resident >= 2x that rate, streaming >= 3M samples/s on 16 cores). Rows go to
+scripts/results/loader.csv. Loading the split into memory (memory, gpu_resident) is reported apart
+(setup_s), as is the streaming loader's footer scan.
+"""
+
+import csv
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import torch
+from results_csv import append_rows, provenance
+
+from dlrm.config import LOADERS, DataConfig
+from dlrm.data.dataset import open_split
+from dlrm.data.loaders import make_train_loader
+from dlrm.data.synthetic import SyntheticConfig, write_parquet
+
+RESULTS = Path(__file__).parent / "results" / "loader.csv"
+TRAIN_RESULTS = Path(__file__).parent / "results" / "train.csv"
+# Bench modes: the config's loaders, plus streaming without its prefetch thread.
+MODES = (*LOADERS, "streaming_sync")
+ROW_GROUP_ROWS = 1 << 16
+
+
+def synthetic_dir(rows: int, data_dir: Path | None) -> Path:
+    """A synthetic parquet data directory of `rows` rows (written when missing)."""
+    path = data_dir or Path(tempfile.gettempdir()) / f"dlrm-bench-loader-{rows}"
+    if not (path / "metadata.json").is_file():
+        print(f"writing {rows:,} synthetic rows to {path} ...", flush=True)
+        write_parquet(SyntheticConfig(), rows, path, block_size=ROW_GROUP_ROWS, overwrite=True)
+    return path
+
+
+def fastest_step(device_name: str) -> int | None:
+    """The highest samples/s of scripts/results/train.csv on `device_name`, if any."""
+    if not TRAIN_RESULTS.is_file():
+        return None
+    with TRAIN_RESULTS.open(newline="") as f:
+        rates = [int(r["samples_per_s"]) for r in csv.DictReader(f) if r["device"] == device_name]
+    return max(rates, default=None)
+
+
+def time_epochs(loader, device: torch.device, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` epochs of `loader`, after one warm-up epoch."""
+    seconds = []
+    for epoch in range(repeats + 1):
+        loader.set_epoch(epoch)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in loader:
+            pass
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if epoch:
+            seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def bench(mode: str, data_dir: Path, batch: int, device: torch.device, args: dict, train_set) -> dict:
+    """Time shuffled epochs of the train split with `mode` at batch size `batch`."""
+    loader_name = "streaming" if mode == "streaming_sync" else mode
+    prefetch = 0 if mode == "streaming_sync" else args["prefetch"]
+    cfg = DataConfig(
+        path=str(data_dir),
+        batch_size=batch,
+        loader=loader_name,
+        shuffle_buffer=args["shuffle_buffer"],
+        prefetch=prefetch,
+    )
+    start = time.perf_counter()
+    loader = make_train_loader(cfg, data_dir, seed=0, device=device, train_set=train_set)
+    setup_s = time.perf_counter() - start
+    seconds = time_epochs(loader, device, args["repeats"])
+    epoch_s = statistics.median(seconds)
+    rows = len(loader) * batch if cfg.drop_last else loader.num_rows
+    result = {
+        "mode": mode,
+        "batch": batch,
+        "rows": rows,
+        "shuffle_buffer": args["shuffle_buffer"] if loader_name == "streaming" else "",
+        "prefetch": prefetch if loader_name == "streaming" else "",
+        "setup_s": round(setup_s, 3),
+        "epoch_s": round(epoch_s, 4),
+        "samples_per_s": round(rows / epoch_s),
+    }
+    del loader
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+@click.command(context_settings={"show_default": True})
+@click.option("--rows", type=click.IntRange(min=1000), default=4_000_000, help="Synthetic rows (80% train).")
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None, help="[default: $TMPDIR/...]")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda")
+@click.option("--batches", default="2048,16384,65536", help="Comma-separated batch sizes.")
+@click.option("--modes", default=",".join(MODES), help="Comma-separated; memory first for the ratios.")
+@click.option("--shuffle-buffer", type=click.IntRange(min=0), default=1_000_000, help="Streaming: rows.")
+@click.option("--prefetch", type=click.IntRange(min=1), default=8, help="Streaming: batches read ahead.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, help="Timed epochs per measurement.")
+def main(rows, data_dir, device, batches, modes, shuffle_buffer, prefetch, repeats):
+    """Time each loader mode alone; append rows to scripts/results/loader.csv."""
+    modes = modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise click.BadParameter(f"unknown {', '.join(unknown)} (expected some of {', '.join(MODES)})")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda needs a CUDA GPU (use --device cpu)")
+    dev = torch.device(device)
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    data_dir = synthetic_dir(rows, data_dir)
+    start = time.perf_counter()
+    train_set = open_split(data_dir, "train") if {"memory", "gpu_resident"} & set(modes) else None
+    load_s = time.perf_counter() - start
+    step_rate = fastest_step(device_name) if device == "cuda" else None
+    common = provenance(device_name) | {"cpu_threads": torch.get_num_threads(), "load_s": round(load_s, 2)}
+    args = {"shuffle_buffer": shuffle_buffer, "prefetch": prefetch, "repeats": repeats}
+    results = []
+    for batch in (int(b) for b in batches.split(",")):
+        memory = None
+        for mode in modes:
+            r = bench(mode, data_dir, batch, dev, args, train_set)
+            memory = r["samples_per_s"] if mode == "memory" else memory
+            ratio = round(r["samples_per_s"] / memory, 3) if memory else None
+            vs_step = round(r["samples_per_s"] / step_rate, 3) if step_rate else None
+            results.append({**common, **r, "vs_memory": ratio, "fastest_step": step_rate, "vs_step": vs_step})
+            print(
+                f"{mode:<16}B={batch:<7}{r['samples_per_s']:>14,} samples/s  epoch {r['epoch_s']:>8.3f} s  "
+                f"vs memory {ratio or float('nan'):>6.2f}x  vs step {vs_step or float('nan'):>6.2f}x  "
+                f"setup {r['setup_s']:.2f} s",
+                flush=True,
+            )
+    append_rows(RESULTS, results)
+
+
+if __name__ == "__main__":
+    main()
