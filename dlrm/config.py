@@ -74,7 +74,8 @@ class TrainConfig:
     kernels: table-batched embeddings whose backward applies the optimizer (SGD or Adagrad) to the touched
     rows, the dot interaction, the loss, and the MLP layers, which `triton_mlp_kernel` picks: "linear_act"
     (GEMM + bias + activation fused) or "bias_act" (cuBLAS GEMM, then fused bias + activation).
-    Both flags may be set.
+    Both flags may be set. `cuda_graphs` captures the whole training step once as a CUDA graph and
+    replays it (dlrm.graphs); it needs `use_triton` and optimizer "sgd", whose steps have no host sync.
     """
 
     optimizer: str = "sgd"
@@ -91,6 +92,7 @@ class TrainConfig:
     use_torch_compile: bool = False
     use_triton: bool = False
     triton_mlp_kernel: str = "linear_act"
+    cuda_graphs: bool = False
 
 
 @dataclass(frozen=True)
@@ -244,6 +246,11 @@ def validate(cfg: RunConfig) -> RunConfig:
             _require(value > 0, key, "a positive integer or null", value)
     _require(t.log_interval > 0, "train.log_interval", "a positive integer", t.log_interval)
     _require(t.device in DEVICES, "train.device", f"one of {DEVICES}", t.device)
+    # The eager embeddings' sparse gradients and torch.optim.Adagrad's step count sync with the host,
+    # which a CUDA graph cannot capture.
+    if t.cuda_graphs:
+        _require(t.use_triton, "train.cuda_graphs", "train.use_triton true as well", t.cuda_graphs)
+        _require(t.optimizer == "sgd", "train.optimizer", "'sgd' with train.cuda_graphs", t.optimizer)
     _require(
         t.triton_mlp_kernel in TRITON_MLP_KERNELS,
         "train.triton_mlp_kernel",

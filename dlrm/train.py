@@ -24,6 +24,7 @@ from dlrm.data.dataset import Batch, BatchLoader, load_metadata, open_split
 from dlrm.data.loaders import make_train_loader
 from dlrm.data.schema import NUM_SPARSE
 from dlrm.data.streaming import StreamingLoader
+from dlrm.graphs import GraphedTrainStep
 from dlrm.metrics import evaluate
 from dlrm.model import DLRM, build_model
 from dlrm.profiling import make_profiler
@@ -123,6 +124,11 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
     optimizer = make_optimizer(model, cfg)
     if t.use_torch_compile:
         compile_dense_part(model)
+    step_fn = train_step
+    if t.cuda_graphs:
+        if device.type != "cuda":
+            raise ValueError(f"train.cuda_graphs needs a CUDA device, the run is on {device}")
+        step_fn = GraphedTrainStep(model, optimizer, train_step)
     train_loader = make_train_loader(cfg.data, data_dir, t.seed, device, train_set)
     eval_loader = BatchLoader(eval_set, cfg.data.eval_batch_size, device=device)
     if len(train_loader) == 0:
@@ -228,7 +234,7 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
                     batch = next(batches, None)
                 if batch is None:
                     break
-                loss = train_step(model, optimizer, batch)
+                loss = step_fn(model, optimizer, batch)
                 profiler.step()
                 step += 1
                 samples += batch.label.numel()
@@ -309,6 +315,11 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
     "(bias_act). Overrides train.triton_mlp_kernel.",
 )
 @click.option(
+    "--cuda-graphs",
+    is_flag=True,
+    help="Capture the whole training step once as a CUDA graph and replay it (needs --use-triton, SGD, GPU).",
+)
+@click.option(
     "--output-dir",
     type=click.Path(path_type=Path),
     default=None,
@@ -322,13 +333,24 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
     help="Overrides train.device from the config.",
 )
 @click.option("--seed", type=int, default=None, help="Overrides train.seed from the config.")
-def main(config_path, use_torch_compile, use_triton, triton_mlp_kernel, output_dir, max_steps, device, seed):
+def main(
+    config_path,
+    use_torch_compile,
+    use_triton,
+    triton_mlp_kernel,
+    cuda_graphs,
+    output_dir,
+    max_steps,
+    device,
+    seed,
+):
     """Train a DLRM on preprocessed Criteo data, then `tensorboard --logdir runs`."""
     try:
         cfg = load_config(config_path)
         overrides = {
             "use_torch_compile": use_torch_compile or cfg.train.use_torch_compile,
             "use_triton": use_triton or cfg.train.use_triton,
+            "cuda_graphs": cuda_graphs or cfg.train.cuda_graphs,
         }
         for key, value in (
             ("triton_mlp_kernel", triton_mlp_kernel),

@@ -8,9 +8,10 @@ GPU-resident random batches: dense ~ U(0, 3) (the range of log1p counts), sparse
 table's rows (uniform, so no cache-friendly hot rows as in real data), labels ~ Bernoulli(0.25); a pool of
 batches is generated once and cycled, so the step never waits for data. Tables: the 26 Kaggle
 cardinalities (33.8M rows), capped by the config's max_rows or `--max-rows` (e.g. 4000000 for mlperf).
-After warm-up (the first step, with compilation and autotuning, is timed apart) it times `--steps` steps
-with CUDA events and reports ms/step, samples/s, peak GPU memory and the ratio to the eager backend of the
-same invocation; rows go to scripts/results/train.csv.
+Backends ending in "+graphs" capture the whole step as a CUDA graph (dlrm.graphs; capture time reported
+apart). After warm-up (the first step, with compilation and autotuning, is timed apart) it times `--steps`
+steps with CUDA events and reports ms/step, samples/s, peak GPU memory and the ratio to the eager backend of
+the same invocation; rows go to scripts/results/train.csv.
 """
 
 import time
@@ -24,6 +25,7 @@ from dlrm.config import load_config, replace
 from dlrm.data.dataset import Batch
 from dlrm.data.schema import NUM_DENSE
 from dlrm.data.synthetic import CARDINALITY_PRESETS
+from dlrm.graphs import GraphedTrainStep
 from dlrm.model import DLRM
 from dlrm.train import compile_dense_part, make_optimizer, train_step
 
@@ -34,6 +36,8 @@ FLAGS = {
     "compile": {"use_torch_compile": True},
     "triton": {"use_triton": True},
     "triton+compile": {"use_triton": True, "use_torch_compile": True},
+    "triton+graphs": {"use_triton": True, "cuda_graphs": True},
+    "triton+compile+graphs": {"use_triton": True, "use_torch_compile": True, "cuda_graphs": True},
 }
 POOL = 8  # distinct batches cycled through
 
@@ -62,20 +66,21 @@ def bench(config: str, backend: str, batch: int, steps: int, max_rows: int | Non
     optimizer = make_optimizer(model, cfg)
     if cfg.train.use_torch_compile:
         compile_dense_part(model)
+    step = GraphedTrainStep(model, optimizer, train_step) if cfg.train.cuda_graphs else train_step
     pool = random_batches(batch, table_rows, torch.Generator(device="cuda").manual_seed(batch))
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    train_step(model, optimizer, pool[0])
+    step(model, optimizer, pool[0])
     torch.cuda.synchronize()
     first_step_s = time.perf_counter() - start
     for i in range(1, 2 * POOL):  # warm-up: allocator, cuBLAS handles, remaining autotuning
-        train_step(model, optimizer, pool[i % POOL])
+        step(model, optimizer, pool[i % POOL])
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     begin.record()
     for i in range(steps):
-        loss = train_step(model, optimizer, pool[i % POOL])
+        loss = step(model, optimizer, pool[i % POOL])
     end.record()
     torch.cuda.synchronize()
     ms = begin.elapsed_time(end) / steps
@@ -86,8 +91,9 @@ def bench(config: str, backend: str, batch: int, steps: int, max_rows: int | Non
         "ms_per_step": round(ms, 4), "samples_per_s": round(batch / ms * 1000),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "first_step_s": round(first_step_s, 2),
+        "capture_s": round(step.capture_s, 2) if cfg.train.cuda_graphs else "",
     }  # fmt: skip
-    del model, optimizer, pool
+    del model, optimizer, pool, step
     torch.cuda.empty_cache()
     return result
 

@@ -1,0 +1,88 @@
+"""Whole-step CUDA graph capture of the training step (`train.cuda_graphs`, `--cuda-graphs`).
+
+Without graphs a DLRM step costs milliseconds of host time at every batch size: each of its ~100 kernel
+launches goes through Python, autograd and the dispatcher. Captured once into a CUDA graph, forward,
+loss, backward, the fused embedding update and the optimizer step replay as one launch; the host only
+copies the next batch into the graph's static input buffers.
+
+What can be captured: every op of the step must run without a host sync and with fixed shapes. That holds
+for the `--use-triton` model (the table-batched embedding applies its optimizer update inside backward,
+with no data-dependent shapes) and SGD for the dense parameters; it does not hold for the eager
+embeddings (sparse gradients are coalesced with a host sync) nor for torch.optim.Adagrad (its step count
+is read on the host), so the config requires `use_triton` and optimizer "sgd".
+
+The capture follows PyTorch's whole-network recipe (torch.cuda.graphs docs): a few warm-up steps on a
+side stream (autotuning, lazy initialization, optimizer state), gradients set to None, then capture. The
+captured step is exactly `dlrm.train.train_step`; a batch of another size (the last, partial batch of an
+epoch) runs uncaptured.
+"""
+
+import time
+
+import torch
+from loguru import logger
+from torch import Tensor
+
+from dlrm.data.dataset import Batch
+from dlrm.model import DLRM
+
+WARMUP_STEPS = 3
+
+
+class GraphedTrainStep:
+    """`train_step(model, optimizer, batch)` as a CUDA graph replay after `warmup` ordinary steps.
+
+    Args:
+        model: the DLRM on a CUDA device (its embeddings updated in backward: sparse_kernel "triton").
+        optimizer: the dense parameters' torch.optim.SGD.
+        step_fn: the step to capture, `step_fn(model, optimizer, batch) -> loss` (dlrm.train.train_step).
+        warmup: steps run uncaptured (on a side stream) before the capture.
+    Calling it as `step(model, optimizer, batch)` runs one training step and returns the loss, a 0-d device
+    tensor that the next call overwrites (read or accumulate it before then). `capture_s`: capture wall time.
+    """
+
+    def __init__(self, model: DLRM, optimizer: torch.optim.Optimizer, step_fn, warmup: int = WARMUP_STEPS):
+        self.model, self.optimizer, self.step_fn, self.warmup = model, optimizer, step_fn, warmup
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static_batch: Batch | None = None
+        self.static_loss: Tensor | None = None
+        self.steps = 0
+        self.capture_s = 0.0
+
+    def __call__(self, model: DLRM, optimizer: torch.optim.Optimizer, batch: Batch) -> Tensor:
+        """One training step on `batch` (the signature of train_step; model and optimizer must be the
+        captured ones)."""
+        if model is not self.model or optimizer is not self.optimizer:
+            raise ValueError("GraphedTrainStep replays the model and optimizer it was built with")
+        self.steps += 1
+        if self.graph is None and self.steps <= self.warmup:
+            return self._side_stream_step(batch)
+        if self.graph is None:
+            self._capture(batch)
+        elif batch.label.shape != self.static_batch.label.shape:
+            return self.step_fn(self.model, self.optimizer, batch)
+        else:
+            for static, fresh in zip(self.static_batch, batch, strict=True):
+                static.copy_(fresh, non_blocking=True)
+        self.graph.replay()
+        return self.static_loss
+
+    def _side_stream_step(self, batch: Batch) -> Tensor:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            loss = self.step_fn(self.model, self.optimizer, batch)
+        torch.cuda.current_stream().wait_stream(side)
+        return loss
+
+    def _capture(self, batch: Batch) -> None:
+        """Record one step on static copies of `batch` (recording runs nothing: the replay that follows
+        performs this step)."""
+        start = time.perf_counter()
+        self.static_batch = Batch(*(t.clone() for t in batch))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_loss = self.step_fn(self.model, self.optimizer, self.static_batch)
+        self.capture_s = time.perf_counter() - start
+        logger.info("captured the training step as a CUDA graph in {:.2f} s", self.capture_s)
