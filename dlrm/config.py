@@ -16,6 +16,7 @@ HASHINGS = ("modulus", "vocab")
 LOADERS = ("memory", "gpu_resident", "streaming")
 INTERACTIONS = ("dot", "cat")
 OPTIMIZERS = ("sgd", "adagrad")
+PRECISIONS = ("fp32", "tf32", "bf16")
 TRITON_MLP_KERNELS = ("linear_act", "bias_act")
 
 
@@ -76,6 +77,8 @@ class TrainConfig:
     (GEMM + bias + activation fused) or "bias_act" (cuBLAS GEMM, then fused bias + activation).
     Both flags may be set. `cuda_graphs` captures the whole training step once as a CUDA graph and
     replays it (dlrm.graphs); it needs `use_triton` and optimizer "sgd", whose steps have no host sync.
+    `precision` of the training step's MLPs and interaction: "fp32", "tf32" (fp32 tensors, TF32 tensor-core
+    matmuls) or "bf16" (autocast to bf16; fp32 master weights, embedding tables, loss and evaluation).
     """
 
     optimizer: str = "sgd"
@@ -93,6 +96,7 @@ class TrainConfig:
     use_triton: bool = False
     triton_mlp_kernel: str = "linear_act"
     cuda_graphs: bool = False
+    precision: str = "fp32"
 
 
 @dataclass(frozen=True)
@@ -246,6 +250,7 @@ def validate(cfg: RunConfig) -> RunConfig:
             _require(value > 0, key, "a positive integer or null", value)
     _require(t.log_interval > 0, "train.log_interval", "a positive integer", t.log_interval)
     _require(t.device in DEVICES, "train.device", f"one of {DEVICES}", t.device)
+    _require(t.precision in PRECISIONS, "train.precision", f"one of {PRECISIONS}", t.precision)
     # The eager embeddings' sparse gradients and torch.optim.Adagrad's step count sync with the host,
     # which a CUDA graph cannot capture.
     if t.cuda_graphs:

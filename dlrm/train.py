@@ -5,6 +5,7 @@ TensorBoard events, a profiler trace `*.pt.trace.json`, checkpoints/last.pt and 
 Watch it with `tensorboard --logdir runs`.
 """
 
+import functools
 import json
 import os
 import sys
@@ -64,9 +65,22 @@ def compile_dense_part(model: DLRM) -> None:
         module.compile(dynamic=True)
 
 
-def train_step(model: DLRM, optimizer: torch.optim.Optimizer, batch: Batch) -> torch.Tensor:
-    """One optimization step on `batch`; returns the mean BCE-with-logits loss, a device scalar (no sync)."""
-    with record_function("forward"):
+def set_precision(precision: str) -> None:
+    """TF32 tensor-core matmuls on for "tf32", off otherwise (process-wide torch flags; linear_act follows
+    them too)."""
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
+
+
+def train_step(
+    model: DLRM, optimizer: torch.optim.Optimizer, batch: Batch, precision: str = "fp32"
+) -> torch.Tensor:
+    """One optimization step on `batch`; returns the mean BCE-with-logits loss, a device scalar (no sync).
+    With precision "bf16" the forward runs under bf16 autocast (the loss is computed in fp32)."""
+    with (
+        record_function("forward"),
+        torch.autocast(batch.dense.device.type, torch.bfloat16, precision == "bf16"),
+    ):
         logits = model(batch.dense, batch.sparse)
     with record_function("loss"):
         loss = model.loss(logits, batch.label)
@@ -109,6 +123,7 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
     t = cfg.train
     device = resolve_device(t.device)
     _use_interpreter_on_cpu(cfg, device)
+    set_precision(t.precision)
     torch.manual_seed(t.seed)
     data_dir = Path(cfg.data.path)
     metadata = load_metadata(data_dir)
@@ -124,11 +139,11 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
     optimizer = make_optimizer(model, cfg)
     if t.use_torch_compile:
         compile_dense_part(model)
-    step_fn = train_step
+    step_fn = functools.partial(train_step, precision=t.precision)
     if t.cuda_graphs:
         if device.type != "cuda":
             raise ValueError(f"train.cuda_graphs needs a CUDA device, the run is on {device}")
-        step_fn = GraphedTrainStep(model, optimizer, train_step)
+        step_fn = GraphedTrainStep(model, optimizer, step_fn)
     train_loader = make_train_loader(cfg.data, data_dir, t.seed, device, train_set)
     eval_loader = BatchLoader(eval_set, cfg.data.eval_batch_size, device=device)
     if len(train_loader) == 0:

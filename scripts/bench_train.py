@@ -14,6 +14,8 @@ steps with CUDA events and reports ms/step, samples/s, peak GPU memory and the r
 the same invocation; rows go to scripts/results/train.csv.
 """
 
+import functools
+import itertools
 import time
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from dlrm.data.schema import NUM_DENSE
 from dlrm.data.synthetic import CARDINALITY_PRESETS
 from dlrm.graphs import GraphedTrainStep
 from dlrm.model import DLRM
-from dlrm.train import compile_dense_part, make_optimizer, train_step
+from dlrm.train import compile_dense_part, make_optimizer, set_precision, train_step
 
 RESULTS = Path(__file__).parent / "results" / "train.csv"
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
@@ -55,9 +57,10 @@ def random_batches(batch: int, table_rows: list[int], generator: torch.Generator
     return pool
 
 
-def bench(config: str, backend: str, batch: int, steps: int, max_rows: int | None) -> dict:
+def bench(config: str, backend: str, batch: int, steps: int, max_rows: int | None, precision: str) -> dict:
     """Train `steps` timed steps of configs/<config>.json with `backend` at batch size `batch`."""
-    cfg = replace(load_config(CONFIG_DIR / f"{config}.json"), "train", **FLAGS[backend])
+    cfg = replace(load_config(CONFIG_DIR / f"{config}.json"), "train", precision=precision, **FLAGS[backend])
+    set_precision(precision)
     cap = max_rows or cfg.model.max_rows
     table_rows = [min(rows, cap) for rows in CARDINALITY_PRESETS["kaggle"]]
     torch.manual_seed(0)
@@ -66,7 +69,9 @@ def bench(config: str, backend: str, batch: int, steps: int, max_rows: int | Non
     optimizer = make_optimizer(model, cfg)
     if cfg.train.use_torch_compile:
         compile_dense_part(model)
-    step = GraphedTrainStep(model, optimizer, train_step) if cfg.train.cuda_graphs else train_step
+    step = functools.partial(train_step, precision=precision)
+    if cfg.train.cuda_graphs:
+        step = GraphedTrainStep(model, optimizer, step)
     pool = random_batches(batch, table_rows, torch.Generator(device="cuda").manual_seed(batch))
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
@@ -104,23 +109,26 @@ def bench(config: str, backend: str, batch: int, steps: int, max_rows: int | Non
 @click.option("--backends", default=",".join(FLAGS), help="Comma-separated; eager first for the ratios.")
 @click.option("--steps", type=click.IntRange(min=1), default=50, help="Timed steps per run.")
 @click.option("--max-rows", type=click.IntRange(min=2), default=None, help="Cap on rows per table.")
-def main(configs, batches, backends, steps, max_rows):
+@click.option(
+    "--precisions", default="fp32", help="Comma-separated train.precision values: fp32, tf32, bf16."
+)
+def main(configs, batches, backends, steps, max_rows, precisions):
     """Time the DLRM training step per config, backend and batch; append rows to scripts/results/train.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_train.py needs a CUDA GPU")
     common = provenance(torch.cuda.get_device_name())
-    common |= {"data": "gpu-resident random ids", "precision": "fp32", "optimizer": "sgd"}
+    common |= {"data": "gpu-resident random ids", "optimizer": "sgd"}
     rows = []
-    for config in configs.split(","):
+    for config, precision in itertools.product(configs.split(","), precisions.split(",")):
         for batch in (int(b) for b in batches.split(",")):
             eager = None
             for backend in backends.split(","):
-                r = bench(config, backend, batch, steps, max_rows)
+                r = bench(config, backend, batch, steps, max_rows, precision)
                 eager = r["samples_per_s"] if backend == "eager" else eager
                 ratio = round(r["samples_per_s"] / eager, 3) if eager else None
-                rows.append({**common, **r, "ratio_vs_eager": ratio})
+                rows.append({**common, "precision": precision, **r, "ratio_vs_eager": ratio})
                 print(
-                    f"{config:<8}{backend:<16}B={batch:<7}{r['ms_per_step']:>9.3f} ms/step "
+                    f"{config:<8}{precision:<6}{backend:<23}B={batch:<7}{r['ms_per_step']:>9.3f} ms/step "
                     f"{r['samples_per_s']:>12,} samples/s  vs eager {ratio or float('nan'):>5.2f}x  "
                     f"peak {r['peak_mem_gib']:>6.2f} GiB  first step {r['first_step_s']:.1f} s",
                     flush=True,

@@ -21,7 +21,7 @@ from loguru import logger
 from results_csv import append_rows, provenance
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from dlrm.config import load_config, replace
+from dlrm.config import PRECISIONS, load_config, replace
 from dlrm.train import resolve_device, train
 
 RESULTS = Path(__file__).parent / "results" / "backends.csv"
@@ -31,7 +31,14 @@ FLAGS = {
     "triton": {"use_triton": True},
     "triton_bias_act": {"use_triton": True, "triton_mlp_kernel": "bias_act"},
     "triton+compile": {"use_triton": True, "use_torch_compile": True},
+    "triton+graphs": {"use_triton": True, "cuda_graphs": True},
 }
+
+
+def _flags(name: str) -> dict:
+    """Train overrides of a backend name, with an optional precision suffix: "triton+graphs@bf16"."""
+    backend, _, precision = name.partition("@")
+    return {**FLAGS[backend], "precision": precision or "fp32"}
 
 
 def _loss_curve(run_dir: Path) -> list[float]:
@@ -42,7 +49,11 @@ def _loss_curve(run_dir: Path) -> list[float]:
 
 @click.command(context_settings={"show_default": True})
 @click.option("--config", "config_path", type=click.Path(path_type=Path), default=Path("configs/main.json"))
-@click.option("--backends", default="eager,compile,triton,triton+compile", help="Comma-separated backends.")
+@click.option(
+    "--backends",
+    default="eager,compile,triton,triton+compile",
+    help="Comma-separated backends, each optionally with a precision: triton+graphs@bf16 (default fp32).",
+)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
 @click.option("--max-steps", type=click.IntRange(min=2), default=None, help="Overrides train.max_steps.")
 @click.option(
@@ -55,9 +66,14 @@ def main(config_path, backends, device, max_steps, log_interval):
     overrides = {k: v for k, v in (("max_steps", max_steps), ("log_interval", log_interval)) if v is not None}
     cfg = replace(cfg, "train", device=device, **overrides)
     names = backends.split(",")
-    unknown = [n for n in names if n not in FLAGS]
+    unknown = [
+        n for n in names if n.partition("@")[0] not in FLAGS or n.partition("@")[2] not in PRECISIONS + ("",)
+    ]
     if unknown:
-        raise click.BadParameter(f"unknown backend {unknown[0]!r}: expected one of {', '.join(FLAGS)}")
+        raise click.BadParameter(
+            f"unknown backend {unknown[0]!r}: expected one of {', '.join(FLAGS)}, "
+            f"optionally with @{' or @'.join(PRECISIONS)}"
+        )
     dev = resolve_device(device)
     if dev.type == "cpu" and any("triton" in name for name in names):
         # Before anything imports triton (the compile backend does): our kernels run in the interpreter.
@@ -69,8 +85,8 @@ def main(config_path, backends, device, max_steps, log_interval):
     rows, curves = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            run_dir = Path(tmp) / name.replace("+", "_")
-            metrics = train(replace(cfg, "train", **FLAGS[name]), run_dir)
+            run_dir = Path(tmp) / name.replace("+", "_").replace("@", "_")
+            metrics = train(replace(cfg, "train", **_flags(name)), run_dir)
             curves[name] = _loss_curve(run_dir)
             rows.append({"backend": name, **{k: metrics[k] for k in keys}})
     eager = next((r for r in rows if r["backend"] == "eager"), None)

@@ -207,7 +207,8 @@ class InteractionArch(nn.Module):
         if self.kernel == "triton":
             from kernels.interaction import dot_interaction
 
-            return dot_interaction(dense, embedded)
+            # Under bf16 autocast the bottom MLP gives bf16, the tables fp32: one dtype for the kernel.
+            return dot_interaction(dense, embedded.to(dense.dtype))
         t = torch.cat([dense.unsqueeze(1), embedded], dim=1)
         z = torch.bmm(t, t.transpose(1, 2))
         return torch.cat([dense, z[:, self.li, self.lj]], dim=1)

@@ -65,17 +65,29 @@ class MLP(nn.Module):
             from kernels.linear_act import linear_act
 
             for layer, act in zip(self.layers, self.activations, strict=True):
-                x = linear_act(x, layer.weight, layer.bias, act)
+                x, w, b = _autocast(x, layer)
+                x = linear_act(x, w, b, act)
             return x
         if self.kernel == "bias_act":
             from kernels.bias_act import bias_act
 
             for layer, act in zip(self.layers, self.activations, strict=True):
-                x = bias_act(F.linear(x, layer.weight), layer.bias, act)
+                x, w, b = _autocast(x, layer)
+                x = bias_act(F.linear(x, w), b, act)
             return x
         for layer, act in zip(self.layers, self.activations, strict=True):
             x = _TORCH_ACTIVATIONS[act](F.linear(x, layer.weight, layer.bias))
         return x
+
+
+def _autocast(x: torch.Tensor, layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, W, b) in autocast's dtype when autocast is on, as F.linear gets them; else unchanged. Autocast
+    does not cast the inputs of our custom ops by itself. The casts' backward returns fp32 gradients to
+    the fp32 master weights."""
+    if not torch.is_autocast_enabled(x.device.type):
+        return x, layer.weight, layer.bias
+    dtype = torch.get_autocast_dtype(x.device.type)
+    return x.to(dtype), layer.weight.to(dtype), layer.bias.to(dtype)
 
 
 def _init_fb_dlrm(layer: nn.Linear) -> None:
