@@ -10,8 +10,9 @@ evaluation accumulator).
 Shapes and dtypes: logits [B] fp32/bf16/fp16, labels [B] float (0/1); loss a 0-d fp32 tensor, the
 gradient [B] in the logits' dtype. Compute: fp32.
 The forward computes the gradient too (it costs one more [B] store and saves a backward kernel); backward
-only scales it by the incoming gradient of the loss. Each program adds its partial sum to the 0-d result
-with one fp32 atomic add, so the result needs no second reduction pass and no host sync.
+only scales it by the incoming gradient of the loss. Up to 16384 samples one program reduces the whole
+batch and stores the result (one launch, nothing to zero first); past that each program adds its partial
+sum to a zeroed 0-d result with one fp32 atomic add. No second reduction pass, no host sync.
 `bce_with_logits_accumulate_` adds sum_i loss_i into a running fp32 total in place: evaluation can sum
 the loss over many batches on the device and read it once.
 The PyTorch reference is `bce_with_logits_ref`.
@@ -31,6 +32,7 @@ from kernels.launch import DTYPES, use_triton
 __all__ = ["bce_with_logits", "bce_with_logits_accumulate_", "bce_with_logits_ref"]
 
 _BLOCK = 1024
+_SINGLE_BLOCK = 16384  # up to this batch one program does it all: no atomics, no zeroed output
 
 
 @triton.jit(do_not_specialize=["B", "scale"])
@@ -46,6 +48,7 @@ def _bce_fwd_kernel(
     scale,
     # meta-parameters
     WRITE_GRAD: tl.constexpr,
+    ACCUMULATE: tl.constexpr,  # atomically add into loss_ptr (several programs, or a running total)
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -53,7 +56,11 @@ def _bce_fwd_kernel(
     x = tl.load(logits_ptr + i, mask=mask, other=0.0).to(tl.float32)
     y = tl.load(labels_ptr + i, mask=mask, other=0.0).to(tl.float32)
     loss = tl.maximum(x, 0.0) - x * y + tl.log(1.0 + tl.exp(-tl.abs(x)))
-    tl.atomic_add(loss_ptr, tl.sum(tl.where(mask, loss, 0.0), axis=0) * scale)
+    total = tl.sum(tl.where(mask, loss, 0.0), axis=0) * scale
+    if ACCUMULATE:
+        tl.atomic_add(loss_ptr, total)
+    else:
+        tl.store(loss_ptr, total)
     if WRITE_GRAD:
         tl.store(dlogits_ptr + i, ((sigmoid(x) - y) * scale).to(dlogits_ptr.dtype.element_ty), mask=mask)
 
@@ -71,13 +78,20 @@ def _check_inputs(logits: Tensor, labels: Tensor) -> None:
         raise ValueError(f"logits on {logits.device} but labels on {labels.device}")
 
 
-def _launch(logits: Tensor, labels: Tensor, loss: Tensor, dlogits: Tensor | None, scale: float) -> None:
+def _launch(
+    logits: Tensor, labels: Tensor, loss: Tensor, dlogits: Tensor | None, scale: float, accumulate: bool
+) -> None:
+    """One program per _BLOCK samples, or a single program for the whole batch up to _SINGLE_BLOCK samples,
+    which then stores the loss rather than adding to it (`loss` needs no zeroing: one launch less)."""
     b = logits.shape[0]
     if b == 0:
         return
-    _bce_fwd_kernel[(triton.cdiv(b, _BLOCK),)](
+    block = min(max(16, triton.next_power_of_2(b)), _SINGLE_BLOCK) if b <= _SINGLE_BLOCK else _BLOCK
+    grid = triton.cdiv(b, block)
+    _bce_fwd_kernel[(grid,)](
         logits, labels, loss, dlogits if dlogits is not None else logits, b, scale,
-        WRITE_GRAD=dlogits is not None, BLOCK=_BLOCK,
+        WRITE_GRAD=dlogits is not None, ACCUMULATE=accumulate or grid > 1, BLOCK=block,
+        num_warps=16 if block > 4096 else 4,
     )  # fmt: skip
 
 
@@ -85,13 +99,14 @@ def bce_with_logits_fwd(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]
     """Launch the kernel: (mean loss, 0-d fp32; dloss/dlogits [B]). See `bce_with_logits`."""
     _check_inputs(logits, labels)
     logits, labels = logits.contiguous(), labels.contiguous()
-    loss = torch.zeros((), dtype=torch.float32, device=logits.device)
+    b = logits.shape[0]
+    # Zeroed only when several programs add into it; an empty batch gives NaN (the mean of nothing), as torch.
+    if b == 0 or b > _SINGLE_BLOCK:
+        loss = torch.full((), 0.0 if b else float("nan"), dtype=torch.float32, device=logits.device)
+    else:
+        loss = torch.empty((), dtype=torch.float32, device=logits.device)
     dlogits = torch.empty_like(logits)
-    # An empty batch gives the mean of nothing, NaN, as PyTorch does.
-    scale = 1.0 / logits.shape[0] if logits.shape[0] else float("nan")
-    _launch(logits, labels, loss, dlogits, scale)
-    if logits.shape[0] == 0:
-        loss.fill_(float("nan"))
+    _launch(logits, labels, loss, dlogits, 1.0 / max(b, 1), accumulate=False)
     return loss, dlogits
 
 
@@ -137,7 +152,7 @@ _bce_op.register_autograd(_backward, setup_context=_setup_context)
 @torch.library.custom_op("dlrm::bce_with_logits_accumulate_", mutates_args=("total",))
 def _bce_accumulate_op(logits: Tensor, labels: Tensor, total: Tensor) -> None:
     if use_triton(logits):
-        _launch(logits.contiguous(), labels.contiguous(), total, None, 1.0)
+        _launch(logits.contiguous(), labels.contiguous(), total, None, 1.0, accumulate=True)
     else:
         total += bce_with_logits_ref(logits, labels, reduction="sum")
 

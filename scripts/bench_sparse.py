@@ -17,6 +17,7 @@ graph of the calls: GPU time only). The eager embedding step is not graph-captur
 its ratios are against its launch time. Rows are appended to scripts/results/sparse.csv.
 """
 
+import itertools
 from pathlib import Path
 
 import click
@@ -183,7 +184,8 @@ def bench_loss(b: int) -> list[dict]:
 @click.option("--dims", default="16,128", help="Comma-separated embedding dims D.")
 @click.option("--optimizers", default="sgd,adagrad,rowwise_adagrad", help="Embedding optimizers to time.")
 @click.option("--skews", default="uniform,skewed", help="Id distributions: uniform, skewed.")
-def main(batch, dims, optimizers, skews):
+@click.option("--ops", default="embedding,interaction,loss", help="Comma-separated ops to time.")
+def main(batch, dims, optimizers, skews, ops):
     """Time the embedding, interaction and loss kernels on this GPU; rows go to scripts/results/sparse.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_sparse.py needs a CUDA GPU")
@@ -191,12 +193,15 @@ def main(batch, dims, optimizers, skews):
     copy_gbps = measure_ceilings()["copy_gbps"]
     print(f"{gpu}: copy {copy_gbps:.0f} GB/s, B={batch}, Kaggle cardinalities ({sum(KAGGLE_ROWS):,} rows)")
     rows = []
+    ops = ops.split(",")
     for d in (int(x) for x in dims.split(",")):
-        for optimizer in optimizers.split(","):
-            for skew in skews.split(","):
+        if "embedding" in ops:
+            for optimizer, skew in itertools.product(optimizers.split(","), skews.split(",")):
                 rows += bench_embedding(batch, d, optimizer, skew, copy_gbps)
-        rows += bench_interaction(batch, d)
-    rows += bench_loss(batch)
+        if "interaction" in ops:
+            rows += bench_interaction(batch, d)
+    if "loss" in ops:
+        rows += bench_loss(batch)
     common = provenance(gpu)
     for r in rows:
         print("  ".join(f"{k}={v}" for k, v in r.items() if v != ""))

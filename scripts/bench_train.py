@@ -40,6 +40,7 @@ FLAGS = {
     "triton+compile": {"use_triton": True, "use_torch_compile": True},
     "triton+graphs": {"use_triton": True, "cuda_graphs": True},
     "triton+compile+graphs": {"use_triton": True, "use_torch_compile": True, "cuda_graphs": True},
+    "triton_bias_act+graphs": {"use_triton": True, "triton_mlp_kernel": "bias_act", "cuda_graphs": True},
 }
 POOL = 8  # distinct batches cycled through
 
