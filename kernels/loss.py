@@ -10,9 +10,10 @@ evaluation accumulator).
 Shapes and dtypes: logits [B] fp32/bf16/fp16, labels [B] float (0/1); loss a 0-d fp32 tensor, the
 gradient [B] in the logits' dtype. Compute: fp32.
 The forward computes the gradient too (it costs one more [B] store and saves a backward kernel); backward
-only scales it by the incoming gradient of the loss. Up to 16384 samples one program reduces the whole
+only scales it by the incoming gradient of the loss. Up to 4096 samples one program reduces the whole
 batch and stores the result (one launch, nothing to zero first); past that each program adds its partial
-sum to a zeroed 0-d result with one fp32 atomic add. No second reduction pass, no host sync.
+sum to a zeroed 0-d result with one fp32 atomic add (one program for all of B=16384 took 11.9 us on an
+H200 against 4.3 us for 16 programs + the zeroing). No second reduction pass, no host sync.
 `bce_with_logits_accumulate_` adds sum_i loss_i into a running fp32 total in place: evaluation can sum
 the loss over many batches on the device and read it once.
 The PyTorch reference is `bce_with_logits_ref`.
@@ -32,7 +33,7 @@ from kernels.launch import DTYPES, use_triton
 __all__ = ["bce_with_logits", "bce_with_logits_accumulate_", "bce_with_logits_ref"]
 
 _BLOCK = 1024
-_SINGLE_BLOCK = 16384  # up to this batch one program does it all: no atomics, no zeroed output
+_SINGLE_BLOCK = 4096  # up to this batch one program does it all: no atomics, no zeroed output
 
 
 @triton.jit(do_not_specialize=["B", "scale"])

@@ -21,7 +21,7 @@ def _inputs(b: int, scale: float = 4.0, seed: int = 0, device: str = DEVICE):
     return logits, labels
 
 
-@pytest.mark.parametrize("b", [1, 7, 1024, 3001, 20000])  # 20000: several programs, atomics
+@pytest.mark.parametrize("b", [1, 7, 1024, 3001, 5000])  # 5000: several programs, atomics
 @pytest.mark.parametrize("scale", [1.0, 60.0])  # 60: exp(|x|) would overflow fp32 in a naive form
 def test_loss_and_gradient_match_torch(b, scale):
     logits, labels = _inputs(b, scale)
