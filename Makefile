@@ -1,6 +1,6 @@
 # `make train`: create .venv on first use, preprocess the shipped Criteo sample once, train configs/main.json.
 # `make test`: the same venv, then the test suite (CPU; Triton kernels run in the interpreter).
-# `make bench`: the GPU benchmarks (MLP kernels, training step); rows go to scripts/results/.
+# `make bench`: the GPU benchmarks (MLP kernels, sparse-side kernels, training step); rows go to scripts/results/.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -27,7 +27,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_kernels.py --batches 16384
-	$(PY) scripts/bench_train.py
+	$(PY) scripts/bench_sparse.py --batch 16384
+	$(PY) scripts/bench_train.py --batches 128,2048,16384,65536 --precisions tf32,bf16 \
+		--backends eager,compile,triton+graphs
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
