@@ -31,7 +31,12 @@ What the forward saves for backward (besides the inputs x and W):
     gelu_tanh, silu     the pre-activation z, written by the forward kernel as a second [M, N] output
                         (``SAVE_Z``), since act' cannot be taken from y
 
-Backward (two GEMM kernels, no elementwise pass over dy):
+Backward, two implementations, the faster one chosen per shape (``linear_act_bwd(method="auto")``: both
+are timed the first time a shape is seen on the GPU). The issue asked for the first; the second wins where
+the layer is small or cuBLAS's GEMMs beat ours, and its cost is one extra [M, N] pass for dz:
+  "cublas": ``_linear_act_dz_kernel`` writes dz = dy * act' and the bias gradient's partial sums in one
+      pass over [M, N], then cuBLAS computes dx = dz @ W and dW = dz^T @ x.
+  "triton" (two GEMM kernels, no elementwise pass over dy):
     ``_linear_act_bwd_dx_kernel``: one program per [BLOCK_M, BLOCK_K] tile of dx, reducing over N: it loads
         dy and the saved y/z tiles [BLOCK_M, BLOCK_N], forms dz in registers and dots it with a W tile.
     ``_linear_act_bwd_dw_kernel``: one program per ([BLOCK_N, BLOCK_K] tile of dW, chunk of rows), reducing
@@ -52,6 +57,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 from torch import Tensor
 
 from kernels.activations import ACTIVATIONS, act_fwd, act_grad, act_grad_ref, act_ref, check_activation
@@ -306,8 +312,48 @@ def _linear_act_bwd_dw_kernel(
 # Tuning
 # --------------------------------------------------------------------------------------------------
 
+
 # Autotuning key: the output/reduction widths and a power-of-two bucket of M (see _m_bucket), so a new batch
 # size in the same bucket reuses the tuned config. Triton adds the tensors' dtypes to the key itself.
+@triton.jit(do_not_specialize=["M"])
+def _linear_act_dz_kernel(
+    # pointers
+    dy_ptr,  # [M, N] gradient of y
+    s_ptr,  # [M, N] saved y (relu, sigmoid) or z (gelu_tanh, silu); dy for identity (not read)
+    dz_ptr,  # [M, N] output dz, x's dtype
+    db_part_ptr,  # [cdiv(M, BLOCK_M), N] fp32 partial column sums of dz (HAS_BIAS)
+    # sizes
+    M,
+    N,
+    # strides (rows; the column stride is 1)
+    stride_dym,
+    stride_sm,
+    stride_dzm,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """dz = dy * act'(.) and the bias gradient's per-block partial sums: the prologue of the cuBLAS
+    backward (``_linear_act_bwd_cublas``)."""
+    pid_m = tl.program_id(0)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ACTIVATION == "identity":
+        dz = dy
+    else:
+        saved = tl.load(s_ptr + rows[:, None] * stride_sm + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
+        dz = _act_bwd(dy, saved, ACTIVATION)
+    tl.store(dz_ptr + rows[:, None] * stride_dzm + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        tl.store(db_part_ptr + pid_m * N + cols, tl.sum(tl.where(mask, dz, 0.0), axis=0), mask=cols < N)
+
+
 _KEY = ["M_BUCKET", "N", "K"]
 _M_BUCKET_MIN, _M_BUCKET_MAX = 64, 65536
 
@@ -536,8 +582,9 @@ def linear_act_bwd(
     activation: str,
     has_bias: bool,
     needs_dx: bool = True,
+    method: str = "auto",
 ) -> tuple[Tensor | None, Tensor, Tensor | None]:
-    """Launch the two backward kernels: ``dz = dy * act'``, ``dx = dz @ W``, ``dW = dz^T @ x``, ``db``.
+    """The backward: ``dz = dy * act'``, ``dx = dz @ W``, ``dW = dz^T @ x``, ``db`` (module docstring).
 
     Args:
         dy: [M, N] gradient of y, x's dtype and device.
@@ -549,15 +596,77 @@ def linear_act_bwd(
         has_bias: whether to return db (the forward had a bias).
         needs_dx: whether to compute dx; False skips its kernel (e.g. the first layer, whose input needs
             no gradient).
+        method: "triton" (two Triton GEMMs with dz fused into their loads), "cublas" (a Triton dz + db
+            kernel, then two cuBLAS GEMMs) or "auto": the faster of the two for this shape, timed once per
+            (M bucket, N, K, dtype, activation) on the GPU and remembered; "triton" in the interpreter.
 
     Returns:
         (dx, dw, db): dx [M, K] (None unless needs_dx), dw [N, K], db [N] (None unless has_bias), all in
         x's dtype; dw and db are zeros when M == 0.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices or activation, or a missing ``saved``.
+        ValueError: bad shapes, dtypes, devices or activation, a missing ``saved``, or an unknown method.
     """
     _check_bwd_inputs(dy, x, weight, saved, activation, has_bias)
+    if method not in ("auto", "triton", "cublas"):
+        raise ValueError(f"unknown backward method {method!r}: expected 'auto', 'triton' or 'cublas'")
+    args = (dy, x, weight, saved, activation, has_bias, needs_dx)
+    if method == "auto":
+        method = _pick_backward(*args)
+    return (_linear_act_bwd_triton if method == "triton" else _linear_act_bwd_cublas)(*args)
+
+
+# The backward implementation chosen per (M bucket, N, K, dtype, GEMM precision, activation, bias, dx).
+_BACKWARD_CHOICE: dict[tuple, str] = {}
+
+
+def _pick_backward(dy, x, weight, saved, activation, has_bias, needs_dx) -> str:
+    """The faster backward for this shape: both are timed (median of CUDA-event timings) the first time a
+    shape is seen. Small layers favour cuBLAS (the two Triton GEMMs and their split-M partial sums have
+    fixed costs that a [M, N] dz pass does not); "triton" saves that pass where the GEMMs are large enough.
+    Inside a CUDA graph capture nothing can be timed: an unseen shape then takes "triton"."""
+    if INTERPRETED:
+        return "triton"
+    key = (_m_bucket(x.shape[0]), weight.shape[0], x.shape[1], x.dtype, _input_precision(x.dtype), activation,
+           has_bias, needs_dx)  # fmt: skip
+    if key not in _BACKWARD_CHOICE:
+        if torch.cuda.is_current_stream_capturing():
+            return "triton"
+        args = (dy, x, weight, saved, activation, has_bias, needs_dx)
+        times = {
+            name: triton.testing.do_bench(lambda fn=fn: fn(*args), warmup=10, rep=40, return_mode="median")
+            for name, fn in (("triton", _linear_act_bwd_triton), ("cublas", _linear_act_bwd_cublas))
+        }
+        _BACKWARD_CHOICE[key] = min(times, key=times.get)
+    return _BACKWARD_CHOICE[key]
+
+
+def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx):
+    """dz and db partials in one Triton pass over [M, N], then dx = dz @ W and dW = dz^T @ x by cuBLAS."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m == 0:
+        db = torch.zeros(n, dtype=x.dtype, device=x.device) if has_bias else None
+        return (_empty((m, k), x.dtype, x.device) if needs_dx else None), x.new_zeros(n, k), db
+    dy = dy.contiguous()
+    s = saved.contiguous() if activation != "identity" else dy
+    dz = _empty((m, n), x.dtype, x.device)
+    block_n = min(128, triton.next_power_of_2(n))
+    block_m = max(16, 4096 // block_n)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    db_part = _empty((grid[0], n), torch.float32, x.device) if has_bias else dz
+    _linear_act_dz_kernel[grid](
+        dy, s, dz, db_part, m, n, dy.stride(0), s.stride(0), dz.stride(0),
+        HAS_BIAS=has_bias, ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    dx = torch.mm(dz, weight) if needs_dx else None
+    dw = torch.mm(dz.t(), x)
+    db = db_part.sum(dim=0).to(x.dtype) if has_bias else None
+    return dx, dw, db
+
+
+def _linear_act_bwd_triton(dy, x, weight, saved, activation, has_bias, needs_dx):
+    """The two Triton backward GEMMs, dz formed in registers in both (module docstring)."""
     m, k = x.shape
     n = weight.shape[0]
     dx = _empty((m, k), x.dtype, x.device) if needs_dx else None

@@ -101,6 +101,36 @@ def test_fwd_bwd_fp32(shape, activation, has_bias):
     _check_fwd_bwd(*shape, activation, has_bias, torch.float32, DEVICE)
 
 
+def _check_backward_method(m, n, k, activation, has_bias, dtype, device, method):
+    """linear_act_bwd(method=...) against PyTorch's activation backward at the forward's saved tensor."""
+    x, w, b, dy = _inputs(m, n, k, dtype, device, seed=m + n)
+    _, saved = linear_act_fwd(x, w, b if has_bias else None, activation)
+    got = linear_act_bwd(dy, x, w, saved, activation, has_bias, method=method)
+    want = _grads_from_saved(dy, x, w, saved, activation, has_bias)
+    for g, r, name in zip(got, want, ("dx", "dw", "db"), strict=True):
+        if r is None:
+            assert g is None
+        elif device == "cpu":
+            torch.testing.assert_close(g.float(), r, **tol(dtype, "gemm"), msg=lambda s, n=name: f"{n}: {s}")
+        else:
+            _assert_norm_close(g, r, dtype, f"{name} {method} {activation} {(m, n, k)} {dtype}")
+
+
+@pytest.mark.parametrize("method", ["triton", "cublas"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("shape", [(1, 1, 1), (67, 33, 13), (130, 129, 17)], ids=_ids)
+def test_backward_methods(shape, activation, method):
+    """Both backward implementations (Triton GEMMs with dz fused; Triton dz + cuBLAS GEMMs) agree with
+    PyTorch; "auto" picks one of them per shape."""
+    _check_backward_method(*shape, activation, True, torch.float32, DEVICE, method)
+
+
+def test_unknown_backward_method():
+    x, w, b, dy = _inputs(3, 4, 5, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="unknown backward method 'x'"):
+        linear_act_bwd(dy, x, w, dy, "relu", True, method="x")
+
+
 class _Recorder:
     """Stands in for a kernel: records the grid of each launch instead of running it."""
 
@@ -342,6 +372,15 @@ def test_dlrm_shapes_gpu(m, layer, dtype):
     """Every MLP layer at DLRM batch sizes: relu hidden layers, identity for the logit (N = 1)."""
     k, n = layer
     _check_fwd_bwd(m, n, k, "identity" if n == 1 else "relu", True, dtype, "cuda", seed=m + n + k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["triton", "cublas"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layer", DLRM_LAYERS, ids=lambda kn: f"{kn[0]}to{kn[1]}")
+def test_dlrm_shapes_backward_methods_gpu(layer, dtype, method):
+    k, n = layer
+    _check_backward_method(16384, n, k, "identity" if n == 1 else "relu", True, dtype, "cuda", method)
 
 
 @pytest.mark.gpu
