@@ -5,7 +5,6 @@ the 1-based number of the first line that cannot be read in full.
 """
 
 import functools
-import gzip
 import threading
 import zlib
 from collections.abc import Callable
@@ -36,6 +35,42 @@ def is_gzip(path: Path) -> bool:
         return f.read(len(_GZIP_MAGIC)) == _GZIP_MAGIC
 
 
+class _Chunks:
+    """The decompressed bytes of an open file, in chunks of at most _READ_SIZE bytes (any number of gzip
+    members one after the other, or plain text).
+
+    Raises (from `next`):
+        zlib.error: corrupt gzip data.
+        EOFError: the gzip stream ends before its end-of-stream marker.
+    """
+
+    def __init__(self, raw: BinaryIO, compressed: bool) -> None:
+        self._raw, self._compressed = raw, compressed
+        self._inflate = zlib.decompressobj(wbits=31)
+        self._input = b""  # compressed bytes not yet inflated
+        self._started = False  # whether the current gzip member has been given input
+
+    def next(self) -> bytes | None:
+        """The next decompressed bytes, or None at the end of the file."""
+        if not self._compressed:
+            return self._raw.read(_READ_SIZE) or None
+        while True:
+            if not self._input:
+                self._input = self._raw.read(_READ_SIZE >> 2)
+                if not self._input:
+                    if self._started:
+                        raise EOFError("compressed file ended before the end-of-stream marker was reached")
+                    return None
+            self._started = True
+            out = self._inflate.decompress(self._input, _READ_SIZE)
+            self._input = self._inflate.unconsumed_tail
+            if self._inflate.eof:  # the next member, if any, starts in unused_data
+                self._input = self._inflate.unused_data
+                self._inflate, self._started = zlib.decompressobj(wbits=31), False
+            if out:
+                return out
+
+
 class LineReader:
     """Reads one file (plain or gzip) in blocks of whole lines; a context manager.
 
@@ -50,9 +85,9 @@ class LineReader:
             self._raw = path.open("rb")
         except OSError as e:
             raise PreprocessError(f"{path}: cannot open ({e.strerror})") from None
-        self._text: BinaryIO = gzip.GzipFile(fileobj=self._raw) if is_gzip(path) else self._raw
-        self._buffer = b""  # read but not yet handed out; holds no complete line at the end of the file
-        self._eof = False
+        self._chunks = _Chunks(self._raw, is_gzip(path))
+        self._chunk = b""  # the current decompressed chunk, handed out up to _position
+        self._position = 0
 
     def __enter__(self) -> "LineReader":
         return self
@@ -80,58 +115,47 @@ class LineReader:
         self.next_line += skipped
         return skipped
 
-    def _take(self, max_lines: int, keep: bool) -> tuple[list[bytes], int]:
-        parts: list[bytes] = []
+    def _take(self, max_lines: int, keep: bool) -> tuple[list[memoryview], int]:
+        """The next at most `max_lines` lines as consecutive pieces of chunks (kept only if `keep`)."""
+        parts: list[memoryview] = []
         lines = 0
+        ends_line = True  # whether what was taken so far ends with "\n"
         while lines < max_lines:
-            if not self._buffer and not self._fill():
-                break
-            newlines = self._buffer.count(b"\n")
+            if self._position == len(self._chunk):
+                try:
+                    chunk = self._chunks.next()
+                except (EOFError, OSError, zlib.error) as e:
+                    line = self.next_line + lines
+                    raise PreprocessError(
+                        f"{self.path} line {line}: truncated or corrupt gzip data ({e})"
+                    ) from None
+                if chunk is None:
+                    lines += not ends_line  # a last line without "\n"
+                    break
+                self._chunk, self._position = chunk, 0
             wanted = max_lines - lines
+            newlines = self._chunk.count(b"\n", self._position)
             if newlines >= wanted:
-                cut = _position_of_newline(self._buffer, wanted) + 1
-                chunk, self._buffer = self._buffer[:cut], self._buffer[cut:]
+                end = _position_of_newline(self._chunk, self._position, wanted) + 1
                 lines += wanted
-            elif newlines == 0 and self._eof:
-                chunk, self._buffer = self._buffer, b""  # the last line, without "\n"
-                lines += 1
             else:
-                # Hand out the complete lines; a partial last line waits for the rest of it.
-                cut = self._buffer.rfind(b"\n") + 1
-                if cut == 0:
-                    self._fill()
-                    continue
-                chunk, self._buffer = self._buffer[:cut], self._buffer[cut:]
+                end = len(self._chunk)
                 lines += newlines
             if keep:
-                parts.append(chunk)
+                parts.append(memoryview(self._chunk)[self._position : end])
+            ends_line = self._chunk[end - 1] == 10
+            self._position = end
         return parts, lines
 
-    def _fill(self) -> bool:
-        """Append the next decompressed bytes to the buffer; False at the end of the file."""
-        if self._eof:
-            return False
-        try:
-            # read1 returns what was decompressed before a truncation; the next call raises.
-            chunk = self._text.read1(_READ_SIZE)
-        except (EOFError, OSError, zlib.error) as e:
-            line = self.next_line + self._buffer.count(b"\n")
-            raise PreprocessError(f"{self.path} line {line}: truncated or corrupt gzip data ({e})") from None
-        if not chunk:
-            self._eof = True
-            return bool(self._buffer)
-        self._buffer += chunk
-        return True
 
-
-def _position_of_newline(data: bytes, k: int) -> int:
-    """Index of the `k`-th (1-based) "\\n" in `data`, which holds at least `k`."""
+def _position_of_newline(data: bytes, start: int, k: int) -> int:
+    """Index of the `k`-th (1-based) "\\n" in `data` from `start`; there are at least `k`."""
     if k <= 64:
-        position = -1
+        position = start - 1
         for _ in range(k):
             position = data.index(b"\n", position + 1)
         return position
-    return int(np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)[k - 1])
+    return start + int(np.flatnonzero(np.frombuffer(data, dtype=np.uint8, offset=start) == 10)[k - 1])
 
 
 def count_lines(path: Path, progress: Callable[[int], None] | None = None) -> int:
@@ -146,9 +170,9 @@ def count_lines(path: Path, progress: Callable[[int], None] | None = None) -> in
     except OSError as e:
         raise PreprocessError(f"{path}: cannot open ({e.strerror})") from None
     with raw:
-        text = gzip.GzipFile(fileobj=raw) if is_gzip(path) else raw
+        chunks = _Chunks(raw, is_gzip(path))
         try:
-            while chunk := text.read1(_READ_SIZE):
+            while (chunk := chunks.next()) is not None:
                 newlines += chunk.count(b"\n")
                 last_byte = chunk[-1:]
                 if progress is not None:
