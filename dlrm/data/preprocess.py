@@ -159,7 +159,7 @@ def preprocess(
              is exact (else a HyperLogLog estimate, ~0.8% standard error), with --min-frequency also
              "vocab": relative path, "vocab_size": ids in it}, ...},
          "dense": {"I1": {"min", "max", "mean"} over train after missing -> 0, ...}, "skipped_lines",
-         "min_frequency", "exact_distinct_limit"}.
+         "exact_distinct_limit", and with --min-frequency "min_frequency"}.
     Raises:
         PreprocessError: bad arguments, an unusable output directory, a missing, empty or truncated input,
             or a malformed line (without `skip_bad_lines`); the message is a single line.
@@ -454,6 +454,7 @@ def build_metadata(writers: dict[str, SplitWriter], source: list[str], skipped_l
         "categorical": train.cardinalities(),
         "dense": train.dense_stats(),
         "skipped_lines": skipped_lines,
+        "exact_distinct_limit": train.stats.exact_distinct_limit,
     }
 
 
@@ -477,7 +478,6 @@ class _Run:
         self.layout, self.eval_fraction = layout, eval_fraction
         self.rows_per_file, self.skip_bad_lines = rows_per_file, skip_bad_lines
         self.block_size, self.workers, self.min_frequency = block_size, workers, min_frequency
-        self.exact_distinct_limit = exact_distinct_limit
         progress_dir = root / PROGRESS_DIR
         progress_dir.mkdir(exist_ok=True)
         self.names = [name for name, _ in split_starts(layout, [1] * len(inputs), eval_fraction)]
@@ -555,8 +555,8 @@ class _Run:
             raise PreprocessError("no train rows: every line is bad or the hold-out splits take them all")
         skipped = sum(w.bad_lines for w in self.writers.values())
         metadata = build_metadata(self.writers, [str(p) for p in self.inputs], skipped)
-        metadata |= {"min_frequency": self.min_frequency, "exact_distinct_limit": self.exact_distinct_limit}
         if self.min_frequency is not None:
+            metadata["min_frequency"] = self.min_frequency
             self._write_vocabularies(metadata)
         return metadata
 

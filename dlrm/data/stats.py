@@ -66,8 +66,9 @@ def hll_estimate(registers: np.ndarray) -> int:
 class DistinctCounter:
     """Distinct ids of one column: an exact set while it holds at most `limit` ids, then a HyperLogLog.
 
-    Per-block distinct ids are merged only once they outgrow the merged set, which keeps the merging cost
-    near-linear; memory stays within about twice `limit` ids (8 bytes each), plus 16 KiB of registers.
+    Per-block distinct ids are merged only once they outgrow the merged set (or the limit), which keeps the
+    merging cost near-linear; memory stays within about twice `limit` ids (8 bytes each) and one block's,
+    plus 16 KiB of registers.
     """
 
     def __init__(self, limit: int = DEFAULT_EXACT_DISTINCT_LIMIT) -> None:
@@ -88,14 +89,15 @@ class DistinctCounter:
             return
         self._pending.append(distinct)
         self._pending_size += len(distinct)
-        if self._pending_size > max(len(self._merged), 1 << 16):
+        if self._pending_size > max(len(self._merged), min(self.limit, 1 << 16)):
             self._merge()
 
     def count(self) -> tuple[int, bool]:
         """(distinct ids, whether that count is exact)."""
         if self.exact:
-            self._merge()
-            return len(self._merged), self.exact
+            self._merge()  # may find the limit passed
+        if self.exact:
+            return len(self._merged), True
         return hll_estimate(self._registers), False
 
     def _merge(self) -> None:
@@ -184,6 +186,7 @@ class SplitStats:
 
     def __init__(self, features: bool, exact_distinct_limit: int, value_counts: bool) -> None:
         self.features, self.value_counts = features, value_counts
+        self.exact_distinct_limit = exact_distinct_limit
         self.rows = 0
         self.positives = 0.0
         self._min = np.full(len(DENSE_COLUMNS), np.inf)
