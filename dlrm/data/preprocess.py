@@ -537,14 +537,18 @@ class _Run:
         writer = threading.Thread(target=self._write_all, name="preprocess-writer", daemon=True)
         writer.start()
         reader_error: PreprocessError | None = None
+        read_all = False
         try:
             with ThreadPoolExecutor(self.workers, thread_name_prefix="preprocess-parse") as pool:
                 self._read_all(pool)
+            read_all = True
         except PreprocessError as e:
             reader_error = e
         finally:
             self._put(None)
             writer.join()
+            if self._counter is not None and (not read_all or self._writer_error is not None):
+                self._counter.stop()
         # The writer's error is in an earlier block than where the reader stopped: the first in file order.
         if self._writer_error is not None:
             raise self._writer_error

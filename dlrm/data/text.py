@@ -187,6 +187,10 @@ def count_lines(path: Path, progress: Callable[[int], None] | None = None) -> in
     return lines
 
 
+class _Stopped(Exception):
+    """Raised inside the line count to end it early."""
+
+
 class LineCounter:
     """Counts the lines of the inputs, in order, on a background thread.
 
@@ -198,15 +202,28 @@ class LineCounter:
         self._inputs = inputs
         self._counts = [0] * len(inputs)
         self._error: PreprocessError | None = None
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="preprocess-line-counter", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
             for i, path in enumerate(self._inputs):
-                self._counts[i] = count_lines(path, functools.partial(self._counts.__setitem__, i))
+                self._counts[i] = count_lines(path, functools.partial(self._progress, i))
         except PreprocessError as e:
             self._error = e
+        except _Stopped:
+            return
+
+    def _progress(self, index: int, newlines: int) -> None:
+        self._counts[index] = newlines
+        if self._stop.is_set():
+            raise _Stopped
+
+    def stop(self) -> None:
+        """Stop counting (the counts stay partial) and wait for the thread."""
+        self._stop.set()
+        self._thread.join()
 
     @property
     def done(self) -> bool:
