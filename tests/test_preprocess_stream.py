@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dlrm.data import preprocess as preprocess_module
+from dlrm.data import text as text_module
 from dlrm.data.preprocess import PreprocessError, load_metadata, preprocess
 from dlrm.data.schema import LABEL, RAW_COLUMNS, SPARSE_COLUMNS
 from dlrm.data.synthetic import SyntheticConfig, preset_cardinalities
@@ -120,6 +121,38 @@ def test_resume_after_a_crash_inside_a_shard(tmp_path, monkeypatch):
 
     monkeypatch.setattr(preprocess_module, "parse_block", parse_block)
     preprocess([SAMPLE], out, **args)
+    assert_same_output(out, reference)
+
+
+def test_resume_does_not_read_inputs_whose_shards_are_all_complete(tmp_path, monkeypatch):
+    lines = raw_lines()
+    days = [write_lines(tmp_path / f"day_{i}.tsv.gz", lines[i * 3000 : (i + 1) * 3000]) for i in range(4)]
+    args = {"rows_per_file": 1500, "block_size": 400, "layout": "terabyte"}
+    reference = tmp_path / "reference"
+    preprocess(days, reference, **args)
+
+    parse_block = preprocess_module.parse_block
+
+    def crash_in_the_test_split(block, skip_bad_lines):
+        if block.path == days[-1] and block.first_line <= 800 < block.first_line + block.lines:
+            raise InjectedCrash
+        return parse_block(block, skip_bad_lines)
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(preprocess_module, "parse_block", crash_in_the_test_split)
+    with pytest.raises(InjectedCrash):
+        preprocess(days, out, **args)
+    monkeypatch.undo()
+    opened = []
+    line_reader = text_module.LineReader
+
+    def recording_line_reader(path):
+        opened.append(path)
+        return line_reader(path)
+
+    monkeypatch.setattr(text_module, "LineReader", recording_line_reader)
+    preprocess(days, out, **args)
+    assert opened == [days[-1]]  # the train shards (days 0-2) and val were kept
     assert_same_output(out, reference)
 
 

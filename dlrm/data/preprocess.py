@@ -568,6 +568,7 @@ class _Run:
         """Main thread: cut the inputs into blocks along shard and split boundaries and hand them on."""
         total_bytes = sum(p.stat().st_size for p in self.inputs)
         split, shard, shard_start, line = 0, 0, 0, 0  # line: 0-based over all inputs
+        unread = 0  # lines of resumed shards not skipped in the inputs yet
         started = time.perf_counter()
         with (
             InputStream(self.inputs) as stream,
@@ -579,10 +580,14 @@ class _Run:
                     self._put(("end", split, shard_start, line - shard_start))
                     split, shard, shard_start = split + 1, 0, line
                     next_split = self._next_split_start(split, line)
-                if line == shard_start and self._resume_shard(pool, stream, split, shard, shard_start):
-                    line = shard_start = shard_start + self.rows_per_file
-                    shard += 1
+                if line == shard_start and (resumed := self._resume_shard(pool, split, shard, shard_start)):
+                    line = shard_start = shard_start + resumed
+                    shard, unread = shard + 1, unread + resumed
                     continue
+                if unread:  # skipped together, so that inputs whose shards are all complete are not read
+                    if stream.skip(unread, self._counts) != unread:
+                        raise PreprocessError(f"the inputs end before line {line} of their line count")
+                    unread = 0
                 shard_end = shard_start + self.rows_per_file
                 block = stream.read(int(min(self.block_size, shard_end - line, next_split - line)))
                 if block is None:
@@ -596,16 +601,14 @@ class _Run:
                 bar.set_postfix_str(f"{line / (time.perf_counter() - started):,.0f} rows/s", refresh=False)
         self._put(("end", split, shard_start, line - shard_start))
 
-    def _resume_shard(
-        self, pool: ThreadPoolExecutor, stream: InputStream, split: int, shard: int, first_line: int
-    ) -> bool:
-        """If an earlier run completed shard `shard` of `split` from `first_line`, skip its lines and hand
-        on its statistics (read back from the shard); a shard not complete and verified is redone."""
+    def _resume_shard(self, pool: ThreadPoolExecutor, split: int, shard: int, first_line: int) -> int:
+        """If an earlier run completed shard `shard` of `split` from `first_line`, hand on its statistics
+        (read back from the shard) and return its lines; else (not complete, or not verified) 0."""
         writer = self.writers[self.names[split]]
         progress = writer.progress_path(shard)
         path = self.root / writer.shard_path(shard)
         if not (progress.is_file() and path.is_file()):
-            return False
+            return 0
         record = json.loads(progress.read_text())
         counts = self._exact_counts()
         split_end = (
@@ -617,12 +620,10 @@ class _Run:
             or record["lines"] != lines
             or pq.read_metadata(path).num_rows != record["rows"]
         ):
-            return False
-        if stream.skip(lines) != lines:
-            return False
+            return 0
         features = self.names[split] == "train"
         self._put(("resumed", split, pool.submit(self._shard_stats, path, features), record["bad_lines"]))
-        return True
+        return lines
 
     def _parse(self, block: TextBlock, features: bool) -> tuple[pa.RecordBatch, int, BlockStats]:
         rows, bad_lines = parse_block(block, self.skip_bad_lines)

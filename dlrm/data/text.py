@@ -238,10 +238,13 @@ class LineCounter:
 
         Raises:
             PreprocessError: an input is empty, unreadable, truncated or corrupt.
+            RuntimeError: the count was stopped.
         """
         self._thread.join()
         if self._error is not None:
             raise self._error
+        if self._stop.is_set():
+            raise RuntimeError("the line count was stopped: its counts are partial")
         return list(self._counts)
 
 
@@ -279,11 +282,21 @@ class InputStream:
             self._next_file()
         return None
 
-    def skip(self, lines: int) -> int:
-        """Skip `lines` lines across files; returns how many were skipped (fewer after the last file)."""
+    def skip(self, lines: int, line_counts: list[int] | None = None) -> int:
+        """Skip `lines` lines across files; returns how many were skipped (fewer after the last file).
+        With the files' `line_counts`, files skipped whole are not read at all."""
         skipped = 0
-        while skipped < lines and (reader := self._current()) is not None:
-            skipped += reader.skip(lines - skipped)
+        while skipped < lines and self._index < len(self._inputs):
+            if (
+                line_counts is not None
+                and self._reader is None
+                and line_counts[self._index] <= lines - skipped
+            ):
+                skipped += line_counts[self._index]
+                self._bytes_before += self._inputs[self._index].stat().st_size
+                self._index += 1
+                continue
+            skipped += self._current().skip(lines - skipped)
             if skipped < lines:
                 self._next_file()
         return skipped
