@@ -156,6 +156,60 @@ def test_resume_does_not_read_inputs_whose_shards_are_all_complete(tmp_path, mon
     assert_same_output(out, reference)
 
 
+def test_terabyte_counts_the_lines_of_the_last_day_only(tmp_path, monkeypatch):
+    lines = raw_lines()
+    days = [write_lines(tmp_path / f"day_{i}.tsv.gz", lines[i * 2500 : (i + 1) * 2500]) for i in range(4)]
+    counted = []
+    count_lines = text_module.count_lines
+
+    def recording_count_lines(path, progress=None):
+        counted.append(path)
+        return count_lines(path, progress)
+
+    monkeypatch.setattr(text_module, "count_lines", recording_count_lines)
+    metadata = preprocess(days, tmp_path / "out", layout="terabyte", block_size=600, rows_per_file=2000)
+    assert counted == [days[-1]]
+    assert metadata["rows"] == {"train": 7500, "val": 1250, "test": 1250}
+    assert (
+        read_split(tmp_path / "out", "val").column("C1").to_pylist() == reference_rows(lines)["C1"][7500:8750]
+    )
+
+
+def test_terabyte_resume_with_later_days_not_counted_yet(tmp_path, monkeypatch):
+    lines = raw_lines()
+    days = [write_lines(tmp_path / f"day_{i}.tsv.gz", lines[i * 3000 : (i + 1) * 3000]) for i in range(4)]
+    args = {"rows_per_file": 1500, "block_size": 200, "layout": "terabyte", "workers": 2}
+    reference = tmp_path / "reference"
+    preprocess(days, reference, **args)
+
+    parse_block = preprocess_module.parse_block
+
+    # The reader runs at most ~6 blocks ahead of the crash: it does not reach the end of day 1.
+    def crash_in_day_1(block, skip_bad_lines):
+        if block.path == days[1] and block.first_line <= 300 < block.first_line + block.lines:
+            raise InjectedCrash
+        return parse_block(block, skip_bad_lines)
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(preprocess_module, "parse_block", crash_in_day_1)
+    with pytest.raises(InjectedCrash):
+        preprocess(days, out, **args)
+    manifest = json.loads((tmp_path / "out.partial" / "manifest.json").read_text())
+    assert manifest["line_counts"][:3] == [3000, None, None]
+    monkeypatch.undo()
+    opened = []
+    line_reader = text_module.LineReader
+
+    def recording_line_reader(path):
+        opened.append(path)
+        return line_reader(path)
+
+    monkeypatch.setattr(text_module, "LineReader", recording_line_reader)
+    preprocess(days, out, **args)
+    assert opened == days[1:]  # day 0 is skipped by its known count
+    assert_same_output(out, reference)
+
+
 def test_a_partial_run_with_other_arguments_is_started_anew(tmp_path, monkeypatch):
     monkeypatch.setattr(
         preprocess_module, "parse_block", lambda block, skip: (_ for _ in ()).throw(InjectedCrash)

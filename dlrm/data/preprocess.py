@@ -493,47 +493,105 @@ class _Run:
             )
             for name in self.names
         }
-        self._counts: list[int] | None = None
+        self._counts: list[int] | None = None  # all line counts, once known
+        self._known: list[int | None] = [None] * len(inputs)  # the line counts known so far
         self._counter: LineCounter | None = None
+        # The line count runs over the inputs whose counts place the splits: for terabyte only the last
+        # day (train ends where it starts, and the reader knows the other days' counts by then).
+        self._counted = [len(inputs) - 1] if layout == "terabyte" else list(range(len(inputs)))
+        self._stream: InputStream | None = None
+        self._unread = 0  # lines of resumed shards not skipped in the inputs yet
         self._queue: queue.Queue = queue.Queue(maxsize=workers + 1)
         self._writer_error: BaseException | None = None
 
     # --- where the splits start
+
+    def _line_counts(self, wait: bool = False) -> tuple[list[int], bool]:
+        """(line count of each input, whether all are exact); lower bounds while not (see `LineCounter`).
+        Counts are kept in the manifest as they become known, for a resumed run. With `wait`, waits for
+        the line count (the inputs it does not count must have been read through).
+
+        Raises:
+            PreprocessError: the line count failed (an empty, unreadable, truncated or corrupt input).
+        """
+        if self._counts is None:
+            known = list(self._known)
+            if self._stream is not None:
+                known = [
+                    k if k is not None else c for k, c in zip(known, self._stream.line_counts, strict=True)
+                ]
+            if self._counter is not None and (wait or self._counter.done):
+                for i, count in zip(self._counted, self._counter.result(), strict=True):
+                    known[i] = count
+            if known != self._known:
+                self._known = known
+                manifest_path = self.root / MANIFEST_FILE
+                manifest = json.loads(manifest_path.read_text())
+                _write_atomically(manifest_path, json.dumps(manifest | {"line_counts": known}) + "\n")
+            if None not in known:
+                self._counts = known
+        if self._counts is not None:
+            return self._counts, True
+        partial = dict(zip(self._counted, self._counter.partial(), strict=True))
+        return [k if k is not None else partial.get(i, 0) for i, k in enumerate(self._known)], False
 
     def _split_start(self, index: int) -> tuple[float, bool]:
         """(0-based first line of split `index` over all inputs, whether exact); a lower bound while the
         line count runs; infinity past the last split."""
         if index >= len(self.names):
             return float("inf"), True
-        if self._counts is None and self._counter.done:
-            self._exact_counts()
-        counts = self._counter.partial() if self._counts is None else self._counts
-        return split_starts(self.layout, counts, self.eval_fraction)[index][1], self._counts is not None
+        counts, exact = self._line_counts()
+        return split_starts(self.layout, counts, self.eval_fraction)[index][1], exact
 
     def _next_split_start(self, split: int, line: int) -> float:
         """Exact first line of the split after `split` if it is within a block of `line`, else a lower bound
         that is at least a block away (waiting for the line count as long as neither holds)."""
+        if self.layout == "terabyte" and split == 0 and self._counts is None:
+            return self._terabyte_train_end(line)
         while True:
             start, exact = self._split_start(split + 1)
             if exact or start >= line + self.block_size:
                 return start
             time.sleep(_COUNTER_POLL_S)
 
-    def _exact_counts(self) -> list[int]:
-        """The line counts of the inputs, waiting for the count; kept in the manifest for a resumed run."""
-        if self._counts is None:
-            self._counts = self._counter.result()
-            manifest_path = self.root / MANIFEST_FILE
-            manifest = json.loads(manifest_path.read_text())
-            _write_atomically(manifest_path, json.dumps(manifest | {"line_counts": self._counts}) + "\n")
-        return self._counts
+    def _terabyte_train_end(self, line: int) -> float:
+        """Where terabyte's train split ends (the start of the last input) as far as it matters at `line`:
+        the exact line once the counts of the other inputs are known, else the end of those known (if
+        past `line`), else infinity while the reader is in an earlier input than the last (blocks end at
+        the ends of inputs)."""
+        while True:
+            self._line_counts()
+            known_end = 0
+            for count in self._known[:-1]:
+                if count is None:
+                    break
+                known_end += count
+            else:
+                return known_end
+            if line < known_end:
+                return known_end
+            self._skip_unread()
+            before = self._stream.file_index
+            self._stream.finish_file()  # if the current input is read through, its count becomes known
+            if self._stream.file_index == before:
+                return float("inf")
+
+    def _skip_unread(self) -> None:
+        """Skip the lines of the resumed shards in the inputs, all at once, so that inputs whose shards
+        are all complete are not read."""
+        if self._unread:
+            if self._stream.skip(self._unread, self._known) != self._unread:
+                raise PreprocessError(f"the inputs end before their line count of {sum(self._known)}")
+            self._unread = 0
 
     # --- the pass
 
     def execute(self) -> dict:
-        self._counts = json.loads((self.root / MANIFEST_FILE).read_text()).get("line_counts")
-        if self._counts is None:
-            self._counter = LineCounter(self.inputs)
+        self._known = json.loads((self.root / MANIFEST_FILE).read_text()).get("line_counts", self._known)
+        if None in self._known:
+            self._counter = LineCounter([self.inputs[i] for i in self._counted])
+        else:
+            self._counts = self._known
         writer = threading.Thread(target=self._write_all, name="preprocess-writer", daemon=True)
         writer.start()
         reader_error: PreprocessError | None = None
@@ -554,7 +612,7 @@ class _Run:
             raise self._writer_error
         if reader_error is not None:
             raise reader_error
-        self._exact_counts()
+        self._line_counts(wait=True)
         if self.writers["train"].rows == 0:
             raise PreprocessError("no train rows: every line is bad or the hold-out splits take them all")
         skipped = sum(w.bad_lines for w in self.writers.values())
@@ -568,10 +626,9 @@ class _Run:
         """Main thread: cut the inputs into blocks along shard and split boundaries and hand them on."""
         total_bytes = sum(p.stat().st_size for p in self.inputs)
         split, shard, shard_start, line = 0, 0, 0, 0  # line: 0-based over all inputs
-        unread = 0  # lines of resumed shards not skipped in the inputs yet
         started = time.perf_counter()
         with (
-            InputStream(self.inputs) as stream,
+            InputStream(self.inputs) as self._stream,
             tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", disable=None) as bar,
         ):
             while True:
@@ -582,14 +639,11 @@ class _Run:
                     next_split = self._next_split_start(split, line)
                 if line == shard_start and (resumed := self._resume_shard(pool, split, shard, shard_start)):
                     line = shard_start = shard_start + resumed
-                    shard, unread = shard + 1, unread + resumed
+                    shard, self._unread = shard + 1, self._unread + resumed
                     continue
-                if unread:  # skipped together, so that inputs whose shards are all complete are not read
-                    if stream.skip(unread, self._counts) != unread:
-                        raise PreprocessError(f"the inputs end before line {line} of their line count")
-                    unread = 0
+                self._skip_unread()
                 shard_end = shard_start + self.rows_per_file
-                block = stream.read(int(min(self.block_size, shard_end - line, next_split - line)))
+                block = self._stream.read(int(min(self.block_size, shard_end - line, next_split - line)))
                 if block is None:
                     break
                 self._put(("block", split, pool.submit(self._parse, block, self.names[split] == "train")))
@@ -597,7 +651,7 @@ class _Run:
                 if line == shard_end:
                     self._put(("end", split, shard_start, line - shard_start))
                     shard, shard_start = shard + 1, line
-                bar.update(stream.compressed_position - bar.n)
+                bar.update(self._stream.compressed_position - bar.n)
                 bar.set_postfix_str(f"{line / (time.perf_counter() - started):,.0f} rows/s", refresh=False)
         self._put(("end", split, shard_start, line - shard_start))
 
@@ -610,13 +664,14 @@ class _Run:
         if not (progress.is_file() and path.is_file()):
             return 0
         record = json.loads(progress.read_text())
-        counts = self._exact_counts()
-        split_end = (
-            [start for _, start in split_starts(self.layout, counts, self.eval_fraction)] + [sum(counts)]
-        )[split + 1]
-        lines = min(self.rows_per_file, split_end - first_line)
+        # Terabyte's counts of the inputs not read yet stay unknown: a full shard is still placed by lower
+        # bounds, a shorter one (the last of its split) is redone.
+        counts, exact = self._line_counts(wait=self.layout != "terabyte")
+        ends = [start for _, start in split_starts(self.layout, counts, self.eval_fraction)] + [sum(counts)]
+        lines = min(self.rows_per_file, ends[split + 1] - first_line)
         if (
-            record["first_line"] != first_line
+            (lines < self.rows_per_file and not exact)
+            or record["first_line"] != first_line
             or record["lines"] != lines
             or pq.read_metadata(path).num_rows != record["rows"]
         ):

@@ -109,6 +109,16 @@ class LineReader:
         self.next_line += lines
         return block
 
+    def at_end(self) -> bool:
+        """Whether every line has been handed out (reads the next chunk to know)."""
+        if self._position < len(self._chunk):
+            return False
+        chunk = self._next_chunk(self.next_line)
+        if chunk is None:
+            return True
+        self._chunk, self._position = chunk, 0
+        return False
+
     def skip(self, lines: int) -> int:
         """Skip at most `lines` lines; returns how many were skipped (fewer at the end of the file)."""
         _, skipped = self._take(lines, keep=False)
@@ -122,13 +132,7 @@ class LineReader:
         ends_line = True  # whether what was taken so far ends with "\n"
         while lines < max_lines:
             if self._position == len(self._chunk):
-                try:
-                    chunk = self._chunks.next()
-                except (EOFError, OSError, isal_zlib.error) as e:
-                    line = self.next_line + lines
-                    raise PreprocessError(
-                        f"{self.path} line {line}: truncated or corrupt gzip data ({e})"
-                    ) from None
+                chunk = self._next_chunk(self.next_line + lines)
                 if chunk is None:
                     lines += not ends_line  # a last line without "\n"
                     break
@@ -146,6 +150,14 @@ class LineReader:
             ends_line = self._chunk[end - 1] == 10
             self._position = end
         return parts, lines
+
+    def _next_chunk(self, line: int) -> bytes | None:
+        """The next decompressed chunk (None at the end of the file); `line` is the first line not yet
+        read in full, for the error message."""
+        try:
+            return self._chunks.next()
+        except (EOFError, OSError, isal_zlib.error) as e:
+            raise PreprocessError(f"{self.path} line {line}: truncated or corrupt gzip data ({e})") from None
 
 
 def _position_of_newline(data: bytes, start: int, k: int) -> int:
@@ -261,6 +273,7 @@ class InputStream:
         self._index = 0  # the file being read
         self._reader: LineReader | None = None
         self._bytes_before = 0  # sizes of the files read completely
+        self.line_counts: list[int | None] = [None] * len(inputs)  # of the files passed, else None
 
     def __enter__(self) -> "InputStream":
         return self
@@ -274,6 +287,16 @@ class InputStream:
         """Bytes of the input files read so far."""
         return self._bytes_before + (self._reader.compressed_position if self._reader else 0)
 
+    @property
+    def file_index(self) -> int:
+        """Index of the file that the next line comes from (len(inputs) after the last)."""
+        return self._index
+
+    def finish_file(self) -> None:
+        """Move past the current file if all its lines were read (so that its line count is known)."""
+        if self._reader is not None and self._reader.at_end():
+            self._next_file()
+
     def read(self, max_lines: int) -> TextBlock | None:
         """The next at most `max_lines` lines of the current file, or None after the last file."""
         while (reader := self._current()) is not None:
@@ -282,17 +305,15 @@ class InputStream:
             self._next_file()
         return None
 
-    def skip(self, lines: int, line_counts: list[int] | None = None) -> int:
+    def skip(self, lines: int, line_counts: list[int | None] | None = None) -> int:
         """Skip `lines` lines across files; returns how many were skipped (fewer after the last file).
-        With the files' `line_counts`, files skipped whole are not read at all."""
+        Files skipped whole whose count `line_counts` holds are not read at all."""
         skipped = 0
         while skipped < lines and self._index < len(self._inputs):
-            if (
-                line_counts is not None
-                and self._reader is None
-                and line_counts[self._index] <= lines - skipped
-            ):
-                skipped += line_counts[self._index]
+            count = None if line_counts is None or self._reader is not None else line_counts[self._index]
+            if count is not None and count <= lines - skipped:
+                skipped += count
+                self.line_counts[self._index] = count
                 self._bytes_before += self._inputs[self._index].stat().st_size
                 self._index += 1
                 continue
@@ -311,5 +332,6 @@ class InputStream:
         if reader.next_line == 1:
             raise PreprocessError(f"{reader.path} line 1: file is empty")
         reader.__exit__()
+        self.line_counts[self._index] = reader.next_line - 1
         self._bytes_before += reader.path.stat().st_size
         self._reader, self._index = None, self._index + 1
