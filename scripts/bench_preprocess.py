@@ -1,7 +1,7 @@
 """Benchmark preprocessing on this machine's CPUs: our pyarrow pipeline against the lecture's pandas way.
 
     python scripts/bench_preprocess.py [--rows 5000000] [--baseline-rows 1000000] [--workers N] \
-        [--block-size 131072]
+        [--block-size 65536]
 
 Generates a synthetic Criteo TSV.gz (python -m dlrm.data.synthetic, Kaggle cardinalities), then times, each
 in its own process so that peak RSS is that process's own:
@@ -62,7 +62,7 @@ def run_timed(args: list[str]) -> dict:
     "--baseline-rows", type=click.IntRange(min=1000), default=1_000_000, help="Rows the pandas way reads."
 )
 @click.option("--workers", type=click.IntRange(min=1), default=os.cpu_count(), help="preprocess --workers.")
-@click.option("--block-size", type=click.IntRange(min=1), default=1 << 17, help="preprocess --block-size.")
+@click.option("--block-size", type=click.IntRange(min=1), default=1 << 16, help="preprocess --block-size.")
 def main(rows, baseline_rows, workers, block_size):
     """Time preprocess against pandas + per-cell int(x, 16) on a synthetic TSV.gz."""
     with tempfile.TemporaryDirectory() as tmp:

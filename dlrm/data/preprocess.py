@@ -2,7 +2,7 @@
 
     python -m dlrm.data.preprocess --input day_0.gz [--input day_1.gz ...] --output-dir DIR \\
         [--layout fraction|kaggle|terabyte] [--eval-fraction 0.2] [--rows-per-file 1000000] \\
-        [--block-size 131072] [--workers N] [--min-frequency N] [--exact-distinct-limit 1048576] \\
+        [--block-size 65536] [--workers N] [--min-frequency N] [--exact-distinct-limit 1048576] \\
         [--skip-bad-lines] [--overwrite]
 
 Inputs are raw Criteo lines (40 tab-separated fields, no header: label, I1..I13, C1..C26), plain or gzip,
@@ -83,7 +83,7 @@ METADATA_FILE = "metadata.json"
 MANIFEST_FILE = "manifest.json"
 PROGRESS_DIR = "_progress"  # per completed shard: its line range and row count (removed at the end)
 VOCAB_DIR = "vocab"
-DEFAULT_BLOCK_SIZE = 1 << 17  # lines per block = rows per parquet row group (~32 MiB of Criteo text)
+DEFAULT_BLOCK_SIZE = 1 << 16  # lines per block = rows per parquet row group (~16 MiB of Criteo text)
 _COUNTER_POLL_S = 0.02
 
 
