@@ -80,7 +80,7 @@ def test_resume_after_kill_gives_the_rows_of_an_uninterrupted_run(tmp_path, big_
     command = cli([big_gz], out, "--rows-per-file", "10000", "--block-size", "2000", "--workers", "1")
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while len(list(partial.glob("_progress/*.json"))) < 3:
+    while len(list(partial.glob("*/part-*.parquet"))) < 3:
         assert proc.poll() is None, "preprocess finished before it could be killed"
         assert time.monotonic() < deadline
         time.sleep(0.002)
@@ -208,6 +208,30 @@ def test_terabyte_resume_with_later_days_not_counted_yet(tmp_path, monkeypatch):
     preprocess(days, out, **args)
     assert opened == days[1:]  # day 0 is skipped by its known count
     assert_same_output(out, reference)
+
+
+def test_a_partial_run_being_written_by_another_process_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        preprocess_module, "parse_block", lambda block, skip: (_ for _ in ()).throw(InjectedCrash)
+    )
+    with pytest.raises(InjectedCrash):
+        preprocess([SAMPLE], tmp_path / "out")
+    monkeypatch.undo()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+         str(tmp_path / "out.partial" / "lock")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(PreprocessError, match="out.partial is being written by another preprocess"):
+            preprocess([SAMPLE], tmp_path / "out")
+    finally:
+        holder.kill()
+        holder.wait()
+    preprocess([SAMPLE], tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["eval", "metadata.json", "train"]
 
 
 def test_a_partial_run_with_other_arguments_is_started_anew(tmp_path, monkeypatch):

@@ -81,6 +81,9 @@ __all__ = [
 LAYOUTS = ("fraction", "kaggle", "terabyte")
 METADATA_FILE = "metadata.json"
 MANIFEST_FILE = "manifest.json"
+LOCK_FILE = (
+    "lock"  # flock'ed by the process writing DIR.partial (the manifest itself is replaced as it grows)
+)
 PROGRESS_DIR = "_progress"  # per completed shard: its line range and row count (removed at the end)
 VOCAB_DIR = "vocab"
 DEFAULT_BLOCK_SIZE = 1 << 16  # lines per block = rows per parquet row group (~16 MiB of Criteo text)
@@ -204,6 +207,7 @@ def preprocess(
         (partial_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
         shutil.rmtree(partial_dir / PROGRESS_DIR, ignore_errors=True)
         (partial_dir / MANIFEST_FILE).unlink()
+        (partial_dir / LOCK_FILE).unlink()
     move_into_place(partial_dir, output_dir)
 
     seconds = time.perf_counter() - started
@@ -288,7 +292,7 @@ class _open_partial:  # noqa: N801 - used as a context manager, like open()
                 f"{self.partial_dir} exists and is not a preprocess work directory (no {MANIFEST_FILE})"
             )
         if self.partial_dir.exists():
-            self._lock_manifest()
+            self._lock_partial()
             if json.loads(manifest.read_text())["identity"] == self.identity:
                 logger.info("resuming the preprocess in {}", self.partial_dir)
                 return self.partial_dir
@@ -300,11 +304,11 @@ class _open_partial:  # noqa: N801 - used as a context manager, like open()
         fresh.mkdir(parents=True)
         (fresh / MANIFEST_FILE).write_text(json.dumps({"identity": self.identity}, indent=2) + "\n")
         os.replace(fresh, self.partial_dir)
-        self._lock_manifest()
+        self._lock_partial()
         return self.partial_dir
 
-    def _lock_manifest(self) -> None:
-        self._lock = (self.partial_dir / MANIFEST_FILE).open("r")
+    def _lock_partial(self) -> None:
+        self._lock = (self.partial_dir / LOCK_FILE).open("a")
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
