@@ -214,6 +214,9 @@ def bad_input(tmp_path: Path, case: str) -> tuple[list[Path], Path, int | None, 
     if case == "bad label":
         path = write_tsv(tmp_path / "x.tsv", corrupt(lines, 2, 0, "2"))
         return [path], path, 2, "label: expected 0 or 1, got '2'"
+    if case == "label minus":
+        path = write_tsv(tmp_path / "x.tsv", corrupt(lines, 7, 0, "-"))
+        return [path], path, 7, "label: expected 0 or 1, got '-'"
     if case == "second file":
         first = write_tsv(tmp_path / "a.tsv", lines[:100])
         path = write_tsv(tmp_path / "b.tsv", corrupt(lines[100:], 3, 1, "x"))
@@ -241,6 +244,7 @@ BAD_INPUTS = [
     "long category",
     "non-integer count",
     "bad label",
+    "label minus",
     "second file",
     "empty file",
     "empty gz",

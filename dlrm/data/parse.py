@@ -91,9 +91,12 @@ def _parse_fast(block: TextBlock) -> pa.RecordBatch | None:
         return None
     label = _one_chunk(table.column(LABEL))
     label_digits = _fixed_width_bytes(label, 1)
-    if label_digits is None or len(label_digits) != len(label) or label_digits.max(initial=48) > 49:
+    if label_digits is None or len(label_digits) != len(label):
         return None
-    arrays = [pa.array(label_digits.astype(np.float32) - 48)]
+    label_values = label_digits - np.uint8(ord("0"))  # wraps around below "0"
+    if np.any(label_values > 1):
+        return None
+    arrays = [pa.array(label_values.astype(np.float32))]
     for name in DENSE_COLUMNS:
         # Not a safe cast: counts past 2**24 (Criteo's I5 reaches ~23M) round to the nearest float32.
         arrays.append(pc.cast(pc.fill_null(_one_chunk(table.column(name)), 0), pa.float32(), safe=False))
