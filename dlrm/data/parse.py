@@ -1,13 +1,14 @@
 """Parse and validate one block of raw Criteo lines into preprocess's OUTPUT_SCHEMA.
 
 A line is good when it has 40 tab-separated fields: `label` "0" or "1"; `I1..I13` empty or an integer of
-at most 18 digits with an optional "-"; `C1..C26` empty or 1 to 8 hex digits. Output: `label` float32;
-`I1..I13` float32 (missing -> 0; counts past 2**24 round to the nearest float32); `C1..C26` int64, the hex
-id read as an unsigned 32-bit number (missing -> -1).
+at most 18 digits (leading zeros aside) with an optional "-"; `C1..C26` empty or 1 to 8 hex digits.
+Output: `label` float32; `I1..I13` float32 (missing -> 0; counts past 2**24 round to the nearest float32);
+`C1..C26` int64, the hex id read as an unsigned 32-bit number (missing -> -1).
 
-Two paths, same result. The fast path handles blocks as Criteo writes them (ids of exactly 8 digits, no
-other bytes than hex digits, "-", tab and newline): pyarrow's CSV reader with typed columns, ids decoded
-8 bytes at a time as 64-bit words. Any block the fast path does not accept goes through the checked path,
+Two paths, same result (tests/test_parse.py compares them on tricky fields). The fast path handles
+blocks as Criteo writes them (ids of exactly 8 digits, no bytes past "f" nor below "-" but tabs and
+newlines): pyarrow's CSV reader with typed columns, ids tested and decoded 8 bytes at a time as 64-bit
+words. Any block the fast path does not accept goes through the checked path,
 which validates every field and finds the first bad line with its number (or drops bad lines).
 """
 
@@ -27,8 +28,9 @@ OUTPUT_SCHEMA = pa.schema(
     ]
 )
 
-# At most 18 digits, so every accepted count fits in int64 without an overflow check.
-_INTEGER_PATTERN = "^-?[0-9]{1,18}$"
+# At most 18 digits after leading zeros, so every accepted count fits in int64 without an overflow check.
+_INTEGER_PATTERN = "^-?0*[0-9]{1,18}$"
+_INTEGER_LIMIT = 10**18  # the fast path takes the integers of absolute value below it, as the pattern does
 _HEX_PATTERN = "^[0-9a-fA-F]{1,8}$"
 # Byte -> hex digit value; only bytes that passed _HEX_PATTERN (or the padding "0") are looked up.
 _HEX_DIGIT_VALUE = np.zeros(256, dtype=np.uint64)
@@ -98,8 +100,12 @@ def _parse_fast(block: TextBlock) -> pa.RecordBatch | None:
         return None
     arrays = [pa.array(label_values.astype(np.float32))]
     for name in DENSE_COLUMNS:
+        counts = _one_chunk(table.column(name))
+        low, high = pc.min_max(counts).values()
+        if (low.as_py() or 0) <= -_INTEGER_LIMIT or (high.as_py() or 0) >= _INTEGER_LIMIT:
+            return None
         # Not a safe cast: counts past 2**24 (Criteo's I5 reaches ~23M) round to the nearest float32.
-        arrays.append(pc.cast(pc.fill_null(_one_chunk(table.column(name)), 0), pa.float32(), safe=False))
+        arrays.append(pc.cast(pc.fill_null(counts, 0), pa.float32(), safe=False))
     for name in SPARSE_COLUMNS:
         ids = _hex_ids(_one_chunk(table.column(name)))
         if ids is None:
