@@ -2,6 +2,7 @@
 large gzip stream, split layouts row-exact across blocks, shards and files, statistics and vocabularies."""
 
 import gzip
+import io
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from tqdm import tqdm
 
 from dlrm.data import preprocess as preprocess_module
 from dlrm.data import text as text_module
@@ -380,3 +382,16 @@ def test_new_bad_arguments(tmp_path):
         with pytest.raises(PreprocessError, match=words):
             preprocess([SAMPLE], tmp_path / "out", **kwargs)
     assert not any(tmp_path.iterdir())
+
+
+def test_progress_bar_shows_rows_per_second_and_eta(tmp_path, monkeypatch):
+    shown = io.StringIO()
+    monkeypatch.setattr(
+        preprocess_module,
+        "tqdm",
+        lambda **kwargs: tqdm(**kwargs | {"file": shown, "disable": False, "mininterval": 0}),
+    )
+    preprocess([SAMPLE], tmp_path / "out", block_size=1000)
+    last = shown.getvalue().split("\r")[-1]
+    assert last.startswith("preprocess: 100%")
+    assert "rows/s" in last and "<00:00" in last  # rows/s, and elapsed<remaining
