@@ -42,6 +42,7 @@ _FAST_TYPES = {
     **{c: pa.int64() for c in DENSE_COLUMNS},
     **{c: pa.binary() for c in SPARSE_COLUMNS},
 }
+_LOOSE_INTEGER_BYTES = (b"X", b" ")
 _ONES = 0x0101010101010101
 _HIGH_BITS = np.uint64(0x80 * _ONES)
 _U64 = np.uint64
@@ -79,17 +80,18 @@ def _read_csv(data: bytes, types: dict, on_invalid_row=None) -> pa.Table:
 
 def _parse_fast(block: TextBlock) -> pa.RecordBatch | None:
     """The block's rows, or None when the block needs the checked path (see the module docstring)."""
-    data = np.frombuffer(block.data, dtype=np.uint8)
-    # pyarrow reads integers more loosely than Criteo writes them ("0x1f", " 5"): no "x", "X" or other byte
-    # past "f", and no byte below "-" but the 39 tabs and the newline of each line.
-    if data.max() > ord("f") or (data == ord("X")).any():
+    # pyarrow reads integers more loosely than Criteo writes them: "0x1f", "0X1F", " 5 " (it rejects other
+    # white space). So: no byte past "f" (which also leaves ids' bytes below 0x80, as _hex_ids needs), no
+    # "X", no space (a "\r" would end a row: the row count tells).
+    if np.frombuffer(block.data, dtype=np.uint8).max() > ord("f") or any(
+        block.data.find(byte) >= 0 for byte in _LOOSE_INTEGER_BYTES
+    ):
         return None
     try:
         table = _read_csv(block.data, _FAST_TYPES).combine_chunks()
     except pa.ArrowInvalid:
         return None
-    separators = (len(RAW_COLUMNS) - 1) * block.lines + block.data.count(b"\n")
-    if table.num_rows != block.lines or np.count_nonzero(data < ord("-")) != separators:
+    if table.num_rows != block.lines:
         return None
     label = _one_chunk(table.column(LABEL))
     label_digits = _fixed_width_bytes(label, 1)
@@ -147,10 +149,10 @@ def _at_most(words: np.ndarray, high: int) -> np.ndarray:
 
 def _hex_ids(values: pa.Array) -> np.ndarray | None:
     """[n] int64 ids of a binary array of empty or 8-hex-digit values (empty -> MISSING_CATEGORY), or None
-    when a value is of another length or not hex. Each value is one 64-bit word, tested and decoded
-    8 bytes at a time."""
+    when a value is of another length or not hex. Its bytes must be below 0x80 (the caller checks).
+    Each value is one 64-bit word, tested and decoded 8 bytes at a time."""
     words = _fixed_width_bytes(values, 8)
-    if words is None or np.any(words & _HIGH_BITS):
+    if words is None:
         return None
     lower = words | _U64(0x20 * _ONES)  # "A".."F" -> "a".."f"; digits unchanged
     digit = _at_least(words, ord("0")) & _at_most(words, ord("9"))
