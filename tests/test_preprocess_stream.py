@@ -376,8 +376,9 @@ def test_vocabularies_and_estimated_cardinalities(tmp_path):
 def test_new_bad_arguments(tmp_path):
     for kwargs, words in (
         ({"block_size": 0}, "block size must be at least 1"),
-        ({"workers": -1}, "workers must be at least 1"),
+        ({"workers": 0}, "workers must be at least 1"),
         ({"min_frequency": 0}, "min frequency must be at least 1"),
+        ({"exact_distinct_limit": -1}, "exact distinct limit must be at least 0"),
     ):
         with pytest.raises(PreprocessError, match=words):
             preprocess([SAMPLE], tmp_path / "out", **kwargs)

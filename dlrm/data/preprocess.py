@@ -169,7 +169,7 @@ def preprocess(
     """
     inputs = [Path(p) for p in inputs]
     output_dir = Path(output_dir)
-    workers = workers or os.cpu_count() or 1
+    workers = (os.cpu_count() or 1) if workers is None else workers
     _check_arguments(
         inputs,
         output_dir,
@@ -180,6 +180,7 @@ def preprocess(
         block_size,
         workers,
         min_frequency,
+        exact_distinct_limit,
     )
     started = time.perf_counter()
     partial_dir = output_dir.with_name(f"{output_dir.name}.partial")
@@ -236,6 +237,7 @@ def _check_arguments(
     block_size: int,
     workers: int,
     min_frequency: int | None,
+    exact_distinct_limit: int,
 ) -> None:
     if not inputs:
         raise PreprocessError("no input files given")
@@ -250,6 +252,8 @@ def _check_arguments(
         raise PreprocessError(f"workers must be at least 1, got {workers}")
     if min_frequency is not None and min_frequency < 1:
         raise PreprocessError(f"min frequency must be at least 1, got {min_frequency}")
+    if exact_distinct_limit < 0:
+        raise PreprocessError(f"exact distinct limit must be at least 0, got {exact_distinct_limit}")
     for path in inputs:
         if not path.exists():
             raise PreprocessError(f"{path}: no such file")
