@@ -4,6 +4,7 @@ from collections import Counter
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 
 from dlrm.data.stats import DistinctCounter, ValueCounter, hll_estimate, hll_registers
@@ -43,15 +44,23 @@ def test_distinct_counter_is_exact_up_to_the_limit_then_estimates():
     assert count == pytest.approx(50_000, rel=3 * 0.0081)
 
 
-def test_value_counter_vocabulary_keeps_the_frequent_ids():
+@pytest.mark.parametrize("budget", [1 << 19, 300])  # all in memory; spilled in many runs
+def test_value_counter_vocabulary_keeps_the_frequent_ids(tmp_path, budget):
     rng = np.random.default_rng(4)
-    blocks = [rng.zipf(1.3, size=3000).astype(np.int64) for _ in range(20)]
-    counter = ValueCounter()
+    # Zipf-like ranks spread over the 32-bit id range, as Criteo's hashed ids are.
+    spread = rng.choice(1 << 32, size=20_000, replace=False).astype(np.int64)
+    blocks = [spread[np.minimum(rng.zipf(1.3, size=3000), 20_000) - 1] for _ in range(20)]
+    counter = ValueCounter(tmp_path / "spill", budget=budget, ranges=16)
     for block in blocks:
         counter.update(pd.Series(block).value_counts(sort=False))
     expected = Counter(np.concatenate(blocks).tolist())
-    vocab = counter.vocabulary(min_frequency=5)
+    vocab = pa.concat_tables(counter.vocabulary(min_frequency=5))
     assert vocab.column_names == ["value", "count"]
     kept = {v: c for v, c in expected.items() if c >= 5}
     assert vocab.column("value").to_pylist() == sorted(kept)
     assert vocab.column("count").to_pylist() == [kept[v] for v in sorted(kept)]
+    runs = len(list((tmp_path / "spill").glob("*-values.npy")))
+    assert runs == 1 if budget > 20_000 else runs > 3
+    pieces = list(counter.vocabulary(min_frequency=1))
+    assert sum(p.num_rows for p in pieces) == len(expected)
+    assert len(pieces) == 1 if budget > 20_000 else len(pieces) == 16  # ranges merged up to the budget

@@ -79,6 +79,7 @@ __all__ = [
 ]
 
 LAYOUTS = ("fraction", "kaggle", "terabyte")
+VOCAB_SCHEMA = pa.schema([("value", pa.int64()), ("count", pa.int64())])
 METADATA_FILE = "metadata.json"
 MANIFEST_FILE = "manifest.json"
 LOCK_FILE = (
@@ -86,6 +87,7 @@ LOCK_FILE = (
 )
 PROGRESS_DIR = "_progress"  # per completed shard: its line range and row count (removed at the end)
 VOCAB_DIR = "vocab"
+COUNTS_DIR = "_counts"  # with --min-frequency: occurrences per id spilled to disk (removed at the end)
 DEFAULT_BLOCK_SIZE = 1 << 16  # lines per block = rows per parquet row group (~16 MiB of Criteo text)
 _COUNTER_POLL_S = 0.02
 
@@ -207,6 +209,7 @@ def preprocess(
         metadata |= {"layout": layout, "eval_fraction": eval_fraction if layout == "fraction" else None}
         (partial_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
         shutil.rmtree(partial_dir / PROGRESS_DIR, ignore_errors=True)
+        shutil.rmtree(partial_dir / COUNTS_DIR, ignore_errors=True)
         (partial_dir / MANIFEST_FILE).unlink()
         (partial_dir / LOCK_FILE).unlink()
     move_into_place(partial_dir, output_dir)
@@ -351,14 +354,14 @@ class SplitWriter:
         rows_per_file: int | None,
         collect_feature_stats: bool,
         exact_distinct_limit: int = DEFAULT_EXACT_DISTINCT_LIMIT,
-        value_counts: bool = False,
+        value_counts_dir: Path | None = None,
         progress_dir: Path | None = None,
     ) -> None:
         self.root, self.split, self.rows_per_file = root, split, rows_per_file
         self.progress_dir = progress_dir
         self.files: list[str] = []
         self.stats = SplitStats(
-            collect_feature_stats, exact_distinct_limit, value_counts and collect_feature_stats
+            collect_feature_stats, exact_distinct_limit, value_counts_dir if collect_feature_stats else None
         )
         self.bad_lines = 0
         self._writer: pq.ParquetWriter | None = None
@@ -488,6 +491,10 @@ class _Run:
         self.block_size, self.workers, self.min_frequency = block_size, workers, min_frequency
         progress_dir = root / PROGRESS_DIR
         progress_dir.mkdir(exist_ok=True)
+        shutil.rmtree(
+            root / COUNTS_DIR, ignore_errors=True
+        )  # a stopped run's: resumed shards are counted again
+        counts_dir = root / COUNTS_DIR if min_frequency is not None else None
         self.names = [name for name, _ in split_starts(layout, [1] * len(inputs), eval_fraction)]
         self.writers = {
             name: SplitWriter(
@@ -496,7 +503,7 @@ class _Run:
                 None,
                 name == "train",
                 exact_distinct_limit,
-                min_frequency is not None,
+                counts_dir,
                 progress_dir,
             )
             for name in self.names
@@ -737,12 +744,17 @@ class _Run:
                 self._writer_error = e
 
     def _write_vocabularies(self, metadata: dict) -> None:
+        """DIR/vocab/<column>.parquet (see `preprocess`), written piece by piece."""
         (self.root / VOCAB_DIR).mkdir(exist_ok=True)
-        for column, table in self.writers["train"].stats.vocabularies(self.min_frequency).items():
+        for column, pieces in self.writers["train"].stats.vocabularies(self.min_frequency).items():
             relative = f"{VOCAB_DIR}/{column}.parquet"
-            pq.write_table(table, self.root / f"{relative}.tmp")
+            size = 0
+            with pq.ParquetWriter(self.root / f"{relative}.tmp", VOCAB_SCHEMA) as writer:
+                for piece in pieces:
+                    writer.write_table(piece)
+                    size += piece.num_rows
             os.replace(self.root / f"{relative}.tmp", self.root / relative)
-            metadata["categorical"][column] |= {"vocab": relative, "vocab_size": table.num_rows}
+            metadata["categorical"][column] |= {"vocab": relative, "vocab_size": size}
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

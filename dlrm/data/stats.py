@@ -10,7 +10,9 @@
 Ids are int64 (the 32-bit Criteo hashes read as unsigned numbers); MISSING_CATEGORY (-1) is never counted.
 """
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -109,36 +111,79 @@ class DistinctCounter:
 
 
 class ValueCounter:
-    """Exact occurrences of every id of one column, for frequency-thresholded vocabularies.
+    """Exact occurrences of every id of one column, for frequency-thresholded vocabularies, in bounded
+    memory: an external aggregation.
 
-    Memory is about 16 bytes per distinct id (twice that while merging): bounded by the column's distinct
-    ids, not by the number of rows.
+    Block counts are merged in memory up to `budget` distinct ids (~16 bytes each, twice that while
+    merging), then spilled into `spill_dir` as a run sorted by id with the offsets of `ranges` equal id
+    ranges. The vocabulary merges the runs one id range at a time (ids are 32-bit hashes, so the ranges
+    hold similar shares), which bounds memory by a range's entries over all runs, not by the column's ids.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, spill_dir: Path, budget: int = 1 << 18, ranges: int = 256) -> None:
+        self.spill_dir, self.budget, self.ranges = spill_dir, budget, ranges
+        self._range_bits = 32 - (ranges.bit_length() - 1)  # ranges is a power of 2
         self._merged = pd.Series(np.empty(0, np.int64), index=pd.Index(np.empty(0, np.int64)))
         self._pending: list[pd.Series] = []
         self._pending_size = 0
+        self._runs = 0
 
     def update(self, counts: pd.Series) -> None:
-        """Add a block's counts: a Series of int64 occurrences indexed by distinct int64 ids."""
+        """Add a block's counts: a Series of int64 occurrences indexed by distinct ids in [0, 2**32)."""
         self._pending.append(counts)
         self._pending_size += len(counts)
-        if self._pending_size > max(len(self._merged), 1 << 16):
+        if self._pending_size > max(len(self._merged), min(self.budget, 1 << 16)):
             self._merge()
+            if len(self._merged) > self.budget:
+                self._spill()
 
-    def vocabulary(self, min_frequency: int) -> pa.Table:
-        """Ids seen at least `min_frequency` times, ascending: columns `value` int64, `count` int64."""
+    def vocabulary(self, min_frequency: int) -> Iterator[pa.Table]:
+        """Ids seen at least `min_frequency` times, ascending, in pieces: columns `value` int64, `count`
+        int64."""
         self._merge()
-        kept = self._merged[self._merged >= min_frequency].sort_index()
-        return pa.table(
-            {"value": pa.array(kept.index.to_numpy(np.int64)), "count": pa.array(kept.to_numpy(np.int64))}
-        )
+        self._spill()
+        runs = [
+            [np.load(self.spill_dir / f"{run:06d}-{part}.npy", mmap_mode="r") for part in _RUN_PARTS]
+            for run in range(self._runs)
+        ]
+        # Consecutive ranges are merged together while they hold at most `budget` entries over all runs.
+        before = sum(np.asarray(offsets) for _, _, offsets in runs)  # [ranges + 1] entries before each range
+        first = 0
+        while first < self.ranges:
+            last = int(np.searchsorted(before, before[first] + self.budget, side="right")) - 1
+            last = min(max(last, first + 1), self.ranges)
+            values = np.concatenate([v[o[first] : o[last]] for v, _, o in runs])
+            counts = np.concatenate([c[o[first] : o[last]] for _, c, o in runs])
+            total = pd.Series(counts, index=values).groupby(level=0).sum()
+            kept = total[total >= min_frequency]
+            if len(kept):
+                yield pa.table(
+                    {
+                        "value": pa.array(kept.index.to_numpy(np.int64)),
+                        "count": pa.array(kept.to_numpy(np.int64)),
+                    }
+                )
+            first = last
 
     def _merge(self) -> None:
         merged = pd.concat([self._merged, *self._pending])
         self._merged = merged.groupby(level=0, sort=False).sum()
         self._pending, self._pending_size = [], 0
+
+    def _spill(self) -> None:
+        merged = self._merged.sort_index()
+        values = merged.index.to_numpy(np.int64)
+        starts = np.arange(self.ranges + 1, dtype=np.int64) << self._range_bits
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        for part, array in zip(
+            _RUN_PARTS, (values, merged.to_numpy(np.int64), np.searchsorted(values, starts)), strict=True
+        ):
+            np.save(self.spill_dir / f"{self._runs:06d}-{part}.npy", array)
+        self._runs += 1
+        self._merged = self._merged.iloc[:0]
+
+
+_RUN_PARTS = ("values", "counts", "offsets")  # the files of one spilled run
 
 
 @dataclass
@@ -184,8 +229,9 @@ def block_stats(rows: pa.RecordBatch | pa.Table, features: bool, value_counts: b
 class SplitStats:
     """The running statistics of one split, merged from `BlockStats` in file order."""
 
-    def __init__(self, features: bool, exact_distinct_limit: int, value_counts: bool) -> None:
-        self.features, self.value_counts = features, value_counts
+    def __init__(self, features: bool, exact_distinct_limit: int, value_counts_dir: Path | None) -> None:
+        """`value_counts_dir`: where to spill the occurrences per id (None: no vocabularies)."""
+        self.features, self.value_counts = features, value_counts_dir is not None
         self.exact_distinct_limit = exact_distinct_limit
         self.rows = 0
         self.positives = 0.0
@@ -193,7 +239,9 @@ class SplitStats:
         self._max = np.full(len(DENSE_COLUMNS), -np.inf)
         self._sum = np.zeros(len(DENSE_COLUMNS))
         self._distinct = [DistinctCounter(exact_distinct_limit) for _ in SPARSE_COLUMNS]
-        self._counts = [ValueCounter() for _ in SPARSE_COLUMNS] if value_counts else []
+        self._counts = (
+            [ValueCounter(value_counts_dir / c) for c in SPARSE_COLUMNS] if self.value_counts else []
+        )
 
     def add(self, stats: BlockStats) -> None:
         self.rows += stats.rows
@@ -227,7 +275,7 @@ class SplitStats:
             for i, c in enumerate(DENSE_COLUMNS)
         }
 
-    def vocabularies(self, min_frequency: int) -> dict[str, pa.Table]:
+    def vocabularies(self, min_frequency: int) -> dict[str, Iterator[pa.Table]]:
         """Per sparse column, the ids seen at least `min_frequency` times (see ValueCounter.vocabulary)."""
         return {
             c: counter.vocabulary(min_frequency)
