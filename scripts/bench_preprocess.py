@@ -1,13 +1,17 @@
 """Benchmark preprocessing on this machine's CPUs: our pyarrow pipeline against the lecture's pandas way.
 
-    python scripts/bench_preprocess.py [--rows 5000000] [--baseline-rows 1000000]
+    python scripts/bench_preprocess.py [--rows 5000000] [--baseline-rows 1000000] [--workers N] \
+        [--block-size 65536]
 
 Generates a synthetic Criteo TSV.gz (python -m dlrm.data.synthetic, Kaggle cardinalities), then times, each
 in its own process so that peak RSS is that process's own:
-    ours      python -m dlrm.data.preprocess --input FILE --output-dir DIR (TSV.gz -> parquet + metadata)
+    ours      python -m dlrm.data.preprocess --input FILE --output-dir DIR [--workers N] [--block-size B]
+              (TSV.gz -> parquet + metadata)
     pandas    pandas.read_csv of the same file, then int(x, 16) per category cell (the lecture's approach),
               on the first --baseline-rows rows only: it is slow; its rows/s is what is compared
-Prints rows/s, peak RSS and the ratio, and appends the rows to scripts/results/preprocess.csv.
+Prints rows/s, peak RSS, CPU seconds (user + system: what the run costs whatever else shares the CPUs)
+and the ratio, and appends the rows to scripts/results/preprocess.csv with the 1-minute load average
+before each run (other processes on the machine slow the wall-clock numbers down).
 """
 
 import os
@@ -33,19 +37,23 @@ frame.to_parquet(sys.argv[3])
 """
 
 
-# Runs its arguments as a child and prints that child's peak RSS (KiB): a fresh wrapper per measurement, so
-# RUSAGE_CHILDREN holds no other process.
+# Runs its arguments as a child and prints that child's peak RSS (KiB) and CPU seconds: a fresh wrapper per
+# measurement, so RUSAGE_CHILDREN holds no other process.
 _PEAK_RSS = (
     "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
-    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    "r = resource.getrusage(resource.RUSAGE_CHILDREN); print(r.ru_maxrss, r.ru_utime + r.ru_stime)"
 )
 
 
-def run_timed(args: list[str]) -> tuple[float, float]:
-    """(seconds, peak RSS in MiB) of a command; raises CalledProcessError when it fails."""
+def run_timed(args: list[str]) -> dict:
+    """{"seconds", "peak_rss_mib", "cpu_s", "load_1m"} of a command (load_1m: the 1-minute load average
+    before it); raises CalledProcessError when it fails."""
+    load = os.getloadavg()[0]
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", _PEAK_RSS, *args], check=True, capture_output=True, text=True)
-    return time.perf_counter() - start, int(out.stdout.split()[-1]) / 1024
+    seconds = time.perf_counter() - start
+    rss_kib, cpu_s = out.stdout.split()[-2:]
+    return {"seconds": seconds, "peak_rss_mib": int(rss_kib) / 1024, "cpu_s": float(cpu_s), "load_1m": load}
 
 
 @click.command(context_settings={"show_default": True})
@@ -53,7 +61,9 @@ def run_timed(args: list[str]) -> tuple[float, float]:
 @click.option(
     "--baseline-rows", type=click.IntRange(min=1000), default=1_000_000, help="Rows the pandas way reads."
 )
-def main(rows, baseline_rows):
+@click.option("--workers", type=click.IntRange(min=1), default=os.cpu_count(), help="preprocess --workers.")
+@click.option("--block-size", type=click.IntRange(min=1), default=1 << 16, help="preprocess --block-size.")
+def main(rows, baseline_rows, workers, block_size):
     """Time preprocess against pandas + per-cell int(x, 16) on a synthetic TSV.gz."""
     with tempfile.TemporaryDirectory() as tmp:
         tsv = Path(tmp) / "synthetic.tsv.gz"
@@ -62,7 +72,7 @@ def main(rows, baseline_rows):
             check=True,
             stderr=subprocess.DEVNULL,
         )
-        pandas_s, pandas_mib = run_timed(
+        pandas = run_timed(
             [
                 sys.executable,
                 "-c",
@@ -72,7 +82,9 @@ def main(rows, baseline_rows):
                 str(Path(tmp) / "p.parquet"),
             ]
         )
-        ours_s, ours_mib = run_timed(
+        flags = ["--workers", str(workers), "--block-size", str(block_size)]
+        out = Path(tmp) / "out"
+        ours = run_timed(
             [
                 sys.executable,
                 "-m",
@@ -80,28 +92,34 @@ def main(rows, baseline_rows):
                 "--input",
                 str(tsv),
                 "--output-dir",
-                str(Path(tmp) / "out"),
+                str(out),
+                *flags,
             ]
         )
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs"
     common = provenance(machine)
     methods = (
-        ("pandas read_csv + int(x, 16) per cell", baseline_rows, pandas_s, pandas_mib),
-        ("dlrm.data.preprocess", rows, ours_s, ours_mib),
+        ("pandas read_csv + int(x, 16) per cell", baseline_rows, pandas),
+        (f"dlrm.data.preprocess {' '.join(flags)}", rows, ours),
     )
     results = [
-        {**common, "method": m, "rows": n, "seconds": sec, "rows_per_s": n / sec, "peak_rss_mib": mib}
-        for m, n, sec, mib in methods
+        {
+            **common,
+            "method": method,
+            "rows": n,
+            "seconds": round(m["seconds"], 2),
+            "rows_per_s": round(n / m["seconds"]),
+            "peak_rss_mib": round(m["peak_rss_mib"]),
+            "cpu_us_per_row": round(m["cpu_s"] / n * 1e6, 2),
+            "load_1m": round(m["load_1m"], 2),
+        }
+        for method, n, m in methods
     ]
     for r in results:
         r["ratio_vs_pandas"] = round(r["rows_per_s"] / results[0]["rows_per_s"], 2)
-        r["seconds"], r["rows_per_s"], r["peak_rss_mib"] = (
-            round(r["seconds"], 2),
-            round(r["rows_per_s"]),
-            round(r["peak_rss_mib"]),
-        )
-        print(f"{r['method']:<40} {r['rows']:>10,} rows {r['seconds']:>8.1f} s {r['rows_per_s']:>10,} rows/s "
-              f"peak RSS {r['peak_rss_mib']:>6,} MiB  {r['ratio_vs_pandas']:.2f}x")  # fmt: skip
+        print(f"{r['method']:<58} {r['rows']:>10,} rows {r['seconds']:>7.1f} s {r['rows_per_s']:>9,} rows/s "
+              f"peak RSS {r['peak_rss_mib']:>6,} MiB  CPU {r['cpu_us_per_row']:>5.2f} us/row  "
+              f"load {r['load_1m']:.2f}  {r['ratio_vs_pandas']:.2f}x")  # fmt: skip
     append_rows(RESULTS, results)
 
 

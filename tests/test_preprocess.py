@@ -13,7 +13,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from dlrm import __version__
-from dlrm.data import preprocess as preprocess_module
 from dlrm.data.preprocess import PreprocessError, load_metadata, preprocess
 from dlrm.data.schema import DENSE_COLUMNS, LABEL, RAW_COLUMNS, SPARSE_COLUMNS
 
@@ -120,11 +119,10 @@ def test_metadata_matches_reference(sample_out, lines):
         assert stats["mean"] == pytest.approx(sum(values) / len(values), rel=1e-6), name
 
 
-def test_shards_and_small_blocks_give_the_same_rows(tmp_path, monkeypatch, sample_out):
-    # ~64 KiB blocks put ~260 lines in each block, exercising the block bookkeeping.
-    monkeypatch.setattr(preprocess_module, "_BLOCK_SIZE", 1 << 16)
+def test_shards_and_small_blocks_give_the_same_rows(tmp_path, sample_out):
+    # 260-line blocks that do not divide the shards, exercising the block bookkeeping.
     out = tmp_path / "out"
-    metadata = preprocess([SAMPLE], out, rows_per_file=3000)
+    metadata = preprocess([SAMPLE], out, rows_per_file=3000, block_size=260, workers=3)
     assert metadata["files"]["train"] == [f"train/part-{i:05d}.parquet" for i in range(3)]
     assert [pq.read_metadata(out / f).num_rows for f in metadata["files"]["train"]] == [3000, 3000, 2000]
     assert metadata["files"]["eval"] == ["eval/part-00000.parquet"]
@@ -216,6 +214,9 @@ def bad_input(tmp_path: Path, case: str) -> tuple[list[Path], Path, int | None, 
     if case == "bad label":
         path = write_tsv(tmp_path / "x.tsv", corrupt(lines, 2, 0, "2"))
         return [path], path, 2, "label: expected 0 or 1, got '2'"
+    if case == "label minus":
+        path = write_tsv(tmp_path / "x.tsv", corrupt(lines, 7, 0, "-"))
+        return [path], path, 7, "label: expected 0 or 1, got '-'"
     if case == "second file":
         first = write_tsv(tmp_path / "a.tsv", lines[:100])
         path = write_tsv(tmp_path / "b.tsv", corrupt(lines[100:], 3, 1, "x"))
@@ -243,6 +244,7 @@ BAD_INPUTS = [
     "long category",
     "non-integer count",
     "bad label",
+    "label minus",
     "second file",
     "empty file",
     "empty gz",
@@ -272,14 +274,13 @@ def test_bad_input_fails_with_one_line(tmp_path, case):
 
 
 @pytest.mark.parametrize("bad_line", [1, 2, 259, 260, 261, 262, 263, 520, 521, 9999, 10000])
-def test_error_line_is_exact_across_block_boundaries(tmp_path, monkeypatch, lines, bad_line):
-    monkeypatch.setattr(preprocess_module, "_BLOCK_SIZE", 1 << 16)
+def test_error_line_is_exact_across_block_boundaries(tmp_path, lines, bad_line):
     tsv = write_tsv(tmp_path / "x.tsv", corrupt(lines, bad_line, 20, "not-hex"))
     with pytest.raises(PreprocessError, match=f"x.tsv line {bad_line}: C7:"):
-        preprocess([tsv], tmp_path / "out")
+        preprocess([tsv], tmp_path / "out", block_size=260)
     tsv = write_tsv(tmp_path / "y.tsv", corrupt(lines, bad_line, 20, None))
     with pytest.raises(PreprocessError, match=f"y.tsv line {bad_line}: expected 40 .* got 39"):
-        preprocess([tsv], tmp_path / "out")
+        preprocess([tsv], tmp_path / "out", block_size=260)
 
 
 def test_first_error_in_file_order_wins(tmp_path, lines):
@@ -292,9 +293,8 @@ def test_first_error_in_file_order_wins(tmp_path, lines):
         preprocess([write_tsv(tmp_path / "y.tsv", bad)], tmp_path / "out")
 
 
-@pytest.mark.parametrize("block_size", [1 << 16, 16 << 20])
-def test_skip_bad_lines(tmp_path, monkeypatch, lines, block_size):
-    monkeypatch.setattr(preprocess_module, "_BLOCK_SIZE", block_size)
+@pytest.mark.parametrize("block_size", [260, 1 << 17])
+def test_skip_bad_lines(tmp_path, lines, block_size):
     bad_lines = {17: (39, None), 300: (16, "zz"), 4000: (4, "1.5"), 9500: (0, ""), 10000: (5, None)}
     corrupted = list(lines)
     for line, (field, value) in bad_lines.items():
@@ -302,7 +302,7 @@ def test_skip_bad_lines(tmp_path, monkeypatch, lines, block_size):
     corrupted.insert(5000, "")  # an empty line is a bad line too (it is line 5001)
     tsv = write_tsv(tmp_path / "x.tsv", corrupted)
     out = tmp_path / "out"
-    metadata = preprocess([tsv], out, skip_bad_lines=True)
+    metadata = preprocess([tsv], out, skip_bad_lines=True, block_size=block_size)
     assert metadata["skipped_lines"] == 6
 
     # The split is by line position: 10,001 lines -> lines 1..8001 train, 8002..10001 eval.

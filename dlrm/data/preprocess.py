@@ -2,6 +2,7 @@
 
     python -m dlrm.data.preprocess --input day_0.gz [--input day_1.gz ...] --output-dir DIR \\
         [--layout fraction|kaggle|terabyte] [--eval-fraction 0.2] [--rows-per-file 1000000] \\
+        [--block-size 65536] [--workers N] [--min-frequency N] [--exact-distinct-limit 1048576] \\
         [--skip-bad-lines] [--overwrite]
 
 Inputs are raw Criteo lines (40 tab-separated fields, no header: label, I1..I13, C1..C26), plain or gzip,
@@ -14,8 +15,10 @@ time), per `--layout`:
                halved: val, then test.
 The first half of a halved day gets the odd line. Output:
 
-    DIR/train/part-00000.parquet ...   at most `rows_per_file` rows each
+    DIR/train/part-00000.parquet ...   shard k of a split: its lines [k, k + 1) * rows_per_file (bad lines
+                                       left out), one parquet row group per block
     DIR/eval/part-00000.parquet ...    (or DIR/val/..., DIR/test/...)
+    DIR/vocab/C1.parquet ...           with --min-frequency N: the train ids seen at least N times
     DIR/metadata.json                  row counts, shard list, positive rates, train cardinalities and
                                        dense statistics (see `preprocess`)
 
@@ -23,66 +26,70 @@ Parquet schema: `label` float32 (0/1); `I1..I13` float32, the raw counts (missin
 `C1..C26` int64, the 32-bit hex category read as an unsigned integer ("ffffffff" -> 4294967295;
 missing -> -1).
 
-Two passes over the inputs: the first counts lines (the split point needs the total) and rejects missing,
-empty and truncated files before anything is written; the second parses, validates and writes one block
-of text at a time. Everything is written into `DIR.tmp-<pid>` and renamed to DIR only when complete.
-A bad line stops the run with one message naming the file and its 1-based line number, unless
-`--skip-bad-lines` is given, in which case bad lines are counted and left out.
+One streaming pass, memory bounded by the block size and the number of workers, never by the input:
+the main thread decompresses the inputs and cuts them into blocks of `block_size` lines; `workers`
+threads parse, validate and summarize blocks (pyarrow and numpy, which run without the GIL); one writer
+thread appends them, in order, to the shards and merges the statistics. The split points need the line
+total: a background thread counts the lines meanwhile, and the main thread waits for it only when it
+reaches a split point that the count so far cannot place yet.
+
+Resumable: everything is written into `DIR.partial/` (with a manifest of the arguments and inputs), each
+shard under a temporary name, renamed once complete and its row count checked against its footer.
+A run that stops (killed, interrupted, disk full) leaves DIR.partial; running the same command again
+keeps its completed shards and redoes the rest. DIR.partial is renamed to DIR only when everything is
+written. A bad line stops the run with one message naming the file and its 1-based line number (and
+removes DIR.partial), unless `--skip-bad-lines`, in which case bad lines are counted and left out.
 """
 
-import gzip
+import fcntl
 import json
 import os
+import queue
 import shutil
+import threading
 import time
-import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import IO
 
 import click
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 from loguru import logger
 from tqdm import tqdm
 
 from dlrm import __version__
-from dlrm.data.schema import (
-    DENSE_COLUMNS,
-    LABEL,
-    MISSING_CATEGORY,
-    RAW_COLUMNS,
-    SPARSE_COLUMNS,
-)
+from dlrm.data.parse import OUTPUT_SCHEMA, parse_block
+from dlrm.data.schema import LABEL
+from dlrm.data.stats import DEFAULT_EXACT_DISTINCT_LIMIT, BlockStats, SplitStats, block_stats
+from dlrm.data.text import InputStream, LineCounter, PreprocessError, TextBlock
+
+__all__ = [
+    "LAYOUTS",
+    "METADATA_FILE",
+    "OUTPUT_SCHEMA",
+    "PreprocessError",
+    "SplitWriter",
+    "build_metadata",
+    "load_metadata",
+    "move_into_place",
+    "preprocess",
+    "split_starts",
+]
 
 LAYOUTS = ("fraction", "kaggle", "terabyte")
+VOCAB_SCHEMA = pa.schema([("value", pa.int64()), ("count", pa.int64())])
 METADATA_FILE = "metadata.json"
-OUTPUT_SCHEMA = pa.schema(
-    [
-        pa.field(LABEL, pa.float32()),
-        *(pa.field(c, pa.float32()) for c in DENSE_COLUMNS),
-        *(pa.field(c, pa.int64()) for c in SPARSE_COLUMNS),
-    ]
+MANIFEST_FILE = "manifest.json"
+LOCK_FILE = (
+    "lock"  # flock'ed by the process writing DIR.partial (the manifest itself is replaced as it grows)
 )
-
-# Bytes of text parsed per block; one block is also one parquet row group (~65k Criteo rows).
-_BLOCK_SIZE = 16 << 20
-_GZIP_MAGIC = b"\x1f\x8b"
-# At most 18 digits, so every accepted count fits in int64 without an overflow check.
-_INTEGER_PATTERN = "^-?[0-9]{1,18}$"
-_HEX_PATTERN = "^[0-9a-fA-F]{1,8}$"
-# Byte -> hex digit value; only bytes that passed _HEX_PATTERN (or the padding "0") are looked up.
-_HEX_DIGIT_VALUE = np.zeros(256, dtype=np.uint64)
-for _digits, _first in ((b"0123456789", 0), (b"abcdef", 10), (b"ABCDEF", 10)):
-    _HEX_DIGIT_VALUE[np.frombuffer(_digits, dtype=np.uint8)] = np.arange(_first, _first + len(_digits))
-_HEX_SHIFTS = np.arange(28, -1, -4, dtype=np.uint64)  # bit position of each of the 8 hex digits
-
-
-class PreprocessError(ValueError):
-    """Bad input or arguments; the message is one line naming the file and line where there is one."""
+PROGRESS_DIR = "_progress"  # per completed shard: its line range and row count (removed at the end)
+VOCAB_DIR = "vocab"
+COUNTS_DIR = "_counts"  # with --min-frequency: occurrences per id spilled to disk (removed at the end)
+DEFAULT_BLOCK_SIZE = 1 << 16  # lines per block = rows per parquet row group (~16 MiB of Criteo text)
+_COUNTER_POLL_S = 0.02
 
 
 def load_metadata(data_dir: Path | str) -> dict:
@@ -100,7 +107,10 @@ def load_metadata(data_dir: Path | str) -> dict:
 def split_starts(layout: str, line_counts: list[int], eval_fraction: float) -> list[tuple[str, int]]:
     """The splits of `layout` in file order, as (name, 0-based first line over all inputs); each runs to
     the next one's first line (see the module docstring). Raises PreprocessError for an unknown layout
-    or, for terabyte, fewer than two inputs."""
+    or, for terabyte, fewer than two inputs.
+
+    Every first line is non-decreasing in each line count, so counts that are lower bounds of the true
+    ones give lower bounds of the true first lines."""
     total = sum(line_counts)
     if layout == "fraction":
         return [("train", 0), ("eval", total - round(total * eval_fraction))]
@@ -124,8 +134,12 @@ def preprocess(
     rows_per_file: int = 1_000_000,
     skip_bad_lines: bool = False,
     overwrite: bool = False,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    workers: int | None = None,
+    min_frequency: int | None = None,
+    exact_distinct_limit: int = DEFAULT_EXACT_DISTINCT_LIMIT,
 ) -> dict:
-    """Convert raw Criteo files into train/eval parquet shards and metadata.json under `output_dir`.
+    """Convert raw Criteo files into parquet shards per split and metadata.json under `output_dir`.
 
     Args:
         inputs: raw Criteo TSV files, plain or gzip, in time order.
@@ -133,66 +147,116 @@ def preprocess(
         eval_fraction: layout "fraction": share of lines, taken from the end, that forms the eval split;
             in [0, 1).
         layout: "fraction", "kaggle" or "terabyte" (see the module docstring).
-        rows_per_file: maximum rows per parquet shard.
+        rows_per_file: lines per parquet shard (the last of a split may be shorter; bad lines are left out).
         skip_bad_lines: count and leave out malformed lines instead of stopping at the first one.
         overwrite: replace an existing `output_dir` that holds an earlier preprocess output.
+        block_size: lines parsed at once, and rows per parquet row group; memory grows with it.
+        workers: threads that parse blocks (default: the CPU count).
+        min_frequency: also write, per sparse column, the train ids seen at least this many times
+            (DIR/vocab/<column>.parquet: `value` int64 ascending, `count` int64).
+        exact_distinct_limit: distinct counts are exact up to this many ids per column, estimated past it.
     Returns:
         The metadata written to metadata.json:
         {"version", "source": [inputs], "layout", "eval_fraction" (null unless layout "fraction"),
          "rows": {split: rows}, "files": {split: [paths relative to output_dir]},
          "positive_rate": {split: rate} (null for an empty split),
-         "categorical": {"C1": {"cardinality": distinct non-missing train values}, ...},
-         "dense": {"I1": {"min", "max", "mean"} over train after missing -> 0, ...}, "skipped_lines"}.
+         "categorical": {"C1": {"cardinality": distinct non-missing train ids, "exact": whether that count
+             is exact (else a HyperLogLog estimate, ~0.8% standard error), with --min-frequency also
+             "vocab": relative path, "vocab_size": ids in it}, ...},
+         "dense": {"I1": {"min", "max", "mean"} over train after missing -> 0, ...}, "skipped_lines",
+         "exact_distinct_limit", and with --min-frequency "min_frequency"}.
     Raises:
         PreprocessError: bad arguments, an unusable output directory, a missing, empty or truncated input,
             or a malformed line (without `skip_bad_lines`); the message is a single line.
     """
     inputs = [Path(p) for p in inputs]
     output_dir = Path(output_dir)
-    _check_arguments(inputs, output_dir, eval_fraction, rows_per_file, overwrite)
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    _check_arguments(
+        inputs,
+        output_dir,
+        eval_fraction,
+        layout,
+        rows_per_file,
+        overwrite,
+        block_size,
+        workers,
+        min_frequency,
+        exact_distinct_limit,
+    )
     started = time.perf_counter()
-
-    line_counts = _count_lines_of_inputs(inputs)
-    total_lines = sum(line_counts)
-    starts = split_starts(layout, line_counts, eval_fraction)
-
-    tmp_dir = output_dir.with_name(f"{output_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a killed run whose pid was reused
-    try:
-        tmp_dir.mkdir(parents=True)
-        metadata = _write_splits(inputs, line_counts, starts, tmp_dir, rows_per_file, skip_bad_lines)
-        metadata["layout"] = layout
-        metadata["eval_fraction"] = eval_fraction if layout == "fraction" else None
-        (tmp_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
-        move_into_place(tmp_dir, output_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
+    partial_dir = output_dir.with_name(f"{output_dir.name}.partial")
+    identity = {
+        "inputs": [_fingerprint(p) for p in inputs],
+        "layout": layout,
+        "eval_fraction": eval_fraction,
+        "rows_per_file": rows_per_file,
+        "skip_bad_lines": skip_bad_lines,
+    }
+    with _open_partial(partial_dir, identity) as partial:
+        try:
+            run = _Run(
+                inputs, partial, layout, eval_fraction, rows_per_file, skip_bad_lines, block_size, workers,
+                min_frequency, exact_distinct_limit,
+            )  # fmt: skip
+            metadata = run.execute()
+        except PreprocessError:
+            shutil.rmtree(partial_dir, ignore_errors=True)  # the input needs fixing: nothing to resume
+            raise
+        except BaseException:
+            logger.warning("stopped; run the same command again to resume from {}", partial_dir)
+            raise
+        metadata |= {"layout": layout, "eval_fraction": eval_fraction if layout == "fraction" else None}
+        (partial_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+        shutil.rmtree(partial_dir / PROGRESS_DIR, ignore_errors=True)
+        shutil.rmtree(partial_dir / COUNTS_DIR, ignore_errors=True)
+        (partial_dir / MANIFEST_FILE).unlink()
+        (partial_dir / LOCK_FILE).unlink()
+    move_into_place(partial_dir, output_dir)
 
     seconds = time.perf_counter() - started
     if metadata["skipped_lines"]:
         logger.warning("skipped {:,} bad line(s)", metadata["skipped_lines"])
+    rows = sum(metadata["rows"].values()) + metadata["skipped_lines"]
     logger.info(
         "preprocessed {:,} lines from {} file(s) in {:.1f} s ({:,.0f} rows/s): {} -> {}",
-        total_lines,
+        rows,
         len(inputs),
         seconds,
-        total_lines / seconds,
-        " / ".join(f"{rows:,} {split}" for split, rows in metadata["rows"].items()),
+        rows / seconds,
+        " / ".join(f"{n:,} {split}" for split, n in metadata["rows"].items()),
         output_dir,
     )
     return metadata
 
 
 def _check_arguments(
-    inputs: list[Path], output_dir: Path, eval_fraction: float, rows_per_file: int, overwrite: bool
+    inputs: list[Path],
+    output_dir: Path,
+    eval_fraction: float,
+    layout: str,
+    rows_per_file: int,
+    overwrite: bool,
+    block_size: int,
+    workers: int,
+    min_frequency: int | None,
+    exact_distinct_limit: int,
 ) -> None:
     if not inputs:
         raise PreprocessError("no input files given")
     if not 0.0 <= eval_fraction < 1.0:
         raise PreprocessError(f"eval fraction must be in [0, 1), got {eval_fraction}")
+    split_starts(layout, [1] * len(inputs), eval_fraction)  # an unknown layout, or terabyte with one input
     if rows_per_file < 1:
         raise PreprocessError(f"rows per file must be at least 1, got {rows_per_file}")
+    if block_size < 1:
+        raise PreprocessError(f"block size must be at least 1, got {block_size}")
+    if workers < 1:
+        raise PreprocessError(f"workers must be at least 1, got {workers}")
+    if min_frequency is not None and min_frequency < 1:
+        raise PreprocessError(f"min frequency must be at least 1, got {min_frequency}")
+    if exact_distinct_limit < 0:
+        raise PreprocessError(f"exact distinct limit must be at least 0, got {exact_distinct_limit}")
     for path in inputs:
         if not path.exists():
             raise PreprocessError(f"{path}: no such file")
@@ -210,6 +274,59 @@ def _check_arguments(
             )
 
 
+def _fingerprint(path: Path) -> dict:
+    stat = path.stat()
+    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+class _open_partial:  # noqa: N801 - used as a context manager, like open()
+    """DIR.partial, locked for this process: resumed when its manifest has the same `identity`
+    (arguments and input fingerprints), else made anew (an earlier run's with other arguments is removed).
+
+    Raises:
+        PreprocessError: DIR.partial exists but is not a preprocess work directory, or another process
+            is writing it.
+    """
+
+    def __init__(self, partial_dir: Path, identity: dict) -> None:
+        self.partial_dir, self.identity = partial_dir, identity
+        self._lock: IO | None = None
+
+    def __enter__(self) -> Path:
+        manifest = self.partial_dir / MANIFEST_FILE
+        if self.partial_dir.exists() and not manifest.is_file():
+            raise PreprocessError(
+                f"{self.partial_dir} exists and is not a preprocess work directory (no {MANIFEST_FILE})"
+            )
+        if self.partial_dir.exists():
+            self._lock_partial()
+            if json.loads(manifest.read_text())["identity"] == self.identity:
+                logger.info("resuming the preprocess in {}", self.partial_dir)
+                return self.partial_dir
+            logger.warning("{} was written with other arguments or inputs: starting anew", self.partial_dir)
+            shutil.rmtree(self.partial_dir)
+            self._lock.close()
+        fresh = self.partial_dir.with_name(f"{self.partial_dir.name}.tmp-{os.getpid()}")
+        shutil.rmtree(fresh, ignore_errors=True)  # left by a killed run whose pid was reused
+        fresh.mkdir(parents=True)
+        (fresh / MANIFEST_FILE).write_text(json.dumps({"identity": self.identity}, indent=2) + "\n")
+        os.replace(fresh, self.partial_dir)
+        self._lock_partial()
+        return self.partial_dir
+
+    def _lock_partial(self) -> None:
+        self._lock = (self.partial_dir / LOCK_FILE).open("a")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise PreprocessError(f"{self.partial_dir} is being written by another preprocess") from None
+
+    def __exit__(self, *exc) -> None:
+        if self._lock is not None:
+            self._lock.close()
+
+
 def move_into_place(tmp_dir: Path, output_dir: Path) -> None:
     """Rename the finished `tmp_dir` to `output_dir`, replacing an earlier output if there is one."""
     if output_dir.exists():
@@ -221,314 +338,119 @@ def move_into_place(tmp_dir: Path, output_dir: Path) -> None:
         os.replace(tmp_dir, output_dir)
 
 
-def _is_gzip(path: Path) -> bool:
-    with path.open("rb") as f:
-        return f.read(len(_GZIP_MAGIC)) == _GZIP_MAGIC
-
-
-def _count_lines_of_inputs(inputs: list[Path]) -> list[int]:
-    """First pass: the number of lines of each input, with a progress bar over the input bytes."""
-    total_bytes = sum(p.stat().st_size for p in inputs)
-    with tqdm(
-        total=total_bytes, unit="B", unit_scale=True, desc="count lines", disable=None, leave=False
-    ) as bar:
-        return [_count_lines(p, bar) for p in inputs]
-
-
-def _count_lines(path: Path, bar: tqdm) -> int:
-    """Lines in `path` (plain or gzip text); a last line without a newline counts too.
-
-    Raises:
-        PreprocessError: the file cannot be read, is empty, or its gzip stream is truncated or corrupt;
-            for the latter the line number is that of the first line that cannot be read in full.
-    """
-    newlines, last_byte = 0, b"\n"
-    try:
-        raw = path.open("rb")
-    except OSError as e:
-        raise PreprocessError(f"{path}: cannot open ({e.strerror})") from None
-    with raw:
-        text = gzip.GzipFile(fileobj=raw) if _is_gzip(path) else raw
-        try:
-            # read1 returns the data decompressed so far before raising, so the count is exact on truncation.
-            while chunk := text.read1(1 << 20):
-                newlines += chunk.count(b"\n")
-                last_byte = chunk[-1:]
-                bar.update(raw.tell() - bar.n)
-        except (EOFError, OSError, zlib.error) as e:
-            raise PreprocessError(
-                f"{path} line {newlines + 1}: truncated or corrupt gzip data ({e})"
-            ) from None
-    lines = newlines + (last_byte != b"\n")
-    if lines == 0:
-        raise PreprocessError(f"{path} line 1: file is empty")
-    return lines
-
-
-class _Block(NamedTuple):
-    """The good rows of one parsed block of an input file."""
-
-    rows: pa.RecordBatch  # in OUTPUT_SCHEMA
-    lines: np.ndarray  # [rows] int64, 1-based line numbers of `rows` in the file, increasing
-    lines_read: int  # lines the block covered, good and bad
-    bad_lines: int
-
-
-def _parse_file(path: Path, skip_bad_lines: bool) -> Iterator[_Block]:
-    """Second pass over one file: parse, validate and convert it block by block.
-
-    Raises:
-        PreprocessError: a malformed line (the first in file order), unless `skip_bad_lines`.
-    """
-    # Lines with the wrong field count never reach the batches; pyarrow reports them here with their line
-    # numbers, in file order, from a thread that may already be parsing blocks after the one being handled.
-    field_count_errors: list[tuple[int, int]] = []  # (line, fields)
-
-    def on_invalid_row(row: pcsv.InvalidRow) -> str:
-        field_count_errors.append((row.number, row.actual_columns))
-        return "skip"
-
-    def field_count_error(index: int) -> tuple[int, str]:
-        line, fields = field_count_errors[index]
-        return line, f"expected {len(RAW_COLUMNS)} tab-separated fields, got {fields}"
-
-    next_line = 1  # first line not covered by the blocks handled so far
-    consumed = 0  # field_count_errors before next_line
-    try:
-        reader = pcsv.open_csv(
-            pa.input_stream(str(path), compression="gzip" if _is_gzip(path) else None),
-            # Serial parsing: threaded parsing does not report the line numbers of bad rows.
-            read_options=pcsv.ReadOptions(
-                column_names=RAW_COLUMNS, use_threads=False, block_size=_BLOCK_SIZE
-            ),
-            # Empty lines are kept as rows (of empty fields) so that every line is a row or a reported error.
-            parse_options=pcsv.ParseOptions(
-                delimiter="\t", quote_char=False, invalid_row_handler=on_invalid_row, ignore_empty_lines=False
-            ),
-            # Every field as raw bytes: the checks in _convert find bad values with their line numbers.
-            convert_options=pcsv.ConvertOptions(column_types={c: pa.binary() for c in RAW_COLUMNS}),
-        )
-        for raw in reader:
-            # The block's rows are the first num_rows lines from next_line that are not field-count errors
-            # (all errors among them are reported by now: a block is parsed before it is delivered).
-            pending = np.array([line for line, _ in field_count_errors[consumed:]], dtype=np.int64)
-            candidates = np.arange(next_line, next_line + raw.num_rows + len(pending), dtype=np.int64)
-            lines = np.setdiff1d(candidates, pending, assume_unique=True)[: raw.num_rows]
-            end = int(lines[-1]) + 1 if raw.num_rows else next_line
-            skipped = int(np.searchsorted(pending, end))
-            rows, bad_cell, message = _convert(raw)
-            if not skip_bad_lines and (skipped or bad_cell.any()):
-                errors = [field_count_error(consumed)] if skipped else []
-                if bad_cell.any():
-                    first = int(np.argmax(bad_cell))
-                    errors.append((int(lines[first]), message(first)))
-                line, what = min(errors)
-                raise PreprocessError(f"{path} line {line}: {what}")
-            yield _Block(
-                rows.filter(pa.array(~bad_cell)),
-                lines[~bad_cell],
-                lines_read=end - next_line,
-                bad_lines=skipped + int(bad_cell.sum()),
-            )
-            next_line, consumed = end, consumed + skipped
-    except (pa.ArrowException, OSError) as e:
-        raise PreprocessError(f"{path} line {next_line}: {str(e).splitlines()[0]}") from None
-    # Bad lines after the last row of the file.
-    trailing = len(field_count_errors) - consumed
-    if trailing and not skip_bad_lines:
-        line, what = field_count_error(consumed)
-        raise PreprocessError(f"{path} line {line}: {what}")
-    if trailing:
-        yield _Block(
-            pa.RecordBatch.from_pylist([], schema=OUTPUT_SCHEMA), np.empty(0, np.int64), trailing, trailing
-        )
-
-
-def _convert(raw: pa.RecordBatch) -> tuple[pa.RecordBatch, np.ndarray, Callable[[int], str]]:
-    """Validate and convert one block of raw byte fields to OUTPUT_SCHEMA.
-
-    Returns:
-        rows: the converted block; values of bad cells are placeholders.
-        bad: [rows] bool, rows with at least one bad cell.
-        message: row index -> description of that row's first bad cell.
-    """
-    invalid: dict[str, np.ndarray] = {}
-    arrays = []
-    for name in RAW_COLUMNS:
-        values = raw.column(name)
-        empty = pc.equal(pc.binary_length(values), 0)
-        if name == LABEL:
-            ok = pc.is_in(values, value_set=pa.array([b"0", b"1"]))
-            arrays.append(pc.cast(pc.equal(values, b"1"), pa.float32()))
-        elif name in DENSE_COLUMNS:
-            ok = pc.or_(empty, pc.match_substring_regex(values, _INTEGER_PATTERN))
-            digits = pc.cast(pc.if_else(pc.and_not(ok, empty), values, b"0"), pa.string())
-            # Not a safe cast: counts past 2**24 (Criteo's I5 reaches ~23M) round to the nearest float32.
-            arrays.append(pc.cast(pc.cast(digits, pa.int64()), pa.float32(), safe=False))
-        else:
-            ok = pc.or_(empty, pc.match_substring_regex(values, _HEX_PATTERN))
-            ids = _parse_hex(pc.if_else(ok, values, b""))
-            arrays.append(pa.array(np.where(empty.to_numpy(zero_copy_only=False), MISSING_CATEGORY, ids)))
-        invalid[name] = ~ok.to_numpy(zero_copy_only=False)
-    bad = np.logical_or.reduce(list(invalid.values()))
-
-    def message(row: int) -> str:
-        name = next(c for c in RAW_COLUMNS if invalid[c][row])
-        value = raw.column(name)[row].as_py().decode("utf-8", "replace")
-        expected = {LABEL: "0 or 1"}.get(name, "an integer" if name in DENSE_COLUMNS else "1 to 8 hex digits")
-        return f"{name}: expected {expected}, got {value[:40]!r}"
-
-    return pa.RecordBatch.from_arrays(arrays, schema=OUTPUT_SCHEMA), bad, message
-
-
-def _parse_hex(values: pa.Array) -> np.ndarray:
-    """[n] int64 values of hex strings of at most 8 digits ("" -> 0), as unsigned 32-bit numbers."""
-    if len(values) == 0:
-        return np.empty(0, dtype=np.int64)
-    # Left-pad to exactly 8 digits, so the strings form one contiguous [n, 8] byte matrix.
-    padded = pc.cast(pc.utf8_lpad(pc.cast(values, pa.string()), 8, "0"), pa.binary(8))
-    digits = np.frombuffer(
-        padded.buffers()[1], dtype=np.uint8, count=8 * len(padded), offset=8 * padded.offset
-    )
-    nibbles = _HEX_DIGIT_VALUE[digits.reshape(-1, 8)]
-    return (nibbles << _HEX_SHIFTS).sum(axis=1).astype(np.int64)
-
-
-class _DistinctCounter:
-    """Counts the distinct values of an int64 column seen block by block.
-
-    Per-block uniques are merged only once they outgrow the merged set, which keeps the merging cost
-    near-linear while memory stays within about twice the distinct count.
-    """
-
-    def __init__(self) -> None:
-        self._merged = np.empty(0, dtype=np.int64)
-        self._pending: list[np.ndarray] = []
-        self._pending_size = 0
-
-    def update(self, values: np.ndarray) -> None:
-        unique = np.unique(values)
-        self._pending.append(unique)
-        self._pending_size += len(unique)
-        if self._pending_size > max(len(self._merged), 1 << 16):
-            self._merge()
-
-    def count(self) -> int:
-        self._merge()
-        return len(self._merged)
-
-    def _merge(self) -> None:
-        self._merged = np.unique(np.concatenate([self._merged, *self._pending]))
-        self._pending, self._pending_size = [], 0
-
-
 class SplitWriter:
-    """Writes one split as parquet shards of at most `rows_per_file` rows and tracks its statistics."""
+    """Writes one split as parquet shards and merges its statistics (see `SplitStats`).
 
-    def __init__(self, root: Path, split: str, rows_per_file: int, collect_feature_stats: bool) -> None:
+    Each shard is written as `<split>/part-NNNNN.parquet.tmp` and renamed once closed and its footer's row
+    count checked. With `rows_per_file` a shard is closed after that many rows; with None only by
+    `end_shard`. With `progress_dir`, a completed shard also leaves `<split>-NNNNN.json` there (its first
+    line, lines and rows), which is how a resumed run recognizes it.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        split: str,
+        rows_per_file: int | None,
+        collect_feature_stats: bool,
+        exact_distinct_limit: int = DEFAULT_EXACT_DISTINCT_LIMIT,
+        value_counts_dir: Path | None = None,
+        progress_dir: Path | None = None,
+    ) -> None:
         self.root, self.split, self.rows_per_file = root, split, rows_per_file
+        self.progress_dir = progress_dir
         self.files: list[str] = []
-        self.rows = 0
-        self.positives = 0.0
+        self.stats = SplitStats(
+            collect_feature_stats, exact_distinct_limit, value_counts_dir if collect_feature_stats else None
+        )
+        self.bad_lines = 0
         self._writer: pq.ParquetWriter | None = None
         self._rows_in_file = 0
-        self._feature_stats = collect_feature_stats
-        self._distinct = {c: _DistinctCounter() for c in SPARSE_COLUMNS}
-        self._min = np.full(len(DENSE_COLUMNS), np.inf)
-        self._max = np.full(len(DENSE_COLUMNS), -np.inf)
-        self._sum = np.zeros(len(DENSE_COLUMNS))
 
-    def write(self, rows: pa.RecordBatch) -> None:
+    @property
+    def rows(self) -> int:
+        return self.stats.rows
+
+    @property
+    def positives(self) -> float:
+        return self.stats.positives
+
+    def shard_path(self, index: int) -> str:
+        """Path of shard `index`, relative to the root."""
+        return f"{self.split}/part-{index:05d}.parquet"
+
+    def progress_path(self, index: int) -> Path:
+        return self.progress_dir / f"{self.split}-{index:05d}.json"
+
+    def write(self, rows: pa.RecordBatch, stats: BlockStats | None = None) -> None:
+        """Append `rows` (OUTPUT_SCHEMA) to the open shard, opening one first if none is; `stats` are the
+        rows' block_stats when the caller has them."""
         if rows.num_rows == 0:
             return
-        self.rows += rows.num_rows
-        self.positives += float(pc.sum(rows.column(LABEL)).as_py())
-        if self._feature_stats:
-            self._update_feature_stats(rows)
-        while rows.num_rows:
-            if self._writer is None:
-                relative = f"{self.split}/part-{len(self.files):05d}.parquet"
-                (self.root / self.split).mkdir(exist_ok=True)
-                self._writer = pq.ParquetWriter(self.root / relative, OUTPUT_SCHEMA)
-                self.files.append(relative)
-            take = min(rows.num_rows, self.rows_per_file - self._rows_in_file)
-            self._writer.write_batch(rows.slice(0, take))
-            self._rows_in_file += take
-            rows = rows.slice(take)
-            if self._rows_in_file == self.rows_per_file:
-                self.close()
+        self._open()
+        take = rows.num_rows if self.rows_per_file is None else self.rows_per_file - self._rows_in_file
+        if take < rows.num_rows:  # only with rows_per_file, which then computes the statistics here
+            self.write(rows.slice(0, take))
+            self.write(rows.slice(take))
+            return
+        self.stats.add(stats or block_stats(rows, self.stats.features, self.stats.value_counts))
+        self._writer.write_batch(rows)
+        self._rows_in_file += rows.num_rows
+        if self._rows_in_file == self.rows_per_file:
+            self.end_shard()
+
+    def end_shard(self, first_line: int = 0, lines: int = 0, bad_lines: int = 0) -> None:
+        """Close the open shard (an empty one if none is open and `lines` > 0); for the progress file,
+        it covered `lines` input lines from 0-based line `first_line` over all inputs, `bad_lines` bad."""
+        if lines:
+            self._open()
+        if self._writer is None:
+            return
+        self._writer.close()
+        self._writer = None
+        relative = self.files[-1]
+        tmp = self.root / f"{relative}.tmp"
+        footer_rows = pq.read_metadata(tmp).num_rows
+        if footer_rows != self._rows_in_file:
+            raise OSError(f"{tmp}: footer says {footer_rows} rows, {self._rows_in_file} were written")
+        if self.progress_dir is not None:
+            record = {"first_line": first_line, "lines": lines, "rows": footer_rows, "bad_lines": bad_lines}
+            _write_atomically(self.progress_path(len(self.files) - 1), json.dumps(record) + "\n")
+        os.replace(tmp, self.root / relative)
+        self._rows_in_file = 0
+
+    def add_completed_shard(self, stats: list[BlockStats], bad_lines: int) -> None:
+        """Count a shard that an earlier run completed (the next index) with its rows' statistics."""
+        self.files.append(self.shard_path(len(self.files)))
+        for s in stats:
+            self.stats.add(s)
+        self.bad_lines += bad_lines
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer, self._rows_in_file = None, 0
+        self.end_shard()
 
-    def _update_feature_stats(self, rows: pa.RecordBatch) -> None:
-        dense = np.stack([rows.column(c).to_numpy() for c in DENSE_COLUMNS], axis=1)
-        self._min = np.minimum(self._min, dense.min(axis=0))
-        self._max = np.maximum(self._max, dense.max(axis=0))
-        self._sum += dense.sum(axis=0, dtype=np.float64)
-        for c in SPARSE_COLUMNS:
-            ids = rows.column(c).to_numpy()
-            self._distinct[c].update(ids[ids != MISSING_CATEGORY])
+    def _open(self) -> None:
+        if self._writer is None:
+            relative = self.shard_path(len(self.files))
+            (self.root / self.split).mkdir(exist_ok=True)
+            self._writer = pq.ParquetWriter(self.root / f"{relative}.tmp", OUTPUT_SCHEMA)
+            self.files.append(relative)
+            self._rows_in_file = 0
 
     def positive_rate(self) -> float | None:
-        return self.positives / self.rows if self.rows else None
+        return self.stats.positive_rate()
 
     def cardinalities(self) -> dict:
-        return {c: {"cardinality": self._distinct[c].count()} for c in SPARSE_COLUMNS}
+        return self.stats.cardinalities()
 
     def dense_stats(self) -> dict:
-        return {
-            c: {
-                "min": float(self._min[i]),
-                "max": float(self._max[i]),
-                "mean": float(self._sum[i] / self.rows),
-            }
-            for i, c in enumerate(DENSE_COLUMNS)
-        }
+        return self.stats.dense_stats()
 
 
-def _write_splits(
-    inputs: list[Path],
-    line_counts: list[int],
-    starts: list[tuple[str, int]],
-    out_dir: Path,
-    rows_per_file: int,
-    skip_bad_lines: bool,
-) -> dict:
-    """Second pass: parse every input and write its rows to the splits by line position (`starts`)."""
-    writers = {
-        name: SplitWriter(out_dir, name, rows_per_file, collect_feature_stats=name == "train")
-        for name, _ in starts
-    }
-    first_lines = np.array([first for _, first in starts[1:]])
-    skipped = 0
-    lines_before = 0  # lines of the inputs before the current one
-    with tqdm(
-        total=sum(line_counts), unit="rows", unit_scale=True, desc="preprocess", disable=None, leave=False
-    ) as bar:
-        for path, line_count in zip(inputs, line_counts, strict=True):
-            lines_read = 0
-            for block in _parse_file(path, skip_bad_lines):
-                # Lines are increasing, so a block holds consecutive runs of the splits, in split order.
-                cuts = [0, *np.searchsorted(lines_before + block.lines - 1, first_lines), len(block.lines)]
-                for writer, begin, end in zip(writers.values(), cuts[:-1], cuts[1:], strict=True):
-                    writer.write(block.rows.slice(int(begin), int(end - begin)))
-                skipped += block.bad_lines
-                lines_read += block.lines_read
-                bar.update(block.lines_read)
-            # The split point assumes both passes agree on lines; pyarrow also ends lines at a lone "\r".
-            if lines_read != line_count:
-                raise PreprocessError(
-                    f"{path}: parsed {lines_read} lines but counted {line_count} (stray carriage returns?)"
-                )
-            lines_before += line_count
-    for writer in writers.values():
-        writer.close()
-    if writers["train"].rows == 0:
-        raise PreprocessError("no train rows: every line is bad or the hold-out splits take them all")
-    return build_metadata(writers, [str(p) for p in inputs], skipped)
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def build_metadata(writers: dict[str, SplitWriter], source: list[str], skipped_lines: int) -> dict:
@@ -543,7 +465,296 @@ def build_metadata(writers: dict[str, SplitWriter], source: list[str], skipped_l
         "categorical": train.cardinalities(),
         "dense": train.dense_stats(),
         "skipped_lines": skipped_lines,
+        "exact_distinct_limit": train.stats.exact_distinct_limit,
     }
+
+
+class _Run:
+    """One streaming pass over the inputs into the splits' shards (see the module docstring)."""
+
+    def __init__(
+        self,
+        inputs: list[Path],
+        root: Path,
+        layout: str,
+        eval_fraction: float,
+        rows_per_file: int,
+        skip_bad_lines: bool,
+        block_size: int,
+        workers: int,
+        min_frequency: int | None,
+        exact_distinct_limit: int,
+    ) -> None:
+        self.inputs, self.root = inputs, root
+        self.layout, self.eval_fraction = layout, eval_fraction
+        self.rows_per_file, self.skip_bad_lines = rows_per_file, skip_bad_lines
+        self.block_size, self.workers, self.min_frequency = block_size, workers, min_frequency
+        progress_dir = root / PROGRESS_DIR
+        progress_dir.mkdir(exist_ok=True)
+        shutil.rmtree(
+            root / COUNTS_DIR, ignore_errors=True
+        )  # a stopped run's: resumed shards are counted again
+        counts_dir = root / COUNTS_DIR if min_frequency is not None else None
+        self.names = [name for name, _ in split_starts(layout, [1] * len(inputs), eval_fraction)]
+        self.writers = {
+            name: SplitWriter(
+                root,
+                name,
+                None,
+                name == "train",
+                exact_distinct_limit,
+                counts_dir,
+                progress_dir,
+            )
+            for name in self.names
+        }
+        self._counts: list[int] | None = None  # all line counts, once known
+        self._known: list[int | None] = [None] * len(inputs)  # the line counts known so far
+        self._counter: LineCounter | None = None
+        # The line count runs over the inputs whose counts place the splits: for terabyte only the last
+        # day (train ends where it starts, and the reader knows the other days' counts by then).
+        self._counted = [len(inputs) - 1] if layout == "terabyte" else list(range(len(inputs)))
+        self._stream: InputStream | None = None
+        self._unread = 0  # lines of resumed shards not skipped in the inputs yet
+        self._queue: queue.Queue = queue.Queue(maxsize=workers + 1)
+        self._writer_error: BaseException | None = None
+
+    # --- where the splits start
+
+    def _line_counts(self, wait: bool = False) -> tuple[list[int], bool]:
+        """(line count of each input, whether all are exact); lower bounds while not (see `LineCounter`).
+        Counts are kept in the manifest as they become known, for a resumed run. With `wait`, waits for
+        the line count (the inputs it does not count must have been read through).
+
+        Raises:
+            PreprocessError: the line count failed (an empty, unreadable, truncated or corrupt input).
+        """
+        if self._counts is None:
+            known = list(self._known)
+            if self._stream is not None:
+                known = [
+                    k if k is not None else c for k, c in zip(known, self._stream.line_counts, strict=True)
+                ]
+            if self._counter is not None and (wait or self._counter.done):
+                for i, count in zip(self._counted, self._counter.result(), strict=True):
+                    known[i] = count
+            if known != self._known:
+                self._known = known
+                manifest_path = self.root / MANIFEST_FILE
+                manifest = json.loads(manifest_path.read_text())
+                _write_atomically(manifest_path, json.dumps(manifest | {"line_counts": known}) + "\n")
+            if None not in known:
+                self._counts = known
+        if self._counts is not None:
+            return self._counts, True
+        partial = dict(zip(self._counted, self._counter.partial(), strict=True))
+        return [k if k is not None else partial.get(i, 0) for i, k in enumerate(self._known)], False
+
+    def _split_start(self, index: int) -> tuple[float, bool]:
+        """(0-based first line of split `index` over all inputs, whether exact); a lower bound while the
+        line count runs; infinity past the last split."""
+        if index >= len(self.names):
+            return float("inf"), True
+        counts, exact = self._line_counts()
+        return split_starts(self.layout, counts, self.eval_fraction)[index][1], exact
+
+    def _next_split_start(self, split: int, line: int) -> float:
+        """Exact first line of the split after `split` if it is within a block of `line`, else a lower bound
+        that is at least a block away (waiting for the line count as long as neither holds)."""
+        if self.layout == "terabyte" and split == 0 and self._counts is None:
+            return self._terabyte_train_end(line)
+        while True:
+            start, exact = self._split_start(split + 1)
+            if exact or start >= line + self.block_size:
+                return start
+            time.sleep(_COUNTER_POLL_S)
+
+    def _terabyte_train_end(self, line: int) -> float:
+        """Where terabyte's train split ends (the start of the last input) as far as it matters at `line`:
+        the exact line once the counts of the other inputs are known, else the end of those known (if
+        past `line`), else infinity while the reader is in an earlier input than the last (blocks end at
+        the ends of inputs)."""
+        while True:
+            self._line_counts()
+            known_end = 0
+            for count in self._known[:-1]:
+                if count is None:
+                    break
+                known_end += count
+            else:
+                return known_end
+            if line < known_end:
+                return known_end
+            self._skip_unread()
+            before = self._stream.file_index
+            self._stream.finish_file()  # if the current input is read through, its count becomes known
+            if self._stream.file_index == before:
+                return float("inf")
+
+    def _skip_unread(self) -> None:
+        """Skip the lines of the resumed shards in the inputs, all at once, so that inputs whose shards
+        are all complete are not read."""
+        if self._unread:
+            if self._stream.skip(self._unread, self._known) != self._unread:
+                raise PreprocessError(f"the inputs end before their line count of {sum(self._known)}")
+            self._unread = 0
+
+    # --- the pass
+
+    def execute(self) -> dict:
+        self._known = json.loads((self.root / MANIFEST_FILE).read_text()).get("line_counts", self._known)
+        if None in self._known:
+            self._counter = LineCounter([self.inputs[i] for i in self._counted])
+        else:
+            self._counts = self._known
+        writer = threading.Thread(target=self._write_all, name="preprocess-writer", daemon=True)
+        writer.start()
+        reader_error: PreprocessError | None = None
+        read_all = False
+        try:
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="preprocess-parse") as pool:
+                self._read_all(pool)
+            read_all = True
+        except PreprocessError as e:
+            reader_error = e
+        finally:
+            self._put(None)
+            writer.join()
+            if self._counter is not None and (not read_all or self._writer_error is not None):
+                self._counter.stop()
+        # The writer's error is in an earlier block than where the reader stopped: the first in file order.
+        if self._writer_error is not None:
+            raise self._writer_error
+        if reader_error is not None:
+            raise reader_error
+        self._line_counts(wait=True)
+        if self.writers["train"].rows == 0:
+            raise PreprocessError("no train rows: every line is bad or the hold-out splits take them all")
+        skipped = sum(w.bad_lines for w in self.writers.values())
+        metadata = build_metadata(self.writers, [str(p) for p in self.inputs], skipped)
+        if self.min_frequency is not None:
+            metadata["min_frequency"] = self.min_frequency
+            self._write_vocabularies(metadata)
+        return metadata
+
+    def _read_all(self, pool: ThreadPoolExecutor) -> None:
+        """Main thread: cut the inputs into blocks along shard and split boundaries and hand them on."""
+        total_bytes = sum(p.stat().st_size for p in self.inputs)
+        split, shard, shard_start, line = 0, 0, 0, 0  # line: 0-based over all inputs
+        started = time.perf_counter()
+        with (
+            InputStream(self.inputs) as self._stream,
+            tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", disable=None) as bar,
+        ):
+            while True:
+                next_split = self._next_split_start(split, line)
+                while next_split == line:  # the next split starts here (possibly more than one: empty ones)
+                    self._put(("end", split, shard_start, line - shard_start))
+                    split, shard, shard_start = split + 1, 0, line
+                    next_split = self._next_split_start(split, line)
+                if line == shard_start and (resumed := self._resume_shard(pool, split, shard, shard_start)):
+                    line = shard_start = shard_start + resumed
+                    shard, self._unread = shard + 1, self._unread + resumed
+                    continue
+                self._skip_unread()
+                shard_end = shard_start + self.rows_per_file
+                block = self._stream.read(int(min(self.block_size, shard_end - line, next_split - line)))
+                if block is None:
+                    break
+                self._put(("block", split, pool.submit(self._parse, block, self.names[split] == "train")))
+                line += block.lines
+                if line == shard_end:
+                    self._put(("end", split, shard_start, line - shard_start))
+                    shard, shard_start = shard + 1, line
+                bar.update(self._stream.compressed_position - bar.n)
+                bar.set_postfix_str(f"{line / (time.perf_counter() - started):,.0f} rows/s", refresh=False)
+        self._put(("end", split, shard_start, line - shard_start))
+
+    def _resume_shard(self, pool: ThreadPoolExecutor, split: int, shard: int, first_line: int) -> int:
+        """If an earlier run completed shard `shard` of `split` from `first_line`, hand on its statistics
+        (read back from the shard) and return its lines; else (not complete, or not verified) 0."""
+        writer = self.writers[self.names[split]]
+        progress = writer.progress_path(shard)
+        path = self.root / writer.shard_path(shard)
+        if not (progress.is_file() and path.is_file()):
+            return 0
+        record = json.loads(progress.read_text())
+        # Terabyte's counts of the inputs not read yet stay unknown: a full shard is still placed by lower
+        # bounds, a shorter one (the last of its split) is redone.
+        counts, exact = self._line_counts(wait=self.layout != "terabyte")
+        ends = [start for _, start in split_starts(self.layout, counts, self.eval_fraction)] + [sum(counts)]
+        lines = min(self.rows_per_file, ends[split + 1] - first_line)
+        if (
+            (lines < self.rows_per_file and not exact)
+            or record["first_line"] != first_line
+            or record["lines"] != lines
+            or pq.read_metadata(path).num_rows != record["rows"]
+        ):
+            return 0
+        features = self.names[split] == "train"
+        self._put(("resumed", split, pool.submit(self._shard_stats, path, features), record["bad_lines"]))
+        return lines
+
+    def _parse(self, block: TextBlock, features: bool) -> tuple[pa.RecordBatch, int, BlockStats]:
+        rows, bad_lines = parse_block(block, self.skip_bad_lines)
+        return rows, bad_lines, block_stats(rows, features, self.min_frequency is not None)
+
+    def _shard_stats(self, path: Path, features: bool) -> list[BlockStats]:
+        shard = pq.ParquetFile(path)
+        columns = None if features else [LABEL]
+        value_counts = self.min_frequency is not None
+        return [
+            block_stats(pa.Table.from_batches([batch]), features, value_counts)
+            for batch in shard.iter_batches(batch_size=self.block_size, columns=columns)
+        ]
+
+    def _put(self, item: tuple | None) -> None:
+        """Queue `item` for the writer thread, stopping the pass if the writer has failed."""
+        while True:
+            if self._writer_error is not None and item is not None:
+                raise self._writer_error
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _write_all(self) -> None:
+        """Writer thread: append the parsed blocks to the shards, in order."""
+        bad_in_shard = 0
+        while (item := self._queue.get()) is not None:
+            if self._writer_error is not None:
+                continue  # drain the queue so that the main thread never blocks on it
+            try:
+                kind, split, *rest = item
+                writer = self.writers[self.names[split]]
+                if kind == "block":
+                    rows, bad_lines, stats = rest[0].result()
+                    writer.write(rows, stats)
+                    writer.bad_lines += bad_lines
+                    bad_in_shard += bad_lines
+                elif kind == "end":
+                    first_line, lines = rest
+                    writer.end_shard(first_line, lines, bad_in_shard)
+                    bad_in_shard = 0
+                else:
+                    stats, bad_lines = rest
+                    writer.add_completed_shard(stats.result(), bad_lines)
+            except BaseException as e:  # re-raised in the main thread
+                self._writer_error = e
+
+    def _write_vocabularies(self, metadata: dict) -> None:
+        """DIR/vocab/<column>.parquet (see `preprocess`), written piece by piece."""
+        (self.root / VOCAB_DIR).mkdir(exist_ok=True)
+        for column, pieces in self.writers["train"].stats.vocabularies(self.min_frequency).items():
+            relative = f"{VOCAB_DIR}/{column}.parquet"
+            size = 0
+            with pq.ParquetWriter(self.root / f"{relative}.tmp", VOCAB_SCHEMA) as writer:
+                for piece in pieces:
+                    writer.write_table(piece)
+                    size += piece.num_rows
+            os.replace(self.root / f"{relative}.tmp", self.root / relative)
+            metadata["categorical"][column] |= {"vocab": relative, "vocab_size": size}
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -570,7 +781,26 @@ def build_metadata(writers: dict[str, SplitWriter], source: list[str], skipped_l
     show_default=True,
     help="Share of lines, taken from the end of the inputs, that forms the eval split.",
 )
-@click.option("--rows-per-file", default=1_000_000, show_default=True, help="Rows per parquet shard.")
+@click.option("--rows-per-file", default=1_000_000, show_default=True, help="Lines per parquet shard.")
+@click.option(
+    "--block-size",
+    default=DEFAULT_BLOCK_SIZE,
+    show_default=True,
+    help="Lines parsed at once, and rows per parquet row group; memory grows with it and --workers.",
+)
+@click.option("--workers", type=int, default=None, help="Threads that parse blocks.  [default: CPU count]")
+@click.option(
+    "--min-frequency",
+    type=int,
+    default=None,
+    help="Also write per sparse column the train ids seen at least this often (DIR/vocab/C*.parquet).",
+)
+@click.option(
+    "--exact-distinct-limit",
+    default=DEFAULT_EXACT_DISTINCT_LIMIT,
+    show_default=True,
+    help="Distinct ids per column counted exactly up to this many; a HyperLogLog estimate past it.",
+)
 @click.option(
     "--skip-bad-lines", is_flag=True, help="Count and leave out malformed lines instead of stopping."
 )
@@ -581,12 +811,28 @@ def main(
     layout: str,
     eval_fraction: float,
     rows_per_file: int,
+    block_size: int,
+    workers: int | None,
+    min_frequency: int | None,
+    exact_distinct_limit: int,
     skip_bad_lines: bool,
     overwrite: bool,
 ) -> None:
     """Convert raw Criteo click logs into parquet shards per split and metadata.json."""
     try:
-        preprocess(list(inputs), output_dir, eval_fraction, layout, rows_per_file, skip_bad_lines, overwrite)
+        preprocess(
+            list(inputs),
+            output_dir,
+            eval_fraction,
+            layout,
+            rows_per_file,
+            skip_bad_lines,
+            overwrite,
+            block_size,
+            workers,
+            min_frequency,
+            exact_distinct_limit,
+        )
     except PreprocessError as e:
         click.echo(f"error: {e}", err=True)
         raise click.exceptions.Exit(2) from None
