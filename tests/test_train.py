@@ -81,20 +81,30 @@ def test_tiny_run_writes_events_trace_checkpoints_and_metrics(criteo_sample, tmp
     assert json.loads(result.output)["auc"] == pytest.approx(metrics["eval_auc"], abs=1e-6)
 
 
-def test_backends_give_the_same_loss_curve(criteo_sample, tmp_path):
+def _loss_curves(data_dir, tmp_path, runs: dict[str, dict]) -> dict[str, list[float]]:
+    """Train tiny.json for 6 steps per run (name -> train overrides), profiler off; the logged losses."""
     curves = {}
-    for name, flags in {
-        "eager": {},
-        "compile": {"use_torch_compile": True},
-        "triton": {"use_triton": True},
-        "triton_bias_act": {"use_triton": True, "triton_mlp_kernel": "bias_act"},
-    }.items():
-        cfg = _tiny(criteo_sample, log_interval=1, max_steps=6, **flags)
+    for name, flags in runs.items():
+        cfg = _tiny(data_dir, log_interval=1, max_steps=6, **flags)
         train_cli.train(
             dataclasses.replace(cfg, profiler=dataclasses.replace(cfg.profiler, enabled=False)),
             tmp_path / name,
         )
         curves[name] = _losses(tmp_path / name)
+    return curves
+
+
+def test_backends_give_the_same_loss_curve(criteo_sample, tmp_path):
+    curves = _loss_curves(
+        criteo_sample,
+        tmp_path,
+        {
+            "eager": {},
+            "compile": {"use_torch_compile": True},
+            "triton": {"use_triton": True},
+            "triton_bias_act": {"use_triton": True, "triton_mlp_kernel": "bias_act"},
+        },
+    )
     assert len(curves["eager"]) == 5  # steps 2..6; step 1 (compile) is reported apart
     for name in ("compile", "triton", "triton_bias_act"):
         torch.testing.assert_close(curves[name], curves["eager"], rtol=1e-4, atol=1e-5, msg=name)
@@ -176,18 +186,15 @@ def test_bf16_precision_trains(criteo_sample, tmp_path):
 @pytest.mark.gpu
 def test_triton_bf16_and_cuda_graphs_follow_eager(criteo_sample, tmp_path):
     """bf16 autocast through our kernels, and the graph-captured step, give eager bf16's loss curve."""
-    curves = {}
-    for name, flags in {
-        "eager": {"precision": "bf16"},
-        "triton": {"use_triton": True, "precision": "bf16"},
-        "triton_graphs": {"use_triton": True, "cuda_graphs": True, "precision": "bf16"},
-    }.items():
-        cfg = _tiny(criteo_sample, log_interval=1, max_steps=6, **flags)
-        train_cli.train(
-            dataclasses.replace(cfg, profiler=dataclasses.replace(cfg.profiler, enabled=False)),
-            tmp_path / name,
-        )
-        curves[name] = _losses(tmp_path / name)
+    curves = _loss_curves(
+        criteo_sample,
+        tmp_path,
+        {
+            "eager": {"precision": "bf16"},
+            "triton": {"use_triton": True, "precision": "bf16"},
+            "triton_graphs": {"use_triton": True, "cuda_graphs": True, "precision": "bf16"},
+        },
+    )
     # bf16 rounds the MLP activations (8 bits of mantissa) in different places on each path.
     for name in ("triton", "triton_graphs"):
         torch.testing.assert_close(curves[name], curves["eager"], rtol=2e-2, atol=1e-3, msg=name)
