@@ -319,8 +319,9 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
 @click.option(
     "--use-triton",
     is_flag=True,
-    help="MLP layers on our Triton kernels (forward and backward). "
-    "On CPU they run in the Triton interpreter: correct but slow, meant for tests.",
+    help="The model on our Triton kernels, forward and backward: embeddings with the optimizer fused into "
+    "backward, interaction, loss, MLP layers. On CPU they run in the Triton interpreter: correct but slow, "
+    "meant for tests.",
 )
 @click.option(
     "--triton-mlp-kernel",
@@ -333,6 +334,12 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
     "--cuda-graphs",
     is_flag=True,
     help="Capture the whole training step once as a CUDA graph and replay it (needs --use-triton, SGD, GPU).",
+)
+@click.option(
+    "--precision",
+    type=click.Choice(["fp32", "tf32", "bf16"]),
+    default=None,
+    help="Overrides train.precision: fp32, tf32 (TF32 matmuls) or bf16 (autocast MLPs and interaction).",
 )
 @click.option(
     "--output-dir",
@@ -354,6 +361,7 @@ def main(
     use_triton,
     triton_mlp_kernel,
     cuda_graphs,
+    precision,
     output_dir,
     max_steps,
     device,
@@ -369,6 +377,7 @@ def main(
         }
         for key, value in (
             ("triton_mlp_kernel", triton_mlp_kernel),
+            ("precision", precision),
             ("max_steps", max_steps),
             ("device", device),
             ("seed", seed),
