@@ -1,5 +1,9 @@
 """Checkpoints: model and optimizer state, step, resolved config and table layout, written atomically.
 
+With `--use-triton` the embedding tables are updated inside their kernel's backward, not by the torch
+optimizer, so their optimizer state (Adagrad's accumulators; empty for SGD) is saved apart, as
+`embedding_optimizer_state`; None otherwise.
+
 With `data.loader` "streaming" a checkpoint also holds `loader`: the train loader's position
 (`StreamingLoader.state_dict()`: epoch, batches consumed, and the settings a resume must match); other
 loaders store None. Training does not resume from checkpoints yet: a resuming run would rebuild the loader

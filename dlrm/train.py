@@ -168,6 +168,8 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
     writer.add_text("config", "```json\n" + config_json + "\n```")
     table_rows = model.sparse_arch.table_rows
 
+    triton_tables = model.sparse_arch.kernel == "triton"
+
     def checkpoint(name: str, step: int) -> None:
         save_checkpoint(
             run_dir / "checkpoints" / name,
@@ -177,6 +179,8 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
             config=cfg.to_dict(),
             table_rows=table_rows,
             loader=train_loader.state_dict() if isinstance(train_loader, StreamingLoader) else None,
+            # The "triton" tables' Adagrad state lives beside them, not in the torch optimizer.
+            embedding_optimizer_state=model.sparse_arch.optimizer_state if triton_tables else None,
         )
 
     max_steps = t.max_steps or t.epochs * len(train_loader)

@@ -198,3 +198,15 @@ def test_triton_bf16_and_cuda_graphs_follow_eager(criteo_sample, tmp_path):
     # bf16 rounds the MLP activations (8 bits of mantissa) in different places on each path.
     for name in ("triton", "triton_graphs"):
         torch.testing.assert_close(curves[name], curves["eager"], rtol=2e-2, atol=1e-3, msg=name)
+
+
+def test_triton_adagrad_checkpoint_keeps_the_embedding_state(criteo_sample, tmp_path):
+    """The fused Adagrad's accumulators are not in the torch optimizer: the checkpoint carries them."""
+    metrics = train_cli.train(
+        _tiny(criteo_sample, optimizer="adagrad", lr=0.05, use_triton=True, max_steps=3), tmp_path / "run"
+    )
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    accumulators = state["embedding_optimizer_state"]
+    rows = sum(state["table_rows"])
+    assert metrics["steps"] == 3 and accumulators.shape[0] == rows
+    assert 0 < int((accumulators > 0).any(dim=1).sum()) < rows  # only looked-up rows have any
