@@ -160,6 +160,11 @@ def test_checkpoints_move_between_sparse_kernels():
     expected = eager.state_dict()
     assert all(torch.equal(value, expected[key]) for key, value in back.state_dict().items())
     assert triton.embedding_parameters() == []
+    ids = _ids(torch.Generator().manual_seed(2), 3)
+    with pytest.raises(ValueError, match="call configure_optimizer before training"):
+        triton.sparse_arch(ids)
+    with torch.no_grad():
+        assert torch.equal(triton.sparse_arch(ids), eager.sparse_arch(ids))
     with pytest.raises(ValueError, match="configure_optimizer is for kernel 'triton'"):
         eager.sparse_arch.configure_optimizer("sgd", 0.1)
 

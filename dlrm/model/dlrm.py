@@ -102,7 +102,7 @@ class SparseArch(nn.Module):
             offsets = torch.tensor([0, *self.table_rows[:-1]]).cumsum(0)
             self.register_buffer("offsets", offsets, persistent=False)
             self.register_buffer("optimizer_state", torch.zeros(0), persistent=False)
-            self.optimizer = ("sgd", 0.0, 0.0)
+            self.optimizer: tuple[str, float, float] | None = None  # set by configure_optimizer
             self.register_state_dict_post_hook(_split_tables)
             self.register_load_state_dict_pre_hook(_join_tables)
         for table in tables:
@@ -147,7 +147,12 @@ class SparseArch(nn.Module):
             ids, hashing = (
                 (sparse, "modulus") if self.hashing == "modulus" else (self.hash_ids(sparse), "index")
             )
-            optimizer, lr, eps = self.optimizer
+            if self.optimizer is None and torch.is_grad_enabled():
+                raise ValueError(
+                    "SparseArch(kernel='triton') updates its tables in backward: call configure_optimizer "
+                    "before training (or look up under torch.no_grad())"
+                )
+            optimizer, lr, eps = self.optimizer or ("sgd", 0.0, 0.0)  # lookups only: nothing is updated
             state, offsets = self.optimizer_state, self.offsets
             return embedding_lookup(self.weights, state, offsets, self.rows, ids, hashing, optimizer, lr, eps)
         rows = self.hash_ids(sparse)
