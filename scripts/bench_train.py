@@ -58,8 +58,9 @@ def random_batches(batch: int, table_rows: list[int], generator: torch.Generator
     return pool
 
 
-def bench(config: str, backend: str, batch: int, steps: int, max_rows: int | None, precision: str) -> dict:
-    """Train `steps` timed steps of configs/<config>.json with `backend` at batch size `batch`."""
+def build(config: str, backend: str, batch: int, max_rows: int | None, precision: str):
+    """(model, optimizer, step, pool, table_rows) for configs/<config>.json with `backend`: the step is
+    `step(model, optimizer, batch) -> loss` (graph-captured for "+graphs" backends), pool the batches."""
     cfg = replace(load_config(CONFIG_DIR / f"{config}.json"), "train", precision=precision, **FLAGS[backend])
     set_precision(precision)
     cap = max_rows or cfg.model.max_rows
@@ -74,6 +75,12 @@ def bench(config: str, backend: str, batch: int, steps: int, max_rows: int | Non
     if cfg.train.cuda_graphs:
         step = GraphedTrainStep(model, optimizer, step)
     pool = random_batches(batch, table_rows, torch.Generator(device="cuda").manual_seed(batch))
+    return model, optimizer, step, pool, table_rows
+
+
+def bench(config: str, backend: str, batch: int, steps: int, max_rows: int | None, precision: str) -> dict:
+    """Train `steps` timed steps of configs/<config>.json with `backend` at batch size `batch`."""
+    model, optimizer, step, pool, table_rows = build(config, backend, batch, max_rows, precision)
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -97,7 +104,7 @@ def bench(config: str, backend: str, batch: int, steps: int, max_rows: int | Non
         "ms_per_step": round(ms, 4), "samples_per_s": round(batch / ms * 1000),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "first_step_s": round(first_step_s, 2),
-        "capture_s": round(step.capture_s, 2) if cfg.train.cuda_graphs else "",
+        "capture_s": round(step.capture_s, 2) if isinstance(step, GraphedTrainStep) else "",
     }  # fmt: skip
     del model, optimizer, pool, step
     torch.cuda.empty_cache()

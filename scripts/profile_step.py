@@ -1,0 +1,100 @@
+"""Where the GPU time of one training step goes: the CUDA kernels of `--steps` steps, by total time.
+
+    python scripts/profile_step.py [--config kaggle] [--backend triton+graphs] [--batch 16384] \
+        [--precision tf32] [--steps 10] [--max-rows N] [--trace-dir DIR]
+
+Builds the model, optimizer and GPU-resident random batches exactly as scripts/bench_train.py does, runs
+the warm-up steps there (autotuning, the CUDA graph capture for "+graphs" backends), then records `--steps`
+steps with torch.profiler and prints every CUDA kernel's time per step, its share of the step's kernel
+time and its call count, grouped under the model stage it belongs to (by kernel name: embedding,
+interaction, loss, MLP GEMMs and epilogues, optimizer, other). Kernels launched inside a CUDA graph replay
+are recorded like any other. The table is also written to scripts/results/profile_<config>_<backend>_<B>.txt
+(with the GPU, versions and git sha); with --trace-dir the Chrome trace goes there too (open in Perfetto).
+"""
+
+from pathlib import Path
+
+import click
+import torch
+from bench_train import FLAGS, POOL, build
+from results_csv import provenance
+from torch.profiler import ProfilerActivity, profile
+
+RESULTS = Path(__file__).parent / "results"
+# Stage of a kernel, by a substring of its name (first match wins).
+STAGES = (
+    ("embedding", ("_embedding_", "sort", "cumsum", "scan")),
+    ("interaction", ("_interaction_",)),
+    ("loss", ("_bce_",)),
+    ("mlp", ("_linear_act_", "_bias_act_", "gemm", "sm90", "cutlass", "nvjet")),
+    ("optimizer", ("foreach", "multi_tensor")),
+)
+
+
+def stage_of(kernel: str) -> str:
+    """The model stage a kernel name belongs to, or "other"."""
+    name = kernel.lower()
+    return next((stage for stage, keys in STAGES if any(k.lower() in name for k in keys)), "other")
+
+
+def kernel_table(prof, steps: int) -> list[tuple[str, str, float, int]]:
+    """(stage, kernel name, us per step, calls per step) of every CUDA kernel, slowest first."""
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        entry = totals.setdefault(event.name, [0.0, 0])
+        entry[0] += event.time_range.elapsed_us()
+        entry[1] += 1
+    rows = [(stage_of(name), name, us / steps, calls // steps) for name, (us, calls) in totals.items()]
+    return sorted(rows, key=lambda r: -r[2])
+
+
+@click.command(context_settings={"show_default": True})
+@click.option("--config", default="kaggle", help="Name of a configs/*.json file.")
+@click.option("--backend", type=click.Choice(list(FLAGS)), default="triton+graphs")
+@click.option("--batch", type=click.IntRange(min=1), default=16384)
+@click.option("--precision", type=click.Choice(["fp32", "tf32", "bf16"]), default="tf32")
+@click.option("--steps", type=click.IntRange(min=1), default=10, help="Profiled steps.")
+@click.option("--max-rows", type=click.IntRange(min=2), default=None, help="Cap on rows per table.")
+@click.option("--trace-dir", type=click.Path(path_type=Path), default=None)
+def main(config, backend, batch, precision, steps, max_rows, trace_dir):
+    """Profile the training step on this GPU and print its kernels by time."""
+    if not torch.cuda.is_available():
+        raise click.UsageError("profile_step.py needs a CUDA GPU")
+    model, optimizer, step, pool, _ = build(config, backend, batch, max_rows, precision)
+    for i in range(2 * POOL):  # warm-up as in bench_train: JIT, autotuning, graph capture
+        step(model, optimizer, pool[i % POOL])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(model, optimizer, pool[i % POOL])
+        torch.cuda.synchronize()
+    rows = kernel_table(prof, steps)
+    total = sum(r[2] for r in rows)
+    info = provenance(torch.cuda.get_device_name())
+    lines = [
+        f"# python scripts/profile_step.py --config {config} --backend {backend} --batch {batch} "
+        f"--precision {precision}: {info['device']}, torch {info['torch']}, triton {info['triton']}, "
+        f"git {info['git_sha']}",
+        f"# kernel time per step {total:.1f} us "
+        f"({batch / total * 1e6:,.0f} samples/s if the kernels ran back to back)",
+    ]
+    for stage in [s for s, _ in STAGES] + ["other"]:
+        us = sum(r[2] for r in rows if r[0] == stage)
+        lines.append(f"{stage:<12}{us:>10.1f} us/step  {100 * us / total:>5.1f}%")
+    lines.append(f"{'stage':<12}{'us/step':>10}  {'share':>6}  {'calls':>5}  kernel")
+    lines += [
+        f"{s:<12}{us:>10.1f}  {100 * us / total:>5.1f}%  {n:>5}  {name[:100]}" for s, name, us, n in rows
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = RESULTS / f"profile_{config}_{backend.replace('+', '_')}_{batch}.txt"
+    out.write_text(text)
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace_dir / f"{out.stem}.json"))
+
+
+if __name__ == "__main__":
+    main()
