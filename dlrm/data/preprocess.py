@@ -41,6 +41,8 @@ written. A bad line stops the run with one message naming the file and its 1-bas
 removes DIR.partial), unless `--skip-bad-lines`, in which case bad lines are counted and left out.
 """
 
+import ctypes
+import ctypes.util
 import fcntl
 import json
 import os
@@ -90,6 +92,10 @@ VOCAB_DIR = "vocab"
 COUNTS_DIR = "_counts"  # with --min-frequency: occurrences per id spilled to disk (removed at the end)
 DEFAULT_BLOCK_SIZE = 1 << 16  # lines per block = rows per parquet row group (~16 MiB of Criteo text)
 _COUNTER_POLL_S = 0.02
+# glibc's mallopt parameters, and what the CLI sets them to (see `_keep_freed_memory`).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks of text and numpy temporaries stay below it
+_TRIM_THRESHOLD = 1 << 30
 
 
 def load_metadata(data_dir: Path | str) -> dict:
@@ -819,6 +825,7 @@ def main(
     overwrite: bool,
 ) -> None:
     """Convert raw Criteo click logs into parquet shards per split and metadata.json."""
+    _keep_freed_memory()
     try:
         preprocess(
             list(inputs),
@@ -836,6 +843,18 @@ def main(
     except PreprocessError as e:
         click.echo(f"error: {e}", err=True)
         raise click.exceptions.Exit(2) from None
+
+
+def _keep_freed_memory() -> None:
+    """Have glibc's malloc keep freed memory for reuse instead of handing it back to the kernel. By default
+    it maps every allocation past 128 KiB (a block of text, numpy's per-column temporaries) on its own and
+    unmaps it when freed, so each block faults its pages in again: ~0.25 CPU-us per row of kernel time.
+    Peak RSS does not grow, since the blocks in flight are bounded. Process-wide, hence only in the CLI;
+    a no-op where the C library has no mallopt."""
+    mallopt = getattr(ctypes.CDLL(ctypes.util.find_library("c")), "mallopt", None)
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
 
 
 if __name__ == "__main__":
