@@ -30,6 +30,21 @@ class TextBlock(NamedTuple):
     data: bytes
 
 
+def split_block(block: TextBlock, max_lines: int) -> list[TextBlock]:
+    """`block` cut into consecutive blocks of about `max_lines` lines each, at line ends placed by byte
+    position (finding the exact `max_lines`-th line end would cost a pass over the bytes)."""
+    pieces = []
+    data, first_line, lines_left = block.data, block.first_line, block.lines
+    size = len(data) // -(-block.lines // max_lines)  # bytes per piece
+    start = 0
+    while start + size < len(data) and (end := data.find(b"\n", start + size) + 1) not in (0, len(data)):
+        lines = data.count(b"\n", start, end)
+        pieces.append(TextBlock(block.path, first_line, lines, data[start:end]))
+        start, first_line, lines_left = end, first_line + lines, lines_left - lines
+    pieces.append(TextBlock(block.path, first_line, lines_left, data[start:] if start else data))
+    return pieces
+
+
 def is_gzip(path: Path) -> bool:
     with path.open("rb") as f:
         return f.read(len(_GZIP_MAGIC)) == _GZIP_MAGIC
