@@ -42,7 +42,6 @@ removes DIR.partial), unless `--skip-bad-lines`, in which case bad lines are cou
 """
 
 import ctypes
-import ctypes.util
 import fcntl
 import json
 import os
@@ -857,7 +856,7 @@ def _keep_freed_memory() -> None:
     unmaps it when freed, so each block faults its pages in again: ~0.25 CPU-us per row of kernel time.
     Peak RSS does not grow, since the blocks in flight are bounded. Process-wide, hence only in the CLI;
     a no-op where the C library has no mallopt."""
-    mallopt = getattr(ctypes.CDLL(ctypes.util.find_library("c")), "mallopt", None)
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the C library linked into Python
     if mallopt is not None:
         mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
         mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
