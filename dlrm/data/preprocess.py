@@ -159,7 +159,8 @@ def preprocess(
         rows_per_file: lines per parquet shard (the last of a split may be shorter; bad lines are left out).
         skip_bad_lines: count and leave out malformed lines instead of stopping at the first one.
         overwrite: replace an existing `output_dir` that holds an earlier preprocess output.
-        block_size: lines parsed at once, and rows per parquet row group; memory grows with it.
+        block_size: lines a worker parses as one task (in pieces of PARSE_LINES), and rows per parquet
+            row group; memory grows with it.
         workers: threads that parse blocks (default: the CPU count).
         min_frequency: also write, per sparse column, the train ids seen at least this many times
             (DIR/vocab/<column>.parquet: `value` int64 ascending, `count` int64).
@@ -797,7 +798,8 @@ class _Run:
     "--block-size",
     default=DEFAULT_BLOCK_SIZE,
     show_default=True,
-    help="Lines parsed at once, and rows per parquet row group; memory grows with it and --workers.",
+    help="Lines a worker parses as one task, and rows per parquet row group; memory grows with it and "
+    "--workers.",
 )
 @click.option("--workers", type=int, default=None, help="Threads that parse blocks.  [default: CPU count]")
 @click.option(
