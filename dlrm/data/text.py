@@ -35,7 +35,7 @@ def split_block(block: TextBlock, max_lines: int) -> list[TextBlock]:
     position (finding the exact `max_lines`-th line end would cost a pass over the bytes)."""
     pieces = []
     data, first_line, lines_left = block.data, block.first_line, block.lines
-    size = len(data) // -(-block.lines // max_lines)  # bytes per piece
+    size = len(data) // max(1, -(-block.lines // max_lines))  # bytes per piece
     start = 0
     while start + size < len(data) and (end := data.find(b"\n", start + size) + 1) not in (0, len(data)):
         lines = _count_newlines(data, start, end)
