@@ -4,6 +4,7 @@ large gzip stream, split layouts row-exact across blocks, shards and files, stat
 import gzip
 import io
 import json
+import random
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from dlrm.data.preprocess import PreprocessError, load_metadata, preprocess
 from dlrm.data.schema import LABEL, RAW_COLUMNS, SPARSE_COLUMNS
 from dlrm.data.synthetic import SyntheticConfig, preset_cardinalities
 from dlrm.data.synthetic import write_tsv as write_synthetic_tsv
+from dlrm.data.text import TextBlock
 from tests.test_preprocess import SAMPLE, raw_lines, read_split, reference_rows
 
 REPO = Path(__file__).parents[1]
@@ -317,6 +319,34 @@ def test_bad_line_deep_in_a_large_gz_stream_is_skipped_and_counted(tmp_path, bad
     good = lines[:123_456] + lines[123_457:]
     c1 = [int(line.split(b"\t", 15)[14], 16) for line in good]
     assert read_split(tmp_path / "out", "train").column("C1").to_pylist() == c1
+
+
+def test_split_block_cuts_whole_lines_in_order():
+    rng = random.Random(0)
+    for _ in range(500):
+        data = b"".join(b"x" * rng.randrange(30) + b"\n" for _ in range(rng.randrange(1, 80)))
+        if rng.random() < 0.5:
+            data += b"last line without a newline"
+        lines = data.count(b"\n") + (not data.endswith(b"\n"))
+        max_lines = rng.randrange(1, 100)
+        pieces = text_module.split_block(TextBlock(Path("x.tsv"), 11, lines, data), max_lines)
+        assert b"".join(p.data for p in pieces) == data
+        assert [p.first_line for p in pieces] == [
+            11 + sum(p.lines for p in pieces[:i]) for i in range(len(pieces))
+        ]
+        assert all(p.lines == p.data.count(b"\n") + (not p.data.endswith(b"\n")) > 0 for p in pieces)
+        assert sum(p.lines for p in pieces) == lines
+        assert len(pieces) <= -(-lines // max_lines)
+
+
+def test_blocks_parsed_in_pieces_give_the_same_output(tmp_path, monkeypatch):
+    args = {"rows_per_file": 1500, "block_size": 400, "layout": "kaggle"}
+    reference = tmp_path / "reference"
+    preprocess([SAMPLE], reference, **args)
+    monkeypatch.setattr(preprocess_module, "PARSE_LINES", 37)
+    preprocess([SAMPLE], tmp_path / "out", **args)
+    assert_same_output(tmp_path / "out", reference)
+    assert pq.read_metadata(tmp_path / "out" / "train" / "part-00000.parquet").row_group(0).num_rows == 400
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:

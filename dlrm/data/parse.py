@@ -7,8 +7,8 @@ Output: `label` float32; `I1..I13` float32 (missing -> 0; counts past 2**24 roun
 
 Two paths, same result (tests/test_parse.py compares them on tricky fields). The fast path handles
 blocks as Criteo writes them (ids of exactly 8 digits, no bytes past "f" nor below "-" but tabs and
-newlines): pyarrow's CSV reader with typed columns, ids tested and decoded 8 bytes at a time as 64-bit
-words. Any block the fast path does not accept goes through the checked path,
+newlines): pyarrow's CSV reader with typed columns, ids tested and decoded two hex digits at a time by
+a table look-up. Any block the fast path does not accept goes through the checked path,
 which validates every field and finds the first bad line with its number (or drops bad lines).
 """
 
@@ -43,9 +43,16 @@ _FAST_TYPES = {
     **{c: pa.binary() for c in SPARSE_COLUMNS},
 }
 _LOOSE_INTEGER_BYTES = (b"X", b" ")
-_ONES = 0x0101010101010101
-_HIGH_BITS = np.uint64(0x80 * _ONES)
-_U64 = np.uint64
+# Two bytes read as a little-endian uint16 (first byte low) -> the number their two hex digits write, first
+# digit high; 0xFFFF when either byte is not a hex digit.
+_IS_HEX_DIGIT = np.zeros(256, dtype=bool)
+_IS_HEX_DIGIT[np.frombuffer(b"0123456789abcdefABCDEF", dtype=np.uint8)] = True
+_FIRST, _SECOND = np.arange(1 << 16) & 0xFF, np.arange(1 << 16) >> 8
+_PAIR_VALUE = np.where(
+    _IS_HEX_DIGIT[_FIRST] & _IS_HEX_DIGIT[_SECOND],
+    _HEX_DIGIT_VALUE[_FIRST] * 16 + _HEX_DIGIT_VALUE[_SECOND],
+    0xFFFF,
+).astype(np.uint16)
 
 
 def parse_block(block: TextBlock, skip_bad_lines: bool) -> tuple[pa.RecordBatch, int]:
@@ -81,8 +88,7 @@ def _read_csv(data: bytes, types: dict, on_invalid_row=None) -> pa.Table:
 def _parse_fast(block: TextBlock) -> pa.RecordBatch | None:
     """The block's rows, or None when the block needs the checked path (see the module docstring)."""
     # pyarrow reads integers more loosely than Criteo writes them: "0x1f", "0X1F", " 5 " (it rejects other
-    # white space). So: no byte past "f" (which also leaves ids' bytes below 0x80, as _hex_ids needs), no
-    # "X", no space (a "\r" would end a row: the row count tells).
+    # white space). So: no byte past "f", no "X", no space (a "\r" would end a row: the row count tells).
     if np.frombuffer(block.data, dtype=np.uint8).max() > ord("f") or any(
         block.data.find(byte) >= 0 for byte in _LOOSE_INTEGER_BYTES
     ):
@@ -94,10 +100,10 @@ def _parse_fast(block: TextBlock) -> pa.RecordBatch | None:
     if table.num_rows != block.lines:
         return None
     label = _one_chunk(table.column(LABEL))
-    label_digits = _fixed_width_bytes(label, 1)
-    if label_digits is None or len(label_digits) != len(label):
+    taken = _fixed_width_bytes(label, 1)
+    if taken is None or taken[1] is not None:  # a label of another length, or an empty one
         return None
-    label_values = label_digits - np.uint8(ord("0"))  # wraps around below "0"
+    label_values = taken[0] - np.uint8(ord("0"))  # wraps around below "0"
     if np.any(label_values > 1):
         return None
     arrays = [pa.array(label_values.astype(np.float32))]
@@ -120,56 +126,40 @@ def _one_chunk(column: pa.ChunkedArray) -> pa.Array:
     return column.chunk(0) if column.num_chunks == 1 else pa.concat_arrays(column.chunks)
 
 
-def _fixed_width_bytes(values: pa.Array, width: int) -> np.ndarray | None:
-    """The bytes of the non-empty values of a binary array as [k] uint8 (width 1) or [k] native uint64
-    read big-endian (width 8), with the positions of the empty values left out; None unless every value
-    is empty or exactly `width` bytes long."""
+def _fixed_width_bytes(values: pa.Array, width: int) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """The bytes of the non-empty values of a binary array, one after the other ([k * width] uint8), and
+    which values are non-empty ([n] bool, None when all are); None unless every value is empty or exactly
+    `width` bytes long."""
     n = len(values)
     offsets = np.frombuffer(values.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * values.offset)
     lengths = np.diff(offsets)
     if not np.all((lengths == 0) | (lengths == width)):
         return None
-    k = int(offsets[-1] - offsets[0]) // width
+    size = int(offsets[-1] - offsets[0])
+    present = None if size == n * width else lengths != 0
     data = values.buffers()[2]
-    if k == 0 or data is None:
-        return np.empty(0, dtype=np.uint8 if width == 1 else np.uint64)
-    dtype = np.dtype(np.uint8 if width == 1 else ">u8")
-    return np.frombuffer(data, dtype=dtype, count=k, offset=int(offsets[0])).astype(dtype.newbyteorder("="))
-
-
-def _at_least(words: np.ndarray, low: int) -> np.ndarray:
-    """Per byte of [k] uint64 `words` whose bytes are all below 0x80: 0x80 where the byte is >= `low`."""
-    return (words + _U64((0x80 - low) * _ONES)) & _HIGH_BITS
-
-
-def _at_most(words: np.ndarray, high: int) -> np.ndarray:
-    """Per byte of [k] uint64 `words` whose bytes are all below 0x80: 0x80 where the byte is <= `high`."""
-    return (_U64((0x80 + high) * _ONES) - words) & _HIGH_BITS
+    if size == 0 or data is None:
+        return np.empty(0, dtype=np.uint8), present
+    return np.frombuffer(data, dtype=np.uint8, count=size, offset=int(offsets[0])), present
 
 
 def _hex_ids(values: pa.Array) -> np.ndarray | None:
     """[n] int64 ids of a binary array of empty or 8-hex-digit values (empty -> MISSING_CATEGORY), or None
-    when a value is of another length or not hex. Its bytes must be below 0x80 (the caller checks).
-    Each value is one 64-bit word, tested and decoded 8 bytes at a time."""
-    words = _fixed_width_bytes(values, 8)
-    if words is None:
+    when a value is of another length or not hex. Each pair of digits is one look-up in _PAIR_VALUE (a
+    gather costs less than testing and decoding the bytes arithmetically in numpy)."""
+    taken = _fixed_width_bytes(values, 8)
+    if taken is None:
         return None
-    lower = words | _U64(0x20 * _ONES)  # "A".."F" -> "a".."f"; digits unchanged
-    digit = _at_least(words, ord("0")) & _at_most(words, ord("9"))
-    letter = _at_least(lower, ord("a")) & _at_most(lower, ord("f"))
-    if not np.all((digit | letter) == _HIGH_BITS):
+    digits, present = taken
+    octets = np.take(_PAIR_VALUE, digits.view("<u2"))  # the ids' bytes, most significant first
+    if len(octets) and octets.max() > 0xFF:
         return None
-    # Digit value of each byte: its low 4 bits, plus 9 for a letter (bit 0x40); then the 8 nibbles,
-    # most significant first, packed pairwise into one 32-bit number.
-    x = (words & _U64(0x0F * _ONES)) + _U64(9) * ((words >> _U64(6)) & _U64(_ONES))
-    x = ((x >> _U64(4)) | x) & _U64(0x00FF00FF00FF00FF)
-    x = ((x >> _U64(8)) | x) & _U64(0x0000FFFF0000FFFF)
-    x = ((x >> _U64(16)) | x) & _U64(0xFFFFFFFF)
-    if len(x) == len(values):
-        return x.astype(np.int64)
-    ids = np.full(len(values), MISSING_CATEGORY, dtype=np.int64)
-    ids[pc.not_equal(pc.binary_length(values), 0).to_numpy(zero_copy_only=False)] = x
-    return ids
+    ids = octets.astype(np.uint8).view(">u4").astype(np.int64)
+    if present is None:
+        return ids
+    with_missing = np.full(len(values), MISSING_CATEGORY, dtype=np.int64)
+    with_missing[present] = ids
+    return with_missing
 
 
 def _parse_checked(block: TextBlock, skip_bad_lines: bool) -> tuple[pa.RecordBatch, int]:

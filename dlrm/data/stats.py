@@ -207,20 +207,21 @@ def block_stats(rows: pa.RecordBatch | pa.Table, features: bool, value_counts: b
     empty = np.zeros(len(DENSE_COLUMNS))
     if not features or n == 0:
         return BlockStats(n, positives, empty + np.inf, empty - np.inf, empty, None, None)
-    dense = np.stack([rows.column(c).to_numpy() for c in DENSE_COLUMNS], axis=1)
+    # Column by column: numpy's reductions over the rows of a stacked [n, 13] matrix cost 5x more.
+    dense = [rows.column(c).to_numpy() for c in DENSE_COLUMNS]
     distinct, counts = [], [] if value_counts else None
     for c in SPARSE_COLUMNS:
         ids = rows.column(c).to_numpy()
-        ids = ids[ids != MISSING_CATEGORY]
-        distinct.append(pd.unique(ids))
+        unique = pd.unique(ids)  # then leave out the missing id: cheaper than masking every row first
+        distinct.append(unique[unique != MISSING_CATEGORY])
         if counts is not None:
-            counts.append(pd.Series(ids).value_counts(sort=False))
+            counts.append(pd.Series(ids[ids != MISSING_CATEGORY]).value_counts(sort=False))
     return BlockStats(
         n,
         positives,
-        dense.min(axis=0).astype(np.float64),
-        dense.max(axis=0).astype(np.float64),
-        dense.sum(axis=0, dtype=np.float64),
+        np.array([values.min() for values in dense], dtype=np.float64),
+        np.array([values.max() for values in dense], dtype=np.float64),
+        np.array([values.sum(dtype=np.float64) for values in dense]),
         distinct,
         counts,
     )
