@@ -76,6 +76,19 @@ def check_nothing_looks_complete_that_is_not(partial: Path) -> list[Path]:
     return shards
 
 
+def _record_opened_inputs(monkeypatch) -> list:
+    """The input paths preprocess opens from now on, in order (LineReader wrapped to record them)."""
+    opened = []
+    line_reader = text_module.LineReader
+
+    def recording_line_reader(path):
+        opened.append(path)
+        return line_reader(path)
+
+    monkeypatch.setattr(text_module, "LineReader", recording_line_reader)
+    return opened
+
+
 def test_resume_after_kill_gives_the_rows_of_an_uninterrupted_run(tmp_path, big_gz):
     args = {"rows_per_file": 10_000, "block_size": 2_000}
     reference = tmp_path / "reference"
@@ -147,14 +160,7 @@ def test_resume_does_not_read_inputs_whose_shards_are_all_complete(tmp_path, mon
     with pytest.raises(InjectedCrash):
         preprocess(days, out, **args)
     monkeypatch.undo()
-    opened = []
-    line_reader = text_module.LineReader
-
-    def recording_line_reader(path):
-        opened.append(path)
-        return line_reader(path)
-
-    monkeypatch.setattr(text_module, "LineReader", recording_line_reader)
+    opened = _record_opened_inputs(monkeypatch)
     preprocess(days, out, **args)
     assert opened == [days[-1]]  # the train shards (days 0-2) and val were kept
     assert_same_output(out, reference)
@@ -201,14 +207,7 @@ def test_terabyte_resume_with_later_days_not_counted_yet(tmp_path, monkeypatch):
     manifest = json.loads((tmp_path / "out.partial" / "manifest.json").read_text())
     assert manifest["line_counts"][:3] == [3000, None, None]
     monkeypatch.undo()
-    opened = []
-    line_reader = text_module.LineReader
-
-    def recording_line_reader(path):
-        opened.append(path)
-        return line_reader(path)
-
-    monkeypatch.setattr(text_module, "LineReader", recording_line_reader)
+    opened = _record_opened_inputs(monkeypatch)
     preprocess(days, out, **args)
     assert opened == days[1:]  # day 0 is skipped by its known count
     assert_same_output(out, reference)
