@@ -6,8 +6,9 @@ optimizer, so their optimizer state (Adagrad's accumulators; empty for SGD) is s
 
 With `data.loader` "streaming" a checkpoint also holds `loader`: the train loader's position
 (`StreamingLoader.state_dict()`: epoch, batches consumed, and the settings a resume must match); other
-loaders store None. Training does not resume from checkpoints yet: a resuming run would rebuild the loader
-with the same settings, call `load_state_dict(state["loader"])` and get exactly the batches that followed.
+loaders store None (their order is a function of the seed and epoch, so the step alone places them).
+`best` and `evals_since_best` keep early stopping's state. `python -m dlrm.train --resume PATH` restores
+all of it and goes on from `step`.
 """
 
 import os

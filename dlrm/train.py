@@ -6,6 +6,7 @@ Watch it with `tensorboard --logdir runs`.
 """
 
 import functools
+import itertools
 import json
 import os
 import sys
@@ -19,7 +20,7 @@ from loguru import logger
 from torch.profiler import record_function
 from torch.utils.tensorboard import SummaryWriter
 
-from dlrm.checkpoint import save_checkpoint
+from dlrm.checkpoint import load_checkpoint, save_checkpoint
 from dlrm.config import RunConfig, load_config, replace
 from dlrm.data.dataset import Batch, BatchLoader, load_metadata, open_split
 from dlrm.data.loaders import make_train_loader
@@ -105,6 +106,28 @@ def _use_interpreter_on_cpu(cfg: RunConfig, device: torch.device) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _load_resumable(path: Path, cfg: RunConfig, model: DLRM, optimizer: torch.optim.Optimizer) -> dict:
+    """Load checkpoint `path` into `model` and `optimizer`; return it (step, best, loader position, ...).
+
+    Raises:
+        ValueError: the file is not a checkpoint, or was trained with another model config or optimizer.
+    """
+    state = load_checkpoint(path)
+    ours, theirs = cfg.to_dict(), state["config"]
+    for section, key in [("model", k) for k in ours["model"]] + [("train", "optimizer"), ("data", "loader")]:
+        if theirs[section].get(key) != ours[section][key]:
+            raise ValueError(
+                f"{path}: trained with {section}.{key} = {theirs[section].get(key)!r}, "
+                f"the config has {ours[section][key]!r}"
+            )
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if model.sparse_arch.kernel == "triton" and state.get("embedding_optimizer_state") is not None:
+        model.sparse_arch.optimizer_state.copy_(state["embedding_optimizer_state"])
+    logger.info("resuming from {} at step {}", path, state["step"])
+    return state
+
+
 def _make_run_dir(cfg: RunConfig, output_dir: Path | None) -> Path:
     if output_dir is None:
         output_dir = Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
@@ -112,13 +135,17 @@ def _make_run_dir(cfg: RunConfig, output_dir: Path | None) -> Path:
     return output_dir
 
 
-def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
+def train(cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = None) -> dict:
     """Train per `cfg`, writing everything into the run directory; returns the metrics.json contents:
     {"steps", "samples", "train_loss", "eval_auc", "eval_logloss", "samples_per_s", "wall_s", "backend", ...}.
     "eval_auc"/"eval_logloss" are those of the best evaluation (saved as checkpoints/best.pt).
+    With `resume` (a checkpoint of a run of the same model config) training goes on from its step: weights,
+    optimizer state, best evaluation and the train loader's position are restored, and the run directory
+    defaults to the checkpoint's. "samples" then counts this run's samples only.
 
     Raises:
-        ValueError: bad data directory, config values the data contradicts, or no CUDA for device "cuda".
+        ValueError: bad data directory, config values the data contradicts, no CUDA for device "cuda", or a
+            checkpoint that does not fit the config.
     """
     t = cfg.train
     device = resolve_device(t.device)
@@ -137,6 +164,7 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
     kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
     model = build_model(cfg.model, metadata, train_ids, **kernels).to(device)
     optimizer = make_optimizer(model, cfg)
+    state = _load_resumable(resume, cfg, model, optimizer) if resume is not None else {}
     if t.use_torch_compile:
         compile_dense_part(model)
     step_fn = functools.partial(train_step, precision=t.precision)
@@ -151,7 +179,9 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
             f"data.batch_size: {cfg.data.batch_size} leaves no batch of {train_loader.num_rows} train rows"
         )
 
-    run_dir = _make_run_dir(cfg, output_dir)
+    if state.get("loader") is not None:
+        train_loader.load_state_dict(state["loader"])
+    run_dir = _make_run_dir(cfg, output_dir if output_dir or resume is None else resume.parent.parent)
     config_json = json.dumps(cfg.to_dict(), indent=2)
     (run_dir / "config.json").write_text(config_json)
     logger.info(
@@ -181,11 +211,14 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
             loader=train_loader.state_dict() if isinstance(train_loader, StreamingLoader) else None,
             # The "triton" tables' Adagrad state lives beside them, not in the torch optimizer.
             embedding_optimizer_state=model.sparse_arch.optimizer_state if triton_tables else None,
+            best=best,
+            evals_since_best=evals_since_best,
         )
 
     max_steps = t.max_steps or t.epochs * len(train_loader)
-    step, samples, first_step_s = 0, 0, 0.0
-    best, last_eval, last_eval_step, evals_since_best = None, None, None, 0
+    step, samples, steps_run, first_step_s = state.get("step", 0), 0, 0, 0.0
+    best, evals_since_best = state.get("best"), state.get("evals_since_best", 0)
+    last_eval, last_eval_step = None, None
     loss_sum = torch.zeros((), device=device)
     interval_steps, interval_samples, interval_start = 0, 0, time.perf_counter()
     timed_s, timed_samples = 0.0, 0  # training throughput: first step and evaluations excluded
@@ -242,11 +275,17 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
     model.train()
     stop = False
     with make_profiler(cfg.profiler, run_dir, device) as profiler:
-        for epoch in range(t.epochs):
+        # A resumed run starts inside an epoch: the streaming loader knows where (its restored state); the
+        # others replay the epoch's deterministic order and skip the batches already trained on.
+        if isinstance(train_loader, StreamingLoader):
+            first_epoch, skip = train_loader.epoch, 0
+        else:
+            first_epoch, skip = divmod(step, len(train_loader))
+        for epoch in range(first_epoch, t.epochs):
             if stop or step >= max_steps:
                 break
             train_loader.set_epoch(epoch)
-            batches = iter(train_loader)
+            batches = itertools.islice(iter(train_loader), skip if epoch == first_epoch else 0, None)
             while step < max_steps and not stop:
                 step_start = time.perf_counter()
                 with record_function("data"):
@@ -256,8 +295,9 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
                 loss = step_fn(model, optimizer, batch)
                 profiler.step()
                 step += 1
+                steps_run += 1
                 samples += batch.label.numel()
-                if step == 1:
+                if steps_run == 1:
                     # The first step pays for compilation (Inductor, Triton JIT): reported apart.
                     if device.type == "cuda":
                         torch.cuda.synchronize()
@@ -276,6 +316,8 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
             log_interval(epoch)
             if not stop and last_eval_step != step:
                 stop = run_eval()  # end of epoch
+    if last_eval is None:  # a resumed run that had no step left to train
+        run_eval()
     wall_s = time.perf_counter() - start
     checkpoint("last.pt", step)
     metrics = {
@@ -351,6 +393,12 @@ def train(cfg: RunConfig, output_dir: Path | None = None) -> dict:
     default=None,
     help="Run directory [default: runs/<name>-<timestamp>].",
 )
+@click.option(
+    "--resume",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Go on from this checkpoint (e.g. runs/<run>/checkpoints/last.pt), in its run directory.",
+)
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after N training steps.")
 @click.option(
     "--device",
@@ -367,6 +415,7 @@ def main(
     cuda_graphs,
     precision,
     output_dir,
+    resume,
     max_steps,
     device,
     seed,
@@ -388,7 +437,7 @@ def main(
         ):
             if value is not None:
                 overrides[key] = value
-        train(replace(cfg, "train", **overrides), output_dir)
+        train(replace(cfg, "train", **overrides), output_dir, resume)
     except (ValueError, FileNotFoundError) as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)

@@ -210,3 +210,26 @@ def test_triton_adagrad_checkpoint_keeps_the_embedding_state(criteo_sample, tmp_
     rows = sum(state["table_rows"])
     assert metrics["steps"] == 3 and accumulators.shape[0] == rows
     assert 0 < int((accumulators > 0).any(dim=1).sum()) < rows  # only looked-up rows have any
+
+
+@pytest.mark.parametrize("loader", ["memory", "streaming"])
+def test_resume_gives_the_weights_of_an_uninterrupted_run(criteo_sample, tmp_path, loader):
+    def run(name: str, max_steps: int, resume=None) -> dict:
+        cfg = replace(_tiny(criteo_sample, max_steps=max_steps), "data", loader=loader, shuffle_buffer=1000)
+        metrics = train_cli.train(cfg, tmp_path / name, resume=resume)
+        return metrics, torch.load(tmp_path / name / "checkpoints" / "last.pt", weights_only=True)
+
+    whole_metrics, whole = run("whole", 8)
+    run("first_half", 4)
+    metrics, resumed = run("second_half", 8, resume=tmp_path / "first_half" / "checkpoints" / "last.pt")
+    assert resumed["step"] == whole["step"] == 8 and metrics["samples"] == 4 * 256
+    for key, value in whole["model"].items():
+        torch.testing.assert_close(resumed["model"][key], value, rtol=1e-6, atol=1e-7, msg=key)
+    assert metrics["eval_auc"] == pytest.approx(whole_metrics["eval_auc"], abs=1e-6)
+
+
+def test_resume_refuses_another_model(criteo_sample, tmp_path):
+    train_cli.train(_tiny(criteo_sample, max_steps=2), tmp_path / "run")
+    cfg = replace(_tiny(criteo_sample, max_steps=4), "model", embedding_dim=4, bottom_mlp=(32, 4))
+    with pytest.raises(ValueError, match="trained with model.embedding_dim = 8, the config has 4"):
+        train_cli.train(cfg, tmp_path / "other", resume=tmp_path / "run" / "checkpoints" / "last.pt")
