@@ -254,7 +254,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     # The eager embeddings' sparse gradients and torch.optim.Adagrad's step count sync with the host,
     # which a CUDA graph cannot capture.
     if t.cuda_graphs:
-        _require(t.use_triton, "train.cuda_graphs", "train.use_triton true as well", t.cuda_graphs)
+        _require(t.use_triton, "train.use_triton", "true with train.cuda_graphs (--use-triton)", t.use_triton)
         _require(t.optimizer == "sgd", "train.optimizer", "'sgd' with train.cuda_graphs", t.optimizer)
     _require(
         t.triton_mlp_kernel in TRITON_MLP_KERNELS,

@@ -15,7 +15,9 @@ SMALL = ModelConfig(embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1), max_ro
 
 
 def test_config_requires_triton_and_sgd():
-    with pytest.raises(ValueError, match="train.cuda_graphs: expected train.use_triton true"):
+    with pytest.raises(
+        ValueError, match=r"train.use_triton: expected true with train.cuda_graphs .*got False"
+    ):
         validate(RunConfig(train=TrainConfig(cuda_graphs=True)))
     with pytest.raises(ValueError, match="train.optimizer: expected 'sgd' with train.cuda_graphs"):
         validate(RunConfig(train=TrainConfig(cuda_graphs=True, use_triton=True, optimizer="adagrad")))
