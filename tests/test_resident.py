@@ -51,7 +51,7 @@ def test_drop_last_and_bad_batch_size(dataset):
 @pytest.mark.gpu
 def test_cuda_resident_permutation(dataset):
     loader = ResidentLoader(dataset, batch_size=16, shuffle=True, seed=4, device="cuda")
-    assert loader.sparse.is_cuda
+    assert loader.dataset.sparse.is_cuda
     batches = list(loader)
     assert all(t.is_cuda for b in batches for t in b)
     ids = torch.cat([b.sparse[:, 0] for b in batches]).cpu()

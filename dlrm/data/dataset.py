@@ -18,6 +18,7 @@ The file listing (`split_paths`, `split_files`), layout check (`columns_of`) and
 are shared with the GPU-resident (dlrm.data.resident) and streaming (dlrm.data.streaming) loaders.
 """
 
+import copy
 import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -99,6 +100,14 @@ class ParquetDataset:
 
     def __len__(self) -> int:
         return self.num_rows
+
+    def to(self, device: torch.device | str) -> "ParquetDataset":
+        """The same rows with their tensors on `device` (a shallow copy; `self` when already there)."""
+        if self.label.device == torch.device(device):
+            return self
+        moved = copy.copy(self)
+        moved.dense, moved.sparse, moved.label = (t.to(device) for t in (self.dense, self.sparse, self.label))
+        return moved
 
     def batch(self, index: slice | Tensor) -> Batch:
         """Rows `index` (a slice, giving views of the dataset's tensors, or [B] int64 row indices)."""
@@ -275,13 +284,20 @@ class BatchLoader:
             return self.num_rows // self.batch_size
         return math.ceil(self.num_rows / self.batch_size)
 
+    def permutation(self) -> Tensor:
+        """[N] int64 row order of the current epoch: torch.randperm seeded with seed + epoch."""
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_rows, generator=generator)
+
     def __iter__(self) -> Iterator[Batch]:
-        order = None
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_rows, generator=generator)
-        # Pinned host memory lets the host-to-device copy run asynchronously; only CUDA has it.
-        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        order = self.permutation() if self.shuffle else None
+        # Pinned host memory lets the host-to-device copy run asynchronously; only CUDA has it. Rows that
+        # already live on the device (ResidentLoader) need no copy.
+        pin = (
+            self.device.type == "cuda"
+            and torch.cuda.is_available()
+            and self.dataset.label.device.type == "cpu"
+        )
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             stop = start + self.batch_size
             batch = self.dataset.batch(slice(start, stop) if order is None else order[start:stop])

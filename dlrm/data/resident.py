@@ -14,19 +14,18 @@ The split costs N * 264 bytes of device memory (dense 13 x 4, sparse 26 x 8, lab
 permutation; use the streaming loader (dlrm.data.streaming) for splits that do not fit.
 """
 
-import math
-from collections.abc import Iterator
-
 import torch
+from torch import Tensor
 
-from dlrm.data.dataset import Batch, ParquetDataset
+from dlrm.data.dataset import BatchLoader, ParquetDataset
 
 # Bytes per row on the device: the row's tensors and its entry in the epoch's permutation.
 _ROW_BYTES = 13 * 4 + 26 * 8 + 4 + 8
 
 
-class ResidentLoader:
-    """Iterates a dataset held in device memory in mini-batches of `batch_size` rows.
+class ResidentLoader(BatchLoader):
+    """Iterates a dataset held in device memory in mini-batches of `batch_size` rows: a BatchLoader whose
+    rows are copied to `device` once and whose epoch order is drawn on the device.
 
     Args:
         dataset: the rows (a ParquetDataset); its tensors are copied to `device` once.
@@ -51,50 +50,18 @@ class ResidentLoader:
         drop_last: bool = False,
         device: torch.device | str = "cpu",
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        self.device = torch.device(device)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+        device = torch.device(device)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
             needed = dataset.num_rows * _ROW_BYTES
             if needed > free:
                 raise ValueError(
                     f"the split ({dataset.num_rows} rows, {needed / 2**30:.1f} GiB) does not fit in the "
-                    f"{free / 2**30:.1f} GiB free on {self.device}: use the streaming loader"
+                    f"{free / 2**30:.1f} GiB free on {device}: use the streaming loader"
                 )
-        self.dense, self.sparse, self.label = (
-            t.to(self.device) for t in (dataset.dense, dataset.sparse, dataset.label)
-        )
-        self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, seed, drop_last
-        self.epoch = 0
+        super().__init__(dataset.to(device), batch_size, shuffle, seed, drop_last, device)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the shuffle order of `epoch` (the generator is seeded with seed + epoch)."""
-        self.epoch = epoch
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.label)
-
-    def __len__(self) -> int:
-        """Number of batches per epoch."""
-        if self.drop_last:
-            return self.num_rows // self.batch_size
-        return math.ceil(self.num_rows / self.batch_size)
-
-    def __iter__(self) -> Iterator[Batch]:
-        order = None
-        if self.shuffle:
-            generator = torch.Generator(device=self.device).manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_rows, generator=generator, device=self.device)
-        for start in range(0, len(self) * self.batch_size, self.batch_size):
-            stop = start + self.batch_size
-            if order is None:
-                yield Batch(self.dense[start:stop], self.sparse[start:stop], self.label[start:stop])
-            else:
-                index = order[start:stop]
-                yield Batch(
-                    self.dense.index_select(0, index),
-                    self.sparse.index_select(0, index),
-                    self.label.index_select(0, index),
-                )
+    def permutation(self) -> Tensor:
+        """[N] int64 row order of the current epoch, drawn on the device (no host work, no copy)."""
+        generator = torch.Generator(device=self.device).manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_rows, generator=generator, device=self.device)
