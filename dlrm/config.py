@@ -17,6 +17,7 @@ LOADERS = ("memory", "gpu_resident", "streaming")
 INTERACTIONS = ("dot", "cat")
 OPTIMIZERS = ("sgd", "adagrad")
 PRECISIONS = ("fp32", "tf32", "bf16")
+COMPILE_MODES = ("default", "reduce-overhead")
 TRITON_MLP_KERNELS = ("linear_act", "bias_act")
 
 
@@ -71,10 +72,12 @@ class TrainConfig:
 
     `embedding_lr` defaults to `lr`. `eval_interval` (steps) of null evaluates at each epoch's end only.
     `patience`: stop after this many evaluations without a better eval AUC (null: never stop early).
-    `use_torch_compile` compiles the dense part with Inductor. `use_triton` runs the model on our Triton
-    kernels: table-batched embeddings whose backward applies the optimizer (SGD or Adagrad) to the touched
-    rows, the dot interaction, the loss, and the MLP layers, which `triton_mlp_kernel` picks: "linear_act"
-    (GEMM + bias + activation fused) or "bias_act" (cuBLAS GEMM, then fused bias + activation).
+    `use_torch_compile` compiles the dense part with Inductor, in `compile_mode` "default" or
+    "reduce-overhead" (Inductor also captures the compiled part as CUDA graphs). `use_triton` runs the
+    model on our Triton kernels: table-batched embeddings whose backward applies the optimizer (SGD or
+    Adagrad) to the touched rows, the dot interaction, the loss, and the MLP layers, which
+    `triton_mlp_kernel` picks: "linear_act" (GEMM + bias + activation fused) or "bias_act" (cuBLAS GEMM,
+    then fused bias + activation).
     Both flags may be set. `cuda_graphs` captures the whole training step once as a CUDA graph and
     replays it (dlrm.graphs); it needs `use_triton` and optimizer "sgd", whose steps have no host sync.
     `precision` of the training step's MLPs and interaction: "fp32", "tf32" (fp32 tensors, TF32 tensor-core
@@ -93,6 +96,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     use_torch_compile: bool = False
+    compile_mode: str = "default"
     use_triton: bool = False
     triton_mlp_kernel: str = "linear_act"
     cuda_graphs: bool = False
@@ -251,11 +255,15 @@ def validate(cfg: RunConfig) -> RunConfig:
     _require(t.log_interval > 0, "train.log_interval", "a positive integer", t.log_interval)
     _require(t.device in DEVICES, "train.device", f"one of {DEVICES}", t.device)
     _require(t.precision in PRECISIONS, "train.precision", f"one of {PRECISIONS}", t.precision)
+    _require(t.compile_mode in COMPILE_MODES, "train.compile_mode", f"one of {COMPILE_MODES}", t.compile_mode)
     # The eager embeddings' sparse gradients and torch.optim.Adagrad's step count sync with the host,
     # which a CUDA graph cannot capture.
     if t.cuda_graphs:
         _require(t.use_triton, "train.use_triton", "true with train.cuda_graphs (--use-triton)", t.use_triton)
         _require(t.optimizer == "sgd", "train.optimizer", "'sgd' with train.cuda_graphs", t.optimizer)
+        # Inductor's own CUDA graphs cannot be recorded inside the whole-step capture.
+        mode = t.compile_mode
+        _require(mode == "default", "train.compile_mode", "'default' with train.cuda_graphs", mode)
     _require(
         t.triton_mlp_kernel in TRITON_MLP_KERNELS,
         "train.triton_mlp_kernel",

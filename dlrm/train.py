@@ -58,12 +58,13 @@ def make_optimizer(model: DLRM, cfg: RunConfig) -> torch.optim.Optimizer:
     return torch.optim.Adagrad(groups, lr=t.lr)
 
 
-def compile_dense_part(model: DLRM) -> None:
-    """Compile the MLPs and the interaction with Inductor, in place. The embedding lookups stay eager:
-    their sparse gradients do not compile. The batch dimension is dynamic from the start, so the last
-    partial batch and the eval batch size do not trigger recompiles."""
+def compile_dense_part(model: DLRM, mode: str = "default") -> None:
+    """Compile the MLPs and the interaction with Inductor, in place, in torch.compile's `mode` ("default"
+    or "reduce-overhead": CUDA graphs of the compiled part, one per batch size). The embedding lookups
+    stay eager: their sparse gradients do not compile. The batch dimension is dynamic from the start, so
+    the last partial batch and the eval batch size do not trigger recompiles."""
     for module in (model.dense_arch, model.interaction_arch, model.over_arch):
-        module.compile(dynamic=True)
+        module.compile(dynamic=True, mode=mode)
 
 
 def set_precision(precision: str) -> None:
@@ -78,6 +79,9 @@ def train_step(
 ) -> torch.Tensor:
     """One optimization step on `batch`; returns the mean BCE-with-logits loss, a device scalar (no sync).
     With precision "bf16" the forward runs under bf16 autocast (the loss is computed in fp32)."""
+    # A new iteration for Inductor's CUDA graphs (compile_mode "reduce-overhead"), whose outputs of the
+    # last step may be overwritten from here on; without them this is a no-op.
+    torch.compiler.cudagraph_mark_step_begin()
     with (
         record_function("forward"),
         torch.autocast(batch.dense.device.type, torch.bfloat16, precision == "bf16"),
@@ -166,7 +170,7 @@ def train(cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = 
     optimizer = make_optimizer(model, cfg)
     state = _load_resumable(resume, cfg, model, optimizer) if resume is not None else {}
     if t.use_torch_compile:
-        compile_dense_part(model)
+        compile_dense_part(model, t.compile_mode)
     step_fn = functools.partial(train_step, precision=t.precision)
     if t.cuda_graphs:
         if device.type != "cuda":
@@ -363,6 +367,13 @@ def train(cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = 
     "--use-torch-compile", is_flag=True, help="Compile the MLPs and interaction with torch.compile."
 )
 @click.option(
+    "--compile-mode",
+    type=click.Choice(["default", "reduce-overhead"]),
+    default=None,
+    help="With --use-torch-compile: torch.compile's mode; reduce-overhead adds Inductor's CUDA graphs. "
+    "Overrides train.compile_mode.",
+)
+@click.option(
     "--use-triton",
     is_flag=True,
     help="The model on our Triton kernels, forward and backward: embeddings with the optimizer fused into "
@@ -410,6 +421,7 @@ def train(cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = 
 def main(
     config_path,
     use_torch_compile,
+    compile_mode,
     use_triton,
     triton_mlp_kernel,
     cuda_graphs,
@@ -429,6 +441,7 @@ def main(
             "cuda_graphs": cuda_graphs or cfg.train.cuda_graphs,
         }
         for key, value in (
+            ("compile_mode", compile_mode),
             ("triton_mlp_kernel", triton_mlp_kernel),
             ("precision", precision),
             ("max_steps", max_steps),

@@ -50,6 +50,11 @@ def test_main_config_is_the_fb_dlrm_kaggle_architecture():
             {"data": {"loader": "streaming"}, "model": {"hashing": "vocab"}},
             "data.loader: expected 'memory' or 'gpu_resident' with model.hashing 'vocab', got 'streaming'",
         ),
+        ({"train": {"compile_mode": "max-autotune"}}, r"train.compile_mode: expected one of \('default'"),
+        (
+            {"train": {"use_triton": True, "cuda_graphs": True, "compile_mode": "reduce-overhead"}},
+            "train.compile_mode: expected 'default' with train.cuda_graphs, got 'reduce-overhead'",
+        ),
         ({"profiler": {"active": 0}}, "profiler.active"),
     ],
 )
