@@ -24,7 +24,7 @@ shape and dtype; b is tiny). For relu and identity it is still correct, just not
 
 The bias gradient is reduced inside the backward kernel: each program sums its BLOCK_M rows of dz into an
 fp32 partial per column and writes it to a [cdiv(M, BLOCK_M), N] fp32 buffer; the launcher then sums
-those partials with ``torch.sum(dim=0)``. No atomics, so db is deterministic run to run.
+those partials with ``kernels.partials.sum_partials``. No atomics, so db is deterministic run to run.
 
 It equals the PyTorch expression ``act(x + b)`` computed in fp32 and cast back to x's dtype (see
 ``bias_act_ref``); used after a bias-free GEMM, ``bias_act(F.linear(x, W), b, "relu")`` equals
@@ -40,6 +40,7 @@ from torch import Tensor
 
 from kernels.activations import ACTIVATIONS, act_fwd, act_grad, act_grad_ref, act_ref, check_activation
 from kernels.launch import DTYPES, INTERPRETED, use_triton
+from kernels.partials import sum_partials
 
 __all__ = [
     "ACTIVATIONS",
@@ -265,7 +266,7 @@ def bias_act_bwd(
         BLOCK_M=block_m, BLOCK_N=block_n, ACTIVATION=activation,
         num_warps=num_warps,
     )  # fmt: skip
-    db = db_part.sum(dim=0).to(b.dtype)
+    db = sum_partials(db_part, b.dtype)
     return dx_out, db
 
 

@@ -68,7 +68,7 @@ def _embedding_fwd_kernel(
     offsets_ptr,  # [F] int64 first row of each table
     rows_ptr,  # [F] int64 rows of each table
     weights_ptr,  # [R, D] fp32/bf16
-    out_ptr,  # [B, F, D] weights' dtype
+    out_ptr,  # [B, F, D] weights' dtype or out_dtype
     index_ptr,  # [B, F] int64 global row of each lookup
     # sizes
     B,
@@ -97,7 +97,7 @@ def _embedding_fwd_kernel(
     d = tl.arange(0, BLOCK_D)
     mask = mask_b[:, None] & (d < D)[None, :]
     values = tl.load(weights_ptr + index[:, None] * D + d[None, :], mask=mask)
-    tl.store(out_ptr + lookup[:, None] * D + d[None, :], values, mask=mask)
+    tl.store(out_ptr + lookup[:, None] * D + d[None, :], values.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["N", "lr"])
@@ -236,15 +236,21 @@ def _check_ids(ids: Tensor, offsets: Tensor, hashing: str) -> None:
 
 
 def embedding_lookup_fwd(
-    weights: Tensor, offsets: Tensor, rows: Tensor, ids: Tensor, hashing: str
+    weights: Tensor,
+    offsets: Tensor,
+    rows: Tensor,
+    ids: Tensor,
+    hashing: str,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Launch the lookup kernel: (out [B, F, D], index [B, F] int64). See `embedding_lookup`."""
+    """Launch the lookup kernel: (out [B, F, D] in out_dtype (None: weights' dtype), index [B, F] int64).
+    See `embedding_lookup`."""
     _check_tables(weights, offsets, rows)
     _check_ids(ids, offsets, hashing)
     ids = ids.contiguous()
     b, f = ids.shape
     d = weights.shape[1]
-    out = weights.new_empty(b, f, d)
+    out = torch.empty(b, f, d, dtype=out_dtype or weights.dtype, device=weights.device)
     index = torch.empty_like(ids)
     if b == 0:
         return out, index
@@ -341,12 +347,18 @@ def embedding_update(
 
 
 def embedding_lookup_ref(
-    weights: Tensor, offsets: Tensor, rows: Tensor, ids: Tensor, hashing: str
+    weights: Tensor,
+    offsets: Tensor,
+    rows: Tensor,
+    ids: Tensor,
+    hashing: str,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """PyTorch lookup: (weights[index] [B, F, D], index [B, F]) with index as in the module docstring."""
+    """PyTorch lookup: (weights[index] [B, F, D] in out_dtype (None: weights' dtype), index [B, F]) with
+    index as in the module docstring."""
     row = torch.remainder(ids + 1, rows) if hashing == "modulus" else ids
     index = row + offsets
-    return weights[index], index
+    return weights[index].to(out_dtype or weights.dtype), index
 
 
 def embedding_update_ref(
@@ -384,17 +396,19 @@ def _lookup_op(
     optimizer: str,
     lr: float,
     eps: float,
+    out_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
     if use_triton(weights):
-        return embedding_lookup_fwd(weights, offsets, rows, ids, hashing)
+        return embedding_lookup_fwd(weights, offsets, rows, ids, hashing, out_dtype)
     _check_tables(weights, offsets, rows)
     _check_ids(ids, offsets, hashing)
-    return embedding_lookup_ref(weights, offsets, rows, ids, hashing)
+    return embedding_lookup_ref(weights, offsets, rows, ids, hashing, out_dtype)
 
 
 @_lookup_op.register_fake
-def _lookup_fake(weights, state, offsets, rows, ids, hashing, optimizer, lr, eps):
-    return weights.new_empty(ids.shape[0], ids.shape[1], weights.shape[1]), torch.empty_like(ids)
+def _lookup_fake(weights, state, offsets, rows, ids, hashing, optimizer, lr, eps, out_dtype):
+    out = torch.empty(ids.shape[0], ids.shape[1], weights.shape[1], dtype=out_dtype, device=weights.device)
+    return out, torch.empty_like(ids)
 
 
 @torch.library.custom_op("dlrm::embedding_update", mutates_args=("weights", "state"))
@@ -410,7 +424,7 @@ def _update_fake(weights, state, index, grad, optimizer, lr, eps) -> None:
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    weights, state, _, _, _, _, optimizer, lr, eps = inputs
+    weights, state, _, _, _, _, optimizer, lr, eps, _ = inputs
     _, index = output
     # The weights are saved only to be updated in backward (after they are unpacked, so autograd's
     # saved-tensor version check still holds).
@@ -423,7 +437,7 @@ def _backward(ctx, grad_out: Tensor, _grad_index):
     weights, state, index = ctx.saved_tensors
     _update_op(weights, state, index, grad_out, ctx.optimizer, ctx.lr, ctx.eps)
     # The weights were updated in place: no gradient leaves this op.
-    return None, None, None, None, None, None, None, None, None
+    return None, None, None, None, None, None, None, None, None, None
 
 
 _lookup_op.register_autograd(_backward, setup_context=_setup_context)
@@ -444,6 +458,7 @@ def embedding_lookup(
     optimizer: str = "sgd",
     lr: float = 0.01,
     eps: float = 1e-10,
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Look up F tables at once from raw ids; backward updates the weights in place (fused optimizer).
 
@@ -460,12 +475,16 @@ def embedding_lookup(
         ids: [B, F] int64 raw ids (-1 = missing) for "modulus"; rows within each table for "index".
         hashing: "modulus" (row = (id + 1) mod rows[f]) or "index" (ids are rows already).
         optimizer: "sgd", "adagrad" or "rowwise_adagrad"; lr, eps: its settings.
+        out_dtype: dtype of the result (None: weights' dtype), e.g. bf16 from fp32 tables under bf16
+            autocast: the kernel rounds as it stores, with no separate cast pass forward or backward (the
+            update reads a gradient of any float dtype).
     Returns:
-        [B, F, D] in weights' dtype: out[b, f] = weights[offsets[f] + row(ids[b, f])].
+        [B, F, D] in out_dtype: out[b, f] = weights[offsets[f] + row(ids[b, f])].
     Raises:
         ValueError: shapes, dtypes, devices, hashing or optimizer not as above (the message names them).
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown embedding optimizer {optimizer!r}: expected one of {OPTIMIZERS}")
-    out, _ = _lookup_op(weights, state, offsets, rows, ids, hashing, optimizer, lr, eps)
+    out_dtype = weights.dtype if out_dtype is None else out_dtype
+    out, _ = _lookup_op(weights, state, offsets, rows, ids, hashing, optimizer, lr, eps, out_dtype)
     return out

@@ -44,9 +44,9 @@ the layer is small or cuBLAS's GEMMs beat ours, and its cost is one extra [M, N]
         also sum dz over rows for db. Split-M: DLRM layers are small (N * K of a few thousand) while M
         (the batch) is large, so the rows are cut into ``splits`` chunks (see ``_dw_rows_per_split``);
         each program writes its fp32 partials to [splits, N, K] and [splits, N] buffers, and the launcher
-        sums them over the split axis (``torch.sum``). No atomics: every partial element is written by
-        exactly one program, so autotuning re-runs are harmless and the result is the same run to run
-        (for a given autotuned config).
+        sums them over the split axis (``kernels.partials.sum_partials``). No atomics: every partial
+        element is written by exactly one program, so autotuning re-runs are harmless and the result is
+        the same run to run (for a given autotuned config).
 
 It equals the PyTorch expression ``act(F.linear(x, W, b))`` computed in fp32 and cast back to x's dtype
 (see ``linear_act_ref``), up to the GEMM precision above.
@@ -62,6 +62,7 @@ from torch import Tensor
 
 from kernels.activations import ACTIVATIONS, act_fwd, act_grad, act_grad_ref, act_ref, check_activation
 from kernels.launch import DTYPES, INTERPRETED, use_triton
+from kernels.partials import sum_partials
 
 __all__ = [
     "ACTIVATIONS",
@@ -661,7 +662,7 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
     )  # fmt: skip
     dx = torch.mm(dz, weight) if needs_dx else None
     dw = torch.mm(dz.t(), x)
-    db = db_part.sum(dim=0).to(x.dtype) if has_bias else None
+    db = sum_partials(db_part, x.dtype) if has_bias else None
     return dx, dw, db
 
 
@@ -707,8 +708,8 @@ def _linear_act_bwd_triton(dy, x, weight, saved, activation, has_bias, needs_dx)
         HAS_BIAS=has_bias, ACTIVATION=activation,
         DOT_FP32=INTERPRETED, INPUT_PRECISION=_input_precision(x.dtype),
     )  # fmt: skip
-    dw = (dw_part[0] if splits == 1 else dw_part.sum(dim=0)).to(x.dtype)
-    db = (db_part[0] if splits == 1 else db_part.sum(dim=0)).to(x.dtype) if has_bias else None
+    dw = sum_partials(dw_part, x.dtype)
+    db = sum_partials(db_part, x.dtype) if has_bias else None
     return dx, dw, db
 
 

@@ -105,6 +105,28 @@ def test_update_matches_torch_optim(optimizer, d):
     assert torch.equal(w.detach()[untouched], weights[untouched])
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_bf16_output_from_fp32_tables(optimizer):
+    """out_dtype bf16 (what bf16 autocast asks for): the gather rounded once, and the bf16 gradient updates
+    the fp32 tables as that gradient in fp32 would."""
+    rows = [1, 7, 3, 130, 2]
+    weights, offsets, r = _tables(rows, 16)
+    ids = _ids(40, rows)
+    grad = torch.randn(40, len(rows), 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    grad = grad.to(torch.bfloat16)
+    expected_w, _ = _eager_step(rows, weights.clone(), ids, grad.float(), optimizer, 0.1)
+
+    w = weights.clone().requires_grad_()
+    state = optimizer_state(w, optimizer)
+    out = embedding_lookup(w, state, offsets, r, ids, "modulus", optimizer, 0.1, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    expected_out = embedding_lookup_ref(weights, offsets, r, ids, "modulus")[0]
+    # The interpreter rounds fp32 -> bf16 its own way (truncation); the GPU rounds to nearest.
+    torch.testing.assert_close(out.float(), expected_out, rtol=2 * 2**-8, atol=0)
+    out.backward(grad)
+    torch.testing.assert_close(w.detach(), expected_w, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("d", [4, 16])
 def test_rowwise_adagrad_matches_its_formula(d):
     rows = [3, 50, 1]

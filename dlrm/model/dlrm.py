@@ -139,7 +139,8 @@ class SparseArch(nn.Module):
         return torch.stack(columns, dim=1)
 
     def forward(self, sparse: torch.Tensor) -> torch.Tensor:
-        """sparse: [B, F] int64 raw ids -> embeddings [B, F, D]."""
+        """sparse: [B, F] int64 raw ids -> embeddings [B, F, D], the tables' dtype (kernel "triton" under
+        autocast: the autocast dtype, rounded by the lookup kernel as it stores)."""
         if self.kernel == "triton":
             from kernels.embedding import embedding_lookup
 
@@ -154,7 +155,13 @@ class SparseArch(nn.Module):
                 )
             optimizer, lr, eps = self.optimizer or ("sgd", 0.0, 0.0)  # lookups only: nothing is updated
             state, offsets = self.optimizer_state, self.offsets
-            return embedding_lookup(self.weights, state, offsets, self.rows, ids, hashing, optimizer, lr, eps)
+            # Under bf16 autocast the interaction takes bf16: the kernel writes it directly, saving a cast
+            # pass over [B, F, D] forward and one back to fp32 in backward.
+            device = sparse.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+            return embedding_lookup(
+                self.weights, state, offsets, self.rows, ids, hashing, optimizer, lr, eps, out_dtype=dtype
+            )
         rows = self.hash_ids(sparse)
         return torch.stack([table(rows[:, f]) for f, table in enumerate(self.embeddings)], dim=1)
 
