@@ -22,9 +22,10 @@ that is one formula for every activation, and it costs the same bytes as saving 
 shape and dtype; b is tiny). For relu and identity it is still correct, just not needed: relu'(z) is
 ``z > 0``, which equals ``y > 0`` (what PyTorch's relu backward reads), and identity' is 1.
 
-The bias gradient is reduced inside the backward kernel: each program sums its BLOCK_M rows of dz into an
-fp32 partial per column and writes it to a [cdiv(M, BLOCK_M), N] fp32 buffer; the launcher then sums
-those partials with ``kernels.partials.sum_partials``. No atomics, so db is deterministic run to run.
+The bias gradient is reduced inside the backward kernel: each of P <= ``MAX_PARTIAL_ROWS`` programs along
+M loops over every P-th block of BLOCK_M rows, sums its dz into an fp32 partial per column and writes it
+to a [P, N] fp32 buffer; the launcher then sums those partials with ``kernels.partials.sum_partials``.
+No atomics, so db is deterministic run to run.
 
 It equals the PyTorch expression ``act(x + b)`` computed in fp32 and cast back to x's dtype (see
 ``bias_act_ref``); used after a bias-free GEMM, ``bias_act(F.linear(x, W), b, "relu")`` equals
@@ -40,7 +41,7 @@ from torch import Tensor
 
 from kernels.activations import ACTIVATIONS, act_fwd, act_grad, act_grad_ref, act_ref, check_activation
 from kernels.launch import DTYPES, INTERPRETED, use_triton
-from kernels.partials import sum_partials
+from kernels.partials import row_programs, sum_partials
 
 __all__ = [
     "ACTIVATIONS",
@@ -97,7 +98,7 @@ def _bias_act_bwd_kernel(
     x_ptr,  # [M, N] saved input
     b_ptr,  # [N] saved bias
     dx_ptr,  # [M, N] output: dz = dy * act'(x + b), same dtype as x
-    db_part_ptr,  # [cdiv(M, BLOCK_M), N] fp32 output: per-row-block column sums of dz
+    db_part_ptr,  # [P, N] fp32 output: column sums of dz per program along M (P of them)
     # sizes
     M,
     N,
@@ -112,22 +113,22 @@ def _bias_act_bwd_kernel(
     ACTIVATION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = rows < M
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = cols < N
-    mask = mask_m[:, None] & mask_n[None, :]
-
     b = tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dz = dy * act_grad(x + b[None, :], ACTIVATION)
-    tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :], dz.to(dx_ptr.dtype.element_ty), mask=mask)
-
-    # Masked-out rows must not leak into the sum (act'(b) * 0 is 0, but be explicit: NaN * 0 is NaN).
-    db_part = tl.sum(tl.where(mask, dz, 0.0), axis=0)
-    tl.store(db_part_ptr + pid_m.to(tl.int64) * stride_pm + cols, db_part, mask=mask_n)
+    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # Row blocks pid_m, pid_m + P, ... (P programs along M): few partial rows to sum afterwards.
+    for block in range(pid_m, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask = (rows < M)[:, None] & mask_n[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dz = dy * act_grad(x + b[None, :], ACTIVATION)
+        dx_ptrs = dx_ptr + rows[:, None] * stride_dxm + cols[None, :]
+        tl.store(dx_ptrs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
+        # Masked-out rows must not leak into the sum (act'(b) * 0 is 0, but be explicit: NaN * 0 is NaN).
+        db_acc += tl.sum(tl.where(mask, dz, 0.0), axis=0)
+    tl.store(db_part_ptr + pid_m.to(tl.int64) * stride_pm + cols, db_acc, mask=mask_n)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,8 +257,8 @@ def bias_act_bwd(
     x = x.contiguous()
     b = b.contiguous()
     block_m, block_n, num_warps = _pick_config(n)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    # Every (row block, column) of the partials is written by exactly one program.
+    grid = (row_programs(m, block_m), triton.cdiv(n, block_n))
+    # Every (program row, column) of the partials is written by exactly one program.
     db_part = torch.empty((grid[0], n), dtype=torch.float32, device=x.device)
     _bias_act_bwd_kernel[grid](
         dy, x, b, dx_out, db_part,

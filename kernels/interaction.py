@@ -14,8 +14,8 @@ Dtypes: fp32, bf16, fp16 (dense and embedded alike); out and gradients in the in
 (every value is loaded as fp32, the interpreter needs it for bf16 anyway); the dot products run on TF32
 tensor cores on the GPU: "tf32x3" (three products, error ~fp32's) for fp32 inputs, one "tf32" product for
 bf16/fp16 inputs (exact for them; see `_meta`), and IEEE in the interpreter.
-Each program loads a sample's F+1 vectors once and writes its whole output row (`SAMPLES` samples in turn,
-see `_meta`): no bmm, no gather of
+Each program loads a sample's F+1 vectors once and writes its whole output row (the forward's programs
+take `SAMPLES` samples in turn, see `_meta`): no bmm, no gather of
 the triangle, no concat, and no [B, F+1, F+1] intermediate. Backward saves the inputs (dense, embedded).
 The output width is not padded: the top MLP's first layer (and its checkpoints) stay as in eager.
 The PyTorch reference is `dot_interaction_ref`.
@@ -103,31 +103,27 @@ def _interaction_bwd_kernel(
     # meta-parameters
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SAMPLES: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    b = tl.program_id(0).to(tl.int64)
+    vectors = _load_vectors(dense_ptr, emb_ptr, b, B, F, D, BLOCK_T, BLOCK_D)
     i = tl.arange(0, BLOCK_T)[:, None]
     j = tl.arange(0, BLOCK_T)[None, :]
     hi = tl.maximum(i, j)
     lo = tl.minimum(i, j)
+    dout_row = dout_ptr + b * W
+    g = tl.load(dout_row + D + hi * (hi - 1) // 2 + lo, mask=(i != j) & (hi <= F), other=0.0).to(tl.float32)
+    dvectors = tl.dot(g, vectors, input_precision=PRECISION)  # [BLOCK_T, BLOCK_D]
     d = tl.arange(0, BLOCK_D)[None, :]
+    tl.store(
+        demb_ptr + (b * F + i - 1) * D + d,
+        dvectors.to(demb_ptr.dtype.element_ty),
+        mask=(i >= 1) & (i <= F) & (d < D),
+    )
     d1 = tl.arange(0, BLOCK_D)
-    for s in range(SAMPLES):
-        b = tl.program_id(0).to(tl.int64) * SAMPLES + s
-        in_b = b < B
-        vectors = _load_vectors(dense_ptr, emb_ptr, b, B, F, D, BLOCK_T, BLOCK_D)
-        dout_row = dout_ptr + b * W
-        g_mask = (i != j) & (hi <= F) & in_b
-        g = tl.load(dout_row + D + hi * (hi - 1) // 2 + lo, mask=g_mask, other=0.0).to(tl.float32)
-        dvectors = tl.dot(g, vectors, input_precision=PRECISION)  # [BLOCK_T, BLOCK_D]
-        tl.store(
-            demb_ptr + (b * F + i - 1) * D + d,
-            dvectors.to(demb_ptr.dtype.element_ty),
-            mask=(i >= 1) & (i <= F) & (d < D) & in_b,
-        )
-        passthrough = tl.load(dout_row + d1, mask=(d1 < D) & in_b, other=0.0).to(tl.float32)
-        ddense = tl.sum(tl.where(i == 0, dvectors, 0.0), axis=0) + passthrough
-        tl.store(ddense_ptr + b * D + d1, ddense.to(ddense_ptr.dtype.element_ty), mask=(d1 < D) & in_b)
+    passthrough = tl.load(dout_row + d1, mask=d1 < D, other=0.0).to(tl.float32)
+    ddense = tl.sum(tl.where(i == 0, dvectors, 0.0), axis=0) + passthrough
+    tl.store(ddense_ptr + b * D + d1, ddense.to(ddense_ptr.dtype.element_ty), mask=d1 < D)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,21 +148,24 @@ def _check_inputs(dense: Tensor, embedded: Tensor) -> None:
         raise ValueError(f"dense on {dense.device} but embedded on {embedded.device}")
 
 
-def _meta(f: int, d: int, dtype: torch.dtype) -> dict:
+def _meta(f: int, d: int, dtype: torch.dtype, backward: bool) -> dict:
     """Launch settings. The dot's precision on a GPU: for fp32 inputs "tf32x3" (three TF32 tensor-core
     products, about fp32's accuracy, much faster than "ieee" FMA dots); for bf16/fp16 inputs one "tf32"
     product, which is exact there (their significands fit TF32's 11 bits) at a third of the work. The
-    interpreter computes "ieee" fp32 dots anyway. One sample's tiles are small (32 x D), so one or two
-    warps per program beat four, and 16-bit inputs gain from 4 samples per program (H200, B=65536: D=128
-    bf16 forward 1.74 ms -> 0.25 ms; .lab timings in the issue 6 note)."""
+    interpreter computes "ieee" fp32 dots anyway. Warps and samples per program as measured fastest on an
+    H200 at B=65536 (F=26): one sample's tiles are small (32 x D), so the forward runs on one or two warps
+    and 16-bit inputs gain from 4 samples per program (D=128 bf16: 1.74 ms -> 0.28 ms; D=16 fp32: 185 us
+    -> 95 us); the backward, whose [32, D] fp32 result needs more registers, takes one sample per program
+    and four warps past D=32 (D=128 bf16: 0.39 ms; with 1 warp and 4 samples it was 1.7 ms)."""
     sixteen_bit = dtype != torch.float32
-    return {
+    meta = {
         "BLOCK_T": max(16, triton.next_power_of_2(f + 1)),
         "BLOCK_D": max(16, triton.next_power_of_2(d)),
-        "SAMPLES": 4 if sixteen_bit else 1,
         "PRECISION": "ieee" if INTERPRETED else ("tf32" if sixteen_bit else "tf32x3"),
-        "num_warps": 1 if sixteen_bit or d <= 32 else 2,
     }
+    if backward:
+        return meta | {"num_warps": 1 if d <= 32 else 4}
+    return meta | {"SAMPLES": 4 if sixteen_bit else 1, "num_warps": 1 if sixteen_bit or d <= 32 else 2}
 
 
 def dot_interaction_fwd(dense: Tensor, embedded: Tensor) -> Tensor:
@@ -178,7 +177,7 @@ def dot_interaction_fwd(dense: Tensor, embedded: Tensor) -> Tensor:
     out = dense.new_empty(b, w)
     if b == 0:
         return out
-    meta = _meta(f, d, dense.dtype)
+    meta = _meta(f, d, dense.dtype, backward=False)
     grid = (triton.cdiv(b, meta["SAMPLES"]),)
     _interaction_fwd_kernel[grid](dense, embedded, out, b, f, d, w, **meta)
     return out
@@ -195,9 +194,8 @@ def dot_interaction_bwd(dout: Tensor, dense: Tensor, embedded: Tensor) -> tuple[
     ddense, dembedded = torch.empty_like(dense), torch.empty_like(embedded)
     if b == 0:
         return ddense, dembedded
-    meta = _meta(f, d, dense.dtype)
-    grid = (triton.cdiv(b, meta["SAMPLES"]),)
-    _interaction_bwd_kernel[grid](dense, embedded, dout, ddense, dembedded, b, f, d, w, **meta)
+    meta = _meta(f, d, dense.dtype, backward=True)
+    _interaction_bwd_kernel[(b,)](dense, embedded, dout, ddense, dembedded, b, f, d, w, **meta)
     return ddense, dembedded
 
 

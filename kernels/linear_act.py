@@ -62,7 +62,7 @@ from torch import Tensor
 
 from kernels.activations import ACTIVATIONS, act_fwd, act_grad, act_grad_ref, act_ref, check_activation
 from kernels.launch import DTYPES, INTERPRETED, use_triton
-from kernels.partials import sum_partials
+from kernels.partials import row_programs, sum_partials
 
 __all__ = [
     "ACTIVATIONS",
@@ -322,7 +322,7 @@ def _linear_act_dz_kernel(
     dy_ptr,  # [M, N] gradient of y
     s_ptr,  # [M, N] saved y (relu, sigmoid) or z (gelu_tanh, silu); dy for identity (not read)
     dz_ptr,  # [M, N] output dz, x's dtype
-    db_part_ptr,  # [cdiv(M, BLOCK_M), N] fp32 partial column sums of dz (HAS_BIAS)
+    db_part_ptr,  # [P, N] fp32 partial column sums of dz (HAS_BIAS), P programs along M
     # sizes
     M,
     N,
@@ -336,23 +336,27 @@ def _linear_act_dz_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """dz = dy * act'(.) and the bias gradient's per-block partial sums: the prologue of the cuBLAS
-    backward (``_linear_act_bwd_cublas``)."""
+    """dz = dy * act'(.) and the bias gradient's partial sums: the prologue of the cuBLAS backward
+    (``_linear_act_bwd_cublas``). Program (p, c) loops over row blocks p, p + P, ... (P programs along M)
+    and writes its column sums to row p of the partials."""
     pid_m = tl.program_id(0)
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if ACTIVATION == "identity":
-        dz = dy
-    else:
-        saved = tl.load(s_ptr + rows[:, None] * stride_sm + cols[None, :], mask=mask, other=0.0).to(
-            tl.float32
-        )
-        dz = _act_bwd(dy, saved, ACTIVATION)
-    tl.store(dz_ptr + rows[:, None] * stride_dzm + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
+    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for block in range(pid_m, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if ACTIVATION == "identity":
+            dz = dy
+        else:
+            s_ptrs = s_ptr + rows[:, None] * stride_sm + cols[None, :]
+            dz = _act_bwd(dy, tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32), ACTIVATION)
+        dz_ptrs = dz_ptr + rows[:, None] * stride_dzm + cols[None, :]
+        tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            db_acc += tl.sum(tl.where(mask, dz, 0.0), axis=0)
     if HAS_BIAS:
-        tl.store(db_part_ptr + pid_m * N + cols, tl.sum(tl.where(mask, dz, 0.0), axis=0), mask=cols < N)
+        tl.store(db_part_ptr + pid_m * N + cols, db_acc, mask=cols < N)
 
 
 _KEY = ["M_BUCKET", "N", "K"]
@@ -654,7 +658,7 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
     dz = _empty((m, n), x.dtype, x.device)
     block_n = min(128, triton.next_power_of_2(n))
     block_m = max(16, 4096 // block_n)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grid = (row_programs(m, block_m), triton.cdiv(n, block_n))
     db_part = _empty((grid[0], n), torch.float32, x.device) if has_bias else dz
     _linear_act_dz_kernel[grid](
         dy, s, dz, db_part, m, n, dy.stride(0), s.stride(0), dz.stride(0),

@@ -4,7 +4,8 @@ Our backward kernels leave column sums (the bias gradient) and split-M weight gr
 [P, ...], one row per program, so no element is written by two programs (no atomics, the same result run
 to run). ``torch.sum(dim=0)`` on such a short, wide tensor picks a slow reduction on the GPU (H200, a
 [512, 256] fp32 partial: 19.6 us, longer than the GEMMs of a 512->256 layer at B=16384); this kernel
-reads it once, one program per block of columns, in a few microseconds.
+reads it once, one program per 32 columns. A loop over many partial rows is latency-bound (a [2048, 1024]
+partial took ~30 us), hence ``MAX_PARTIAL_ROWS`` for the kernels that write them.
 
 Shapes: part [P, ...] fp32 (contiguous), P >= 1; out part.shape[1:] in ``dtype``. Summation in fp32, rows
 in order 0..P-1 (blocks of BLOCK_P rows summed then added), so the result does not depend on the run.
@@ -19,10 +20,18 @@ from torch import Tensor
 
 from kernels.launch import use_triton
 
-__all__ = ["sum_partials"]
+__all__ = ["MAX_PARTIAL_ROWS", "row_programs", "sum_partials"]
 
-_BLOCK_P = 32
-_BLOCK_N = 128
+# Kernels that leave column-sum partials run at most this many programs along M, each looping over every
+# MAX_PARTIAL_ROWS-th row block, so the partials stay short: one 64-row pass (or two) here.
+MAX_PARTIAL_ROWS = 128
+_BLOCK_P = 64
+_BLOCK_N = 32
+
+
+def row_programs(m: int, block_m: int) -> int:
+    """Programs along M for a row-block loop over M rows: min(row blocks, MAX_PARTIAL_ROWS), >= 1."""
+    return max(1, min(triton.cdiv(m, block_m), MAX_PARTIAL_ROWS))
 
 
 @triton.jit(do_not_specialize=["P", "N"])

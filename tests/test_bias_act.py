@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.bias_act as bias_act_mod
+import kernels.partials as partials
 from kernels.bias_act import ACTIVATIONS, bias_act, bias_act_bwd, bias_act_fwd, bias_act_ref
 from tests.tolerances import tol
 
@@ -79,6 +80,12 @@ def test_kernels_write_every_element(shape, activation):
     bias_act_ref(x32, b32, activation).backward(dy)
     torch.testing.assert_close(dx, x32.grad, **tol(torch.float32, "grad"))
     torch.testing.assert_close(db, b32.grad, **tol(torch.float32, "sum"))
+
+
+def test_backward_with_several_row_blocks_per_program(monkeypatch):
+    """With few programs along M, each backward program loops over several row blocks and sums them."""
+    monkeypatch.setattr(partials, "MAX_PARTIAL_ROWS", 2)
+    _check_fwd_bwd(600, 33, "silu", torch.float32, DEVICE)
 
 
 def test_noncontiguous_inputs():

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.linear_act as linear_act_mod
+import kernels.partials as partials
 from kernels.linear_act import ACTIVATIONS, linear_act, linear_act_bwd, linear_act_fwd, linear_act_ref
 from tests.tolerances import tol
 
@@ -123,6 +124,12 @@ def test_backward_methods(shape, activation, method):
     """Both backward implementations (Triton GEMMs with dz fused; Triton dz + cuBLAS GEMMs) agree with
     PyTorch; "auto" picks one of them per shape."""
     _check_backward_method(*shape, activation, True, torch.float32, DEVICE, method)
+
+
+def test_cublas_backward_with_several_row_blocks_per_program(monkeypatch):
+    """With few programs along M, each dz program loops over several row blocks and sums them into db."""
+    monkeypatch.setattr(partials, "MAX_PARTIAL_ROWS", 2)
+    _check_backward_method(200, 33, 13, "relu", True, torch.float32, DEVICE, "cublas")
 
 
 def test_unknown_backward_method():
