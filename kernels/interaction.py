@@ -17,7 +17,11 @@ bf16/fp16 inputs (exact for them; see `_meta`), and IEEE in the interpreter.
 Each program loads a sample's F+1 vectors once and writes its whole output row (the forward's programs
 take `SAMPLES` samples in turn, see `_meta`): no bmm, no gather of
 the triangle, no concat, and no [B, F+1, F+1] intermediate. Backward saves the inputs (dense, embedded).
-The output width is not padded: the top MLP's first layer (and its checkpoints) stay as in eager.
+The output width is not padded (the top MLP's first layer and its checkpoints stay as in eager), but its
+rows are: out is a [B, W] view with rows 16 bytes aligned (367 fp32 values in rows of 368), so the cuBLAS
+GEMMs of the top MLP's first layer that read it (dW) and write its gradient run their aligned kernels
+(H200, B=16384, 367->512 fp32: 73-75 us each unaligned, 39-48 us aligned). The backward takes dout with any
+row stride.
 The PyTorch reference is `dot_interaction_ref`.
 """
 
@@ -28,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import DTYPES, INTERPRETED, use_triton
+from kernels.launch import DTYPES, INTERPRETED, aligned_width, use_triton
 
 __all__ = ["dot_interaction", "dot_interaction_ref", "interaction_width"]
 
@@ -60,12 +64,13 @@ def _interaction_fwd_kernel(
     # pointers
     dense_ptr,  # [B, D]
     emb_ptr,  # [B, F, D]
-    out_ptr,  # [B, W], W = D + F(F+1)/2
+    out_ptr,  # [B, W], W = D + F(F+1)/2, rows stride_out apart
     # sizes
     B,
     F,
     D,
     W,
+    stride_out,
     # meta-parameters
     BLOCK_T: tl.constexpr,  # >= F + 1, power of two, >= 16 (tl.dot)
     BLOCK_D: tl.constexpr,  # >= D, power of two, >= 16 (tl.dot)
@@ -79,7 +84,7 @@ def _interaction_fwd_kernel(
         b = tl.program_id(0).to(tl.int64) * SAMPLES + s
         vectors = _load_vectors(dense_ptr, emb_ptr, b, B, F, D, BLOCK_T, BLOCK_D)
         z = tl.dot(vectors, tl.trans(vectors), input_precision=PRECISION)
-        out_row = out_ptr + b * W
+        out_row = out_ptr + b * stride_out
         in_b = b < B
         products = (i > j) & (i <= F) & in_b
         tl.store(out_row + D + i * (i - 1) // 2 + j, z.to(out_ptr.dtype.element_ty), mask=products)
@@ -92,7 +97,7 @@ def _interaction_bwd_kernel(
     # pointers
     dense_ptr,  # [B, D]
     emb_ptr,  # [B, F, D]
-    dout_ptr,  # [B, W]
+    dout_ptr,  # [B, W], rows stride_dout apart
     ddense_ptr,  # [B, D]
     demb_ptr,  # [B, F, D]
     # sizes
@@ -100,6 +105,7 @@ def _interaction_bwd_kernel(
     F,
     D,
     W,
+    stride_dout,
     # meta-parameters
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -111,7 +117,7 @@ def _interaction_bwd_kernel(
     j = tl.arange(0, BLOCK_T)[None, :]
     hi = tl.maximum(i, j)
     lo = tl.minimum(i, j)
-    dout_row = dout_ptr + b * W
+    dout_row = dout_ptr + b * stride_dout
     g = tl.load(dout_row + D + hi * (hi - 1) // 2 + lo, mask=(i != j) & (hi <= F), other=0.0).to(tl.float32)
     dvectors = tl.dot(g, vectors, input_precision=PRECISION)  # [BLOCK_T, BLOCK_D]
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -168,34 +174,44 @@ def _meta(f: int, d: int, dtype: torch.dtype, backward: bool) -> dict:
     return meta | {"SAMPLES": 4 if sixteen_bit else 1, "num_warps": 1 if sixteen_bit or d <= 32 else 2}
 
 
+def _new_out(b: int, f: int, d: int, like: Tensor) -> Tensor:
+    """The output [B, W] in like's dtype, its rows padded to 16 bytes (W = 367 fp32 -> rows of 368): the
+    top MLP's first GEMMs then run aligned (module docstring)."""
+    w = interaction_width(f, d)
+    stride = aligned_width(w, like.dtype)
+    return torch.empty_strided((b, w), (stride, 1), dtype=like.dtype, device=like.device)
+
+
 def dot_interaction_fwd(dense: Tensor, embedded: Tensor) -> Tensor:
     """Launch the forward kernel; see `dot_interaction`."""
     _check_inputs(dense, embedded)
     dense, embedded = dense.contiguous(), embedded.contiguous()
     b, f, d = embedded.shape
-    w = interaction_width(f, d)
-    out = dense.new_empty(b, w)
+    out = _new_out(b, f, d, dense)
     if b == 0:
         return out
     meta = _meta(f, d, dense.dtype, backward=False)
     grid = (triton.cdiv(b, meta["SAMPLES"]),)
-    _interaction_fwd_kernel[grid](dense, embedded, out, b, f, d, w, **meta)
+    _interaction_fwd_kernel[grid](dense, embedded, out, b, f, d, out.shape[1], out.stride(0), **meta)
     return out
 
 
 def dot_interaction_bwd(dout: Tensor, dense: Tensor, embedded: Tensor) -> tuple[Tensor, Tensor]:
     """Launch the backward kernel: (ddense [B, D], dembedded [B, F, D])."""
     _check_inputs(dense, embedded)
-    dense, embedded, dout = dense.contiguous(), embedded.contiguous(), dout.contiguous()
+    dense, embedded = dense.contiguous(), embedded.contiguous()
     b, f, d = embedded.shape
     w = interaction_width(f, d)
     if dout.shape != (b, w):
         raise ValueError(f"dout must be [{b}, {w}], got {list(dout.shape)}")
+    if dout.stride(1) != 1 or (b > 1 and dout.stride(0) < w):  # e.g. expanded: rows must be contiguous
+        dout = dout.contiguous()
     ddense, dembedded = torch.empty_like(dense), torch.empty_like(embedded)
     if b == 0:
         return ddense, dembedded
     meta = _meta(f, d, dense.dtype, backward=True)
-    _interaction_bwd_kernel[(b,)](dense, embedded, dout, ddense, dembedded, b, f, d, w, **meta)
+    args = (dense, embedded, dout, ddense, dembedded, b, f, d, w, dout.stride(0))
+    _interaction_bwd_kernel[(b,)](*args, **meta)
     return ddense, dembedded
 
 
@@ -229,13 +245,12 @@ def _interaction_op(dense: Tensor, embedded: Tensor) -> Tensor:
     if use_triton(dense):
         return dot_interaction_fwd(dense, embedded)
     _check_inputs(dense, embedded)
-    return dot_interaction_ref(dense, embedded)
+    return _new_out(*embedded.shape, dense).copy_(dot_interaction_ref(dense, embedded))  # the kernel's layout
 
 
 @_interaction_op.register_fake
 def _interaction_fake(dense: Tensor, embedded: Tensor) -> Tensor:
-    b, f, d = embedded.shape
-    return dense.new_empty(b, interaction_width(f, d))
+    return _new_out(*embedded.shape, dense)
 
 
 @torch.library.custom_op("dlrm::dot_interaction_backward", mutates_args=())

@@ -16,3 +16,15 @@ def use_triton(x: Tensor) -> bool:
     """Triton runs on CUDA tensors, and on CPU tensors only in the interpreter (TRITON_INTERPRET=1);
     elsewhere the ops fall back to their PyTorch reference."""
     return x.device.type == "cuda" or (x.device.type == "cpu" and INTERPRETED)
+
+
+# cuBLAS picks its fast (vectorized, "align4"/"align8") GEMM kernels only when every matrix's leading
+# dimension is a multiple of 16 bytes; Triton likewise vectorizes loads only for row strides divisible by 16.
+ALIGN_BYTES = 16
+
+
+def aligned_width(k: int, dtype: torch.dtype) -> int:
+    """k rounded up to a multiple of 16 bytes of `dtype`, e.g. 367 fp32 -> 368, 479 bf16 -> 480: the row
+    stride of buffers whose rows a GEMM reads or writes."""
+    per_row = ALIGN_BYTES // dtype.itemsize
+    return -(-k // per_row) * per_row

@@ -14,7 +14,9 @@ Math (nn.Linear layout: W is [N, K], one row per output feature)
 
 Shapes (glossary letters of a GEMM): x [M, K] (M rows, e.g. the batch B; K input features), W [N, K],
 b [N] or None, y [M, N]. Any M >= 0, N >= 1, K >= 1 (e.g. K = 13 dense features, N = 1 logit, M = 1).
-Inputs are made contiguous (row-major) by the launchers, so the kernels take row strides only.
+The kernels take row strides only: the launchers copy inputs whose rows are not contiguous, and accept
+row-padded views as they are (the dot interaction's output, [B, 367] in rows of 368). dx comes back as such
+a view too, its rows padded to 16 bytes (``_new_dx``), so cuBLAS and Triton run aligned GEMMs.
 
 Dtypes: x, W and b all fp32, bf16 or fp16 (one dtype); y, dx, dW, db have that dtype.
 Compute dtype: fp32 accumulation everywhere. The GEMM operands go to ``tl.dot`` in their own dtype on the
@@ -55,13 +57,14 @@ It equals the PyTorch expression ``act(F.linear(x, W, b))`` computed in fp32 and
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 import triton.testing
 from torch import Tensor
 
 from kernels.activations import ACTIVATIONS, act_fwd, act_grad, act_grad_ref, act_ref, check_activation
-from kernels.launch import DTYPES, INTERPRETED, use_triton
+from kernels.launch import DTYPES, INTERPRETED, aligned_width, use_triton
 from kernels.partials import row_programs, sum_partials
 
 __all__ = [
@@ -476,6 +479,22 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _new_dx(m: int, k: int, x: Tensor) -> Tensor:
+    """dx [M, K] in x's dtype with rows Kp = ``aligned_width(K)`` apart (not a view: custom-op outputs must
+    have no base): rows aligned for the GEMM that writes it even for odd K (H200, M=16384, N=512, fp32:
+    K=367 73 us, K=368 39 us)."""
+    stride = (aligned_width(k, x.dtype), 1)
+    return torch.empty_strided((m, k), stride, dtype=x.dtype, device=x.device)
+
+
+def _rows_contiguous(t: Tensor) -> Tensor:
+    """t itself if its rows are contiguous (column stride 1, any row stride >= width, e.g. a view of a
+    row-padded buffer such as the dot interaction's output), else a contiguous copy."""
+    if t.stride(-1) == 1 and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1]):
+        return t
+    return t.contiguous()
+
+
 def _check_inputs(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> None:
     """Raise ValueError naming the offending values; works on fake tensors too."""
     check_activation("linear_act", activation)
@@ -556,7 +575,7 @@ def linear_act_fwd(
     saved = z if save_z else (y if activation in _SAVES_Y else None)
     if m == 0:
         return y, saved
-    x = x.contiguous()
+    x = _rows_contiguous(x)
     weight = weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
 
@@ -606,8 +625,8 @@ def linear_act_bwd(
             (M bucket, N, K, dtype, activation) on the GPU and remembered; "triton" in the interpreter.
 
     Returns:
-        (dx, dw, db): dx [M, K] (None unless needs_dx), dw [N, K], db [N] (None unless has_bias), all in
-        x's dtype; dw and db are zeros when M == 0.
+        (dx, dw, db): dx [M, K] (None unless needs_dx; a row-padded view, see ``_new_dx``), dw [N, K], db
+        [N] (None unless has_bias), all in x's dtype; dw and db are zeros when M == 0.
 
     Raises:
         ValueError: bad shapes, dtypes, devices or activation, a missing ``saved``, or an unknown method.
@@ -652,7 +671,7 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
     n = weight.shape[0]
     if m == 0:
         db = torch.zeros(n, dtype=x.dtype, device=x.device) if has_bias else None
-        return (_empty((m, k), x.dtype, x.device) if needs_dx else None), x.new_zeros(n, k), db
+        return (_new_dx(m, k, x) if needs_dx else None), x.new_zeros(n, k), db
     dy = dy.contiguous()
     s = saved.contiguous() if activation != "identity" else dy
     dz = _empty((m, n), x.dtype, x.device)
@@ -664,7 +683,13 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
         dy, s, dz, db_part, m, n, dy.stride(0), s.stride(0), dz.stride(0),
         HAS_BIAS=has_bias, ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
-    dx = torch.mm(dz, weight) if needs_dx else None
+    dx = None
+    if needs_dx:
+        # W padded with zero columns to Kp: an aligned GEMM into [M, Kp], whose storage then backs the
+        # [M, K] result with rows Kp apart (set_, so that dx is no view; see _new_dx).
+        kp = aligned_width(k, x.dtype)
+        padded = torch.mm(dz, F.pad(weight, (0, kp - k)))
+        dx = x.new_empty(0).set_(padded.untyped_storage(), 0, (m, k), (kp, 1))
     dw = torch.mm(dz.t(), x)
     db = sum_partials(db_part, x.dtype) if has_bias else None
     return dx, dw, db
@@ -674,12 +699,12 @@ def _linear_act_bwd_triton(dy, x, weight, saved, activation, has_bias, needs_dx)
     """The two Triton backward GEMMs, dz formed in registers in both (module docstring)."""
     m, k = x.shape
     n = weight.shape[0]
-    dx = _empty((m, k), x.dtype, x.device) if needs_dx else None
+    dx = _new_dx(m, k, x) if needs_dx else None
     if m == 0:
         db = torch.zeros(n, dtype=x.dtype, device=x.device) if has_bias else None
         return dx, torch.zeros(n, k, dtype=x.dtype, device=x.device), db
     dy = dy.contiguous()  # autograd may hand in an expanded (stride-0) gradient
-    x = x.contiguous()
+    x = _rows_contiguous(x)
     weight = weight.contiguous()
     s = saved.contiguous() if activation != "identity" else dy  # dy: a dummy, never read for identity
     m_bucket = _m_bucket(m)
@@ -829,6 +854,7 @@ def _linear_act_backward_op(
     else:
         _check_bwd_inputs(dy, x, weight, saved, activation, has_bias)
         dx, dw, db = _linear_act_bwd_ref(dy, x, weight, saved, activation, has_bias, needs_dx)
+        dx = _new_dx(*dx.shape, x).copy_(dx) if needs_dx else None  # the kernels' layout (see the fake)
     empty = x.new_empty((0,))
     return (dx if dx is not None else empty), dw, (db if db is not None else empty)
 
@@ -844,7 +870,7 @@ def _linear_act_backward_fake(
     needs_dx: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return (
-        x.new_empty(x.shape if needs_dx else (0,)),
+        _new_dx(*x.shape, x) if needs_dx else x.new_empty((0,)),
         weight.new_empty(weight.shape),
         x.new_empty((weight.shape[0],) if has_bias else (0,)),
     )

@@ -8,6 +8,7 @@ import torch
 
 from dlrm.model.dlrm import InteractionArch
 from kernels.interaction import dot_interaction, dot_interaction_ref, interaction_width
+from kernels.launch import aligned_width
 from tests.tolerances import tol
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -27,6 +28,7 @@ def _check(b: int, f: int, d: int, dtype: torch.dtype, device: str, seed: int = 
     expected.backward(dout.float())
 
     assert out.shape == (b, d + f * (f + 1) // 2) and out.dtype == dtype
+    assert out.stride() == (aligned_width(out.shape[1], dtype), 1)  # rows padded to 16 bytes for GEMMs
     # Dot products of D terms summed in another order than bmm's: the "gemm" tolerance (fp32).
     kind = "gemm" if dtype == torch.float32 else "fwd"
     torch.testing.assert_close(out.float(), expected.detach().to(dtype).float(), **tol(dtype, kind))
