@@ -28,3 +28,8 @@ def aligned_width(k: int, dtype: torch.dtype) -> int:
     stride of buffers whose rows a GEMM reads or writes."""
     per_row = ALIGN_BYTES // dtype.itemsize
     return -(-k // per_row) * per_row
+
+
+def rows_aligned(t: Tensor) -> bool:
+    """Whether the rows of a 2-D tensor start 16 bytes apart (its row stride is a multiple of 16 bytes)."""
+    return t.stride(0) * t.element_size() % ALIGN_BYTES == 0

@@ -64,7 +64,7 @@ import triton.testing
 from torch import Tensor
 
 from kernels.activations import ACTIVATIONS, act_fwd, act_grad, act_grad_ref, act_ref, check_activation
-from kernels.launch import DTYPES, INTERPRETED, aligned_width, use_triton
+from kernels.launch import DTYPES, INTERPRETED, aligned_width, rows_aligned, use_triton
 from kernels.partials import row_programs, sum_partials
 
 __all__ = [
@@ -687,10 +687,13 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
     if needs_dx:
         # W padded with zero columns to Kp: an aligned GEMM into [M, Kp], whose storage then backs the
         # [M, K] result with rows Kp apart (set_, so that dx is no view; see _new_dx).
-        kp = aligned_width(k, x.dtype)
-        padded = torch.mm(dz, F.pad(weight, (0, kp - k)))
-        dx = x.new_empty(0).set_(padded.untyped_storage(), 0, (m, k), (kp, 1))
-    dw = torch.mm(dz.t(), x)
+        padded = torch.mm(dz, F.pad(weight, (0, aligned_width(k, x.dtype) - k)))
+        dx = x.new_empty(0).set_(padded.untyped_storage(), 0, (m, k), (padded.shape[1], 1))
+    if rows_aligned(x):
+        dw = torch.mm(dz.t(), x)
+    else:  # rows of x not 16-byte aligned (e.g. the 13 dense features): cuBLAS's align1 kernels are slow
+        # (H200, B=65536, 13 -> 512 bf16: 496 us), so the GEMM reads a zero-padded copy of x instead.
+        dw = torch.mm(dz.t(), F.pad(x, (0, aligned_width(k, x.dtype) - k)))[:, :k].contiguous()
     db = sum_partials(db_part, x.dtype) if has_bias else None
     return dx, dw, db
 
