@@ -90,6 +90,10 @@ def _interaction_fwd_kernel(
         tl.store(out_row + D + i * (i - 1) // 2 + j, z.to(out_ptr.dtype.element_ty), mask=products)
         dense = tl.load(dense_ptr + b * D + d, mask=(d < D) & in_b)
         tl.store(out_row + d, dense, mask=(d < D) & in_b)
+        pad = W + tl.arange(0, 8)  # the row's padding up to stride_out (at most 7 values)
+        tl.store(
+            out_row + pad, tl.zeros((8,), dtype=out_ptr.dtype.element_ty), mask=(pad < stride_out) & in_b
+        )
 
 
 @triton.jit(do_not_specialize=["B"])
@@ -176,10 +180,13 @@ def _meta(f: int, d: int, dtype: torch.dtype, backward: bool) -> dict:
 
 def _new_out(b: int, f: int, d: int, like: Tensor) -> Tensor:
     """The output [B, W] in like's dtype, its rows padded to 16 bytes (W = 367 fp32 -> rows of 368): the
-    top MLP's first GEMMs then run aligned (module docstring)."""
+    top MLP's first GEMMs then run aligned (module docstring). Its storage holds all B full rows (the
+    forward kernel zeroes the padding), so a GEMM may read it as [B, Wp]; set_ keeps it a tensor of its
+    own, not a view (custom-op outputs have no base)."""
     w = interaction_width(f, d)
     stride = aligned_width(w, like.dtype)
-    return torch.empty_strided((b, w), (stride, 1), dtype=like.dtype, device=like.device)
+    storage = torch.empty(b * stride, dtype=like.dtype, device=like.device).untyped_storage()
+    return like.new_empty(0).set_(storage, 0, (b, w), (stride, 1))
 
 
 def dot_interaction_fwd(dense: Tensor, embedded: Tensor) -> Tensor:
@@ -245,12 +252,16 @@ def _interaction_op(dense: Tensor, embedded: Tensor) -> Tensor:
     if use_triton(dense):
         return dot_interaction_fwd(dense, embedded)
     _check_inputs(dense, embedded)
-    return _new_out(*embedded.shape, dense).copy_(dot_interaction_ref(dense, embedded))  # the kernel's layout
+    out = _new_out(*embedded.shape, dense)
+    out.as_strided((out.shape[0], out.stride(0)), out.stride()).zero_()
+    return out.copy_(dot_interaction_ref(dense, embedded))  # the kernel's layout
 
 
 @_interaction_op.register_fake
 def _interaction_fake(dense: Tensor, embedded: Tensor) -> Tensor:
-    return _new_out(*embedded.shape, dense)
+    b, f, d = embedded.shape
+    w = interaction_width(f, d)
+    return dense.new_empty_strided((b, w), (aligned_width(w, dense.dtype), 1))
 
 
 @torch.library.custom_op("dlrm::dot_interaction_backward", mutates_args=())

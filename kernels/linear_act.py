@@ -689,11 +689,20 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
         # [M, K] result with rows Kp apart (set_, so that dx is no view; see _new_dx).
         padded = torch.mm(dz, F.pad(weight, (0, aligned_width(k, x.dtype) - k)))
         dx = x.new_empty(0).set_(padded.untyped_storage(), 0, (m, k), (padded.shape[1], 1))
-    if rows_aligned(x):
+    kp = aligned_width(k, x.dtype)
+    if kp == k and rows_aligned(x):
         dw = torch.mm(dz.t(), x)
-    else:  # rows of x not 16-byte aligned (e.g. the 13 dense features): cuBLAS's align1 kernels are slow
-        # (H200, B=65536, 13 -> 512 bf16: 496 us), so the GEMM reads a zero-padded copy of x instead.
-        dw = torch.mm(dz.t(), F.pad(x, (0, aligned_width(k, x.dtype) - k)))[:, :k].contiguous()
+    else:
+        # dW [N, K] with K not a multiple of 16 bytes (13 dense features, the 367-wide interaction) makes
+        # cuBLAS take its slow align1 kernels (H200, B=65536, 13 -> 512 bf16: 496 us), so the GEMM runs on
+        # [M, Kp] columns and the extra column(s) of dW are dropped: x read in place as [M, Kp] when it is a
+        # row-padded view whose storage has the padding (the interaction's output), else a zero-padded copy.
+        full = (
+            x.stride(0) == kp
+            and x.untyped_storage().nbytes() >= (x.storage_offset() + m * kp) * x.element_size()
+        )
+        x_kp = x.as_strided((m, kp), (kp, 1)) if full else F.pad(x, (0, kp - k))
+        dw = torch.mm(dz.t(), x_kp)[:, :k].contiguous()
     db = sum_partials(db_part, x.dtype) if has_bias else None
     return dx, dw, db
 

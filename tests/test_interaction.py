@@ -29,6 +29,8 @@ def _check(b: int, f: int, d: int, dtype: torch.dtype, device: str, seed: int = 
 
     assert out.shape == (b, d + f * (f + 1) // 2) and out.dtype == dtype
     assert out.stride() == (aligned_width(out.shape[1], dtype), 1)  # rows padded to 16 bytes for GEMMs
+    rows = out.detach().as_strided((b, out.stride(0)), out.stride())  # a GEMM may read the padding: zeros
+    assert torch.equal(rows[:, out.shape[1] :], torch.zeros_like(rows[:, out.shape[1] :]))
     # Dot products of D terms summed in another order than bmm's: the "gemm" tolerance (fp32).
     kind = "gemm" if dtype == torch.float32 else "fwd"
     torch.testing.assert_close(out.float(), expected.detach().to(dtype).float(), **tol(dtype, kind))
