@@ -665,6 +665,9 @@ def _pick_backward(dy, x, weight, saved, activation, has_bias, needs_dx) -> str:
     return _BACKWARD_CHOICE[key]
 
 
+_MAX_PADDED_COPY = 64  # widest x (in padded columns) that the cuBLAS backward copies to align its rows
+
+
 def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx):
     """dz and db partials in one Triton pass over [M, N], then dx = dz @ W and dW = dz^T @ x by cuBLAS."""
     m, k = x.shape
@@ -696,13 +699,15 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
         # dW [N, K] with K not a multiple of 16 bytes (13 dense features, the 367-wide interaction) makes
         # cuBLAS take its slow align1 kernels (H200, B=65536, 13 -> 512 bf16: 496 us), so the GEMM runs on
         # [M, Kp] columns and the extra column(s) of dW are dropped: x read in place as [M, Kp] when it is a
-        # row-padded view whose storage has the padding (the interaction's output), else a zero-padded copy.
-        full = (
-            x.stride(0) == kp
-            and x.untyped_storage().nbytes() >= (x.storage_offset() + m * kp) * x.element_size()
-        )
-        x_kp = x.as_strided((m, kp), (kp, 1)) if full else F.pad(x, (0, kp - k))
-        dw = torch.mm(dz.t(), x_kp)[:, :k].contiguous()
+        # row-padded view whose storage has the padding (the interaction's output), else a zero-padded copy
+        # of a narrow x (H200, B=16384, 367 -> 512 fp32 with the copy: 0.32 ms fwd+bwd, without: 0.21 ms).
+        end = (x.storage_offset() + m * kp) * x.element_size()
+        full = x.stride(0) == kp and x.untyped_storage().nbytes() >= end
+        if full or kp <= _MAX_PADDED_COPY:
+            x_kp = x.as_strided((m, kp), (kp, 1)) if full else F.pad(x, (0, kp - k))
+            dw = torch.mm(dz.t(), x_kp)[:, :k].contiguous()
+        else:
+            dw = torch.mm(dz.t(), x)
     db = sum_partials(db_part, x.dtype) if has_bias else None
     return dx, dw, db
 
