@@ -15,8 +15,8 @@ Math (nn.Linear layout: W is [N, K], one row per output feature)
 Shapes (glossary letters of a GEMM): x [M, K] (M rows, e.g. the batch B; K input features), W [N, K],
 b [N] or None, y [M, N]. Any M >= 0, N >= 1, K >= 1 (e.g. K = 13 dense features, N = 1 logit, M = 1).
 The kernels take row strides only: the launchers copy inputs whose rows are not contiguous, and accept
-row-padded views as they are (the dot interaction's output, [B, 367] in rows of 368). dx comes back as such
-a view too, its rows padded to 16 bytes (``_new_dx``), so cuBLAS and Triton run aligned GEMMs.
+row-padded views as they are (the dot interaction's output, [B, 367] in rows of 368). dx comes back with
+its rows padded to 16 bytes too (``_new_dx``), so cuBLAS and Triton run aligned GEMMs.
 
 Dtypes: x, W and b all fp32, bf16 or fp16 (one dtype); y, dx, dW, db have that dtype.
 Compute dtype: fp32 accumulation everywhere. The GEMM operands go to ``tl.dot`` in their own dtype on the
@@ -480,11 +480,12 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def _new_dx(m: int, k: int, x: Tensor) -> Tensor:
-    """dx [M, K] in x's dtype with rows Kp = ``aligned_width(K)`` apart (not a view: custom-op outputs must
-    have no base): rows aligned for the GEMM that writes it even for odd K (H200, M=16384, N=512, fp32:
-    K=367 73 us, K=368 39 us)."""
-    stride = (aligned_width(k, x.dtype), 1)
-    return torch.empty_strided((m, k), stride, dtype=x.dtype, device=x.device)
+    """dx [M, K] in x's dtype with rows Kp = ``aligned_width(K)`` apart, over an [M, Kp] buffer from
+    ``_empty`` (set_, not a view: custom-op outputs have no base): rows aligned for the GEMM that writes it
+    even for odd K (H200, M=16384, N=512, fp32: K=367 73 us, K=368 39 us)."""
+    kp = aligned_width(k, x.dtype)
+    storage = _empty((m, kp), x.dtype, x.device).untyped_storage()
+    return x.new_empty(0).set_(storage, 0, (m, k), (kp, 1))
 
 
 def _rows_contiguous(t: Tensor) -> Tensor:
@@ -625,8 +626,8 @@ def linear_act_bwd(
             (M bucket, N, K, dtype, activation) on the GPU and remembered; "triton" in the interpreter.
 
     Returns:
-        (dx, dw, db): dx [M, K] (None unless needs_dx; a row-padded view, see ``_new_dx``), dw [N, K], db
-        [N] (None unless has_bias), all in x's dtype; dw and db are zeros when M == 0.
+        (dx, dw, db): dx [M, K] (None unless needs_dx; rows padded to 16 bytes, see ``_new_dx``), dw
+        [N, K], db [N] (None unless has_bias), all in x's dtype; dw and db are zeros when M == 0.
 
     Raises:
         ValueError: bad shapes, dtypes, devices or activation, a missing ``saved``, or an unknown method.
@@ -686,13 +687,13 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
         dy, s, dz, db_part, m, n, dy.stride(0), s.stride(0), dz.stride(0),
         HAS_BIAS=has_bias, ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
+    kp = aligned_width(k, x.dtype)
     dx = None
     if needs_dx:
         # W padded with zero columns to Kp: an aligned GEMM into [M, Kp], whose storage then backs the
         # [M, K] result with rows Kp apart (set_, so that dx is no view; see _new_dx).
-        padded = torch.mm(dz, F.pad(weight, (0, aligned_width(k, x.dtype) - k)))
-        dx = x.new_empty(0).set_(padded.untyped_storage(), 0, (m, k), (padded.shape[1], 1))
-    kp = aligned_width(k, x.dtype)
+        padded = torch.mm(dz, F.pad(weight, (0, kp - k)))
+        dx = x.new_empty(0).set_(padded.untyped_storage(), 0, (m, k), (kp, 1))
     if kp == k and rows_aligned(x):
         dw = torch.mm(dz.t(), x)
     else:
@@ -887,7 +888,7 @@ def _linear_act_backward_fake(
     needs_dx: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return (
-        _new_dx(*x.shape, x) if needs_dx else x.new_empty((0,)),
+        x.new_empty_strided(x.shape, (aligned_width(x.shape[1], x.dtype), 1)) if needs_dx else x.new_empty(0),
         weight.new_empty(weight.shape),
         x.new_empty((weight.shape[0],) if has_bias else (0,)),
     )
