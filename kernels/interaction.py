@@ -18,7 +18,7 @@ Each program loads a sample's F+1 vectors once and writes its whole output row (
 take `SAMPLES` samples in turn, see `_meta`): no bmm, no gather of
 the triangle, no concat, and no [B, F+1, F+1] intermediate. Backward saves the inputs (dense, embedded).
 The output width is not padded (the top MLP's first layer and its checkpoints stay as in eager), but its
-rows are: out is a [B, W] view with rows 16 bytes aligned (367 fp32 values in rows of 368), so the cuBLAS
+rows are: out is [B, W] with rows 16 bytes apart (367 fp32 values in rows of 368), so the cuBLAS
 GEMMs of the top MLP's first layer that read it (dW) and write its gradient run their aligned kernels
 (H200, B=16384, 367->512 fp32: 73-75 us each unaligned, 39-48 us aligned). The backward takes dout with any
 row stride.
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import DTYPES, INTERPRETED, aligned_width, use_triton
+from kernels.launch import DTYPES, INTERPRETED, aligned_width, leading_columns, rows_contiguous, use_triton
 
 __all__ = ["dot_interaction", "dot_interaction_ref", "interaction_width"]
 
@@ -181,12 +181,9 @@ def _meta(f: int, d: int, dtype: torch.dtype, backward: bool) -> dict:
 def _new_out(b: int, f: int, d: int, like: Tensor) -> Tensor:
     """The output [B, W] in like's dtype, its rows padded to 16 bytes (W = 367 fp32 -> rows of 368): the
     top MLP's first GEMMs then run aligned (module docstring). Its storage holds all B full rows (the
-    forward kernel zeroes the padding), so a GEMM may read it as [B, Wp]; set_ keeps it a tensor of its
-    own, not a view (custom-op outputs have no base)."""
+    forward kernel zeroes the padding), so a GEMM may read it as [B, Wp]."""
     w = interaction_width(f, d)
-    stride = aligned_width(w, like.dtype)
-    storage = torch.empty(b * stride, dtype=like.dtype, device=like.device).untyped_storage()
-    return like.new_empty(0).set_(storage, 0, (b, w), (stride, 1))
+    return leading_columns(like.new_empty(b, aligned_width(w, like.dtype)), w)
 
 
 def dot_interaction_fwd(dense: Tensor, embedded: Tensor) -> Tensor:
@@ -211,8 +208,7 @@ def dot_interaction_bwd(dout: Tensor, dense: Tensor, embedded: Tensor) -> tuple[
     w = interaction_width(f, d)
     if dout.shape != (b, w):
         raise ValueError(f"dout must be [{b}, {w}], got {list(dout.shape)}")
-    if dout.stride(1) != 1 or (b > 1 and dout.stride(0) < w):  # e.g. expanded: rows must be contiguous
-        dout = dout.contiguous()
+    dout = rows_contiguous(dout)
     ddense, dembedded = torch.empty_like(dense), torch.empty_like(embedded)
     if b == 0:
         return ddense, dembedded

@@ -33,3 +33,19 @@ def aligned_width(k: int, dtype: torch.dtype) -> int:
 def rows_aligned(t: Tensor) -> bool:
     """Whether the rows of a 2-D tensor start 16 bytes apart (its row stride is a multiple of 16 bytes)."""
     return t.stride(0) * t.element_size() % ALIGN_BYTES == 0
+
+
+def rows_contiguous(t: Tensor) -> Tensor:
+    """A 2-D t itself if its rows are contiguous (column stride 1, any row stride >= width, e.g. a view of a
+    row-padded buffer such as the dot interaction's output), else a contiguous copy (e.g. of an expanded
+    gradient)."""
+    if t.stride(-1) == 1 and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1]):
+        return t
+    return t.contiguous()
+
+
+def leading_columns(buffer: Tensor, k: int) -> Tensor:
+    """The first k columns of a fresh contiguous 2-D `buffer` [M, Kp], rows Kp apart, as a tensor of its own
+    over the same storage: set_, not a view, since custom-op outputs may have no base."""
+    shape, stride = (buffer.shape[0], k), (buffer.shape[1], 1)
+    return buffer.new_empty(0).set_(buffer.untyped_storage(), buffer.storage_offset(), shape, stride)

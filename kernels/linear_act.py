@@ -64,7 +64,15 @@ import triton.testing
 from torch import Tensor
 
 from kernels.activations import ACTIVATIONS, act_fwd, act_grad, act_grad_ref, act_ref, check_activation
-from kernels.launch import DTYPES, INTERPRETED, aligned_width, rows_aligned, use_triton
+from kernels.launch import (
+    DTYPES,
+    INTERPRETED,
+    aligned_width,
+    leading_columns,
+    rows_aligned,
+    rows_contiguous,
+    use_triton,
+)
 from kernels.partials import row_programs, sum_partials
 
 __all__ = [
@@ -481,19 +489,9 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 def _new_dx(m: int, k: int, x: Tensor) -> Tensor:
     """dx [M, K] in x's dtype with rows Kp = ``aligned_width(K)`` apart, over an [M, Kp] buffer from
-    ``_empty`` (set_, not a view: custom-op outputs have no base): rows aligned for the GEMM that writes it
+    ``_empty`` (``leading_columns``): rows aligned for the GEMM that writes it
     even for odd K (H200, M=16384, N=512, fp32: K=367 73 us, K=368 39 us)."""
-    kp = aligned_width(k, x.dtype)
-    storage = _empty((m, kp), x.dtype, x.device).untyped_storage()
-    return x.new_empty(0).set_(storage, 0, (m, k), (kp, 1))
-
-
-def _rows_contiguous(t: Tensor) -> Tensor:
-    """t itself if its rows are contiguous (column stride 1, any row stride >= width, e.g. a view of a
-    row-padded buffer such as the dot interaction's output), else a contiguous copy."""
-    if t.stride(-1) == 1 and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1]):
-        return t
-    return t.contiguous()
+    return leading_columns(_empty((m, aligned_width(k, x.dtype)), x.dtype, x.device), k)
 
 
 def _check_inputs(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> None:
@@ -576,7 +574,7 @@ def linear_act_fwd(
     saved = z if save_z else (y if activation in _SAVES_Y else None)
     if m == 0:
         return y, saved
-    x = _rows_contiguous(x)
+    x = rows_contiguous(x)
     weight = weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
 
@@ -690,10 +688,8 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
     kp = aligned_width(k, x.dtype)
     dx = None
     if needs_dx:
-        # W padded with zero columns to Kp: an aligned GEMM into [M, Kp], whose storage then backs the
-        # [M, K] result with rows Kp apart (set_, so that dx is no view; see _new_dx).
-        padded = torch.mm(dz, F.pad(weight, (0, kp - k)))
-        dx = x.new_empty(0).set_(padded.untyped_storage(), 0, (m, k), (kp, 1))
+        # W padded with zero columns to Kp: an aligned GEMM into [M, Kp], whose first K columns are dx.
+        dx = leading_columns(torch.mm(dz, F.pad(weight, (0, kp - k))), k)
     if kp == k and rows_aligned(x):
         dw = torch.mm(dz.t(), x)
     else:
@@ -722,7 +718,7 @@ def _linear_act_bwd_triton(dy, x, weight, saved, activation, has_bias, needs_dx)
         db = torch.zeros(n, dtype=x.dtype, device=x.device) if has_bias else None
         return dx, torch.zeros(n, k, dtype=x.dtype, device=x.device), db
     dy = dy.contiguous()  # autograd may hand in an expanded (stride-0) gradient
-    x = _rows_contiguous(x)
+    x = rows_contiguous(x)
     weight = weight.contiguous()
     s = saved.contiguous() if activation != "identity" else dy  # dy: a dummy, never read for identity
     m_bucket = _m_bucket(m)
