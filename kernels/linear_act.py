@@ -657,11 +657,24 @@ def _pick_backward(dy, x, weight, saved, activation, has_bias, needs_dx) -> str:
             return "triton"
         args = (dy, x, weight, saved, activation, has_bias, needs_dx)
         times = {
-            name: triton.testing.do_bench(lambda fn=fn: fn(*args), warmup=10, rep=40, return_mode="median")
+            name: _graph_time(fn, args)
             for name, fn in (("triton", _linear_act_bwd_triton), ("cublas", _linear_act_bwd_cublas))
         }
         _BACKWARD_CHOICE[key] = min(times, key=times.get)
     return _BACKWARD_CHOICE[key]
+
+
+def _graph_time(fn, args) -> float:
+    """Median ms of `fn(*args)` replayed as a CUDA graph: the GPU time a graph-captured step pays. Timed as
+    launched from Python instead, host overhead decided the choice for small layers, differently run to
+    run (H200, B=16384: 256 -> 1 tf32 backward 32 us or 59 us)."""
+    fn(*args)  # autotuning and lazy initialization, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*args)
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=40, return_mode="median")
+    del graph
+    return ms
 
 
 _MAX_PADDED_COPY = 64  # widest x (in padded columns) that the cuBLAS backward copies to align its rows
@@ -687,7 +700,11 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
     )  # fmt: skip
     kp = aligned_width(k, x.dtype)
     dx = None
-    if needs_dx:
+    if needs_dx and n == 1:
+        # One output (the logit): dx = dz @ W is an outer product, which cuBLAS runs as a K=1 GEMM on its
+        # align1 kernels; as an elementwise product it is one write of [M, K].
+        dx = torch.mul(dz, weight, out=_new_dx(m, k, x))
+    elif needs_dx:
         # W padded with zero columns to Kp: an aligned GEMM into [M, Kp], whose first K columns are dx.
         dx = leading_columns(torch.mm(dz, F.pad(weight, (0, kp - k))), k)
     if kp == k and rows_aligned(x):
