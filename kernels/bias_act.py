@@ -116,8 +116,9 @@ def _bias_act_bwd_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = cols < N
     b = tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)
-    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    # Row blocks pid_m, pid_m + P, ... (P programs along M): few partial rows to sum afterwards.
+    # Row blocks pid_m, pid_m + P, ... (P programs along M): few partial rows to sum afterwards. The tile's
+    # rows are summed once after the loop, not per block (a cross-warp reduction each time).
+    db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for block in range(pid_m, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
         rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask = (rows < M)[:, None] & mask_n[None, :]
@@ -127,8 +128,8 @@ def _bias_act_bwd_kernel(
         dx_ptrs = dx_ptr + rows[:, None] * stride_dxm + cols[None, :]
         tl.store(dx_ptrs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
         # Masked-out rows must not leak into the sum (act'(b) * 0 is 0, but be explicit: NaN * 0 is NaN).
-        db_acc += tl.sum(tl.where(mask, dz, 0.0), axis=0)
-    tl.store(db_part_ptr + pid_m.to(tl.int64) * stride_pm + cols, db_acc, mask=mask_n)
+        db_acc += tl.where(mask, dz, 0.0)
+    tl.store(db_part_ptr + pid_m.to(tl.int64) * stride_pm + cols, tl.sum(db_acc, axis=0), mask=mask_n)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,9 +14,11 @@ Math (nn.Linear layout: W is [N, K], one row per output feature)
 
 Shapes (glossary letters of a GEMM): x [M, K] (M rows, e.g. the batch B; K input features), W [N, K],
 b [N] or None, y [M, N]. Any M >= 0, N >= 1, K >= 1 (e.g. K = 13 dense features, N = 1 logit, M = 1).
-The kernels take row strides only: the launchers copy inputs whose rows are not contiguous, and accept
-row-padded views as they are (the dot interaction's output, [B, 367] in rows of 368). dx comes back with
-its rows padded to 16 bytes too (``_new_dx``), so cuBLAS and Triton run aligned GEMMs.
+The kernels take row strides only, and are fast only on rows 16 bytes apart (cuBLAS falls back to its
+align1 kernels and Triton to narrow loads otherwise): the autograd op copies an x whose rows are not (K = 13
+dense features, a contiguous [B, 367]) once into rows padded to 16 bytes (``_pads_input``), which the
+forward GEMM reads and the backward's dW reads again; row-padded inputs (the dot interaction's output,
+[B, 367] in rows of 368) are read in place. dx comes back with its rows padded too (``_new_padded``).
 
 Dtypes: x, W and b all fp32, bf16 or fp16 (one dtype); y, dx, dW, db have that dtype.
 Compute dtype: fp32 accumulation everywhere. The GEMM operands go to ``tl.dot`` in their own dtype on the
@@ -349,10 +351,11 @@ def _linear_act_dz_kernel(
 ):
     """dz = dy * act'(.) and the bias gradient's partial sums: the prologue of the cuBLAS backward
     (``_linear_act_bwd_cublas``). Program (p, c) loops over row blocks p, p + P, ... (P programs along M)
-    and writes its column sums to row p of the partials."""
+    and writes its column sums to row p of the partials (summed over the tile's rows once, after the loop:
+    no cross-warp reduction per row block)."""
     pid_m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for block in range(pid_m, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
         rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -365,9 +368,9 @@ def _linear_act_dz_kernel(
         dz_ptrs = dz_ptr + rows[:, None] * stride_dzm + cols[None, :]
         tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
         if HAS_BIAS:
-            db_acc += tl.sum(tl.where(mask, dz, 0.0), axis=0)
+            db_acc += tl.where(mask, dz, 0.0)
     if HAS_BIAS:
-        tl.store(db_part_ptr + pid_m * N + cols, db_acc, mask=cols < N)
+        tl.store(db_part_ptr + pid_m * N + cols, tl.sum(db_acc, axis=0), mask=cols < N)
 
 
 _KEY = ["M_BUCKET", "N", "K"]
@@ -487,11 +490,19 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _new_dx(m: int, k: int, x: Tensor) -> Tensor:
-    """dx [M, K] in x's dtype with rows Kp = ``aligned_width(K)`` apart, over an [M, Kp] buffer from
-    ``_empty`` (``leading_columns``): rows aligned for the GEMM that writes it
-    even for odd K (H200, M=16384, N=512, fp32: K=367 73 us, K=368 39 us)."""
+def _new_padded(m: int, k: int, x: Tensor) -> Tensor:
+    """[M, K] in x's dtype with rows Kp = ``aligned_width(K)`` apart, over an [M, Kp] buffer from ``_empty``
+    (``leading_columns``; padding not initialized): dx, and the copy of an unaligned x, have rows aligned for
+    the GEMMs that write and read them even for odd K (H200, M=16384, N=512, fp32: dx = dz @ W took 73 us
+    into K=367 rows, 39 us into K=368)."""
     return leading_columns(_empty((m, aligned_width(k, x.dtype)), x.dtype, x.device), k)
+
+
+def _pads_input(x: Tensor) -> bool:
+    """Whether the autograd op copies x into row-padded rows for its GEMMs: its rows are not contiguous or
+    not 16 bytes apart."""
+    m, k = x.shape
+    return not (x.stride(1) == 1 and rows_aligned(x) and (m <= 1 or x.stride(0) >= k))
 
 
 def _check_inputs(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> None:
@@ -677,16 +688,13 @@ def _graph_time(fn, args) -> float:
     return ms
 
 
-_MAX_PADDED_COPY = 64  # widest x (in padded columns) that the cuBLAS backward copies to align its rows
-
-
 def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx):
     """dz and db partials in one Triton pass over [M, N], then dx = dz @ W and dW = dz^T @ x by cuBLAS."""
     m, k = x.shape
     n = weight.shape[0]
     if m == 0:
         db = torch.zeros(n, dtype=x.dtype, device=x.device) if has_bias else None
-        return (_new_dx(m, k, x) if needs_dx else None), x.new_zeros(n, k), db
+        return (_new_padded(m, k, x) if needs_dx else None), x.new_zeros(n, k), db
     dy = dy.contiguous()
     s = saved.contiguous() if activation != "identity" else dy
     dz = _empty((m, n), x.dtype, x.device)
@@ -703,25 +711,19 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
     if needs_dx and n == 1:
         # One output (the logit): dx = dz @ W is an outer product, which cuBLAS runs as a K=1 GEMM on its
         # align1 kernels; as an elementwise product it is one write of [M, K].
-        dx = torch.mul(dz, weight, out=_new_dx(m, k, x))
+        dx = torch.mul(dz, weight, out=_new_padded(m, k, x))
     elif needs_dx:
         # W padded with zero columns to Kp: an aligned GEMM into [M, Kp], whose first K columns are dx.
         dx = leading_columns(torch.mm(dz, F.pad(weight, (0, kp - k))), k)
-    if kp == k and rows_aligned(x):
-        dw = torch.mm(dz.t(), x)
+    # dW [N, K] with K not a multiple of 16 bytes (13 dense features, the 367-wide interaction) makes cuBLAS
+    # take its slow align1 kernels (H200, B=65536, 13 -> 512 bf16: 496 us), so when x's rows are padded
+    # (the op's copy, the interaction's output) the GEMM reads [M, Kp] in place and the extra columns of dW,
+    # products with the padding, are dropped.
+    end = (x.storage_offset() + m * kp) * x.element_size()
+    if x.stride(0) == kp and x.untyped_storage().nbytes() >= end:
+        dw = torch.mm(dz.t(), x.as_strided((m, kp), (kp, 1)))[:, :k].contiguous()
     else:
-        # dW [N, K] with K not a multiple of 16 bytes (13 dense features, the 367-wide interaction) makes
-        # cuBLAS take its slow align1 kernels (H200, B=65536, 13 -> 512 bf16: 496 us), so the GEMM runs on
-        # [M, Kp] columns and the extra column(s) of dW are dropped: x read in place as [M, Kp] when it is a
-        # row-padded view whose storage has the padding (the interaction's output), else a zero-padded copy
-        # of a narrow x (H200, B=16384, 367 -> 512 fp32 with the copy: 0.32 ms fwd+bwd, without: 0.21 ms).
-        end = (x.storage_offset() + m * kp) * x.element_size()
-        full = x.stride(0) == kp and x.untyped_storage().nbytes() >= end
-        if full or kp <= _MAX_PADDED_COPY:
-            x_kp = x.as_strided((m, kp), (kp, 1)) if full else F.pad(x, (0, kp - k))
-            dw = torch.mm(dz.t(), x_kp)[:, :k].contiguous()
-        else:
-            dw = torch.mm(dz.t(), x)
+        dw = torch.mm(dz.t(), x)
     db = sum_partials(db_part, x.dtype) if has_bias else None
     return dx, dw, db
 
@@ -730,7 +732,7 @@ def _linear_act_bwd_triton(dy, x, weight, saved, activation, has_bias, needs_dx)
     """The two Triton backward GEMMs, dz formed in registers in both (module docstring)."""
     m, k = x.shape
     n = weight.shape[0]
-    dx = _new_dx(m, k, x) if needs_dx else None
+    dx = _new_padded(m, k, x) if needs_dx else None
     if m == 0:
         db = torch.zeros(n, dtype=x.dtype, device=x.device) if has_bias else None
         return dx, torch.zeros(n, k, dtype=x.dtype, device=x.device), db
@@ -845,28 +847,36 @@ def _linear_act_bwd_ref(
 
 
 @torch.library.custom_op("dlrm::linear_act", mutates_args=())
-def _linear_act_op(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> tuple[Tensor, Tensor]:
-    """Returns (y, z); z is the pre-activation for gelu_tanh/silu and an empty [0] tensor otherwise.
+def _linear_act_op(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (y, z, x_padded); z is the pre-activation for gelu_tanh/silu and an empty [0] tensor
+    otherwise; x_padded is x copied into rows padded to 16 bytes where ``_pads_input(x)`` (the x the
+    GEMMs read, saved for the backward), else an empty [0] tensor (x itself is read and saved).
 
-    (Custom-op outputs may not alias each other, so y is not returned twice for relu/sigmoid: the autograd
-    glue saves the output y itself.)
+    (Custom-op outputs may not alias each other or the inputs, so y is not returned twice for relu/sigmoid
+    nor x as x_padded: the autograd glue saves y and x themselves.)
     """
+    _check_inputs(x, weight, bias, activation)
+    x_padded = _new_padded(*x.shape, x).copy_(x) if _pads_input(x) else None
     if use_triton(x):
-        y, saved = linear_act_fwd(x, weight, bias, activation)
+        y, saved = linear_act_fwd(x if x_padded is None else x_padded, weight, bias, activation)
     else:
-        _check_inputs(x, weight, bias, activation)
         y, saved = _linear_act_fwd_ref(x, weight, bias, activation)
     z = saved if activation in _SAVES_Z else x.new_empty((0,))
-    return y, z
+    return y, z, (x_padded if x_padded is not None else x.new_empty((0,)))
 
 
 @_linear_act_op.register_fake
 def _linear_act_fake(
     x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     _check_inputs(x, weight, bias, activation)
     shape = (x.shape[0], weight.shape[0])
-    return x.new_empty(shape), x.new_empty(shape if activation in _SAVES_Z else (0,))
+    x_padded = (
+        x.new_empty_strided(x.shape, (aligned_width(x.shape[1], x.dtype), 1)) if _pads_input(x) else x.new_empty(0)
+    )
+    return x.new_empty(shape), x.new_empty(shape if activation in _SAVES_Z else (0,)), x_padded
 
 
 @torch.library.custom_op("dlrm::linear_act_backward", mutates_args=())
@@ -885,7 +895,7 @@ def _linear_act_backward_op(
     else:
         _check_bwd_inputs(dy, x, weight, saved, activation, has_bias)
         dx, dw, db = _linear_act_bwd_ref(dy, x, weight, saved, activation, has_bias, needs_dx)
-        dx = _new_dx(*dx.shape, x).copy_(dx) if needs_dx else None  # the kernels' layout (see the fake)
+        dx = _new_padded(*dx.shape, x).copy_(dx) if needs_dx else None  # the kernels' layout (see the fake)
     empty = x.new_empty((0,))
     return (dx if dx is not None else empty), dw, (db if db is not None else empty)
 
@@ -909,16 +919,16 @@ def _linear_act_backward_fake(
 
 def _setup_context(ctx, inputs, output) -> None:
     x, weight, bias, activation = inputs
-    y, z = output
+    y, z, x_padded = output
     # Save y for relu/sigmoid, z for gelu_tanh/silu, nothing extra for identity (module docstring).
     saved = y if activation in _SAVES_Y else (z if activation in _SAVES_Z else None)
-    ctx.save_for_backward(x, weight, saved)
+    ctx.save_for_backward(x_padded if _pads_input(x) else x, weight, saved)
     ctx.activation = activation
     ctx.has_bias = bias is not None
 
 
-def _backward(ctx, dy: Tensor, _dz: Tensor | None):
-    # _dz: gradient w.r.t. the internal z output, which linear_act never exposes (always zero/None).
+def _backward(ctx, dy: Tensor, _dz: Tensor | None, _dx_padded: Tensor | None):
+    # _dz, _dx_padded: gradients w.r.t. the internal outputs, which linear_act never exposes (None/zero).
     x, weight, saved = ctx.saved_tensors
     needs_dx = ctx.needs_input_grad[0]  # False for the first layer: its input is data
     dx, dw, db = _linear_act_backward_op(dy, x, weight, saved, ctx.activation, ctx.has_bias, needs_dx)
@@ -942,7 +952,8 @@ def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation
     under ``TRITON_INTERPRET=1``), else falls back to plain PyTorch (``linear_act_ref``'s math).
 
     Args:
-        x: [M, K] tensor, fp32, bf16 or fp16 (M >= 0, K >= 1). Non-contiguous inputs are copied.
+        x: [M, K] tensor, fp32, bf16 or fp16 (M >= 0, K >= 1). Copied once into rows padded to 16 bytes
+            if its rows are not contiguous or not 16 bytes apart (module docstring).
         weight: [N, K] tensor (nn.Linear layout, N >= 1), same dtype and device as x.
         bias: [N] tensor, same dtype and device as x, or None (no bias).
         activation: one of ``ACTIVATIONS``: "identity", "relu" (default), "sigmoid", "gelu_tanh"
@@ -957,5 +968,5 @@ def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation
             activation, unsupported dtype, dtype mismatch, or tensors on different devices (the message
             names the values).
     """
-    y, _ = _linear_act_op(x, weight, bias, activation)
+    y, _, _ = _linear_act_op(x, weight, bias, activation)
     return y

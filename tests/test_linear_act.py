@@ -158,6 +158,36 @@ def test_row_padded_input_and_dx(monkeypatch, method):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
     assert got[0].stride() == (16, 1)
 
+def _saved_inputs(x, w, b):
+    """The tensors autograd saves for linear_act(x, w, b), and the gradients of a sum of its output."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = linear_act(x, w, b, "relu")
+    return saved, torch.autograd.grad(y.sum(), (x, w, b))
+
+
+def test_unaligned_input_is_padded_once():
+    """An x whose rows are not 16 bytes apart (K=13 fp32) is copied once into rows of 16, which autograd
+    saves (the backward's dW reads it); an x already in padded rows is saved itself; both give the same
+    gradients."""
+    x, w, b, _ = _inputs(67, 33, 13, torch.float32, DEVICE, seed=4)
+    x.requires_grad_()
+    w.requires_grad_()
+    b.requires_grad_()
+    saved, grads = _saved_inputs(x, w, b)
+    copies = [t for t in saved if t.shape == x.shape]
+    assert len(copies) == 1 and copies[0].stride() == (16, 1)
+    torch.testing.assert_close(copies[0], x, rtol=0, atol=0)
+
+    padded = torch.full((67, 16), float("nan"), device=DEVICE)
+    padded[:, :13] = x.detach()
+    x_view = padded[:, :13].requires_grad_()
+    saved_view, grads_view = _saved_inputs(x_view, w, b)
+    assert any(t.data_ptr() == x_view.data_ptr() and t.stride() == (16, 1) for t in saved_view)
+    for g, r in zip(grads_view, grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
 
 def test_unknown_backward_method():
     x, w, b, dy = _inputs(3, 4, 5, torch.float32, DEVICE)
