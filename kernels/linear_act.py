@@ -16,9 +16,10 @@ Shapes (glossary letters of a GEMM): x [M, K] (M rows, e.g. the batch B; K input
 b [N] or None, y [M, N]. Any M >= 0, N >= 1, K >= 1 (e.g. K = 13 dense features, N = 1 logit, M = 1).
 The kernels take row strides only, and are fast only on rows 16 bytes apart (cuBLAS falls back to its
 align1 kernels and Triton to narrow loads otherwise): the autograd op copies an x whose rows are not (K = 13
-dense features, a contiguous [B, 367]) once into rows padded to 16 bytes (``_pads_input``), which the
-forward GEMM reads and the backward's dW reads again; row-padded inputs (the dot interaction's output,
-[B, 367] in rows of 368) are read in place. dx comes back with its rows padded too (``_new_padded``).
+dense features, a contiguous [B, 367]) once into rows padded with zeros to Kp (16 bytes, ``_pads_input``),
+and W likewise, so the forward GEMM runs over Kp unmasked columns and the backward's dW reads the same
+copy; row-padded inputs (the dot interaction's output, [B, 367] in rows of 368) are read in place. dx
+comes back with its rows padded too (``_new_padded``).
 
 Dtypes: x, W and b all fp32, bf16 or fp16 (one dtype); y, dx, dW, db have that dtype.
 Compute dtype: fp32 accumulation everywhere. The GEMM operands go to ``tl.dot`` in their own dtype on the
@@ -492,10 +493,15 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 def _new_padded(m: int, k: int, x: Tensor) -> Tensor:
     """[M, K] in x's dtype with rows Kp = ``aligned_width(K)`` apart, over an [M, Kp] buffer from ``_empty``
-    (``leading_columns``; padding not initialized): dx, and the copy of an unaligned x, have rows aligned for
-    the GEMMs that write and read them even for odd K (H200, M=16384, N=512, fp32: dx = dz @ W took 73 us
+    (``leading_columns``; padding not initialized): dx has rows aligned for the GEMM that writes it
+    even for odd K (H200, M=16384, N=512, fp32: dx = dz @ W took 73 us
     into K=367 rows, 39 us into K=368)."""
     return leading_columns(_empty((m, aligned_width(k, x.dtype)), x.dtype, x.device), k)
+
+
+def _zero_padded(t: Tensor, width: int) -> Tensor:
+    """A contiguous copy [R, width] of t [R, K] (width >= K) whose columns K..width-1 are zeros."""
+    return F.pad(t, (0, width - t.shape[1])).contiguous()
 
 
 def _pads_input(x: Tensor) -> bool:
@@ -851,20 +857,25 @@ def _linear_act_op(
     x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (y, z, x_padded); z is the pre-activation for gelu_tanh/silu and an empty [0] tensor
-    otherwise; x_padded is x copied into rows padded to 16 bytes where ``_pads_input(x)`` (the x the
-    GEMMs read, saved for the backward), else an empty [0] tensor (x itself is read and saved).
+    otherwise; x_padded is x copied into rows padded with zeros to 16 bytes where ``_pads_input(x)`` (the x
+    the GEMMs read, saved for the backward), else an empty [0] tensor (x itself is read and saved).
 
     (Custom-op outputs may not alias each other or the inputs, so y is not returned twice for relu/sigmoid
     nor x as x_padded: the autograd glue saves y and x themselves.)
     """
     _check_inputs(x, weight, bias, activation)
-    x_padded = _new_padded(*x.shape, x).copy_(x) if _pads_input(x) else None
-    if use_triton(x):
-        y, saved = linear_act_fwd(x if x_padded is None else x_padded, weight, bias, activation)
+    k, kp = x.shape[1], aligned_width(x.shape[1], x.dtype)
+    # Zero columns, in W too: the forward GEMM runs over all Kp columns, with no mask along K (a mask at
+    # K = 367 is not constant over 16 bytes, which keeps Triton from vectorizing the loads of its tiles).
+    x_padded = _zero_padded(x, kp) if _pads_input(x) else None
+    if use_triton(x) and x_padded is not None:
+        y, saved = linear_act_fwd(x_padded, _zero_padded(weight, kp), bias, activation)
+    elif use_triton(x):
+        y, saved = linear_act_fwd(x, weight, bias, activation)
     else:
         y, saved = _linear_act_fwd_ref(x, weight, bias, activation)
     z = saved if activation in _SAVES_Z else x.new_empty((0,))
-    return y, z, (x_padded if x_padded is not None else x.new_empty((0,)))
+    return y, z, (leading_columns(x_padded, k) if x_padded is not None else x.new_empty((0,)))
 
 
 @_linear_act_op.register_fake
@@ -873,9 +884,8 @@ def _linear_act_fake(
 ) -> tuple[Tensor, Tensor, Tensor]:
     _check_inputs(x, weight, bias, activation)
     shape = (x.shape[0], weight.shape[0])
-    x_padded = (
-        x.new_empty_strided(x.shape, (aligned_width(x.shape[1], x.dtype), 1)) if _pads_input(x) else x.new_empty(0)
-    )
+    kp = aligned_width(x.shape[1], x.dtype)
+    x_padded = x.new_empty_strided(x.shape, (kp, 1)) if _pads_input(x) else x.new_empty(0)
     return x.new_empty(shape), x.new_empty(shape if activation in _SAVES_Z else (0,)), x_padded
 
 

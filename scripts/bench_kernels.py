@@ -146,14 +146,15 @@ def bench_layer(path: str, m: int, k: int, n: int, act: str, dtype: torch.dtype)
 
 def bench_bias_act_bandwidth(m: int, n: int, dtype: torch.dtype, copy_gbps: float) -> tuple[float, float]:
     """Bandwidth of bias_act alone as % of copy: forward reads x, b and writes y; backward reads dy, x, b
-    and writes dx."""
+    and writes dx. Timed as CUDA-graph replays (GPU time, what a graph-captured step pays), like the
+    layers' "graph" passes."""
     from kernels.bias_act import bias_act_bwd, bias_act_fwd
 
     x, dy = torch.randn(m, n, device="cuda", dtype=dtype), torch.randn(m, n, device="cuda", dtype=dtype)
     b = torch.randn(n, device="cuda", dtype=dtype)
     size = x.element_size()
-    fwd_gbps = (2 * m * n + n) * size / _median_ms(lambda: bias_act_fwd(x, b, "relu")) / 1e6
-    bwd_gbps = (3 * m * n + n) * size / _median_ms(lambda: bias_act_bwd(dy, x, b, "relu")) / 1e6
+    fwd_gbps = (2 * m * n + n) * size / _graph_ms(lambda: bias_act_fwd(x, b, "relu")) / 1e6
+    bwd_gbps = (3 * m * n + n) * size / _graph_ms(lambda: bias_act_bwd(dy, x, b, "relu")) / 1e6
     return 100 * fwd_gbps / copy_gbps, 100 * bwd_gbps / copy_gbps
 
 

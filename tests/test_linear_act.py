@@ -158,6 +158,7 @@ def test_row_padded_input_and_dx(monkeypatch, method):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
     assert got[0].stride() == (16, 1)
 
+
 def _saved_inputs(x, w, b):
     """The tensors autograd saves for linear_act(x, w, b), and the gradients of a sum of its output."""
     saved = []
@@ -186,7 +187,6 @@ def test_unaligned_input_is_padded_once():
     assert any(t.data_ptr() == x_view.data_ptr() and t.stride() == (16, 1) for t in saved_view)
     for g, r in zip(grads_view, grads, strict=True):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
-
 
 
 def test_unknown_backward_method():
