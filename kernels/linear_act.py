@@ -714,11 +714,7 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
     )  # fmt: skip
     kp = aligned_width(k, x.dtype)
     dx = None
-    if needs_dx and n == 1:
-        # One output (the logit): dx = dz @ W is an outer product, which cuBLAS runs as a K=1 GEMM on its
-        # align1 kernels; as an elementwise product it is one write of [M, K].
-        dx = torch.mul(dz, weight, out=_new_padded(m, k, x))
-    elif needs_dx:
+    if needs_dx:
         # dz @ W over a contiguous W^T [Kp, N] with zero rows past K: an aligned GEMM into [M, Kp], whose
         # first K columns are dx, with the reduction dim contiguous in both operands, the only layout that
         # Hopper's TF32 tensor-core kernels take (H200, B=16384, 512 -> 256 fp32: 34 us over W, 23 us over
