@@ -717,8 +717,8 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
     if needs_dx:
         # dz @ W over a contiguous W^T [Kp, N] with zero rows past K: an aligned GEMM into [M, Kp], whose
         # first K columns are dx, with the reduction dim contiguous in both operands, the only layout that
-        # Hopper's TF32 tensor-core kernels take (H200, B=16384, 512 -> 256 fp32: 34 us over W, 23 us over
-        # W^T; cuBLAS runs sm80 kernels otherwise).
+        # Hopper's TF32 tensor-core kernels take (H200, B=16384, 512 -> 256 fp32: 34 us over W, 26 us over
+        # W^T with its transpose copy; cuBLAS runs sm80 kernels otherwise).
         w_t = (weight.new_zeros if kp != k else weight.new_empty)((kp, n))
         w_t[:k].copy_(weight.t())
         dx = leading_columns(torch.mm(dz, w_t.t()), k)
