@@ -493,9 +493,8 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 def _new_padded(m: int, k: int, x: Tensor) -> Tensor:
     """[M, K] in x's dtype with rows Kp = ``aligned_width(K)`` apart, over an [M, Kp] buffer from ``_empty``
-    (``leading_columns``; padding not initialized): dx has rows aligned for the GEMM that writes it
-    even for odd K (H200, M=16384, N=512, fp32: dx = dz @ W took 73 us
-    into K=367 rows, 39 us into K=368)."""
+    (``leading_columns``; padding not initialized): dx has rows aligned for the GEMM that writes it even
+    for odd K (H200, M=16384, N=512, fp32: dx = dz @ W took 73 us into K=367 rows, 39 us into K=368)."""
     return leading_columns(_empty((m, aligned_width(k, x.dtype)), x.dtype, x.device), k)
 
 
