@@ -12,7 +12,7 @@ from dlrm.config import from_dict
 from dlrm.data.dataset import BatchLoader, open_split
 from dlrm.metrics import evaluate
 from dlrm.model import model_from_checkpoint
-from dlrm.train import resolve_device
+from dlrm.step import resolve_device
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})

@@ -13,7 +13,7 @@ is read on the host), so the config requires `use_triton` and optimizer "sgd".
 
 The capture follows PyTorch's whole-network recipe (torch.cuda.graphs docs): a few warm-up steps on a
 side stream (autotuning, lazy initialization, optimizer state), gradients set to None, then capture. The
-captured step is exactly `dlrm.train.train_step`; a batch of another size (the last, partial batch of an
+captured step is exactly `dlrm.step.train_step`; a batch of another size (the last, partial batch of an
 epoch) runs uncaptured.
 """
 
@@ -35,7 +35,7 @@ class GraphedTrainStep:
     Args:
         model: the DLRM on a CUDA device (its embeddings updated in backward: sparse_kernel "triton").
         optimizer: the dense parameters' torch.optim.SGD.
-        step_fn: the step to capture, `step_fn(model, optimizer, batch) -> loss` (dlrm.train.train_step).
+        step_fn: the step to capture, `step_fn(model, optimizer, batch) -> loss` (dlrm.step.train_step).
         warmup: steps run uncaptured (on a side stream) before the capture.
     Calling it as `step(model, optimizer, batch)` runs one training step and returns the loss, a 0-d device
     tensor that the next call overwrites (read or accumulate it before then). `capture_s`: capture wall time.

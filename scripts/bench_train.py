@@ -3,7 +3,7 @@
     python scripts/bench_train.py [--configs kaggle,mlperf] [--batches 2048,16384,65536] \
         [--backends eager,compile,triton,triton+compile] [--steps 50]
 
-Trains the real model code (dlrm.model, dlrm.train.train_step, SGD; fused into backward under triton) on
+Trains the real model code (dlrm.model, dlrm.step.train_step, SGD; fused into backward under triton) on
 GPU-resident random batches: dense ~ U(0, 3) (the range of log1p counts), sparse ids uniform over each
 table's rows (uniform, so no cache-friendly hot rows as in real data), labels ~ Bernoulli(0.25); a pool of
 batches is generated once and cycled, so the step never waits for data. Tables: the 26 Kaggle
@@ -30,7 +30,7 @@ from dlrm.data.schema import NUM_DENSE
 from dlrm.data.synthetic import CARDINALITY_PRESETS
 from dlrm.graphs import GraphedTrainStep
 from dlrm.model import DLRM
-from dlrm.train import compile_dense_part, make_optimizer, set_precision, train_step
+from dlrm.step import compile_dense_part, make_optimizer, set_precision, train_step
 
 RESULTS = Path(__file__).parent / "results" / "train.csv"
 CONFIG_DIR = Path(__file__).parents[1] / "configs"

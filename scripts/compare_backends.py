@@ -22,7 +22,7 @@ from results_csv import append_rows, provenance
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dlrm.config import PRECISIONS, load_config, replace
-from dlrm.train import resolve_device, train
+from dlrm.step import resolve_device, train
 
 RESULTS = Path(__file__).parent / "results" / "backends.csv"
 FLAGS = {

@@ -9,7 +9,7 @@ from dlrm.data.dataset import Batch
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.graphs import GraphedTrainStep
 from dlrm.model import DLRM
-from dlrm.train import make_optimizer, train_step
+from dlrm.step import make_optimizer, train_step
 
 SMALL = ModelConfig(embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1), max_rows=100)
 
@@ -26,7 +26,7 @@ def test_config_requires_triton_and_sgd():
 @pytest.mark.gpu
 @pytest.mark.parametrize("compiled", [False, True])
 def test_graphed_steps_match_plain_steps(compiled):
-    from dlrm.train import compile_dense_part
+    from dlrm.step import compile_dense_part
 
     cfg = RunConfig(model=SMALL, train=TrainConfig(use_triton=True, lr=0.1))
     g = torch.Generator(device="cuda").manual_seed(0)
