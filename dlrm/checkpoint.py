@@ -4,8 +4,8 @@ With `--use-triton` the embedding tables are updated inside their kernel's backw
 optimizer, so their optimizer state (Adagrad's accumulators; empty for SGD) is saved apart, as
 `embedding_optimizer_state`; None otherwise.
 
-With `data.loader` "streaming" a checkpoint also holds `loader`: the train loader's position
-(`StreamingLoader.state_dict()`: epoch, batches consumed, and the settings a resume must match); other
+With `data.loader` "streaming" or "binary" a checkpoint also holds `loader`: the train loader's position
+(`state_dict()` of StreamingLoader or BinaryLoader: epoch, batches consumed, and the settings a resume must match); other
 loaders store None (their order is a function of the seed and epoch, so the step alone places them).
 `best` and `evals_since_best` keep early stopping's state. `python -m dlrm.train --resume PATH` restores
 all of it and goes on from `step`.

@@ -13,7 +13,7 @@ from typing import Any
 
 DEVICES = ("auto", "cpu", "cuda")
 HASHINGS = ("modulus", "vocab")
-LOADERS = ("memory", "gpu_resident", "streaming")
+LOADERS = ("memory", "gpu_resident", "streaming", "binary")
 INTERACTIONS = ("dot", "cat")
 OPTIMIZERS = ("sgd", "adagrad")
 PRECISIONS = ("fp32", "tf32", "bf16")
@@ -29,10 +29,13 @@ class DataConfig:
     a relative path is resolved against the working directory.
     `loader` reads the train split: "memory" (host tensors, a pinned copy per batch; dlrm.data.dataset),
     "gpu_resident" (the whole split in device memory, batches gathered on the device; dlrm.data.resident)
-    or "streaming" (parquet row groups read as needed, for splits larger than memory; dlrm.data.streaming).
-    The eval split is always read by "memory". Streaming only: `shuffle_buffer` rows mixed across row
-    groups (0: rows shuffled within their row group only) and `prefetch` batches read ahead by a background
-    thread (0: read in the training loop).
+    "streaming" (parquet row groups read as needed, for splits larger than memory; dlrm.data.streaming)
+    or "binary" (the fixed-width files of `python -m dlrm.data.binary`, read in windows into pinned memory
+    and shuffled on the GPU: splits larger than memory at the step's speed; dlrm.data.binary_loader).
+    The eval split is always read by "memory". `shuffle_buffer`: for "streaming" the rows mixed across row
+    groups (0: rows shuffled within their row group only); for "binary" the rows of a window, read and
+    shuffled together (rounded down to a multiple of the batch). `prefetch` ("streaming" only): batches
+    read ahead by a background thread (0: read in the training loop).
     """
 
     path: str = "data/criteo_sample"
@@ -224,9 +227,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _require(m.top_mlp[-1] == 1, "model.top_mlp", "a last width of 1 (the logit)", list(m.top_mlp))
     _require(m.interaction in INTERACTIONS, "model.interaction", f"one of {INTERACTIONS}", m.interaction)
     _require(m.hashing in HASHINGS, "model.hashing", f"one of {HASHINGS}", m.hashing)
-    # Vocabularies are built from every train id in memory, which the streaming loader never holds.
+    # Vocabularies are built from every train id in memory, which the streaming loaders never hold.
     _require(
-        not (d.loader == "streaming" and m.hashing == "vocab"),
+        not (d.loader in ("streaming", "binary") and m.hashing == "vocab"),
         "data.loader",
         "'memory' or 'gpu_resident' with model.hashing 'vocab'",
         d.loader,

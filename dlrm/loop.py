@@ -27,9 +27,8 @@ from torch.utils.tensorboard import SummaryWriter
 from dlrm.checkpoint import load_checkpoint, save_checkpoint
 from dlrm.config import RunConfig
 from dlrm.data.dataset import Batch, BatchLoader, load_metadata, open_split
-from dlrm.data.loaders import TrainLoader, make_train_loader
+from dlrm.data.loaders import STATEFUL_LOADERS, TrainLoader, make_train_loader
 from dlrm.data.schema import NUM_SPARSE
-from dlrm.data.streaming import StreamingLoader
 from dlrm.metrics import evaluate
 from dlrm.model import DLRM, build_model
 from dlrm.profiling import make_profiler
@@ -156,9 +155,10 @@ def set_up(cfg: RunConfig, output_dir: Path | None, resume: Path | None) -> tupl
     metadata = load_metadata(data_dir)
     # Layouts kaggle and terabyte hold out "val" (model selection) and "test"; layout fraction: "eval".
     eval_split = "val" if "val" in metadata.get("files", {}) else "eval"
-    # The streaming loader never holds the train split; config validation then requires modulus hashing,
+    # The streaming loaders never hold the train split; config validation then requires modulus hashing,
     # which needs no train ids.
-    train_set = None if cfg.data.loader == "streaming" else open_split(data_dir, "train")
+    streams = cfg.data.loader in ("streaming", "binary")
+    train_set = None if streams else open_split(data_dir, "train")
     eval_set = open_split(data_dir, eval_split)
     train_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64) if train_set is None else train_set.sparse
     kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
@@ -229,9 +229,9 @@ def make_run_dir(cfg: RunConfig, output_dir: Path | None) -> Path:
 
 
 def resume_position(loader: TrainLoader, step: int) -> tuple[int, int]:
-    """(epoch, batches of it to skip) where a run at `step` goes on. The streaming loader knows its place
-    (its restored state); the others replay the epoch's deterministic order and skip the batches done."""
-    if isinstance(loader, StreamingLoader):
+    """(epoch, batches of it to skip) where a run at `step` goes on. The streaming loaders know their place
+    (their restored state); the others replay the epoch's deterministic order and skip the batches done."""
+    if isinstance(loader, STATEFUL_LOADERS):
         return loader.epoch, 0
     return divmod(step, len(loader))
 
@@ -324,7 +324,7 @@ def save_run_checkpoint(run: Run, state: RunState, name: str) -> None:
         optimizer=run.optimizer.state_dict(),
         config=run.cfg.to_dict(),
         table_rows=sparse_arch.table_rows,
-        loader=loader.state_dict() if isinstance(loader, StreamingLoader) else None,
+        loader=loader.state_dict() if isinstance(loader, STATEFUL_LOADERS) else None,
         # The "triton" tables' Adagrad state lives beside them, not in the torch optimizer.
         embedding_optimizer_state=sparse_arch.optimizer_state if sparse_arch.kernel == "triton" else None,
         **state.checkpointed(),

@@ -5,11 +5,15 @@ from pathlib import Path
 import torch
 
 from dlrm.config import DataConfig
+from dlrm.data.binary import binary_dir
+from dlrm.data.binary_loader import BinaryLoader
 from dlrm.data.dataset import BatchLoader, ParquetDataset, open_split, split_paths
 from dlrm.data.resident import ResidentLoader
 from dlrm.data.streaming import StreamingLoader
 
-TrainLoader = BatchLoader | ResidentLoader | StreamingLoader
+TrainLoader = BatchLoader | ResidentLoader | StreamingLoader | BinaryLoader
+# Loaders that read the split themselves and keep their position in a state_dict (checkpointed).
+STATEFUL_LOADERS = (StreamingLoader, BinaryLoader)
 
 
 def make_train_loader(
@@ -20,11 +24,11 @@ def make_train_loader(
     train_set: ParquetDataset | None = None,
 ) -> TrainLoader:
     """The loader of `data_dir`'s train split per `cfg`: "memory" -> BatchLoader, "gpu_resident" ->
-    ResidentLoader, "streaming" -> StreamingLoader (one process: rank 0 of 1).
+    ResidentLoader, "streaming" -> StreamingLoader, "binary" -> BinaryLoader (one process: rank 0 of 1).
 
     Args:
         train_set: the split already in memory, for "memory" and "gpu_resident" (read here when None);
-            "streaming" reads the parquet files itself.
+            "streaming" and "binary" read their files themselves.
     Raises:
         FileNotFoundError, ValueError: as dlrm.data.dataset.open_split / split_paths, and from the loaders.
     """
@@ -38,6 +42,16 @@ def make_train_loader(
             shuffle_buffer=cfg.shuffle_buffer,
             device=device,
             prefetch=cfg.prefetch,
+        )
+    if cfg.loader == "binary":
+        return BinaryLoader(
+            binary_dir(data_dir, "train"),
+            cfg.batch_size,
+            shuffle=cfg.shuffle,
+            seed=seed,
+            drop_last=cfg.drop_last,
+            window_rows=cfg.shuffle_buffer,
+            device=device,
         )
     train_set = train_set if train_set is not None else open_split(data_dir, "train")
     loader = ResidentLoader if cfg.loader == "gpu_resident" else BatchLoader

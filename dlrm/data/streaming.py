@@ -306,7 +306,7 @@ class StreamingLoader:
         readahead = _READERS if self.prefetch else 0
         batches = _EpochStream(self, self.epoch, self._read, readahead).batches(start)
         if self.prefetch:
-            source = prefetch_to_device(batches, self.device, self.prefetch)
+            source = prefetch_to_device(batches, self.device, self.prefetch, self.batch_size)
         else:
             source = _to_device(batches, self.device)
         try:
