@@ -5,10 +5,10 @@ optimizer, so their optimizer state (Adagrad's accumulators; empty for SGD) is s
 `embedding_optimizer_state`; None otherwise.
 
 With `data.loader` "streaming" or "binary" a checkpoint also holds `loader`: the train loader's position
-(`state_dict()` of StreamingLoader or BinaryLoader: epoch, batches consumed, and the settings a resume must match); other
-loaders store None (their order is a function of the seed and epoch, so the step alone places them).
-`best` and `evals_since_best` keep early stopping's state. `python -m dlrm.train --resume PATH` restores
-all of it and goes on from `step`.
+(the `state_dict()` of StreamingLoader or BinaryLoader: epoch, batches consumed, and the settings a resume
+must match); other loaders store None (their order is a function of the seed and epoch, so the step alone
+places them). `best` and `evals_since_best` keep early stopping's state. `python -m dlrm.train --resume
+PATH` restores all of it and goes on from `step`.
 """
 
 import os

@@ -12,6 +12,7 @@ evaluation and checkpointing are plain functions of those.
 
 import itertools
 import json
+import resource
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,8 +27,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 from dlrm.checkpoint import load_checkpoint, save_checkpoint
 from dlrm.config import RunConfig
-from dlrm.data.dataset import Batch, BatchLoader, load_metadata, open_split
+from dlrm.data.dataset import Batch, BatchLoader, ParquetDataset, load_metadata, open_split
 from dlrm.data.loaders import STATEFUL_LOADERS, TrainLoader, make_train_loader
+from dlrm.data.resident import ResidentLoader
 from dlrm.data.schema import NUM_SPARSE
 from dlrm.metrics import evaluate
 from dlrm.model import DLRM, build_model
@@ -62,6 +64,7 @@ class RunState:
     # Training throughput of this process: the first step (compilation) and evaluations excluded.
     timed_s: float = 0.0
     timed_samples: int = 0
+    eval_s: float = 0.0  # evaluations of this process, in all
 
     def checkpointed(self) -> dict[str, Any]:
         """The fields a resumed run goes on from."""
@@ -177,7 +180,7 @@ def set_up(cfg: RunConfig, output_dir: Path | None, resume: Path | None) -> tupl
         )
     if checkpoint.get("loader") is not None:
         train_loader.load_state_dict(checkpoint["loader"])
-    eval_loader = BatchLoader(eval_set, cfg.data.eval_batch_size, device=device)
+    eval_loader = make_eval_loader(eval_set, cfg.data.eval_batch_size, device)
 
     run_dir = make_run_dir(cfg, output_dir if output_dir or resume is None else resume.parent.parent)
     config_json = json.dumps(cfg.to_dict(), indent=2)
@@ -196,6 +199,17 @@ def set_up(cfg: RunConfig, output_dir: Path | None, resume: Path | None) -> tupl
     writer.add_text("config", "```json\n" + config_json + "\n```")
     run = Run(cfg, device, model, optimizer, step_fn, train_loader, eval_loader, eval_split, run_dir, writer)
     return run, state
+
+
+def make_eval_loader(eval_set: ParquetDataset, batch_size: int, device: torch.device) -> BatchLoader:
+    """The eval split on the GPU once when it fits (no host copy per batch: evaluation runs at the speed
+    of the forward), else in host memory."""
+    if device.type == "cuda":
+        try:
+            return ResidentLoader(eval_set, batch_size, device=device)
+        except ValueError as err:
+            logger.info("eval split stays in host memory: {}", err)
+    return BatchLoader(eval_set, batch_size, device=device)
 
 
 def load_resumable(path: Path, cfg: RunConfig, model: DLRM, optimizer: torch.optim.Optimizer) -> dict:
@@ -295,18 +309,21 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     for key in ("auc", "logloss", "ne"):
         run.writer.add_scalar(f"eval/{key}", result[key], state.step)
     logger.info(
-        "step {} | eval auc {:.4f} logloss {:.4f} ne {:.4f}",
+        "step {} | eval auc {:.4f} logloss {:.4f} ne {:.4f} | {:.2f} s",
         state.step,
         result["auc"],
         result["logloss"],
         result["ne"],
+        time.perf_counter() - eval_start,
     )
     if state.best is None or result["auc"] > state.best["auc"]:
         state.best, state.evals_since_best = {**result, "step": state.step}, 0
         save_run_checkpoint(run, state, "best.pt")
     else:
         state.evals_since_best += 1
-    interval.start += time.perf_counter() - eval_start
+    eval_time = time.perf_counter() - eval_start
+    state.eval_s += eval_time
+    interval.start += eval_time
     patience = run.cfg.train.patience
     if patience is not None and state.evals_since_best >= patience:
         logger.info("early stop: no better eval AUC in {} evaluations", patience)
@@ -347,7 +364,9 @@ def finish(run: Run, state: RunState, wall_s: float) -> dict:
         "last_eval_auc": last_eval["auc"],
         "samples_per_s": state.timed_samples / state.timed_s if state.timed_s else None,
         "first_step_s": state.first_step_s,
+        "eval_s": state.eval_s,
         "wall_s": wall_s,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "backend": cfg.backend,
         "mlp_kernel": cfg.mlp_kernel,
         "sparse_kernel": cfg.sparse_kernel,

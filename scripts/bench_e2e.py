@@ -1,0 +1,148 @@
+"""End-to-end training throughput per loader, data included, against the bare step of the same config.
+
+    python scripts/bench_e2e.py --config kaggle --rows 16000000 --batch 65536 --precision bf16 \
+        [--loaders gpu_resident,memory,streaming,binary] [--graphs on,off] [--steps 200] [--data DIR]
+
+Generates `--rows` synthetic rows (python -m dlrm.data.synthetic --output-dir, Kaggle cardinalities) into
+`--data` once, writes their binary splits (python -m dlrm.data.binary), then per loader and with/without
+`--cuda-graphs` runs the real `python -m dlrm.train --use-triton` in a subprocess for `--steps` steps (one
+evaluation of the eval split at the end) and reads its metrics.json and profiler trace: samples/s with the
+data path included (first step and evaluation excluded, as the training log reports it), evaluation time
+and samples/s, peak host RSS of the training process, and the GPU's idle share in the profiled window
+(1 - the union of kernel and copy intervals over the window's span). The same invocation also times the
+bare training step on GPU-resident random batches (scripts/bench_train.py, backend triton+graphs) and
+reports each run's ratio to it and to the gpu_resident run. Rows go to scripts/results/e2e.csv.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+import torch
+from bench_train import bench
+from results_csv import append_rows, provenance
+
+from dlrm.config import load_config
+
+RESULTS = Path(__file__).parent / "results" / "e2e.csv"
+REPO = Path(__file__).parents[1]
+
+
+def gpu_idle_share(trace: Path) -> float:
+    """1 - (union of GPU kernel/memcpy/memset intervals) / (first GPU start .. last GPU end) of a trace."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    if not spans:
+        return float("nan")
+    busy, (start, end) = 0.0, spans[0]
+    first = start
+    for lo, hi in spans[1:]:
+        if lo > end:
+            busy += end - start
+            start, end = lo, hi
+        else:
+            end = max(end, hi)
+    busy += end - start
+    return 1 - busy / (end - first)
+
+
+def ensure_data(data: Path, rows: int) -> None:
+    if not (data / "metadata.json").is_file():
+        synthetic = [
+            sys.executable,
+            "-m",
+            "dlrm.data.synthetic",
+            "--rows",
+            str(rows),
+            "--output-dir",
+            str(data),
+        ]
+        subprocess.run([*synthetic, "--eval-fraction", "0.05", "--overwrite"], check=True)
+    if not (data / "binary" / "train" / "format.json").is_file():
+        subprocess.run([sys.executable, "-m", "dlrm.data.binary", "--data", str(data)], check=True)
+
+
+def train_run(
+    config: str, data: Path, loader: str, graphs: bool, batch: int, precision: str, steps: int
+) -> dict:
+    """One `python -m dlrm.train` run; its metrics.json plus the GPU idle share of its trace."""
+    cfg = load_config(REPO / "configs" / f"{config}.json").to_dict()
+    cfg["data"] |= {"path": str(data), "batch_size": batch, "eval_batch_size": batch, "loader": loader}
+    cfg["train"] |= {"epochs": 1, "max_steps": steps, "log_interval": 50, "eval_interval": None}
+    cfg["profiler"] = {"enabled": True, "wait": steps // 2, "warmup": 3, "active": 10}
+    with tempfile.TemporaryDirectory() as tmp:
+        config_path, run_dir = Path(tmp) / "config.json", Path(tmp) / "run"
+        config_path.write_text(json.dumps(cfg))
+        command = [sys.executable, "-m", "dlrm.train", "--config", str(config_path), "--use-triton",
+                   "--precision", precision, "--output-dir", str(run_dir)]  # fmt: skip
+        subprocess.run(command + (["--cuda-graphs"] if graphs else []), check=True)
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        traces = sorted(run_dir.glob("*.pt.trace.json"))
+        metrics["gpu_idle_share"] = gpu_idle_share(traces[0]) if traces else float("nan")
+    return metrics
+
+
+@click.command(context_settings={"show_default": True})
+@click.option("--config", default="kaggle", help="configs/<name>.json (architecture and tables).")
+@click.option("--rows", type=click.IntRange(min=1), default=16_000_000, help="Synthetic rows to generate.")
+@click.option("--data", type=click.Path(path_type=Path), default=None, help="[default: /tmp/e2e-<rows>]")
+@click.option("--batch", type=click.IntRange(min=1), default=65536)
+@click.option("--precision", type=click.Choice(["fp32", "tf32", "bf16"]), default="bf16")
+@click.option("--loaders", default="gpu_resident,memory,streaming,binary", help="Comma-separated.")
+@click.option("--graphs", default="on,off", help="Comma-separated: on (--cuda-graphs), off.")
+@click.option("--steps", type=click.IntRange(min=20), default=200, help="Training steps per run.")
+def main(config, rows, data, batch, precision, loaders, graphs, steps):
+    """Train per loader with data included; compare with the bare step; append to scripts/results/e2e.csv."""
+    if not torch.cuda.is_available():
+        raise click.UsageError("bench_e2e.py needs a CUDA GPU")
+    data = data or Path(tempfile.gettempdir()) / f"e2e-{rows}"
+    ensure_data(data, rows)
+    step = bench(config, "triton+graphs", batch, 50, None, precision)
+    print(
+        f"bare step (triton+graphs, resident random batches): {step['samples_per_s']:,} samples/s", flush=True
+    )
+    common = provenance(torch.cuda.get_device_name()) | {"cpus": os.cpu_count(), "config": config}
+    common |= {
+        "rows": rows,
+        "batch": batch,
+        "precision": precision,
+        "step_samples_per_s": step["samples_per_s"],
+    }
+    out, resident = [], {}
+    for graph in graphs.split(","):
+        for loader in loaders.split(","):
+            m = train_run(config, data, loader, graph == "on", batch, precision, steps)
+            resident.setdefault(graph, m["samples_per_s"] if loader == "gpu_resident" else None)
+            eval_rows = m["eval_samples"]
+            row = {
+                **common, "loader": loader, "cuda_graphs": graph, "steps": m["steps"],
+                "samples_per_s": round(m["samples_per_s"]),
+                "vs_step": round(m["samples_per_s"] / step["samples_per_s"], 3),
+                "vs_gpu_resident": round(m["samples_per_s"] / resident[graph], 3) if resident[graph] else "",
+                "gpu_idle_share": round(m["gpu_idle_share"], 4), "eval_s": round(m["eval_s"], 2),
+                "eval_samples_per_s": round(eval_rows / m["eval_s"]),
+                "peak_rss_gib": round(m["peak_rss_gib"], 2),
+                "first_step_s": round(m["first_step_s"], 1),
+            }  # fmt: skip
+            out.append(row)
+            print(
+                f"{loader:<13} graphs {graph:<4} {row['samples_per_s']:>12,} samples/s  "
+                f"{row['vs_step']:.3f}x step  {row['vs_gpu_resident'] or float('nan'):.3f}x resident  "
+                f"GPU idle {row['gpu_idle_share']:.1%}  "
+                f"eval {row['eval_s']} s ({row['eval_samples_per_s']:,}/s)  "
+                f"RSS {row['peak_rss_gib']} GiB",
+                flush=True,
+            )
+    append_rows(RESULTS, out)
+
+
+if __name__ == "__main__":
+    main()
