@@ -64,7 +64,9 @@ class RunState:
     # Training throughput of this process: the first step (compilation) and evaluations excluded.
     timed_s: float = 0.0
     timed_samples: int = 0
-    eval_s: float = 0.0  # evaluations of this process, in all
+    evals: int = 0  # evaluations of this process
+    eval_s: float = 0.0  # their time, in all
+    first_eval_s: float | None = None  # the first's, which pays for the eval shapes' JIT and tuning
 
     def checkpointed(self) -> dict[str, Any]:
         """The fields a resumed run goes on from."""
@@ -304,7 +306,7 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     """Evaluate on the eval split, log it, keep the best as checkpoints/best.pt; True when early stopping
     says stop. The evaluation's time is kept out of the interval's throughput."""
     eval_start = time.perf_counter()
-    result = evaluate(run.model, run.eval_loader, run.device)
+    result = evaluate(run.model, run.eval_loader, run.device, run.cfg.train.precision)
     state.last_eval, state.last_eval_step = result, state.step
     for key in ("auc", "logloss", "ne"):
         run.writer.add_scalar(f"eval/{key}", result[key], state.step)
@@ -322,7 +324,9 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     else:
         state.evals_since_best += 1
     eval_time = time.perf_counter() - eval_start
+    state.evals += 1
     state.eval_s += eval_time
+    state.first_eval_s = eval_time if state.first_eval_s is None else state.first_eval_s
     interval.start += eval_time
     patience = run.cfg.train.patience
     if patience is not None and state.evals_since_best >= patience:
@@ -364,7 +368,9 @@ def finish(run: Run, state: RunState, wall_s: float) -> dict:
         "last_eval_auc": last_eval["auc"],
         "samples_per_s": state.timed_samples / state.timed_s if state.timed_s else None,
         "first_step_s": state.first_step_s,
+        "evals": state.evals,
         "eval_s": state.eval_s,
+        "first_eval_s": state.first_eval_s,
         "wall_s": wall_s,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "backend": cfg.backend,

@@ -16,9 +16,14 @@ from dlrm.data.dataset import Batch
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Iterable[Batch], device: torch.device) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module, batches: Iterable[Batch], device: torch.device, precision: str = "fp32"
+) -> dict[str, float]:
     """Run `model` over `batches` and return {"auc", "logloss", "ne", "samples"}.
 
+    The forward runs as in training: under bf16 autocast for precision "bf16". A last batch smaller than
+    the first is padded to the first's size (the padding's logits are dropped), so evaluation runs the
+    kernels the first batch compiled and tuned instead of JIT-compiling and autotuning a new shape.
     The sigmoid is applied here, once, to turn logits into click probabilities for AUC.
     Raises:
         ValueError: no samples, or only one class in the labels (AUC undefined).
@@ -28,14 +33,20 @@ def evaluate(model: torch.nn.Module, batches: Iterable[Batch], device: torch.dev
     auroc = BinaryAUROC().to(device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     positives = torch.zeros((), dtype=torch.float64, device=device)
-    samples = 0
+    samples, size = 0, None
     for batch in batches:
         batch = batch.to(device, non_blocking=True)
-        logits = model(batch.dense, batch.sparse).float()
+        rows = batch.label.numel()
+        size = size or rows
+        dense, sparse = batch.dense, batch.sparse
+        if rows < size:
+            dense, sparse = (torch.cat([t, t[:1].expand(size - rows, -1)]) for t in (dense, sparse))
+        with torch.autocast(device.type, torch.bfloat16, precision == "bf16"):
+            logits = model(dense, sparse)[:rows].float()
         loss_sum += F.binary_cross_entropy_with_logits(logits, batch.label, reduction="sum").double()
         positives += batch.label.sum().double()
         auroc.update(torch.sigmoid(logits), batch.label.long())
-        samples += batch.label.numel()
+        samples += rows
     model.train(was_training)
     if samples == 0:
         raise ValueError("evaluation split is empty")
