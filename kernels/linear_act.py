@@ -3,7 +3,7 @@
 Math (nn.Linear layout: W is [N, K], one row per output feature)
     z  = x @ W^T + b                 (b broadcast over rows; optional)
     y  = act(z)
-    dz = dy * act'(z)                (never materialized: formed in registers inside both backward GEMMs)
+    dz = dy * act'(z)
     dx = dz @ W                      [M, K]
     dW = dz^T @ x                    [N, K]
     db = sum over rows of dz         [N]
@@ -19,7 +19,7 @@ align1 kernels and Triton to narrow loads otherwise): the autograd op copies an 
 dense features, a contiguous [B, 367]) once into rows padded with zeros to Kp (16 bytes, ``_pads_input``),
 and W likewise, so the forward GEMM runs over Kp unmasked columns and the backward's dW reads the same
 copy; row-padded inputs (the dot interaction's output, [B, 367] in rows of 368) are read in place. dx
-comes back with its rows padded too (``_new_padded``).
+comes back with its rows padded too (cuBLAS writes it as the first K columns of an [M, Kp] GEMM).
 
 Dtypes: x, W and b all fp32, bf16 or fp16 (one dtype); y, dx, dW, db have that dtype.
 Compute dtype: fp32 accumulation everywhere. The GEMM operands go to ``tl.dot`` in their own dtype on the
@@ -27,8 +27,8 @@ GPU: bf16/fp16 tensor cores; fp32 follows ``torch.backends.cuda.matmul.allow_tf3
 IEEE fp32 products when it is False (PyTorch's default), TF32 tensor cores (10-bit mantissa operands, fp32
 accumulate: a relative error of ~1e-3 per product) when it is True. In the CPU interpreter the operands
 are cast to fp32 first (``DOT_FP32``: its bf16 ``dot`` is wrong), so there the GEMM is plain fp32.
-Bias, activation and act' run in fp32 on values cast right after load; in the backward GEMMs dz is
-rounded to the input dtype before the dot (as PyTorch does).
+Bias, activation and act' run in fp32 on values cast right after load; dz is rounded to the input dtype
+before the backward GEMMs (as PyTorch does).
 
 What the forward saves for backward (besides the inputs x and W):
     identity            nothing (act' = 1)
@@ -36,28 +36,39 @@ What the forward saves for backward (besides the inputs x and W):
     gelu_tanh, silu     the pre-activation z, written by the forward kernel as a second [M, N] output
                         (``SAVE_Z``), since act' cannot be taken from y
 
-Backward, two implementations, the faster one chosen per shape (``linear_act_bwd(method="auto")``: both
-are timed the first time a shape is seen on the GPU). The issue asked for the first; the second wins where
-the layer is small or cuBLAS's GEMMs beat ours, and its cost is one extra [M, N] pass for dz:
+Backward (``linear_act_bwd``), two implementations:
   "cublas": ``_linear_act_dz_kernel`` writes dz = dy * act' and the bias gradient's partial sums in one
       pass over [M, N], then cuBLAS computes dx = dz @ W and dW = dz^T @ x.
-  "triton" (two GEMM kernels, no elementwise pass over dy):
-    ``_linear_act_bwd_dx_kernel``: one program per [BLOCK_M, BLOCK_K] tile of dx, reducing over N: it loads
-        dy and the saved y/z tiles [BLOCK_M, BLOCK_N], forms dz in registers and dots it with a W tile.
-    ``_linear_act_bwd_dw_kernel``: one program per ([BLOCK_N, BLOCK_K] tile of dW, chunk of rows), reducing
-        over M: it forms dz the same way and dots dz^T with an x tile; the programs of the first K tile
-        also sum dz over rows for db. Split-M: DLRM layers are small (N * K of a few thousand) while M
-        (the batch) is large, so the rows are cut into ``splits`` chunks (see ``_dw_rows_per_split``);
-        each program writes its fp32 partials to [splits, N, K] and [splits, N] buffers, and the launcher
-        sums them over the split axis (``kernels.partials.sum_partials``). No atomics: every partial
-        element is written by exactly one program, so autotuning re-runs are harmless and the result is
-        the same run to run (for a given autotuned config).
+  "triton" (dW and db only, no dz pass): ``_linear_act_bwd_dw_kernel``, one program per ([BLOCK_N, BLOCK_K]
+      tile of dW, chunk of rows), reducing over M: it loads dy and the saved y/z tiles [BLOCK_M, BLOCK_N],
+      forms dz in registers and dots dz^T with an x tile; the programs of the first K tile also sum dz over
+      rows for db. Split-M: DLRM layers are small (N * K of a few thousand) while M (the batch) is large,
+      so the rows are cut into ``splits`` chunks (see ``_dw_rows_per_split``); each program writes its fp32
+      partials to [splits, N, K] and [splits, N] buffers, and the launcher sums them over the split axis
+      (``kernels.partials.sum_partials``). No atomics: every partial element is written by exactly one
+      program, so autotuning re-runs are harmless and the result is the same run to run (for a given
+      autotuned config).
+Which one runs was measured on an H100 (torch 2.11, triton 3.6; CUDA-graph replays of each backward alone,
+every layer of the kaggle and mlperf configs, B = 16384 and 65536, tf32 and bf16;
+scripts/results/linear_act_backward.csv):
+  - dx needed (every layer but the first): always "cublas", not timed. A Triton dx GEMM with dz fused into
+    its loads (since removed), with the dW kernel, took 1.15-4.0x cuBLAS's time (tf32 1.3-4.0x, bf16
+    1.15-3.5x) on every layer but two bf16 ones at B = 65536, 256 -> 64 and 256 -> 128, where it took 0.908x
+    and 0.938x (6.6 and 6.0 us saved): too little to keep a dx GEMM kernel for.
+  - no dx (the first layer, whose input is data: K = 13 dense features): the faster of the two, timed as
+    graph replays the first time a shape is seen on the GPU (``_pick_backward``). On 13 -> 512 Triton took
+    0.70x cuBLAS's time in tf32 at B = 16384 (46 vs 67 us) and 0.61x at B = 65536 (133 vs 218 us); in bf16
+    1.23x (65 vs 53 us) and 1.0x (165 vs 165 us). Those runs passed x as a contiguous [B, 13] (rows 13
+    apart); through the op the backward reads x's 16-byte-row copy, where cuBLAS's dW runs aligned: the
+    timed choice sees the op's real inputs.
 
 It equals the PyTorch expression ``act(F.linear(x, W, b))`` computed in fp32 and cast back to x's dtype
 (see ``linear_act_ref``), up to the GEMM precision above.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -181,67 +192,6 @@ def _linear_act_fwd_kernel(
         tl.store(z_ptr + rows[:, None] * stride_zm + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
     y = act_fwd(acc, ACTIVATION)
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _linear_act_bwd_dx_kernel(
-    # pointers
-    dy_ptr,  # [M, N] upstream gradient, x's dtype
-    s_ptr,  # [M, N] saved y (relu, sigmoid) or z (gelu_tanh, silu); not read for identity
-    w_ptr,  # [N, K] weight
-    dx_ptr,  # [M, K] output dx = dz @ W, x's dtype
-    # sizes
-    M,
-    N,
-    K,
-    M_BUCKET,  # autotuning key only
-    # strides (row strides, in elements; the column stride is 1)
-    stride_dym,
-    stride_sm,
-    stride_wn,
-    stride_dxm,
-    # meta-parameters
-    ACTIVATION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # reduction chunk
-    GROUP: tl.constexpr,
-):
-    pid_m, pid_k = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_K), GROUP)
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ks = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    ns = tl.arange(0, BLOCK_N)
-    mask_m = rows < M
-    mask_k = ks < K
-
-    dy_ptrs = dy_ptr + rows[:, None] * stride_dym + ns[None, :]  # [BLOCK_M, BLOCK_N]
-    s_ptrs = s_ptr + rows[:, None] * stride_sm + ns[None, :]
-    w_ptrs = w_ptr + ns[:, None].to(tl.int64) * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]
-    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        mask_n = ns < N - n0
-        mask_mn = mask_m[:, None] & mask_n[None, :]
-        # dz = dy * act'(.) in registers; masked elements load 0 and give dz = 0 for every activation.
-        dy = tl.load(dy_ptrs, mask=mask_mn, other=0.0).to(tl.float32)
-        if ACTIVATION == "identity":
-            dz = dy
-        else:
-            s = tl.load(s_ptrs, mask=mask_mn, other=0.0).to(tl.float32)
-            dz = _act_bwd(dy, s, ACTIVATION)
-        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        if DOT_FP32:
-            w = w.to(tl.float32)
-        else:
-            dz = dz.to(w_ptr.dtype.element_ty)
-        acc = tl.dot(dz, w, acc, input_precision=INPUT_PRECISION)
-        dy_ptrs += BLOCK_N
-        s_ptrs += BLOCK_N
-        w_ptrs += BLOCK_N * stride_wn
-
-    mask = mask_m[:, None] & mask_k[None, :]
-    tl.store(dx_ptr + rows[:, None] * stride_dxm + ks[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 # ROWS_PER_SPLIT follows M: do not specialize on it either.
@@ -378,8 +328,7 @@ _KEY = ["M_BUCKET", "N", "K"]
 _M_BUCKET_MIN, _M_BUCKET_MAX = 64, 65536
 
 # Hopper configs: (tile rows, tile cols, num_warps, num_stages) plus a reduction chunk. Tile dims per kernel
-# (rows, cols | reduction): fwd (BLOCK_M, BLOCK_N | BLOCK_K), dx (BLOCK_M, BLOCK_K | BLOCK_N),
-# dw (BLOCK_N, BLOCK_K | BLOCK_M).
+# (rows, cols | reduction): fwd (BLOCK_M, BLOCK_N | BLOCK_K), dw (BLOCK_N, BLOCK_K | BLOCK_M).
 # 16-bit operands use a 64-deep reduction chunk, fp32 a 32-deep one (same bytes per stage in shared memory:
 # 128x256 tiles with 3 stages need ~144 KiB either way, under Hopper's 227 KiB); _pruner keeps the set of the
 # operand's element size.
@@ -452,9 +401,6 @@ def _autotuned(kernel, names: tuple[str, str, str], dims: tuple[str, str], opera
 
 _linear_act_fwd_kernel = _autotuned(
     _linear_act_fwd_kernel, ("BLOCK_M", "BLOCK_N", "BLOCK_K"), ("M_BUCKET", "N"), "x_ptr", {"GROUP": 8}
-)
-_linear_act_bwd_dx_kernel = _autotuned(
-    _linear_act_bwd_dx_kernel, ("BLOCK_M", "BLOCK_K", "BLOCK_N"), ("M_BUCKET", "K"), "w_ptr", {"GROUP": 8}
 )
 _linear_act_bwd_dw_kernel = _autotuned(
     _linear_act_bwd_dw_kernel, ("BLOCK_N", "BLOCK_K", "BLOCK_M"), ("N", "K"), "x_ptr", {}
@@ -633,48 +579,61 @@ def linear_act_bwd(
             sigmoid; z for gelu_tanh and silu): [M, N], x's dtype and device.
         activation: one of ``ACTIVATIONS``, as in the forward.
         has_bias: whether to return db (the forward had a bias).
-        needs_dx: whether to compute dx; False skips its kernel (e.g. the first layer, whose input needs
+        needs_dx: whether to compute dx; False skips its GEMM (e.g. the first layer, whose input needs
             no gradient).
-        method: "triton" (two Triton GEMMs with dz fused into their loads), "cublas" (a Triton dz + db
-            kernel, then two cuBLAS GEMMs) or "auto": the faster of the two for this shape, timed once per
-            (M bucket, N, K, dtype, activation) on the GPU and remembered; "triton" in the interpreter.
+        method: "cublas" (a Triton dz + db kernel, then cuBLAS GEMMs), "triton" (dW and db by the Triton
+            dW kernel with dz fused into its loads; only with needs_dx=False) or "auto": "cublas" when dx
+            is needed, else the faster of the two for this shape, timed once per (M bucket, N, K, dtype,
+            GEMM precision, activation, bias) on the GPU and remembered; "triton" in the interpreter.
 
     Returns:
-        (dx, dw, db): dx [M, K] (None unless needs_dx; rows padded to 16 bytes, see ``_new_dx``), dw
+        (dx, dw, db): dx [M, K] (None unless needs_dx; rows padded to 16 bytes, see ``_new_padded``), dw
         [N, K], db [N] (None unless has_bias), all in x's dtype; dw and db are zeros when M == 0.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices or activation, a missing ``saved``, or an unknown method.
+        ValueError: bad shapes, dtypes, devices or activation, a missing ``saved``, an unknown method, or
+            method "triton" with needs_dx.
     """
     _check_bwd_inputs(dy, x, weight, saved, activation, has_bias)
     if method not in ("auto", "triton", "cublas"):
         raise ValueError(f"unknown backward method {method!r}: expected 'auto', 'triton' or 'cublas'")
-    args = (dy, x, weight, saved, activation, has_bias, needs_dx)
+    if method == "triton" and needs_dx:
+        raise ValueError(
+            "backward method 'triton' computes dW and db only: it needs needs_dx=False, got True"
+        )
+    args = (dy, x, weight, saved, activation, has_bias)
     if method == "auto":
-        method = _pick_backward(*args)
-    return (_linear_act_bwd_triton if method == "triton" else _linear_act_bwd_cublas)(*args)
+        method = "cublas" if needs_dx else _pick_backward(*args)
+    if method == "triton":
+        return _linear_act_bwd_triton(*args)
+    return _linear_act_bwd_cublas(*args, needs_dx)
 
 
-# The backward implementation chosen per (M bucket, N, K, dtype, GEMM precision, activation, bias, dx).
+# The backward implementation chosen per (M bucket, N, K, dtype, GEMM precision, activation, bias), for
+# layers whose dx is not needed.
 _BACKWARD_CHOICE: dict[tuple, str] = {}
 
 
-def _pick_backward(dy, x, weight, saved, activation, has_bias, needs_dx) -> str:
-    """The faster backward for this shape: both are timed (median of CUDA-event timings) the first time a
-    shape is seen. Small layers favour cuBLAS (the two Triton GEMMs and their split-M partial sums have
-    fixed costs that a [M, N] dz pass does not); "triton" saves that pass where the GEMMs are large enough.
-    Inside a CUDA graph capture nothing can be timed: an unseen shape then takes "triton"."""
+def _pick_backward(dy, x, weight, saved, activation, has_bias) -> str:
+    """The faster dW + db backward for this shape (no dx): both are timed (median of CUDA-event timings) the
+    first time a shape is seen. "triton" saves the [M, N] dz pass; cuBLAS's GEMM may still win (module
+    docstring: tf32 Triton 0.61-0.70x cuBLAS's time on 13 -> 512, bf16 1.0-1.23x). Inside a CUDA graph
+    capture nothing can be timed: an unseen shape then takes "triton". The interpreter times nothing either
+    and takes "triton", so the CPU tests run the dW kernel through the autograd op too."""
     if INTERPRETED:
         return "triton"
     key = (_m_bucket(x.shape[0]), weight.shape[0], x.shape[1], x.dtype, _input_precision(x.dtype), activation,
-           has_bias, needs_dx)  # fmt: skip
+           has_bias)  # fmt: skip
     if key not in _BACKWARD_CHOICE:
         if torch.cuda.is_current_stream_capturing():
             return "triton"
-        args = (dy, x, weight, saved, activation, has_bias, needs_dx)
+        args = (dy, x, weight, saved, activation, has_bias)
         times = {
             name: _graph_time(fn, args)
-            for name, fn in (("triton", _linear_act_bwd_triton), ("cublas", _linear_act_bwd_cublas))
+            for name, fn in (
+                ("triton", _linear_act_bwd_triton),
+                ("cublas", partial(_linear_act_bwd_cublas, needs_dx=False)),
+            )
         }
         _BACKWARD_CHOICE[key] = min(times, key=times.get)
     return _BACKWARD_CHOICE[key]
@@ -734,32 +693,16 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
     return dx, dw, db
 
 
-def _linear_act_bwd_triton(dy, x, weight, saved, activation, has_bias, needs_dx):
-    """The two Triton backward GEMMs, dz formed in registers in both (module docstring)."""
+def _linear_act_bwd_triton(dy, x, weight, saved, activation, has_bias):
+    """(None, dW, db) from the Triton dW kernel, dz formed in registers (module docstring)."""
     m, k = x.shape
     n = weight.shape[0]
-    dx = _new_padded(m, k, x) if needs_dx else None
     if m == 0:
         db = torch.zeros(n, dtype=x.dtype, device=x.device) if has_bias else None
-        return dx, torch.zeros(n, k, dtype=x.dtype, device=x.device), db
+        return None, torch.zeros(n, k, dtype=x.dtype, device=x.device), db
     dy = dy.contiguous()  # autograd may hand in an expanded (stride-0) gradient
     x = rows_contiguous(x)
-    weight = weight.contiguous()
     s = saved.contiguous() if activation != "identity" else dy  # dy: a dummy, never read for identity
-    m_bucket = _m_bucket(m)
-
-    def grid_dx(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_K"]),)
-
-    if needs_dx:
-        _linear_act_bwd_dx_kernel[grid_dx](
-            dy, s, weight, dx,
-            m, n, k, m_bucket,
-            dy.stride(0), s.stride(0), weight.stride(0), dx.stride(0),
-            ACTIVATION=activation,
-            DOT_FP32=INTERPRETED, INPUT_PRECISION=_input_precision(x.dtype),
-        )  # fmt: skip
-
     rows_per_split = _dw_rows_per_split(m, n, k)
     splits = triton.cdiv(m, rows_per_split)
     # Every (split, n, k) of the partials is written by exactly one program (and (split, n) of db_part).
@@ -771,14 +714,14 @@ def _linear_act_bwd_triton(dy, x, weight, saved, activation, has_bias, needs_dx)
 
     _linear_act_bwd_dw_kernel[grid_dw](
         dy, s, x, dw_part, db_part,
-        m, n, k, m_bucket, rows_per_split,
+        m, n, k, _m_bucket(m), rows_per_split,
         dy.stride(0), s.stride(0), x.stride(0), dw_part.stride(0), dw_part.stride(1), db_part.stride(0),
         HAS_BIAS=has_bias, ACTIVATION=activation,
         DOT_FP32=INTERPRETED, INPUT_PRECISION=_input_precision(x.dtype),
     )  # fmt: skip
     dw = sum_partials(dw_part, x.dtype)
     db = sum_partials(db_part, x.dtype) if has_bias else None
-    return dx, dw, db
+    return None, dw, db
 
 
 # --------------------------------------------------------------------------------------------------
