@@ -1,4 +1,5 @@
-"""Tests for kernels/linear_act.py: fused y = act(x @ W^T + b), forward and backward.
+"""Tests for kernels/linear_act.py (and its kernels in kernels/linear_act_{forward,backward,dw}.py): fused
+y = act(x @ W^T + b), forward and backward.
 
 On CPU (no CUDA) conftest sets TRITON_INTERPRET=1, so the tests run the Triton kernels in the interpreter,
 where the GEMMs are plain fp32 and compare elementwise with the fp32 reference's autograd gradients. On a
@@ -17,7 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels.gemm_tuning as gemm_tuning
+import kernels.launch as launch
 import kernels.linear_act as linear_act_mod
+import kernels.linear_act_backward as backward_mod
+import kernels.linear_act_dw as dw_mod
+import kernels.linear_act_forward as forward_mod
 import kernels.partials as partials
 from kernels.linear_act import ACTIVATIONS, linear_act, linear_act_bwd, linear_act_fwd, linear_act_ref
 from tests.tolerances import tol
@@ -147,8 +153,8 @@ def test_auto_backward_with_dx_is_cublas(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("not the cuBLAS backward")
 
-    monkeypatch.setattr(linear_act_mod, "_pick_backward", fail)
-    monkeypatch.setattr(linear_act_mod, "_linear_act_bwd_triton", fail)
+    monkeypatch.setattr(backward_mod, "_pick_backward", fail)
+    monkeypatch.setattr(backward_mod, "linear_act_dw", fail)
     got = linear_act_bwd(dy, x, w, saved, "silu", True)
     for g, r in zip(got, want, strict=True):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
@@ -260,7 +266,7 @@ def test_fwd_bwd_half(activation, dtype):
 @pytest.mark.parametrize("activation", ["identity", "silu"])
 def test_dw_split_m(monkeypatch, activation):
     """The Triton dW/db reduced over several M splits (the last one ragged), summed by the launcher."""
-    monkeypatch.setattr(linear_act_mod, "_dw_rows_per_split", lambda m, n, k: 40)  # 130 = 40+40+40+10 rows
+    monkeypatch.setattr(dw_mod, "_dw_rows_per_split", lambda m, n, k: 40)  # 130 = 40+40+40+10 rows
     _check_backward_method(130, 33, 70, activation, True, torch.float32, DEVICE, "triton", needs_dx=False)
 
 
@@ -271,8 +277,8 @@ def test_kernels_write_every_element(monkeypatch, activation):
     def nan_empty(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    monkeypatch.setattr(linear_act_mod, "_empty", nan_empty)
-    monkeypatch.setattr(linear_act_mod, "_dw_rows_per_split", lambda m, n, k: 64)  # 3 splits of 130 rows
+    monkeypatch.setattr(launch, "empty", nan_empty)
+    monkeypatch.setattr(dw_mod, "_dw_rows_per_split", lambda m, n, k: 64)  # 3 splits of 130 rows
     _check_fwd_bwd(130, 33, 70, activation, True, torch.float32, DEVICE, seed=3)
     _check_backward_method(130, 33, 70, activation, True, torch.float32, DEVICE, "triton", needs_dx=False)
 
@@ -402,10 +408,10 @@ def test_cpu_fallback_without_triton(monkeypatch):
 
 
 def test_m_bucket_and_dw_splits():
-    assert [linear_act_mod._m_bucket(m) for m in (1, 64, 65, 2048, 2049, 65536, 10**6)] == [
+    assert [gemm_tuning.m_bucket(m) for m in (1, 64, 65, 2048, 2049, 65536, 10**6)] == [
         64, 64, 128, 2048, 4096, 65536, 65536,
     ]  # fmt: skip
-    f = linear_act_mod._dw_rows_per_split
+    f = dw_mod._dw_rows_per_split
     assert f(65536, 16, 64) == 1024  # one (N, K) tile: 64 splits
     assert f(65536, 1024, 1024) == 13312  # 64 tiles: 5 splits
     assert f(128, 512, 13) == 256  # small batch: one split
@@ -489,9 +495,9 @@ def test_dlrm_shapes_tf32_gpu(monkeypatch, layer):
 @pytest.mark.gpu
 def test_new_batch_size_does_not_recompile_gpu():
     kernels = [
-        linear_act_mod._linear_act_fwd_kernel.fn,
-        linear_act_mod._linear_act_dz_kernel,
-        linear_act_mod._linear_act_bwd_dw_kernel.fn,
+        forward_mod._linear_act_fwd_kernel.fn,
+        backward_mod._linear_act_dz_kernel,
+        dw_mod._linear_act_bwd_dw_kernel.fn,
     ]
     if not all(hasattr(k, "device_caches") for k in kernels):
         pytest.skip("this Triton has no JITFunction.device_caches")
