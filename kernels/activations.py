@@ -74,6 +74,21 @@ def act_grad(z, ACTIVATION: tl.constexpr):
     return g
 
 
+@triton.jit
+def act_bwd(dy, s, ACTIVATION: tl.constexpr):
+    """dz = dy * act'(z) for fp32 tiles, from the tensor s a forward saved: y = act(z) for relu and sigmoid
+    (relu' = [y > 0], sigmoid' = y (1 - y)), z for gelu_tanh and silu; s is not read for identity."""
+    if ACTIVATION == "relu":
+        dz = tl.where(s > 0.0, dy, 0.0)
+    elif ACTIVATION == "sigmoid":
+        dz = dy * s * (1.0 - s)
+    elif ACTIVATION == "identity":
+        dz = dy
+    else:  # gelu_tanh, silu: s is z
+        dz = dy * act_grad(s, ACTIVATION)
+    return dz
+
+
 def act_ref(z: Tensor, activation: str) -> Tensor:
     """act(z) in plain PyTorch (differentiable). Raises ValueError for an unknown activation."""
     check_activation("act_ref", activation)

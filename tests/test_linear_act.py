@@ -1,4 +1,5 @@
-"""Tests for kernels/linear_act.py: fused y = act(x @ W^T + b), forward and backward.
+"""Tests for kernels/linear_act.py (and its kernels in kernels/linear_act_{forward,backward,dw}.py): fused
+y = act(x @ W^T + b), forward and backward.
 
 On CPU (no CUDA) conftest sets TRITON_INTERPRET=1, so the tests run the Triton kernels in the interpreter,
 where the GEMMs are plain fp32 and compare elementwise with the fp32 reference's autograd gradients. On a
@@ -17,7 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels.gemm_tuning as gemm_tuning
+import kernels.launch as launch
 import kernels.linear_act as linear_act_mod
+import kernels.linear_act_backward as backward_mod
+import kernels.linear_act_dw as dw_mod
+import kernels.linear_act_forward as forward_mod
 import kernels.partials as partials
 from kernels.linear_act import ACTIVATIONS, linear_act, linear_act_bwd, linear_act_fwd, linear_act_ref
 from tests.tolerances import tol
@@ -102,12 +108,14 @@ def test_fwd_bwd_fp32(shape, activation, has_bias):
     _check_fwd_bwd(*shape, activation, has_bias, torch.float32, DEVICE)
 
 
-def _check_backward_method(m, n, k, activation, has_bias, dtype, device, method):
+def _check_backward_method(m, n, k, activation, has_bias, dtype, device, method, needs_dx=True):
     """linear_act_bwd(method=...) against PyTorch's activation backward at the forward's saved tensor."""
     x, w, b, dy = _inputs(m, n, k, dtype, device, seed=m + n)
     _, saved = linear_act_fwd(x, w, b if has_bias else None, activation)
-    got = linear_act_bwd(dy, x, w, saved, activation, has_bias, method=method)
-    want = _grads_from_saved(dy, x, w, saved, activation, has_bias)
+    got = linear_act_bwd(dy, x, w, saved, activation, has_bias, needs_dx, method=method)
+    want = list(_grads_from_saved(dy, x, w, saved, activation, has_bias))
+    if not needs_dx:
+        want[0] = None
     for g, r, name in zip(got, want, ("dx", "dw", "db"), strict=True):
         if r is None:
             assert g is None
@@ -117,13 +125,39 @@ def _check_backward_method(m, n, k, activation, has_bias, dtype, device, method)
             _assert_norm_close(g, r, dtype, f"{name} {method} {activation} {(m, n, k)} {dtype}")
 
 
-@pytest.mark.parametrize("method", ["triton", "cublas"])
+# (method, needs_dx): the Triton backward computes dW and db only.
+METHODS = [("cublas", True), ("cublas", False), ("triton", False)]
+
+
+@pytest.mark.parametrize(("method", "needs_dx"), METHODS, ids=["cublas-dx", "cublas", "triton"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("shape", [(1, 1, 1), (70, 1, 19), (67, 33, 13), (130, 129, 17)], ids=_ids)
-def test_backward_methods(shape, activation, method):
-    """Both backward implementations (Triton GEMMs with dz fused; Triton dz + cuBLAS GEMMs) agree with
-    PyTorch; "auto" picks one of them per shape."""
-    _check_backward_method(*shape, activation, True, torch.float32, DEVICE, method)
+def test_backward_methods(shape, activation, method, needs_dx):
+    """Both backward implementations (Triton dW GEMM with dz fused; Triton dz + cuBLAS GEMMs) agree with
+    PyTorch; "auto" picks one of them per shape where dx is not needed."""
+    _check_backward_method(*shape, activation, True, torch.float32, DEVICE, method, needs_dx)
+
+
+def test_triton_backward_has_no_dx():
+    x, w, b, dy = _inputs(3, 4, 5, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="'triton' computes dW and db only: it needs needs_dx=False"):
+        linear_act_bwd(dy, x, w, dy, "relu", True, needs_dx=True, method="triton")
+
+
+def test_auto_backward_with_dx_is_cublas(monkeypatch):
+    """With dx needed, "auto" runs the cuBLAS backward without timing or trying the Triton one."""
+    x, w, b, dy = _inputs(67, 33, 13, torch.float32, DEVICE, seed=6)
+    _, saved = linear_act_fwd(x, w, b, "silu")
+    want = linear_act_bwd(dy, x, w, saved, "silu", True, method="cublas")
+
+    def fail(*args, **kwargs):
+        raise AssertionError("not the cuBLAS backward")
+
+    monkeypatch.setattr(backward_mod, "_pick_backward", fail)
+    monkeypatch.setattr(backward_mod, "linear_act_dw", fail)
+    got = linear_act_bwd(dy, x, w, saved, "silu", True)
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
 
 
 def test_cublas_backward_with_several_row_blocks_per_program(monkeypatch):
@@ -132,8 +166,8 @@ def test_cublas_backward_with_several_row_blocks_per_program(monkeypatch):
     _check_backward_method(200, 33, 13, "relu", True, torch.float32, DEVICE, "cublas")
 
 
-@pytest.mark.parametrize("method", ["triton", "cublas"])
-def test_row_padded_input_and_dx(monkeypatch, method):
+@pytest.mark.parametrize(("method", "needs_dx"), [("triton", False), ("cublas", True)])
+def test_row_padded_input_and_dx(monkeypatch, method, needs_dx):
     """x as a view of a row-padded buffer (the interaction's output) is read in place, not copied, and
     gives the results of a contiguous x (the NaN padding reaches no result); dx comes back with rows
     padded to 16 bytes."""
@@ -150,13 +184,17 @@ def test_row_padded_input_and_dx(monkeypatch, method):
 
     monkeypatch.setattr(torch.Tensor, "contiguous", no_copy_of_x)
     y, saved = linear_act_fwd(x_view, w, b, "relu")
-    got = linear_act_bwd(dy, x_view, w, saved, "relu", True, method=method)
+    got = linear_act_bwd(dy, x_view, w, saved, "relu", True, needs_dx, method=method)
     monkeypatch.undo()
     y_ref, saved_ref = linear_act_fwd(x, w, b, "relu")
     torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
-    for g, r in zip(got, linear_act_bwd(dy, x, w, saved_ref, "relu", True, method=method), strict=True):
+    want = linear_act_bwd(dy, x, w, saved_ref, "relu", True, needs_dx, method=method)
+    for g, r in zip(got, want, strict=True):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
-    assert got[0].stride() == (16, 1)
+    if needs_dx:
+        assert got[0].stride() == (16, 1)
+    else:
+        assert got[0] is None
 
 
 def _saved_inputs(x, w, b):
@@ -195,21 +233,17 @@ def test_unknown_backward_method():
         linear_act_bwd(dy, x, w, dy, "relu", True, method="x")
 
 
-class _Recorder:
-    """Stands in for a kernel: records the grid of each launch instead of running it."""
-
-    def __init__(self, launches: list):
-        self.launches = launches
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append(grid)
-
-
 @pytest.mark.parametrize("activation", ["relu", "silu"])
 def test_input_without_grad_skips_dx(monkeypatch, activation):
     """A first layer's input needs no gradient: dx is not computed, dW and db still match the reference."""
-    launches = []
-    monkeypatch.setattr(linear_act_mod, "_linear_act_bwd_dx_kernel", _Recorder(launches))
+    calls = []
+
+    def recording_bwd(*args):
+        grads = linear_act_bwd(*args)
+        calls.append((args[6], grads[0]))  # (needs_dx, dx)
+        return grads
+
+    monkeypatch.setattr(linear_act_mod, "linear_act_bwd", recording_bwd)
     x, w, b, dy = _inputs(67, 33, 13, torch.float32, DEVICE, seed=5)
     w.requires_grad_(True)
     b.requires_grad_(True)
@@ -219,7 +253,7 @@ def test_input_without_grad_skips_dx(monkeypatch, activation):
     kind = "gemm" if DEVICE == "cpu" else "gemm_norm"
     torch.testing.assert_close(dw, dw32, **tol(torch.float32, kind))
     torch.testing.assert_close(db, db32, **tol(torch.float32, kind))
-    assert launches == []
+    assert calls == [(False, None)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -231,21 +265,22 @@ def test_fwd_bwd_half(activation, dtype):
 
 @pytest.mark.parametrize("activation", ["identity", "silu"])
 def test_dw_split_m(monkeypatch, activation):
-    """dW/db reduced over several M splits (the last one ragged), summed by the launcher."""
-    monkeypatch.setattr(linear_act_mod, "_dw_rows_per_split", lambda m, n, k: 40)  # 130 = 40+40+40+10 rows
-    _check_fwd_bwd(130, 33, 70, activation, True, torch.float32, DEVICE, seed=2)
+    """The Triton dW/db reduced over several M splits (the last one ragged), summed by the launcher."""
+    monkeypatch.setattr(dw_mod, "_dw_rows_per_split", lambda m, n, k: 40)  # 130 = 40+40+40+10 rows
+    _check_backward_method(130, 33, 70, activation, True, torch.float32, DEVICE, "triton", needs_dx=False)
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu_tanh"])
 def test_kernels_write_every_element(monkeypatch, activation):
-    """Every launcher buffer (y, z, dx, dW/db partials) is poisoned with NaN: the kernels must fill it."""
+    """Every launcher buffer (y, z, dz, dW/db partials) is poisoned with NaN: the kernels must fill it."""
 
     def nan_empty(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    monkeypatch.setattr(linear_act_mod, "_empty", nan_empty)
-    monkeypatch.setattr(linear_act_mod, "_dw_rows_per_split", lambda m, n, k: 64)  # 3 splits of 130 rows
+    monkeypatch.setattr(launch, "empty", nan_empty)
+    monkeypatch.setattr(dw_mod, "_dw_rows_per_split", lambda m, n, k: 64)  # 3 splits of 130 rows
     _check_fwd_bwd(130, 33, 70, activation, True, torch.float32, DEVICE, seed=3)
+    _check_backward_method(130, 33, 70, activation, True, torch.float32, DEVICE, "triton", needs_dx=False)
 
 
 def test_saved_tensors():
@@ -373,10 +408,10 @@ def test_cpu_fallback_without_triton(monkeypatch):
 
 
 def test_m_bucket_and_dw_splits():
-    assert [linear_act_mod._m_bucket(m) for m in (1, 64, 65, 2048, 2049, 65536, 10**6)] == [
+    assert [gemm_tuning.m_bucket(m) for m in (1, 64, 65, 2048, 2049, 65536, 10**6)] == [
         64, 64, 128, 2048, 4096, 65536, 65536,
     ]  # fmt: skip
-    f = linear_act_mod._dw_rows_per_split
+    f = dw_mod._dw_rows_per_split
     assert f(65536, 16, 64) == 1024  # one (N, K) tile: 64 splits
     assert f(65536, 1024, 1024) == 13312  # 64 tiles: 5 splits
     assert f(128, 512, 13) == 256  # small batch: one split
@@ -439,12 +474,13 @@ def test_dlrm_shapes_gpu(m, layer, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["triton", "cublas"])
+@pytest.mark.parametrize(("method", "needs_dx"), METHODS, ids=["cublas-dx", "cublas", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layer", DLRM_LAYERS, ids=lambda kn: f"{kn[0]}to{kn[1]}")
-def test_dlrm_shapes_backward_methods_gpu(layer, dtype, method):
+def test_dlrm_shapes_backward_methods_gpu(layer, dtype, method, needs_dx):
     k, n = layer
-    _check_backward_method(16384, n, k, "identity" if n == 1 else "relu", True, dtype, "cuda", method)
+    act = "identity" if n == 1 else "relu"
+    _check_backward_method(16384, n, k, act, True, dtype, "cuda", method, needs_dx)
 
 
 @pytest.mark.gpu
@@ -459,9 +495,9 @@ def test_dlrm_shapes_tf32_gpu(monkeypatch, layer):
 @pytest.mark.gpu
 def test_new_batch_size_does_not_recompile_gpu():
     kernels = [
-        linear_act_mod._linear_act_fwd_kernel.fn,
-        linear_act_mod._linear_act_bwd_dx_kernel.fn,
-        linear_act_mod._linear_act_bwd_dw_kernel.fn,
+        forward_mod._linear_act_fwd_kernel.fn,
+        backward_mod._linear_act_dz_kernel,
+        dw_mod._linear_act_bwd_dw_kernel.fn,
     ]
     if not all(hasattr(k, "device_caches") for k in kernels):
         pytest.skip("this Triton has no JITFunction.device_caches")
@@ -470,13 +506,17 @@ def test_new_batch_size_does_not_recompile_gpu():
         return sum(len(entry[0]) for k in kernels for entry in k.device_caches.values())
 
     x, w, b, dy = _inputs(2048, 64, 96, torch.bfloat16, "cuda", seed=10)
-    for m in (2048, 1100):  # tune both buckets once
+
+    def step(m):
         y, saved = linear_act_fwd(x[:m], w, b, "silu")
-        linear_act_bwd(dy[:m], x[:m], w, saved, "silu", True)
+        linear_act_bwd(dy[:m], x[:m], w, saved, "silu", True)  # the dz kernel, then cuBLAS
+        linear_act_bwd(dy[:m], x[:m], w, saved, "silu", True, needs_dx=False, method="triton")
+
+    for m in (2048, 1100):  # tune both buckets once
+        step(m)
     before = n_compiled()
     for m in (1025, 1500, 1999, 2047):  # same bucket (2048), new batch sizes
-        y, saved = linear_act_fwd(x[:m], w, b, "silu")
-        linear_act_bwd(dy[:m], x[:m], w, saved, "silu", True)
+        step(m)
     assert n_compiled() == before
 
 
@@ -508,3 +548,6 @@ def test_int64_offsets_gpu():
         db_ref += db_c
     _assert_norm_close(dw, dw_ref, torch.bfloat16, "dW")
     _assert_norm_close(db, db_ref, torch.bfloat16, "db")
+    _, dw, db = linear_act_bwd(dy, x, w, saved, "gelu_tanh", True, needs_dx=False, method="triton")
+    _assert_norm_close(dw, dw_ref, torch.bfloat16, "dW (triton)")
+    _assert_norm_close(db, db_ref, torch.bfloat16, "db (triton)")

@@ -1,0 +1,110 @@
+"""How our Triton GEMM kernels (linear_act's forward and dW) are tuned and what precision their dots use.
+
+Autotuning over a few Hopper tile shapes, keyed on (M bucket, N, K): N and K are a layer's widths and the
+M bucket a power of two of the batch (``m_bucket``), so a new batch size in the same bucket reuses the
+tuned config; Triton adds the tensors' dtypes to the key itself. A kernel names its tile dims (rows,
+cols | reduction), e.g. the forward (BLOCK_M, BLOCK_N | BLOCK_K) and dW (BLOCK_N, BLOCK_K | BLOCK_M), and
+takes an ``M_BUCKET`` argument that only feeds the key. In the interpreter: one fixed small config.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kernels.launch import INTERPRETED
+
+__all__ = ["autotuned", "input_precision", "m_bucket"]
+
+_KEY = ["M_BUCKET", "N", "K"]
+_M_BUCKET_MIN, _M_BUCKET_MAX = 64, 65536
+
+# Hopper configs: (tile rows, tile cols, num_warps, num_stages) plus a reduction chunk.
+# 16-bit operands use a 64-deep reduction chunk, fp32 a 32-deep one (same bytes per stage in shared memory:
+# 128x256 tiles with 3 stages need ~144 KiB either way, under Hopper's 227 KiB); _pruner keeps the set of the
+# operand's element size.
+_GPU_SHAPES = [
+    (128, 256, 8, 3),
+    (256, 128, 8, 3),
+    (128, 128, 4, 4),
+    (128, 64, 4, 4),
+    (64, 128, 4, 4),
+    (64, 64, 4, 4),
+]
+_RED_BY_ELEMENT_SIZE = {2: 64, 4: 32}
+# The interpreter runs ~5 ms per program and takes one config: 32-wide tiles, so the tests' small shapes still
+# span several tiles (and partial ones) in every dimension.
+_INTERPRETER_SHAPE = (32, 32, 32, 4, 1)
+
+
+def m_bucket(m: int) -> int:
+    """next_power_of_2(M) clamped to [64, 65536]: the M part of the autotuning key."""
+    return min(max(triton.next_power_of_2(m), _M_BUCKET_MIN), _M_BUCKET_MAX)
+
+
+def input_precision(dtype: torch.dtype) -> str:
+    """How tl.dot multiplies fp32 operands: TF32 tensor cores only where PyTorch's own matmuls may
+    (``torch.backends.cuda.matmul.allow_tf32``), so every backend computes the same GEMM precision."""
+    return "tf32" if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def _configs(names: tuple[str, str, str], extra: dict) -> list[triton.Config]:
+    if INTERPRETED:
+        a, b, r, warps, stages = _INTERPRETER_SHAPE
+        return [
+            triton.Config({names[0]: a, names[1]: b, names[2]: r, **extra}, num_warps=warps, num_stages=1)
+        ]
+    return [
+        triton.Config({names[0]: a, names[1]: b, names[2]: r, **extra}, num_warps=warps, num_stages=stages)
+        for r in _RED_BY_ELEMENT_SIZE.values()
+        for a, b, warps, stages in _GPU_SHAPES
+    ]
+
+
+def _pruner(names: tuple[str, str, str], dims: tuple[str, str], operand: str):
+    """Keep the configs of the operand's element size whose tiles are not far larger than the problem.
+
+    A tile dim of 64 always stays, so every problem keeps at least the (64, 64) config.
+    """
+
+    def prune(configs, named_args, **kwargs):
+        elsize = named_args[operand].element_size()
+        limits = [max(64, triton.next_power_of_2(int(named_args[d]))) for d in dims]
+        kept = [
+            c
+            for c in configs
+            if c.kwargs[names[2]] == _RED_BY_ELEMENT_SIZE[elsize]
+            and c.kwargs[names[0]] <= limits[0]
+            and c.kwargs[names[1]] <= limits[1]
+        ]
+        return kept or configs[-1:]
+
+    return prune
+
+
+def _quick_bench(kernel_call, quantiles):
+    """Shorter than Triton's default (25 ms warm-up, 100 ms measured) per config: ample for these kernels."""
+    from triton.testing import do_bench
+
+    return do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+
+
+def autotuned(kernel, names: tuple[str, str, str], dims: tuple[str, str], operand: str, extra: dict):
+    """``triton.autotune`` of `kernel` over the Hopper configs; one fixed config in the interpreter (no
+    benchmarking).
+
+    Args:
+        kernel: a ``@triton.jit`` GEMM kernel taking ``M_BUCKET``, ``N`` and ``K``.
+        names: its tile constexprs (rows, cols, reduction chunk), e.g. ("BLOCK_M", "BLOCK_N", "BLOCK_K").
+        dims: the size arguments that bound the tile rows and cols, for pruning, e.g. ("M_BUCKET", "N").
+        operand: the pointer argument whose element size picks the reduction chunk, e.g. "x_ptr".
+        extra: further constexprs every config sets, e.g. {"GROUP": 8}.
+    """
+    if INTERPRETED:
+        return triton.autotune(configs=_configs(names, extra), key=_KEY)(kernel)
+    return triton.autotune(
+        configs=_configs(names, extra),
+        key=_KEY,
+        prune_configs_by={"early_config_prune": _pruner(names, dims, operand)},
+        do_bench=_quick_bench,
+    )(kernel)
