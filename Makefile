@@ -1,13 +1,17 @@
 # `make train`: create .venv on first use, preprocess the shipped Criteo sample once, train configs/main.json.
 # `make test`: the same venv, then the test suite (CPU; Triton kernels run in the interpreter).
+# `make evaluate`: the newest run's best checkpoint on the sample's eval split (CHECKPOINT=... for another).
+# `make tensorboard`: TensorBoard (with the PyTorch profiler plugin) on runs/, at http://localhost:$(PORT).
 # `make bench`: the GPU benchmarks (MLP kernels, sparse-side kernels, training step); rows go to scripts/results/.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SAMPLE := data/criteo_sample/metadata.json
+CHECKPOINT ?= $(shell ls -t runs/*/checkpoints/best.pt 2>/dev/null | head -n 1)
+PORT ?= 6006
 
-.PHONY: train test bench lint clean
+.PHONY: train evaluate tensorboard test bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +25,13 @@ $(SAMPLE): data/day_0_head10k.tsv.gz | $(STAMP)
 
 train: $(STAMP) $(SAMPLE)
 	$(PY) -m dlrm.train --config configs/main.json
+
+evaluate: $(STAMP) $(SAMPLE)
+	@test -n "$(CHECKPOINT)" || { echo "no runs/*/checkpoints/best.pt: run make train first" >&2; exit 2; }
+	$(PY) -m dlrm.evaluate --checkpoint $(CHECKPOINT) --data data/criteo_sample
+
+tensorboard: $(STAMP)
+	$(VENV)/bin/tensorboard --logdir runs --port $(PORT)
 
 test: $(STAMP)
 	$(PY) -m pytest

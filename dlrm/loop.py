@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from loguru import logger
-from torch.profiler import record_function
 from torch.utils.tensorboard import SummaryWriter
 
 from dlrm.checkpoint import load_checkpoint, save_checkpoint
@@ -32,7 +31,7 @@ from dlrm.data.schema import NUM_SPARSE
 from dlrm.data.streaming import StreamingLoader
 from dlrm.metrics import evaluate
 from dlrm.model import DLRM, build_model
-from dlrm.profiling import make_profiler
+from dlrm.profiling import data_range, make_profiler
 from dlrm.step import (
     StepFn,
     build_step,
@@ -115,7 +114,7 @@ def train(cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = 
     interval = Interval(torch.zeros((), device=run.device))
     stop = False
     run.model.train()
-    with make_profiler(cfg.profiler, run.run_dir, run.device) as profiler:
+    with make_profiler(cfg.profiler, run.run_dir, run.device, run.writer, state.step) as profiler:
         first_epoch, skip = resume_position(loader, state.step)
         for epoch in range(first_epoch, t.epochs):
             if stop or state.step >= max_steps:
@@ -124,7 +123,7 @@ def train(cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = 
             batches = epoch_batches(loader, skip if epoch == first_epoch else 0)
             while state.step < max_steps and not stop:
                 step_start = time.perf_counter()
-                with record_function("data"):
+                with data_range():
                     batch = next(batches, None)
                 if batch is None:
                     break

@@ -2,7 +2,7 @@
 
 Each run writes into its own directory (default `runs/<name>-<timestamp>/`): config.json (resolved config),
 TensorBoard events, a profiler trace `*.pt.trace.json`, checkpoints/last.pt and best.pt, and metrics.json.
-Watch it with `tensorboard --logdir runs`.
+Watch it with `make tensorboard` (or `.venv/bin/tensorboard --logdir runs`).
 """
 
 import sys
@@ -91,7 +91,7 @@ def main(
     device,
     seed,
 ):
-    """Train a DLRM on preprocessed Criteo data, then `tensorboard --logdir runs`."""
+    """Train a DLRM on preprocessed Criteo data; watch it with `.venv/bin/tensorboard --logdir runs`."""
     try:
         cfg = load_config(config_path)
         overrides = {
