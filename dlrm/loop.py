@@ -32,6 +32,7 @@ from dlrm.data.streaming import StreamingLoader
 from dlrm.metrics import evaluate
 from dlrm.model import DLRM, build_model
 from dlrm.profiling import data_range, make_profiler
+from dlrm.progress import TrainProgress
 from dlrm.step import (
     StepFn,
     build_step,
@@ -92,22 +93,26 @@ class Run:
     eval_split: str
     run_dir: Path
     writer: SummaryWriter
+    progress: TrainProgress = field(default_factory=lambda: TrainProgress("log", 0))
 
 
-def train(cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = None) -> dict:
+def train(
+    cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = None, progress: str = "auto"
+) -> dict:
     """Train per `cfg`, writing everything into the run directory; returns the metrics.json contents:
     {"steps", "samples", "train_loss", "eval_auc", "eval_logloss", "samples_per_s", "wall_s", "backend", ...}.
     "eval_auc"/"eval_logloss" are those of the best evaluation (saved as checkpoints/best.pt).
     With `resume` (a checkpoint of a run of the same model config) training goes on from its step: weights,
     optimizer state, best evaluation and the train loader's position are restored, and the run directory
-    defaults to the checkpoint's. "samples" then counts this run's samples only.
+    defaults to the checkpoint's. "samples" then counts this run's samples only. `progress`: what it shows
+    while it runs, "auto", "bar", "log" or "quiet" (dlrm.progress).
 
     Raises:
         ValueError: bad data directory, config values the data contradicts, no CUDA for device "cuda", or a
             checkpoint that does not fit the config.
     """
     start = time.perf_counter()
-    run, state = set_up(cfg, output_dir, resume)
+    run, state = set_up(cfg, output_dir, resume, progress)
     t = cfg.train
     loader = run.train_loader
     max_steps = t.max_steps or t.epochs * len(loader)
@@ -143,15 +148,18 @@ def train(cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = 
     return finish(run, state, time.perf_counter() - start)
 
 
-def set_up(cfg: RunConfig, output_dir: Path | None, resume: Path | None) -> tuple[Run, RunState]:
-    """Data, model, optimizer, step, loaders, run directory and TensorBoard writer of a run, and its state
-    (restored from `resume` when given). Raises ValueError as `train`."""
+def set_up(
+    cfg: RunConfig, output_dir: Path | None, resume: Path | None, progress: str = "auto"
+) -> tuple[Run, RunState]:
+    """Data, model, optimizer, step, loaders, run directory, TensorBoard writer and progress bar of a run,
+    and its state (restored from `resume` when given). Raises ValueError as `train`."""
     t = cfg.train
     device = resolve_device(t.device)
     use_interpreter_on_cpu(cfg, device)
     set_precision(t.precision)
     torch.manual_seed(t.seed)
     data_dir = Path(cfg.data.path)
+    logger.info("reading {} ({} loader)", data_dir, cfg.data.loader)
     metadata = load_metadata(data_dir)
     # Layouts kaggle and terabyte hold out "val" (model selection) and "test"; layout fraction: "eval".
     eval_split = "val" if "val" in metadata.get("files", {}) else "eval"
@@ -161,6 +169,7 @@ def set_up(cfg: RunConfig, output_dir: Path | None, resume: Path | None) -> tupl
     eval_set = open_split(data_dir, eval_split)
     train_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64) if train_set is None else train_set.sparse
     kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
+    logger.info("building the model ({} backend) on {}", cfg.backend, device)
     model = build_model(cfg.model, metadata, train_ids, **kernels).to(device)
     optimizer = make_optimizer(model, cfg)
     state = RunState()
@@ -194,6 +203,7 @@ def set_up(cfg: RunConfig, output_dir: Path | None, resume: Path | None) -> tupl
     writer = SummaryWriter(str(run_dir))
     writer.add_text("config", "```json\n" + config_json + "\n```")
     run = Run(cfg, device, model, optimizer, step_fn, train_loader, eval_loader, eval_split, run_dir, writer)
+    run.progress = TrainProgress(progress, t.max_steps or t.epochs * len(train_loader), state.step)
     return run, state
 
 
@@ -247,6 +257,7 @@ def account_step(
     it is timed apart and kept out of the interval's throughput."""
     state.step += 1
     state.samples += batch.label.numel()
+    run.progress.step()
     if state.first_step_s is None:
         if run.device.type == "cuda":
             torch.cuda.synchronize()
@@ -281,6 +292,7 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
         interval.samples / elapsed,
         1000 * elapsed / interval.steps,
     )
+    run.progress.interval(epoch, state.train_loss, interval.samples / elapsed)
     interval.loss_sum.zero_()
     interval.steps, interval.samples, interval.start = 0, 0, time.perf_counter()
 
@@ -289,7 +301,7 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     """Evaluate on the eval split, log it, keep the best as checkpoints/best.pt; True when early stopping
     says stop. The evaluation's time is kept out of the interval's throughput."""
     eval_start = time.perf_counter()
-    result = evaluate(run.model, run.eval_loader, run.device)
+    result = evaluate(run.model, run.progress.eval_batches(run.eval_loader, run.eval_split), run.device)
     state.last_eval, state.last_eval_step = result, state.step
     for key in ("auc", "logloss", "ne"):
         run.writer.add_scalar(f"eval/{key}", result[key], state.step)
@@ -332,6 +344,7 @@ def save_run_checkpoint(run: Run, state: RunState, name: str) -> None:
 
 def finish(run: Run, state: RunState, wall_s: float) -> dict:
     """Write metrics.json, close the writer; return the metrics."""
+    run.progress.close()
     cfg, best, last_eval = run.cfg, state.best, state.last_eval
     metrics = {
         "steps": state.step,
