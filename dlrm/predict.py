@@ -34,7 +34,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from loguru import logger
+from tqdm import tqdm
 
+from dlrm import progress
 from dlrm.checkpoint import load_checkpoint
 from dlrm.config import from_dict
 from dlrm.data.dataset import Batch, columns_of, decode_table, split_files, split_paths
@@ -129,14 +131,17 @@ def predict(
     output: Path,
     batch_size: int,
     device: torch.device,
+    mode: str = "log",
 ) -> dict:
     """Score every row of `blocks` with `model` and write `output` (parquet, see the module docstring);
-    returns {"rows", "mean_ctr", "output"}. `output` appears only when complete."""
+    returns {"rows", "mean_ctr", "output"}. `output` appears only when complete. `mode` (dlrm.progress):
+    "bar" counts the rows on a progress bar."""
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     writer = None
     rows = 0
     ctr_sum = 0.0
+    bar = tqdm(desc="predict", unit=" rows", unit_scale=True, file=sys.stdout, disable=mode != "bar")
     try:
         for block, labeled in blocks:
             for start in range(0, len(block.label), batch_size):
@@ -157,12 +162,14 @@ def predict(
                 writer.write_table(table)
                 rows += n
                 ctr_sum += ctr.double().sum().item()
+                bar.update(n)
         if writer is None:
             raise ValueError("the input has no rows")
         writer.close()
         writer = None
         os.replace(tmp, output)
     finally:
+        bar.close()
         if writer is not None:
             writer.close()
         tmp.unlink(missing_ok=True)
@@ -204,13 +211,18 @@ def predict(
     help="Lines (or parquet rows) read at once; memory grows with it, not with the input.",
 )
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
-def main(checkpoint_path, input_path, output, split, batch_size, block_size, device):
+@click.option(
+    "--quiet", is_flag=True, help="No progress bar (shown when stdout is a terminal) and no log lines."
+)
+def main(checkpoint_path, input_path, output, split, batch_size, block_size, device, quiet):
     """Write the click-through rate of every row of INPUT under a checkpoint to OUTPUT (parquet)."""
+    mode = progress.configure("quiet" if quiet else "auto")
     try:
         dev = resolve_device(device)
         model = load_model(checkpoint_path, dev)
         logger.info("scoring {} with {} on {}", input_path, checkpoint_path, dev)
-        result = predict(model, input_blocks(input_path, split, block_size), output, batch_size, dev)
+        blocks = input_blocks(input_path, split, block_size)
+        result = predict(model, blocks, output, batch_size, dev, mode)
     except (ValueError, FileNotFoundError) as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)
