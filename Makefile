@@ -2,16 +2,20 @@
 # `make test`: the same venv, then the test suite (CPU; Triton kernels run in the interpreter).
 # `make evaluate`: the newest run's best checkpoint on the sample's eval split (CHECKPOINT=... for another).
 # `make tensorboard`: TensorBoard (with the PyTorch profiler plugin) on runs/, at http://localhost:$(PORT).
+# `make test-browser`: headless Chromium checks what TensorBoard shows for a tiny run (needs apt's chromium and
+#   Playwright, which it installs; not part of `make test`); screenshots go to scripts/results/screenshots/.
 # `make bench`: the GPU benchmarks (MLP kernels, sparse-side kernels, training step); rows go to scripts/results/.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BROWSER_STAMP := $(VENV)/.browser-installed
+CHROMIUM := /usr/bin/chromium
 SAMPLE := data/criteo_sample/metadata.json
 CHECKPOINT ?= $(shell ls -t runs/*/checkpoints/best.pt 2>/dev/null | head -n 1)
 PORT ?= 6006
 
-.PHONY: train evaluate tensorboard test bench lint clean
+.PHONY: train evaluate tensorboard test test-browser bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +39,14 @@ tensorboard: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+$(BROWSER_STAMP): $(STAMP)
+	test -x $(CHROMIUM) || apt-get install -y chromium || sudo apt-get install -y chromium
+	$(PY) -m pip install -q -e '.[dev,browser]'
+	touch $(BROWSER_STAMP)
+
+test-browser: $(BROWSER_STAMP) $(SAMPLE)
+	$(PY) scripts/check_tensorboard.py --chromium $(CHROMIUM) --screenshots scripts/results/screenshots
 
 bench: $(STAMP)
 	$(PY) scripts/bench_kernels.py --batches 16384
