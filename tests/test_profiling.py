@@ -38,6 +38,19 @@ def test_tiny_run_writes_the_stage_breakdown(criteo_sample, tmp_path):
     assert categories["data"] == "user_annotation" and categories[DATA_LOADER_RANGE] == "cpu_op"
 
 
+@pytest.mark.gpu
+def test_gpu_run_writes_gpu_time_per_stage(criteo_sample, tmp_path):
+    cfg = load_config(REPO / "configs" / "tiny.json")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(criteo_sample)))
+    train(replace(cfg, "train", device="cuda", max_steps=4), tmp_path)
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    for stage in ("embedding", "bottom_mlp", "interaction", "top_mlp", "backward", "optimizer"):
+        assert events.Scalars(f"profile/{stage}_gpu_ms")[0].value > 0, stage
+    (text,) = events.Tensors("profile/text_summary")
+    assert "GPU ms/step" in text.tensor_proto.string_val[0].decode()
+
+
 def _event(name, start, end, thread=1, kernels=()):
     return SimpleNamespace(
         name=name,
