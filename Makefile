@@ -1,6 +1,7 @@
 # `make train`: create .venv on first use, preprocess the shipped Criteo sample once, train configs/main.json.
 # `make test`: the same venv, then the test suite (CPU; Triton kernels run in the interpreter).
-# `make evaluate`: the newest run's best checkpoint on the sample's eval split (CHECKPOINT=... for another).
+# `make evaluate`: the newest run's best checkpoint on the sample's eval split (CHECKPOINT=..., DATA=... for
+#   others).
 # `make tensorboard`: TensorBoard (with the PyTorch profiler plugin) on runs/, at http://localhost:$(PORT).
 # `make test-browser`: headless Chromium checks what TensorBoard shows for a tiny run (needs apt's chromium and
 #   Playwright, which it installs; not part of `make test`); screenshots go to scripts/results/screenshots/.
@@ -12,6 +13,7 @@ STAMP := $(VENV)/.installed
 BROWSER_STAMP := $(VENV)/.browser-installed
 CHROMIUM := /usr/bin/chromium
 SAMPLE := data/criteo_sample/metadata.json
+DATA ?= data/criteo_sample
 CHECKPOINT ?= $(shell ls -t runs/*/checkpoints/best.pt 2>/dev/null | head -n 1)
 PORT ?= 6006
 
@@ -32,7 +34,7 @@ train: $(STAMP) $(SAMPLE)
 
 evaluate: $(STAMP) $(SAMPLE)
 	@test -n "$(CHECKPOINT)" || { echo "no runs/*/checkpoints/best.pt: run make train first" >&2; exit 2; }
-	$(PY) -m dlrm.evaluate --checkpoint $(CHECKPOINT) --data data/criteo_sample
+	$(PY) -m dlrm.evaluate --checkpoint $(CHECKPOINT) --data $(DATA)
 
 tensorboard: $(STAMP)
 	$(VENV)/bin/tensorboard --logdir runs --port $(PORT)

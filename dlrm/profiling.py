@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from loguru import logger
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 from dlrm.config import ProfilerConfig
@@ -92,7 +93,13 @@ def export_trace(prof: profile, run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / f"{socket.gethostname()}_{os.getpid()}.{time.time_ns()}.pt.trace.json"
     prof.export_chrome_trace(str(path))
-    trace = json.loads(path.read_text())
+    try:
+        trace = json.loads(path.read_text())
+    except ValueError as err:  # leave the trace as the profiler wrote it
+        logger.warning(
+            "{}: not plain JSON ({}); data loading is not marked for the TensorBoard plugin", path, err
+        )
+        return path
     for event in trace.get("traceEvents", []):
         if event.get("name") == DATA_LOADER_RANGE and event.get("cat") == "user_annotation":
             event["cat"] = "cpu_op"
