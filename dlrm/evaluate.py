@@ -35,7 +35,12 @@ from dlrm.step import resolve_device
     "--split", default="eval", help="Split to evaluate: eval, or val / test for layouts kaggle, terabyte."
 )
 @click.option("--batch-size", type=click.IntRange(min=1), default=4096, help="Rows per forward pass.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    help="Where the model runs (auto: cuda when available).",
+)
 @click.option(
     "--quiet",
     is_flag=True,

@@ -210,7 +210,12 @@ def predict(
     default=DEFAULT_BLOCK_SIZE,
     help="Lines (or parquet rows) read at once; memory grows with it, not with the input.",
 )
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    help="Where the model runs (auto: cuda when available).",
+)
 @click.option(
     "--quiet", is_flag=True, help="No progress bar (shown when stdout is a terminal) and no log lines."
 )
