@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 import torch
 
+from dlrm import progress
 from dlrm.checkpoint import load_checkpoint
 from dlrm.config import from_dict
 from dlrm.data.dataset import BatchLoader, open_split
@@ -33,10 +34,21 @@ from dlrm.step import resolve_device
 @click.option(
     "--split", default="eval", help="Split to evaluate: eval, or val / test for layouts kaggle, terabyte."
 )
-@click.option("--batch-size", type=click.IntRange(min=1), default=4096)
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
-def main(checkpoint_path, data_dir, split, batch_size, device):
+@click.option("--batch-size", type=click.IntRange(min=1), default=4096, help="Rows per forward pass.")
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    help="Where the model runs (auto: cuda when available).",
+)
+@click.option(
+    "--quiet",
+    is_flag=True,
+    help="Print the JSON only: no progress bar (shown when stdout is a terminal) and no log lines.",
+)
+def main(checkpoint_path, data_dir, split, batch_size, device, quiet):
     """Print {"auc", "logloss", "ne", "samples"} of a checkpoint on DATA/SPLIT as JSON."""
+    mode = progress.configure("quiet" if quiet else "auto")
     try:
         state = load_checkpoint(checkpoint_path)
         cfg = from_dict(state["config"])
@@ -44,7 +56,7 @@ def main(checkpoint_path, data_dir, split, batch_size, device):
         model = model_from_checkpoint(cfg.model, state["table_rows"], state["model"]).to(dev)
         loader = BatchLoader(open_split(data_dir, split), batch_size, device=dev)
         with torch.no_grad():
-            result = evaluate(model, loader, dev)
+            result = evaluate(model, progress.eval_batches(mode, loader, split), dev)
     except (ValueError, FileNotFoundError) as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)

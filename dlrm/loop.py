@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from loguru import logger
-from torch.profiler import record_function
 from torch.utils.tensorboard import SummaryWriter
 
 from dlrm.checkpoint import load_checkpoint, save_checkpoint
@@ -33,7 +32,8 @@ from dlrm.data.resident import ResidentLoader
 from dlrm.data.schema import NUM_SPARSE
 from dlrm.metrics import evaluate
 from dlrm.model import DLRM, build_model
-from dlrm.profiling import make_profiler
+from dlrm.profiling import data_range, make_profiler
+from dlrm.progress import TrainProgress
 from dlrm.step import (
     StepFn,
     build_step,
@@ -97,29 +97,33 @@ class Run:
     eval_split: str
     run_dir: Path
     writer: SummaryWriter
+    progress: TrainProgress = field(default_factory=lambda: TrainProgress("log", 0))
 
 
-def train(cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = None) -> dict:
+def train(
+    cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = None, progress: str = "auto"
+) -> dict:
     """Train per `cfg`, writing everything into the run directory; returns the metrics.json contents:
     {"steps", "samples", "train_loss", "eval_auc", "eval_logloss", "samples_per_s", "wall_s", "backend", ...}.
     "eval_auc"/"eval_logloss" are those of the best evaluation (saved as checkpoints/best.pt).
     With `resume` (a checkpoint of a run of the same model config) training goes on from its step: weights,
     optimizer state, best evaluation and the train loader's position are restored, and the run directory
-    defaults to the checkpoint's. "samples" then counts this run's samples only.
+    defaults to the checkpoint's. "samples" then counts this run's samples only. `progress`: what it shows
+    while it runs, "auto", "bar", "log" or "quiet" (dlrm.progress).
 
     Raises:
         ValueError: bad data directory, config values the data contradicts, no CUDA for device "cuda", or a
             checkpoint that does not fit the config.
     """
     start = time.perf_counter()
-    run, state = set_up(cfg, output_dir, resume)
+    run, state = set_up(cfg, output_dir, resume, progress)
     t = cfg.train
     loader = run.train_loader
     max_steps = t.max_steps or t.epochs * len(loader)
     interval = Interval(torch.zeros((), device=run.device))
     stop = False
     run.model.train()
-    with make_profiler(cfg.profiler, run.run_dir, run.device) as profiler:
+    with make_profiler(cfg.profiler, run.run_dir, run.device, run.writer, state.step) as profiler:
         first_epoch, skip = resume_position(loader, state.step)
         for epoch in range(first_epoch, t.epochs):
             if stop or state.step >= max_steps:
@@ -128,7 +132,7 @@ def train(cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = 
             batches = epoch_batches(loader, skip if epoch == first_epoch else 0)
             while state.step < max_steps and not stop:
                 step_start = time.perf_counter()
-                with record_function("data"):
+                with data_range():
                     batch = next(batches, None)
                 if batch is None:
                     break
@@ -148,15 +152,18 @@ def train(cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = 
     return finish(run, state, time.perf_counter() - start)
 
 
-def set_up(cfg: RunConfig, output_dir: Path | None, resume: Path | None) -> tuple[Run, RunState]:
-    """Data, model, optimizer, step, loaders, run directory and TensorBoard writer of a run, and its state
-    (restored from `resume` when given). Raises ValueError as `train`."""
+def set_up(
+    cfg: RunConfig, output_dir: Path | None, resume: Path | None, progress: str = "auto"
+) -> tuple[Run, RunState]:
+    """Data, model, optimizer, step, loaders, run directory, TensorBoard writer and progress bar of a run,
+    and its state (restored from `resume` when given). Raises ValueError as `train`."""
     t = cfg.train
     device = resolve_device(t.device)
     use_interpreter_on_cpu(cfg, device)
     set_precision(t.precision)
     torch.manual_seed(t.seed)
     data_dir = Path(cfg.data.path)
+    logger.info("reading {} ({} loader)", data_dir, cfg.data.loader)
     metadata = load_metadata(data_dir)
     # Layouts kaggle and terabyte hold out "val" (model selection) and "test"; layout fraction: "eval".
     eval_split = "val" if "val" in metadata.get("files", {}) else "eval"
@@ -167,6 +174,7 @@ def set_up(cfg: RunConfig, output_dir: Path | None, resume: Path | None) -> tupl
     eval_set = open_split(data_dir, eval_split)
     train_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64) if train_set is None else train_set.sparse
     kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
+    logger.info("building the model ({} backend) on {}", cfg.backend, device)
     model = build_model(cfg.model, metadata, train_ids, **kernels).to(device)
     optimizer = make_optimizer(model, cfg)
     state = RunState()
@@ -200,6 +208,7 @@ def set_up(cfg: RunConfig, output_dir: Path | None, resume: Path | None) -> tupl
     writer = SummaryWriter(str(run_dir))
     writer.add_text("config", "```json\n" + config_json + "\n```")
     run = Run(cfg, device, model, optimizer, step_fn, train_loader, eval_loader, eval_split, run_dir, writer)
+    run.progress = TrainProgress(progress, t.max_steps or t.epochs * len(train_loader), state.step)
     return run, state
 
 
@@ -264,6 +273,7 @@ def account_step(
     it is timed apart and kept out of the interval's throughput."""
     state.step += 1
     state.samples += batch.label.numel()
+    run.progress.step()
     if state.first_step_s is None:
         if run.device.type == "cuda":
             torch.cuda.synchronize()
@@ -298,6 +308,7 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
         interval.samples / elapsed,
         1000 * elapsed / interval.steps,
     )
+    run.progress.interval(epoch, state.train_loss, interval.samples / elapsed)
     interval.loss_sum.zero_()
     interval.steps, interval.samples, interval.start = 0, 0, time.perf_counter()
 
@@ -306,7 +317,8 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     """Evaluate on the eval split, log it, keep the best as checkpoints/best.pt; True when early stopping
     says stop. The evaluation's time is kept out of the interval's throughput."""
     eval_start = time.perf_counter()
-    result = evaluate(run.model, run.eval_loader, run.device, run.cfg.train.precision)
+    batches = run.progress.eval_batches(run.eval_loader, run.eval_split)
+    result = evaluate(run.model, batches, run.device, run.cfg.train.precision)
     state.last_eval, state.last_eval_step = result, state.step
     for key in ("auc", "logloss", "ne"):
         run.writer.add_scalar(f"eval/{key}", result[key], state.step)
@@ -354,6 +366,7 @@ def save_run_checkpoint(run: Run, state: RunState, name: str) -> None:
 
 def finish(run: Run, state: RunState, wall_s: float) -> dict:
     """Write metrics.json, close the writer; return the metrics."""
+    run.progress.close()
     cfg, best, last_eval = run.cfg, state.best, state.last_eval
     metrics = {
         "steps": state.step,

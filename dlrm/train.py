@@ -2,7 +2,7 @@
 
 Each run writes into its own directory (default `runs/<name>-<timestamp>/`): config.json (resolved config),
 TensorBoard events, a profiler trace `*.pt.trace.json`, checkpoints/last.pt and best.pt, and metrics.json.
-Watch it with `tensorboard --logdir runs`.
+Watch it with `make tensorboard` (or `.venv/bin/tensorboard --logdir runs`).
 """
 
 import sys
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from dlrm import progress
 from dlrm.config import load_config, replace
 from dlrm.loop import train
 
@@ -77,6 +78,13 @@ from dlrm.loop import train
     help="Overrides train.device from the config.",
 )
 @click.option("--seed", type=int, default=None, help="Overrides train.seed from the config.")
+@click.option(
+    "--quiet",
+    is_flag=True,
+    help="No progress bar and no log lines but warnings and errors. Without it: a progress bar (epoch, "
+    "step/steps, samples/s, loss, ETA; evaluation) when stdout is a terminal, else a log line per "
+    "train.log_interval steps and per evaluation.",
+)
 def main(
     config_path,
     use_torch_compile,
@@ -90,8 +98,10 @@ def main(
     max_steps,
     device,
     seed,
+    quiet,
 ):
-    """Train a DLRM on preprocessed Criteo data, then `tensorboard --logdir runs`."""
+    """Train a DLRM on preprocessed Criteo data; watch it with `.venv/bin/tensorboard --logdir runs`."""
+    mode = progress.configure("quiet" if quiet else "auto")
     try:
         cfg = load_config(config_path)
         overrides = {
@@ -109,7 +119,7 @@ def main(
         ):
             if value is not None:
                 overrides[key] = value
-        train(replace(cfg, "train", **overrides), output_dir, resume)
+        train(replace(cfg, "train", **overrides), output_dir, resume, mode)
     except (ValueError, FileNotFoundError) as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)

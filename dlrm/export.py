@@ -1,0 +1,188 @@
+"""`python -m dlrm.export`: a trained checkpoint as a self-contained serving program (torch.export), and
+optionally an AOTInductor package.
+
+    python -m dlrm.export --checkpoint runs/<run>/checkpoints/best.pt --output model.pt2 \\
+        [--device cpu|cuda] [--aoti-output model.aoti.pt2]
+
+The exported program is the eval-mode model with its input transform and hashing inside:
+
+    ctr = program(dense_counts, sparse_ids)
+    dense_counts  [B, 13] float32  raw counts I1..I13 (missing = 0); log(1 + max(x, 0)) is applied inside
+    sparse_ids    [B, 26] int64    raw ids C1..C26, the 32-bit hex value (missing = -1); hashed inside
+    ctr           [B]     float32  click probability, sigmoid of the logit
+
+B is dynamic (1 .. 2**20). `--output` is an ExportedProgram (`torch.export.save`) that loads with
+`torch.export.load(path).module()` in a process that has torch but not this package; it holds the weights,
+on `--device`, and `dlrm.json` (the run config, input names, checkpoint) as an extra file.
+
+`--aoti-output` also compiles the program ahead of time with AOTInductor
+(`torch._inductor.aoti_compile_and_package`) for `--device`, loadable with
+`torch._inductor.aoti_load_package(path)`, and prints its latency per batch of 1 / 128 / 4096 rows next to
+the eager model's (median of timed calls after warm-up; CUDA events on a GPU). It needs a C++ compiler;
+meant for GPUs (on the CPU it works but compiles for minutes).
+"""
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+import torch
+from loguru import logger
+from torch import nn
+
+from dlrm.checkpoint import load_checkpoint
+from dlrm.config import from_dict
+from dlrm.data.schema import DENSE_COLUMNS, NUM_DENSE, NUM_SPARSE, SPARSE_COLUMNS
+from dlrm.model import DLRM, model_from_checkpoint
+from dlrm.step import resolve_device
+
+MAX_BATCH = 1 << 20
+LATENCY_BATCHES = (1, 128, 4096)
+
+
+class ServingModel(nn.Module):
+    """Raw Criteo features -> click probability: dense counts [B, 13] f32 and raw ids [B, 26] i64 -> ctr [B]
+    f32. The dense transform is the loaders' (log(1 + max(x, 0))); hashing is the model's own."""
+
+    def __init__(self, model: DLRM):
+        super().__init__()
+        self.model = model
+
+    def forward(self, dense_counts: torch.Tensor, sparse_ids: torch.Tensor) -> torch.Tensor:
+        dense = torch.log1p(dense_counts.clamp_min(0))
+        return torch.sigmoid(self.model(dense, sparse_ids).float())
+
+
+def serving_model(checkpoint: Path, device: torch.device) -> tuple[ServingModel, dict]:
+    """The eval-mode ServingModel of a training checkpoint (any backend) on `device`, and the checkpoint's
+    config dict. Raises ValueError for a missing or foreign checkpoint."""
+    state = load_checkpoint(checkpoint)
+    model = model_from_checkpoint(from_dict(state["config"]).model, state["table_rows"], state["model"])
+    # Buffers that are views of one tensor (the interaction's triangle indices) are saved apart, so that
+    # each is a whole tensor in the archive.
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buffer.clone())
+    return ServingModel(model).requires_grad_(False).to(device).eval(), state["config"]
+
+
+def example_inputs(batch: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random raw inputs of `batch` rows: counts in [0, 100) with some missing (0), ids with some -1."""
+    generator = torch.Generator().manual_seed(seed)
+    dense = torch.randint(0, 100, (batch, NUM_DENSE), generator=generator).float()
+    sparse = torch.randint(-1, 1 << 32, (batch, NUM_SPARSE), generator=generator)
+    return dense.to(device), sparse.to(device)
+
+
+def export_program(model: ServingModel, device: torch.device) -> torch.export.ExportedProgram:
+    """torch.export of `model` with a dynamic batch dimension (1 .. MAX_BATCH)."""
+    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    with torch.no_grad():
+        return torch.export.export(
+            model, example_inputs(8, device), dynamic_shapes=({0: batch}, {0: batch}), strict=False
+        )
+
+
+def save_program(program: torch.export.ExportedProgram, path: Path, config: dict, checkpoint: Path) -> None:
+    info = {
+        "inputs": {"dense_counts": DENSE_COLUMNS, "sparse_ids": SPARSE_COLUMNS},
+        "output": "ctr",
+        "checkpoint": str(checkpoint),
+        "config": config,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.export.save(program, str(path), extra_files={"dlrm.json": json.dumps(info)})
+
+
+def compile_package(program: torch.export.ExportedProgram, path: Path) -> Callable:
+    """AOTInductor package of `program` at `path`; returns it loaded."""
+    import torch._inductor
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+    return torch._inductor.aoti_load_package(str(path))
+
+
+@torch.no_grad()
+def latency_ms(fn: Callable, batch: int, device: torch.device, warmup: int = 10, repeats: int = 50) -> float:
+    """Median milliseconds of one call of `fn` on `batch` random rows (CUDA events on a GPU)."""
+    inputs = example_inputs(batch, device, seed=batch)
+    for _ in range(warmup):
+        fn(*inputs)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*inputs)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn(*inputs)
+            times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option(
+    "--checkpoint",
+    "checkpoint_path",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="checkpoints/best.pt or last.pt of a run (any backend).",
+)
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="ExportedProgram file to write (model.pt2): ctr = program(dense_counts [B,13], sparse_ids [B,26]).",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    help="Where the exported weights live and the program runs (and what --aoti-output compiles for).",
+)
+@click.option(
+    "--aoti-output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also write an AOTInductor package here and print its latency per batch of 1 / 128 / 4096 rows "
+    "against the eager model (needs a C++ compiler; meant for --device cuda).",
+)
+def main(checkpoint_path, output, device, aoti_output):
+    """Export a checkpoint as a self-contained torch.export program (and optionally an AOTInductor package)
+    that maps raw dense counts and raw category ids to the click probability."""
+    try:
+        dev = resolve_device(device)
+        model, config = serving_model(checkpoint_path, dev)
+        program = export_program(model, dev)
+        save_program(program, output, config, checkpoint_path)
+        logger.info("exported {} -> {} ({})", checkpoint_path, output, dev)
+        if aoti_output is not None:
+            start = time.perf_counter()
+            package = compile_package(program, aoti_output)
+            logger.info(
+                "AOTInductor package {} ({:.0f} s to compile)", aoti_output, time.perf_counter() - start
+            )
+            click.echo(
+                f"latency on {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, ms/batch:"
+            )
+            click.echo("| batch | eager | AOTInductor | eager / AOTInductor |")
+            click.echo("| --- | --- | --- | --- |")
+            for batch in LATENCY_BATCHES:
+                eager, compiled = latency_ms(model, batch, dev), latency_ms(package, batch, dev)
+                click.echo(f"| {batch} | {eager:.3f} | {compiled:.3f} | {eager / compiled:.2f}x |")
+    except (ValueError, FileNotFoundError) as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
