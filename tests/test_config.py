@@ -41,7 +41,7 @@ def test_main_config_is_the_fb_dlrm_kaggle_architecture():
         ({"data": []}, "data: expected a JSON object"),
         (
             {"data": {"loader": "disk"}},
-            r"data.loader: expected one of \('memory', 'gpu_resident', 'streaming'\)",
+            r"data.loader: expected one of \('memory', 'gpu_resident', 'streaming', 'binary'\)",
         ),
         ({"data": {"shuffle_buffer": -1}}, r"data.shuffle_buffer: expected an integer >= 0 \(rows\), got -1"),
         ({"data": {"shuffle_buffer": 1.5}}, "data.shuffle_buffer: expected an integer"),
