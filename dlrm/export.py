@@ -1,8 +1,6 @@
-"""`python -m dlrm.export`: a trained checkpoint as a self-contained serving program (torch.export), and
-optionally an AOTInductor package.
+"""`python -m dlrm.export`: a trained checkpoint as a self-contained serving program (torch.export).
 
-    python -m dlrm.export --checkpoint runs/<run>/checkpoints/best.pt --output model.pt2 \\
-        [--device cpu|cuda] [--aoti-output model.aoti.pt2]
+    python -m dlrm.export --checkpoint runs/<run>/checkpoints/best.pt --output model.pt2 [--device cpu|cuda]
 
 The exported program is the eval-mode model with its input transform and hashing inside:
 
@@ -14,19 +12,10 @@ The exported program is the eval-mode model with its input transform and hashing
 B is dynamic (1 .. 2**20). `--output` is an ExportedProgram (`torch.export.save`) that loads with
 `torch.export.load(path).module()` in a process that has torch but not this package; it holds the weights,
 on `--device`, and `dlrm.json` (the run config, input names, checkpoint) as an extra file.
-
-`--aoti-output` also compiles the program ahead of time with AOTInductor
-(`torch._inductor.aoti_compile_and_package`) for `--device`, loadable with
-`torch._inductor.aoti_load_package(path)`, and prints its latency per batch of 1 / 128 / 4096 rows next to
-the eager model's (median of timed calls after warm-up; CUDA events on a GPU). It needs a C++ compiler;
-meant for GPUs (on the CPU it works but compiles for minutes).
 """
 
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -41,7 +30,6 @@ from dlrm.model import DLRM, model_from_checkpoint
 from dlrm.step import resolve_device
 
 MAX_BATCH = 1 << 20
-LATENCY_BATCHES = (1, 128, 4096)
 
 
 class ServingModel(nn.Module):
@@ -98,37 +86,6 @@ def save_program(program: torch.export.ExportedProgram, path: Path, config: dict
     torch.export.save(program, str(path), extra_files={"dlrm.json": json.dumps(info)})
 
 
-def compile_package(program: torch.export.ExportedProgram, path: Path) -> Callable:
-    """AOTInductor package of `program` at `path`; returns it loaded."""
-    import torch._inductor
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch._inductor.aoti_compile_and_package(program, package_path=str(path))
-    return torch._inductor.aoti_load_package(str(path))
-
-
-@torch.no_grad()
-def latency_ms(fn: Callable, batch: int, device: torch.device, warmup: int = 10, repeats: int = 50) -> float:
-    """Median milliseconds of one call of `fn` on `batch` random rows (CUDA events on a GPU)."""
-    inputs = example_inputs(batch, device, seed=batch)
-    for _ in range(warmup):
-        fn(*inputs)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(*inputs)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn(*inputs)
-            times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option(
     "--checkpoint",
@@ -147,38 +104,17 @@ def latency_ms(fn: Callable, batch: int, device: torch.device, warmup: int = 10,
     "--device",
     type=click.Choice(["cpu", "cuda"]),
     default="cpu",
-    help="Where the exported weights live and the program runs (and what --aoti-output compiles for).",
+    help="Where the exported weights live and the program runs.",
 )
-@click.option(
-    "--aoti-output",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Also write an AOTInductor package here and print its latency per batch of 1 / 128 / 4096 rows "
-    "against the eager model (needs a C++ compiler; meant for --device cuda).",
-)
-def main(checkpoint_path, output, device, aoti_output):
-    """Export a checkpoint as a self-contained torch.export program (and optionally an AOTInductor package)
-    that maps raw dense counts and raw category ids to the click probability."""
+def main(checkpoint_path, output, device):
+    """Export a checkpoint as a self-contained torch.export program that maps raw dense counts and raw
+    category ids to the click probability."""
     try:
         dev = resolve_device(device)
         model, config = serving_model(checkpoint_path, dev)
         program = export_program(model, dev)
         save_program(program, output, config, checkpoint_path)
         logger.info("exported {} -> {} ({})", checkpoint_path, output, dev)
-        if aoti_output is not None:
-            start = time.perf_counter()
-            package = compile_package(program, aoti_output)
-            logger.info(
-                "AOTInductor package {} ({:.0f} s to compile)", aoti_output, time.perf_counter() - start
-            )
-            click.echo(
-                f"latency on {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, ms/batch:"
-            )
-            click.echo("| batch | eager | AOTInductor | eager / AOTInductor |")
-            click.echo("| --- | --- | --- | --- |")
-            for batch in LATENCY_BATCHES:
-                eager, compiled = latency_ms(model, batch, dev), latency_ms(package, batch, dev)
-                click.echo(f"| {batch} | {eager:.3f} | {compiled:.3f} | {eager / compiled:.2f}x |")
     except (ValueError, FileNotFoundError) as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)

@@ -65,7 +65,7 @@ class RunState:
     timed_s: float = 0.0
     timed_samples: int = 0
     evals: int = 0  # evaluations of this process
-    eval_s: float = 0.0  # their time, in all
+    eval_s: float = 0.0  # their time, in all (best.pt's writes not included)
     first_eval_s: float | None = None  # the first's, which pays for the eval shapes' JIT and tuning
 
     def checkpointed(self) -> dict[str, Any]:
@@ -315,10 +315,15 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
 
 def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     """Evaluate on the eval split, log it, keep the best as checkpoints/best.pt; True when early stopping
-    says stop. The evaluation's time is kept out of the interval's throughput."""
+    says stop. The evaluation's and the checkpoint's time are kept out of the interval's throughput."""
     eval_start = time.perf_counter()
     batches = run.progress.eval_batches(run.eval_loader, run.eval_split)
     result = evaluate(run.model, batches, run.device, run.cfg.train.precision)
+    # The evaluation alone (its result is on the host, so its GPU work is done); best.pt's write is apart.
+    eval_time = time.perf_counter() - eval_start
+    state.evals += 1
+    state.eval_s += eval_time
+    state.first_eval_s = eval_time if state.first_eval_s is None else state.first_eval_s
     state.last_eval, state.last_eval_step = result, state.step
     for key in ("auc", "logloss", "ne"):
         run.writer.add_scalar(f"eval/{key}", result[key], state.step)
@@ -328,18 +333,14 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
         result["auc"],
         result["logloss"],
         result["ne"],
-        time.perf_counter() - eval_start,
+        eval_time,
     )
     if state.best is None or result["auc"] > state.best["auc"]:
         state.best, state.evals_since_best = {**result, "step": state.step}, 0
         save_run_checkpoint(run, state, "best.pt")
     else:
         state.evals_since_best += 1
-    eval_time = time.perf_counter() - eval_start
-    state.evals += 1
-    state.eval_s += eval_time
-    state.first_eval_s = eval_time if state.first_eval_s is None else state.first_eval_s
-    interval.start += eval_time
+    interval.start += time.perf_counter() - eval_start
     patience = run.cfg.train.patience
     if patience is not None and state.evals_since_best >= patience:
         logger.info("early stop: no better eval AUC in {} evaluations", patience)

@@ -6,7 +6,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 from click.testing import CliRunner
 
@@ -92,33 +91,3 @@ def test_missing_checkpoint(tmp_path):
         export_cli.main, ["--checkpoint", str(tmp_path / "no.pt"), "--output", str(tmp_path / "m.pt2")]
     )
     assert result.exit_code == 2 and "no.pt: checkpoint not found" in result.output
-
-
-@pytest.mark.gpu
-def test_aoti_package_on_gpu(tmp_path):
-    _checkpoint(tmp_path / "best.pt", "modulus")
-    package = tmp_path / "model.aoti.pt2"
-    result = CliRunner().invoke(
-        export_cli.main,
-        [
-            "--checkpoint",
-            str(tmp_path / "best.pt"),
-            "--output",
-            str(tmp_path / "model.pt2"),
-            "--device",
-            "cuda",
-            "--aoti-output",
-            str(package),
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    for batch in (1, 128, 4096):
-        assert f"| {batch} |" in result.output
-    import torch._inductor
-
-    runner = torch._inductor.aoti_load_package(str(package))
-    dense, sparse = _raw_inputs(257, 3)
-    model = load_model(tmp_path / "best.pt", torch.device("cuda"))
-    with torch.no_grad():
-        expected = torch.sigmoid(model(torch.log1p(dense.clamp_min(0)).cuda(), sparse.cuda()))
-    torch.testing.assert_close(runner(dense.cuda(), sparse.cuda()), expected)
