@@ -1,7 +1,6 @@
 """`python -m dlrm.evaluate`: AUC, logloss and normalized entropy of a checkpoint on a data split, as JSON."""
 
 import json
-import sys
 from pathlib import Path
 
 import click
@@ -10,6 +9,7 @@ import torch
 from dlrm.checkpoint import load_checkpoint
 from dlrm.config import from_dict
 from dlrm.data.dataset import BatchLoader, open_split
+from dlrm.errors import cli_errors
 from dlrm.metrics import evaluate
 from dlrm.model import model_from_checkpoint
 from dlrm.step import resolve_device
@@ -37,7 +37,7 @@ from dlrm.step import resolve_device
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
 def main(checkpoint_path, data_dir, split, batch_size, device):
     """Print {"auc", "logloss", "ne", "samples"} of a checkpoint on DATA/SPLIT as JSON."""
-    try:
+    with cli_errors():
         state = load_checkpoint(checkpoint_path)
         cfg = from_dict(state["config"])
         dev = resolve_device(device)
@@ -45,9 +45,6 @@ def main(checkpoint_path, data_dir, split, batch_size, device):
         loader = BatchLoader(open_split(data_dir, split), batch_size, device=dev)
         with torch.no_grad():
             result = evaluate(model, loader, dev)
-    except (ValueError, FileNotFoundError) as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
     click.echo(json.dumps({"checkpoint": str(checkpoint_path), "split": split, **result}))
 
 

@@ -5,12 +5,14 @@ TensorBoard events, a profiler trace `*.pt.trace.json`, checkpoints/last.pt and 
 Watch it with `tensorboard --logdir runs`.
 """
 
+import shlex
 import sys
 from pathlib import Path
 
 import click
 
 from dlrm.config import load_config, replace
+from dlrm.errors import RunStopped, cli_errors
 from dlrm.loop import train
 
 
@@ -61,7 +63,11 @@ from dlrm.loop import train
     "--output-dir",
     type=click.Path(path_type=Path),
     default=None,
-    help="Run directory [default: runs/<name>-<timestamp>].",
+    help="Run directory [default: runs/<name>-<timestamp>]. One that already holds a run is refused "
+    "unless --resume or --overwrite.",
+)
+@click.option(
+    "--overwrite", is_flag=True, help="Delete what the run directory holds (an earlier run) before starting."
 )
 @click.option(
     "--resume",
@@ -86,13 +92,18 @@ def main(
     cuda_graphs,
     precision,
     output_dir,
+    overwrite,
     resume,
     max_steps,
     device,
     seed,
 ):
-    """Train a DLRM on preprocessed Criteo data, then `tensorboard --logdir runs`."""
-    try:
+    """Train a DLRM on preprocessed Criteo data, then `tensorboard --logdir runs`.
+
+    Exit status: 0 done, 2 bad input (one line naming the file or key), 3 non-finite loss, 130 / 143
+    stopped by SIGINT / SIGTERM (checkpoints/last.pt written; the line says how to go on).
+    """
+    with cli_errors():
         cfg = load_config(config_path)
         overrides = {
             "use_torch_compile": use_torch_compile or cfg.train.use_torch_compile,
@@ -109,10 +120,30 @@ def main(
         ):
             if value is not None:
                 overrides[key] = value
-        train(replace(cfg, "train", **overrides), output_dir, resume)
-    except (ValueError, FileNotFoundError) as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
+        try:
+            train(replace(cfg, "train", **overrides), output_dir, resume, overwrite=overwrite)
+        except RunStopped as err:
+            checkpoint = getattr(err, "checkpoint", None)
+            if checkpoint is not None:
+                err.args = (f"{err}; go on with: {resume_command(sys.argv[1:], checkpoint)}",)
+            raise
+
+
+def resume_command(args: list[str], checkpoint: Path) -> str:
+    """The command line that goes on from `checkpoint`: this one's arguments, without --output-dir,
+    --overwrite and --resume, plus `--resume checkpoint`."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in ("--output-dir", "--resume"):
+            skip = "=" not in arg
+            continue
+        if name != "--overwrite":
+            kept.append(arg)
+    return shlex.join([Path(sys.executable).name, "-m", "dlrm.train", *kept, "--resume", str(checkpoint)])
 
 
 if __name__ == "__main__":
