@@ -452,17 +452,15 @@ def note_losses(run: Run, state: RunState, losses: list[float], first_step: int)
 def nonfinite_stop(run: Run, state: RunState, what: str) -> NonFiniteLoss:
     """The NonFiniteLoss that stops the run: what happened, the last finite loss, what last.pt holds."""
     last = state.last_finite_loss
-    last_text = f"last finite loss {last[1]:.5f} at step {last[0]}" if last else "no finite loss before it"
+    last_text = f"last finite loss {last[1]:.6g} at step {last[0]}" if last else "no finite loss before it"
     last_pt = run.run_dir / "checkpoints" / "last.pt"
     kept = (
         f"{last_pt} holds step {state.last_checkpoint_step}, the last finite state"
         if state.last_checkpoint_step is not None
         else "no last.pt was written before it"
     )
-    return NonFiniteLoss(
-        f'{what} ({last_text}); stopped, {kept}. Lower train.lr, or set train.on_nonfinite "skip_batch" '
-        "to skip such batches"
-    )
+    hint = "" if run.cfg.train.on_nonfinite == "skip_batch" else ', or set train.on_nonfinite "skip_batch"'
+    return NonFiniteLoss(f"{what} ({last_text}); stopped, {kept}. Lower train.lr{hint}")
 
 
 def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> None:
@@ -473,7 +471,8 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
         return
     check_finite(run, state, interval)
     if not interval.finite:
-        raise nonfinite_stop(run, state, f"steps {state.step - interval.steps + 1}-{state.step}: every loss")
+        first = state.step - interval.steps + 1
+        raise nonfinite_stop(run, state, f"steps {first}-{state.step}: every loss was skipped as non-finite")
     state.train_loss = interval.loss_sum / interval.finite
     elapsed = time.perf_counter() - interval.start
     state.timed_s += elapsed
