@@ -555,6 +555,7 @@ def save_last(run: Run, state: RunState, interval: Interval) -> None:
             shutil.copyfile(last, kept)
     save_run_checkpoint(run, state, "last.pt")
     state.last_checkpoint_step, state.last_checkpoint_time = state.step, time.monotonic()
+    logger.info("step {}: checkpoint {}", state.step, last)
     if keep:
         steps = sorted(
             int(p.stem.split("-", 1)[1]) for p in directory.glob("step-*.pt") if p.stem[5:].isdigit()
@@ -610,9 +611,10 @@ class StopSignals:
         if self.received is not None:
             raise KeyboardInterrupt
         self.received = signum
-        logger.warning(
-            "{} received: stopping after this step and writing last.pt (again to stop at once)",
-            signal.Signals(signum).name,
+        # Not the logger: it is not re-entrant, and the signal may come while it writes. os.write is.
+        name = signal.Signals(signum).name
+        os.write(
+            2, f"{name} received: stopping after this step, writing last.pt (again: stop at once)\n".encode()
         )
 
 
@@ -637,8 +639,9 @@ def out_of_memory(cfg: RunConfig, err: torch.OutOfMemoryError, when: str) -> Out
         rows = sum(resolve_table_rows(cfg.model, load_metadata(Path(cfg.data.path))))
         state = 2 if cfg.train.optimizer == "adagrad" else 1  # Adagrad keeps one accumulator per weight
         table_bytes = rows * cfg.model.embedding_dim * 4 * state
+        size = f"{table_bytes / 2**30:.2f} GiB" if table_bytes >= 2**30 else f"{table_bytes / 2**20:.1f} MiB"
         parts.append(
-            f"embedding tables {table_bytes / 2**30:.2f} GiB ({rows:,} rows x D={cfg.model.embedding_dim}"
+            f"embedding tables {size} ({rows:,} rows x D={cfg.model.embedding_dim}"
             f"{', with Adagrad state' if state == 2 else ''})"
         )
     except (ValueError, OSError):
@@ -649,8 +652,9 @@ def out_of_memory(cfg: RunConfig, err: torch.OutOfMemoryError, when: str) -> Out
             parts.append(f"{free / 2**30:.2f} of {total / 2**30:.2f} GiB GPU memory free")
         except RuntimeError:
             pass
+    # "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of ...": the first two.
     first = str(err).strip().splitlines()[0] if str(err).strip() else "out of memory"
-    first = first.split(". ")[0]  # "CUDA out of memory. Tried to allocate 2.00 GiB"
+    first = ". ".join(first.split(". ")[:2])
     return OutOfMemory(
         f"out of memory {when} ({first}): {', '.join(parts)}; lower data.batch_size or model.max_rows, "
         "use --precision bf16, or spread the tables over more GPUs"

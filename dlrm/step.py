@@ -106,6 +106,7 @@ class NonFiniteGuard:
     - MLPs: their gradients are zeroed by torch.where before `optimizer.step()`; SGD and Adagrad then leave
       the weights as they were. With weight decay the decay term would still move them, so the weights and
       optimizer state of the dense parameters are also restored by torch.where after the step.
+      (torch.optim.Adagrad's step count still advances; it scales the lr only through lr_decay, unused.)
 
     `ok` is the last step's verdict, a 0-d bool device tensor.
     """

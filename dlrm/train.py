@@ -143,7 +143,7 @@ def resume_command(args: list[str], checkpoint: Path) -> str:
             continue
         if name != "--overwrite":
             kept.append(arg)
-    return shlex.join([Path(sys.executable).name, "-m", "dlrm.train", *kept, "--resume", str(checkpoint)])
+    return shlex.join([sys.executable, "-m", "dlrm.train", *kept, "--resume", str(checkpoint)])
 
 
 if __name__ == "__main__":
