@@ -510,7 +510,8 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
         result["logloss"],
         result["ne"],
     )
-    finite = all(math.isfinite(result[key]) for key in ("auc", "logloss", "ne"))
+    # AUC can look finite (a rank statistic) on NaN logits: the logloss and the weights tell.
+    finite = all(math.isfinite(result[key]) for key in ("auc", "logloss", "ne")) and weights_finite(run.model)
     if not finite:
         logger.warning("step {}: the evaluation is not finite; not a candidate for best.pt", state.step)
     if finite and (state.best is None or result["auc"] > state.best["auc"]):
