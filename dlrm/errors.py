@@ -19,6 +19,7 @@ Anything else is a bug and keeps its traceback. Click's own usage errors (exit 2
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import click
 import torch
@@ -28,14 +29,16 @@ EXIT_NONFINITE = 3
 
 
 class RunStopped(Exception):
-    """A run ended early on purpose; the message is one line for the user, `exit_code` the CLI's status."""
+    """A run ended early on purpose; the message is one line for the user, `exit_code` the CLI's status,
+    `checkpoint` the last.pt to go on from (the train CLI then prints the --resume command), if any."""
 
     exit_code = EXIT_BAD_INPUT
 
-    def __init__(self, message: str, exit_code: int | None = None):
+    def __init__(self, message: str, exit_code: int | None = None, checkpoint: Path | None = None):
         super().__init__(message)
         if exit_code is not None:
             self.exit_code = exit_code
+        self.checkpoint = checkpoint
 
 
 class NonFiniteLoss(RunStopped):

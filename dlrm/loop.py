@@ -150,19 +150,19 @@ def train(
         OutOfMemory: the device ran out of memory (nothing more written).
     """
     start = time.perf_counter()
-    with StopSignals() as signals:
-        try:
-            run, state = set_up(cfg, output_dir, resume, overwrite, signals)
-        except torch.OutOfMemoryError as err:
-            raise out_of_memory(cfg, err, "during set-up") from None
-        try:
+    try:
+        run, state = set_up(cfg, output_dir, resume, overwrite)
+    except torch.OutOfMemoryError as err:
+        raise out_of_memory(cfg, err, "during set-up") from None
+    try:
+        with run.signals:  # Ctrl-C during set-up stops at once; from here on, after the step
             train_steps(run, state)
-        except torch.OutOfMemoryError as err:
-            run.writer.close()
-            raise out_of_memory(cfg, err, f"at step {state.step + 1}") from None
-        except RunStopped as err:
-            finish(run, state, time.perf_counter() - start, stopped=err)
-            raise
+    except torch.OutOfMemoryError as err:
+        run.writer.close()
+        raise out_of_memory(cfg, err, f"at step {state.step + 1}") from None
+    except RunStopped as err:
+        finish(run, state, time.perf_counter() - start, stopped=err)
+        raise
     return finish(run, state, time.perf_counter() - start)
 
 
@@ -216,11 +216,7 @@ def after_step(run: Run, state: RunState, interval: Interval, epoch: int) -> boo
 
 
 def set_up(
-    cfg: RunConfig,
-    output_dir: Path | None,
-    resume: Path | None,
-    overwrite: bool = False,
-    signals: "StopSignals | None" = None,
+    cfg: RunConfig, output_dir: Path | None, resume: Path | None, overwrite: bool = False
 ) -> tuple[Run, RunState]:
     """Data, model, optimizer, step, loaders, run directory and TensorBoard writer of a run, and its state
     (restored from `resume` when given). The run directory is checked first and written only once all
@@ -280,7 +276,6 @@ def set_up(
     # (logged after the checkpoint by the run that was stopped), so no step appears twice.
     writer = SummaryWriter(str(run_dir), purge_step=state.step + 1 if resume is not None else None)
     writer.add_text("config", "```json\n" + config_json + "\n```")
-    signals = signals or StopSignals()
     run = Run(
         cfg,
         device,
@@ -292,7 +287,7 @@ def set_up(
         eval_split,
         run_dir,
         writer,
-        signals,
+        StopSignals(),
     )
     return run, state
 
@@ -625,12 +620,11 @@ def stop_on_signal(run: Run, state: RunState, interval: Interval) -> None:
     run.writer.flush()
     signum = run.signals.received
     checkpoint = run.run_dir / "checkpoints" / "last.pt"
-    err = Interrupted(
+    raise Interrupted(
         f"stopped by {signal.Signals(signum).name} after step {state.step}; {checkpoint} written",
         exit_code=128 + signum,
+        checkpoint=checkpoint,
     )
-    err.checkpoint = checkpoint
-    raise err
 
 
 def out_of_memory(cfg: RunConfig, err: torch.OutOfMemoryError, when: str) -> OutOfMemory:
@@ -691,10 +685,11 @@ def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None 
     write_text_atomically(run.run_dir / "metrics.json", json.dumps(metrics, indent=2, allow_nan=False))
     run.writer.close()
     if stopped is None:
+        auc = "none" if metrics["eval_auc"] is None else f"{metrics['eval_auc']:.4f}"
         logger.info(
             "done: {} steps, best eval auc {} at step {}, metrics in {}",
             state.step,
-            metrics["eval_auc"],
+            auc,
             metrics["best_step"],
             run.run_dir / "metrics.json",
         )

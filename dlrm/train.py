@@ -123,27 +123,22 @@ def main(
         try:
             train(replace(cfg, "train", **overrides), output_dir, resume, overwrite=overwrite)
         except RunStopped as err:
-            checkpoint = getattr(err, "checkpoint", None)
-            if checkpoint is not None:
-                err.args = (f"{err}; go on with: {resume_command(sys.argv[1:], checkpoint)}",)
+            if err.checkpoint is not None:
+                command = resume_command(click.get_current_context(), err.checkpoint)
+                err.args = (f"{err}; go on with: {command}",)
             raise
 
 
-def resume_command(args: list[str], checkpoint: Path) -> str:
-    """The command line that goes on from `checkpoint`: this one's arguments, without --output-dir,
-    --overwrite and --resume, plus `--resume checkpoint`."""
-    kept, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
+def resume_command(ctx: click.Context, checkpoint: Path) -> str:
+    """The command line that goes on from `checkpoint`: this one's options (as parsed), without
+    --output-dir, --overwrite and --resume, plus `--resume checkpoint`."""
+    args = [sys.executable, "-m", "dlrm.train"]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if param.name in ("output_dir", "overwrite", "resume") or value is None or value is False:
             continue
-        name = arg.split("=", 1)[0]
-        if name in ("--output-dir", "--resume"):
-            skip = "=" not in arg
-            continue
-        if name != "--overwrite":
-            kept.append(arg)
-    return shlex.join([sys.executable, "-m", "dlrm.train", *kept, "--resume", str(checkpoint)])
+        args += [param.opts[0]] if getattr(param, "is_flag", False) else [param.opts[0], str(value)]
+    return shlex.join([*args, "--resume", str(checkpoint)])
 
 
 if __name__ == "__main__":

@@ -215,8 +215,8 @@ def test_sigterm_writes_last_pt_and_prints_the_resume_command(criteo_sample, tmp
     assert proc.wait(timeout=60) == 143, rest
     line = _one_error_line(rest)
     step = int(re.search(r"after step (\d+)", line).group(1))
-    assert "SIGTERM" in line and f"--resume {run}/checkpoints/last.pt" in line
-    assert "--output-dir" not in line.split("go on with:")[1]
+    resume = f"{sys.executable} -m dlrm.train --config {config} --resume {run}/checkpoints/last.pt"
+    assert "SIGTERM" in line and line.endswith(f"go on with: {resume}")
     assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["step"] == step
     assert _strict_json(run / "metrics.json")["stopped"] == "Interrupted"
     events = EventAccumulator(str(run))
@@ -243,7 +243,11 @@ def test_sigint_stops_after_the_step_with_exit_130(criteo_sample, tmp_path, monk
     config = _config(tmp_path, criteo_sample)
     run = tmp_path / "run"
     code, output = _cli(train_cli.main, ["--config", config, "--output-dir", run])
-    assert code == 130 and "stopped by SIGINT after step 3" in _one_error_line(output)
+    line = _one_error_line(output)
+    assert code == 130 and "stopped by SIGINT after step 3" in line
+    assert line.endswith(
+        f"go on with: {sys.executable} -m dlrm.train --config {config} --resume {run}/checkpoints/last.pt"
+    )
     assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["step"] == 3
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
