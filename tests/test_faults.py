@@ -184,6 +184,14 @@ def test_periodic_checkpoints_keep_the_last_ones(criteo_sample, tmp_path):
         assert torch.load(directory / name, weights_only=True)["step"] == step
 
 
+def test_checkpoints_by_wall_time(criteo_sample, tmp_path):
+    """checkpoint_every_s: due after each step once that much time has passed (here: always)."""
+    cfg = load_config(_config(tmp_path, criteo_sample, max_steps=3, checkpoint_every_s=1e-6, keep_last=5))
+    loop.train(cfg, tmp_path / "run")
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert names == ["best.pt", "last.pt", "step-1.pt", "step-2.pt"]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 3, 4. Signals and hard kills (subprocesses)
 
