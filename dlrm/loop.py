@@ -84,6 +84,7 @@ class RunState:
     timed_samples: int = 0
     last_checkpoint_step: int | None = None  # the step checkpoints/last.pt holds, when known
     last_checkpoint_time: float = field(default_factory=time.monotonic)
+    last_checkpoint_state: dict | None = None  # checkpointed() as last.pt holds it
 
     def checkpointed(self) -> dict[str, Any]:
         """The fields a resumed run goes on from."""
@@ -537,10 +538,12 @@ def save_last(run: Run, state: RunState, interval: Interval) -> None:
     weights summed (NonFiniteLoss otherwise, leaving the previous last.pt). The last.pt it replaces is kept
     as step-<N>.pt (a hard link) when train.keep_last > 0, the oldest beyond keep_last deleted."""
     check_finite(run, state, interval)
-    if not weights_finite(run.model):
-        raise nonfinite_stop(run, state, f"step {state.step}: the weights are not finite")
     directory = run.run_dir / "checkpoints"
     last, keep = directory / "last.pt", run.cfg.train.keep_last
+    if state.last_checkpoint_state == state.checkpointed() and last.exists():
+        return  # written at this step already (the end of a run, a signal right after a periodic one)
+    if not weights_finite(run.model):
+        raise nonfinite_stop(run, state, f"step {state.step}: the weights are not finite")
     previous = state.last_checkpoint_step
     if keep and previous is not None and previous != state.step and last.exists():
         kept = directory / f"step-{previous}.pt"
@@ -551,6 +554,7 @@ def save_last(run: Run, state: RunState, interval: Interval) -> None:
             shutil.copyfile(last, kept)
     save_run_checkpoint(run, state, "last.pt")
     state.last_checkpoint_step, state.last_checkpoint_time = state.step, time.monotonic()
+    state.last_checkpoint_state = state.checkpointed()
     logger.info("step {}: checkpoint {}", state.step, last)
     if keep:
         steps = sorted(
