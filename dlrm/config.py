@@ -7,6 +7,7 @@ naming the key, e.g. `model.embedding_dim: expected a positive int, got 0`.
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ OPTIMIZERS = ("sgd", "adagrad")
 PRECISIONS = ("fp32", "tf32", "bf16")
 COMPILE_MODES = ("default", "reduce-overhead")
 TRITON_MLP_KERNELS = ("linear_act", "bias_act")
+ON_NONFINITE = ("stop", "skip_batch")
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,11 @@ class TrainConfig:
     replays it (dlrm.graphs); it needs `use_triton` and optimizer "sgd", whose steps have no host sync.
     `precision` of the training step's MLPs and interaction: "fp32", "tf32" (fp32 tensors, TF32 tensor-core
     matmuls) or "bf16" (autocast to bf16; fp32 master weights, embedding tables, loss and evaluation).
+    `on_nonfinite`: what a NaN or infinite training loss does: "stop" the run (exit 3; last.pt stays the
+    last finite state) or "skip_batch" (the step's update is not applied, on the device; counted).
+    Checkpoints/last.pt is written every `checkpoint_interval` steps (null: not by steps) and every
+    `checkpoint_every_s` seconds of wall time (null: not by time), at a step's end; `keep_last` older ones
+    are kept beside it as checkpoints/step-<N>.pt (0: only last.pt).
     """
 
     optimizer: str = "sgd"
@@ -104,6 +111,10 @@ class TrainConfig:
     triton_mlp_kernel: str = "linear_act"
     cuda_graphs: bool = False
     precision: str = "fp32"
+    on_nonfinite: str = "stop"
+    checkpoint_interval: int | None = None
+    checkpoint_every_s: float | None = 600.0
+    keep_last: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,6 +175,8 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # JSON's Infinity / NaN, which Python's json module accepts
+            raise ValueError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):
@@ -243,19 +256,27 @@ def validate(cfg: RunConfig) -> RunConfig:
         )
     _require(m.max_rows >= 2, "model.max_rows", "an integer >= 2", m.max_rows)
     _require(t.optimizer in OPTIMIZERS, "train.optimizer", f"one of {OPTIMIZERS}", t.optimizer)
-    _require(t.lr > 0, "train.lr", "a positive number", t.lr)
+    # Finite as well: configs built in Python skip _check_type.
+    _require(0 < t.lr < math.inf, "train.lr", "a positive finite number", t.lr)
     if t.embedding_lr is not None:
-        _require(t.embedding_lr > 0, "train.embedding_lr", "a positive number or null", t.embedding_lr)
-    _require(t.weight_decay >= 0, "train.weight_decay", "a number >= 0", t.weight_decay)
+        ok = 0 < t.embedding_lr < math.inf
+        _require(ok, "train.embedding_lr", "a positive finite number or null", t.embedding_lr)
+    _require(0 <= t.weight_decay < math.inf, "train.weight_decay", "a finite number >= 0", t.weight_decay)
     _require(t.epochs > 0, "train.epochs", "a positive integer", t.epochs)
     for key, value in (
         ("train.max_steps", t.max_steps),
         ("train.eval_interval", t.eval_interval),
         ("train.patience", t.patience),
+        ("train.checkpoint_interval", t.checkpoint_interval),
     ):
         if value is not None:
             _require(value > 0, key, "a positive integer or null", value)
     _require(t.log_interval > 0, "train.log_interval", "a positive integer", t.log_interval)
+    _require(t.on_nonfinite in ON_NONFINITE, "train.on_nonfinite", f"one of {ON_NONFINITE}", t.on_nonfinite)
+    if t.checkpoint_every_s is not None:
+        ok = 0 < t.checkpoint_every_s < math.inf
+        _require(ok, "train.checkpoint_every_s", "a positive number of seconds or null", t.checkpoint_every_s)
+    _require(t.keep_last >= 0, "train.keep_last", "an integer >= 0", t.keep_last)
     _require(t.device in DEVICES, "train.device", f"one of {DEVICES}", t.device)
     _require(t.precision in PRECISIONS, "train.precision", f"one of {PRECISIONS}", t.precision)
     _require(t.compile_mode in COMPILE_MODES, "train.compile_mode", f"one of {COMPILE_MODES}", t.compile_mode)
@@ -291,6 +312,12 @@ def load_config(path: str | Path) -> RunConfig:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a directory, expected a JSON config file (configs/*.json)") from None
+    except OSError as err:
+        raise ValueError(f"{path}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file, expected a JSON config") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
     try:

@@ -1,7 +1,6 @@
 """`python -m dlrm.evaluate`: AUC, logloss and normalized entropy of a checkpoint on a data split, as JSON."""
 
 import json
-import sys
 from pathlib import Path
 
 import click
@@ -11,6 +10,7 @@ from dlrm import progress
 from dlrm.checkpoint import load_checkpoint
 from dlrm.config import from_dict
 from dlrm.data.dataset import BatchLoader, open_split
+from dlrm.errors import cli_errors
 from dlrm.metrics import evaluate
 from dlrm.model import model_from_checkpoint
 from dlrm.step import resolve_device
@@ -49,7 +49,7 @@ from dlrm.step import resolve_device
 def main(checkpoint_path, data_dir, split, batch_size, device, quiet):
     """Print {"auc", "logloss", "ne", "samples"} of a checkpoint on DATA/SPLIT as JSON."""
     mode = progress.configure("quiet" if quiet else "auto")
-    try:
+    with cli_errors():
         state = load_checkpoint(checkpoint_path)
         cfg = from_dict(state["config"])
         dev = resolve_device(device)
@@ -57,9 +57,6 @@ def main(checkpoint_path, data_dir, split, batch_size, device, quiet):
         loader = BatchLoader(open_split(data_dir, split), batch_size, device=dev)
         with torch.no_grad():
             result = evaluate(model, progress.eval_batches(mode, loader, split), dev)
-    except (ValueError, FileNotFoundError) as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
     click.echo(json.dumps({"checkpoint": str(checkpoint_path), "split": split, **result}))
 
 

@@ -15,7 +15,6 @@ on `--device`, and `dlrm.json` (the run config, input names, checkpoint) as an e
 """
 
 import json
-import sys
 from pathlib import Path
 
 import click
@@ -26,6 +25,7 @@ from torch import nn
 from dlrm.checkpoint import load_checkpoint
 from dlrm.config import from_dict
 from dlrm.data.schema import DENSE_COLUMNS, NUM_DENSE, NUM_SPARSE, SPARSE_COLUMNS
+from dlrm.errors import cli_errors
 from dlrm.model import DLRM, model_from_checkpoint
 from dlrm.step import resolve_device
 
@@ -109,15 +109,12 @@ def save_program(program: torch.export.ExportedProgram, path: Path, config: dict
 def main(checkpoint_path, output, device):
     """Export a checkpoint as a self-contained torch.export program that maps raw dense counts and raw
     category ids to the click probability."""
-    try:
+    with cli_errors():
         dev = resolve_device(device)
         model, config = serving_model(checkpoint_path, dev)
         program = export_program(model, dev)
         save_program(program, output, config, checkpoint_path)
         logger.info("exported {} -> {} ({})", checkpoint_path, output, dev)
-    except (ValueError, FileNotFoundError) as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

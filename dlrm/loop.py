@@ -7,12 +7,24 @@ TensorBoard events, a profiler trace `*.pt.trace.json`, checkpoints/last.pt and 
 What changes while a run goes on lives in one `RunState` (step, samples, best evaluation, throughput
 sums), which checkpoints save and `--resume` restores; the steps since the last log line live in an
 `Interval`. What is fixed once set up (model, optimizer, step, loaders, writer) is a `Run`. Logging,
-evaluation and checkpointing are plain functions of those.
+evaluation and checkpointing are plain functions of those; `after_step` is the one point after each step
+where they, periodic checkpoints and stop signals hook in.
+
+Failures (README "Failures and recovery"): a non-finite loss is found where the interval's losses are read
+(each log line, evaluation and checkpoint; no per-step host sync) and stops the run with NonFiniteLoss
+(exit 3), last.pt left at the last finite checkpoint; SIGINT / SIGTERM finish the step, write last.pt and
+raise Interrupted; device out-of-memory becomes OutOfMemory with the numbers that matter.
 """
 
 import itertools
 import json
+import math
+import os
 import resource
+import shutil
+import signal
+import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,8 +42,10 @@ from dlrm.data.dataset import Batch, BatchLoader, ParquetDataset, load_metadata,
 from dlrm.data.loaders import STATEFUL_LOADERS, TrainLoader, make_train_loader
 from dlrm.data.resident import ResidentLoader
 from dlrm.data.schema import NUM_SPARSE
+from dlrm.errors import Interrupted, NonFiniteLoss, OutOfMemory, RunStopped
 from dlrm.metrics import evaluate
 from dlrm.model import DLRM, build_model
+from dlrm.model.tables import resolve_table_rows
 from dlrm.profiling import data_range, make_profiler
 from dlrm.progress import TrainProgress
 from dlrm.step import (
@@ -48,18 +62,23 @@ from dlrm.step import (
 class RunState:
     """What changes during a run; saved in every checkpoint, restored by `--resume`.
 
-    step: optimization steps done. samples: train samples of those steps. best: the best evaluation so
-    far ({"auc", "logloss", "ne", "samples", "step"}), None before the first. evals_since_best: for
-    early stopping. The rest are this process's throughput sums and last values, for metrics.json.
+    step: optimization steps done. samples: train samples of those steps, over the whole run (resumes
+    included). best: the best evaluation so far ({"auc", "logloss", "ne", "samples", "step"}), None before
+    the first. evals_since_best: for early stopping. skipped_batches: steps whose non-finite loss was
+    skipped (train.on_nonfinite "skip_batch"). last_finite_loss: (step, loss) of the last finite step loss
+    read. train_loss: the last log line's mean loss (None before one). The rest are this process's:
+    throughput sums, the last evaluation, when last.pt was written.
     """
 
     step: int = 0
     samples: int = 0
     best: dict | None = None
     evals_since_best: int = 0
+    skipped_batches: int = 0
+    last_finite_loss: tuple[int, float] | None = None
+    train_loss: float | None = None
     last_eval: dict | None = None
     last_eval_step: int | None = None
-    train_loss: float = float("nan")
     first_step_s: float | None = None  # this process's first step, compilation included
     # Training throughput of this process: the first step (compilation) and evaluations excluded.
     timed_s: float = 0.0
@@ -67,19 +86,36 @@ class RunState:
     evals: int = 0  # evaluations of this process
     eval_s: float = 0.0  # their time, in all (best.pt's writes not included)
     first_eval_s: float | None = None  # the first's, which pays for the eval shapes' JIT and tuning
+    last_checkpoint_step: int | None = None  # the step checkpoints/last.pt holds, when known
+    last_checkpoint_time: float = field(default_factory=time.monotonic)
+    last_checkpoint_state: dict | None = None  # checkpointed() as last.pt holds it
 
     def checkpointed(self) -> dict[str, Any]:
         """The fields a resumed run goes on from."""
-        return {"step": self.step, "best": self.best, "evals_since_best": self.evals_since_best}
+        keys = (
+            "step",
+            "samples",
+            "best",
+            "evals_since_best",
+            "skipped_batches",
+            "last_finite_loss",
+            "train_loss",
+        )
+        return {key: getattr(self, key) for key in keys}
 
 
 @dataclass
 class Interval:
-    """The steps since the last log line: the device sum of their losses (read once, at the log line)."""
+    """The steps since the last log line. Their losses are copied into the device buffer `losses` (one
+    slot per step, no host sync) and read at the log line, or earlier where an evaluation or checkpoint
+    needs to know they are finite (`read` of them already checked)."""
 
-    loss_sum: torch.Tensor
+    losses: torch.Tensor
     steps: int = 0
     samples: int = 0
+    read: int = 0
+    loss_sum: float = 0.0  # of the finite losses read
+    finite: int = 0
     start: float = field(default_factory=time.perf_counter)
 
 
@@ -97,33 +133,59 @@ class Run:
     eval_split: str
     run_dir: Path
     writer: SummaryWriter
+    signals: "StopSignals"
     progress: TrainProgress = field(default_factory=lambda: TrainProgress("log", 0))
 
 
 def train(
-    cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = None, progress: str = "auto"
+    cfg: RunConfig,
+    output_dir: Path | None = None,
+    resume: Path | None = None,
+    overwrite: bool = False,
+    progress: str = "auto",
 ) -> dict:
     """Train per `cfg`, writing everything into the run directory; returns the metrics.json contents:
     {"steps", "samples", "train_loss", "eval_auc", "eval_logloss", "samples_per_s", "wall_s", "backend", ...}.
     "eval_auc"/"eval_logloss" are those of the best evaluation (saved as checkpoints/best.pt).
     With `resume` (a checkpoint of a run of the same model config) training goes on from its step: weights,
-    optimizer state, best evaluation and the train loader's position are restored, and the run directory
-    defaults to the checkpoint's. "samples" then counts this run's samples only. `progress`: what it shows
-    while it runs, "auto", "bar", "log" or "quiet" (dlrm.progress).
+    optimizer state, best evaluation and the train loader's position are restored (hyperparameters are the
+    config's), and the run directory defaults to the checkpoint's. "steps" and "samples" cover the whole run.
+    An `output_dir` that already holds a run is refused unless `resume` or `overwrite` (which empties it).
+    `progress`: what it shows while it runs, "auto", "bar", "log" or "quiet" (dlrm.progress).
 
     Raises:
-        ValueError: bad data directory, config values the data contradicts, no CUDA for device "cuda", or a
-            checkpoint that does not fit the config.
+        ValueError: bad data directory, config values the data contradicts, no CUDA for device "cuda", a
+            checkpoint that does not fit the config, or a run directory that holds a run or is not writable.
+        NonFiniteLoss: a NaN or infinite loss with train.on_nonfinite "stop" (metrics.json written).
+        Interrupted: SIGINT / SIGTERM (last.pt and metrics.json written).
+        OutOfMemory: the device ran out of memory (nothing more written).
     """
     start = time.perf_counter()
-    run, state = set_up(cfg, output_dir, resume, progress)
-    t = cfg.train
+    try:
+        run, state = set_up(cfg, output_dir, resume, overwrite, progress)
+    except torch.OutOfMemoryError as err:
+        raise out_of_memory(cfg, err, "during set-up") from None
+    try:
+        with run.signals:  # Ctrl-C during set-up stops at once; from here on, after the step
+            train_steps(run, state)
+    except torch.OutOfMemoryError as err:
+        run.writer.close()
+        raise out_of_memory(cfg, err, f"at step {state.step + 1}") from None
+    except RunStopped as err:
+        finish(run, state, time.perf_counter() - start, stopped=err)
+        raise
+    return finish(run, state, time.perf_counter() - start)
+
+
+def train_steps(run: Run, state: RunState) -> None:
+    """The loop: epochs, steps, and after each step `after_step`; at the end an evaluation and last.pt."""
+    t = run.cfg.train
     loader = run.train_loader
     max_steps = t.max_steps or t.epochs * len(loader)
-    interval = Interval(torch.zeros((), device=run.device))
+    interval = Interval(torch.empty(t.log_interval, device=run.device))
     stop = False
     run.model.train()
-    with make_profiler(cfg.profiler, run.run_dir, run.device, run.writer, state.step) as profiler:
+    with make_profiler(run.cfg.profiler, run.run_dir, run.device, run.writer, state.step) as profiler:
         first_epoch, skip = resume_position(loader, state.step)
         for epoch in range(first_epoch, t.epochs):
             if stop or state.step >= max_steps:
@@ -139,25 +201,45 @@ def train(
                 loss = run.step_fn(run.model, run.optimizer, batch)
                 profiler.step()
                 account_step(run, state, interval, loss, batch, step_start)
-                if state.step % t.log_interval == 0:
-                    log_interval(run, state, interval, epoch)
-                if t.eval_interval and state.step % t.eval_interval == 0:
-                    stop = evaluate_and_select(run, state, interval)
+                stop = after_step(run, state, interval, epoch)
             log_interval(run, state, interval, epoch)
             if not stop and state.last_eval_step != state.step:
                 stop = evaluate_and_select(run, state, interval)  # end of epoch
     if state.last_eval is None:  # a resumed run that had no step left to train
         evaluate_and_select(run, state, interval)
-    save_run_checkpoint(run, state, "last.pt")
-    return finish(run, state, time.perf_counter() - start)
+    save_last(run, state, interval)
+
+
+def after_step(run: Run, state: RunState, interval: Interval, epoch: int) -> bool:
+    """What happens after a step, in this order: the log line, an evaluation, a stop signal (last.pt, then
+    Interrupted), a periodic checkpoint. True when early stopping says stop."""
+    t = run.cfg.train
+    if state.step % t.log_interval == 0:
+        log_interval(run, state, interval, epoch)
+    stop = False
+    if t.eval_interval and state.step % t.eval_interval == 0:
+        stop = evaluate_and_select(run, state, interval)
+    if run.signals.received is not None:
+        stop_on_signal(run, state, interval)
+    if checkpoint_due(run.cfg, state):
+        save_last(run, state, interval)
+    return stop
 
 
 def set_up(
-    cfg: RunConfig, output_dir: Path | None, resume: Path | None, progress: str = "auto"
+    cfg: RunConfig,
+    output_dir: Path | None,
+    resume: Path | None,
+    overwrite: bool = False,
+    progress: str = "auto",
 ) -> tuple[Run, RunState]:
     """Data, model, optimizer, step, loaders, run directory, TensorBoard writer and progress bar of a run,
-    and its state (restored from `resume` when given). Raises ValueError as `train`."""
+    and its state
+    (restored from `resume` when given). The run directory is checked first and written only once all
+    else is set up. Raises ValueError as `train`."""
     t = cfg.train
+    run_dir = output_dir if output_dir or resume is None else resume.parent.parent
+    run_dir = check_run_dir(cfg, run_dir, resume, overwrite)
     device = resolve_device(t.device)
     use_interpreter_on_cpu(cfg, device)
     set_precision(t.precision)
@@ -172,6 +254,7 @@ def set_up(
     streams = cfg.data.loader in ("streaming", "binary")
     train_set = None if streams else open_split(data_dir, "train")
     eval_set = open_split(data_dir, eval_split)
+    check_rows(data_dir, metadata, eval_split, eval_set.num_rows)
     train_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64) if train_set is None else train_set.sparse
     kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
     logger.info("building the model ({} backend) on {}", cfg.backend, device)
@@ -188,11 +271,14 @@ def set_up(
         raise ValueError(
             f"data.batch_size: {cfg.data.batch_size} leaves no batch of {train_loader.num_rows} train rows"
         )
+    check_rows(data_dir, metadata, "train", train_loader.num_rows)
     if checkpoint.get("loader") is not None:
         train_loader.load_state_dict(checkpoint["loader"])
     eval_loader = make_eval_loader(eval_set, cfg.data.eval_batch_size, device)
 
-    run_dir = make_run_dir(cfg, output_dir if output_dir or resume is None else resume.parent.parent)
+    make_run_dir(run_dir, overwrite and resume is None)
+    if resume is not None and resume.resolve() == (run_dir / "checkpoints" / "last.pt").resolve():
+        state.last_checkpoint_step = state.step
     config_json = json.dumps(cfg.to_dict(), indent=2)
     (run_dir / "config.json").write_text(config_json)
     logger.info(
@@ -205,9 +291,23 @@ def set_up(
         eval_set.num_rows,
         sum(p.numel() for p in model.parameters()),
     )
-    writer = SummaryWriter(str(run_dir))
+    # A resumed run's events continue the step axis: TensorBoard drops the earlier events past its step
+    # (logged after the checkpoint by the run that was stopped), so no step appears twice.
+    writer = SummaryWriter(str(run_dir), purge_step=state.step + 1 if resume is not None else None)
     writer.add_text("config", "```json\n" + config_json + "\n```")
-    run = Run(cfg, device, model, optimizer, step_fn, train_loader, eval_loader, eval_split, run_dir, writer)
+    run = Run(
+        cfg,
+        device,
+        model,
+        optimizer,
+        step_fn,
+        train_loader,
+        eval_loader,
+        eval_split,
+        run_dir,
+        writer,
+        StopSignals(),
+    )
     run.progress = TrainProgress(progress, t.max_steps or t.epochs * len(train_loader), state.step)
     return run, state
 
@@ -221,6 +321,18 @@ def make_eval_loader(eval_set: ParquetDataset, batch_size: int, device: torch.de
         except ValueError as err:
             logger.info("eval split stays in host memory: {}", err)
     return BatchLoader(eval_set, batch_size, device=device)
+
+
+def check_rows(data_dir: Path, metadata: dict, split: str, rows: int) -> None:
+    """Raise ValueError when `split` has no rows, or other row counts than metadata.json says."""
+    expected = metadata.get("rows", {}).get(split)
+    if expected is not None and expected != rows:
+        raise ValueError(
+            f"{data_dir}/metadata.json: split {split!r} has {expected} rows, its parquet files hold {rows} "
+            "(files changed since preprocessing? preprocess again)"
+        )
+    if rows == 0:
+        raise ValueError(f"{data_dir}: split {split!r} has no rows")
 
 
 def load_resumable(path: Path, cfg: RunConfig, model: DLRM, optimizer: torch.optim.Optimizer) -> dict:
@@ -238,19 +350,66 @@ def load_resumable(path: Path, cfg: RunConfig, model: DLRM, optimizer: torch.opt
                 f"the config has {ours[section][key]!r}"
             )
     model.load_state_dict(state["model"])
+    # The config's hyperparameters win over the checkpoint's (load_state_dict restores those too).
+    ours = [{k: group[k] for k in ("lr", "weight_decay")} for group in optimizer.param_groups]
     optimizer.load_state_dict(state["optimizer"])
+    for group, values in zip(optimizer.param_groups, ours, strict=True):
+        for key, value in values.items():
+            if group[key] != value:
+                logger.info(
+                    "resuming with the config's {} {} (the checkpoint had {})", key, value, group[key]
+                )
+            group[key] = value
     if model.sparse_arch.kernel == "triton" and state.get("embedding_optimizer_state") is not None:
         model.sparse_arch.optimizer_state.copy_(state["embedding_optimizer_state"])
     logger.info("resuming from {} at step {}", path, state["step"])
     return state
 
 
-def make_run_dir(cfg: RunConfig, output_dir: Path | None) -> Path:
-    """`output_dir`, or runs/<name>-<timestamp> when None; created."""
+RUN_FILES = ("config.json", "metrics.json", "checkpoints")
+
+
+def check_run_dir(cfg: RunConfig, output_dir: Path | None, resume: Path | None, overwrite: bool) -> Path:
+    """The run directory (`output_dir`, or runs/<name>-<timestamp> when None), checked before anything is
+    set up: not a file, not holding a run unless resuming or `overwrite`, and writable (probed with a
+    temporary directory, removed at once). Raises ValueError naming the path and the reason."""
     if output_dir is None:
         output_dir = Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    output_dir.mkdir(parents=True, exist_ok=True)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(
+            f"{output_dir}: exists and is not a directory (--output-dir names the run directory)"
+        )
+    holds_run = output_dir.is_dir() and (
+        any((output_dir / name).exists() for name in RUN_FILES)
+        or any(output_dir.glob("events.out.tfevents.*"))
+    )
+    if holds_run and resume is None and not overwrite:
+        raise ValueError(
+            f"{output_dir} holds a run; use --resume {output_dir / 'checkpoints' / 'last.pt'} or --overwrite"
+        )
+    if overwrite and resume is not None and output_dir.resolve() in resume.resolve().parents:
+        raise ValueError(f"--overwrite would delete {resume}, the checkpoint --resume reads")
+    existing = next(p for p in (output_dir, *output_dir.parents) if p.exists())
+    try:
+        probe = Path(tempfile.mkdtemp(prefix=".dlrm-write-probe-", dir=existing))
+        probe.rmdir()
+    except OSError as err:
+        raise ValueError(
+            f"{output_dir}: cannot write the run directory here: {err.strerror or err}"
+        ) from None
     return output_dir
+
+
+def make_run_dir(run_dir: Path, clear: bool) -> None:
+    """Create `run_dir` (emptied first when `clear`: --overwrite). Raises ValueError naming the path."""
+    try:
+        if clear and run_dir.is_dir():
+            logger.info("--overwrite: deleting what {} holds", run_dir)
+            for entry in run_dir.iterdir():
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{run_dir}: cannot write the run directory: {err.strerror or err}") from None
 
 
 def resume_position(loader: TrainLoader, step: int) -> tuple[int, int]:
@@ -270,7 +429,8 @@ def account_step(
     run: Run, state: RunState, interval: Interval, loss: torch.Tensor, batch: Batch, step_start: float
 ) -> None:
     """Count a finished step. The first step of the process pays for compilation (Inductor, Triton JIT):
-    it is timed apart and kept out of the interval's throughput."""
+    it is timed apart and kept out of the interval's throughput. Other steps' losses go into the
+    interval's device buffer (no host sync)."""
     state.step += 1
     state.samples += batch.label.numel()
     run.progress.step()
@@ -279,20 +439,68 @@ def account_step(
             torch.cuda.synchronize()
         state.first_step_s = time.perf_counter() - step_start
         logger.info("first step {:.2f} s (includes compile / kernel JIT)", state.first_step_s)
-        state.train_loss = loss.item()
+        note_losses(run, state, [loss.item()], state.step)
+        if state.train_loss is None and math.isfinite(loss.item()):
+            state.train_loss = loss.item()
         interval.start = time.perf_counter()
         return
-    interval.loss_sum += loss.detach()
+    interval.losses[interval.steps].copy_(loss.detach())
     interval.steps += 1
     interval.samples += batch.label.numel()
 
 
+def check_finite(run: Run, state: RunState, interval: Interval) -> None:
+    """Read the interval's losses not read yet (one host sync) and note them (see `note_losses`)."""
+    if interval.read == interval.steps:
+        return
+    losses = interval.losses[interval.read : interval.steps].tolist()
+    first = state.step - interval.steps + interval.read + 1
+    interval.read = interval.steps
+    finite = [x for x in losses if math.isfinite(x)]
+    interval.loss_sum += sum(finite)
+    interval.finite += len(finite)
+    note_losses(run, state, losses, first)
+
+
+def note_losses(run: Run, state: RunState, losses: list[float], first_step: int) -> None:
+    """Steps `first_step`, ... had `losses`: keep the last finite one; on a non-finite one raise
+    NonFiniteLoss (train.on_nonfinite "stop") or count it as skipped ("skip_batch": its update was not
+    applied, on the device)."""
+    for step, loss in enumerate(losses, first_step):
+        if math.isfinite(loss):
+            state.last_finite_loss = (step, loss)
+        elif run.cfg.train.on_nonfinite == "skip_batch":
+            state.skipped_batches += 1
+            logger.warning("step {}: loss {}, batch skipped (train.on_nonfinite skip_batch)", step, loss)
+        else:
+            raise nonfinite_stop(run, state, f"step {step}: the training loss is {loss}")
+
+
+def nonfinite_stop(run: Run, state: RunState, what: str) -> NonFiniteLoss:
+    """The NonFiniteLoss that stops the run: what happened, the last finite loss, what last.pt holds."""
+    last = state.last_finite_loss
+    last_text = f"last finite loss {last[1]:.6g} at step {last[0]}" if last else "no finite loss before it"
+    last_pt = run.run_dir / "checkpoints" / "last.pt"
+    kept = (
+        f"{last_pt} holds step {state.last_checkpoint_step}, the last finite state"
+        if state.last_checkpoint_step is not None
+        else "no last.pt was written before it"
+    )
+    hint = "" if run.cfg.train.on_nonfinite == "skip_batch" else ', or set train.on_nonfinite "skip_batch"'
+    return NonFiniteLoss(f"{what} ({last_text}); stopped, {kept}. Lower train.lr{hint}")
+
+
 def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> None:
-    """Log the steps since the last log line (its one host sync, loss_sum.item()), and start a new
-    interval."""
+    """Log the steps since the last log line (its one host sync: the losses not read yet) and start a new
+    interval. Raises NonFiniteLoss as `note_losses`, and when every step of the interval was skipped (the
+    weights themselves are no longer finite)."""
     if not interval.steps:
         return
-    state.train_loss = interval.loss_sum.item() / interval.steps
+    check_finite(run, state, interval)
+    if not interval.finite:
+        first = state.step - interval.steps + 1
+        raise nonfinite_stop(run, state, f"steps {first}-{state.step}: every loss was skipped as non-finite")
+    state.train_loss = interval.loss_sum / interval.finite
     elapsed = time.perf_counter() - interval.start
     state.timed_s += elapsed
     state.timed_samples += interval.samples
@@ -309,13 +517,16 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
         1000 * elapsed / interval.steps,
     )
     run.progress.interval(epoch, state.train_loss, interval.samples / elapsed)
-    interval.loss_sum.zero_()
     interval.steps, interval.samples, interval.start = 0, 0, time.perf_counter()
+    interval.read, interval.loss_sum, interval.finite = 0, 0.0, 0
 
 
 def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     """Evaluate on the eval split, log it, keep the best as checkpoints/best.pt; True when early stopping
-    says stop. The evaluation's and the checkpoint's time are kept out of the interval's throughput."""
+    says stop. The evaluation's and the checkpoint's time are kept out of the interval's throughput. The
+    losses since the last log line are checked first (NonFiniteLoss), and a non-finite evaluation never
+    becomes best."""
+    check_finite(run, state, interval)
     eval_start = time.perf_counter()
     batches = run.progress.eval_batches(run.eval_loader, run.eval_split)
     result = evaluate(run.model, batches, run.device, run.cfg.train.precision)
@@ -335,7 +546,11 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
         result["ne"],
         eval_time,
     )
-    if state.best is None or result["auc"] > state.best["auc"]:
+    # AUC can look finite (a rank statistic) on NaN logits: the logloss and the weights tell.
+    finite = all(math.isfinite(result[key]) for key in ("auc", "logloss", "ne")) and weights_finite(run.model)
+    if not finite:
+        logger.warning("step {}: the evaluation is not finite; not a candidate for best.pt", state.step)
+    if finite and (state.best is None or result["auc"] > state.best["auc"]):
         state.best, state.evals_since_best = {**result, "step": state.step}, 0
         save_run_checkpoint(run, state, "best.pt")
     else:
@@ -346,6 +561,53 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
         logger.info("early stop: no better eval AUC in {} evaluations", patience)
         return True
     return False
+
+
+def checkpoint_due(cfg: RunConfig, state: RunState) -> bool:
+    """Whether a periodic last.pt is due: every train.checkpoint_interval steps, or train.checkpoint_every_s
+    seconds after the last one."""
+    t = cfg.train
+    if t.checkpoint_interval and state.step % t.checkpoint_interval == 0:
+        return True
+    since = time.monotonic() - state.last_checkpoint_time
+    return t.checkpoint_every_s is not None and since >= t.checkpoint_every_s
+
+
+def save_last(run: Run, state: RunState, interval: Interval) -> None:
+    """checkpoints/last.pt, written only for a finite state: the interval's losses are read first and the
+    weights summed (NonFiniteLoss otherwise, leaving the previous last.pt). The last.pt it replaces is kept
+    as step-<N>.pt (a hard link) when train.keep_last > 0, the oldest beyond keep_last deleted."""
+    check_finite(run, state, interval)
+    directory = run.run_dir / "checkpoints"
+    last, keep = directory / "last.pt", run.cfg.train.keep_last
+    if state.last_checkpoint_state == state.checkpointed() and last.exists():
+        return  # written at this step already (the end of a run, a signal right after a periodic one)
+    if not weights_finite(run.model):
+        raise nonfinite_stop(run, state, f"step {state.step}: the weights are not finite")
+    previous = state.last_checkpoint_step
+    if keep and previous is not None and previous != state.step and last.exists():
+        kept = directory / f"step-{previous}.pt"
+        kept.unlink(missing_ok=True)
+        try:
+            os.link(last, kept)
+        except OSError:  # a file system without hard links
+            shutil.copyfile(last, kept)
+    save_run_checkpoint(run, state, "last.pt")
+    state.last_checkpoint_step, state.last_checkpoint_time = state.step, time.monotonic()
+    state.last_checkpoint_state = state.checkpointed()
+    logger.info("step {}: checkpoint {}", state.step, last)
+    if keep:
+        steps = sorted(
+            int(p.stem.split("-", 1)[1]) for p in directory.glob("step-*.pt") if p.stem[5:].isdigit()
+        )
+        for step in steps[:-keep]:
+            (directory / f"step-{step}.pt").unlink(missing_ok=True)
+
+
+def weights_finite(model: DLRM) -> bool:
+    """Whether every parameter is finite (one sum per parameter, one host sync)."""
+    sums = [p.detach().sum(dtype=torch.float32) for p in model.parameters()]
+    return bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
 
 
 def save_run_checkpoint(run: Run, state: RunState, name: str) -> None:
@@ -365,21 +627,96 @@ def save_run_checkpoint(run: Run, state: RunState, name: str) -> None:
     )
 
 
-def finish(run: Run, state: RunState, wall_s: float) -> dict:
-    """Write metrics.json, close the writer; return the metrics."""
+class StopSignals:
+    """SIGINT / SIGTERM handlers while a run trains (main thread only): the first signal asks the loop to
+    stop after the current step (`received`: its number); a second one stops at once (KeyboardInterrupt).
+    The previous handlers come back on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+        # Not the logger: it is not re-entrant, and the signal may come while it writes. os.write is.
+        name = signal.Signals(signum).name
+        os.write(
+            2, f"{name} received: stopping after this step, writing last.pt (again: stop at once)\n".encode()
+        )
+
+
+def stop_on_signal(run: Run, state: RunState, interval: Interval) -> None:
+    """A stop signal came: write last.pt (a finite state only), flush TensorBoard, raise Interrupted."""
+    save_last(run, state, interval)
+    run.writer.flush()
+    signum = run.signals.received
+    checkpoint = run.run_dir / "checkpoints" / "last.pt"
+    raise Interrupted(
+        f"stopped by {signal.Signals(signum).name} after step {state.step}; {checkpoint} written",
+        exit_code=128 + signum,
+        checkpoint=checkpoint,
+    )
+
+
+def out_of_memory(cfg: RunConfig, err: torch.OutOfMemoryError, when: str) -> OutOfMemory:
+    """OutOfMemory with what matters: batch size, embedding table bytes, free device memory, what to do."""
+    parts = [f"batch {cfg.data.batch_size}"]
+    try:
+        rows = sum(resolve_table_rows(cfg.model, load_metadata(Path(cfg.data.path))))
+        state = 2 if cfg.train.optimizer == "adagrad" else 1  # Adagrad keeps one accumulator per weight
+        table_bytes = rows * cfg.model.embedding_dim * 4 * state
+        size = f"{table_bytes / 2**30:.2f} GiB" if table_bytes >= 2**30 else f"{table_bytes / 2**20:.1f} MiB"
+        parts.append(
+            f"embedding tables {size} ({rows:,} rows x D={cfg.model.embedding_dim}"
+            f"{', with Adagrad state' if state == 2 else ''})"
+        )
+    except (ValueError, OSError):
+        pass
+    if torch.cuda.is_available():
+        try:
+            free, total = torch.cuda.mem_get_info()
+            parts.append(f"{free / 2**30:.2f} of {total / 2**30:.2f} GiB GPU memory free")
+        except RuntimeError:
+            pass
+    # "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of ...": the first two.
+    first = str(err).strip().splitlines()[0] if str(err).strip() else "out of memory"
+    first = ". ".join(first.split(". ")[:2])
+    return OutOfMemory(
+        f"out of memory {when} ({first}): {', '.join(parts)}; lower data.batch_size or model.max_rows, "
+        "use --precision bf16, or spread the tables over more GPUs"
+    )
+
+
+def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None = None) -> dict:
+    """Write metrics.json (strict JSON: null for what is undefined), close the writer; return the metrics.
+    `stopped`: why the run ended early, recorded as "stopped"."""
     run.progress.close()
-    cfg, best, last_eval = run.cfg, state.best, state.last_eval
+    cfg, best, last_eval = run.cfg, state.best or {}, state.last_eval or {}
     metrics = {
         "steps": state.step,
         "samples": state.samples,
         "train_loss": state.train_loss,
-        "eval_auc": best["auc"],
-        "eval_logloss": best["logloss"],
-        "eval_ne": best["ne"],
-        "best_step": best["step"],
+        "eval_auc": best.get("auc"),
+        "eval_logloss": best.get("logloss"),
+        "eval_ne": best.get("ne"),
+        "best_step": best.get("step"),
         "eval_split": run.eval_split,
-        "eval_samples": best["samples"],
-        "last_eval_auc": last_eval["auc"],
+        "eval_samples": best.get("samples"),
+        "last_eval_auc": last_eval.get("auc"),
+        "skipped_batches": state.skipped_batches,
         "samples_per_s": state.timed_samples / state.timed_s if state.timed_s else None,
         "first_step_s": state.first_step_s,
         "evals": state.evals,
@@ -391,14 +728,25 @@ def finish(run: Run, state: RunState, wall_s: float) -> dict:
         "mlp_kernel": cfg.mlp_kernel,
         "sparse_kernel": cfg.sparse_kernel,
         "device": str(run.device),
+        "stopped": None if stopped is None else type(stopped).__name__,
     }
-    (run.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    metrics = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+    write_text_atomically(run.run_dir / "metrics.json", json.dumps(metrics, indent=2, allow_nan=False))
     run.writer.close()
-    logger.info(
-        "done: {} steps, best eval auc {:.4f} at step {}, metrics in {}",
-        state.step,
-        best["auc"],
-        best["step"],
-        run.run_dir / "metrics.json",
-    )
+    if stopped is None:
+        auc = "none" if metrics["eval_auc"] is None else f"{metrics['eval_auc']:.4f}"
+        logger.info(
+            "done: {} steps, best eval auc {} at step {}, metrics in {}",
+            state.step,
+            auc,
+            metrics["best_step"],
+            run.run_dir / "metrics.json",
+        )
     return metrics
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """`text` into `path` via a temporary file renamed into place."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -43,6 +43,7 @@ from dlrm.data.dataset import Batch, columns_of, decode_table, split_files, spli
 from dlrm.data.parse import parse_block
 from dlrm.data.schema import RAW_COLUMNS
 from dlrm.data.text import LineReader, PreprocessError, TextBlock
+from dlrm.errors import cli_errors
 from dlrm.model import DLRM, model_from_checkpoint
 from dlrm.step import resolve_device
 
@@ -222,15 +223,12 @@ def predict(
 def main(checkpoint_path, input_path, output, split, batch_size, block_size, device, quiet):
     """Write the click-through rate of every row of INPUT under a checkpoint to OUTPUT (parquet)."""
     mode = progress.configure("quiet" if quiet else "auto")
-    try:
+    with cli_errors():
         dev = resolve_device(device)
         model = load_model(checkpoint_path, dev)
         logger.info("scoring {} with {} on {}", input_path, checkpoint_path, dev)
         blocks = input_blocks(input_path, split, block_size)
         result = predict(model, blocks, output, batch_size, dev, mode)
-    except (ValueError, FileNotFoundError) as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
     logger.info("{} rows, mean ctr {:.4f}, written to {}", result["rows"], result["mean_ctr"], output)
 
 

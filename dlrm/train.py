@@ -5,6 +5,7 @@ TensorBoard events, a profiler trace `*.pt.trace.json`, checkpoints/last.pt and 
 Watch it with `make tensorboard` (or `.venv/bin/tensorboard --logdir runs`).
 """
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import click
 
 from dlrm import progress
 from dlrm.config import load_config, replace
+from dlrm.errors import RunStopped, cli_errors
 from dlrm.loop import train
 
 
@@ -62,7 +64,11 @@ from dlrm.loop import train
     "--output-dir",
     type=click.Path(path_type=Path),
     default=None,
-    help="Run directory [default: runs/<name>-<timestamp>].",
+    help="Run directory [default: runs/<name>-<timestamp>]. One that already holds a run is refused "
+    "unless --resume or --overwrite.",
+)
+@click.option(
+    "--overwrite", is_flag=True, help="Delete what the run directory holds (an earlier run) before starting."
 )
 @click.option(
     "--resume",
@@ -94,15 +100,20 @@ def main(
     cuda_graphs,
     precision,
     output_dir,
+    overwrite,
     resume,
     max_steps,
     device,
     seed,
     quiet,
 ):
-    """Train a DLRM on preprocessed Criteo data; watch it with `.venv/bin/tensorboard --logdir runs`."""
+    """Train a DLRM on preprocessed Criteo data; watch it with `.venv/bin/tensorboard --logdir runs`.
+
+    Exit status: 0 done, 2 bad input (one line naming the file or key), 3 non-finite loss, 130 / 143
+    stopped by SIGINT / SIGTERM (checkpoints/last.pt written; the line says how to go on).
+    """
     mode = progress.configure("quiet" if quiet else "auto")
-    try:
+    with cli_errors():
         cfg = load_config(config_path)
         overrides = {
             "use_torch_compile": use_torch_compile or cfg.train.use_torch_compile,
@@ -119,10 +130,25 @@ def main(
         ):
             if value is not None:
                 overrides[key] = value
-        train(replace(cfg, "train", **overrides), output_dir, resume, mode)
-    except (ValueError, FileNotFoundError) as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
+        try:
+            train(replace(cfg, "train", **overrides), output_dir, resume, overwrite=overwrite, progress=mode)
+        except RunStopped as err:
+            if err.checkpoint is not None:
+                command = resume_command(click.get_current_context(), err.checkpoint)
+                err.args = (f"{err}; go on with: {command}",)
+            raise
+
+
+def resume_command(ctx: click.Context, checkpoint: Path) -> str:
+    """The command line that goes on from `checkpoint`: this one's options (as parsed), without
+    --output-dir, --overwrite and --resume, plus `--resume checkpoint`."""
+    args = [sys.executable, "-m", "dlrm.train"]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if param.name in ("output_dir", "overwrite", "resume") or value is None or value is False:
+            continue
+        args += [param.opts[0]] if getattr(param, "is_flag", False) else [param.opts[0], str(value)]
+    return shlex.join([*args, "--resume", str(checkpoint)])
 
 
 if __name__ == "__main__":

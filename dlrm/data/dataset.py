@@ -182,8 +182,8 @@ def decode_table(table: pa.Table, columns: list[str], path: Path) -> Batch:
         table: rows read from the parquet file `path` (which only names the file in errors).
         columns: [label, 13 dense, 26 sparse] column names, as returned by `columns_of(path)`.
     Raises:
-        ValueError: `table` lacks some of `columns` (the file changed since `columns_of` read it), or an id
-            does not fit int64.
+        ValueError: `table` lacks some of `columns` (the file changed since `columns_of` read it), an id
+            does not fit int64, or a dense count is NaN or infinite.
     """
     missing = [c for c in columns if c not in table.column_names]
     if missing:
@@ -197,11 +197,16 @@ def decode_table(table: pa.Table, columns: list[str], path: Path) -> Batch:
             raise ValueError(f"{path}: column {name}: {err}") from None
         return pc.fill_null(values, fill).to_numpy()
 
+    def finite(name: str) -> np.ndarray:
+        values = column(name, pa.float32(), 0)
+        if not np.isfinite(values).all():
+            bad = int((~np.isfinite(values)).sum())
+            raise ValueError(f"{path}: column {name}: {bad} NaN or infinite value(s), expected finite counts")
+        return values
+
     label, dense, sparse = columns[0], columns[1 : 1 + NUM_DENSE], columns[1 + NUM_DENSE :]
     return Batch(
-        torch.log1p(
-            torch.from_numpy(np.stack([column(c, pa.float32(), 0) for c in dense], axis=1)).clamp_min_(0)
-        ),
+        torch.log1p(torch.from_numpy(np.stack([finite(c) for c in dense], axis=1)).clamp_min_(0)),
         torch.from_numpy(np.stack([column(c, pa.int64(), MISSING_CATEGORY) for c in sparse], axis=1)),
         # A copy: pyarrow's zero-copy arrays are read-only, and torch tensors are writable.
         torch.from_numpy(column(label, pa.float32(), 0).copy()),

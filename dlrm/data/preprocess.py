@@ -65,6 +65,7 @@ from dlrm.data.parse import OUTPUT_SCHEMA, parse_block
 from dlrm.data.schema import LABEL
 from dlrm.data.stats import DEFAULT_EXACT_DISTINCT_LIMIT, BlockStats, SplitStats, block_stats
 from dlrm.data.text import InputStream, LineCounter, PreprocessError, TextBlock, split_block
+from dlrm.errors import cli_errors
 
 __all__ = [
     "LAYOUTS",
@@ -833,7 +834,7 @@ def main(
 ) -> None:
     """Convert raw Criteo click logs into parquet shards per split and metadata.json."""
     _keep_freed_memory()
-    try:
+    with cli_errors():  # PreprocessError is a ValueError; OSError on --input / --output-dir: PATH: reason
         preprocess(
             list(inputs),
             output_dir,
@@ -847,9 +848,6 @@ def main(
             min_frequency,
             exact_distinct_limit,
         )
-    except PreprocessError as e:
-        click.echo(f"error: {e}", err=True)
-        raise click.exceptions.Exit(2) from None
 
 
 def _keep_freed_memory() -> None:
