@@ -28,11 +28,17 @@ def save_checkpoint(path: Path, **state: Any) -> None:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a checkpoint written by `save_checkpoint` onto the CPU.
+    """Load a checkpoint written by `save_checkpoint` onto the CPU; or a sharded checkpoint directory of a
+    many-rank run, read whole (dlrm.parallel.checkpoint.load_full: its optimizer state comes as
+    "optimizer_by_name", "optimizer" is None).
 
     Raises:
         ValueError: the file is missing or is not a DLRM checkpoint.
     """
+    if path.is_dir():
+        from dlrm.parallel.checkpoint import load_full
+
+        return load_full(path)
     if not path.is_file():
         raise ValueError(f"{path}: checkpoint not found")
     state = torch.load(path, map_location="cpu", weights_only=True)

@@ -24,6 +24,7 @@ from loguru import logger
 from torch.profiler import record_function
 from torch.utils.tensorboard import SummaryWriter
 
+from dlrm import parallel
 from dlrm.checkpoint import load_checkpoint, save_checkpoint
 from dlrm.config import RunConfig
 from dlrm.data.dataset import Batch, BatchLoader, load_metadata, open_split
@@ -32,12 +33,15 @@ from dlrm.data.schema import NUM_SPARSE
 from dlrm.data.streaming import StreamingLoader
 from dlrm.metrics import evaluate
 from dlrm.model import DLRM, build_model
+from dlrm.parallel import checkpoint as sharded_checkpoint
+from dlrm.parallel import run as ranks
+from dlrm.parallel.evaluation import ShardedEvalSplit, evaluate_sharded
+from dlrm.parallel.sharded import build_sharded_model
 from dlrm.profiling import make_profiler
 from dlrm.step import (
     StepFn,
     build_step,
     make_optimizer,
-    resolve_device,
     set_precision,
     use_interpreter_on_cpu,
 )
@@ -63,6 +67,7 @@ class RunState:
     # Training throughput of this process: the first step (compilation) and evaluations excluded.
     timed_s: float = 0.0
     timed_samples: int = 0
+    timed_steps: int = 0
 
     def checkpointed(self) -> dict[str, Any]:
         """The fields a resumed run goes on from."""
@@ -92,7 +97,8 @@ class Run:
     eval_loader: BatchLoader
     eval_split: str
     run_dir: Path
-    writer: SummaryWriter
+    writer: SummaryWriter | ranks.NullWriter
+    dist: parallel.Dist = parallel.SINGLE  # this process's rank; SINGLE without torchrun
 
 
 def train(cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = None) -> dict:
@@ -102,6 +108,9 @@ def train(cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = 
     With `resume` (a checkpoint of a run of the same model config) training goes on from its step: weights,
     optimizer state, best evaluation and the train loader's position are restored, and the run directory
     defaults to the checkpoint's. "samples" then counts this run's samples only.
+
+    Under torchrun (dlrm.parallel) every rank runs this same loop on its part of each global batch; rank 0
+    writes the run directory's files (checkpoints: every rank, sharded).
 
     Raises:
         ValueError: bad data directory, config values the data contradicts, no CUDA for device "cuda", or a
@@ -115,7 +124,8 @@ def train(cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = 
     interval = Interval(torch.zeros((), device=run.device))
     stop = False
     run.model.train()
-    with make_profiler(cfg.profiler, run.run_dir, run.device) as profiler:
+    worker = f"rank{run.dist.rank}" if run.dist.enabled else None  # one trace per rank
+    with make_profiler(cfg.profiler, run.run_dir, run.device, worker) as profiler:
         first_epoch, skip = resume_position(loader, state.step)
         for epoch in range(first_epoch, t.epochs):
             if stop or state.step >= max_steps:
@@ -148,7 +158,9 @@ def set_up(cfg: RunConfig, output_dir: Path | None, resume: Path | None) -> tupl
     """Data, model, optimizer, step, loaders, run directory and TensorBoard writer of a run, and its state
     (restored from `resume` when given). Raises ValueError as `train`."""
     t = cfg.train
-    device = resolve_device(t.device)
+    dist, device = parallel.init_distributed(t.device, cfg.parallel.timeout_s)  # single process: no-op
+    if dist.enabled:
+        ranks.check_world(cfg, dist.world_size)
     use_interpreter_on_cpu(cfg, device)
     set_precision(t.precision)
     torch.manual_seed(t.seed)
@@ -162,26 +174,40 @@ def set_up(cfg: RunConfig, output_dir: Path | None, resume: Path | None) -> tupl
     eval_set = open_split(data_dir, eval_split)
     train_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64) if train_set is None else train_set.sparse
     kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
-    model = build_model(cfg.model, metadata, train_ids, **kernels).to(device)
+    if dist.enabled:  # tables sharded over the ranks, the dense part replicated
+        model, plan = build_sharded_model(cfg, metadata, train_ids, dist.rank, dist.world_size, device)
+    else:
+        model = build_model(cfg.model, metadata, train_ids, **kernels).to(device)
     optimizer = make_optimizer(model, cfg)
     state = RunState()
-    checkpoint = load_resumable(resume, cfg, model, optimizer) if resume is not None else {}
+    checkpoint = load_resumable(resume, cfg, model, optimizer, dist) if resume is not None else {}
     for key, value in checkpoint.items():
         if key in RunState.__dataclass_fields__:
             setattr(state, key, value)
-    step_fn = build_step(model, optimizer, cfg, device)
-    train_loader = make_train_loader(cfg.data, data_dir, t.seed, device, train_set)
+    reduce_grads = parallel.grad_averager(model.dense_parameters(), dist.world_size) if dist.enabled else None
+    step_fn = build_step(model, optimizer, cfg, device, reduce_grads)
+    train_loader = make_train_loader(
+        cfg.data, data_dir, t.seed, device, train_set, dist.rank, dist.world_size
+    )
     if len(train_loader) == 0:
         raise ValueError(
             f"data.batch_size: {cfg.data.batch_size} leaves no batch of {train_loader.num_rows} train rows"
         )
     if checkpoint.get("loader") is not None:
         train_loader.load_state_dict(checkpoint["loader"])
-    eval_loader = BatchLoader(eval_set, cfg.data.eval_batch_size, device=device)
+    if dist.enabled:
+        eval_loader = ShardedEvalSplit(eval_set, cfg.data.eval_batch_size, dist)
+    else:
+        eval_loader = BatchLoader(eval_set, cfg.data.eval_batch_size, device=device)
 
-    run_dir = make_run_dir(cfg, output_dir if output_dir or resume is None else resume.parent.parent)
+    run_dir = make_run_dir(cfg, output_dir if output_dir or resume is None else resume.parent.parent, dist)
     config_json = json.dumps(cfg.to_dict(), indent=2)
-    (run_dir / "config.json").write_text(config_json)
+    if dist.is_main:
+        (run_dir / "config.json").write_text(config_json)
+    if dist.enabled:
+        logger.info("{} ranks; embedding tables:\n{}", dist.world_size, plan.describe())
+        if dist.is_main:
+            (run_dir / "sharding_plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
     logger.info(
         "run {} | backend {} | device {} | train {} rows, {} {} rows | {} params",
         run_dir,
@@ -192,19 +218,30 @@ def set_up(cfg: RunConfig, output_dir: Path | None, resume: Path | None) -> tupl
         eval_set.num_rows,
         sum(p.numel() for p in model.parameters()),
     )
-    writer = SummaryWriter(str(run_dir))
+    writer = SummaryWriter(str(run_dir)) if dist.is_main else ranks.NullWriter()
     writer.add_text("config", "```json\n" + config_json + "\n```")
-    run = Run(cfg, device, model, optimizer, step_fn, train_loader, eval_loader, eval_split, run_dir, writer)
+    run = Run(
+        cfg, device, model, optimizer, step_fn, train_loader, eval_loader, eval_split, run_dir, writer, dist
+    )
     return run, state
 
 
-def load_resumable(path: Path, cfg: RunConfig, model: DLRM, optimizer: torch.optim.Optimizer) -> dict:
+def load_resumable(
+    path: Path,
+    cfg: RunConfig,
+    model: DLRM,
+    optimizer: torch.optim.Optimizer,
+    dist: parallel.Dist = parallel.SINGLE,
+) -> dict:
     """Load checkpoint `path` into `model` and `optimizer`; return it (step, best, loader position, ...).
+    `path` is a .pt file of one process or a sharded checkpoint directory of many (dlrm.parallel.checkpoint),
+    loaded on any number of ranks.
 
     Raises:
         ValueError: the file is not a checkpoint, or was trained with another model config or optimizer.
     """
-    state = load_checkpoint(path)
+    sharded = dist.enabled and path.is_dir()  # read by every rank, each its own rows
+    state = sharded_checkpoint.read_meta(path) if sharded else load_checkpoint(path)
     ours, theirs = cfg.to_dict(), state["config"]
     for section, key in [("model", k) for k in ours["model"]] + [("train", "optimizer"), ("data", "loader")]:
         if theirs[section].get(key) != ours[section][key]:
@@ -212,18 +249,30 @@ def load_resumable(path: Path, cfg: RunConfig, model: DLRM, optimizer: torch.opt
                 f"{path}: trained with {section}.{key} = {theirs[section].get(key)!r}, "
                 f"the config has {ours[section][key]!r}"
             )
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    if model.sparse_arch.kernel == "triton" and state.get("embedding_optimizer_state") is not None:
-        model.sparse_arch.optimizer_state.copy_(state["embedding_optimizer_state"])
+    if sharded:
+        sharded_checkpoint.load_sharded(path, model, optimizer, dist)
+    elif dist.enabled:  # a one-process .pt: each rank takes its rows
+        sharded_checkpoint.load_full_into_sharded(state, model, optimizer)
+    else:
+        model.load_state_dict(state["model"])
+        if state["optimizer"] is None:  # a sharded checkpoint read whole: optimizer state by parameter name
+            sharded_checkpoint.load_optimizer_by_name(
+                model, optimizer, state["optimizer_by_name"], state["step"]
+            )
+        else:
+            optimizer.load_state_dict(state["optimizer"])
+        if model.sparse_arch.kernel == "triton" and state.get("embedding_optimizer_state") is not None:
+            model.sparse_arch.optimizer_state.copy_(state["embedding_optimizer_state"])
     logger.info("resuming from {} at step {}", path, state["step"])
     return state
 
 
-def make_run_dir(cfg: RunConfig, output_dir: Path | None) -> Path:
-    """`output_dir`, or runs/<name>-<timestamp> when None; created."""
+def make_run_dir(cfg: RunConfig, output_dir: Path | None, dist: parallel.Dist = parallel.SINGLE) -> Path:
+    """`output_dir`, or runs/<name>-<timestamp> when None (rank 0's on every rank); created."""
     if output_dir is None:
         output_dir = Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    if dist.enabled:
+        output_dir = ranks.same_path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     return output_dir
 
@@ -247,7 +296,9 @@ def account_step(
     """Count a finished step. The first step of the process pays for compilation (Inductor, Triton JIT):
     it is timed apart and kept out of the interval's throughput."""
     state.step += 1
-    state.samples += batch.label.numel()
+    parallel.note_progress(state.step)
+    samples = batch.label.numel() * run.dist.world_size  # the global batch
+    state.samples += samples
     if state.first_step_s is None:
         if run.device.type == "cuda":
             torch.cuda.synchronize()
@@ -258,7 +309,7 @@ def account_step(
         return
     interval.loss_sum += loss.detach()
     interval.steps += 1
-    interval.samples += batch.label.numel()
+    interval.samples += samples
 
 
 def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> None:
@@ -266,10 +317,12 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
     interval."""
     if not interval.steps:
         return
-    state.train_loss = interval.loss_sum.item() / interval.steps
+    loss_sum = ranks.mean_over_ranks(interval.loss_sum) if run.dist.enabled else interval.loss_sum
+    state.train_loss = loss_sum.item() / interval.steps
     elapsed = time.perf_counter() - interval.start
     state.timed_s += elapsed
     state.timed_samples += interval.samples
+    state.timed_steps += interval.steps
     writer = run.writer
     writer.add_scalar("train/loss", state.train_loss, state.step)
     writer.add_scalar("perf/samples_per_s", interval.samples / elapsed, state.step)
@@ -290,7 +343,10 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     """Evaluate on the eval split, log it, keep the best as checkpoints/best.pt; True when early stopping
     says stop. The evaluation's time is kept out of the interval's throughput."""
     eval_start = time.perf_counter()
-    result = evaluate(run.model, run.eval_loader, run.device)
+    if run.dist.enabled:  # every rank scores its part; all get the metrics of the whole split
+        result = evaluate_sharded(run.model, run.eval_loader, run.device)
+    else:
+        result = evaluate(run.model, run.eval_loader, run.device)
     state.last_eval, state.last_eval_step = result, state.step
     for key in ("auc", "logloss", "ne"):
         run.writer.add_scalar(f"eval/{key}", result[key], state.step)
@@ -315,9 +371,20 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
 
 
 def save_run_checkpoint(run: Run, state: RunState, name: str) -> None:
-    """checkpoints/`name`: weights, optimizer states, config, table layout, run state, loader position."""
+    """checkpoints/`name`: weights, optimizer states, config, table layout, run state, loader position.
+    Many ranks: the sharded directory checkpoints/<name without .pt>/ (dlrm.parallel.checkpoint)."""
     sparse_arch = run.model.sparse_arch
     loader = run.train_loader
+    if run.dist.enabled:
+        meta = {
+            "config": run.cfg.to_dict(),
+            "table_rows": sparse_arch.table_rows,
+            "loader": loader.state_dict() if isinstance(loader, StreamingLoader) else None,
+            **state.checkpointed(),
+        }
+        path = run.run_dir / "checkpoints" / name.removesuffix(".pt")
+        sharded_checkpoint.save_sharded(path, run.model, run.optimizer, run.dist, meta)
+        return
     save_checkpoint(
         run.run_dir / "checkpoints" / name,
         model=run.model.state_dict(),
@@ -332,8 +399,10 @@ def save_run_checkpoint(run: Run, state: RunState, name: str) -> None:
 
 
 def finish(run: Run, state: RunState, wall_s: float) -> dict:
-    """Write metrics.json, close the writer; return the metrics."""
+    """Write metrics.json (rank 0), close the writer; return the metrics (on every rank)."""
     cfg, best, last_eval = run.cfg, state.best, state.last_eval
+    ms_per_step = 1000 * state.timed_s / state.timed_steps if state.timed_steps else None
+    per_rank = ranks.gather_floats(ms_per_step) if run.dist.enabled else [ms_per_step]
     metrics = {
         "steps": state.step,
         "samples": state.samples,
@@ -352,8 +421,13 @@ def finish(run: Run, state: RunState, wall_s: float) -> dict:
         "mlp_kernel": cfg.mlp_kernel,
         "sparse_kernel": cfg.sparse_kernel,
         "device": str(run.device),
+        "world_size": run.dist.world_size,
+        # Each rank's mean ms per training step (first step and evaluations excluded): the spread.
+        "step_ms_min": min(per_rank) if None not in per_rank else None,
+        "step_ms_max": max(per_rank) if None not in per_rank else None,
     }
-    (run.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if run.dist.is_main:
+        (run.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     run.writer.close()
     logger.info(
         "done: {} steps, best eval auc {:.4f} at step {}, metrics in {}",

@@ -23,11 +23,12 @@ class _NoProfiler(contextlib.AbstractContextManager):
         pass
 
 
-def make_profiler(cfg: ProfilerConfig, run_dir: Path, device: torch.device):
+def make_profiler(cfg: ProfilerConfig, run_dir: Path, device: torch.device, worker_name: str | None = None):
     """A context manager with `.step()`, to be called once per training step.
 
     Records steps wait + 1 .. wait + warmup + active (one cycle, then idle). Returns a no-op when
-    `cfg.enabled` is false.
+    `cfg.enabled` is false. `worker_name` starts the trace's file name (default `<host>_<pid>`; "rank<k>"
+    for the ranks of a torchrun job: `rank<k>.<time>.pt.trace.json`).
     """
     if not cfg.enabled:
         return _NoProfiler()
@@ -37,6 +38,6 @@ def make_profiler(cfg: ProfilerConfig, run_dir: Path, device: torch.device):
     return profile(
         activities=activities,
         schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
-        on_trace_ready=tensorboard_trace_handler(str(run_dir)),
+        on_trace_ready=tensorboard_trace_handler(str(run_dir), worker_name=worker_name),
         record_shapes=True,
     )

@@ -79,10 +79,16 @@ def compile_dense_part(model: DLRM, mode: str = "default") -> None:
 
 
 def train_step(
-    model: DLRM, optimizer: torch.optim.Optimizer, batch: Batch, precision: str = "fp32"
+    model: DLRM,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    precision: str = "fp32",
+    reduce_grads: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """One optimization step on `batch`; returns the mean BCE-with-logits loss, a device scalar (no sync).
-    With precision "bf16" the forward runs under bf16 autocast (the loss is computed in fp32)."""
+    With precision "bf16" the forward runs under bf16 autocast (the loss is computed in fp32).
+    `reduce_grads` (many ranks: dlrm.parallel.dense.grad_averager) runs between backward and the
+    optimizer: the dense gradients' all-reduce, inside the step (and inside its CUDA graph)."""
     # A new iteration for Inductor's CUDA graphs (compile_mode "reduce-overhead"), whose outputs of the
     # last step may be overwritten from here on; without them this is a no-op.
     torch.compiler.cudagraph_mark_step_begin()
@@ -96,14 +102,24 @@ def train_step(
     with record_function("backward"):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+    if reduce_grads is not None:
+        with record_function("allreduce"):
+            reduce_grads()
     with record_function("optimizer"):
         optimizer.step()
     return loss
 
 
-def build_step(model: DLRM, optimizer: torch.optim.Optimizer, cfg: RunConfig, device: torch.device) -> StepFn:
-    """The run's training step: `train_step` at the config's precision, on a dense part compiled when
-    `train.use_torch_compile`, replayed as one CUDA graph when `train.cuda_graphs`.
+def build_step(
+    model: DLRM,
+    optimizer: torch.optim.Optimizer,
+    cfg: RunConfig,
+    device: torch.device,
+    reduce_grads: Callable[[], None] | None = None,
+) -> StepFn:
+    """The run's training step: `train_step` at the config's precision (with `reduce_grads`, see
+    train_step), on a dense part compiled when `train.use_torch_compile`, replayed as one CUDA graph when
+    `train.cuda_graphs`.
 
     Raises:
         ValueError: `train.cuda_graphs` on a device other than CUDA.
@@ -111,7 +127,7 @@ def build_step(model: DLRM, optimizer: torch.optim.Optimizer, cfg: RunConfig, de
     t = cfg.train
     if t.use_torch_compile:
         compile_dense_part(model, t.compile_mode)
-    step: StepFn = functools.partial(train_step, precision=t.precision)
+    step: StepFn = functools.partial(train_step, precision=t.precision, reduce_grads=reduce_grads)
     if t.cuda_graphs:
         if device.type != "cuda":
             raise ValueError(f"train.cuda_graphs needs a CUDA device, the run is on {device}")

@@ -3,6 +3,8 @@
 Each run writes into its own directory (default `runs/<name>-<timestamp>/`): config.json (resolved config),
 TensorBoard events, a profiler trace `*.pt.trace.json`, checkpoints/last.pt and best.pt, and metrics.json.
 Watch it with `tensorboard --logdir runs`.
+
+Many GPUs: `torchrun --nproc-per-node N -m dlrm.train --config C [flags]` (dlrm.parallel; README "Many GPUs").
 """
 
 import sys
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from dlrm import parallel
 from dlrm.config import load_config, replace
 from dlrm.loop import train
 
@@ -112,7 +115,13 @@ def main(
         train(replace(cfg, "train", **overrides), output_dir, resume)
     except (ValueError, FileNotFoundError) as err:
         click.echo(f"error: {err}", err=True)
+        parallel.abort_peers(f"error: {err}")  # under torchrun: the other ranks end too, at once
         sys.exit(2)
+    except Exception as err:
+        if parallel.is_distributed():
+            parallel.fail(err)  # one message naming the rank that failed or stopped; never returns
+        raise
+    parallel.shutdown()
 
 
 if __name__ == "__main__":
