@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
+from dlrm.config import from_dict
 from dlrm.parallel.group import Dist
 from dlrm.parallel.planner import ShardingPlan
 
@@ -137,7 +138,9 @@ def read_meta(path: Path) -> dict:
     """
     if not (path / META).is_file() or not (path / ".metadata").is_file():
         raise ValueError(f"{path}: not a sharded DLRM checkpoint (no {META} or .metadata)")
-    return json.loads((path / META).read_text())
+    meta = json.loads((path / META).read_text())
+    meta["config"] = from_dict(meta["config"]).to_dict()  # JSON lists back to the config's tuples
+    return meta
 
 
 def load_sharded(path: Path, model, optimizer: torch.optim.Optimizer, dist_: Dist) -> dict:
@@ -160,11 +163,7 @@ def load_sharded(path: Path, model, optimizer: torch.optim.Optimizer, dist_: Dis
     live = model.state_dict()
     for key, value in state.items():
         name = key.removeprefix("model/")
-        if (
-            key.startswith("model/")
-            and isinstance(value, Tensor)
-            and live[name].data_ptr() != value.data_ptr()
-        ):
+        if key.startswith("model/") and name in live and live[name].data_ptr() != value.data_ptr():
             live[name].copy_(value)
     set_steps(optimizer, meta["step"])
     return meta
