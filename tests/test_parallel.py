@@ -3,6 +3,7 @@
 
 import dataclasses
 import json
+import math
 import os
 import socket
 import subprocess
@@ -13,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from click.testing import CliRunner
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from dlrm import evaluate as evaluate_cli
 from dlrm import parallel
 from dlrm.checkpoint import load_checkpoint
 from dlrm.config import load_config, replace
@@ -260,6 +263,12 @@ def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_pa
     for kernel, optimizer in (("triton", "sgd"), ("triton", "adagrad"), ("torch", "adagrad")):
         jobs2.insert(0, (_sharded_tables_match_one_table_batch, (kernel, optimizer)))
     jobs3.insert(0, (_sharded_tables_match_one_table_batch, ("triton", "adagrad")))
+    # The other loaders and bf16 on 2 ranks, with the profiler on (a trace per rank).
+    streaming = replace(_config(criteo_sample, max_steps=4, precision="bf16"), "data", loader="streaming")
+    streaming = dataclasses.replace(streaming, profiler=dataclasses.replace(streaming.profiler, enabled=True))
+    jobs2.append((train, (streaming, tmp_path / "streaming-bf16-2", None)))
+    resident = replace(_config(criteo_sample, max_steps=2), "data", loader="gpu_resident")
+    jobs2.append((train, (resident, tmp_path / "resident-2", None)))
     _spawn(2, jobs2)
     _spawn(3, jobs3)
     train(_scenario_config(criteo_sample, name, 6), tmp_path / "resumed-1", half_ckpt)
@@ -282,6 +291,23 @@ def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_pa
             plan = json.loads((run / "sharding_plan.json").read_text())
             assert plan["world_size"] == world_size
             _assert_same_weights(_weights(run / "checkpoints" / "last"), expected_weights)
+
+    for run, steps in (("streaming-bf16-2", 4), ("resident-2", 2)):
+        metrics = json.loads((tmp_path / run / "metrics.json").read_text())
+        assert metrics["steps"] == steps and metrics["samples"] == steps * 240, run
+        assert math.isfinite(metrics["train_loss"]) and 0 < metrics["eval_auc"] < 1, run
+    assert sorted(p.name.split(".")[0] for p in (tmp_path / "streaming-bf16-2").glob("*.pt.trace.json")) == [
+        "rank0",
+        "rank1",
+    ]
+    # `python -m dlrm.evaluate` reads a sharded checkpoint in one process: the metrics of the run.
+    run = tmp_path / "sgd_table_wise-2"
+    result = CliRunner().invoke(
+        evaluate_cli.main, ["--checkpoint", str(run / "checkpoints" / "best"), "--data", str(criteo_sample)]
+    )
+    assert result.exit_code == 0, result.output
+    best = json.loads((run / "metrics.json").read_text())
+    assert json.loads(result.output.splitlines()[-1])["auc"] == pytest.approx(best["eval_auc"], abs=1e-6)
 
     reference_6 = _weights(tmp_path / "adagrad_row_wise_vocab-1" / "checkpoints" / "last.pt")
     half_weights = _weights(half_ckpt)
