@@ -368,3 +368,42 @@ def test_a_killed_rank_ends_the_others_with_a_message(criteo_sample, tmp_path):
     assert "Traceback" not in err0
     # Start-up (imports, data) plus at most the heartbeat window and a few seconds.
     assert elapsed < 60
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("precision", "rtol", "atol"), [("fp32", 1e-3, 1e-4), ("bf16", 2e-2, 1e-3)])
+def test_two_gpus_with_cuda_graphs_follow_one_gpu(criteo_sample, tmp_path, precision, rtol, atol):
+    """torchrun on 2 GPUs, `--use-triton --cuda-graphs` (NCCL all_to_all and all_reduce captured in the
+    step's graph): from the same step-2 checkpoint, the loss curve and weights of one GPU. (TF32 is off in
+    fp32; the tolerance covers cuBLAS choosing other kernels for B/2 rows.)"""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    config = tmp_path / "c.json"
+    raw = json.loads(TINY.read_text())
+    raw["data"].update(path=str(criteo_sample), batch_size=256)
+    raw["train"].update(max_steps=2, log_interval=1, use_triton=True, cuda_graphs=True, precision=precision)
+    raw["profiler"]["enabled"] = False
+    config.write_text(json.dumps(raw))
+
+    def dlrm_train(nproc: int, run: str, *args: str) -> None:
+        launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run"]
+        launcher += [] if nproc == 1 else ["--standalone", f"--nproc-per-node={nproc}"]
+        command = [
+            *launcher,
+            "-m",
+            "dlrm.train",
+            "--config",
+            str(config),
+            "--output-dir",
+            str(tmp_path / run),
+        ]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        subprocess.run([*command, *args], cwd=REPO, env=env, check=True, timeout=600)
+
+    dlrm_train(1, "start")
+    start = str(tmp_path / "start" / "checkpoints" / "last.pt")
+    dlrm_train(1, "one", "--resume", start, "--max-steps", "12")
+    dlrm_train(2, "two", "--resume", start, "--max-steps", "12")
+    torch.testing.assert_close(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=rtol, atol=atol)
+    expected = _weights(tmp_path / "one" / "checkpoints" / "last.pt")
+    _assert_same_weights(_weights(tmp_path / "two" / "checkpoints" / "last"), expected, rtol, atol)
