@@ -154,14 +154,16 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list) -> None:
     parallel.shutdown()
 
 
-def _sharded_tables_match_one_table_batch(kernel: str, optimizer: str) -> None:
+def _sharded_tables_match_one_table_batch(kernel: str, optimizer: str, empty_last_rank: bool = False) -> None:
     """On every rank: the sharded tables (some split by rows) look up this rank's part of a global batch
-    as one process's SparseArch does, and after two optimizer steps hold the same rows."""
+    as one process's SparseArch does, and after two optimizer steps hold the same rows. With
+    `empty_last_rank` the last rank holds no table (it still exchanges its samples, both ways)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
     table_rows, dim, b, lr = [5 + 3 * f for f in range(26)], 4, 6, 0.1
     full = SparseArch(dim, table_rows, kernel=kernel)
-    plan = plan_tables(table_rows, dim, optimizer, world, row_wise_bytes=300)
+    plan = plan_tables(table_rows, dim, optimizer, world - empty_last_rank, row_wise_bytes=300)
+    plan = dataclasses.replace(plan, world_size=world)
     assert any(s.rows < table_rows[s.table] for s in plan.shards)  # some tables split by rows
     sharded = ShardedSparseArch(plan, rank, dim, kernel=kernel)
     tables = {k: v for k, v in full.state_dict().items() if k.startswith("embeddings.")}
@@ -263,6 +265,7 @@ def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_pa
     for kernel, optimizer in (("triton", "sgd"), ("triton", "adagrad"), ("torch", "adagrad")):
         jobs2.insert(0, (_sharded_tables_match_one_table_batch, (kernel, optimizer)))
     jobs3.insert(0, (_sharded_tables_match_one_table_batch, ("triton", "adagrad")))
+    jobs3.insert(0, (_sharded_tables_match_one_table_batch, ("torch", "sgd", True)))
     # The other loaders and bf16 on 2 ranks, with the profiler on (a trace per rank).
     streaming = replace(_config(criteo_sample, max_steps=4, precision="bf16"), "data", loader="streaming")
     streaming = dataclasses.replace(streaming, profiler=dataclasses.replace(streaming.profiler, enabled=True))

@@ -166,8 +166,8 @@ class ShardedSparseArch(nn.Module):
             valid = (local >= 0) & (local < self.shard_rows)
             local = torch.where(valid, local, 0)
         d = self.weights.shape[1]
-        if local.shape[1] == 0:  # a rank without shards still takes part in the exchange
-            return self.weights.new_zeros(local.shape[0], 0, d)
+        if local.shape[1] == 0:  # a rank without shards still takes part in the exchange, both ways
+            return self.weights.new_zeros(local.shape[0], 0, d).requires_grad_(torch.is_grad_enabled())
         if self.kernel == "triton":
             from kernels.embedding import embedding_lookup
 
