@@ -321,21 +321,24 @@ def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_pa
 
 
 FAULT_WORKER = """
-import os, sys
+import os, sys, time
 import dlrm.loop
 from dlrm.train import main
 
 account_step = dlrm.loop.account_step
-def dying_account_step(run, state, *args):
+def faulty_account_step(run, state, *args):
     account_step(run, state, *args)
-    if state.step == 3 and run.dist.rank == 1:
-        os.kill(os.getpid(), 9)  # mid-run, between two steps' collectives
-dlrm.loop.account_step = dying_account_step
-main(sys.argv[1:])
+    if state.step == 3 and run.dist.rank == 1:  # mid-run, between two steps' collectives
+        if sys.argv[1] == "kill":
+            os.kill(os.getpid(), 9)
+        time.sleep(3600)
+dlrm.loop.account_step = faulty_account_step
+main(sys.argv[2:])
 """
 
 
-def test_a_killed_rank_ends_the_others_with_a_message(criteo_sample, tmp_path):
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_a_dead_or_hung_rank_ends_every_rank_with_a_message(criteo_sample, tmp_path, fault):
     config = tmp_path / "c.json"
     raw = json.loads(TINY.read_text())
     raw["data"].update(path=str(criteo_sample), batch_size=240)
@@ -355,6 +358,7 @@ def test_a_killed_rank_ends_the_others_with_a_message(criteo_sample, tmp_path):
             sys.executable,
             "-c",
             FAULT_WORKER,
+            fault,
             "--config",
             str(config),
             "--output-dir",
@@ -363,14 +367,17 @@ def test_a_killed_rank_ends_the_others_with_a_message(criteo_sample, tmp_path):
         procs.append(subprocess.Popen(args, env=env, cwd=REPO, stderr=subprocess.PIPE, text=True))
     start = time.monotonic()
     _, err0 = procs[0].communicate(timeout=120)
+    _, err1 = procs[1].communicate(timeout=30)
     elapsed = time.monotonic() - start
-    procs[1].communicate(timeout=30)
-    assert procs[1].returncode == -9
-    assert procs[0].returncode == 1
-    assert "rank 0: ending: rank 1 stopped: no heartbeat" in err0, err0[-3000:]
-    assert "Traceback" not in err0
-    # Start-up (imports, data) plus at most the heartbeat window and a few seconds.
-    assert elapsed < 60
+    assert procs[0].returncode == 1 and "Traceback" not in err0
+    if fault == "kill":
+        assert procs[1].returncode == -9
+        assert "rank 0: ending: rank 1 stopped: no heartbeat" in err0, err0[-3000:]
+    else:  # rank 0's all_to_all times out: rank 1 is alive but not in it
+        assert procs[1].returncode == 1
+        assert "rank 0: ending: rank 1 hung: alive, but not in the collective that failed on rank 0" in err0
+        assert "rank 1: ending: rank 1 hung" in err1
+    assert elapsed < 60  # start-up (imports, data), the timeout, the heartbeat window
 
 
 @pytest.mark.gpu

@@ -13,8 +13,9 @@ Faults. A heartbeat thread per rank (`Watchdog`) writes a counter into the rende
 and reads the others'. A rank whose counter stops for half the timeout (it died, or its process froze) is
 named in one message, "rank k stopped ...", which every rank logs before exiting with status 1; a rank whose
 main thread fails (an exception, a collective that timed out) sets the same abort key with its own message
-(`fail`), so the others exit within about a second. A rank stuck in a collective (NCCL, or inside a CUDA
-graph replay that no timeout sees) is ended by its own heartbeat thread.
+(`fail`), so the others exit within about a second; when a collective timed out while every rank is
+alive, the ranks not waiting in it are named as hung. A rank stuck in a collective (NCCL, or inside a
+CUDA graph replay that no timeout sees) is ended by its own heartbeat thread when the abort key is set.
 """
 
 from __future__ import annotations
@@ -179,6 +180,7 @@ class Watchdog(threading.Thread):
         prefix = f"dlrm-watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.store = dist.PrefixStore(prefix, store)
         self._stop_event = threading.Event()
+        self._aborting = False
         self.step = 0  # the training loop's progress, for messages
 
     def stop(self) -> None:
@@ -194,7 +196,7 @@ class Watchdog(threading.Thread):
             beat += 1
             try:
                 self.store.set(f"beat/{rank}", f"{beat}:{self.step}")
-                if self.store.check(["abort"]):
+                if self.store.check(["abort"]) and not self._aborting:  # (ours: our caller exits)
                     _exit(f"rank {rank}: ending: {self.store.get('abort').decode()}")
                 now = time.monotonic()
                 for r in others:
@@ -203,26 +205,44 @@ class Watchdog(threading.Thread):
                     if value != seen[r][0]:
                         seen[r] = (value, now)
                     elif now - seen[r][1] > self.stale_s:
-                        where = f" (last at step {value.decode().split(':')[1]})" if value else ""
+                        where = f" (last heartbeat at step {value.decode().split(':')[1]})" if value else ""
                         message = (
                             f"rank {r} stopped: no heartbeat for {self.stale_s:.0f} s{where}; it died or hung"
                         )
-                        self.store.set("abort", message)
+                        self.abort(message)
                         _exit(f"rank {rank}: ending: {message}")
             except Exception as err:  # the store is gone: its host (rank 0 or the torchrun agent) died
                 if not self._stop_event.is_set():
+                    reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
                     _exit(
-                        f"rank {rank}: ending: the rendezvous store {self.address} is unreachable ({err}): "
-                        "rank 0 or the torchrun agent died"
+                        f"rank {rank}: ending: the rendezvous store {self.address} is unreachable "
+                        f"({reason}): rank 0 or the torchrun agent died"
                     )
             self._stop_event.wait(HEARTBEAT_S)
 
+    def mark_failed(self) -> None:
+        """Record in the store that this rank's main thread saw a collective fail."""
+        try:
+            self.store.set(f"failed/{self.this.rank}", "1")
+        except Exception:
+            pass
+
+    def not_failed(self) -> list[int]:
+        """The ranks that have not marked a failed collective ([] when the store cannot be read)."""
+        try:
+            return [r for r in range(self.this.world_size) if not self.store.check([f"failed/{r}"])]
+        except Exception:
+            return []
+
     def abort(self, message: str) -> None:
-        """Tell every rank to end with `message` (best effort)."""
+        """Tell every rank to end with `message` (best effort), and give them two heartbeats to read it
+        (this process may host the store: without torchrun's agent, rank 0 does)."""
+        self._aborting = True
         try:
             self.store.set("abort", message)
         except Exception:
-            pass
+            return
+        time.sleep(2 * HEARTBEAT_S)
 
 
 def start_watchdog(this: Dist) -> None:
@@ -247,21 +267,31 @@ def abort_peers(message: str) -> None:
 
 def fail(err: BaseException) -> None:
     """End this rank after an exception in a distributed run: tell the others, and name the cause.
+    Never returns.
 
     A collective that failed because a peer died (gloo: "connection closed") is usually seen before that
-    peer's heartbeat goes stale: wait up to the staleness window for the heartbeat thread to name the rank
-    that stopped (it exits the process itself), else end with this rank's own error. Never returns.
+    peer's heartbeat goes stale: this rank marks itself failed in the store and waits up to the staleness
+    window, in which the heartbeat thread names a rank that stopped (and exits the process). When every
+    rank is alive, the ranks that did not mark themselves failed are alive but outside the collective that
+    timed out: named as hung. Otherwise (this rank's own error) the message is this rank's error.
     """
     this = _watchdog.this if _watchdog is not None else SINGLE
-    first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    communication = _is_communication_error(err)
-    if not communication:  # this rank's own error: its traceback, then the one-line message
-        logger.debug("".join(traceback.format_exception(err)))
-    if _watchdog is not None and communication:
+    first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+    message = f"rank {this.rank} failed: {type(err).__name__}: {first_line}"
+    if _watchdog is not None and _is_communication_error(err):
+        _watchdog.mark_failed()
         deadline = time.monotonic() + _watchdog.stale_s + 2 * HEARTBEAT_S
         while time.monotonic() < deadline:
             time.sleep(0.2)  # the heartbeat thread exits the process if it finds a stopped rank
-    message = f"rank {this.rank} failed: {type(err).__name__}: {first_line}"
+        hung = _watchdog.not_failed()
+        if hung:
+            names = ", ".join(str(r) for r in hung)
+            message = (
+                f"rank {names} hung: alive, but not in the collective that failed on rank {this.rank} "
+                f"({type(err).__name__}: {first_line})"
+            )
+    else:  # this rank's own error: its traceback, then the one-line message
+        logger.debug("".join(traceback.format_exception(err)))
     abort_peers(message)
     _exit(f"rank {this.rank}: ending: {message}")
 

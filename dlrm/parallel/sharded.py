@@ -18,6 +18,7 @@ Forward on each rank, for its b samples' raw ids [b, F] int64:
 Backward reverses 4 (all_to_all of the gradients, scaled by 1/W: each rank's loss is a mean over its b
 samples, so the summed gradient of W ranks is W times the one-process mean over B) and 3 applies the
 optimizer. Every size depends on b and the plan only: the step can be captured as one CUDA graph.
+Profiler ranges (inside "embedding"): all_to_all_ids, lookup, all_to_all_vectors; all_to_all_backward.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from dlrm.model.dlrm import SPARSE_KERNELS, SparseArch
 from dlrm.parallel.planner import ShardingPlan
@@ -45,7 +47,8 @@ class AllToAll(torch.autograd.Function):
         grad = grad.contiguous()
         if ctx.grad_scale != 1.0:
             grad = grad * ctx.grad_scale
-        return exchange(grad, ctx.in_splits, ctx.out_splits), None, None, None
+        with record_function("all_to_all_backward"):
+            return exchange(grad, ctx.in_splits, ctx.out_splits), None, None, None
 
 
 def exchange(x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
@@ -146,15 +149,18 @@ class ShardedSparseArch(nn.Module):
         b, world, n = sparse.shape[0], self.world_size, len(self.local_shards)
         rows = self.hash_ids(sparse)
         send = rows.index_select(1, self.send_tables).t().contiguous()  # [S, b]: per rank q, [n_q, b]
-        ids = exchange(send.view(-1), [n * b] * world, [k * b for k in self.shards_per_rank])
+        with record_function("all_to_all_ids"):
+            ids = exchange(send.view(-1), [n * b] * world, [k * b for k in self.shards_per_rank])
         ids = ids.view(world, n, b).transpose(1, 2).reshape(world * b, n)  # global batch x local shards
-        pooled = self._lookup(ids)  # [W*b, n, D]
+        with record_function("lookup"):
+            pooled = self._lookup(ids)  # [W*b, n, D]
         d = pooled.shape[2]
         # To rank r its samples' vectors, shard-major: [n, b, D].
         out = pooled.view(world, b, n, d).transpose(1, 2).reshape(-1)
-        back = AllToAll.apply(
-            out, [k * b * d for k in self.shards_per_rank], [n * b * d] * world, 1.0 / world
-        )
+        with record_function("all_to_all_vectors"):
+            back = AllToAll.apply(
+                out, [k * b * d for k in self.shards_per_rank], [n * b * d] * world, 1.0 / world
+            )
         back = back.view(-1, b, d).transpose(0, 1)  # [b, S, D]
         return back.new_zeros(b, len(self.table_rows), d).index_add(1, self.send_tables, back)
 
