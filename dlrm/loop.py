@@ -94,7 +94,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     step_fn: StepFn
     train_loader: TrainLoader
-    eval_loader: BatchLoader
+    eval_loader: BatchLoader | ShardedEvalSplit  # many ranks: each scores its part of the split
     eval_split: str
     run_dir: Path
     writer: SummaryWriter | ranks.NullWriter
@@ -158,9 +158,10 @@ def set_up(cfg: RunConfig, output_dir: Path | None, resume: Path | None) -> tupl
     """Data, model, optimizer, step, loaders, run directory and TensorBoard writer of a run, and its state
     (restored from `resume` when given). Raises ValueError as `train`."""
     t = cfg.train
+    _, world_size, _ = parallel.world_from_env()
+    if world_size > 1:  # config / world-size mismatches: one-line errors before the process group
+        ranks.check_world(cfg, world_size)
     dist, device = parallel.init_distributed(t.device, cfg.parallel.timeout_s)  # single process: no-op
-    if dist.enabled:
-        ranks.check_world(cfg, dist.world_size)
     use_interpreter_on_cpu(cfg, device)
     set_precision(t.precision)
     torch.manual_seed(t.seed)

@@ -7,7 +7,6 @@ Watch it with `tensorboard --logdir runs`.
 Many GPUs: `torchrun --nproc-per-node N -m dlrm.train --config C [flags]` (dlrm.parallel; README "Many GPUs").
 """
 
-import sys
 from pathlib import Path
 
 import click
@@ -70,7 +69,8 @@ from dlrm.loop import train
     "--resume",
     type=click.Path(path_type=Path),
     default=None,
-    help="Go on from this checkpoint (e.g. runs/<run>/checkpoints/last.pt), in its run directory.",
+    help="Go on from this checkpoint (e.g. runs/<run>/checkpoints/last.pt, or .../last of a torchrun run, on "
+    "any number of ranks), in its run directory.",
 )
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after N training steps.")
 @click.option(
@@ -114,9 +114,9 @@ def main(
                 overrides[key] = value
         train(replace(cfg, "train", **overrides), output_dir, resume)
     except (ValueError, FileNotFoundError) as err:
-        click.echo(f"error: {err}", err=True)
+        click.echo(f"{parallel.rank_prefix()}error: {err}", err=True)
         parallel.abort_peers(f"error: {err}")  # under torchrun: the other ranks end too, at once
-        sys.exit(2)
+        parallel.exit_now(2)
     except Exception as err:
         if parallel.is_distributed():
             parallel.fail(err)  # one message naming the rank that failed or stopped; never returns

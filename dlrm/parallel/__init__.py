@@ -15,21 +15,27 @@ from dlrm.parallel.group import (
     SINGLE,
     Dist,
     abort_peers,
+    exit_now,
     fail,
     init_distributed,
     is_distributed,
     note_progress,
+    rank_prefix,
     shutdown,
+    world_from_env,
 )
 
 __all__ = [
     "SINGLE",
     "Dist",
     "abort_peers",
+    "exit_now",
     "fail",
     "grad_averager",
     "init_distributed",
     "is_distributed",
     "note_progress",
+    "rank_prefix",
     "shutdown",
+    "world_from_env",
 ]

@@ -145,6 +145,21 @@ def init_distributed(device_name: str, timeout_s: float) -> tuple[Dist, torch.de
     return this, device
 
 
+def exit_now(code: int) -> None:
+    """sys.exit(code) in one process; in a distributed one, end the process at once (os._exit after
+    flushing): interpreter shutdown with the process group's threads alive can abort or hang."""
+    if _watchdog is None:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def rank_prefix() -> str:
+    """ "rank k: " on ranks other than 0 of a distributed run, else "" (for messages every rank prints)."""
+    return f"rank {_watchdog.this.rank}: " if _watchdog is not None and _watchdog.this.rank else ""
+
+
 def is_distributed() -> bool:
     """True in a process of a torchrun job whose process group is up."""
     return _watchdog is not None
