@@ -13,8 +13,9 @@ Forward on each rank, for its b samples' raw ids [b, F] int64:
    backward; kernel "torch": one table-batched weight with a sparse gradient for a torch optimizer).
    A row shard [start, start + rows) looks up row - start where 0 <= row - start < rows and gives zeros
    (and, through the zero gradient, no update) elsewhere: exactly one shard of a table gives a row's vector.
-4. pooled all_to_all back: [W*b, n, D] -> each rank gets [S, b, D] (split sizes n_q * b * D), and sums the
-   shards of each table into embedded [b, F, D] (index_add: one non-zero term per element, so exact).
+4. pooled all_to_all back: [W*b, n, D] as it is (rank r's rows are a contiguous block) -> from each rank
+   q a [b, n_q, D] block (split sizes b * n_q * D), added by one index_add to the (sample, table) rows of
+   embedded [b, F, D] (a table's row shards: one non-zero term per element, so exact).
 Backward reverses 4 (all_to_all of the gradients, scaled by 1/W: each rank's loss is a mean over its b
 samples, so the summed gradient of W ranks is W times the one-process mean over B) and 3 applies the
 optimizer. Every size depends on b and the plan only: the step can be captured as one CUDA graph.
@@ -129,6 +130,7 @@ class ShardedSparseArch(nn.Module):
         self.register_buffer("send_tables", as_tensor(send_tables), persistent=False)
         self.register_buffer("optimizer_state", torch.zeros(0, device=device), persistent=False)
         self.optimizer: tuple[str, float, float] | None = None
+        self._destination_cache: dict[int, Tensor] = {}
 
     def configure_optimizer(self, optimizer: str, lr: float, eps: float = 1e-10) -> None:
         """For kernel "triton": the update its backward applies (see SparseArch.configure_optimizer).
@@ -153,16 +155,28 @@ class ShardedSparseArch(nn.Module):
             ids = exchange(send.view(-1), [n * b] * world, [k * b for k in self.shards_per_rank])
         ids = ids.view(world, n, b).transpose(1, 2).reshape(world * b, n)  # global batch x local shards
         with record_function("lookup"):
-            pooled = self._lookup(ids)  # [W*b, n, D]
+            pooled = self._lookup(ids)  # [W*b, n, D]: rank r's samples are rows r*b .. (r+1)*b - 1
         d = pooled.shape[2]
-        # To rank r its samples' vectors, shard-major: [n, b, D].
-        out = pooled.view(world, b, n, d).transpose(1, 2).reshape(-1)
         with record_function("all_to_all_vectors"):
             back = AllToAll.apply(
-                out, [k * b * d for k in self.shards_per_rank], [n * b * d] * world, 1.0 / world
-            )
-        back = back.view(-1, b, d).transpose(0, 1)  # [b, S, D]
-        return back.new_zeros(b, len(self.table_rows), d).index_add(1, self.send_tables, back)
+                pooled.reshape(-1),
+                [b * k * d for k in self.shards_per_rank],
+                [b * n * d] * world,
+                1.0 / world,
+            )  # from each rank q, [b, n_q, D]
+        # One pass: each received vector added to its (sample, table) row of [b * F, D] (one non-zero term
+        # per element for row shards, so exact); its backward is one gather, the send buffer of backward.
+        embedded = back.new_zeros(b * len(self.table_rows), d)
+        return embedded.index_add(0, self._destinations(b), back.view(-1, d)).view(b, -1, d)
+
+    def _destinations(self, b: int) -> Tensor:
+        """[b * S] int64: the row of [b * F] (sample i, table f -> i * F + f) of each vector received from
+        the ranks, in the order they arrive (rank q's [b, n_q] block after block). Cached per b."""
+        if b not in self._destination_cache:
+            samples = torch.arange(b, device=self.send_tables.device).unsqueeze(1) * len(self.table_rows)
+            blocks = self.send_tables.split(self.shards_per_rank)
+            self._destination_cache[b] = torch.cat([(samples + tables).reshape(-1) for tables in blocks])
+        return self._destination_cache[b]
 
     def _lookup(self, ids: Tensor) -> Tensor:
         """Table rows [N, n] (N = W*b) -> vectors [N, n, D]; zeros where a row lies outside its shard."""
