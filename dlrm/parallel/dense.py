@@ -6,7 +6,7 @@ step's stream order, which a whole-step CUDA graph (`--use-triton --cuda-graphs`
 step (dlrm.step.train_step) calls `reduce_grads()` after backward and before the optimizer: one
 all_reduce (SUM, then / W) of all dense gradients flattened into one buffer, a collective of a fixed size
 that NCCL records into the graph, identical on gloo and in eager. It does not overlap with backward (DDP
-would); the dense part of DLRM is small (MLPerf: 2.2M parameters, ~9 MB of fp32 gradients).
+would); the dense part of DLRM is small (MLPerf: 2.4M parameters, 9.5 MB of fp32 gradients).
 """
 
 from collections.abc import Callable
