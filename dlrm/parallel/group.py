@@ -166,12 +166,16 @@ def is_distributed() -> bool:
 
 
 def shutdown() -> None:
-    """Stop the heartbeat thread and leave the process group (end of a torchrun job)."""
+    """Stop the heartbeat thread and leave the process group (end of a torchrun job). A collective: every
+    rank stops its heartbeats before any passes the barrier, so no rank sees another's stop (or the store
+    of rank 0 going away) as a failure."""
     global _watchdog
     if _watchdog is not None:
         _watchdog.stop()
+        _watchdog.join(timeout=10 * HEARTBEAT_S)
         _watchdog = None
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
