@@ -50,19 +50,28 @@ def fsync_directory(directory: Path) -> None:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a checkpoint written by `save_checkpoint` onto the CPU.
+    """Load a checkpoint written by `save_checkpoint` onto the CPU; or a sharded checkpoint directory of a
+    many-rank run, read whole (dlrm.parallel.checkpoint.load_full: its optimizer state comes as
+    "optimizer_by_name", "optimizer" is None).
 
     Raises:
         ValueError: the file is missing (naming the other checkpoints of its directory, if any), unreadable
             (truncated, empty, a directory, another kind of file), or not a DLRM checkpoint; one line naming
             the file.
     """
+    if path.is_dir() and (path / ".metadata").is_file():
+        from dlrm.parallel.checkpoint import load_full
+
+        return load_full(path)
     if not path.exists():
         others = sorted(p.name for p in path.parent.glob("*.pt")) if path.parent.is_dir() else []
         hint = f" ({path.parent} has {', '.join(others)})" if others else ""
         raise ValueError(f"{path}: checkpoint not found{hint}")
     if path.is_dir():
-        raise ValueError(f"{path}: is a directory, expected a checkpoint file (e.g. checkpoints/last.pt)")
+        raise ValueError(
+            f"{path}: is a directory, expected a checkpoint file (checkpoints/last.pt) or the directory of a "
+            "sharded checkpoint of a torchrun job (checkpoints/last)"
+        )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except PermissionError as err:

@@ -1,8 +1,8 @@
 """Run configuration: frozen dataclasses loaded from JSON with validation.
 
-A config file is one JSON object with the sections `data`, `model`, `train` and `profiler` (each optional,
-each defaulting to the values below) and a top-level `name`. Unknown keys and bad values raise ValueError
-naming the key, e.g. `model.embedding_dim: expected a positive int, got 0`.
+A config file is one JSON object with the sections `data`, `model`, `train`, `profiler` and `parallel`
+(each optional, each defaulting to the values below) and a top-level `name`. Unknown keys and bad values
+raise ValueError naming the key, e.g. `model.embedding_dim: expected a positive int, got 0`.
 """
 
 import dataclasses
@@ -128,12 +128,29 @@ class ProfilerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Many processes (`torchrun`, dlrm.parallel); ignored in a single process.
+
+    `row_wise`: split tables larger than `row_wise_bytes` (bytes of weights + optimizer state; null: the
+    total over the world size, an even share per rank) over several ranks by rows; false places every table
+    whole on one rank (table-wise), which needs no more ranks than tables. `timeout_s`: how long a
+    collective may wait before the process group fails it, and how long a rank may go without a heartbeat
+    before the others end the run (env DLRM_TIMEOUT_S overrides it).
+    """
+
+    row_wise: bool = True
+    row_wise_bytes: int | None = None
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
 class RunConfig:
     name: str = "dlrm"
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -159,7 +176,13 @@ class RunConfig:
         return "triton" if self.train.use_triton else "torch"
 
 
-_SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "profiler": ProfilerConfig}
+_SECTIONS = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "profiler": ProfilerConfig,
+    "parallel": ParallelConfig,
+}
 
 
 def _check_type(key: str, value: Any, annotation: Any) -> Any:
@@ -297,6 +320,15 @@ def validate(cfg: RunConfig) -> RunConfig:
     for key, value in (("profiler.wait", p.wait), ("profiler.warmup", p.warmup)):
         _require(value >= 0, key, "an integer >= 0", value)
     _require(p.active > 0, "profiler.active", "a positive integer", p.active)
+    par = cfg.parallel
+    if par.row_wise_bytes is not None:
+        _require(
+            par.row_wise_bytes > 0,
+            "parallel.row_wise_bytes",
+            "a positive integer or null",
+            par.row_wise_bytes,
+        )
+    _require(par.timeout_s > 0, "parallel.timeout_s", "a positive number (seconds)", par.timeout_s)
     return cfg
 
 

@@ -17,7 +17,7 @@ Anything else is a bug and keeps its traceback. Click's own usage errors (exit 2
 """
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -82,15 +82,20 @@ def one_line(err: BaseException) -> tuple[str, int] | None:
     return None
 
 
+def print_and_exit(message: str, code: int) -> None:
+    """`error: <message>` on stderr, then exit with `code`."""
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
 @contextmanager
-def cli_errors() -> Iterator[None]:
-    """Report what `one_line` knows as `error: <line>` on stderr and exit with its code; re-raise the rest."""
+def cli_errors(report: Callable[[str, int], None] = print_and_exit) -> Iterator[None]:
+    """Hand what `one_line` knows to `report(message, exit code)`, which ends the process (default:
+    `print_and_exit`; dlrm.train's also ends the other ranks of a torchrun job); re-raise the rest."""
     try:
         yield
     except BaseException as err:
         mapped = one_line(err)
         if mapped is None:
             raise
-        message, code = mapped
-        click.echo(f"error: {message}", err=True)
-        sys.exit(code)
+        report(*mapped)

@@ -1,4 +1,5 @@
-"""`python -m dlrm.evaluate`: AUC, logloss and normalized entropy of a checkpoint on a data split, as JSON."""
+"""`python -m dlrm.evaluate`: AUC, logloss and normalized entropy of a checkpoint on a data split, as JSON.
+The checkpoint is a one-process .pt or the sharded directory of a torchrun run, read whole here."""
 
 import json
 from pathlib import Path
@@ -22,7 +23,8 @@ from dlrm.step import resolve_device
     "checkpoint_path",
     type=click.Path(path_type=Path),
     required=True,
-    help="checkpoints/best.pt or last.pt of a run.",
+    help="checkpoints/best.pt or last.pt of a run, or checkpoints/best or last (directories) of a torchrun "
+    "run.",
 )
 @click.option(
     "--data",

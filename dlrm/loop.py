@@ -36,6 +36,7 @@ import torch
 from loguru import logger
 from torch.utils.tensorboard import SummaryWriter
 
+from dlrm import parallel
 from dlrm.checkpoint import load_checkpoint, save_checkpoint
 from dlrm.config import RunConfig
 from dlrm.data.dataset import Batch, BatchLoader, ParquetDataset, load_metadata, open_split
@@ -46,13 +47,16 @@ from dlrm.errors import Interrupted, NonFiniteLoss, OutOfMemory, RunStopped
 from dlrm.metrics import evaluate
 from dlrm.model import DLRM, build_model
 from dlrm.model.tables import resolve_table_rows
+from dlrm.parallel import checkpoint as sharded_checkpoint
+from dlrm.parallel import run as ranks
+from dlrm.parallel.evaluation import ShardedEvalSplit, evaluate_sharded
+from dlrm.parallel.sharded import build_sharded_model
 from dlrm.profiling import data_range, make_profiler
 from dlrm.progress import TrainProgress
 from dlrm.step import (
     StepFn,
     build_step,
     make_optimizer,
-    resolve_device,
     set_precision,
     use_interpreter_on_cpu,
 )
@@ -83,6 +87,7 @@ class RunState:
     # Training throughput of this process: the first step (compilation) and evaluations excluded.
     timed_s: float = 0.0
     timed_samples: int = 0
+    timed_steps: int = 0
     evals: int = 0  # evaluations of this process
     eval_s: float = 0.0  # their time, in all (best.pt's writes not included)
     first_eval_s: float | None = None  # the first's, which pays for the eval shapes' JIT and tuning
@@ -129,12 +134,13 @@ class Run:
     optimizer: torch.optim.Optimizer
     step_fn: StepFn
     train_loader: TrainLoader
-    eval_loader: BatchLoader
+    eval_loader: BatchLoader | ShardedEvalSplit  # many ranks: each scores its part of the split
     eval_split: str
     run_dir: Path
-    writer: SummaryWriter
+    writer: SummaryWriter | ranks.NullWriter
     signals: "StopSignals"
     progress: TrainProgress = field(default_factory=lambda: TrainProgress("log", 0))
+    dist: parallel.Dist = parallel.SINGLE  # this process's rank; SINGLE without torchrun
 
 
 def train(
@@ -152,6 +158,9 @@ def train(
     config's), and the run directory defaults to the checkpoint's. "steps" and "samples" cover the whole run.
     An `output_dir` that already holds a run is refused unless `resume` or `overwrite` (which empties it).
     `progress`: what it shows while it runs, "auto", "bar", "log" or "quiet" (dlrm.progress).
+
+    Under torchrun (dlrm.parallel) every rank runs this same loop on its part of each global batch; rank 0
+    writes the run directory's files (checkpoints: every rank, sharded).
 
     Raises:
         ValueError: bad data directory, config values the data contradicts, no CUDA for device "cuda", a
@@ -185,7 +194,9 @@ def train_steps(run: Run, state: RunState) -> None:
     interval = Interval(torch.empty(t.log_interval, device=run.device))
     stop = False
     run.model.train()
-    with make_profiler(run.cfg.profiler, run.run_dir, run.device, run.writer, state.step) as profiler:
+    worker = f"rank{run.dist.rank}" if run.dist.enabled else None  # one trace per rank
+    profiler = make_profiler(run.cfg.profiler, run.run_dir, run.device, run.writer, state.step, worker)
+    with profiler:
         first_epoch, skip = resume_position(loader, state.step)
         for epoch in range(first_epoch, t.epochs):
             if stop or state.step >= max_steps:
@@ -212,16 +223,24 @@ def train_steps(run: Run, state: RunState) -> None:
 
 def after_step(run: Run, state: RunState, interval: Interval, epoch: int) -> bool:
     """What happens after a step, in this order: the log line, an evaluation, a stop signal (last.pt, then
-    Interrupted), a periodic checkpoint. True when early stopping says stop."""
+    Interrupted), a periodic checkpoint. True when early stopping says stop.
+
+    Many ranks: a signal and a checkpoint by wall time are decided by each rank's clock and handler, so
+    they are acted on at log lines only, where the ranks agree on them (one small all-reduce), since the
+    sharded checkpoint is a collective that every rank must enter at the same step."""
     t = run.cfg.train
-    if state.step % t.log_interval == 0:
+    at_log_line = state.step % t.log_interval == 0
+    if at_log_line:
         log_interval(run, state, interval, epoch)
     stop = False
     if t.eval_interval and state.step % t.eval_interval == 0:
         stop = evaluate_and_select(run, state, interval)
-    if run.signals.received is not None:
+    signalled, timed = run.signals.received is not None, checkpoint_due_by_time(run.cfg, state)
+    if run.dist.enabled:
+        signalled, timed = ranks.any_rank([signalled, timed]) if at_log_line else (False, False)
+    if signalled:
         stop_on_signal(run, state, interval)
-    if checkpoint_due(run.cfg, state):
+    if timed or checkpoint_due_by_steps(run.cfg, state):
         save_last(run, state, interval)
     return stop
 
@@ -238,9 +257,15 @@ def set_up(
     (restored from `resume` when given). The run directory is checked first and written only once all
     else is set up. Raises ValueError as `train`."""
     t = cfg.train
+    _, world_size, _ = parallel.world_from_env()
+    if world_size > 1:  # config / world-size mismatches: one-line errors before the process group
+        ranks.check_world(cfg, world_size)
+    dist, device = parallel.init_distributed(t.device, cfg.parallel.timeout_s)  # single process: no-op
     run_dir = output_dir if output_dir or resume is None else resume.parent.parent
-    run_dir = check_run_dir(cfg, run_dir, resume, overwrite)
-    device = resolve_device(t.device)
+    if dist.is_main:
+        run_dir = check_run_dir(cfg, run_dir, resume, overwrite)
+    if dist.enabled:
+        run_dir = ranks.same_path(run_dir)
     use_interpreter_on_cpu(cfg, device)
     set_precision(t.precision)
     torch.manual_seed(t.seed)
@@ -258,15 +283,21 @@ def set_up(
     train_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64) if train_set is None else train_set.sparse
     kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
     logger.info("building the model ({} backend) on {}", cfg.backend, device)
-    model = build_model(cfg.model, metadata, train_ids, **kernels).to(device)
+    if dist.enabled:  # tables sharded over the ranks, the dense part replicated
+        model, plan = build_sharded_model(cfg, metadata, train_ids, dist.rank, dist.world_size, device)
+    else:
+        model = build_model(cfg.model, metadata, train_ids, **kernels).to(device)
     optimizer = make_optimizer(model, cfg)
     state = RunState()
-    checkpoint = load_resumable(resume, cfg, model, optimizer) if resume is not None else {}
+    checkpoint = load_resumable(resume, cfg, model, optimizer, dist) if resume is not None else {}
     for key, value in checkpoint.items():
         if key in RunState.__dataclass_fields__:
             setattr(state, key, value)
-    step_fn = build_step(model, optimizer, cfg, device)
-    train_loader = make_train_loader(cfg.data, data_dir, t.seed, device, train_set)
+    reduce_grads = parallel.grad_averager(model.dense_parameters(), dist.world_size) if dist.enabled else None
+    step_fn = build_step(model, optimizer, cfg, device, reduce_grads)
+    train_loader = make_train_loader(
+        cfg.data, data_dir, t.seed, device, train_set, dist.rank, dist.world_size
+    )
     if len(train_loader) == 0:
         raise ValueError(
             f"data.batch_size: {cfg.data.batch_size} leaves no batch of {train_loader.num_rows} train rows"
@@ -274,13 +305,21 @@ def set_up(
     check_rows(data_dir, metadata, "train", train_loader.num_rows)
     if checkpoint.get("loader") is not None:
         train_loader.load_state_dict(checkpoint["loader"])
-    eval_loader = make_eval_loader(eval_set, cfg.data.eval_batch_size, device)
+    if dist.enabled:
+        eval_loader = ShardedEvalSplit(eval_set, cfg.data.eval_batch_size, dist)
+    else:
+        eval_loader = make_eval_loader(eval_set, cfg.data.eval_batch_size, device)
 
-    make_run_dir(run_dir, overwrite and resume is None)
+    make_run_dir(run_dir, overwrite and resume is None and dist.is_main)
     if resume is not None and resume.resolve() == (run_dir / "checkpoints" / "last.pt").resolve():
         state.last_checkpoint_step = state.step
     config_json = json.dumps(cfg.to_dict(), indent=2)
-    (run_dir / "config.json").write_text(config_json)
+    if dist.is_main:
+        (run_dir / "config.json").write_text(config_json)
+    if dist.enabled:
+        logger.info("{} ranks; embedding tables:\n{}", dist.world_size, plan.describe())
+        if dist.is_main:
+            (run_dir / "sharding_plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
     logger.info(
         "run {} | backend {} | device {} | train {} rows, {} {} rows | {} params",
         run_dir,
@@ -293,7 +332,8 @@ def set_up(
     )
     # A resumed run's events continue the step axis: TensorBoard drops the earlier events past its step
     # (logged after the checkpoint by the run that was stopped), so no step appears twice.
-    writer = SummaryWriter(str(run_dir), purge_step=state.step + 1 if resume is not None else None)
+    purge_step = state.step + 1 if resume is not None else None
+    writer = SummaryWriter(str(run_dir), purge_step=purge_step) if dist.is_main else ranks.NullWriter()
     writer.add_text("config", "```json\n" + config_json + "\n```")
     run = Run(
         cfg,
@@ -307,6 +347,7 @@ def set_up(
         run_dir,
         writer,
         StopSignals(),
+        dist=dist,
     )
     run.progress = TrainProgress(progress, t.max_steps or t.epochs * len(train_loader), state.step)
     return run, state
@@ -335,13 +376,22 @@ def check_rows(data_dir: Path, metadata: dict, split: str, rows: int) -> None:
         raise ValueError(f"{data_dir}: split {split!r} has no rows")
 
 
-def load_resumable(path: Path, cfg: RunConfig, model: DLRM, optimizer: torch.optim.Optimizer) -> dict:
+def load_resumable(
+    path: Path,
+    cfg: RunConfig,
+    model: DLRM,
+    optimizer: torch.optim.Optimizer,
+    dist: parallel.Dist = parallel.SINGLE,
+) -> dict:
     """Load checkpoint `path` into `model` and `optimizer`; return it (step, best, loader position, ...).
+    `path` is a .pt file of one process or a sharded checkpoint directory of many (dlrm.parallel.checkpoint),
+    loaded on any number of ranks.
 
     Raises:
         ValueError: the file is not a checkpoint, or was trained with another model config or optimizer.
     """
-    state = load_checkpoint(path)
+    sharded = dist.enabled and path.is_dir()  # read by every rank, each its own rows
+    state = sharded_checkpoint.read_meta(path) if sharded else load_checkpoint(path)
     ours, theirs = cfg.to_dict(), state["config"]
     for section, key in [("model", k) for k in ours["model"]] + [("train", "optimizer"), ("data", "loader")]:
         if theirs[section].get(key) != ours[section][key]:
@@ -349,10 +399,22 @@ def load_resumable(path: Path, cfg: RunConfig, model: DLRM, optimizer: torch.opt
                 f"{path}: trained with {section}.{key} = {theirs[section].get(key)!r}, "
                 f"the config has {ours[section][key]!r}"
             )
-    model.load_state_dict(state["model"])
-    # The config's hyperparameters win over the checkpoint's (load_state_dict restores those too).
+    # The config's hyperparameters win over the checkpoint's (the optimizer's state restores those too).
     ours = [{k: group[k] for k in ("lr", "weight_decay")} for group in optimizer.param_groups]
-    optimizer.load_state_dict(state["optimizer"])
+    if sharded:
+        sharded_checkpoint.load_sharded(path, model, optimizer, dist)
+    elif dist.enabled:  # a one-process .pt: each rank takes its rows
+        sharded_checkpoint.load_full_into_sharded(state, model, optimizer)
+    else:
+        model.load_state_dict(state["model"])
+        if state["optimizer"] is None:  # a sharded checkpoint read whole: optimizer state by parameter name
+            sharded_checkpoint.load_optimizer_by_name(
+                model, optimizer, state["optimizer_by_name"], state["step"]
+            )
+        else:
+            optimizer.load_state_dict(state["optimizer"])
+        if model.sparse_arch.kernel == "triton" and state.get("embedding_optimizer_state") is not None:
+            model.sparse_arch.optimizer_state.copy_(state["embedding_optimizer_state"])
     for group, values in zip(optimizer.param_groups, ours, strict=True):
         for key, value in values.items():
             if group[key] != value:
@@ -360,8 +422,6 @@ def load_resumable(path: Path, cfg: RunConfig, model: DLRM, optimizer: torch.opt
                     "resuming with the config's {} {} (the checkpoint had {})", key, value, group[key]
                 )
             group[key] = value
-    if model.sparse_arch.kernel == "triton" and state.get("embedding_optimizer_state") is not None:
-        model.sparse_arch.optimizer_state.copy_(state["embedding_optimizer_state"])
     logger.info("resuming from {} at step {}", path, state["step"])
     return state
 
@@ -432,7 +492,9 @@ def account_step(
     it is timed apart and kept out of the interval's throughput. Other steps' losses go into the
     interval's device buffer (no host sync)."""
     state.step += 1
-    state.samples += batch.label.numel()
+    parallel.note_progress(state.step)
+    samples = batch.label.numel() * run.dist.world_size  # the global batch
+    state.samples += samples
     run.progress.step()
     if state.first_step_s is None:
         if run.device.type == "cuda":
@@ -446,7 +508,7 @@ def account_step(
         return
     interval.losses[interval.steps].copy_(loss.detach())
     interval.steps += 1
-    interval.samples += batch.label.numel()
+    interval.samples += samples
 
 
 def check_finite(run: Run, state: RunState, interval: Interval) -> None:
@@ -501,9 +563,13 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
         first = state.step - interval.steps + 1
         raise nonfinite_stop(run, state, f"steps {first}-{state.step}: every loss was skipped as non-finite")
     state.train_loss = interval.loss_sum / interval.finite
+    if run.dist.enabled:  # the mean of the ranks' means: the global batch's mean loss
+        local = torch.tensor(state.train_loss, device=run.device)
+        state.train_loss = ranks.mean_over_ranks(local).item()
     elapsed = time.perf_counter() - interval.start
     state.timed_s += elapsed
     state.timed_samples += interval.samples
+    state.timed_steps += interval.steps
     writer = run.writer
     writer.add_scalar("train/loss", state.train_loss, state.step)
     writer.add_scalar("perf/samples_per_s", interval.samples / elapsed, state.step)
@@ -528,8 +594,11 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     becomes best."""
     check_finite(run, state, interval)
     eval_start = time.perf_counter()
-    batches = run.progress.eval_batches(run.eval_loader, run.eval_split)
-    result = evaluate(run.model, batches, run.device, run.cfg.train.precision)
+    if run.dist.enabled:  # every rank scores its part; all get the metrics of the whole split
+        result = evaluate_sharded(run.model, run.eval_loader, run.device)
+    else:
+        batches = run.progress.eval_batches(run.eval_loader, run.eval_split)
+        result = evaluate(run.model, batches, run.device, run.cfg.train.precision)
     # The evaluation alone (its result is on the host, so its GPU work is done); best.pt's write is apart.
     eval_time = time.perf_counter() - eval_start
     state.evals += 1
@@ -563,14 +632,16 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     return False
 
 
-def checkpoint_due(cfg: RunConfig, state: RunState) -> bool:
-    """Whether a periodic last.pt is due: every train.checkpoint_interval steps, or train.checkpoint_every_s
-    seconds after the last one."""
-    t = cfg.train
-    if t.checkpoint_interval and state.step % t.checkpoint_interval == 0:
-        return True
-    since = time.monotonic() - state.last_checkpoint_time
-    return t.checkpoint_every_s is not None and since >= t.checkpoint_every_s
+def checkpoint_due_by_steps(cfg: RunConfig, state: RunState) -> bool:
+    """Whether a periodic last.pt is due by train.checkpoint_interval (every N steps)."""
+    interval = cfg.train.checkpoint_interval
+    return bool(interval) and state.step % interval == 0
+
+
+def checkpoint_due_by_time(cfg: RunConfig, state: RunState) -> bool:
+    """Whether train.checkpoint_every_s seconds have passed since the last last.pt."""
+    every = cfg.train.checkpoint_every_s
+    return every is not None and time.monotonic() - state.last_checkpoint_time >= every
 
 
 def save_last(run: Run, state: RunState, interval: Interval) -> None:
@@ -579,7 +650,8 @@ def save_last(run: Run, state: RunState, interval: Interval) -> None:
     as step-<N>.pt (a hard link) when train.keep_last > 0, the oldest beyond keep_last deleted."""
     check_finite(run, state, interval)
     directory = run.run_dir / "checkpoints"
-    last, keep = directory / "last.pt", run.cfg.train.keep_last
+    # Many ranks write a sharded directory, checkpoints/last (keep_last is refused there: check_world).
+    last, keep = directory / ("last" if run.dist.enabled else "last.pt"), run.cfg.train.keep_last
     if state.last_checkpoint_state == state.checkpointed() and last.exists():
         return  # written at this step already (the end of a run, a signal right after a periodic one)
     if not weights_finite(run.model):
@@ -611,9 +683,20 @@ def weights_finite(model: DLRM) -> bool:
 
 
 def save_run_checkpoint(run: Run, state: RunState, name: str) -> None:
-    """checkpoints/`name`: weights, optimizer states, config, table layout, run state, loader position."""
+    """checkpoints/`name`: weights, optimizer states, config, table layout, run state, loader position.
+    Many ranks: the sharded directory checkpoints/<name without .pt>/ (dlrm.parallel.checkpoint)."""
     sparse_arch = run.model.sparse_arch
     loader = run.train_loader
+    if run.dist.enabled:
+        meta = {
+            "config": run.cfg.to_dict(),
+            "table_rows": sparse_arch.table_rows,
+            "loader": loader.state_dict() if isinstance(loader, STATEFUL_LOADERS) else None,
+            **state.checkpointed(),
+        }
+        path = run.run_dir / "checkpoints" / name.removesuffix(".pt")
+        sharded_checkpoint.save_sharded(path, run.model, run.optimizer, run.dist, meta)
+        return
     save_checkpoint(
         run.run_dir / "checkpoints" / name,
         model=run.model.state_dict(),
@@ -705,6 +788,8 @@ def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None 
     `stopped`: why the run ended early, recorded as "stopped"."""
     run.progress.close()
     cfg, best, last_eval = run.cfg, state.best or {}, state.last_eval or {}
+    ms_per_step = 1000 * state.timed_s / state.timed_steps if state.timed_steps else None
+    per_rank = ranks.gather_floats(ms_per_step) if run.dist.enabled else [ms_per_step]
     metrics = {
         "steps": state.step,
         "samples": state.samples,
@@ -728,10 +813,15 @@ def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None 
         "mlp_kernel": cfg.mlp_kernel,
         "sparse_kernel": cfg.sparse_kernel,
         "device": str(run.device),
+        "world_size": run.dist.world_size,
+        # Each rank's mean ms per training step (first step and evaluations excluded): the spread.
+        "step_ms_min": min(per_rank) if None not in per_rank else None,
+        "step_ms_max": max(per_rank) if None not in per_rank else None,
         "stopped": None if stopped is None else type(stopped).__name__,
     }
     metrics = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
-    write_text_atomically(run.run_dir / "metrics.json", json.dumps(metrics, indent=2, allow_nan=False))
+    if run.dist.is_main:
+        write_text_atomically(run.run_dir / "metrics.json", json.dumps(metrics, indent=2, allow_nan=False))
     run.writer.close()
     if stopped is None:
         auc = "none" if metrics["eval_auc"] is None else f"{metrics['eval_auc']:.4f}"

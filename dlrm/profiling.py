@@ -56,13 +56,21 @@ class _NoProfiler(contextlib.AbstractContextManager):
         pass
 
 
-def make_profiler(cfg: ProfilerConfig, run_dir: Path, device: torch.device, writer=None, first_step: int = 0):
+def make_profiler(
+    cfg: ProfilerConfig,
+    run_dir: Path,
+    device: torch.device,
+    writer=None,
+    first_step: int = 0,
+    worker_name: str | None = None,
+):
     """A context manager with `.step()`, to be called once per training step.
 
     Records steps wait + 1 .. wait + warmup + active (one cycle, then idle), counted from `first_step`
     (a resumed run's step). With a SummaryWriter `writer`, the window's per-stage breakdown goes into
-    TensorBoard (`write_stage_breakdown`) at the step where the window ends. Returns a no-op when
-    `cfg.enabled` is false.
+    TensorBoard (`write_stage_breakdown`) at the step where the window ends. `worker_name` starts the
+    trace's file name (default `<host>_<pid>`; "rank<k>" for the ranks of a torchrun job:
+    `rank<k>.<time>.pt.trace.json`). Returns a no-op when `cfg.enabled` is false.
     """
     if not cfg.enabled:
         return _NoProfiler()
@@ -72,26 +80,27 @@ def make_profiler(cfg: ProfilerConfig, run_dir: Path, device: torch.device, writ
     return profile(
         activities=activities,
         schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
-        on_trace_ready=_on_trace_ready(run_dir, writer, first_step),
+        on_trace_ready=_on_trace_ready(run_dir, writer, first_step, worker_name),
         record_shapes=True,
     )
 
 
-def _on_trace_ready(run_dir: Path, writer, first_step: int):
+def _on_trace_ready(run_dir: Path, writer, first_step: int, worker_name: str | None):
     def handler(prof: profile) -> None:
-        export_trace(prof, run_dir)
+        export_trace(prof, run_dir, worker_name)
         if writer is not None:
             write_stage_breakdown(writer, stage_breakdown(prof.events()), first_step + prof.step_num)
 
     return handler
 
 
-def export_trace(prof: profile, run_dir: Path) -> Path:
+def export_trace(prof: profile, run_dir: Path, worker_name: str | None = None) -> Path:
     """Write the trace as `torch.profiler.tensorboard_trace_handler` names it
-    (<host>_<pid>.<ns>.pt.trace.json, which the TensorBoard plugin lists), with the data-loading range
-    marked as the plugin expects."""
+    (<worker>.<ns>.pt.trace.json, worker `<host>_<pid>` by default, which the TensorBoard plugin lists),
+    with the data-loading range marked as the plugin expects."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / f"{socket.gethostname()}_{os.getpid()}.{time.time_ns()}.pt.trace.json"
+    worker = worker_name or f"{socket.gethostname()}_{os.getpid()}"
+    path = run_dir / f"{worker}.{time.time_ns()}.pt.trace.json"
     prof.export_chrome_trace(str(path))
     try:
         trace = json.loads(path.read_text())

@@ -152,10 +152,13 @@ def train_step(
     batch: Batch,
     precision: str = "fp32",
     guard: NonFiniteGuard | None = None,
+    reduce_grads: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """One optimization step on `batch`; returns the mean BCE-with-logits loss, a device scalar (no sync).
     With precision "bf16" the forward runs under bf16 autocast (the loss is computed in fp32). With a
-    `guard`, a non-finite loss leaves the weights unchanged (see NonFiniteGuard)."""
+    `guard`, a non-finite loss leaves the weights unchanged (see NonFiniteGuard). `reduce_grads` (many
+    ranks: dlrm.parallel.dense.grad_averager) runs between backward and the optimizer: the dense
+    gradients' all-reduce, inside the step (and inside its CUDA graph)."""
     # A new iteration for Inductor's CUDA graphs (compile_mode "reduce-overhead"), whose outputs of the
     # last step may be overwritten from here on; without them this is a no-op.
     torch.compiler.cudagraph_mark_step_begin()
@@ -171,6 +174,9 @@ def train_step(
     with record_function("backward"):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+    if reduce_grads is not None:
+        with record_function("allreduce"):
+            reduce_grads()
     with record_function("optimizer"):
         if guard is None:
             optimizer.step()
@@ -179,10 +185,16 @@ def train_step(
     return loss
 
 
-def build_step(model: DLRM, optimizer: torch.optim.Optimizer, cfg: RunConfig, device: torch.device) -> StepFn:
-    """The run's training step: `train_step` at the config's precision, on a dense part compiled when
-    `train.use_torch_compile`, replayed as one CUDA graph when `train.cuda_graphs`, guarded against
-    non-finite losses when `train.on_nonfinite` is "skip_batch".
+def build_step(
+    model: DLRM,
+    optimizer: torch.optim.Optimizer,
+    cfg: RunConfig,
+    device: torch.device,
+    reduce_grads: Callable[[], None] | None = None,
+) -> StepFn:
+    """The run's training step: `train_step` at the config's precision (with `reduce_grads`, see
+    train_step), on a dense part compiled when `train.use_torch_compile`, replayed as one CUDA graph when
+    `train.cuda_graphs`, guarded against non-finite losses when `train.on_nonfinite` is "skip_batch".
 
     Raises:
         ValueError: `train.cuda_graphs` on a device other than CUDA.
@@ -191,7 +203,9 @@ def build_step(model: DLRM, optimizer: torch.optim.Optimizer, cfg: RunConfig, de
     if t.use_torch_compile:
         compile_dense_part(model, t.compile_mode)
     guard = NonFiniteGuard(model, optimizer, device) if t.on_nonfinite == "skip_batch" else None
-    step: StepFn = functools.partial(train_step, precision=t.precision, guard=guard)
+    step: StepFn = functools.partial(
+        train_step, precision=t.precision, guard=guard, reduce_grads=reduce_grads
+    )
     if t.cuda_graphs:
         if device.type != "cuda":
             raise ValueError(f"train.cuda_graphs needs a CUDA device, the run is on {device}")

@@ -3,6 +3,8 @@
 Each run writes into its own directory (default `runs/<name>-<timestamp>/`): config.json (resolved config),
 TensorBoard events, a profiler trace `*.pt.trace.json`, checkpoints/last.pt and best.pt, and metrics.json.
 Watch it with `make tensorboard` (or `.venv/bin/tensorboard --logdir runs`).
+
+Many GPUs: `torchrun --nproc-per-node N -m dlrm.train --config C [flags]` (dlrm.parallel; README "Many GPUs").
 """
 
 import shlex
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from dlrm import progress
+from dlrm import parallel, progress
 from dlrm.config import load_config, replace
 from dlrm.errors import RunStopped, cli_errors
 from dlrm.loop import train
@@ -74,7 +76,8 @@ from dlrm.loop import train
     "--resume",
     type=click.Path(path_type=Path),
     default=None,
-    help="Go on from this checkpoint (e.g. runs/<run>/checkpoints/last.pt), in its run directory.",
+    help="Go on from this checkpoint (e.g. runs/<run>/checkpoints/last.pt, or .../last of a torchrun run, on "
+    "any number of ranks), in its run directory.",
 )
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after N training steps.")
 @click.option(
@@ -113,7 +116,7 @@ def main(
     stopped by SIGINT / SIGTERM (checkpoints/last.pt written; the line says how to go on).
     """
     mode = progress.configure("quiet" if quiet else "auto")
-    with cli_errors():
+    with cli_errors(report):
         cfg = load_config(config_path)
         overrides = {
             "use_torch_compile": use_torch_compile or cfg.train.use_torch_compile,
@@ -137,6 +140,18 @@ def main(
                 command = resume_command(click.get_current_context(), err.checkpoint)
                 err.args = (f"{err}; go on with: {command}",)
             raise
+        except Exception as err:
+            if parallel.is_distributed():
+                parallel.fail(err)  # one message naming the rank that failed or stopped; never returns
+            raise
+    parallel.shutdown()
+
+
+def report(message: str, code: int) -> None:
+    """One `error:` line (naming the rank under torchrun); the other ranks are told to end too; exit."""
+    click.echo(f"{parallel.rank_prefix()}error: {message}", err=True)
+    parallel.abort_peers(f"error: {message}")
+    parallel.exit_now(code)
 
 
 def resume_command(ctx: click.Context, checkpoint: Path) -> str:
