@@ -142,8 +142,8 @@ def test_skip_batch_run_counts_the_skipped_batch_and_goes_on(criteo_sample, tmp_
     skipped, counted in metrics.json, and training goes on."""
     build_step = loop.build_step
 
-    def poisoning_build_step(model, optimizer, cfg, device):
-        step, calls = build_step(model, optimizer, cfg, device), [0]
+    def poisoning_build_step(model, optimizer, cfg, device, reduce_grads=None):
+        step, calls = build_step(model, optimizer, cfg, device, reduce_grads), [0]
 
         def poisoned(model, optimizer, batch):
             calls[0] += 1
@@ -236,8 +236,8 @@ def test_sigint_stops_after_the_step_with_exit_130(criteo_sample, tmp_path, monk
     """Ctrl-C, delivered in-process (this process signals itself during step 3)."""
     build_step = loop.build_step
 
-    def interrupting_build_step(model, optimizer, cfg, device):
-        step, calls = build_step(model, optimizer, cfg, device), [0]
+    def interrupting_build_step(model, optimizer, cfg, device, reduce_grads=None):
+        step, calls = build_step(model, optimizer, cfg, device, reduce_grads), [0]
 
         def interrupted(model, optimizer, batch):
             calls[0] += 1

@@ -285,7 +285,7 @@ def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_pa
             run = tmp_path / f"{name}-{world_size}"
             metrics = json.loads((run / "metrics.json").read_text())
             assert (
-                metrics["world_size"] == world_size and metrics["samples"] == expected["samples"] == 4 * 240
+                metrics["world_size"] == world_size and metrics["samples"] == expected["samples"] == 6 * 240
             )
             assert metrics["step_ms_min"] <= metrics["step_ms_max"]
             torch.testing.assert_close(_losses(run), expected_losses, rtol=RTOL, atol=ATOL, msg=name)
