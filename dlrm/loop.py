@@ -23,12 +23,9 @@ import os
 import resource
 import shutil
 import signal
-import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +40,18 @@ from dlrm.data.dataset import Batch, BatchLoader, ParquetDataset, load_metadata,
 from dlrm.data.loaders import STATEFUL_LOADERS, TrainLoader, make_train_loader
 from dlrm.data.resident import ResidentLoader
 from dlrm.data.schema import NUM_SPARSE
-from dlrm.errors import Interrupted, NonFiniteLoss, OutOfMemory, RunStopped
+from dlrm.errors import Interrupted, NonFiniteLoss, RunStopped
 from dlrm.metrics import evaluate
 from dlrm.model import DLRM, build_model
-from dlrm.model.tables import resolve_table_rows
+from dlrm.out_of_memory import out_of_memory
 from dlrm.parallel import checkpoint as sharded_checkpoint
 from dlrm.parallel import run as ranks
 from dlrm.parallel.evaluation import ShardedEvalSplit, evaluate_sharded
 from dlrm.parallel.sharded import build_sharded_model
 from dlrm.profiling import data_range, make_profiler
 from dlrm.progress import TrainProgress
+from dlrm.run_dir import check_run_dir, make_run_dir, write_text_atomically
+from dlrm.signals import StopSignals
 from dlrm.step import (
     StepFn,
     build_step,
@@ -138,7 +137,7 @@ class Run:
     eval_split: str
     run_dir: Path
     writer: SummaryWriter | ranks.NullWriter
-    signals: "StopSignals"
+    signals: StopSignals
     progress: TrainProgress = field(default_factory=lambda: TrainProgress("log", 0))
     dist: parallel.Dist = parallel.SINGLE  # this process's rank; SINGLE without torchrun
 
@@ -426,52 +425,6 @@ def load_resumable(
     return state
 
 
-RUN_FILES = ("config.json", "metrics.json", "checkpoints")
-
-
-def check_run_dir(cfg: RunConfig, output_dir: Path | None, resume: Path | None, overwrite: bool) -> Path:
-    """The run directory (`output_dir`, or runs/<name>-<timestamp> when None), checked before anything is
-    set up: not a file, not holding a run unless resuming or `overwrite`, and writable (probed with a
-    temporary directory, removed at once). Raises ValueError naming the path and the reason."""
-    if output_dir is None:
-        output_dir = Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ValueError(
-            f"{output_dir}: exists and is not a directory (--output-dir names the run directory)"
-        )
-    holds_run = output_dir.is_dir() and (
-        any((output_dir / name).exists() for name in RUN_FILES)
-        or any(output_dir.glob("events.out.tfevents.*"))
-    )
-    if holds_run and resume is None and not overwrite:
-        raise ValueError(
-            f"{output_dir} holds a run; use --resume {output_dir / 'checkpoints' / 'last.pt'} or --overwrite"
-        )
-    if overwrite and resume is not None and output_dir.resolve() in resume.resolve().parents:
-        raise ValueError(f"--overwrite would delete {resume}, the checkpoint --resume reads")
-    existing = next(p for p in (output_dir, *output_dir.parents) if p.exists())
-    try:
-        probe = Path(tempfile.mkdtemp(prefix=".dlrm-write-probe-", dir=existing))
-        probe.rmdir()
-    except OSError as err:
-        raise ValueError(
-            f"{output_dir}: cannot write the run directory here: {err.strerror or err}"
-        ) from None
-    return output_dir
-
-
-def make_run_dir(run_dir: Path, clear: bool) -> None:
-    """Create `run_dir` (emptied first when `clear`: --overwrite). Raises ValueError naming the path."""
-    try:
-        if clear and run_dir.is_dir():
-            logger.info("--overwrite: deleting what {} holds", run_dir)
-            for entry in run_dir.iterdir():
-                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"{run_dir}: cannot write the run directory: {err.strerror or err}") from None
-
-
 def resume_position(loader: TrainLoader, step: int) -> tuple[int, int]:
     """(epoch, batches of it to skip) where a run at `step` goes on. The streaming loaders know their place
     (their restored state); the others replay the epoch's deterministic order and skip the batches done."""
@@ -710,37 +663,6 @@ def save_run_checkpoint(run: Run, state: RunState, name: str) -> None:
     )
 
 
-class StopSignals:
-    """SIGINT / SIGTERM handlers while a run trains (main thread only): the first signal asks the loop to
-    stop after the current step (`received`: its number); a second one stops at once (KeyboardInterrupt).
-    The previous handlers come back on exit."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-
-    def handle(self, signum: int, frame: object) -> None:
-        if self.received is not None:
-            raise KeyboardInterrupt
-        self.received = signum
-        # Not the logger: it is not re-entrant, and the signal may come while it writes. os.write is.
-        name = signal.Signals(signum).name
-        os.write(
-            2, f"{name} received: stopping after this step, writing last.pt (again: stop at once)\n".encode()
-        )
-
-
 def stop_on_signal(run: Run, state: RunState, interval: Interval) -> None:
     """A stop signal came: write last.pt (a finite state only), flush TensorBoard, raise Interrupted."""
     save_last(run, state, interval)
@@ -751,35 +673,6 @@ def stop_on_signal(run: Run, state: RunState, interval: Interval) -> None:
         f"stopped by {signal.Signals(signum).name} after step {state.step}; {checkpoint} written",
         exit_code=128 + signum,
         checkpoint=checkpoint,
-    )
-
-
-def out_of_memory(cfg: RunConfig, err: torch.OutOfMemoryError, when: str) -> OutOfMemory:
-    """OutOfMemory with what matters: batch size, embedding table bytes, free device memory, what to do."""
-    parts = [f"batch {cfg.data.batch_size}"]
-    try:
-        rows = sum(resolve_table_rows(cfg.model, load_metadata(Path(cfg.data.path))))
-        state = 2 if cfg.train.optimizer == "adagrad" else 1  # Adagrad keeps one accumulator per weight
-        table_bytes = rows * cfg.model.embedding_dim * 4 * state
-        size = f"{table_bytes / 2**30:.2f} GiB" if table_bytes >= 2**30 else f"{table_bytes / 2**20:.1f} MiB"
-        parts.append(
-            f"embedding tables {size} ({rows:,} rows x D={cfg.model.embedding_dim}"
-            f"{', with Adagrad state' if state == 2 else ''})"
-        )
-    except (ValueError, OSError):
-        pass
-    if torch.cuda.is_available():
-        try:
-            free, total = torch.cuda.mem_get_info()
-            parts.append(f"{free / 2**30:.2f} of {total / 2**30:.2f} GiB GPU memory free")
-        except RuntimeError:
-            pass
-    # "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of ...": the first two.
-    first = str(err).strip().splitlines()[0] if str(err).strip() else "out of memory"
-    first = ". ".join(first.split(". ")[:2])
-    return OutOfMemory(
-        f"out of memory {when} ({first}): {', '.join(parts)}; lower data.batch_size or model.max_rows, "
-        "use --precision bf16, or spread the tables over more GPUs"
     )
 
 
@@ -833,10 +726,3 @@ def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None 
             run.run_dir / "metrics.json",
         )
     return metrics
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """`text` into `path` via a temporary file renamed into place."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -28,6 +28,8 @@ from dlrm.config import load_config, replace
 from dlrm.data import preprocess as preprocess_cli
 from dlrm.data import synthetic as synthetic_cli
 from dlrm.errors import OutOfMemory
+from dlrm.out_of_memory import out_of_memory
+from dlrm.signals import StopSignals
 from dlrm.step import NonFiniteGuard, make_optimizer, train_step
 from tests.conftest import REPO
 
@@ -261,7 +263,7 @@ def test_sigint_stops_after_the_step_with_exit_130(criteo_sample, tmp_path, monk
 
 
 def test_a_second_signal_stops_at_once():
-    signals = loop.StopSignals()
+    signals = StopSignals()
     signals.handle(signal.SIGINT, None)
     assert signals.received == signal.SIGINT
     with pytest.raises(KeyboardInterrupt):
@@ -447,7 +449,7 @@ def test_out_of_memory_message_names_free_gpu_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2 * 2**30, 80 * 2**30))
     cfg = load_config(TINY)
-    err = loop.out_of_memory(
+    err = out_of_memory(
         cfg, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB"), "at step 1"
     )
     assert isinstance(err, OutOfMemory) and "2.00 of 80.00 GiB GPU memory free" in str(err)
