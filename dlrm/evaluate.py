@@ -9,6 +9,7 @@ import torch
 
 from dlrm import progress
 from dlrm.checkpoint import load_checkpoint
+from dlrm.cli_options import checkpoint_option, device_option
 from dlrm.config import from_dict
 from dlrm.data.dataset import BatchLoader, open_split
 from dlrm.errors import cli_errors
@@ -18,14 +19,7 @@ from dlrm.step import resolve_device
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option(
-    "--checkpoint",
-    "checkpoint_path",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="checkpoints/best.pt or last.pt of a run, or checkpoints/best or last (directories) of a torchrun "
-    "run.",
-)
+@checkpoint_option
 @click.option(
     "--data",
     "data_dir",
@@ -37,12 +31,7 @@ from dlrm.step import resolve_device
     "--split", default="eval", help="Split to evaluate: eval, or val / test for layouts kaggle, terabyte."
 )
 @click.option("--batch-size", type=click.IntRange(min=1), default=4096, help="Rows per forward pass.")
-@click.option(
-    "--device",
-    type=click.Choice(["auto", "cpu", "cuda"]),
-    default="auto",
-    help="Where the model runs (auto: cuda when available).",
-)
+@device_option
 @click.option(
     "--quiet",
     is_flag=True,

@@ -23,6 +23,7 @@ from loguru import logger
 from torch import nn
 
 from dlrm.checkpoint import load_checkpoint
+from dlrm.cli_options import checkpoint_option
 from dlrm.config import from_dict
 from dlrm.data.schema import DENSE_COLUMNS, NUM_DENSE, NUM_SPARSE, SPARSE_COLUMNS
 from dlrm.errors import cli_errors
@@ -87,13 +88,7 @@ def save_program(program: torch.export.ExportedProgram, path: Path, config: dict
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option(
-    "--checkpoint",
-    "checkpoint_path",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="checkpoints/best.pt or last.pt of a run (any backend).",
-)
+@checkpoint_option
 @click.option(
     "--output",
     type=click.Path(path_type=Path),

@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from dlrm import progress
 from dlrm.checkpoint import load_checkpoint
+from dlrm.cli_options import checkpoint_option, device_option
 from dlrm.config import from_dict
 from dlrm.data.dataset import Batch, columns_of, decode_table, split_files, split_paths
 from dlrm.data.parse import parse_block
@@ -178,13 +179,7 @@ def predict(
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option(
-    "--checkpoint",
-    "checkpoint_path",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="checkpoints/best.pt or last.pt of a run (any backend).",
-)
+@checkpoint_option
 @click.option(
     "--input",
     "input_path",
@@ -211,12 +206,7 @@ def predict(
     default=DEFAULT_BLOCK_SIZE,
     help="Lines (or parquet rows) read at once; memory grows with it, not with the input.",
 )
-@click.option(
-    "--device",
-    type=click.Choice(["auto", "cpu", "cuda"]),
-    default="auto",
-    help="Where the model runs (auto: cuda when available).",
-)
+@device_option
 @click.option(
     "--quiet", is_flag=True, help="No progress bar (shown when stdout is a terminal) and no log lines."
 )
