@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from dlrm import __version__
-from dlrm.data.preprocess import PreprocessError, load_metadata, preprocess
+from dlrm.data.output import load_metadata
+from dlrm.data.preprocess import PreprocessError, preprocess
 from dlrm.data.schema import DENSE_COLUMNS, LABEL, RAW_COLUMNS, SPARSE_COLUMNS
 
 REPO = Path(__file__).parents[1]
