@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
-from dlrm.data.preprocess import load_metadata
+from dlrm.data.output import load_metadata
 from dlrm.data.schema import (
     DENSE_COLUMNS,
     LABEL,

@@ -62,13 +62,8 @@ import pyarrow.csv as pcsv
 from loguru import logger
 from tqdm import tqdm
 
-from dlrm.data.preprocess import (
-    METADATA_FILE,
-    OUTPUT_SCHEMA,
-    SplitWriter,
-    build_metadata,
-    move_into_place,
-)
+from dlrm.data.output import METADATA_FILE, SplitWriter, build_metadata, move_into_place
+from dlrm.data.parse import OUTPUT_SCHEMA
 from dlrm.data.schema import (
     MISSING_CATEGORY,
     NUM_DENSE,
