@@ -15,6 +15,14 @@ from torchmetrics.classification import BinaryAUROC
 from dlrm.data.dataset import Batch
 
 
+def auc_scores(logits: torch.Tensor) -> torch.Tensor:
+    """[n] float64 scores in (0, 1) in the order of `logits` [n], for torchmetrics' AUROC (which applies a
+    sigmoid to scores outside [0, 1]). AUC needs only the ranks, and sigmoid(logit) in fp32 rounds every
+    logit above ~16.6 to 1.0, tying them; 1/2 + atan(x)/pi in float64 stays strictly increasing for every
+    finite fp32 logit the model produces (its slope 1/(pi x^2) is above float64's spacing up to |x| ~ 1e7)."""
+    return 0.5 + torch.atan(logits.double()) / torch.pi
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module, batches: Iterable[Batch], device: torch.device, precision: str = "fp32"
@@ -24,7 +32,7 @@ def evaluate(
     The forward runs as in training: under bf16 autocast for precision "bf16". A last batch smaller than
     the first is padded to the first's size (the padding's logits are dropped), so evaluation runs the
     kernels the first batch compiled and tuned instead of JIT-compiling and autotuning a new shape.
-    The sigmoid is applied here, once, to turn logits into click probabilities for AUC.
+    AUC is computed on `auc_scores(logits)`, which keep the logits' order (see there).
     Raises:
         ValueError: no samples, or only one class in the labels (AUC undefined).
     """
@@ -45,7 +53,7 @@ def evaluate(
             logits = model(dense, sparse)[:rows].float()
         loss_sum += F.binary_cross_entropy_with_logits(logits, batch.label, reduction="sum").double()
         positives += batch.label.sum().double()
-        auroc.update(torch.sigmoid(logits), batch.label.long())
+        auroc.update(auc_scores(logits), batch.label.long())
         samples += rows
     model.train(was_training)
     if samples == 0:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torchmetrics.functional.classification import binary_auroc
 
 from dlrm.data.dataset import ParquetDataset
+from dlrm.metrics import auc_scores
 from dlrm.parallel.group import Dist
 
 
@@ -78,5 +79,5 @@ def evaluate_sharded(
         F.binary_cross_entropy_with_logits(logit.double(), label.double(), reduction="sum").item() / samples
     )
     entropy = -(p * math.log(p) + (1 - p) * math.log(1 - p))
-    auc = binary_auroc(torch.sigmoid(logit), label.long()).item()
+    auc = binary_auroc(auc_scores(logit), label.long()).item()
     return {"auc": auc, "logloss": logloss, "ne": logloss / entropy, "samples": samples}
