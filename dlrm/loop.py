@@ -252,9 +252,9 @@ def set_up(
     progress: str = "auto",
 ) -> tuple[Run, RunState]:
     """Data, model, optimizer, step, loaders, run directory, TensorBoard writer and progress bar of a run,
-    and its state
-    (restored from `resume` when given). The run directory is checked first and written only once all
-    else is set up. Raises ValueError as `train`."""
+    and its state (restored from `resume` when given). Under torchrun: the process group, the sharded
+    tables and rank-aware loaders. The run directory is checked first and written only once all else is
+    set up. Raises ValueError as `train`."""
     t = cfg.train
     _, world_size, _ = parallel.world_from_env()
     if world_size > 1:  # config / world-size mismatches: one-line errors before the process group
