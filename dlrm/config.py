@@ -15,6 +15,8 @@ DEVICES = ("auto", "cpu", "cuda")
 HASHINGS = ("modulus", "vocab")
 LOADERS = ("memory", "gpu_resident", "streaming", "binary")
 INTERACTIONS = ("dot", "cat")
+MLP_BLOCKS = ("linear_act", "ln_linear_gelu", "gated")
+GATES = ("sigmoid_tanh", "geglu", "swiglu")
 OPTIMIZERS = ("sgd", "adagrad")
 PRECISIONS = ("fp32", "tf32", "bf16")
 COMPILE_MODES = ("default", "reduce-overhead")
@@ -58,6 +60,10 @@ class ModelConfig:
     `table_rows`: rows per embedding table (26 ints); null takes each table's train cardinality + 1 from
     metadata.json. Either way rows are capped by `max_rows`. `hashing`: `modulus` maps a raw id x to
     (x + 1) % rows; `vocab` maps train ids exactly and unseen ids to one shared out-of-vocabulary row.
+    `mlp_block`: what each layer of the bottom and top MLPs is (the logit layer stays a plain Linear):
+    "linear_act" (Linear + ReLU), "ln_linear_gelu" (LayerNorm -> Linear -> GELU tanh) or "gated" (one
+    Linear of twice the width, halves combined by `gate`: "sigmoid_tanh", "geglu" or "swiglu"; `gate` is
+    read by "gated" only). See dlrm.model.mlp.
     """
 
     embedding_dim: int = 16
@@ -67,6 +73,8 @@ class ModelConfig:
     hashing: str = "modulus"
     table_rows: tuple[int, ...] | None = None
     max_rows: int = 10_000_000
+    mlp_block: str = "linear_act"
+    gate: str = "sigmoid_tanh"
 
 
 @dataclass(frozen=True)
@@ -227,6 +235,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _require(m.top_mlp[-1] == 1, "model.top_mlp", "a last width of 1 (the logit)", list(m.top_mlp))
     _require(m.interaction in INTERACTIONS, "model.interaction", f"one of {INTERACTIONS}", m.interaction)
     _require(m.hashing in HASHINGS, "model.hashing", f"one of {HASHINGS}", m.hashing)
+    _require(m.mlp_block in MLP_BLOCKS, "model.mlp_block", f"one of {MLP_BLOCKS}", m.mlp_block)
+    _require(m.gate in GATES, "model.gate", f"one of {GATES}", m.gate)
     # Vocabularies are built from every train id in memory, which the streaming loaders never hold.
     _require(
         not (d.loader in ("streaming", "binary") and m.hashing == "vocab"),

@@ -26,11 +26,18 @@ SPARSE_KERNELS = ("torch", "triton")
 
 
 class DenseArch(nn.Module):
-    """Bottom MLP over the dense features, ReLU after every layer: [B, N_dense] f32 -> [B, D]."""
+    """Bottom MLP over the dense features, ReLU after every layer (or every layer a `block`, see
+    dlrm.model.mlp): [B, N_dense] f32 -> [B, D]."""
 
-    def __init__(self, widths: tuple[int, ...], mlp_kernel: str = "torch"):
+    def __init__(
+        self,
+        widths: tuple[int, ...],
+        mlp_kernel: str = "torch",
+        block: str = "linear_act",
+        gate: str = "sigmoid_tanh",
+    ):
         super().__init__()
-        self.mlp = MLP(NUM_DENSE, widths, "relu", "relu", mlp_kernel)
+        self.mlp = MLP(NUM_DENSE, widths, "relu", "relu", mlp_kernel, block, gate)
 
     def forward(self, dense: torch.Tensor) -> torch.Tensor:
         return self.mlp(dense)
@@ -227,11 +234,19 @@ class InteractionArch(nn.Module):
 
 
 class OverArch(nn.Module):
-    """Top MLP, ReLU between layers and none after the last: [B, interaction width] -> logit [B]."""
+    """Top MLP, ReLU between layers (or every layer but the last a `block`, see dlrm.model.mlp) and a plain
+    Linear last (the logit layer): [B, interaction width] -> logit [B]."""
 
-    def __init__(self, in_features: int, widths: tuple[int, ...], mlp_kernel: str = "torch"):
+    def __init__(
+        self,
+        in_features: int,
+        widths: tuple[int, ...],
+        mlp_kernel: str = "torch",
+        block: str = "linear_act",
+        gate: str = "sigmoid_tanh",
+    ):
         super().__init__()
-        self.mlp = MLP(in_features, widths, "relu", "identity", mlp_kernel)
+        self.mlp = MLP(in_features, widths, "relu", "identity", mlp_kernel, block, gate, block_last=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(x).squeeze(1)
@@ -258,10 +273,12 @@ class DLRM(nn.Module):
         sparse_kernel: str = "torch",
     ):
         super().__init__()
-        self.dense_arch = DenseArch(cfg.bottom_mlp, mlp_kernel)
+        self.dense_arch = DenseArch(cfg.bottom_mlp, mlp_kernel, cfg.mlp_block, cfg.gate)
         self.sparse_arch = SparseArch(cfg.embedding_dim, table_rows, cfg.hashing, vocabularies, sparse_kernel)
         self.interaction_arch = InteractionArch(cfg.embedding_dim, cfg.interaction, kernel=sparse_kernel)
-        self.over_arch = OverArch(self.interaction_arch.out_features, cfg.top_mlp, mlp_kernel)
+        self.over_arch = OverArch(
+            self.interaction_arch.out_features, cfg.top_mlp, mlp_kernel, cfg.mlp_block, cfg.gate
+        )
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         with record_function("embedding"):
