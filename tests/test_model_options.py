@@ -1,0 +1,143 @@
+"""Model options (DESIGN.md "Model options"): `model.mlp_block` and `model.gate`; every option's eager
+reference, its Triton kernels and torch.compile train alike, checkpoints record the option, and the shipped
+configs train on the real sample."""
+
+import dataclasses
+import gzip
+import json
+import math
+
+import pytest
+import torch
+
+from dlrm import evaluate as evaluate_cli
+from dlrm import train as train_cli
+from dlrm.config import ModelConfig, load_config, replace
+from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
+from dlrm.model import DLRM, model_from_checkpoint
+from dlrm.model.mlp import GATES, MLP
+from tests.conftest import REPO, SAMPLE_TSV
+from tests.test_train import _losses, _tiny
+
+# (mlp_block, gate) of every option besides the default.
+OPTIONS = [("ln_linear_gelu", "sigmoid_tanh")] + [("gated", gate) for gate in GATES]
+SMALL = ModelConfig(embedding_dim=4, bottom_mlp=(8, 4), top_mlp=(8, 1), max_rows=50)
+
+
+def _opt_id(option):
+    return option[0] if option[0] != "gated" else f"gated-{option[1]}"
+
+
+@pytest.mark.parametrize("option", OPTIONS, ids=_opt_id)
+@pytest.mark.parametrize("block_last", [True, False], ids=["bottom", "top"])
+def test_block_kernels_equal_the_eager_reference(option, block_last):
+    """The same parameters through the eager PyTorch blocks and through our Triton kernels (interpreter on
+    CPU): same outputs and gradients; with block_last False the last layer is a plain Linear."""
+    block, gate = option
+    torch.manual_seed(0)
+    eager = MLP(13, (24, 7, 5), "relu", "identity", "torch", block, gate, block_last)
+    triton = MLP(13, (24, 7, 5), "relu", "identity", "linear_act", block, gate, block_last)
+    triton.load_state_dict(eager.state_dict())
+    wide = 2 if block == "gated" else 1
+    assert eager.layers[0].weight.shape == (24 * wide, 13)
+    assert eager.layers[2].weight.shape == ((5 * wide if block_last else 5), 7)
+    x = torch.randn(37, 13)
+    outs, grads = [], []
+    for mlp in (eager, triton):
+        y = mlp(x)
+        y.backward(torch.ones_like(y))
+        outs.append(y)
+        grads.append({name: p.grad for name, p in mlp.named_parameters()})
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("option", OPTIONS[:2], ids=_opt_id)
+def test_state_dict_and_checkpoint_round_trip(option):
+    block, gate = option
+    cfg = dataclasses.replace(SMALL, mlp_block=block, gate=gate)
+    model = DLRM(cfg, table_rows=[11] * NUM_SPARSE)
+    keys = model.state_dict().keys()
+    if block == "ln_linear_gelu":  # a LayerNorm before every bottom layer and every top layer but the logit
+        assert {"dense_arch.mlp.norms.1.weight", "over_arch.mlp.norms.0.bias"} <= keys
+        assert "over_arch.mlp.norms.1.weight" not in keys
+    else:  # 2N rows for the blocks, a plain logit layer
+        assert model.dense_arch.mlp.layers[1].weight.shape == (8, 8)
+        assert model.over_arch.mlp.layers[1].weight.shape == (1, 8)
+    g = torch.Generator().manual_seed(1)
+    dense, ids = torch.rand(6, NUM_DENSE, generator=g), torch.randint(-1, 100, (6, NUM_SPARSE), generator=g)
+    rebuilt = model_from_checkpoint(cfg, model.sparse_arch.table_rows, model.state_dict())
+    torch.testing.assert_close(rebuilt(dense, ids), model(dense, ids))
+    with pytest.raises(RuntimeError, match="norms|size mismatch"):  # another block does not load silently
+        model_from_checkpoint(SMALL, model.sparse_arch.table_rows, model.state_dict())
+
+
+@pytest.fixture(scope="module")
+def small_sample(tmp_path_factory):
+    """The first 1,200 rows of the shipped sample (960 train / 240 eval): the interpreter runs a program per
+    sample in the interaction kernels, so the Triton runs' evaluations stay short."""
+    from dlrm.data.preprocess import preprocess
+
+    tmp = tmp_path_factory.mktemp("small")
+    with gzip.open(SAMPLE_TSV, "rt") as f:
+        lines = [next(f) for _ in range(1200)]
+    with gzip.open(tmp / "head.tsv.gz", "wt") as f:
+        f.writelines(lines)
+    preprocess([tmp / "head.tsv.gz"], tmp / "sample", eval_fraction=0.2)
+    return tmp / "sample"
+
+
+def _curves(data_dir, tmp_path, model: dict, runs: dict, steps: int = 5, lr: float = 0.02):
+    """Train tiny.json with the `model` overrides, batch 64, for `steps` steps per run (name -> train
+    overrides), profiler off; the logged losses."""
+    curves = {}
+    for name, flags in runs.items():
+        cfg = _tiny(data_dir, log_interval=1, max_steps=steps, lr=lr, **flags)
+        cfg = replace(replace(cfg, "model", **model), "data", batch_size=64)
+        cfg = dataclasses.replace(cfg, profiler=dataclasses.replace(cfg.profiler, enabled=False))
+        train_cli.train(cfg, tmp_path / name)
+        curves[name] = _losses(tmp_path / name)
+    return curves
+
+
+# Compile is slow on CPU: one compiled run per mlp_block.
+BACKEND_RUNS = [(option, option in (OPTIONS[0], OPTIONS[1])) for option in OPTIONS]
+
+
+@pytest.mark.parametrize(("option", "with_compile"), BACKEND_RUNS, ids=[_opt_id(o) for o, _ in BACKEND_RUNS])
+def test_backends_agree_on_every_option(small_sample, tmp_path, option, with_compile):
+    """eager, --use-triton and (once per block) --use-torch-compile give the same train loss within 1e-3
+    on tiny.json with the option (lr 0.02: geglu / swiglu, quadratic in their input, diverge at 0.05)."""
+    runs = {"eager": {}, "triton": {"use_triton": True}}
+    if with_compile:
+        runs["compile"] = {"use_torch_compile": True}
+    curves = _curves(small_sample, tmp_path, {"mlp_block": option[0], "gate": option[1]}, runs)
+    assert len(curves["eager"]) == 4 and all(math.isfinite(v) for v in curves["eager"])
+    for name in runs.keys() - {"eager"}:
+        torch.testing.assert_close(curves[name], curves["eager"], rtol=0, atol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("name", ["main_ln", "main_gated"])
+def test_option_configs_train_on_the_sample(criteo_sample, tmp_path, name):
+    """configs/main_<option>.json is main.json with the option; 20 steps train, the checkpoint records it,
+    and dlrm.evaluate rebuilds the model from it."""
+    cfg = load_config(REPO / "configs" / f"{name}.json")
+    main = load_config(REPO / "configs" / "main.json")
+    assert dataclasses.replace(cfg.model, mlp_block="linear_act", gate="sigmoid_tanh") == main.model
+    assert cfg.model.mlp_block != "linear_act"
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(criteo_sample)))
+    cfg = dataclasses.replace(cfg, profiler=dataclasses.replace(cfg.profiler, enabled=False))
+    metrics = train_cli.train(replace(cfg, "train", max_steps=20, epochs=1), tmp_path / "run")
+    assert math.isfinite(metrics["train_loss"]) and 0.0 < metrics["eval_auc"] < 1.0
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert state["config"]["model"]["mlp_block"] == cfg.model.mlp_block
+    assert state["config"]["model"]["gate"] == cfg.model.gate
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(
+        evaluate_cli.main,
+        ["--checkpoint", str(tmp_path / "run" / "checkpoints" / "last.pt"), "--data", str(criteo_sample)],
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["samples"] == 2000
