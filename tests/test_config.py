@@ -33,6 +33,11 @@ def test_main_config_is_the_fb_dlrm_kaggle_architecture():
         ),
         ({"model": {"top_mlp": [64, 2]}}, "model.top_mlp: expected a last width of 1"),
         ({"model": {"hashing": "md5"}}, "model.hashing: expected one of"),
+        (
+            {"model": {"mlp_block": "ln"}},
+            r"model.mlp_block: expected one of \('linear_act', 'ln_linear_gelu'",
+        ),
+        ({"model": {"gate": "glu"}}, r"model.gate: expected one of \('sigmoid_tanh', 'geglu', 'swiglu'\)"),
         ({"model": {"table_rows": [10, 10]}}, "model.table_rows"),
         ({"train": {"lr": "fast"}}, "train.lr: expected a number"),
         ({"train": {"optimizer": "adam"}}, "train.optimizer"),
@@ -41,7 +46,7 @@ def test_main_config_is_the_fb_dlrm_kaggle_architecture():
         ({"data": []}, "data: expected a JSON object"),
         (
             {"data": {"loader": "disk"}},
-            r"data.loader: expected one of \('memory', 'gpu_resident', 'streaming'\)",
+            r"data.loader: expected one of \('memory', 'gpu_resident', 'streaming', 'binary'\)",
         ),
         ({"data": {"shuffle_buffer": -1}}, r"data.shuffle_buffer: expected an integer >= 0 \(rows\), got -1"),
         ({"data": {"shuffle_buffer": 1.5}}, "data.shuffle_buffer: expected an integer"),
