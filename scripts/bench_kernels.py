@@ -11,6 +11,13 @@ the forward + backward of:
 each two ways (median of CUDA-event timings, triton.testing.do_bench): "launch", called from Python as an
 eager training loop does (host launch overhead included), and "graph", replays of a CUDA graph of the same
 calls (GPU time only, what a graph-captured training step pays).
+
+`--what blocks` times the other MLP blocks (`model.mlp_block`) instead, on the same layers but the logit
+layer (rows in scripts/results/blocks.csv):
+    eager       the block in PyTorch ops: F.layer_norm -> F.linear -> F.gelu(tanh), or
+                F.linear -> gate(z[:, 0::2], z[:, 1::2])
+    compile     torch.compile of that function
+    triton      our fused kernel: kernels.ln_linear_gelu / kernels.gated_linear
 Precisions: tf32 (fp32 tensors, TF32 matmuls allowed for every path) and bf16. Inputs rotate over several
 buffer sets so the L2 cache does not hold them between repeats.
 
@@ -38,6 +45,9 @@ from kernels.bias_act import bias_act
 from kernels.linear_act import linear_act
 
 RESULTS = Path(__file__).parent / "results" / "kernels.csv"
+BLOCK_RESULTS = Path(__file__).parent / "results" / "blocks.csv"
+BLOCKS = ("ln_linear_gelu", "gated:sigmoid_tanh", "gated:geglu", "gated:swiglu")
+BLOCK_PATHS = ("eager", "compile", "triton")
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
 PATHS = ("eager", "compile", "bias_act", "linear_act")
@@ -114,26 +124,34 @@ def bench_layer(path: str, m: int, k: int, n: int, act: str, dtype: torch.dtype)
         dy = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
         sets.append((x, w, b, dy))
     fn, compile_s = _layer_fns(path, act)
-    if compile_s is None:
+    return _time_passes(fn, sets, compile_s is None)
+
+
+def _time_passes(fn, sets: list[tuple], compiled: bool) -> dict[str, float]:
+    """Median ms of `fn(*inputs)` on rotating input `sets` (inputs..., dy): forward and forward+backward,
+    launched from Python and as CUDA-graph replays; compile seconds (the first call) when `compiled`."""
+    compile_s = 0.0
+    if compiled:
         torch.cuda.synchronize()
         start = datetime.now()
-        x, w, b, dy = sets[0]
-        fn(x, w, b).backward(dy)
+        *inputs, dy = sets[0]
+        fn(*inputs).backward(dy)
         with torch.no_grad():
-            fn(x, w, b)
+            fn(*inputs)
         torch.cuda.synchronize()
         compile_s = (datetime.now() - start).total_seconds()
     i = iter(range(10**9))
 
     def fwd():
-        x, w, b, _ = sets[next(i) % ROTATE]
+        *inputs, _ = sets[next(i) % ROTATE]
         with torch.no_grad():
-            fn(x, w, b)
+            fn(*inputs)
 
     def fwd_bwd():
-        x, w, b, dy = sets[next(i) % ROTATE]
-        x.grad = w.grad = b.grad = None
-        fn(x, w, b).backward(dy)
+        *inputs, dy = sets[next(i) % ROTATE]
+        for t in inputs:
+            t.grad = None
+        fn(*inputs).backward(dy)
 
     return {
         "launch fwd": _median_ms(fwd),
@@ -142,6 +160,96 @@ def bench_layer(path: str, m: int, k: int, n: int, act: str, dtype: torch.dtype)
         "graph fwd+bwd": _graph_ms(fwd_bwd),
         "compile_s": compile_s,
     }
+
+
+def _block_fn(path: str, block: str):
+    """fn(x, *params) of one MLP block (`BLOCKS`) on one path (`BLOCK_PATHS`)."""
+    from kernels.gated_linear import gate_ref, gated_linear
+    from kernels.ln_linear_gelu import ln_linear_gelu
+
+    kind, _, gate = block.partition(":")
+    if path == "triton":
+        if kind == "ln_linear_gelu":
+            return ln_linear_gelu
+        return lambda x, w, b: gated_linear(x, w, b, gate)
+
+    if kind == "ln_linear_gelu":
+
+        def eager(x, gamma, beta, w, b):
+            a = F.layer_norm(x, (x.shape[1],), gamma, beta, 1e-5)
+            return F.gelu(F.linear(a, w, b), approximate="tanh")
+    else:
+
+        def eager(x, w, b):
+            z = F.linear(x, w, b)
+            return gate_ref(z[:, 0::2], z[:, 1::2], gate)
+
+    if path == "eager":
+        return eager
+    torch._dynamo.reset()
+    return torch.compile(eager, dynamic=False)
+
+
+def bench_block(path: str, block: str, m: int, k: int, n: int, dtype: torch.dtype) -> dict[str, float]:
+    """Median ms of one block K -> N on one path, as `bench_layer` times a layer."""
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
+    sets = []
+    wide = 2 if block.startswith("gated") else 1
+    for _ in range(ROTATE):
+        x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        w = (torch.randn(wide * n, k, device="cuda", dtype=dtype, generator=g) / k**0.5).requires_grad_()
+        b = torch.randn(wide * n, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        dy = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
+        if wide == 1:
+            gamma = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).to(dtype).requires_grad_()
+            beta = (0.1 * torch.randn(k, device="cuda", generator=g)).to(dtype).requires_grad_()
+            sets.append((x, gamma, beta, w, b, dy))
+        else:
+            sets.append((x, w, b, dy))
+    return _time_passes(_block_fn(path, block), sets, path == "compile")
+
+
+def run_blocks(configs, batches, precisions, blocks, paths, ceilings, common) -> None:
+    """`--what blocks`: every block on every layer of the configs' MLPs but the logit layer; rows to
+    BLOCK_RESULTS, and per (config, precision, batch, block) the sums over the layers with their ratios."""
+    rows = []
+    print(
+        "\nMLP blocks, sum over each config's layers but the logit layer, ms (ratio = eager / path), "
+        + common["device"]
+    )
+    print(f"{'config':<8}{'prec':<6}{'B':>7}  {'block':<20}{'pass':<15}" + "".join(f"{p:>20}" for p in paths))
+    for config in configs:
+        layers = mlp_layers(config)[:-1]  # the logit layer stays a plain Linear
+        for precision in precisions:
+            peak = ceilings[f"gemm_tflops_{precision}"]
+            for m in batches:
+                for block in blocks:
+                    wide = 2 if block.startswith("gated") else 1
+                    totals = {(p, ps): 0.0 for p in paths for ps in PASSES}
+                    for k, n, _ in layers:
+                        times = {p: bench_block(p, block, m, k, n, DTYPES[precision]) for p in paths}
+                        for path, t in times.items():
+                            for ps in PASSES:
+                                totals[(path, ps)] += t[ps]
+                                flops = (6 if ps.endswith("bwd") else 2) * m * wide * n * k
+                                tflops = flops / t[ps] / 1e9
+                                rows.append(dict(
+                                    common, config=config, block=block, layer=f"{k}->{n}", batch=m,
+                                    precision=precision, path=path, **{"pass": ps}, ms=round(t[ps], 5),
+                                    tflops=round(tflops, 2), pct_gemm_peak=round(100 * tflops / peak, 2),
+                                    ratio_vs_eager=round(times[paths[0]][ps] / t[ps], 3),
+                                    compile_s=round(t["compile_s"], 2),
+                                ))  # fmt: skip
+                    for ps in PASSES:
+                        base = totals[(paths[0], ps)]
+                        cells = "".join(
+                            f"{totals[(p, ps)]:>10.4f} ({base / totals[(p, ps)]:>5.2f}x)" for p in paths
+                        )
+                        print(f"{config:<8}{precision:<6}{m:>7}  {block:<20}{ps:<15}{cells}")
+                    if "compile" in paths and "triton" in paths:
+                        ratio = totals[("compile", "graph fwd+bwd")] / totals[("triton", "graph fwd+bwd")]
+                        print(f"{'':<41}triton graph fwd+bwd speed-up over compile: {ratio:.2f}x")
+    append_rows(BLOCK_RESULTS, rows)
 
 
 def bench_bias_act_bandwidth(m: int, n: int, dtype: torch.dtype, copy_gbps: float) -> tuple[float, float]:
@@ -180,9 +288,16 @@ def _print_summary(summary: list, path_list: list[str], gpu: str) -> None:
 @click.option("--batches", default="2048,16384", help="Comma-separated batch sizes B (= M).")
 @click.option("--precisions", default="tf32,bf16", help="Comma-separated: tf32, bf16.")
 @click.option(
-    "--paths", default=",".join(PATHS), help="Comma-separated paths to time; eager first for ratios."
+    "--paths", default=None, help="Comma-separated paths to time; eager first for ratios. [default: all]"
 )
-def main(configs, batches, precisions, paths):
+@click.option(
+    "--what",
+    type=click.Choice(["layers", "blocks"]),
+    default="layers",
+    help="layers: the linear_act paths (kernels.csv); blocks: the model.mlp_block kernels (blocks.csv).",
+)
+@click.option("--blocks", default=",".join(BLOCKS), help="With --what blocks: comma-separated blocks.")
+def main(configs, batches, precisions, paths, what, blocks):
     """Time the MLP layer paths on this GPU and append the rows to scripts/results/kernels.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_kernels.py needs a CUDA GPU")
@@ -192,8 +307,14 @@ def main(configs, batches, precisions, paths):
     gemm = ", ".join(f"GEMM {p} {ceilings[f'gemm_tflops_{p}']:.0f} TFLOP/s" for p in DTYPES)
     print(f"{gpu}: copy {ceilings['copy_gbps']:.0f} GB/s, {gemm}")
     common = provenance(gpu)
+    if what == "blocks":
+        run_blocks(
+            configs.split(","), [int(b) for b in batches.split(",")], precisions.split(","),
+            blocks.split(","), (paths or ",".join(BLOCK_PATHS)).split(","), ceilings, common,
+        )  # fmt: skip
+        return
     rows, summary = [], []
-    path_list = paths.split(",")
+    path_list = (paths or ",".join(PATHS)).split(",")
     for config in configs.split(","):
         for precision in precisions.split(","):
             peak = ceilings[f"gemm_tflops_{precision}"]
