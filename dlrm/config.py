@@ -14,7 +14,7 @@ from typing import Any
 DEVICES = ("auto", "cpu", "cuda")
 HASHINGS = ("modulus", "vocab")
 LOADERS = ("memory", "gpu_resident", "streaming", "binary")
-INTERACTIONS = ("dot", "cat")
+INTERACTIONS = ("dot", "cat", "attention")
 MLP_BLOCKS = ("linear_act", "ln_linear_gelu", "gated")
 GATES = ("sigmoid_tanh", "geglu", "swiglu")
 OPTIMIZERS = ("sgd", "adagrad")
@@ -51,6 +51,16 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class AttentionConfig:
+    """The "attention" interaction (AutoInt): `layers` layers of multi-head self-attention over the F + 1
+    feature vectors, `heads` heads of `dim` features each (dlrm.model.dlrm.InteractionArch)."""
+
+    heads: int = 2
+    layers: int = 2
+    dim: int = 16
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """DLRM architecture (FB-DLRM Kaggle defaults).
 
@@ -64,6 +74,9 @@ class ModelConfig:
     "linear_act" (Linear + ReLU), "ln_linear_gelu" (LayerNorm -> Linear -> GELU tanh) or "gated" (one
     Linear of twice the width, halves combined by `gate`: "sigmoid_tanh", "geglu" or "swiglu"; `gate` is
     read by "gated" only). See dlrm.model.mlp.
+    `interaction`: "dot" (FB-DLRM's pairwise dot products), "cat" (concatenation) or "attention"
+    (AutoInt-style self-attention over the feature vectors, shaped by `attention`: {heads, layers, dim};
+    missing categorical values are masked out as keys). See dlrm.model.dlrm.InteractionArch.
     """
 
     embedding_dim: int = 16
@@ -75,6 +88,7 @@ class ModelConfig:
     max_rows: int = 10_000_000
     mlp_block: str = "linear_act"
     gate: str = "sigmoid_tanh"
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
 
 
 @dataclass(frozen=True)
@@ -183,6 +197,8 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
         ):
             raise ValueError(f"{key}: expected a list of integers, got {value!r}")
         return tuple(value)
+    if dataclasses.is_dataclass(annotation):  # a nested section, e.g. model.attention
+        return _build(annotation, value, f"{key}.")
     if annotation in (int | None, float | None, tuple[int, ...] | None):
         if value is None:
             return None
@@ -237,6 +253,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _require(m.hashing in HASHINGS, "model.hashing", f"one of {HASHINGS}", m.hashing)
     _require(m.mlp_block in MLP_BLOCKS, "model.mlp_block", f"one of {MLP_BLOCKS}", m.mlp_block)
     _require(m.gate in GATES, "model.gate", f"one of {GATES}", m.gate)
+    a = m.attention
+    _require(a.heads > 0, "model.attention.heads", "a positive integer", a.heads)
+    _require(a.layers > 0, "model.attention.layers", "a positive integer", a.layers)
+    _require(0 < a.dim <= 256, "model.attention.dim", "an integer in 1..256 (features per head)", a.dim)
     # Vocabularies are built from every train id in memory, which the streaming loaders never hold.
     _require(
         not (d.loader in ("streaming", "binary") and m.hashing == "vocab"),

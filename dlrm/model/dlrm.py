@@ -9,7 +9,8 @@ Glossary letters, used across the project:
     M, N, K  GEMM sizes: [M, K] @ [K, N]
 
 Forward: dense[B, N_dense] -> DenseArch -> [B, D]; sparse[B, F] raw ids -> hashing -> SparseArch -> [B, F, D];
-InteractionArch -> [B, D + F(F+1)/2] ("dot") or [B, (F+1) D] ("cat"); OverArch -> logit[B].
+InteractionArch -> [B, D + F(F+1)/2] ("dot"), [B, (F+1) D] ("cat") or [B, (F+1) heads dim] ("attention");
+OverArch -> logit[B].
 The model returns logits; the sigmoid is applied once, in evaluation/prediction.
 """
 
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from dlrm.config import ModelConfig
+from dlrm.config import AttentionConfig, ModelConfig
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model.mlp import MLP
 
@@ -194,7 +195,18 @@ class InteractionArch(nn.Module):
     take Z = T @ T^T and keep the strict lower triangle Z[:, i, j], i > j, in row-major order
     (F(F+1)/2 = 351 products for F = 26); output [dense | products], [B, D + 351] (367 for D = 16).
     "cat": [dense | embeddings flattened], [B, (F + 1) D].
-    `kernel` "triton" runs "dot" as our one-kernel interaction (`kernels.interaction`), forward and backward.
+    "attention" (AutoInt, Song et al. 2019): `attention.layers` layers of multi-head self-attention over
+    the F + 1 vectors T (`attention.heads` heads of `attention.dim` features each, E = heads * dim), each
+        Q, K, V = T W_q, T W_k, T W_v   (one bias-free projection [E_in -> 3E], W_qkv)
+        O = softmax(Q K^T / sqrt(dim) over the valid keys) V   per head, heads concatenated
+        T' = relu(O + T W_res)   (W_res bias-free, only where E_in != E; else T itself, the residual)
+    output T' flattened, [B, (F + 1) E]. A missing categorical value (raw id -1) is masked out as a key:
+    no vector attends to the embedding row that missing ids hash to (its query still attends to the valid
+    keys, and its output still goes to the top MLP); the dense vector is always valid, so every softmax has
+    a key. The mask needs the raw ids (`forward`'s `sparse`); without them every key is valid.
+    `kernel` "triton" runs "dot" as our one-kernel interaction (`kernels.interaction`) and "attention"'s
+    softmax(QK^T)V as our fused attention kernel (`kernels.attention`), forward and backward; "torch" runs
+    F.scaled_dot_product_attention with the boolean key mask.
     """
 
     def __init__(
@@ -203,13 +215,14 @@ class InteractionArch(nn.Module):
         interaction: str = "dot",
         num_sparse: int = NUM_SPARSE,
         kernel: str = "torch",
+        attention: AttentionConfig | None = None,
     ):
         super().__init__()
         if kernel not in SPARSE_KERNELS:
             raise ValueError(f"unknown interaction kernel {kernel!r}: expected one of {SPARSE_KERNELS}")
         self.kernel = kernel
-        if interaction not in ("dot", "cat"):
-            raise ValueError(f"unknown interaction {interaction!r}: expected 'dot' or 'cat'")
+        if interaction not in ("dot", "cat", "attention"):
+            raise ValueError(f"unknown interaction {interaction!r}: expected 'dot', 'cat' or 'attention'")
         self.interaction = interaction
         n = num_sparse + 1
         li, lj = torch.tril_indices(n, n, offset=-1)
@@ -217,12 +230,28 @@ class InteractionArch(nn.Module):
         self.register_buffer("lj", lj, persistent=False)
         if interaction == "dot":
             self.out_features = embedding_dim + n * (n - 1) // 2
-        else:
+        elif interaction == "cat":
             self.out_features = n * embedding_dim
+        else:
+            attention = attention or AttentionConfig()
+            self.heads, self.head_dim = attention.heads, attention.dim
+            width = attention.heads * attention.dim
+            widths = [embedding_dim] + [width] * attention.layers
+            self.qkv = nn.ModuleList(nn.Linear(e, 3 * width, bias=False) for e in widths[:-1])
+            self.residual = nn.ModuleList(
+                nn.Linear(e, width, bias=False) if e != width else nn.Identity() for e in widths[:-1]
+            )
+            self.out_features = n * width
 
-    def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, dense: torch.Tensor, embedded: torch.Tensor, sparse: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """dense [B, D], embedded [B, F, D], sparse [B, F] raw ids (read by "attention" only, for its key
+        mask) -> [B, out_features]."""
         if self.interaction == "cat":
             return torch.cat([dense, embedded.flatten(1)], dim=1)
+        if self.interaction == "attention":
+            return self._attention(dense, embedded, sparse)
         if self.kernel == "triton":
             from kernels.interaction import dot_interaction
 
@@ -231,6 +260,26 @@ class InteractionArch(nn.Module):
         t = torch.cat([dense.unsqueeze(1), embedded], dim=1)
         z = torch.bmm(t, t.transpose(1, 2))
         return torch.cat([dense, z[:, self.li, self.lj]], dim=1)
+
+    def _attention(
+        self, dense: torch.Tensor, embedded: torch.Tensor, sparse: torch.Tensor | None
+    ) -> torch.Tensor:
+        t = torch.cat([dense.unsqueeze(1), embedded.to(dense.dtype)], dim=1)  # [B, S = F + 1, D]
+        b, s, _ = t.shape
+        valid = torch.ones(b, s, dtype=torch.bool, device=t.device)
+        if sparse is not None:
+            valid = torch.cat([valid[:, :1], sparse != -1], dim=1)  # raw id -1: a missing value
+        h, d = self.heads, self.head_dim
+        for qkv, residual in zip(self.qkv, self.residual, strict=True):
+            q, k, v = (u.transpose(1, 2) for u in qkv(t).view(b, s, 3, h, d).unbind(2))  # [B, H, S, d] views
+            if self.kernel == "triton":
+                from kernels.attention import masked_attention
+
+                o = masked_attention(q, k, v, valid)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
+            t = torch.relu(o.transpose(1, 2).reshape(b, s, h * d) + residual(t))
+        return t.flatten(1)
 
 
 class OverArch(nn.Module):
@@ -275,7 +324,9 @@ class DLRM(nn.Module):
         super().__init__()
         self.dense_arch = DenseArch(cfg.bottom_mlp, mlp_kernel, cfg.mlp_block, cfg.gate)
         self.sparse_arch = SparseArch(cfg.embedding_dim, table_rows, cfg.hashing, vocabularies, sparse_kernel)
-        self.interaction_arch = InteractionArch(cfg.embedding_dim, cfg.interaction, kernel=sparse_kernel)
+        self.interaction_arch = InteractionArch(
+            cfg.embedding_dim, cfg.interaction, kernel=sparse_kernel, attention=cfg.attention
+        )
         self.over_arch = OverArch(
             self.interaction_arch.out_features, cfg.top_mlp, mlp_kernel, cfg.mlp_block, cfg.gate
         )
@@ -286,13 +337,18 @@ class DLRM(nn.Module):
         with record_function("bottom_mlp"):
             dense_out = self.dense_arch(dense)
         with record_function("interaction"):
-            features = self.interaction_arch(dense_out, embedded)
+            features = self.interaction_arch(dense_out, embedded, sparse)
         with record_function("top_mlp"):
             return self.over_arch(features)
 
     def dense_parameters(self) -> list[nn.Parameter]:
-        """Parameters of the MLPs (dense gradients)."""
-        return [*self.dense_arch.parameters(), *self.over_arch.parameters()]
+        """Parameters of the MLPs and of the interaction (the attention interaction's projections): dense
+        gradients."""
+        return [
+            *self.dense_arch.parameters(),
+            *self.interaction_arch.parameters(),
+            *self.over_arch.parameters(),
+        ]
 
     def embedding_parameters(self) -> list[nn.Parameter]:
         """Embedding tables for a torch optimizer (sparse gradients); none for the "triton" sparse kernel,
