@@ -1,6 +1,6 @@
-"""Model options (DESIGN.md "Model options"): `model.mlp_block` and `model.gate`; every option's eager
-reference, its Triton kernels and torch.compile train alike, checkpoints record the option, and the shipped
-configs train on the real sample."""
+"""Model options (DESIGN.md "Model options"): `model.mlp_block`, `model.gate` and `model.interaction`
+"attention"; every option's eager reference, its Triton kernels and torch.compile train alike, checkpoints
+record the option, and the shipped configs train on the real sample."""
 
 import dataclasses
 import gzip
@@ -12,9 +12,10 @@ import torch
 
 from dlrm import evaluate as evaluate_cli
 from dlrm import train as train_cli
-from dlrm.config import ModelConfig, load_config, replace
+from dlrm.config import AttentionConfig, ModelConfig, load_config, replace
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model import DLRM, model_from_checkpoint
+from dlrm.model.dlrm import InteractionArch
 from dlrm.model.mlp import GATES, MLP
 from tests.conftest import REPO, SAMPLE_TSV
 from tests.test_train import _losses, _tiny
@@ -101,31 +102,35 @@ def _curves(data_dir, tmp_path, model: dict, runs: dict, steps: int = 5, lr: flo
     return curves
 
 
-# Compile is slow on CPU: one compiled run per mlp_block.
-BACKEND_RUNS = [(option, option in (OPTIONS[0], OPTIONS[1])) for option in OPTIONS]
+# (model overrides, with a compiled run): compile is slow on CPU, one compiled run per option.
+ATTENTION = {"interaction": "attention", "attention": AttentionConfig(heads=2, layers=2, dim=4)}
+BACKEND_RUNS = [({"mlp_block": b, "gate": g}, (b, g) in OPTIONS[:2]) for b, g in OPTIONS] + [
+    (ATTENTION, True)
+]
+BACKEND_IDS = [_opt_id(o) for o in OPTIONS] + ["attention"]
 
 
-@pytest.mark.parametrize(("option", "with_compile"), BACKEND_RUNS, ids=[_opt_id(o) for o, _ in BACKEND_RUNS])
-def test_backends_agree_on_every_option(small_sample, tmp_path, option, with_compile):
-    """eager, --use-triton and (once per block) --use-torch-compile give the same train loss within 1e-3
+@pytest.mark.parametrize(("model", "with_compile"), BACKEND_RUNS, ids=BACKEND_IDS)
+def test_backends_agree_on_every_option(small_sample, tmp_path, model, with_compile):
+    """eager, --use-triton and (once per option) --use-torch-compile give the same train loss within 1e-3
     on tiny.json with the option (lr 0.02: geglu / swiglu, quadratic in their input, diverge at 0.05)."""
     runs = {"eager": {}, "triton": {"use_triton": True}}
     if with_compile:
         runs["compile"] = {"use_torch_compile": True}
-    curves = _curves(small_sample, tmp_path, {"mlp_block": option[0], "gate": option[1]}, runs)
+    curves = _curves(small_sample, tmp_path, model, runs)
     assert len(curves["eager"]) == 4 and all(math.isfinite(v) for v in curves["eager"])
     for name in runs.keys() - {"eager"}:
         torch.testing.assert_close(curves[name], curves["eager"], rtol=0, atol=1e-3, msg=name)
 
 
-@pytest.mark.parametrize("name", ["main_ln", "main_gated"])
+@pytest.mark.parametrize("name", ["main_ln", "main_gated", "main_attention"])
 def test_option_configs_train_on_the_sample(criteo_sample, tmp_path, name):
     """configs/main_<option>.json is main.json with the option; 20 steps train, the checkpoint records it,
     and dlrm.evaluate rebuilds the model from it."""
     cfg = load_config(REPO / "configs" / f"{name}.json")
     main = load_config(REPO / "configs" / "main.json")
-    assert dataclasses.replace(cfg.model, mlp_block="linear_act", gate="sigmoid_tanh") == main.model
-    assert cfg.model.mlp_block != "linear_act"
+    defaults = {"mlp_block": "linear_act", "gate": "sigmoid_tanh", "interaction": "dot"}
+    assert dataclasses.replace(cfg.model, **defaults) == main.model and cfg.model != main.model
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(criteo_sample)))
     cfg = dataclasses.replace(cfg, profiler=dataclasses.replace(cfg.profiler, enabled=False))
     metrics = train_cli.train(replace(cfg, "train", max_steps=20, epochs=1), tmp_path / "run")
@@ -133,6 +138,8 @@ def test_option_configs_train_on_the_sample(criteo_sample, tmp_path, name):
     state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert state["config"]["model"]["mlp_block"] == cfg.model.mlp_block
     assert state["config"]["model"]["gate"] == cfg.model.gate
+    assert state["config"]["model"]["interaction"] == cfg.model.interaction
+    assert state["config"]["model"]["attention"] == dataclasses.asdict(cfg.model.attention)
     from click.testing import CliRunner
 
     result = CliRunner().invoke(
@@ -141,3 +148,52 @@ def test_option_configs_train_on_the_sample(criteo_sample, tmp_path, name):
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["samples"] == 2000
+
+
+def _interaction_inputs(seed: int, batch: int = 5, dim: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    dense, embedded = torch.randn(batch, dim, generator=g), torch.randn(batch, NUM_SPARSE, dim, generator=g)
+    sparse = torch.randint(0, 50, (batch, NUM_SPARSE), generator=g)
+    sparse[torch.rand(batch, NUM_SPARSE, generator=g) < 0.3] = -1  # missing values
+    return dense, embedded, sparse
+
+
+def test_attention_interaction_kernel_equals_the_sdpa_reference():
+    """The attention interaction on our kernel and on F.scaled_dot_product_attention, same parameters:
+    same output and gradients (interpreter on CPU); two layers, the first with a residual projection."""
+    torch.manual_seed(0)
+    cfg = AttentionConfig(heads=2, layers=2, dim=3)
+    eager = InteractionArch(4, "attention", kernel="torch", attention=cfg)
+    triton = InteractionArch(4, "attention", kernel="triton", attention=cfg)
+    triton.load_state_dict(eager.state_dict())
+    assert set(eager.state_dict()) == {"qkv.0.weight", "qkv.1.weight", "residual.0.weight"}
+    assert eager.out_features == (NUM_SPARSE + 1) * 6
+    dense, embedded, sparse = _interaction_inputs(1)
+    leaves = [dense.requires_grad_(), embedded.requires_grad_()]
+    results = []
+    for arch in (eager, triton):
+        out = arch(dense, embedded, sparse)
+        results.append((out, torch.autograd.grad(out.square().sum(), [*leaves, *arch.parameters()])))
+    assert results[0][0].shape == (5, eager.out_features)
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    for got, want in zip(results[1][1], results[0][1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_attention_masks_missing_values_as_keys(kernel):
+    """A missing value's embedding (raw id -1) is attended to by no vector: changing it changes only its
+    own output position (its query and residual), in one layer."""
+    torch.manual_seed(2)
+    arch = InteractionArch(4, "attention", kernel=kernel, attention=AttentionConfig(heads=2, layers=1, dim=2))
+    dense, embedded, sparse = _interaction_inputs(3)
+    sample, feature = 1, int((sparse[1] == -1).nonzero()[0])
+    changed = embedded.clone()
+    changed[sample, feature] = 10 * torch.randn(4)
+    before, after = (arch(dense, e, sparse).view(5, NUM_SPARSE + 1, -1) for e in (embedded, changed))
+    diff = (before - after).abs().sum(-1)
+    assert diff[sample, feature + 1] > 0 and diff.sum() == diff[sample, feature + 1]
+    # Present (not -1), the same id is a key: every position of that sample moves.
+    sparse[sample, feature] = 7
+    before, after = (arch(dense, e, sparse).view(5, NUM_SPARSE + 1, -1) for e in (embedded, changed))
+    assert ((before - after).abs().sum(-1)[sample] > 0).all()
