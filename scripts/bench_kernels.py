@@ -18,6 +18,16 @@ layer (rows in scripts/results/blocks.csv):
                 F.linear -> gate(z[:, 0::2], z[:, 1::2])
     compile     torch.compile of that function
     triton      our fused kernel: kernels.ln_linear_gelu / kernels.gated_linear
+
+`--what attention` times the attention interaction (`model.interaction` "attention") at each batch, per
+(heads, dim) of `--attention-shapes` (rows in scripts/results/attention.csv), two ways:
+    op "attention"    softmax(QK^T / sqrt(d)) V with a key mask on [B, heads, 27, d] (q, k, v views of one
+                      [B, 27, 3, heads, d] projection, as the model makes them; ~20% of keys masked):
+                      eager F.scaled_dot_product_attention(attn_mask=bool), compile of it, triton
+                      kernels.attention.masked_attention
+    op "interaction"  the whole InteractionArch (model.attention.layers layers: projections, attention,
+                      residual, relu) over dense [B, 16] and embedded [B, 26, 16]: kernel "torch", compile
+                      of it, kernel "triton"
 Precisions: tf32 (fp32 tensors, TF32 matmuls allowed for every path) and bf16. Inputs rotate over several
 buffer sets so the L2 cache does not hold them between repeats.
 
@@ -48,6 +58,8 @@ RESULTS = Path(__file__).parent / "results" / "kernels.csv"
 BLOCK_RESULTS = Path(__file__).parent / "results" / "blocks.csv"
 BLOCKS = ("ln_linear_gelu", "gated:sigmoid_tanh", "gated:geglu", "gated:swiglu")
 BLOCK_PATHS = ("eager", "compile", "triton")
+ATTENTION_RESULTS = Path(__file__).parent / "results" / "attention.csv"
+ATTENTION_SHAPES = "2x16,2x32,4x32,8x16"  # heads x dim
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
 PATHS = ("eager", "compile", "bias_act", "linear_act")
@@ -252,6 +264,84 @@ def run_blocks(configs, batches, precisions, blocks, paths, ceilings, common) ->
     append_rows(BLOCK_RESULTS, rows)
 
 
+def _attention_inputs(m: int, heads: int, dim: int, dtype: torch.dtype, g: torch.Generator):
+    qkv = torch.randn(m, 27, 3, heads, dim, device="cuda", dtype=dtype, generator=g).requires_grad_()
+    valid = torch.rand(m, 27, device="cuda", generator=g) >= 0.2
+    valid[:, 0] = True  # the dense vector: always a valid key
+    return qkv, valid
+
+
+def bench_attention(path: str, op: str, m: int, heads: int, dim: int, dtype: torch.dtype) -> dict[str, float]:
+    """Median ms of the attention op or the whole attention interaction on one path (module docstring)."""
+    from dlrm.config import AttentionConfig
+    from kernels.attention import masked_attention
+
+    g = torch.Generator(device="cuda").manual_seed(m + heads * dim)
+    sets = []
+    if op == "attention":
+        for _ in range(ROTATE):
+            qkv, valid = _attention_inputs(m, heads, dim, dtype, g)
+            sets.append((qkv, valid, torch.randn(m, heads, 27, dim, device="cuda", dtype=dtype, generator=g)))
+
+        def split(qkv):
+            return (t.transpose(1, 2) for t in qkv.unbind(2))
+
+        if path == "triton":
+            fn = lambda qkv, valid: masked_attention(*split(qkv), valid)  # noqa: E731
+        else:
+
+            def fn(qkv, valid):
+                return F.scaled_dot_product_attention(*split(qkv), attn_mask=valid[:, None, None, :])
+
+            if path == "compile":
+                torch._dynamo.reset()
+                fn = torch.compile(fn, dynamic=False)
+        return _time_passes(fn, sets, path == "compile")
+    d = 16
+    cfg = AttentionConfig(heads=heads, layers=2, dim=dim)
+    arch = InteractionArch(d, "attention", kernel="triton" if path == "triton" else "torch", attention=cfg)
+    arch = arch.to(device="cuda", dtype=dtype)
+    for _ in range(ROTATE):
+        dense = torch.randn(m, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        embedded = torch.randn(m, 26, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        sparse = torch.randint(0, 1000, (m, 26), device="cuda", generator=g)
+        sparse[torch.rand(m, 26, device="cuda", generator=g) < 0.2] = -1
+        dy = torch.randn(m, arch.out_features, device="cuda", dtype=dtype, generator=g)
+        sets.append((dense, embedded, sparse, dy))
+    fn = arch
+    if path == "compile":
+        torch._dynamo.reset()
+        fn = torch.compile(arch, dynamic=False)
+    return _time_passes(fn, sets, path == "compile")
+
+
+def run_attention(batches, precisions, shapes, paths, common) -> None:
+    """`--what attention`: rows to ATTENTION_RESULTS; per (op, precision, batch, shape) times and ratios."""
+    rows = []
+    print(f"\nattention interaction, ms (ratio = eager / path), {common['device']}")
+    print(f"{'op':<13}{'prec':<6}{'B':>7}  {'HxD':<7}{'pass':<15}" + "".join(f"{p:>20}" for p in paths))
+    for op in ("attention", "interaction"):
+        for precision in precisions:
+            for m in batches:
+                for shape in shapes:
+                    heads, dim = (int(v) for v in shape.split("x"))
+                    times = {p: bench_attention(p, op, m, heads, dim, DTYPES[precision]) for p in paths}
+                    for ps in PASSES:
+                        base = times[paths[0]][ps]
+                        cells = "".join(
+                            f"{times[p][ps]:>10.4f} ({base / times[p][ps]:>5.2f}x)" for p in paths
+                        )
+                        print(f"{op:<13}{precision:<6}{m:>7}  {shape:<7}{ps:<15}{cells}")
+                        for path in paths:
+                            rows.append(dict(
+                                common, op=op, heads=heads, dim=dim, seq=27, batch=m, precision=precision,
+                                path=path, **{"pass": ps}, ms=round(times[path][ps], 5),
+                                ratio_vs_eager=round(base / times[path][ps], 3),
+                                compile_s=round(times[path]["compile_s"], 2),
+                            ))  # fmt: skip
+    append_rows(ATTENTION_RESULTS, rows)
+
+
 def bench_bias_act_bandwidth(m: int, n: int, dtype: torch.dtype, copy_gbps: float) -> tuple[float, float]:
     """Bandwidth of bias_act alone as % of copy: forward reads x, b and writes y; backward reads dy, x, b
     and writes dx. Timed as CUDA-graph replays (GPU time, what a graph-captured step pays), like the
@@ -292,12 +382,16 @@ def _print_summary(summary: list, path_list: list[str], gpu: str) -> None:
 )
 @click.option(
     "--what",
-    type=click.Choice(["layers", "blocks"]),
+    type=click.Choice(["layers", "blocks", "attention"]),
     default="layers",
-    help="layers: the linear_act paths (kernels.csv); blocks: the model.mlp_block kernels (blocks.csv).",
+    help="layers: the linear_act paths (kernels.csv); blocks: the model.mlp_block kernels (blocks.csv); "
+    "attention: the attention interaction (attention.csv).",
 )
 @click.option("--blocks", default=",".join(BLOCKS), help="With --what blocks: comma-separated blocks.")
-def main(configs, batches, precisions, paths, what, blocks):
+@click.option(
+    "--attention-shapes", default=ATTENTION_SHAPES, help="With --what attention: comma-separated HEADSxDIM."
+)
+def main(configs, batches, precisions, paths, what, blocks, attention_shapes):
     """Time the MLP layer paths on this GPU and append the rows to scripts/results/kernels.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_kernels.py needs a CUDA GPU")
@@ -311,6 +405,12 @@ def main(configs, batches, precisions, paths, what, blocks):
         run_blocks(
             configs.split(","), [int(b) for b in batches.split(",")], precisions.split(","),
             blocks.split(","), (paths or ",".join(BLOCK_PATHS)).split(","), ceilings, common,
+        )  # fmt: skip
+        return
+    if what == "attention":
+        run_attention(
+            [int(b) for b in batches.split(",")], precisions.split(","), attention_shapes.split(","),
+            (paths or ",".join(BLOCK_PATHS)).split(","), common,
         )  # fmt: skip
         return
     rows, summary = [], []
