@@ -28,7 +28,8 @@ output); the backward kernel re-forms a and b from z.
 Kernels: ``_gated_linear_fwd_kernel`` (one program per [BLOCK_M, BLOCK_N] tile of z, i.e. BLOCK_N / 2
 output features; epilogue adds the bias, stores z, splits the tile into its (a, b) pairs with
 ``tl.split`` and stores y), autotuned like linear_act's GEMMs; ``_gated_linear_dz_kernel`` (dz and the
-bias gradient's fp32 partial sums in one pass over [M, 2N]); cuBLAS then computes dx and dW.
+bias gradient's fp32 partial sums in one pass over [M, 2N]); cuBLAS then computes dx and dW (dW from x
+copied into rows of 16 bytes when its rows are not, e.g. the 13 dense features: cuBLAS's aligned kernels).
 
 It equals the PyTorch expression ``gate(z[:, 0::2], z[:, 1::2])`` with ``z = F.linear(x, W, bias)``,
 computed in fp32 and cast back to x's dtype (``gated_linear_ref``), up to the GEMM precision above.
@@ -45,7 +46,15 @@ from torch import Tensor
 from kernels import launch
 from kernels.activations import act_fwd, act_grad, act_grad_ref, sigmoid
 from kernels.gemm_tuning import autotuned, input_precision, m_bucket
-from kernels.launch import DTYPES, INTERPRETED, rows_contiguous, use_triton
+from kernels.launch import (
+    DTYPES,
+    INTERPRETED,
+    aligned_width,
+    rows_aligned,
+    rows_contiguous,
+    use_triton,
+    zero_padded,
+)
 from kernels.linear_act_forward import _grouped_tile
 from kernels.partials import row_programs, sum_partials
 
@@ -304,7 +313,13 @@ def gated_linear_bwd(
         HAS_BIAS=has_bias, GATE=gate, BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
     dx = torch.mm(dz, weight) if needs_dx else None
-    dw = torch.mm(dz.t(), x)
+    if rows_aligned(x) and x.stride(1) == 1:
+        dw = torch.mm(dz.t(), x)
+    else:
+        # cuBLAS takes its slow align1 kernels on rows not 16 bytes apart (K = 13 dense features; H200,
+        # B=65536, bf16: 496 us for linear_act's 13 -> 512 dW): copy x once into zero-padded rows and drop
+        # the padding's columns of dW.
+        dw = torch.mm(dz.t(), zero_padded(x, aligned_width(k, x.dtype)))[:, :k].contiguous()
     db = sum_partials(db_part, x.dtype) if has_bias else None
     return dx, dw, db
 

@@ -20,8 +20,9 @@ from tests.tolerances import tol
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (M, N, K), N output features (the GEMM is 2N wide): ones, primes, non-multiples of the 32-wide
-# interpreter tiles (N = 17: 34 GEMM columns, two tiles, the second partial).
-SHAPES = [(1, 1, 1), (3, 7, 5), (67, 17, 13)]
+# interpreter tiles (N = 17: 34 GEMM columns, two tiles, the second partial); rows of 16 bytes (K = 4, 16)
+# and not (K = 1, 5, 13: dW from a padded copy of x).
+SHAPES = [(1, 1, 1), (3, 7, 5), (67, 17, 13), (29, 6, 16)]
 
 
 def _ids(s):
