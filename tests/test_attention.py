@@ -162,6 +162,12 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(grad, torch.autograd.grad(o_eager, qkv, do)[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fwd_bwd_half(dtype):
+    """bf16/fp16 through the kernels (values cast to fp32 right after load, in the interpreter too)."""
+    _check(3, 2, 27, 16, dtype, seed=6)
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 
 

@@ -144,6 +144,13 @@ def test_torch_compile_fullgraph():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("gate", GATES)
+def test_fwd_bwd_half(gate, dtype):
+    """bf16/fp16 through the kernels (values cast to fp32 right after load, in the interpreter too)."""
+    _check(67, 17, 13, gate, True, dtype, seed=6)
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 
 # (K, N) of the kaggle and mlperf MLP layers (N output features of a gated block: the GEMM is 2N wide).

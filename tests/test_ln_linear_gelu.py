@@ -139,6 +139,12 @@ def test_torch_compile_fullgraph():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fwd_bwd_half(dtype):
+    """bf16/fp16 through the kernels (values cast to fp32 right after load, in the interpreter too)."""
+    _check(67, 33, 13, True, dtype, seed=6)
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 
 DLRM_LAYERS = [(13, 512), (512, 256), (256, 64), (64, 16), (367, 512), (479, 1024), (1024, 512)]
