@@ -20,7 +20,7 @@ GATES = ("sigmoid_tanh", "geglu", "swiglu")
 OPTIMIZERS = ("sgd", "adagrad")
 PRECISIONS = ("fp32", "tf32", "bf16")
 COMPILE_MODES = ("default", "reduce-overhead")
-TRITON_MLP_KERNELS = ("linear_act", "bias_act")
+TRITON_MLP_KERNELS = ("linear_act", "bias_act", "cuda_bias_act")
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,8 @@ class TrainConfig:
     model on our Triton kernels: table-batched embeddings whose backward applies the optimizer (SGD or
     Adagrad) to the touched rows, the dot interaction, the loss, and the MLP layers, which
     `triton_mlp_kernel` picks: "linear_act" (GEMM + bias + activation fused) or "bias_act" (cuBLAS GEMM,
-    then fused bias + activation).
+    then fused bias + activation), or "cuda_bias_act" (bias_act's CUDA C++ twin, built with nvcc on first
+    use; CUDA only).
     Both flags may be set. `cuda_graphs` captures the whole training step once as a CUDA graph and
     replays it (dlrm.graphs); it needs `use_triton` and optimizer "sgd", whose steps have no host sync.
     `precision` of the training step's MLPs and interaction: "fp32", "tf32" (fp32 tensors, TF32 tensor-core

@@ -8,6 +8,8 @@ the forward + backward of:
     compile     torch.compile of that function                Inductor (compile time reported apart)
     bias_act    bias_act(F.linear(x, W), b, act)              cuBLAS GEMM + our fused bias+activation kernel
     linear_act  linear_act(x, W, b, act)                      our fused GEMM + bias + activation kernel
+    cuda_bias_act  bias_act_cuda(F.linear(x, W), b, act)      the same with the CUDA C++ add-bias-activation
+                (not in the default --paths; give it to compare with bias_act)
 each two ways (median of CUDA-event timings, triton.testing.do_bench): "launch", called from Python as an
 eager training loop does (host launch overhead included), and "graph", replays of a CUDA graph of the same
 calls (GPU time only, what a graph-captured training step pays).
@@ -101,6 +103,10 @@ def _layer_fns(path: str, act: str):
         return (lambda x, w, b: act_ref(F.linear(x, w, b), act)), 0.0
     if path == "bias_act":
         return (lambda x, w, b: bias_act(F.linear(x, w), b, act)), 0.0
+    if path == "cuda_bias_act":
+        from kernels.bias_act_cuda import bias_act_cuda
+
+        return (lambda x, w, b: bias_act_cuda(F.linear(x, w), b, act)), 0.0
     if path == "linear_act":
         return (lambda x, w, b: linear_act(x, w, b, act)), 0.0
     torch._dynamo.reset()  # each layer compiles afresh: the lambda's code object is shared between layers
@@ -342,11 +348,17 @@ def run_attention(batches, precisions, shapes, paths, common) -> None:
     append_rows(ATTENTION_RESULTS, rows)
 
 
-def bench_bias_act_bandwidth(m: int, n: int, dtype: torch.dtype, copy_gbps: float) -> tuple[float, float]:
-    """Bandwidth of bias_act alone as % of copy: forward reads x, b and writes y; backward reads dy, x, b
-    and writes dx. Timed as CUDA-graph replays (GPU time, what a graph-captured step pays), like the
-    layers' "graph" passes."""
-    from kernels.bias_act import bias_act_bwd, bias_act_fwd
+def bench_bias_act_bandwidth(
+    m: int, n: int, dtype: torch.dtype, copy_gbps: float, kernel: str = "triton"
+) -> tuple[float, float]:
+    """Bandwidth of bias_act alone (`kernel` "triton", or "cuda": the CUDA C++ twin) as % of copy: forward
+    reads x, b and writes y; backward reads dy, x, b and writes dx. Timed as CUDA-graph replays (GPU time,
+    what a graph-captured step pays), like the layers' "graph" passes."""
+    if kernel == "cuda":
+        from kernels.bias_act_cuda import bias_act_cuda_bwd as bias_act_bwd
+        from kernels.bias_act_cuda import bias_act_cuda_fwd as bias_act_fwd
+    else:
+        from kernels.bias_act import bias_act_bwd, bias_act_fwd
 
     x, dy = torch.randn(m, n, device="cuda", dtype=dtype), torch.randn(m, n, device="cuda", dtype=dtype)
     b = torch.randn(n, device="cuda", dtype=dtype)
@@ -441,6 +453,16 @@ def main(configs, batches, precisions, paths, what, blocks, attention_shapes):
     for ps, pct in (("fwd", fwd_pct), ("bwd", bwd_pct)):
         rows.append(dict(common, config="-", layer="65536x512", act="relu", batch=65536, precision="bf16",
                          path="bias_act_alone", **{"pass": ps}, pct_copy_bw=round(pct, 1)))  # fmt: skip
+    if "cuda_bias_act" in path_list:  # the CUDA C++ twin alone, same shape (target: within 10% of Triton's)
+        cuda_fwd, cuda_bwd = bench_bias_act_bandwidth(
+            65536, 512, torch.bfloat16, ceilings["copy_gbps"], "cuda"
+        )
+        print(f"bias_act_cuda alone: forward {cuda_fwd:.0f}%, backward {cuda_bwd:.0f}% of copy BW "
+              f"(time / Triton's: {fwd_pct / cuda_fwd:.2f}x, {bwd_pct / cuda_bwd:.2f}x)")  # fmt: skip
+        for ps, pct in (("fwd", cuda_fwd), ("bwd", cuda_bwd)):
+            rows.append(dict(common, config="-", layer="65536x512", act="relu", batch=65536,
+                             precision="bf16", path="cuda_bias_act_alone", **{"pass": ps},
+                             pct_copy_bw=round(pct, 1)))  # fmt: skip
 
     append_rows(RESULTS, rows)
     _print_summary(summary, path_list, gpu)

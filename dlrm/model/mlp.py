@@ -7,7 +7,9 @@ the kernel, so the same seed gives the same initial weights and checkpoints move
 - "bias_act": a bias-free `F.linear(x, W)` (cuBLAS) followed by our fused add-bias-activation Triton kernel
   `kernels.bias_act`, forward and backward;
 - "linear_act": the whole layer, GEMM + bias + activation, in our Triton kernel `kernels.linear_act`,
-  forward and backward.
+  forward and backward;
+- "cuda_bias_act": as "bias_act", with the add-bias-activation in CUDA C++ (`kernels.bias_act_cuda`, built
+  on first use; CUDA only).
 
 `block` (config `model.mlp_block`) picks what a layer is:
 - "linear_act" (default): Linear then `activation` (`last_activation` after the last layer), as above;
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MLP_KERNELS = ("torch", "bias_act", "linear_act")
+MLP_KERNELS = ("torch", "bias_act", "linear_act", "cuda_bias_act")
 MLP_BLOCKS = ("linear_act", "ln_linear_gelu", "gated")
 GATES = ("sigmoid_tanh", "geglu", "swiglu")
 LN_EPS = 1e-5  # nn.LayerNorm's default
@@ -54,7 +56,7 @@ class MLP(nn.Module):
         widths: output width N of each layer.
         activation: one of "identity", "relu", "sigmoid", "gelu_tanh", applied after all but the last layer.
         last_activation: activation after the last layer.
-        kernel: "torch", "bias_act" or "linear_act" (see module docstring).
+        kernel: "torch", "bias_act", "linear_act" or "cuda_bias_act" (see module docstring).
         block: "linear_act", "ln_linear_gelu" or "gated" (see module docstring).
         gate: for block "gated": "sigmoid_tanh", "geglu" or "swiglu".
         block_last: whether the last layer is a block too (bottom MLP) or a plain Linear with
@@ -140,8 +142,11 @@ class MLP(nn.Module):
                 x, w, b = _autocast(x, layer)
                 x = linear_act(x, w, b, act)
             return x
-        if self.kernel == "bias_act":
-            from kernels.bias_act import bias_act
+        if self.kernel in ("bias_act", "cuda_bias_act"):
+            if self.kernel == "bias_act":
+                from kernels.bias_act import bias_act
+            else:
+                from kernels.bias_act_cuda import bias_act_cuda as bias_act
 
             for layer, act in pairs:
                 x, w, b = _autocast(x, layer)
