@@ -61,6 +61,20 @@ class AttentionConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on every MLP layer (`python -m dlrm.finetune`): rank 0 is off. With `rank` r > 0
+    each layer is act(x W^T + (alpha / r) (x A^T) B^T + b) with W, b (and every other dense weight) frozen
+    and A [r, K], B [N, r] trained (B starts at zero: the model starts as its base). `alpha` null means r
+    (scale 1). `base`: the checkpoint whose weights (and table layout) the model starts from.
+    `freeze_embeddings`: keep the embedding tables fixed too. Only with `mlp_block` "linear_act"."""
+
+    rank: int = 0
+    alpha: float | None = None
+    base: str | None = None
+    freeze_embeddings: bool = False
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """DLRM architecture (FB-DLRM Kaggle defaults).
 
@@ -89,6 +103,7 @@ class ModelConfig:
     mlp_block: str = "linear_act"
     gate: str = "sigmoid_tanh"
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(frozen=True)
@@ -200,7 +215,7 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
         return tuple(value)
     if dataclasses.is_dataclass(annotation):  # a nested section, e.g. model.attention
         return _build(annotation, value, f"{key}.")
-    if annotation in (int | None, float | None, tuple[int, ...] | None):
+    if annotation in (int | None, float | None, tuple[int, ...] | None, str | None):
         if value is None:
             return None
         inner = next(a for a in annotation.__args__ if a is not type(None))
@@ -258,6 +273,14 @@ def validate(cfg: RunConfig) -> RunConfig:
     _require(a.heads > 0, "model.attention.heads", "a positive integer", a.heads)
     _require(a.layers > 0, "model.attention.layers", "a positive integer", a.layers)
     _require(0 < a.dim <= 256, "model.attention.dim", "an integer in 1..256 (features per head)", a.dim)
+    lora = m.lora
+    _require(0 <= lora.rank <= 128, "model.lora.rank", "an integer in 0..128 (0: no adapters)", lora.rank)
+    if lora.alpha is not None:
+        _require(lora.alpha > 0, "model.lora.alpha", "a positive number or null", lora.alpha)
+    if lora.rank:
+        _require(m.mlp_block == "linear_act", "model.mlp_block", "'linear_act' with model.lora", m.mlp_block)
+    else:
+        _require(lora.base is None, "model.lora.base", "null without adapters (model.lora.rank 0)", lora.base)
     # Vocabularies are built from every train id in memory, which the streaming loaders never hold.
     _require(
         not (d.loader in ("streaming", "binary") and m.hashing == "vocab"),

@@ -46,6 +46,16 @@ def test_main_config_is_the_fb_dlrm_kaggle_architecture():
         ({"model": {"attention": {"dim": 0}}}, r"model.attention.dim: expected an integer in 1..256"),
         ({"model": {"attention": {"layers": 0}}}, "model.attention.layers: expected a positive integer"),
         ({"model": {"attention": [2]}}, "model.attention: expected a JSON object"),
+        ({"model": {"lora": {"rank": 200}}}, r"model.lora.rank: expected an integer in 0..128"),
+        (
+            {"model": {"lora": {"rank": 2, "alpha": 0}}},
+            "model.lora.alpha: expected a positive number or null",
+        ),
+        ({"model": {"lora": {"base": "x.pt"}}}, "model.lora.base: expected null without adapters"),
+        (
+            {"model": {"lora": {"rank": 2}, "mlp_block": "gated"}},
+            "model.mlp_block: expected 'linear_act' with",
+        ),
         ({"model": {"table_rows": [10, 10]}}, "model.table_rows"),
         ({"train": {"lr": "fast"}}, "train.lr: expected a number"),
         ({"train": {"optimizer": "adam"}}, "train.optimizer"),

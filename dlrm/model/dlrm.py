@@ -14,6 +14,8 @@ OverArch -> logit[B].
 The model returns logits; the sigmoid is applied once, in evaluation/prediction.
 """
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,9 +38,10 @@ class DenseArch(nn.Module):
         mlp_kernel: str = "torch",
         block: str = "linear_act",
         gate: str = "sigmoid_tanh",
+        lora: tuple[int, float | None] = (0, None),
     ):
         super().__init__()
-        self.mlp = MLP(NUM_DENSE, widths, "relu", "relu", mlp_kernel, block, gate)
+        self.mlp = MLP(NUM_DENSE, widths, "relu", "relu", mlp_kernel, block, gate, True, *lora)
 
     def forward(self, dense: torch.Tensor) -> torch.Tensor:
         return self.mlp(dense)
@@ -94,6 +97,7 @@ class SparseArch(nn.Module):
             raise ValueError(f"expected {NUM_SPARSE} table sizes, got {table_rows!r}")
         self.hashing = hashing
         self.table_rows = list(table_rows)
+        self.frozen = False  # fixed tables (LoRA fine-tuning with freeze_embeddings): no update, no gradient
         # A buffer, so hashing does not copy the sizes to the device every step.
         self.register_buffer("rows", torch.tensor(self.table_rows), persistent=False)
         self.kernel = kernel
@@ -156,7 +160,7 @@ class SparseArch(nn.Module):
             ids, hashing = (
                 (sparse, "modulus") if self.hashing == "modulus" else (self.hash_ids(sparse), "index")
             )
-            if self.optimizer is None and torch.is_grad_enabled():
+            if self.optimizer is None and torch.is_grad_enabled() and not self.frozen:
                 raise ValueError(
                     "SparseArch(kernel='triton') updates its tables in backward: call configure_optimizer "
                     "before training (or look up under torch.no_grad())"
@@ -167,9 +171,11 @@ class SparseArch(nn.Module):
             # pass over [B, F, D] forward and one back to fp32 in backward.
             device = sparse.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-            return embedding_lookup(
-                self.weights, state, offsets, self.rows, ids, hashing, optimizer, lr, eps, out_dtype=dtype
-            )
+            # Frozen tables: no backward, whose kernel would update them.
+            with torch.no_grad() if self.frozen else contextlib.nullcontext():
+                return embedding_lookup(
+                    self.weights, state, offsets, self.rows, ids, hashing, optimizer, lr, eps, out_dtype=dtype
+                )
         rows = self.hash_ids(sparse)
         return torch.stack([table(rows[:, f]) for f, table in enumerate(self.embeddings)], dim=1)
 
@@ -293,9 +299,10 @@ class OverArch(nn.Module):
         mlp_kernel: str = "torch",
         block: str = "linear_act",
         gate: str = "sigmoid_tanh",
+        lora: tuple[int, float | None] = (0, None),
     ):
         super().__init__()
-        self.mlp = MLP(in_features, widths, "relu", "identity", mlp_kernel, block, gate, block_last=False)
+        self.mlp = MLP(in_features, widths, "relu", "identity", mlp_kernel, block, gate, False, *lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(x).squeeze(1)
@@ -322,14 +329,17 @@ class DLRM(nn.Module):
         sparse_kernel: str = "torch",
     ):
         super().__init__()
-        self.dense_arch = DenseArch(cfg.bottom_mlp, mlp_kernel, cfg.mlp_block, cfg.gate)
+        lora = (cfg.lora.rank, cfg.lora.alpha)
+        self.dense_arch = DenseArch(cfg.bottom_mlp, mlp_kernel, cfg.mlp_block, cfg.gate, lora)
         self.sparse_arch = SparseArch(cfg.embedding_dim, table_rows, cfg.hashing, vocabularies, sparse_kernel)
         self.interaction_arch = InteractionArch(
             cfg.embedding_dim, cfg.interaction, kernel=sparse_kernel, attention=cfg.attention
         )
         self.over_arch = OverArch(
-            self.interaction_arch.out_features, cfg.top_mlp, mlp_kernel, cfg.mlp_block, cfg.gate
+            self.interaction_arch.out_features, cfg.top_mlp, mlp_kernel, cfg.mlp_block, cfg.gate, lora
         )
+        if cfg.lora.rank:
+            self.freeze_for_lora(cfg.lora.freeze_embeddings)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         with record_function("embedding"):
@@ -342,18 +352,25 @@ class DLRM(nn.Module):
             return self.over_arch(features)
 
     def dense_parameters(self) -> list[nn.Parameter]:
-        """Parameters of the MLPs and of the interaction (the attention interaction's projections): dense
-        gradients."""
-        return [
-            *self.dense_arch.parameters(),
-            *self.interaction_arch.parameters(),
-            *self.over_arch.parameters(),
-        ]
+        """Trained parameters of the MLPs and of the interaction (the attention interaction's projections):
+        dense gradients. With LoRA adapters, the adapters only."""
+        archs = (self.dense_arch, self.interaction_arch, self.over_arch)
+        return [p for arch in archs for p in arch.parameters() if p.requires_grad]
+
+    def freeze_for_lora(self, freeze_embeddings: bool) -> None:
+        """Fine-tuning with adapters (model.lora): every dense weight but the adapters stops training, and
+        the embedding tables too with `freeze_embeddings`."""
+        for arch in (self.dense_arch, self.interaction_arch, self.over_arch):
+            for name, p in arch.named_parameters():
+                p.requires_grad_(".lora_" in f".{name}")
+        self.sparse_arch.frozen = freeze_embeddings
+        for p in self.sparse_arch.parameters():
+            p.requires_grad_(not freeze_embeddings)
 
     def embedding_parameters(self) -> list[nn.Parameter]:
         """Embedding tables for a torch optimizer (sparse gradients); none for the "triton" sparse kernel,
         whose backward updates its tables itself (SparseArch.configure_optimizer)."""
-        if self.sparse_arch.kernel == "triton":
+        if self.sparse_arch.kernel == "triton" or self.sparse_arch.frozen:
             return []
         return list(self.sparse_arch.parameters())
 

@@ -22,6 +22,12 @@ the kernel, so the same seed gives the same initial weights and checkpoints move
   gate in its epilogue).
 With `block_last` False (the top MLP) the last layer stays a plain Linear with `last_activation` (the logit
 layer) whatever the block; the bottom MLP's last layer is a block like the others.
+
+`lora_rank` r > 0 (config `model.lora`, block "linear_act" only) adds low-rank adapters to every layer:
+act(x W^T + (alpha / r) (x A^T) B^T + b), A `lora_a.<i>` [r, K] (Kaiming-uniform, as LoRA), B `lora_b.<i>`
+[N, r] (zeros: the adapted MLP starts as the plain one). With a Triton kernel the layer runs as
+`kernels.lora_linear` (one GEMM, the adapter product in its epilogue; gradients for x, A and B only, so W
+and b must be frozen); "torch" is the PyTorch expression.
 """
 
 import torch
@@ -75,6 +81,8 @@ class MLP(nn.Module):
         block: str = "linear_act",
         gate: str = "sigmoid_tanh",
         block_last: bool = True,
+        lora_rank: int = 0,
+        lora_alpha: float | None = None,
     ):
         super().__init__()
         for act in (activation, last_activation):
@@ -101,9 +109,20 @@ class MLP(nn.Module):
         self.gate = gate
         for layer in self.layers:
             _init_fb_dlrm(layer)
+        self.lora_rank = lora_rank
+        if lora_rank:
+            if block != "linear_act":
+                raise ValueError(f"LoRA adapters need block 'linear_act', got {block!r}")
+            self.lora_scale = (lora_alpha if lora_alpha is not None else lora_rank) / lora_rank
+            self.lora_a = nn.ParameterList(nn.Parameter(torch.empty(lora_rank, k)) for k in sizes[:-1])
+            self.lora_b = nn.ParameterList(nn.Parameter(torch.zeros(n, lora_rank)) for n in sizes[1:])
+            for a in self.lora_a:
+                nn.init.kaiming_uniform_(a, a=5**0.5)  # as LoRA (and nn.Linear) initialize A
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, K] float -> [B, widths[-1]]."""
+        if self.lora_rank:
+            return self._lora(x)
         for i in range(self.num_blocks):
             x = self._block(i, x)
         return self._linear_act(x, self.num_blocks)
@@ -130,6 +149,22 @@ class MLP(nn.Module):
 
         x, w, b = _autocast(x, layer)
         return gated_linear(x, w, b, self.gate)
+
+    def _lora(self, x: torch.Tensor) -> torch.Tensor:
+        """Every layer with its adapters (module docstring)."""
+        s = self.lora_scale
+        layers = zip(self.layers, self.activations, self.lora_a, self.lora_b, strict=True)
+        if self.kernel == "torch":
+            for layer, act, a, b in layers:
+                z = F.linear(x, layer.weight, layer.bias) + s * F.linear(F.linear(x, a), b)
+                x = _TORCH_ACTIVATIONS[act](z)
+            return x
+        from kernels.lora_linear import lora_linear
+
+        for layer, act, a, b in layers:
+            x, w, bias = _autocast(x, layer)
+            x = lora_linear(x, w, bias, a.to(x.dtype), b.to(x.dtype), s, act)
+        return x
 
     def _linear_act(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Layers start.. as Linear + activation, on `kernel`."""
