@@ -21,6 +21,10 @@ layer (rows in scripts/results/blocks.csv):
     compile     torch.compile of that function
     triton      our fused kernel: kernels.ln_linear_gelu / kernels.gated_linear
 
+`--what lora` times the LoRA layer act(x W^T + s (x A^T) B^T + b) (W, b frozen; gradients for x, A, B) on
+the same layers, per rank of `--lora-ranks` (rows in scripts/results/lora.csv): eager (the PyTorch
+expression), compile of it, triton (kernels.lora_linear).
+
 `--what attention` times the attention interaction (`model.interaction` "attention") at each batch, per
 (heads, dim) of `--attention-shapes` (rows in scripts/results/attention.csv), two ways:
     op "attention"    softmax(QK^T / sqrt(d)) V with a key mask on [B, heads, 27, d] (q, k, v views of one
@@ -62,6 +66,7 @@ BLOCKS = ("ln_linear_gelu", "gated:sigmoid_tanh", "gated:geglu", "gated:swiglu")
 BLOCK_PATHS = ("eager", "compile", "triton")
 ATTENTION_RESULTS = Path(__file__).parent / "results" / "attention.csv"
 ATTENTION_SHAPES = "2x16,2x32,4x32,8x16"  # heads x dim
+LORA_RESULTS = Path(__file__).parent / "results" / "lora.csv"
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
 PATHS = ("eager", "compile", "bias_act", "linear_act")
@@ -321,6 +326,64 @@ def bench_attention(path: str, op: str, m: int, heads: int, dim: int, dtype: tor
     return _time_passes(fn, sets, path == "compile")
 
 
+def _lora_fn(path: str, act: str):
+    from kernels.lora_linear import lora_linear
+
+    if path == "triton":
+        return lambda x, w, b, a, bl: lora_linear(x, w, b, a, bl, 0.5, act)
+
+    def eager(x, w, b, a, bl):
+        return act_ref(F.linear(x, w, b) + 0.5 * F.linear(F.linear(x, a), bl), act)
+
+    if path == "eager":
+        return eager
+    torch._dynamo.reset()
+    return torch.compile(eager, dynamic=False)
+
+
+def bench_lora(path: str, m: int, k: int, n: int, r: int, act: str, dtype: torch.dtype) -> dict[str, float]:
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + n + r)
+    sets = []
+    for _ in range(ROTATE):
+        x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5  # frozen
+        b = torch.randn(n, device="cuda", dtype=dtype, generator=g)  # frozen
+        a = (torch.randn(r, k, device="cuda", dtype=dtype, generator=g) / k**0.5).requires_grad_()
+        bl = torch.randn(n, r, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        sets.append((x, w, b, a, bl, torch.randn(m, n, device="cuda", dtype=dtype, generator=g)))
+    return _time_passes(_lora_fn(path, act), sets, path == "compile")
+
+
+def run_lora(configs, batches, precisions, ranks, paths, common) -> None:
+    """`--what lora`: rows to LORA_RESULTS; per (config, precision, batch, rank) the sums over the layers."""
+    rows = []
+    print(f"\nLoRA layers, sum over each config's layers, ms (ratio = eager / path), {common['device']}")
+    print(f"{'config':<8}{'prec':<6}{'B':>7}  {'r':>4}  {'pass':<15}" + "".join(f"{p:>20}" for p in paths))
+    for config in configs:
+        for precision in precisions:
+            for m in batches:
+                for r in ranks:
+                    totals = {(p, ps): 0.0 for p in paths for ps in PASSES}
+                    for k, n, act in mlp_layers(config):
+                        times = {p: bench_lora(p, m, k, n, r, act, DTYPES[precision]) for p in paths}
+                        for path, t in times.items():
+                            for ps in PASSES:
+                                totals[(path, ps)] += t[ps]
+                                rows.append(dict(
+                                    common, config=config, layer=f"{k}->{n}", rank=r, act=act, batch=m,
+                                    precision=precision, path=path, **{"pass": ps}, ms=round(t[ps], 5),
+                                    ratio_vs_eager=round(times[paths[0]][ps] / t[ps], 3),
+                                    compile_s=round(t["compile_s"], 2),
+                                ))  # fmt: skip
+                    for ps in PASSES:
+                        base = totals[(paths[0], ps)]
+                        cells = "".join(
+                            f"{totals[(p, ps)]:>10.4f} ({base / totals[(p, ps)]:>5.2f}x)" for p in paths
+                        )
+                        print(f"{config:<8}{precision:<6}{m:>7}  {r:>4}  {ps:<15}{cells}")
+    append_rows(LORA_RESULTS, rows)
+
+
 def run_attention(batches, precisions, shapes, paths, common) -> None:
     """`--what attention`: rows to ATTENTION_RESULTS; per (op, precision, batch, shape) times and ratios."""
     rows = []
@@ -394,16 +457,17 @@ def _print_summary(summary: list, path_list: list[str], gpu: str) -> None:
 )
 @click.option(
     "--what",
-    type=click.Choice(["layers", "blocks", "attention"]),
+    type=click.Choice(["layers", "blocks", "attention", "lora"]),
     default="layers",
     help="layers: the linear_act paths (kernels.csv); blocks: the model.mlp_block kernels (blocks.csv); "
-    "attention: the attention interaction (attention.csv).",
+    "attention: the attention interaction (attention.csv); lora: the LoRA layer (lora.csv).",
 )
 @click.option("--blocks", default=",".join(BLOCKS), help="With --what blocks: comma-separated blocks.")
 @click.option(
     "--attention-shapes", default=ATTENTION_SHAPES, help="With --what attention: comma-separated HEADSxDIM."
 )
-def main(configs, batches, precisions, paths, what, blocks, attention_shapes):
+@click.option("--lora-ranks", default="4,16", help="With --what lora: comma-separated adapter ranks.")
+def main(configs, batches, precisions, paths, what, blocks, attention_shapes, lora_ranks):
     """Time the MLP layer paths on this GPU and append the rows to scripts/results/kernels.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_kernels.py needs a CUDA GPU")
@@ -417,6 +481,12 @@ def main(configs, batches, precisions, paths, what, blocks, attention_shapes):
         run_blocks(
             configs.split(","), [int(b) for b in batches.split(",")], precisions.split(","),
             blocks.split(","), (paths or ",".join(BLOCK_PATHS)).split(","), ceilings, common,
+        )  # fmt: skip
+        return
+    if what == "lora":
+        run_lora(
+            configs.split(","), [int(b) for b in batches.split(",")], precisions.split(","),
+            [int(r) for r in lora_ranks.split(",")], (paths or ",".join(BLOCK_PATHS)).split(","), common,
         )  # fmt: skip
         return
     if what == "attention":
