@@ -1,13 +1,23 @@
 # `make train`: create .venv on first use, preprocess the shipped Criteo sample once, train configs/main.json.
 # `make test`: the same venv, then the test suite (CPU; Triton kernels run in the interpreter).
+# `make evaluate`: the newest run's best checkpoint on the sample's eval split (CHECKPOINT=..., DATA=... for
+#   others).
+# `make tensorboard`: TensorBoard (with the PyTorch profiler plugin) on runs/, at http://localhost:$(PORT).
+# `make test-browser`: headless Chromium checks what TensorBoard shows for a tiny run (needs apt's chromium and
+#   Playwright, which it installs; not part of `make test`); screenshots go to scripts/results/screenshots/.
 # `make bench`: the GPU benchmarks (MLP kernels, sparse-side kernels, training step); rows go to scripts/results/.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BROWSER_STAMP := $(VENV)/.browser-installed
+CHROMIUM := /usr/bin/chromium
 SAMPLE := data/criteo_sample/metadata.json
+DATA ?= data/criteo_sample
+CHECKPOINT ?= $(shell ls -t runs/*/checkpoints/best.pt 2>/dev/null | head -n 1)
+PORT ?= 6006
 
-.PHONY: train test bench lint clean
+.PHONY: train evaluate tensorboard test test-browser bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +32,23 @@ $(SAMPLE): data/day_0_head10k.tsv.gz | $(STAMP)
 train: $(STAMP) $(SAMPLE)
 	$(PY) -m dlrm.train --config configs/main.json
 
+evaluate: $(STAMP) $(SAMPLE)
+	@test -n "$(CHECKPOINT)" || { echo "no runs/*/checkpoints/best.pt: run make train first" >&2; exit 2; }
+	$(PY) -m dlrm.evaluate --checkpoint $(CHECKPOINT) --data $(DATA)
+
+tensorboard: $(STAMP)
+	$(VENV)/bin/tensorboard --logdir runs --port $(PORT)
+
 test: $(STAMP)
 	$(PY) -m pytest
+
+$(BROWSER_STAMP): $(STAMP)
+	test -x $(CHROMIUM) || apt-get install -y chromium || sudo apt-get install -y chromium
+	$(PY) -m pip install -q -e '.[dev,browser]'
+	touch $(BROWSER_STAMP)
+
+test-browser: $(BROWSER_STAMP) $(SAMPLE)
+	$(PY) scripts/check_tensorboard.py --chromium $(CHROMIUM) --screenshots scripts/results/screenshots
 
 bench: $(STAMP)
 	$(PY) scripts/bench_kernels.py --batches 16384

@@ -1,12 +1,13 @@
 """Run configuration: frozen dataclasses loaded from JSON with validation.
 
-A config file is one JSON object with the sections `data`, `model`, `train` and `profiler` (each optional,
-each defaulting to the values below) and a top-level `name`. Unknown keys and bad values raise ValueError
-naming the key, e.g. `model.embedding_dim: expected a positive int, got 0`.
+A config file is one JSON object with the sections `data`, `model`, `train`, `profiler` and `parallel`
+(each optional, each defaulting to the values below) and a top-level `name`. Unknown keys and bad values
+raise ValueError naming the key, e.g. `model.embedding_dim: expected a positive int, got 0`.
 """
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ OPTIMIZERS = ("sgd", "adagrad")
 PRECISIONS = ("fp32", "tf32", "bf16")
 COMPILE_MODES = ("default", "reduce-overhead")
 TRITON_MLP_KERNELS = ("linear_act", "bias_act", "cuda_bias_act")
+ON_NONFINITE = ("stop", "skip_batch")
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,11 @@ class TrainConfig:
     replays it (dlrm.graphs); it needs `use_triton` and optimizer "sgd", whose steps have no host sync.
     `precision` of the training step's MLPs and interaction: "fp32", "tf32" (fp32 tensors, TF32 tensor-core
     matmuls) or "bf16" (autocast to bf16; fp32 master weights, embedding tables, loss and evaluation).
+    `on_nonfinite`: what a NaN or infinite training loss does: "stop" the run (exit 3; last.pt stays the
+    last finite state) or "skip_batch" (the step's update is not applied, on the device; counted).
+    Checkpoints/last.pt is written every `checkpoint_interval` steps (null: not by steps) and every
+    `checkpoint_every_s` seconds of wall time (null: not by time), at a step's end; `keep_last` older ones
+    are kept beside it as checkpoints/step-<N>.pt (0: only last.pt).
     """
 
     optimizer: str = "sgd"
@@ -142,6 +149,10 @@ class TrainConfig:
     triton_mlp_kernel: str = "linear_act"
     cuda_graphs: bool = False
     precision: str = "fp32"
+    on_nonfinite: str = "stop"
+    checkpoint_interval: int | None = None
+    checkpoint_every_s: float | None = 600.0
+    keep_last: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,12 +166,29 @@ class ProfilerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Many processes (`torchrun`, dlrm.parallel); ignored in a single process.
+
+    `row_wise`: split tables larger than `row_wise_bytes` (bytes of weights + optimizer state; null: the
+    total over the world size, an even share per rank) over several ranks by rows; false places every table
+    whole on one rank (table-wise), which needs no more ranks than tables. `timeout_s`: how long a
+    collective may wait before the process group fails it, and how long a rank may go without a heartbeat
+    before the others end the run (env DLRM_TIMEOUT_S overrides it).
+    """
+
+    row_wise: bool = True
+    row_wise_bytes: int | None = None
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
 class RunConfig:
     name: str = "dlrm"
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -186,7 +214,13 @@ class RunConfig:
         return "triton" if self.train.use_triton else "torch"
 
 
-_SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "profiler": ProfilerConfig}
+_SECTIONS = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "profiler": ProfilerConfig,
+    "parallel": ParallelConfig,
+}
 
 
 def _check_type(key: str, value: Any, annotation: Any) -> Any:
@@ -202,6 +236,8 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # JSON's Infinity / NaN, which Python's json module accepts
+            raise ValueError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):
@@ -297,19 +333,27 @@ def validate(cfg: RunConfig) -> RunConfig:
         )
     _require(m.max_rows >= 2, "model.max_rows", "an integer >= 2", m.max_rows)
     _require(t.optimizer in OPTIMIZERS, "train.optimizer", f"one of {OPTIMIZERS}", t.optimizer)
-    _require(t.lr > 0, "train.lr", "a positive number", t.lr)
+    # Finite as well: configs built in Python skip _check_type.
+    _require(0 < t.lr < math.inf, "train.lr", "a positive finite number", t.lr)
     if t.embedding_lr is not None:
-        _require(t.embedding_lr > 0, "train.embedding_lr", "a positive number or null", t.embedding_lr)
-    _require(t.weight_decay >= 0, "train.weight_decay", "a number >= 0", t.weight_decay)
+        ok = 0 < t.embedding_lr < math.inf
+        _require(ok, "train.embedding_lr", "a positive finite number or null", t.embedding_lr)
+    _require(0 <= t.weight_decay < math.inf, "train.weight_decay", "a finite number >= 0", t.weight_decay)
     _require(t.epochs > 0, "train.epochs", "a positive integer", t.epochs)
     for key, value in (
         ("train.max_steps", t.max_steps),
         ("train.eval_interval", t.eval_interval),
         ("train.patience", t.patience),
+        ("train.checkpoint_interval", t.checkpoint_interval),
     ):
         if value is not None:
             _require(value > 0, key, "a positive integer or null", value)
     _require(t.log_interval > 0, "train.log_interval", "a positive integer", t.log_interval)
+    _require(t.on_nonfinite in ON_NONFINITE, "train.on_nonfinite", f"one of {ON_NONFINITE}", t.on_nonfinite)
+    if t.checkpoint_every_s is not None:
+        ok = 0 < t.checkpoint_every_s < math.inf
+        _require(ok, "train.checkpoint_every_s", "a positive number of seconds or null", t.checkpoint_every_s)
+    _require(t.keep_last >= 0, "train.keep_last", "an integer >= 0", t.keep_last)
     _require(t.device in DEVICES, "train.device", f"one of {DEVICES}", t.device)
     _require(t.precision in PRECISIONS, "train.precision", f"one of {PRECISIONS}", t.precision)
     _require(t.compile_mode in COMPILE_MODES, "train.compile_mode", f"one of {COMPILE_MODES}", t.compile_mode)
@@ -330,6 +374,15 @@ def validate(cfg: RunConfig) -> RunConfig:
     for key, value in (("profiler.wait", p.wait), ("profiler.warmup", p.warmup)):
         _require(value >= 0, key, "an integer >= 0", value)
     _require(p.active > 0, "profiler.active", "a positive integer", p.active)
+    par = cfg.parallel
+    if par.row_wise_bytes is not None:
+        _require(
+            par.row_wise_bytes > 0,
+            "parallel.row_wise_bytes",
+            "a positive integer or null",
+            par.row_wise_bytes,
+        )
+    _require(par.timeout_s > 0, "parallel.timeout_s", "a positive number (seconds)", par.timeout_s)
     return cfg
 
 
@@ -345,6 +398,12 @@ def load_config(path: str | Path) -> RunConfig:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a directory, expected a JSON config file (configs/*.json)") from None
+    except OSError as err:
+        raise ValueError(f"{path}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file, expected a JSON config") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
     try:

@@ -1,28 +1,25 @@
-"""`python -m dlrm.evaluate`: AUC, logloss and normalized entropy of a checkpoint on a data split, as JSON."""
+"""`python -m dlrm.evaluate`: AUC, logloss and normalized entropy of a checkpoint on a data split, as JSON.
+The checkpoint is a one-process .pt or the sharded directory of a torchrun run, read whole here."""
 
 import json
-import sys
 from pathlib import Path
 
 import click
 import torch
 
+from dlrm import progress
 from dlrm.checkpoint import load_checkpoint
+from dlrm.cli_options import checkpoint_option, device_option
 from dlrm.config import from_dict
 from dlrm.data.dataset import BatchLoader, open_split
+from dlrm.errors import cli_errors
 from dlrm.metrics import evaluate
 from dlrm.model import model_from_checkpoint
 from dlrm.step import resolve_device
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option(
-    "--checkpoint",
-    "checkpoint_path",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="checkpoints/best.pt or last.pt of a run.",
-)
+@checkpoint_option
 @click.option(
     "--data",
     "data_dir",
@@ -33,21 +30,24 @@ from dlrm.step import resolve_device
 @click.option(
     "--split", default="eval", help="Split to evaluate: eval, or val / test for layouts kaggle, terabyte."
 )
-@click.option("--batch-size", type=click.IntRange(min=1), default=4096)
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
-def main(checkpoint_path, data_dir, split, batch_size, device):
+@click.option("--batch-size", type=click.IntRange(min=1), default=4096, help="Rows per forward pass.")
+@device_option
+@click.option(
+    "--quiet",
+    is_flag=True,
+    help="Print the JSON only: no progress bar (shown when stdout is a terminal) and no log lines.",
+)
+def main(checkpoint_path, data_dir, split, batch_size, device, quiet):
     """Print {"auc", "logloss", "ne", "samples"} of a checkpoint on DATA/SPLIT as JSON."""
-    try:
+    mode = progress.configure("quiet" if quiet else "auto")
+    with cli_errors():
         state = load_checkpoint(checkpoint_path)
         cfg = from_dict(state["config"])
         dev = resolve_device(device)
         model = model_from_checkpoint(cfg.model, state["table_rows"], state["model"]).to(dev)
         loader = BatchLoader(open_split(data_dir, split), batch_size, device=dev)
         with torch.no_grad():
-            result = evaluate(model, loader, dev)
-    except (ValueError, FileNotFoundError) as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
+            result = evaluate(model, progress.eval_batches(mode, loader, split), dev)
     click.echo(json.dumps({"checkpoint": str(checkpoint_path), "split": split, **result}))
 
 

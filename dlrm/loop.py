@@ -7,38 +7,55 @@ TensorBoard events, a profiler trace `*.pt.trace.json`, checkpoints/last.pt and 
 What changes while a run goes on lives in one `RunState` (step, samples, best evaluation, throughput
 sums), which checkpoints save and `--resume` restores; the steps since the last log line live in an
 `Interval`. What is fixed once set up (model, optimizer, step, loaders, writer) is a `Run`. Logging,
-evaluation and checkpointing are plain functions of those.
+evaluation and checkpointing are plain functions of those; `after_step` is the one point after each step
+where they, periodic checkpoints and stop signals hook in.
+
+Failures (README "Failures and recovery"): a non-finite loss is found where the interval's losses are read
+(each log line, evaluation and checkpoint; no per-step host sync) and stops the run with NonFiniteLoss
+(exit 3), last.pt left at the last finite checkpoint; SIGINT / SIGTERM finish the step, write last.pt and
+raise Interrupted; device out-of-memory becomes OutOfMemory with the numbers that matter.
 """
 
 import itertools
 import json
+import math
+import os
 import resource
+import shutil
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 from loguru import logger
-from torch.profiler import record_function
 from torch.utils.tensorboard import SummaryWriter
 
+from dlrm import parallel
 from dlrm.checkpoint import load_checkpoint, save_checkpoint
 from dlrm.config import RunConfig
 from dlrm.data.dataset import Batch, BatchLoader, ParquetDataset, load_metadata, open_split
 from dlrm.data.loaders import STATEFUL_LOADERS, TrainLoader, make_train_loader
 from dlrm.data.resident import ResidentLoader
 from dlrm.data.schema import NUM_SPARSE
+from dlrm.errors import Interrupted, NonFiniteLoss, RunStopped
 from dlrm.metrics import evaluate
 from dlrm.model import DLRM, build_model
-from dlrm.profiling import make_profiler
+from dlrm.out_of_memory import out_of_memory
+from dlrm.parallel import checkpoint as sharded_checkpoint
+from dlrm.parallel import run as ranks
+from dlrm.parallel.evaluation import ShardedEvalSplit, evaluate_sharded
+from dlrm.parallel.sharded import build_sharded_model
+from dlrm.profiling import data_range, make_profiler
+from dlrm.progress import TrainProgress
+from dlrm.run_dir import check_run_dir, make_run_dir, write_text_atomically
+from dlrm.signals import StopSignals
 from dlrm.step import (
     StepFn,
     build_step,
     make_optimizer,
-    resolve_device,
     set_precision,
     use_interpreter_on_cpu,
 )
@@ -48,38 +65,61 @@ from dlrm.step import (
 class RunState:
     """What changes during a run; saved in every checkpoint, restored by `--resume`.
 
-    step: optimization steps done. samples: train samples of those steps. best: the best evaluation so
-    far ({"auc", "logloss", "ne", "samples", "step"}), None before the first. evals_since_best: for
-    early stopping. The rest are this process's throughput sums and last values, for metrics.json.
+    step: optimization steps done. samples: train samples of those steps, over the whole run (resumes
+    included). best: the best evaluation so far ({"auc", "logloss", "ne", "samples", "step"}), None before
+    the first. evals_since_best: for early stopping. skipped_batches: steps whose non-finite loss was
+    skipped (train.on_nonfinite "skip_batch"). last_finite_loss: (step, loss) of the last finite step loss
+    read. train_loss: the last log line's mean loss (None before one). The rest are this process's:
+    throughput sums, the last evaluation, when last.pt was written.
     """
 
     step: int = 0
     samples: int = 0
     best: dict | None = None
     evals_since_best: int = 0
+    skipped_batches: int = 0
+    last_finite_loss: tuple[int, float] | None = None
+    train_loss: float | None = None
     last_eval: dict | None = None
     last_eval_step: int | None = None
-    train_loss: float = float("nan")
     first_step_s: float | None = None  # this process's first step, compilation included
     # Training throughput of this process: the first step (compilation) and evaluations excluded.
     timed_s: float = 0.0
     timed_samples: int = 0
+    timed_steps: int = 0
     evals: int = 0  # evaluations of this process
-    eval_s: float = 0.0  # their time, in all
+    eval_s: float = 0.0  # their time, in all (best.pt's writes not included)
     first_eval_s: float | None = None  # the first's, which pays for the eval shapes' JIT and tuning
+    last_checkpoint_step: int | None = None  # the step checkpoints/last.pt holds, when known
+    last_checkpoint_time: float = field(default_factory=time.monotonic)
+    last_checkpoint_state: dict | None = None  # checkpointed() as last.pt holds it
 
     def checkpointed(self) -> dict[str, Any]:
         """The fields a resumed run goes on from."""
-        return {"step": self.step, "best": self.best, "evals_since_best": self.evals_since_best}
+        keys = (
+            "step",
+            "samples",
+            "best",
+            "evals_since_best",
+            "skipped_batches",
+            "last_finite_loss",
+            "train_loss",
+        )
+        return {key: getattr(self, key) for key in keys}
 
 
 @dataclass
 class Interval:
-    """The steps since the last log line: the device sum of their losses (read once, at the log line)."""
+    """The steps since the last log line. Their losses are copied into the device buffer `losses` (one
+    slot per step, no host sync) and read at the log line, or earlier where an evaluation or checkpoint
+    needs to know they are finite (`read` of them already checked)."""
 
-    loss_sum: torch.Tensor
+    losses: torch.Tensor
     steps: int = 0
     samples: int = 0
+    read: int = 0
+    loss_sum: float = 0.0  # of the finite losses read
+    finite: int = 0
     start: float = field(default_factory=time.perf_counter)
 
 
@@ -93,33 +133,69 @@ class Run:
     optimizer: torch.optim.Optimizer
     step_fn: StepFn
     train_loader: TrainLoader
-    eval_loader: BatchLoader
+    eval_loader: BatchLoader | ShardedEvalSplit  # many ranks: each scores its part of the split
     eval_split: str
     run_dir: Path
-    writer: SummaryWriter
+    writer: SummaryWriter | ranks.NullWriter
+    signals: StopSignals
+    progress: TrainProgress = field(default_factory=lambda: TrainProgress("log", 0))
+    dist: parallel.Dist = parallel.SINGLE  # this process's rank; SINGLE without torchrun
 
 
-def train(cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = None) -> dict:
+def train(
+    cfg: RunConfig,
+    output_dir: Path | None = None,
+    resume: Path | None = None,
+    overwrite: bool = False,
+    progress: str = "auto",
+) -> dict:
     """Train per `cfg`, writing everything into the run directory; returns the metrics.json contents:
     {"steps", "samples", "train_loss", "eval_auc", "eval_logloss", "samples_per_s", "wall_s", "backend", ...}.
     "eval_auc"/"eval_logloss" are those of the best evaluation (saved as checkpoints/best.pt).
     With `resume` (a checkpoint of a run of the same model config) training goes on from its step: weights,
-    optimizer state, best evaluation and the train loader's position are restored, and the run directory
-    defaults to the checkpoint's. "samples" then counts this run's samples only.
+    optimizer state, best evaluation and the train loader's position are restored (hyperparameters are the
+    config's), and the run directory defaults to the checkpoint's. "steps" and "samples" cover the whole run.
+    An `output_dir` that already holds a run is refused unless `resume` or `overwrite` (which empties it).
+    `progress`: what it shows while it runs, "auto", "bar", "log" or "quiet" (dlrm.progress).
+
+    Under torchrun (dlrm.parallel) every rank runs this same loop on its part of each global batch; rank 0
+    writes the run directory's files (checkpoints: every rank, sharded).
 
     Raises:
-        ValueError: bad data directory, config values the data contradicts, no CUDA for device "cuda", or a
-            checkpoint that does not fit the config.
+        ValueError: bad data directory, config values the data contradicts, no CUDA for device "cuda", a
+            checkpoint that does not fit the config, or a run directory that holds a run or is not writable.
+        NonFiniteLoss: a NaN or infinite loss with train.on_nonfinite "stop" (metrics.json written).
+        Interrupted: SIGINT / SIGTERM (last.pt and metrics.json written).
+        OutOfMemory: the device ran out of memory (nothing more written).
     """
     start = time.perf_counter()
-    run, state = set_up(cfg, output_dir, resume)
-    t = cfg.train
+    try:
+        run, state = set_up(cfg, output_dir, resume, overwrite, progress)
+    except torch.OutOfMemoryError as err:
+        raise out_of_memory(cfg, err, "during set-up") from None
+    try:
+        with run.signals:  # Ctrl-C during set-up stops at once; from here on, after the step
+            train_steps(run, state)
+    except torch.OutOfMemoryError as err:
+        run.writer.close()
+        raise out_of_memory(cfg, err, f"at step {state.step + 1}") from None
+    except RunStopped as err:
+        finish(run, state, time.perf_counter() - start, stopped=err)
+        raise
+    return finish(run, state, time.perf_counter() - start)
+
+
+def train_steps(run: Run, state: RunState) -> None:
+    """The loop: epochs, steps, and after each step `after_step`; at the end an evaluation and last.pt."""
+    t = run.cfg.train
     loader = run.train_loader
     max_steps = t.max_steps or t.epochs * len(loader)
-    interval = Interval(torch.zeros((), device=run.device))
+    interval = Interval(torch.empty(t.log_interval, device=run.device))
     stop = False
     run.model.train()
-    with make_profiler(cfg.profiler, run.run_dir, run.device) as profiler:
+    worker = f"rank{run.dist.rank}" if run.dist.enabled else None  # one trace per rank
+    profiler = make_profiler(run.cfg.profiler, run.run_dir, run.device, run.writer, state.step, worker)
+    with profiler:
         first_epoch, skip = resume_position(loader, state.step)
         for epoch in range(first_epoch, t.epochs):
             if stop or state.step >= max_steps:
@@ -128,35 +204,72 @@ def train(cfg: RunConfig, output_dir: Path | None = None, resume: Path | None = 
             batches = epoch_batches(loader, skip if epoch == first_epoch else 0)
             while state.step < max_steps and not stop:
                 step_start = time.perf_counter()
-                with record_function("data"):
+                with data_range():
                     batch = next(batches, None)
                 if batch is None:
                     break
                 loss = run.step_fn(run.model, run.optimizer, batch)
                 profiler.step()
                 account_step(run, state, interval, loss, batch, step_start)
-                if state.step % t.log_interval == 0:
-                    log_interval(run, state, interval, epoch)
-                if t.eval_interval and state.step % t.eval_interval == 0:
-                    stop = evaluate_and_select(run, state, interval)
+                stop = after_step(run, state, interval, epoch)
             log_interval(run, state, interval, epoch)
             if not stop and state.last_eval_step != state.step:
                 stop = evaluate_and_select(run, state, interval)  # end of epoch
     if state.last_eval is None:  # a resumed run that had no step left to train
         evaluate_and_select(run, state, interval)
-    save_run_checkpoint(run, state, "last.pt")
-    return finish(run, state, time.perf_counter() - start)
+    save_last(run, state, interval)
 
 
-def set_up(cfg: RunConfig, output_dir: Path | None, resume: Path | None) -> tuple[Run, RunState]:
-    """Data, model, optimizer, step, loaders, run directory and TensorBoard writer of a run, and its state
-    (restored from `resume` when given). Raises ValueError as `train`."""
+def after_step(run: Run, state: RunState, interval: Interval, epoch: int) -> bool:
+    """What happens after a step, in this order: the log line, an evaluation, a stop signal (last.pt, then
+    Interrupted), a periodic checkpoint. True when early stopping says stop.
+
+    Many ranks: a signal and a checkpoint by wall time are decided by each rank's clock and handler, so
+    they are acted on at log lines only, where the ranks agree on them (one small all-reduce), since the
+    sharded checkpoint is a collective that every rank must enter at the same step."""
+    t = run.cfg.train
+    at_log_line = state.step % t.log_interval == 0
+    if at_log_line:
+        log_interval(run, state, interval, epoch)
+    stop = False
+    if t.eval_interval and state.step % t.eval_interval == 0:
+        stop = evaluate_and_select(run, state, interval)
+    signalled, timed = run.signals.received is not None, checkpoint_due_by_time(run.cfg, state)
+    if run.dist.enabled:
+        signalled, timed = ranks.any_rank([signalled, timed]) if at_log_line else (False, False)
+    if signalled:
+        stop_on_signal(run, state, interval)
+    if timed or checkpoint_due_by_steps(run.cfg, state):
+        save_last(run, state, interval)
+    return stop
+
+
+def set_up(
+    cfg: RunConfig,
+    output_dir: Path | None,
+    resume: Path | None,
+    overwrite: bool = False,
+    progress: str = "auto",
+) -> tuple[Run, RunState]:
+    """Data, model, optimizer, step, loaders, run directory, TensorBoard writer and progress bar of a run,
+    and its state
+    (restored from `resume` when given). The run directory is checked first and written only once all
+    else is set up. Raises ValueError as `train`."""
     t = cfg.train
-    device = resolve_device(t.device)
+    _, world_size, _ = parallel.world_from_env()
+    if world_size > 1:  # config / world-size mismatches: one-line errors before the process group
+        ranks.check_world(cfg, world_size)
+    dist, device = parallel.init_distributed(t.device, cfg.parallel.timeout_s)  # single process: no-op
+    run_dir = output_dir if output_dir or resume is None else resume.parent.parent
+    if dist.is_main:
+        run_dir = check_run_dir(cfg, run_dir, resume, overwrite)
+    if dist.enabled:
+        run_dir = ranks.same_path(run_dir)
     use_interpreter_on_cpu(cfg, device)
     set_precision(t.precision)
     torch.manual_seed(t.seed)
     data_dir = Path(cfg.data.path)
+    logger.info("reading {} ({} loader)", data_dir, cfg.data.loader)
     metadata = load_metadata(data_dir)
     # Layouts kaggle and terabyte hold out "val" (model selection) and "test"; layout fraction: "eval".
     eval_split = "val" if "val" in metadata.get("files", {}) else "eval"
@@ -165,28 +278,47 @@ def set_up(cfg: RunConfig, output_dir: Path | None, resume: Path | None) -> tupl
     streams = cfg.data.loader in ("streaming", "binary")
     train_set = None if streams else open_split(data_dir, "train")
     eval_set = open_split(data_dir, eval_split)
+    check_rows(data_dir, metadata, eval_split, eval_set.num_rows)
     train_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64) if train_set is None else train_set.sparse
     kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
-    model = build_model(cfg.model, metadata, train_ids, **kernels).to(device)
+    logger.info("building the model ({} backend) on {}", cfg.backend, device)
+    if dist.enabled:  # tables sharded over the ranks, the dense part replicated
+        model, plan = build_sharded_model(cfg, metadata, train_ids, dist.rank, dist.world_size, device)
+    else:
+        model = build_model(cfg.model, metadata, train_ids, **kernels).to(device)
     optimizer = make_optimizer(model, cfg)
     state = RunState()
-    checkpoint = load_resumable(resume, cfg, model, optimizer) if resume is not None else {}
+    checkpoint = load_resumable(resume, cfg, model, optimizer, dist) if resume is not None else {}
     for key, value in checkpoint.items():
         if key in RunState.__dataclass_fields__:
             setattr(state, key, value)
-    step_fn = build_step(model, optimizer, cfg, device)
-    train_loader = make_train_loader(cfg.data, data_dir, t.seed, device, train_set)
+    reduce_grads = parallel.grad_averager(model.dense_parameters(), dist.world_size) if dist.enabled else None
+    step_fn = build_step(model, optimizer, cfg, device, reduce_grads)
+    train_loader = make_train_loader(
+        cfg.data, data_dir, t.seed, device, train_set, dist.rank, dist.world_size
+    )
     if len(train_loader) == 0:
         raise ValueError(
             f"data.batch_size: {cfg.data.batch_size} leaves no batch of {train_loader.num_rows} train rows"
         )
+    check_rows(data_dir, metadata, "train", train_loader.num_rows)
     if checkpoint.get("loader") is not None:
         train_loader.load_state_dict(checkpoint["loader"])
-    eval_loader = make_eval_loader(eval_set, cfg.data.eval_batch_size, device)
+    if dist.enabled:
+        eval_loader = ShardedEvalSplit(eval_set, cfg.data.eval_batch_size, dist)
+    else:
+        eval_loader = make_eval_loader(eval_set, cfg.data.eval_batch_size, device)
 
-    run_dir = make_run_dir(cfg, output_dir if output_dir or resume is None else resume.parent.parent)
+    make_run_dir(run_dir, overwrite and resume is None and dist.is_main)
+    if resume is not None and resume.resolve() == (run_dir / "checkpoints" / "last.pt").resolve():
+        state.last_checkpoint_step = state.step
     config_json = json.dumps(cfg.to_dict(), indent=2)
-    (run_dir / "config.json").write_text(config_json)
+    if dist.is_main:
+        (run_dir / "config.json").write_text(config_json)
+    if dist.enabled:
+        logger.info("{} ranks; embedding tables:\n{}", dist.world_size, plan.describe())
+        if dist.is_main:
+            (run_dir / "sharding_plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
     logger.info(
         "run {} | backend {} | device {} | train {} rows, {} {} rows | {} params",
         run_dir,
@@ -197,9 +329,26 @@ def set_up(cfg: RunConfig, output_dir: Path | None, resume: Path | None) -> tupl
         eval_set.num_rows,
         sum(p.numel() for p in model.parameters()),
     )
-    writer = SummaryWriter(str(run_dir))
+    # A resumed run's events continue the step axis: TensorBoard drops the earlier events past its step
+    # (logged after the checkpoint by the run that was stopped), so no step appears twice.
+    purge_step = state.step + 1 if resume is not None else None
+    writer = SummaryWriter(str(run_dir), purge_step=purge_step) if dist.is_main else ranks.NullWriter()
     writer.add_text("config", "```json\n" + config_json + "\n```")
-    run = Run(cfg, device, model, optimizer, step_fn, train_loader, eval_loader, eval_split, run_dir, writer)
+    run = Run(
+        cfg,
+        device,
+        model,
+        optimizer,
+        step_fn,
+        train_loader,
+        eval_loader,
+        eval_split,
+        run_dir,
+        writer,
+        StopSignals(),
+        dist=dist,
+    )
+    run.progress = TrainProgress(progress, t.max_steps or t.epochs * len(train_loader), state.step)
     return run, state
 
 
@@ -214,13 +363,34 @@ def make_eval_loader(eval_set: ParquetDataset, batch_size: int, device: torch.de
     return BatchLoader(eval_set, batch_size, device=device)
 
 
-def load_resumable(path: Path, cfg: RunConfig, model: DLRM, optimizer: torch.optim.Optimizer) -> dict:
+def check_rows(data_dir: Path, metadata: dict, split: str, rows: int) -> None:
+    """Raise ValueError when `split` has no rows, or other row counts than metadata.json says."""
+    expected = metadata.get("rows", {}).get(split)
+    if expected is not None and expected != rows:
+        raise ValueError(
+            f"{data_dir}/metadata.json: split {split!r} has {expected} rows, its parquet files hold {rows} "
+            "(files changed since preprocessing? preprocess again)"
+        )
+    if rows == 0:
+        raise ValueError(f"{data_dir}: split {split!r} has no rows")
+
+
+def load_resumable(
+    path: Path,
+    cfg: RunConfig,
+    model: DLRM,
+    optimizer: torch.optim.Optimizer,
+    dist: parallel.Dist = parallel.SINGLE,
+) -> dict:
     """Load checkpoint `path` into `model` and `optimizer`; return it (step, best, loader position, ...).
+    `path` is a .pt file of one process or a sharded checkpoint directory of many (dlrm.parallel.checkpoint),
+    loaded on any number of ranks.
 
     Raises:
         ValueError: the file is not a checkpoint, or was trained with another model config or optimizer.
     """
-    state = load_checkpoint(path)
+    sharded = dist.enabled and path.is_dir()  # read by every rank, each its own rows
+    state = sharded_checkpoint.read_meta(path) if sharded else load_checkpoint(path)
     ours, theirs = cfg.to_dict(), state["config"]
     for section, key in [("model", k) for k in ours["model"]] + [("train", "optimizer"), ("data", "loader")]:
         if theirs[section].get(key) != ours[section][key]:
@@ -228,20 +398,31 @@ def load_resumable(path: Path, cfg: RunConfig, model: DLRM, optimizer: torch.opt
                 f"{path}: trained with {section}.{key} = {theirs[section].get(key)!r}, "
                 f"the config has {ours[section][key]!r}"
             )
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    if model.sparse_arch.kernel == "triton" and state.get("embedding_optimizer_state") is not None:
-        model.sparse_arch.optimizer_state.copy_(state["embedding_optimizer_state"])
+    # The config's hyperparameters win over the checkpoint's (the optimizer's state restores those too).
+    ours = [{k: group[k] for k in ("lr", "weight_decay")} for group in optimizer.param_groups]
+    if sharded:
+        sharded_checkpoint.load_sharded(path, model, optimizer, dist)
+    elif dist.enabled:  # a one-process .pt: each rank takes its rows
+        sharded_checkpoint.load_full_into_sharded(state, model, optimizer)
+    else:
+        model.load_state_dict(state["model"])
+        if state["optimizer"] is None:  # a sharded checkpoint read whole: optimizer state by parameter name
+            sharded_checkpoint.load_optimizer_by_name(
+                model, optimizer, state["optimizer_by_name"], state["step"]
+            )
+        else:
+            optimizer.load_state_dict(state["optimizer"])
+        if model.sparse_arch.kernel == "triton" and state.get("embedding_optimizer_state") is not None:
+            model.sparse_arch.optimizer_state.copy_(state["embedding_optimizer_state"])
+    for group, values in zip(optimizer.param_groups, ours, strict=True):
+        for key, value in values.items():
+            if group[key] != value:
+                logger.info(
+                    "resuming with the config's {} {} (the checkpoint had {})", key, value, group[key]
+                )
+            group[key] = value
     logger.info("resuming from {} at step {}", path, state["step"])
     return state
-
-
-def make_run_dir(cfg: RunConfig, output_dir: Path | None) -> Path:
-    """`output_dir`, or runs/<name>-<timestamp> when None; created."""
-    if output_dir is None:
-        output_dir = Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    output_dir.mkdir(parents=True, exist_ok=True)
-    return output_dir
 
 
 def resume_position(loader: TrainLoader, step: int) -> tuple[int, int]:
@@ -261,31 +442,87 @@ def account_step(
     run: Run, state: RunState, interval: Interval, loss: torch.Tensor, batch: Batch, step_start: float
 ) -> None:
     """Count a finished step. The first step of the process pays for compilation (Inductor, Triton JIT):
-    it is timed apart and kept out of the interval's throughput."""
+    it is timed apart and kept out of the interval's throughput. Other steps' losses go into the
+    interval's device buffer (no host sync)."""
     state.step += 1
-    state.samples += batch.label.numel()
+    parallel.note_progress(state.step)
+    samples = batch.label.numel() * run.dist.world_size  # the global batch
+    state.samples += samples
+    run.progress.step()
     if state.first_step_s is None:
         if run.device.type == "cuda":
             torch.cuda.synchronize()
         state.first_step_s = time.perf_counter() - step_start
         logger.info("first step {:.2f} s (includes compile / kernel JIT)", state.first_step_s)
-        state.train_loss = loss.item()
+        note_losses(run, state, [loss.item()], state.step)
+        if state.train_loss is None and math.isfinite(loss.item()):
+            state.train_loss = loss.item()
         interval.start = time.perf_counter()
         return
-    interval.loss_sum += loss.detach()
+    interval.losses[interval.steps].copy_(loss.detach())
     interval.steps += 1
-    interval.samples += batch.label.numel()
+    interval.samples += samples
+
+
+def check_finite(run: Run, state: RunState, interval: Interval) -> None:
+    """Read the interval's losses not read yet (one host sync) and note them (see `note_losses`)."""
+    if interval.read == interval.steps:
+        return
+    losses = interval.losses[interval.read : interval.steps].tolist()
+    first = state.step - interval.steps + interval.read + 1
+    interval.read = interval.steps
+    finite = [x for x in losses if math.isfinite(x)]
+    interval.loss_sum += sum(finite)
+    interval.finite += len(finite)
+    note_losses(run, state, losses, first)
+
+
+def note_losses(run: Run, state: RunState, losses: list[float], first_step: int) -> None:
+    """Steps `first_step`, ... had `losses`: keep the last finite one; on a non-finite one raise
+    NonFiniteLoss (train.on_nonfinite "stop") or count it as skipped ("skip_batch": its update was not
+    applied, on the device)."""
+    for step, loss in enumerate(losses, first_step):
+        if math.isfinite(loss):
+            state.last_finite_loss = (step, loss)
+        elif run.cfg.train.on_nonfinite == "skip_batch":
+            state.skipped_batches += 1
+            logger.warning("step {}: loss {}, batch skipped (train.on_nonfinite skip_batch)", step, loss)
+        else:
+            raise nonfinite_stop(run, state, f"step {step}: the training loss is {loss}")
+
+
+def nonfinite_stop(run: Run, state: RunState, what: str) -> NonFiniteLoss:
+    """The NonFiniteLoss that stops the run: what happened, the last finite loss, what last.pt holds."""
+    last = state.last_finite_loss
+    last_text = f"last finite loss {last[1]:.6g} at step {last[0]}" if last else "no finite loss before it"
+    last_pt = run.run_dir / "checkpoints" / "last.pt"
+    kept = (
+        f"{last_pt} holds step {state.last_checkpoint_step}, the last finite state"
+        if state.last_checkpoint_step is not None
+        else "no last.pt was written before it"
+    )
+    hint = "" if run.cfg.train.on_nonfinite == "skip_batch" else ', or set train.on_nonfinite "skip_batch"'
+    return NonFiniteLoss(f"{what} ({last_text}); stopped, {kept}. Lower train.lr{hint}")
 
 
 def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> None:
-    """Log the steps since the last log line (its one host sync, loss_sum.item()), and start a new
-    interval."""
+    """Log the steps since the last log line (its one host sync: the losses not read yet) and start a new
+    interval. Raises NonFiniteLoss as `note_losses`, and when every step of the interval was skipped (the
+    weights themselves are no longer finite)."""
     if not interval.steps:
         return
-    state.train_loss = interval.loss_sum.item() / interval.steps
+    check_finite(run, state, interval)
+    if not interval.finite:
+        first = state.step - interval.steps + 1
+        raise nonfinite_stop(run, state, f"steps {first}-{state.step}: every loss was skipped as non-finite")
+    state.train_loss = interval.loss_sum / interval.finite
+    if run.dist.enabled:  # the mean of the ranks' means: the global batch's mean loss
+        local = torch.tensor(state.train_loss, device=run.device)
+        state.train_loss = ranks.mean_over_ranks(local).item()
     elapsed = time.perf_counter() - interval.start
     state.timed_s += elapsed
     state.timed_samples += interval.samples
+    state.timed_steps += interval.steps
     writer = run.writer
     writer.add_scalar("train/loss", state.train_loss, state.step)
     writer.add_scalar("perf/samples_per_s", interval.samples / elapsed, state.step)
@@ -298,15 +535,28 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
         interval.samples / elapsed,
         1000 * elapsed / interval.steps,
     )
-    interval.loss_sum.zero_()
+    run.progress.interval(epoch, state.train_loss, interval.samples / elapsed)
     interval.steps, interval.samples, interval.start = 0, 0, time.perf_counter()
+    interval.read, interval.loss_sum, interval.finite = 0, 0.0, 0
 
 
 def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     """Evaluate on the eval split, log it, keep the best as checkpoints/best.pt; True when early stopping
-    says stop. The evaluation's time is kept out of the interval's throughput."""
+    says stop. The evaluation's and the checkpoint's time are kept out of the interval's throughput. The
+    losses since the last log line are checked first (NonFiniteLoss), and a non-finite evaluation never
+    becomes best."""
+    check_finite(run, state, interval)
     eval_start = time.perf_counter()
-    result = evaluate(run.model, run.eval_loader, run.device, run.cfg.train.precision)
+    if run.dist.enabled:  # every rank scores its part; all get the metrics of the whole split
+        result = evaluate_sharded(run.model, run.eval_loader, run.device)
+    else:
+        batches = run.progress.eval_batches(run.eval_loader, run.eval_split)
+        result = evaluate(run.model, batches, run.device, run.cfg.train.precision)
+    # The evaluation alone (its result is on the host, so its GPU work is done); best.pt's write is apart.
+    eval_time = time.perf_counter() - eval_start
+    state.evals += 1
+    state.eval_s += eval_time
+    state.first_eval_s = eval_time if state.first_eval_s is None else state.first_eval_s
     state.last_eval, state.last_eval_step = result, state.step
     for key in ("auc", "logloss", "ne"):
         run.writer.add_scalar(f"eval/{key}", result[key], state.step)
@@ -316,18 +566,18 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
         result["auc"],
         result["logloss"],
         result["ne"],
-        time.perf_counter() - eval_start,
+        eval_time,
     )
-    if state.best is None or result["auc"] > state.best["auc"]:
+    # AUC can look finite (a rank statistic) on NaN logits: the logloss and the weights tell.
+    finite = all(math.isfinite(result[key]) for key in ("auc", "logloss", "ne")) and weights_finite(run.model)
+    if not finite:
+        logger.warning("step {}: the evaluation is not finite; not a candidate for best.pt", state.step)
+    if finite and (state.best is None or result["auc"] > state.best["auc"]):
         state.best, state.evals_since_best = {**result, "step": state.step}, 0
         save_run_checkpoint(run, state, "best.pt")
     else:
         state.evals_since_best += 1
-    eval_time = time.perf_counter() - eval_start
-    state.evals += 1
-    state.eval_s += eval_time
-    state.first_eval_s = eval_time if state.first_eval_s is None else state.first_eval_s
-    interval.start += eval_time
+    interval.start += time.perf_counter() - eval_start
     patience = run.cfg.train.patience
     if patience is not None and state.evals_since_best >= patience:
         logger.info("early stop: no better eval AUC in {} evaluations", patience)
@@ -335,10 +585,71 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     return False
 
 
+def checkpoint_due_by_steps(cfg: RunConfig, state: RunState) -> bool:
+    """Whether a periodic last.pt is due by train.checkpoint_interval (every N steps)."""
+    interval = cfg.train.checkpoint_interval
+    return bool(interval) and state.step % interval == 0
+
+
+def checkpoint_due_by_time(cfg: RunConfig, state: RunState) -> bool:
+    """Whether train.checkpoint_every_s seconds have passed since the last last.pt."""
+    every = cfg.train.checkpoint_every_s
+    return every is not None and time.monotonic() - state.last_checkpoint_time >= every
+
+
+def save_last(run: Run, state: RunState, interval: Interval) -> None:
+    """checkpoints/last.pt, written only for a finite state: the interval's losses are read first and the
+    weights summed (NonFiniteLoss otherwise, leaving the previous last.pt). The last.pt it replaces is kept
+    as step-<N>.pt (a hard link) when train.keep_last > 0, the oldest beyond keep_last deleted."""
+    check_finite(run, state, interval)
+    directory = run.run_dir / "checkpoints"
+    # Many ranks write a sharded directory, checkpoints/last (keep_last is refused there: check_world).
+    last, keep = directory / ("last" if run.dist.enabled else "last.pt"), run.cfg.train.keep_last
+    if state.last_checkpoint_state == state.checkpointed() and last.exists():
+        return  # written at this step already (the end of a run, a signal right after a periodic one)
+    if not weights_finite(run.model):
+        raise nonfinite_stop(run, state, f"step {state.step}: the weights are not finite")
+    previous = state.last_checkpoint_step
+    if keep and previous is not None and previous != state.step and last.exists():
+        kept = directory / f"step-{previous}.pt"
+        kept.unlink(missing_ok=True)
+        try:
+            os.link(last, kept)
+        except OSError:  # a file system without hard links
+            shutil.copyfile(last, kept)
+    save_run_checkpoint(run, state, "last.pt")
+    state.last_checkpoint_step, state.last_checkpoint_time = state.step, time.monotonic()
+    state.last_checkpoint_state = state.checkpointed()
+    logger.info("step {}: checkpoint {}", state.step, last)
+    if keep:
+        steps = sorted(
+            int(p.stem.split("-", 1)[1]) for p in directory.glob("step-*.pt") if p.stem[5:].isdigit()
+        )
+        for step in steps[:-keep]:
+            (directory / f"step-{step}.pt").unlink(missing_ok=True)
+
+
+def weights_finite(model: DLRM) -> bool:
+    """Whether every parameter is finite (one sum per parameter, one host sync)."""
+    sums = [p.detach().sum(dtype=torch.float32) for p in model.parameters()]
+    return bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
+
+
 def save_run_checkpoint(run: Run, state: RunState, name: str) -> None:
-    """checkpoints/`name`: weights, optimizer states, config, table layout, run state, loader position."""
+    """checkpoints/`name`: weights, optimizer states, config, table layout, run state, loader position.
+    Many ranks: the sharded directory checkpoints/<name without .pt>/ (dlrm.parallel.checkpoint)."""
     sparse_arch = run.model.sparse_arch
     loader = run.train_loader
+    if run.dist.enabled:
+        meta = {
+            "config": run.cfg.to_dict(),
+            "table_rows": sparse_arch.table_rows,
+            "loader": loader.state_dict() if isinstance(loader, STATEFUL_LOADERS) else None,
+            **state.checkpointed(),
+        }
+        path = run.run_dir / "checkpoints" / name.removesuffix(".pt")
+        sharded_checkpoint.save_sharded(path, run.model, run.optimizer, run.dist, meta)
+        return
     save_checkpoint(
         run.run_dir / "checkpoints" / name,
         model=run.model.state_dict(),
@@ -352,20 +663,38 @@ def save_run_checkpoint(run: Run, state: RunState, name: str) -> None:
     )
 
 
-def finish(run: Run, state: RunState, wall_s: float) -> dict:
-    """Write metrics.json, close the writer; return the metrics."""
-    cfg, best, last_eval = run.cfg, state.best, state.last_eval
+def stop_on_signal(run: Run, state: RunState, interval: Interval) -> None:
+    """A stop signal came: write last.pt (a finite state only), flush TensorBoard, raise Interrupted."""
+    save_last(run, state, interval)
+    run.writer.flush()
+    signum = run.signals.received
+    checkpoint = run.run_dir / "checkpoints" / "last.pt"
+    raise Interrupted(
+        f"stopped by {signal.Signals(signum).name} after step {state.step}; {checkpoint} written",
+        exit_code=128 + signum,
+        checkpoint=checkpoint,
+    )
+
+
+def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None = None) -> dict:
+    """Write metrics.json (strict JSON: null for what is undefined), close the writer; return the metrics.
+    `stopped`: why the run ended early, recorded as "stopped"."""
+    run.progress.close()
+    cfg, best, last_eval = run.cfg, state.best or {}, state.last_eval or {}
+    ms_per_step = 1000 * state.timed_s / state.timed_steps if state.timed_steps else None
+    per_rank = ranks.gather_floats(ms_per_step) if run.dist.enabled else [ms_per_step]
     metrics = {
         "steps": state.step,
         "samples": state.samples,
         "train_loss": state.train_loss,
-        "eval_auc": best["auc"],
-        "eval_logloss": best["logloss"],
-        "eval_ne": best["ne"],
-        "best_step": best["step"],
+        "eval_auc": best.get("auc"),
+        "eval_logloss": best.get("logloss"),
+        "eval_ne": best.get("ne"),
+        "best_step": best.get("step"),
         "eval_split": run.eval_split,
-        "eval_samples": best["samples"],
-        "last_eval_auc": last_eval["auc"],
+        "eval_samples": best.get("samples"),
+        "last_eval_auc": last_eval.get("auc"),
+        "skipped_batches": state.skipped_batches,
         "samples_per_s": state.timed_samples / state.timed_s if state.timed_s else None,
         "first_step_s": state.first_step_s,
         "evals": state.evals,
@@ -377,14 +706,23 @@ def finish(run: Run, state: RunState, wall_s: float) -> dict:
         "mlp_kernel": cfg.mlp_kernel,
         "sparse_kernel": cfg.sparse_kernel,
         "device": str(run.device),
+        "world_size": run.dist.world_size,
+        # Each rank's mean ms per training step (first step and evaluations excluded): the spread.
+        "step_ms_min": min(per_rank) if None not in per_rank else None,
+        "step_ms_max": max(per_rank) if None not in per_rank else None,
+        "stopped": None if stopped is None else type(stopped).__name__,
     }
-    (run.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    metrics = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+    if run.dist.is_main:
+        write_text_atomically(run.run_dir / "metrics.json", json.dumps(metrics, indent=2, allow_nan=False))
     run.writer.close()
-    logger.info(
-        "done: {} steps, best eval auc {:.4f} at step {}, metrics in {}",
-        state.step,
-        best["auc"],
-        best["step"],
-        run.run_dir / "metrics.json",
-    )
+    if stopped is None:
+        auc = "none" if metrics["eval_auc"] is None else f"{metrics['eval_auc']:.4f}"
+        logger.info(
+            "done: {} steps, best eval auc {} at step {}, metrics in {}",
+            state.step,
+            auc,
+            metrics["best_step"],
+            run.run_dir / "metrics.json",
+        )
     return metrics

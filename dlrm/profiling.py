@@ -1,18 +1,51 @@
-"""PyTorch profiler set-up: a scheduled window whose trace lands next to the TensorBoard events.
+"""PyTorch profiler set-up: a scheduled window whose trace lands next to the TensorBoard events, and its
+per-stage breakdown written into TensorBoard itself.
 
-The trace is written as `<run_dir>/<host>_<pid>.<time>.pt.trace.json` by
-`torch.profiler.tensorboard_trace_handler`; open it in Perfetto / chrome://tracing, or the TensorBoard
-profiler plugin. The training loop marks its stages with `record_function` (data, embedding, bottom_mlp,
-interaction, top_mlp, loss, backward, optimizer).
+The trace is written as `<run_dir>/<host>_<pid>.<time>.pt.trace.json`, named as
+`torch.profiler.tensorboard_trace_handler` names it; open it in Perfetto (ui.perfetto.dev) /
+chrome://tracing, or TensorBoard's PYTORCH_PROFILER tab (the torch-tb-profiler plugin). The training
+loop marks its stages with `record_function` (STAGES: data, embedding, bottom_mlp, interaction, top_mlp,
+loss, backward, optimizer).
+The data range holds a second range named as PyTorch's DataLoader names its own
+(`enumerate(DataLoader)#...__next__`), which is what the plugin's overview counts as "DataLoader" time; the
+plugin (archived upstream) only reads such ranges as operators ("cpu_op"), while today's profiler writes
+every `record_function` range as a "user_annotation", so the written trace gets that one range's category
+changed to "cpu_op" (the DataLoader's own range reads "DataLoader 0us" in the plugin otherwise).
+
+When the window's trace is ready, `write_stage_breakdown` adds per stage and per profiled step its host
+time (the range's wall-clock time on the host) and, on a GPU, its GPU time (the kernels, copies and memsets
+launched while the range was open, from any host thread: backward launches from autograd's thread) to
+TensorBoard: scalars `profile/<stage>_ms` (host) and `profile/<stage>_gpu_ms`, and a markdown table under
+the Text tab's `profile` tag. No plugin is needed to see them.
 """
 
+import bisect
 import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+from loguru import logger
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 from dlrm.config import ProfilerConfig
+
+STAGES = ("data", "embedding", "bottom_mlp", "interaction", "top_mlp", "loss", "backward", "optimizer")
+# torch-tb-profiler counts a range as data loading when its name starts with "enumerate(DataLoader)#" and
+# ends with ".__next__" (torch_tb_profiler/profiler/event_parser.py), as PyTorch's DataLoader names it.
+DATA_LOADER_RANGE = "enumerate(DataLoader)#TrainLoader.__next__"
+_STEP_PREFIX = "ProfilerStep"  # "ProfilerStep*" in events(), "ProfilerStep#<n>" in the trace
+
+
+@contextlib.contextmanager
+def data_range() -> Iterator[None]:
+    """The training loop's "data" range (fetching the next batch), as the profiler plugin recognizes it."""
+    with record_function("data"), record_function(DATA_LOADER_RANGE):
+        yield
 
 
 class _NoProfiler(contextlib.AbstractContextManager):
@@ -23,11 +56,21 @@ class _NoProfiler(contextlib.AbstractContextManager):
         pass
 
 
-def make_profiler(cfg: ProfilerConfig, run_dir: Path, device: torch.device):
+def make_profiler(
+    cfg: ProfilerConfig,
+    run_dir: Path,
+    device: torch.device,
+    writer=None,
+    first_step: int = 0,
+    worker_name: str | None = None,
+):
     """A context manager with `.step()`, to be called once per training step.
 
-    Records steps wait + 1 .. wait + warmup + active (one cycle, then idle). Returns a no-op when
-    `cfg.enabled` is false.
+    Records steps wait + 1 .. wait + warmup + active (one cycle, then idle), counted from `first_step`
+    (a resumed run's step). With a SummaryWriter `writer`, the window's per-stage breakdown goes into
+    TensorBoard (`write_stage_breakdown`) at the step where the window ends. `worker_name` starts the
+    trace's file name (default `<host>_<pid>`; "rank<k>" for the ranks of a torchrun job:
+    `rank<k>.<time>.pt.trace.json`). Returns a no-op when `cfg.enabled` is false.
     """
     if not cfg.enabled:
         return _NoProfiler()
@@ -37,6 +80,110 @@ def make_profiler(cfg: ProfilerConfig, run_dir: Path, device: torch.device):
     return profile(
         activities=activities,
         schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
-        on_trace_ready=tensorboard_trace_handler(str(run_dir)),
+        on_trace_ready=_on_trace_ready(run_dir, writer, first_step, worker_name),
         record_shapes=True,
     )
+
+
+def _on_trace_ready(run_dir: Path, writer, first_step: int, worker_name: str | None):
+    def handler(prof: profile) -> None:
+        export_trace(prof, run_dir, worker_name)
+        if writer is not None:
+            write_stage_breakdown(writer, stage_breakdown(prof.events()), first_step + prof.step_num)
+
+    return handler
+
+
+def export_trace(prof: profile, run_dir: Path, worker_name: str | None = None) -> Path:
+    """Write the trace as `torch.profiler.tensorboard_trace_handler` names it
+    (<worker>.<ns>.pt.trace.json, worker `<host>_<pid>` by default, which the TensorBoard plugin lists),
+    with the data-loading range marked as the plugin expects."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    worker = worker_name or f"{socket.gethostname()}_{os.getpid()}"
+    path = run_dir / f"{worker}.{time.time_ns()}.pt.trace.json"
+    prof.export_chrome_trace(str(path))
+    try:
+        trace = json.loads(path.read_text())
+    except ValueError as err:  # leave the trace as the profiler wrote it
+        logger.warning(
+            "{}: not plain JSON ({}); data loading is not marked for the TensorBoard plugin", path, err
+        )
+        return path
+    for event in trace.get("traceEvents", []):
+        if event.get("name") == DATA_LOADER_RANGE and event.get("cat") == "user_annotation":
+            event["cat"] = "cpu_op"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(trace))
+    os.replace(tmp, path)
+    return path
+
+
+def stage_breakdown(events) -> dict:
+    """Per-step time of each stage over the profiled steps of `events` (a profiler's `events()`):
+    {"steps": profiled steps, "step_ms": host ms per step, "gpu": whether GPU times exist,
+    "stages": {stage: {"host_ms", "gpu_ms"}}} (ms per profiled step; GPU 0 without a GPU)."""
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async]
+    steps = [e for e in cpu if e.name.startswith(_STEP_PREFIX)]
+    n = max(len(steps), 1)
+    host = dict.fromkeys(STAGES, 0.0)
+    intervals = []  # (start_us, end_us, stage) of every stage range, sorted by start
+    for e in cpu:
+        if e.name in host:
+            host[e.name] += e.time_range.elapsed_us()
+            intervals.append((e.time_range.start, e.time_range.end, e.name))
+    intervals.sort()
+    starts = [start for start, _, _ in intervals]
+    gpu = dict.fromkeys(STAGES, 0.0)
+    any_kernel = False
+    for e in cpu:
+        if not e.kernels:
+            continue
+        any_kernel = True
+        # The innermost stage range open when the op started (stages do not nest in one another, but a
+        # stage may start inside another's time span on another thread: take the latest start before it).
+        i = bisect.bisect_right(starts, e.time_range.start) - 1
+        while i >= 0 and intervals[i][1] < e.time_range.start:
+            i -= 1
+        if i >= 0:
+            gpu[intervals[i][2]] += sum(k.duration for k in e.kernels)
+    step_us = sum(e.time_range.elapsed_us() for e in steps)
+    return {
+        "steps": len(steps),
+        "step_ms": step_us / n / 1000,
+        "gpu": any_kernel,
+        "stages": {s: {"host_ms": host[s] / n / 1000, "gpu_ms": gpu[s] / n / 1000} for s in STAGES},
+    }
+
+
+def breakdown_table(breakdown: dict) -> str:
+    """The breakdown as a markdown table (TensorBoard's Text tab renders it)."""
+    gpu = breakdown["gpu"]
+    step_ms = breakdown["step_ms"]
+    header = "| stage | host ms/step | % of step |" + (" GPU ms/step |" if gpu else "")
+    lines = [header, "| --- | --- | --- |" + (" --- |" if gpu else "")]
+    for stage, t in breakdown["stages"].items():
+        share = f"{100 * t['host_ms'] / step_ms:.1f}%" if step_ms else "-"
+        lines.append(f"| {stage} | {t['host_ms']:.3f} | {share} |" + (f" {t['gpu_ms']:.3f} |" if gpu else ""))
+    lines.append(f"| whole step | {step_ms:.3f} | 100% |" + (" |" if gpu else ""))
+    note = (
+        f"Profiled steps: {breakdown['steps']}. Host: wall-clock time of the stage's range on the host. "
+        + (
+            "GPU: kernels, copies and memsets launched inside the range. "
+            if gpu
+            else "No GPU time (CPU run). "
+        )
+        + "On a GPU the host only launches work: the host and GPU times of a stage differ."
+    )
+    return "\n".join(lines) + "\n\n" + note
+
+
+def write_stage_breakdown(writer, breakdown: dict, step: int) -> None:
+    """Scalars profile/<stage>_ms (host) and profile/<stage>_gpu_ms (GPU runs), profile/step_ms, and the
+    markdown table as text `profile`, at `step`."""
+    for stage, t in breakdown["stages"].items():
+        writer.add_scalar(f"profile/{stage}_ms", t["host_ms"], step)
+        if breakdown["gpu"]:
+            writer.add_scalar(f"profile/{stage}_gpu_ms", t["gpu_ms"], step)
+    writer.add_scalar("profile/step_ms", breakdown["step_ms"], step)
+    writer.add_text("profile", breakdown_table(breakdown), step)
+    writer.flush()

@@ -5,6 +5,10 @@ step itself (`train_step`), plain or captured as a whole-step CUDA graph (`build
     optimizer = make_optimizer(model, cfg)
     step = build_step(model, optimizer, cfg, device)     # train_step, or its CUDA-graph replay
     loss = step(model, optimizer, batch)                 # 0-d device tensor, no host sync
+
+With `train.on_nonfinite` "skip_batch" the step carries a `NonFiniteGuard`: a step whose loss is NaN or
+infinite leaves weights and optimizer state as they were, decided on the device (no host sync, so it is
+captured in the CUDA graph too).
 """
 
 import functools
@@ -78,11 +82,83 @@ def compile_dense_part(model: DLRM, mode: str = "default") -> None:
         module.compile(dynamic=True, mode=mode)
 
 
+class _GradGate(torch.autograd.Function):
+    """Identity forward; backward passes the gradient where `ok` (a 0-d bool device tensor, set after the
+    forward) holds, zeros otherwise: torch.where, so NaN gradients become exact zeros."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        ctx.ok = ok  # not save_for_backward: the guard writes `ok` in place after this forward
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.where(ctx.ok, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)), None
+
+
+class NonFiniteGuard:
+    """Skips the update of a step whose loss is not finite (`train.on_nonfinite` "skip_batch"), on the device.
+
+    - Embedding tables: the gradient flowing into the embeddings is gated (a forward hook on the SparseArch
+      puts `_GradGate` after the lookup), so the "triton" kernel's fused SGD / Adagrad update in backward
+      and the eager tables' sparse update both add exact zeros: the rows and Adagrad accumulators keep
+      their values.
+    - MLPs: their gradients are zeroed by torch.where before `optimizer.step()`; SGD and Adagrad then leave
+      the weights as they were. With weight decay the decay term would still move them, so the weights and
+      optimizer state of the dense parameters are also restored by torch.where after the step.
+      (torch.optim.Adagrad's step count still advances; it scales the lr only through lr_decay, unused.)
+
+    `ok` is the last step's verdict, a 0-d bool device tensor.
+    """
+
+    def __init__(self, model: DLRM, optimizer: torch.optim.Optimizer, device: torch.device):
+        self.model, self.optimizer = model, optimizer
+        self.ok = torch.ones((), dtype=torch.bool, device=device)
+        self.restore = any(group.get("weight_decay", 0.0) for group in optimizer.param_groups)
+        model.sparse_arch.register_forward_hook(self._gate)
+
+    def _gate(self, module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        return _GradGate.apply(output, self.ok) if torch.is_grad_enabled() else output
+
+    def check(self, loss: torch.Tensor) -> None:
+        """Set `ok` from the step's loss, before backward."""
+        self.ok.copy_(torch.isfinite(loss.detach()))
+
+    def step(self) -> None:
+        """`optimizer.step()`, a no-op for the weights when the loss was not finite."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        zero = torch.zeros((), device=self.ok.device)
+        for p in params:
+            if not p.grad.is_sparse:  # sparse gradients (eager tables) are already gated, exactly zero
+                p.grad.copy_(torch.where(self.ok, p.grad, zero.to(p.grad.dtype)))
+        if not self.restore:
+            self.optimizer.step()
+            return
+        dense = [p for p in params if not p.grad.is_sparse]
+        kept = [[t, t.detach().clone()] for p in dense for t in self._tensors(p)]
+        self.optimizer.step()
+        with torch.no_grad():
+            for t, old in kept:
+                t.copy_(torch.where(self.ok, t, old))
+
+    def _tensors(self, p: torch.Tensor) -> list[torch.Tensor]:
+        state = self.optimizer.state.get(p, {})
+        return [p, *(v for v in state.values() if isinstance(v, torch.Tensor) and v.is_floating_point())]
+
+
 def train_step(
-    model: DLRM, optimizer: torch.optim.Optimizer, batch: Batch, precision: str = "fp32"
+    model: DLRM,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    precision: str = "fp32",
+    guard: NonFiniteGuard | None = None,
+    reduce_grads: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """One optimization step on `batch`; returns the mean BCE-with-logits loss, a device scalar (no sync).
-    With precision "bf16" the forward runs under bf16 autocast (the loss is computed in fp32)."""
+    With precision "bf16" the forward runs under bf16 autocast (the loss is computed in fp32). With a
+    `guard`, a non-finite loss leaves the weights unchanged (see NonFiniteGuard). `reduce_grads` (many
+    ranks: dlrm.parallel.dense.grad_averager) runs between backward and the optimizer: the dense
+    gradients' all-reduce, inside the step (and inside its CUDA graph)."""
     # A new iteration for Inductor's CUDA graphs (compile_mode "reduce-overhead"), whose outputs of the
     # last step may be overwritten from here on; without them this is a no-op.
     torch.compiler.cudagraph_mark_step_begin()
@@ -93,17 +169,32 @@ def train_step(
         logits = model(batch.dense, batch.sparse)
     with record_function("loss"):
         loss = model.loss(logits, batch.label)
+        if guard is not None:
+            guard.check(loss)
     with record_function("backward"):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+    if reduce_grads is not None:
+        with record_function("allreduce"):
+            reduce_grads()
     with record_function("optimizer"):
-        optimizer.step()
+        if guard is None:
+            optimizer.step()
+        else:
+            guard.step()
     return loss
 
 
-def build_step(model: DLRM, optimizer: torch.optim.Optimizer, cfg: RunConfig, device: torch.device) -> StepFn:
-    """The run's training step: `train_step` at the config's precision, on a dense part compiled when
-    `train.use_torch_compile`, replayed as one CUDA graph when `train.cuda_graphs`.
+def build_step(
+    model: DLRM,
+    optimizer: torch.optim.Optimizer,
+    cfg: RunConfig,
+    device: torch.device,
+    reduce_grads: Callable[[], None] | None = None,
+) -> StepFn:
+    """The run's training step: `train_step` at the config's precision (with `reduce_grads`, see
+    train_step), on a dense part compiled when `train.use_torch_compile`, replayed as one CUDA graph when
+    `train.cuda_graphs`, guarded against non-finite losses when `train.on_nonfinite` is "skip_batch".
 
     Raises:
         ValueError: `train.cuda_graphs` on a device other than CUDA.
@@ -111,7 +202,10 @@ def build_step(model: DLRM, optimizer: torch.optim.Optimizer, cfg: RunConfig, de
     t = cfg.train
     if t.use_torch_compile:
         compile_dense_part(model, t.compile_mode)
-    step: StepFn = functools.partial(train_step, precision=t.precision)
+    guard = NonFiniteGuard(model, optimizer, device) if t.on_nonfinite == "skip_batch" else None
+    step: StepFn = functools.partial(
+        train_step, precision=t.precision, guard=guard, reduce_grads=reduce_grads
+    )
     if t.cuda_graphs:
         if device.type != "cuda":
             raise ValueError(f"train.cuda_graphs needs a CUDA device, the run is on {device}")

@@ -2,15 +2,20 @@
 
 Each run writes into its own directory (default `runs/<name>-<timestamp>/`): config.json (resolved config),
 TensorBoard events, a profiler trace `*.pt.trace.json`, checkpoints/last.pt and best.pt, and metrics.json.
-Watch it with `tensorboard --logdir runs`.
+Watch it with `make tensorboard` (or `.venv/bin/tensorboard --logdir runs`).
+
+Many GPUs: `torchrun --nproc-per-node N -m dlrm.train --config C [flags]` (dlrm.parallel; README "Many GPUs").
 """
 
+import shlex
 import sys
 from pathlib import Path
 
 import click
 
+from dlrm import parallel, progress
 from dlrm.config import load_config, replace
+from dlrm.errors import RunStopped, cli_errors
 from dlrm.loop import train
 
 
@@ -61,13 +66,18 @@ from dlrm.loop import train
     "--output-dir",
     type=click.Path(path_type=Path),
     default=None,
-    help="Run directory [default: runs/<name>-<timestamp>].",
+    help="Run directory [default: runs/<name>-<timestamp>]. One that already holds a run is refused "
+    "unless --resume or --overwrite.",
+)
+@click.option(
+    "--overwrite", is_flag=True, help="Delete what the run directory holds (an earlier run) before starting."
 )
 @click.option(
     "--resume",
     type=click.Path(path_type=Path),
     default=None,
-    help="Go on from this checkpoint (e.g. runs/<run>/checkpoints/last.pt), in its run directory.",
+    help="Go on from this checkpoint (e.g. runs/<run>/checkpoints/last.pt, or .../last of a torchrun run, on "
+    "any number of ranks), in its run directory.",
 )
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after N training steps.")
 @click.option(
@@ -77,6 +87,13 @@ from dlrm.loop import train
     help="Overrides train.device from the config.",
 )
 @click.option("--seed", type=int, default=None, help="Overrides train.seed from the config.")
+@click.option(
+    "--quiet",
+    is_flag=True,
+    help="No progress bar and no log lines but warnings and errors. Without it: a progress bar (epoch, "
+    "step/steps, samples/s, loss, ETA; evaluation) when stdout is a terminal, else a log line per "
+    "train.log_interval steps and per evaluation.",
+)
 def main(
     config_path,
     use_torch_compile,
@@ -86,13 +103,20 @@ def main(
     cuda_graphs,
     precision,
     output_dir,
+    overwrite,
     resume,
     max_steps,
     device,
     seed,
+    quiet,
 ):
-    """Train a DLRM on preprocessed Criteo data, then `tensorboard --logdir runs`."""
-    try:
+    """Train a DLRM on preprocessed Criteo data; watch it with `.venv/bin/tensorboard --logdir runs`.
+
+    Exit status: 0 done, 2 bad input (one line naming the file or key), 3 non-finite loss, 130 / 143
+    stopped by SIGINT / SIGTERM (checkpoints/last.pt written; the line says how to go on).
+    """
+    mode = progress.configure("quiet" if quiet else "auto")
+    with cli_errors(report):
         cfg = load_config(config_path)
         overrides = {
             "use_torch_compile": use_torch_compile or cfg.train.use_torch_compile,
@@ -109,10 +133,37 @@ def main(
         ):
             if value is not None:
                 overrides[key] = value
-        train(replace(cfg, "train", **overrides), output_dir, resume)
-    except (ValueError, FileNotFoundError) as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
+        try:
+            train(replace(cfg, "train", **overrides), output_dir, resume, overwrite=overwrite, progress=mode)
+        except RunStopped as err:
+            if err.checkpoint is not None:
+                command = resume_command(click.get_current_context(), err.checkpoint)
+                err.args = (f"{err}; go on with: {command}",)
+            raise
+        except Exception as err:
+            if parallel.is_distributed():
+                parallel.fail(err)  # one message naming the rank that failed or stopped; never returns
+            raise
+    parallel.shutdown()
+
+
+def report(message: str, code: int) -> None:
+    """One `error:` line (naming the rank under torchrun); the other ranks are told to end too; exit."""
+    click.echo(f"{parallel.rank_prefix()}error: {message}", err=True)
+    parallel.abort_peers(f"error: {message}")
+    parallel.exit_now(code)
+
+
+def resume_command(ctx: click.Context, checkpoint: Path) -> str:
+    """The command line that goes on from `checkpoint`: this one's options (as parsed), without
+    --output-dir, --overwrite and --resume, plus `--resume checkpoint`."""
+    args = [sys.executable, "-m", "dlrm.train"]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if param.name in ("output_dir", "overwrite", "resume") or value is None or value is False:
+            continue
+        args += [param.opts[0]] if getattr(param, "is_flag", False) else [param.opts[0], str(value)]
+    return shlex.join([*args, "--resume", str(checkpoint)])
 
 
 if __name__ == "__main__":

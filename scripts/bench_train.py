@@ -13,10 +13,26 @@ Backends ending in "+graphs" capture the whole step as a CUDA graph (dlrm.graphs
 apart). After warm-up (the first step, with compilation and autotuning, is timed apart) it times `--steps`
 steps with CUDA events and reports ms/step, samples/s, peak GPU memory and the ratio to the eager backend of
 the same invocation; rows go to scripts/results/train.csv.
+
+Many GPUs (weak scaling: `--batches` is the batch per GPU, the global batch is N times it):
+
+    python scripts/bench_train.py --nproc 1,2 --configs kaggle --precisions tf32 --batches 65536 \
+        --backends triton+graphs
+
+runs the benchmark once per N, under `torchrun --standalone --nproc-per-node N` (tables sharded over the
+ranks, dense gradients all-reduced in the step, as `torchrun -m dlrm.train` trains: dlrm.parallel), and
+writes rows with world_size, global_batch, the per-rank spread of ms/step (the slowest rank sets the
+step), samples/s of the global batch and `scaling_vs_1gpu` (samples/s over the N=1 row of the same
+invocation). On several hosts run it under torchrun yourself (`--nproc` left at 1): rank 0 appends the rows.
 """
 
 import functools
 import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,12 +40,15 @@ import click
 import torch
 from results_csv import append_rows, provenance
 
+from dlrm import parallel
 from dlrm.config import load_config, replace
 from dlrm.data.dataset import Batch
-from dlrm.data.schema import NUM_DENSE
+from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.data.synthetic import CARDINALITY_PRESETS
 from dlrm.graphs import GraphedTrainStep
 from dlrm.model import DLRM
+from dlrm.parallel.run import gather_floats
+from dlrm.parallel.sharded import build_sharded_model
 from dlrm.step import compile_dense_part, make_optimizer, set_precision, train_step
 
 RESULTS = Path(__file__).parent / "results" / "train.csv"
@@ -60,29 +79,48 @@ def random_batches(batch: int, table_rows: list[int], generator: torch.Generator
     return pool
 
 
-def build(config: str, backend: str, batch: int, max_rows: int | None, precision: str):
+def build(config: str, backend: str, batch: int, max_rows: int | None, precision: str, dist=parallel.SINGLE):
     """(model, optimizer, step, pool, table_rows) for configs/<config>.json with `backend`: the step is
-    `step(model, optimizer, batch) -> loss` (graph-captured for "+graphs" backends), pool the batches."""
+    `step(model, optimizer, batch) -> loss` (graph-captured for "+graphs" backends), pool the batches.
+    With several ranks (`dist`) the tables are sharded (created on each rank's GPU) and `batch` is the
+    batch of each rank."""
     cfg = replace(load_config(CONFIG_DIR / f"{config}.json"), "train", precision=precision, **FLAGS[backend])
     set_precision(precision)
     cap = max_rows or cfg.model.max_rows
     table_rows = [min(rows, cap) for rows in CARDINALITY_PRESETS["kaggle"]]
     torch.manual_seed(0)
     kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
-    model = DLRM(cfg.model, table_rows=table_rows, **kernels).cuda()
+    reduce_grads = None
+    if dist.enabled:
+        cfg = replace(cfg, "model", table_rows=tuple(table_rows), max_rows=cap)
+        no_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64)
+        device = torch.device("cuda", torch.cuda.current_device())
+        model, _ = build_sharded_model(cfg, {}, no_ids, dist.rank, dist.world_size, device)
+        reduce_grads = parallel.grad_averager(model.dense_parameters(), dist.world_size)
+    else:
+        model = DLRM(cfg.model, table_rows=table_rows, **kernels).cuda()
     optimizer = make_optimizer(model, cfg)
     if cfg.train.use_torch_compile:
         compile_dense_part(model, cfg.train.compile_mode)
-    step = functools.partial(train_step, precision=precision)
+    step = functools.partial(train_step, precision=precision, reduce_grads=reduce_grads)
     if cfg.train.cuda_graphs:
         step = GraphedTrainStep(model, optimizer, step)
-    pool = random_batches(batch, table_rows, torch.Generator(device="cuda").manual_seed(batch))
+    generator = torch.Generator(device="cuda").manual_seed(batch + 1000 * dist.rank)
+    pool = random_batches(batch, table_rows, generator)
     return model, optimizer, step, pool, table_rows
 
 
-def bench(config: str, backend: str, batch: int, steps: int, max_rows: int | None, precision: str) -> dict:
-    """Train `steps` timed steps of configs/<config>.json with `backend` at batch size `batch`."""
-    model, optimizer, step, pool, table_rows = build(config, backend, batch, max_rows, precision)
+def bench(
+    config: str,
+    backend: str,
+    batch: int,
+    steps: int,
+    max_rows: int | None,
+    precision: str,
+    dist=parallel.SINGLE,
+) -> dict:
+    """Train `steps` timed steps of configs/<config>.json with `backend` at batch size `batch` (per rank)."""
+    model, optimizer, step, pool, table_rows = build(config, backend, batch, max_rows, precision, dist)
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -101,12 +139,17 @@ def bench(config: str, backend: str, batch: int, steps: int, max_rows: int | Non
     ms = begin.elapsed_time(end) / steps
     if not torch.isfinite(loss):
         raise RuntimeError(f"{config}/{backend}/B={batch}: loss is {loss.item()}")
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    per_rank, peaks = ([ms], [peak]) if not dist.enabled else (gather_floats(ms), gather_floats(peak))
+    world = dist.world_size
     result = {
         "config": config, "backend": backend, "batch": batch, "table_rows_total": sum(table_rows),
-        "ms_per_step": round(ms, 4), "samples_per_s": round(batch / ms * 1000),
-        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "ms_per_step": round(max(per_rank), 4), "samples_per_s": round(batch * world / max(per_rank) * 1000),
+        "peak_mem_gib": round(max(peaks), 2),
         "first_step_s": round(first_step_s, 2),
         "capture_s": round(step.capture_s, 2) if isinstance(step, GraphedTrainStep) else "",
+        "world_size": world, "global_batch": batch * world,
+        "step_ms_min": round(min(per_rank), 4), "step_ms_max": round(max(per_rank), 4),
     }  # fmt: skip
     del model, optimizer, pool, step
     torch.cuda.empty_cache()
@@ -122,10 +165,21 @@ def bench(config: str, backend: str, batch: int, steps: int, max_rows: int | Non
 @click.option(
     "--precisions", default="fp32", help="Comma-separated train.precision values: fp32, tf32, bf16."
 )
-def main(configs, batches, backends, steps, max_rows, precisions):
+@click.option(
+    "--nproc",
+    default="1",
+    help="Comma-separated GPU counts N: each runs under torchrun on N GPUs of this host (weak scaling: "
+    "--batches per GPU).",
+)
+def main(configs, batches, backends, steps, max_rows, precisions, nproc):
     """Time the DLRM training step per config, backend and batch; append rows to scripts/results/train.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_train.py needs a CUDA GPU")
+    counts = [int(n) for n in nproc.split(",")]
+    if counts != [1] and "WORLD_SIZE" not in os.environ:
+        append_rows(RESULTS, with_scaling(launch_each(counts)))
+        return
+    dist, _ = parallel.init_distributed("cuda", 600.0)  # one process without torchrun
     common = provenance(torch.cuda.get_device_name())
     common |= {"data": "gpu-resident random ids", "optimizer": "sgd"}
     rows = []
@@ -133,17 +187,58 @@ def main(configs, batches, backends, steps, max_rows, precisions):
         for batch in (int(b) for b in batches.split(",")):
             eager = None
             for backend in backends.split(","):
-                r = bench(config, backend, batch, steps, max_rows, precision)
+                r = bench(config, backend, batch, steps, max_rows, precision, dist)
                 eager = r["samples_per_s"] if backend == "eager" else eager
                 ratio = round(r["samples_per_s"] / eager, 3) if eager else None
                 rows.append({**common, "precision": precision, **r, "ratio_vs_eager": ratio})
-                print(
-                    f"{config:<8}{precision:<6}{backend:<23}B={batch:<7}{r['ms_per_step']:>9.3f} ms/step "
-                    f"{r['samples_per_s']:>12,} samples/s  vs eager {ratio or float('nan'):>5.2f}x  "
-                    f"peak {r['peak_mem_gib']:>6.2f} GiB  first step {r['first_step_s']:.1f} s",
-                    flush=True,
-                )
-    append_rows(RESULTS, rows)
+                if dist.is_main:
+                    print(
+                        f"{config:<8}{precision:<6}{backend:<23}W={dist.world_size} B={batch:<7}"
+                        f"{r['ms_per_step']:>9.3f} ms/step {r['samples_per_s']:>12,} samples/s  "
+                        f"vs eager {ratio or float('nan'):>5.2f}x  peak {r['peak_mem_gib']:>6.2f} GiB  "
+                        f"first step {r['first_step_s']:.1f} s",
+                        flush=True,
+                    )
+    if dist.is_main:
+        if os.environ.get(ROWS_ENV):  # launched by launch_each: the parent writes the CSV
+            Path(os.environ[ROWS_ENV]).write_text(json.dumps(rows))
+        else:
+            append_rows(RESULTS, with_scaling(rows))
+    parallel.shutdown()
+
+
+ROWS_ENV = "DLRM_BENCH_ROWS"
+
+
+def launch_each(counts: list[int]) -> list[dict]:
+    """Run this script once per GPU count (N > 1 under torchrun --standalone); the rows of all runs."""
+    rows = []
+    args = [a for a in sys.argv[1:] if not a.startswith("--nproc")]
+    if "--nproc" in sys.argv[1:]:  # "--nproc N" as two arguments
+        i = sys.argv[1:].index("--nproc")
+        args = sys.argv[1 : i + 1] + sys.argv[i + 3 :]
+    for n in counts:
+        launcher = (
+            [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        )
+        launcher += [] if n == 1 else [f"--nproc-per-node={n}"]
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            env = {**os.environ, ROWS_ENV: out.name}
+            subprocess.run([*launcher, __file__, *args], env=env, check=True)
+            rows += json.loads(Path(out.name).read_text())
+    return rows
+
+
+def with_scaling(rows: list[dict]) -> list[dict]:
+    """Rows with `scaling_vs_1gpu`: samples/s over the one-GPU row of the same config, precision, backend
+    and per-GPU batch (None without one)."""
+    key = ("config", "precision", "backend", "batch")
+    single = {tuple(r[k] for k in key): r["samples_per_s"] for r in rows if r["world_size"] == 1}
+    out = []
+    for r in rows:
+        base = single.get(tuple(r[k] for k in key))
+        out.append({**r, "scaling_vs_1gpu": round(r["samples_per_s"] / base, 3) if base else None})
+    return out
 
 
 if __name__ == "__main__":

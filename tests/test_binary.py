@@ -158,3 +158,16 @@ def test_cli_writes_every_split_and_reports_bad_input(criteo_sample, tmp_path):
     assert open_binary(binary_dir(criteo_sample, "eval")).rows == 2000
     result = CliRunner().invoke(binary_cli.main, ["--data", str(tmp_path)])
     assert result.exit_code == 2 and result.output.startswith("error: ") and "metadata" in result.output
+
+
+def test_preprocess_binary_flag_writes_every_split(tmp_path):
+    from dlrm.data import preprocess as preprocess_cli
+    from tests.conftest import SAMPLE_TSV
+
+    out = tmp_path / "data"
+    result = CliRunner().invoke(
+        preprocess_cli.main, ["--input", str(SAMPLE_TSV), "--output-dir", str(out), "--binary"]
+    )
+    assert result.exit_code == 0, result.output
+    assert open_binary(binary_dir(out, "train")).rows == 8000
+    assert open_binary(binary_dir(out, "eval")).rows == 2000

@@ -16,9 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 from tqdm import tqdm
 
-from dlrm.data import preprocess as preprocess_module
+from dlrm.data import pipeline as pipeline_module
 from dlrm.data import text as text_module
-from dlrm.data.preprocess import PreprocessError, load_metadata, preprocess
+from dlrm.data.output import load_metadata
+from dlrm.data.preprocess import PreprocessError, preprocess
 from dlrm.data.schema import LABEL, RAW_COLUMNS, SPARSE_COLUMNS
 from dlrm.data.synthetic import SyntheticConfig, preset_cardinalities
 from dlrm.data.synthetic import write_tsv as write_synthetic_tsv
@@ -122,7 +123,7 @@ def test_resume_after_a_crash_inside_a_shard(tmp_path, monkeypatch):
     reference = tmp_path / "reference"
     preprocess([SAMPLE], reference, **args)
 
-    parse_block = preprocess_module.parse_block
+    parse_block = pipeline_module.parse_block
 
     def crash_at_line_5000(block, skip_bad_lines):
         if block.first_line <= 5000 < block.first_line + block.lines:
@@ -130,13 +131,13 @@ def test_resume_after_a_crash_inside_a_shard(tmp_path, monkeypatch):
         return parse_block(block, skip_bad_lines)
 
     out = tmp_path / "out"
-    monkeypatch.setattr(preprocess_module, "parse_block", crash_at_line_5000)
+    monkeypatch.setattr(pipeline_module, "parse_block", crash_at_line_5000)
     with pytest.raises(InjectedCrash):
         preprocess([SAMPLE], out, **args)
     done = check_nothing_looks_complete_that_is_not(tmp_path / "out.partial")
     assert [p.name for p in done] == [f"part-0000{i}.parquet" for i in range(3)]  # lines 1..4500
 
-    monkeypatch.setattr(preprocess_module, "parse_block", parse_block)
+    monkeypatch.setattr(pipeline_module, "parse_block", parse_block)
     preprocess([SAMPLE], out, **args)
     assert_same_output(out, reference)
 
@@ -148,7 +149,7 @@ def test_resume_does_not_read_inputs_whose_shards_are_all_complete(tmp_path, mon
     reference = tmp_path / "reference"
     preprocess(days, reference, **args)
 
-    parse_block = preprocess_module.parse_block
+    parse_block = pipeline_module.parse_block
 
     def crash_in_the_test_split(block, skip_bad_lines):
         if block.path == days[-1] and block.first_line <= 800 < block.first_line + block.lines:
@@ -156,7 +157,7 @@ def test_resume_does_not_read_inputs_whose_shards_are_all_complete(tmp_path, mon
         return parse_block(block, skip_bad_lines)
 
     out = tmp_path / "out"
-    monkeypatch.setattr(preprocess_module, "parse_block", crash_in_the_test_split)
+    monkeypatch.setattr(pipeline_module, "parse_block", crash_in_the_test_split)
     with pytest.raises(InjectedCrash):
         preprocess(days, out, **args)
     monkeypatch.undo()
@@ -192,7 +193,7 @@ def test_terabyte_resume_with_later_days_not_counted_yet(tmp_path, monkeypatch):
     reference = tmp_path / "reference"
     preprocess(days, reference, **args)
 
-    parse_block = preprocess_module.parse_block
+    parse_block = pipeline_module.parse_block
 
     # The reader runs at most ~6 blocks ahead of the crash: it does not reach the end of day 1.
     def crash_in_day_1(block, skip_bad_lines):
@@ -201,7 +202,7 @@ def test_terabyte_resume_with_later_days_not_counted_yet(tmp_path, monkeypatch):
         return parse_block(block, skip_bad_lines)
 
     out = tmp_path / "out"
-    monkeypatch.setattr(preprocess_module, "parse_block", crash_in_day_1)
+    monkeypatch.setattr(pipeline_module, "parse_block", crash_in_day_1)
     with pytest.raises(InjectedCrash):
         preprocess(days, out, **args)
     manifest = json.loads((tmp_path / "out.partial" / "manifest.json").read_text())
@@ -215,7 +216,7 @@ def test_terabyte_resume_with_later_days_not_counted_yet(tmp_path, monkeypatch):
 
 def test_a_partial_run_being_written_by_another_process_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(
-        preprocess_module, "parse_block", lambda block, skip: (_ for _ in ()).throw(InjectedCrash)
+        pipeline_module, "parse_block", lambda block, skip: (_ for _ in ()).throw(InjectedCrash)
     )
     with pytest.raises(InjectedCrash):
         preprocess([SAMPLE], tmp_path / "out")
@@ -239,7 +240,7 @@ def test_a_partial_run_being_written_by_another_process_is_refused(tmp_path, mon
 
 def test_a_partial_run_with_other_arguments_is_started_anew(tmp_path, monkeypatch):
     monkeypatch.setattr(
-        preprocess_module, "parse_block", lambda block, skip: (_ for _ in ()).throw(InjectedCrash)
+        pipeline_module, "parse_block", lambda block, skip: (_ for _ in ()).throw(InjectedCrash)
     )
     with pytest.raises(InjectedCrash):
         preprocess([SAMPLE], tmp_path / "out", rows_per_file=1000)
@@ -342,7 +343,7 @@ def test_blocks_parsed_in_pieces_give_the_same_output(tmp_path, monkeypatch):
     args = {"rows_per_file": 1500, "block_size": 400, "layout": "kaggle"}
     reference = tmp_path / "reference"
     preprocess([SAMPLE], reference, **args)
-    monkeypatch.setattr(preprocess_module, "PARSE_LINES", 37)
+    monkeypatch.setattr(pipeline_module, "PARSE_LINES", 37)
     preprocess([SAMPLE], tmp_path / "out", **args)
     assert_same_output(tmp_path / "out", reference)
     assert pq.read_metadata(tmp_path / "out" / "train" / "part-00000.parquet").row_group(0).num_rows == 400
@@ -417,7 +418,7 @@ def test_new_bad_arguments(tmp_path):
 def test_progress_bar_shows_rows_per_second_and_eta(tmp_path, monkeypatch):
     shown = io.StringIO()
     monkeypatch.setattr(
-        preprocess_module,
+        pipeline_module,
         "tqdm",
         lambda **kwargs: tqdm(**kwargs | {"file": shown, "disable": False, "mininterval": 0}),
     )

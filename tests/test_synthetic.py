@@ -16,7 +16,8 @@ from torchmetrics.functional.classification import binary_auroc
 
 from dlrm.data import synthetic
 from dlrm.data.dataset import BatchLoader, open_split
-from dlrm.data.preprocess import load_metadata, preprocess
+from dlrm.data.output import load_metadata
+from dlrm.data.preprocess import preprocess
 from dlrm.data.schema import MISSING_CATEGORY, NUM_DENSE, NUM_SPARSE, RAW_COLUMNS
 from dlrm.data.synthetic import (
     KAGGLE_CARDINALITIES,

@@ -20,7 +20,6 @@ under a temporary name and renamed when complete, so a crash never leaves a spli
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,6 +32,7 @@ from tqdm import tqdm
 
 from dlrm.data.dataset import columns_of, decode_table, load_metadata, split_paths
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
+from dlrm.errors import cli_errors
 
 VERSION = 1
 # file -> (numpy dtype, values per row)
@@ -157,11 +157,8 @@ def write_binary(data_dir: Path | str, splits: list[str] | None = None) -> dict[
 def main(data_dir: Path, splits: tuple[str, ...]) -> None:
     """Write the parquet splits of DATA as fixed-width binary files under DATA/binary/ (for
     data.loader "binary")."""
-    try:
+    with cli_errors():
         written = write_binary(data_dir, list(splits) or None)
-    except (ValueError, FileNotFoundError, OSError) as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
     for split, rows in written.items():
         click.echo(f"{binary_dir(data_dir, split)}: {rows} rows")
 

@@ -38,7 +38,7 @@ import os
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -46,6 +46,7 @@ from torch import Tensor
 
 from dlrm.data.binary import COLUMNS, open_binary, widen_ids
 from dlrm.data.dataset import Batch
+from dlrm.data.position import EpochPosition, rank_pieces
 
 CHUNK_ROWS = 65536
 _READERS = 4
@@ -53,17 +54,6 @@ _READERS = 4
 _READ_BYTES = 8 << 20
 # Domain tags of the random streams, so that no two draws of an epoch share a seed.
 _CHUNK_ORDER, _WINDOW_ORDER = 0, 1
-# State keys that must match the loader's for a resume to be exact.
-_STATE_KEYS = (
-    "seed",
-    "shuffle",
-    "batch_size",
-    "drop_last",
-    "world_size",
-    "num_rows",
-    "window_rows",
-    "chunk_rows",
-)
 
 
 class _Window(NamedTuple):
@@ -78,7 +68,7 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([k % 2**64 for k in key])
 
 
-class BinaryLoader:
+class BinaryLoader(EpochPosition):
     """Iterates a binary split in mini-batches (see the module docstring for the order and memory).
 
     Args:
@@ -93,10 +83,23 @@ class BinaryLoader:
         rank, world_size: this process's part of the rows.
         device: where batches are delivered.
         readers: reader threads.
+    Position: `state_dict`, `load_state_dict`, `set_epoch`, `len` (dlrm.data.position.EpochPosition).
     Batches: Batch(dense [B, 13] float32 log(1 + max(count, 0)), sparse [B, 26] int64, label [B] float32).
     Raises:
         FileNotFoundError, ValueError: as dlrm.data.binary.open_binary; a bad argument (named).
     """
+
+    # Settings that must match the loader's for a resume to be exact.
+    STATE_KEYS = (
+        "seed",
+        "shuffle",
+        "batch_size",
+        "drop_last",
+        "world_size",
+        "num_rows",
+        "window_rows",
+        "chunk_rows",
+    )
 
     def __init__(
         self,
@@ -131,64 +134,18 @@ class BinaryLoader:
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         self.readers = readers
-        self.epoch = 0
-        self._consumed = 0  # batches of this epoch handed out
-        self._resume_at = 0  # batch the next iteration starts at
-
-    @property
-    def rows_per_rank(self) -> int:
-        """Rows each rank reads per epoch (n)."""
-        if self.drop_last:
-            return self.num_rows // self.world_size
-        return math.ceil(self.num_rows / self.world_size)
-
-    def __len__(self) -> int:
-        """Batches per epoch, the same on every rank."""
-        if self.drop_last:
-            return self.rows_per_rank // self.batch_size
-        return math.ceil(self.rows_per_rank / self.batch_size)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the order of `epoch`. Setting the epoch of a state just loaded keeps its position."""
-        if epoch != self.epoch:
-            self.epoch, self._consumed, self._resume_at = epoch, 0, 0
-
-    def state_dict(self) -> dict[str, Any]:
-        """The position after the batches handed out so far, and the settings a resume must match."""
-        return {"epoch": self.epoch, "batches": self._consumed, **{k: getattr(self, k) for k in _STATE_KEYS}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state` (of `state_dict`). Raises ValueError naming a setting that differs."""
-        for key in _STATE_KEYS:
-            if state.get(key) != getattr(self, key):
-                raise ValueError(
-                    f"loader state: {key} is {state.get(key)!r}, this loader has {getattr(self, key)!r}"
-                )
-        if not 0 <= state["batches"] <= len(self):
-            raise ValueError(f"loader state: batches must be in [0, {len(self)}], got {state['batches']}")
-        self.epoch, self._consumed, self._resume_at = state["epoch"], state["batches"], state["batches"]
+        self._reset_position()
 
     def ranges(self, epoch: int) -> list[tuple[int, int]]:
         """This rank's rows of `epoch` as (first file row, rows) ranges, in stream order."""
         chunks = math.ceil(self.num_rows / self.chunk_rows)
         order = _rng(_CHUNK_ORDER, self.seed, epoch).permutation(chunks) if self.shuffle else range(chunks)
-        starts = [c * self.chunk_rows for c in order]
-        sizes = [min(self.chunk_rows, self.num_rows - s) for s in starts]
-        ends = np.cumsum(sizes).tolist()
-        out = []
-        position, end = self.rank * self.rows_per_rank, (self.rank + 1) * self.rows_per_rank
-        while position < end:
-            row = position % self.num_rows  # past the end: the padding wraps to the stream's start
-            i = int(np.searchsorted(ends, row, side="right"))
-            offset = row - (ends[i] - sizes[i])
-            take = min(sizes[i] - offset, end - position)
-            out.append((starts[i] + offset, take))
-            position += take
-        return out
+        sizes = [min(self.chunk_rows, self.num_rows - c * self.chunk_rows) for c in range(chunks)]
+        pieces = rank_pieces(list(order), sizes, self.rank, self.rows_per_rank)
+        return [(p.unit * self.chunk_rows + p.start, p.stop - p.start) for p in pieces]
 
     def __iter__(self) -> Iterator[Batch]:
-        start, self._resume_at = self._resume_at, 0
-        self._consumed = start
+        start = self._begin()
         total = len(self)
         per_window = self.window_rows // self.batch_size
         windows = _Windows(self, self.ranges(self.epoch))

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
-from dlrm.data.preprocess import load_metadata
+from dlrm.data.output import load_metadata
 from dlrm.data.schema import (
     DENSE_COLUMNS,
     LABEL,
@@ -182,8 +182,8 @@ def decode_table(table: pa.Table, columns: list[str], path: Path) -> Batch:
         table: rows read from the parquet file `path` (which only names the file in errors).
         columns: [label, 13 dense, 26 sparse] column names, as returned by `columns_of(path)`.
     Raises:
-        ValueError: `table` lacks some of `columns` (the file changed since `columns_of` read it), or an id
-            does not fit int64.
+        ValueError: `table` lacks some of `columns` (the file changed since `columns_of` read it), an id
+            does not fit int64, or a dense count is NaN or infinite.
     """
     missing = [c for c in columns if c not in table.column_names]
     if missing:
@@ -197,11 +197,16 @@ def decode_table(table: pa.Table, columns: list[str], path: Path) -> Batch:
             raise ValueError(f"{path}: column {name}: {err}") from None
         return pc.fill_null(values, fill).to_numpy()
 
+    def finite(name: str) -> np.ndarray:
+        values = column(name, pa.float32(), 0)
+        if not np.isfinite(values).all():
+            bad = int((~np.isfinite(values)).sum())
+            raise ValueError(f"{path}: column {name}: {bad} NaN or infinite value(s), expected finite counts")
+        return values
+
     label, dense, sparse = columns[0], columns[1 : 1 + NUM_DENSE], columns[1 + NUM_DENSE :]
     return Batch(
-        torch.log1p(
-            torch.from_numpy(np.stack([column(c, pa.float32(), 0) for c in dense], axis=1)).clamp_min_(0)
-        ),
+        torch.log1p(torch.from_numpy(np.stack([finite(c) for c in dense], axis=1)).clamp_min_(0)),
         torch.from_numpy(np.stack([column(c, pa.int64(), MISSING_CATEGORY) for c in sparse], axis=1)),
         # A copy: pyarrow's zero-copy arrays are read-only, and torch tensors are writable.
         torch.from_numpy(column(label, pa.float32(), 0).copy()),
@@ -246,9 +251,13 @@ class BatchLoader:
         seed: base seed of the shuffle.
         drop_last: leave out the last batch if it has fewer than `batch_size` rows.
         device: where batches are delivered. For CUDA each batch is pinned and copied non-blocking.
+        rank, world_size: with W = world_size > 1, `batch_size` is the global batch B and this rank gets
+            rows [rank * B/W, (rank + 1) * B/W) of each global batch (every rank draws the same epoch
+            order), so W ranks together train exactly the batches of one process. A last, smaller
+            global batch is trimmed to a multiple of W rows (left out when it has fewer than W).
     Without shuffling on the CPU, batches are views of the dataset's tensors: do not modify them in place.
     Raises:
-        ValueError: batch_size < 1.
+        ValueError: batch_size < 1, a rank outside [0, world_size), or W not dividing batch_size.
     """
 
     def __init__(
@@ -259,9 +268,16 @@ class BatchLoader:
         seed: int = 0,
         drop_last: bool = False,
         device: torch.device | str = "cpu",
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        if batch_size % world_size:
+            raise ValueError(f"batch_size {batch_size} is not divisible by world_size {world_size}")
+        self.rank, self.world_size = rank, world_size
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -280,7 +296,7 @@ class BatchLoader:
 
     def __len__(self) -> int:
         """Number of batches per epoch."""
-        if self.drop_last:
+        if self.drop_last or self.num_rows % self.batch_size < self.world_size:
             return self.num_rows // self.batch_size
         return math.ceil(self.num_rows / self.batch_size)
 
@@ -299,7 +315,10 @@ class BatchLoader:
             and self.dataset.label.device.type == "cpu"
         )
         for start in range(0, len(self) * self.batch_size, self.batch_size):
-            stop = start + self.batch_size
+            stop = min(start + self.batch_size, self.num_rows)
+            if self.world_size > 1:  # this rank's part of the global batch
+                part = (stop - start) // self.world_size
+                start, stop = start + self.rank * part, start + (self.rank + 1) * part
             batch = self.dataset.batch(slice(start, stop) if order is None else order[start:stop])
             if pin:
                 batch = batch.pin_memory()

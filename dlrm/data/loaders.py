@@ -22,20 +22,34 @@ def make_train_loader(
     seed: int,
     device: torch.device,
     train_set: ParquetDataset | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> TrainLoader:
     """The loader of `data_dir`'s train split per `cfg`: "memory" -> BatchLoader, "gpu_resident" ->
-    ResidentLoader, "streaming" -> StreamingLoader, "binary" -> BinaryLoader (one process: rank 0 of 1).
+    ResidentLoader, "streaming" -> StreamingLoader, "binary" -> BinaryLoader.
 
     Args:
         train_set: the split already in memory, for "memory" and "gpu_resident" (read here when None);
             "streaming" and "binary" read their files themselves.
+        rank, world_size: this process's part of the data (W = world_size processes, dlrm.parallel).
+            `cfg.batch_size` is the global batch B; each rank's batches have B / W rows. "memory" and
+            "gpu_resident": every rank draws the same epoch order and takes its B / W rows of each
+            global batch; "streaming" and "binary": each rank reads a disjoint part of the rows, in
+            batches of B / W.
     Raises:
-        FileNotFoundError, ValueError: as dlrm.data.dataset.open_split / split_paths, and from the loaders.
+        FileNotFoundError, ValueError: as dlrm.data.dataset.open_split / split_paths, and from the loaders;
+            ValueError naming data.batch_size when W does not divide it.
     """
+    if cfg.batch_size % world_size:
+        raise ValueError(
+            f"data.batch_size: {cfg.batch_size} (the global batch) is not divisible by the {world_size} ranks"
+        )
     if cfg.loader == "streaming":
         return StreamingLoader(
             split_paths(data_dir, "train"),
-            cfg.batch_size,
+            cfg.batch_size // world_size,
+            rank=rank,
+            world_size=world_size,
             shuffle=cfg.shuffle,
             seed=seed,
             drop_last=cfg.drop_last,
@@ -46,7 +60,9 @@ def make_train_loader(
     if cfg.loader == "binary":
         return BinaryLoader(
             binary_dir(data_dir, "train"),
-            cfg.batch_size,
+            cfg.batch_size // world_size,
+            rank=rank,
+            world_size=world_size,
             shuffle=cfg.shuffle,
             seed=seed,
             drop_last=cfg.drop_last,
@@ -56,5 +72,12 @@ def make_train_loader(
     train_set = train_set if train_set is not None else open_split(data_dir, "train")
     loader = ResidentLoader if cfg.loader == "gpu_resident" else BatchLoader
     return loader(
-        train_set, cfg.batch_size, shuffle=cfg.shuffle, seed=seed, drop_last=cfg.drop_last, device=device
+        train_set,
+        cfg.batch_size,
+        shuffle=cfg.shuffle,
+        seed=seed,
+        drop_last=cfg.drop_last,
+        device=device,
+        rank=rank,
+        world_size=world_size,
     )

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 
+from dlrm.data.arrow import from_numpy
 from dlrm.data.schema import DENSE_COLUMNS, LABEL, MISSING_CATEGORY, RAW_COLUMNS, SPARSE_COLUMNS
 from dlrm.data.text import PreprocessError, TextBlock
 
@@ -43,6 +44,7 @@ _FAST_TYPES = {
     **{c: pa.binary() for c in SPARSE_COLUMNS},
 }
 _LOOSE_INTEGER_BYTES = (b"X", b" ")
+_ZERO = from_numpy(np.zeros(1, dtype=np.int64))[0]  # what a missing count becomes
 # Two bytes read as a little-endian uint16 (first byte low) -> the number their two hex digits write, first
 # digit high; 0xFFFF when either byte is not a hex digit.
 _IS_HEX_DIGIT = np.zeros(256, dtype=bool)
@@ -106,19 +108,19 @@ def _parse_fast(block: TextBlock) -> pa.RecordBatch | None:
     label_values = taken[0] - np.uint8(ord("0"))  # wraps around below "0"
     if np.any(label_values > 1):
         return None
-    arrays = [pa.array(label_values.astype(np.float32))]
+    arrays = [from_numpy(label_values.astype(np.float32))]
     for name in DENSE_COLUMNS:
         counts = _one_chunk(table.column(name))
         low, high = pc.min_max(counts).values()
         if (low.as_py() or 0) <= -_INTEGER_LIMIT or (high.as_py() or 0) >= _INTEGER_LIMIT:
             return None
         # Not a safe cast: counts past 2**24 (Criteo's I5 reaches ~23M) round to the nearest float32.
-        arrays.append(pc.cast(pc.fill_null(counts, 0), pa.float32(), safe=False))
+        arrays.append(pc.cast(pc.fill_null(counts, _ZERO), pa.float32(), safe=False))
     for name in SPARSE_COLUMNS:
         ids = _hex_ids(_one_chunk(table.column(name)))
         if ids is None:
             return None
-        arrays.append(pa.array(ids))
+        arrays.append(from_numpy(ids))
     return pa.RecordBatch.from_arrays(arrays, schema=OUTPUT_SCHEMA)
 
 

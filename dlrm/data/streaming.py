@@ -35,13 +35,11 @@ which gives the next unit, the offset in it and which rows the buffer held; thos
 from their row groups, and the batches from there on are exactly those of an uninterrupted run.
 """
 
-import bisect
-import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -50,14 +48,13 @@ import torch
 from torch import Tensor
 
 from dlrm.data.dataset import Batch, columns_of, decode_table, split_files
+from dlrm.data.position import EpochPosition, Piece, rank_pieces
 from dlrm.data.prefetch import prefetch_to_device
 
 # Domain tags of the random streams, so that no two draws of an epoch share a seed.
 _UNIT_ORDER, _UNIT_ROWS, _BUFFER = 0, 1, 2
 # Row groups read and decoded ahead, in as many threads, when the loader prefetches.
 _READERS = 4
-# State keys that must match the loader's for a resume to be exact.
-_STATE_KEYS = ("seed", "shuffle", "shuffle_buffer", "batch_size", "drop_last", "world_size", "num_rows")
 
 
 class _Unit(NamedTuple):
@@ -67,14 +64,6 @@ class _Unit(NamedTuple):
     row_group: int
     rows: int
     first: int
-
-
-class _Piece(NamedTuple):
-    """Rows [start, stop) of a unit, counted in the unit's (shuffled) row order."""
-
-    unit: int
-    start: int
-    stop: int
 
 
 class _Rows(NamedTuple):
@@ -189,7 +178,7 @@ class _ShuffleBuffer:
             self.rows = _empty_like(like, self.capacity)
 
 
-class StreamingLoader:
+class StreamingLoader(EpochPosition):
     """Iterates the rows of parquet files in mini-batches, reading a few row groups at a time (see the
     module docstring for the order of the rows and what memory holds).
 
@@ -204,13 +193,17 @@ class StreamingLoader:
         shuffle_buffer: rows of the shuffle buffer (0: rows shuffled within their row group only).
         rank, world_size: this process's part of the rows (see the module docstring).
         device: where batches are delivered; for CUDA they are pinned and copied non-blocking.
-        prefetch: batches a background thread reads, decodes and copies ahead (0: no thread; the reading
-            happens in the consumer's `next`).
+        prefetch: batches a background thread reads and decodes ahead (0: no thread; the reading happens
+            in the consumer's `next`).
+    Position: `state_dict`, `load_state_dict`, `set_epoch`, `len` (dlrm.data.position.EpochPosition).
     Batches: Batch(dense [B, 13] float32 log(1 + max(count, 0)), sparse [B, 26] int64, label [B] float32).
     Raises:
         FileNotFoundError: no parquet file in the directory, or a listed file does not exist.
         ValueError: a bad argument (the message names it), or a file without the Criteo columns.
     """
+
+    # Settings that must match the loader's for a resume to be exact.
+    STATE_KEYS = ("seed", "shuffle", "shuffle_buffer", "batch_size", "drop_last", "world_size", "num_rows")
 
     def __init__(
         self,
@@ -253,56 +246,10 @@ class StreamingLoader:
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         self.prefetch = prefetch
-        self.epoch = 0
-        self._consumed = 0  # batches of this epoch handed out
-        self._resume_at = 0  # batch the next iteration starts at
-
-    @property
-    def rows_per_rank(self) -> int:
-        """Rows each rank reads per epoch (n)."""
-        if self.drop_last:
-            return self.num_rows // self.world_size
-        return math.ceil(self.num_rows / self.world_size)
-
-    def __len__(self) -> int:
-        """Batches per epoch, the same on every rank."""
-        if self.drop_last:
-            return self.rows_per_rank // self.batch_size
-        return math.ceil(self.rows_per_rank / self.batch_size)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the order of `epoch`. Setting the epoch of a state just loaded keeps its position."""
-        if epoch != self.epoch:
-            self.epoch, self._consumed, self._resume_at = epoch, 0, 0
-
-    def state_dict(self) -> dict[str, Any]:
-        """The position after the batches handed out so far: {"epoch", "batches", and the settings that
-        must match on resumption}; plain ints and bools, for a checkpoint."""
-        return {
-            "epoch": self.epoch,
-            "batches": self._consumed,
-            **{key: getattr(self, key) for key in _STATE_KEYS},
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state` (of `state_dict`): the next iteration yields the batches that followed it.
-
-        Raises:
-            ValueError: a setting in `state` differs from this loader's (the message names it), so the
-                batches would not be those of the saved run.
-        """
-        for key in _STATE_KEYS:
-            if state.get(key) != getattr(self, key):
-                raise ValueError(
-                    f"loader state: {key} is {state.get(key)!r}, this loader has {getattr(self, key)!r}"
-                )
-        if not 0 <= state["batches"] <= len(self):
-            raise ValueError(f"loader state: batches must be in [0, {len(self)}], got {state['batches']}")
-        self.epoch, self._consumed, self._resume_at = state["epoch"], state["batches"], state["batches"]
+        self._reset_position()
 
     def __iter__(self) -> Iterator[Batch]:
-        start, self._resume_at = self._resume_at, 0
-        self._consumed = start
+        start = self._begin()
         readahead = _READERS if self.prefetch else 0
         batches = _EpochStream(self, self.epoch, self._read, readahead).batches(start)
         if self.prefetch:
@@ -316,22 +263,13 @@ class StreamingLoader:
         finally:
             source.close()
 
-    def _plan(self, epoch: int) -> list[_Piece]:
+    def _plan(self, epoch: int) -> list[Piece]:
         """The pieces of units this rank reads in `epoch`, in order."""
         if self.shuffle:
             order = _permutation(len(self.units), _UNIT_ORDER, self.seed, epoch).tolist()
         else:
             order = list(range(len(self.units)))
-        starts = np.cumsum([0] + [self.units[u].rows for u in order]).tolist()
-        pieces = []
-        position, end = self.rank * self.rows_per_rank, (self.rank + 1) * self.rows_per_rank
-        while position < end:
-            row = position % self.num_rows  # past the end: the padding wraps to the stream's start
-            i = bisect.bisect_right(starts, row) - 1
-            take = min(starts[i + 1] - row, end - position)
-            pieces.append(_Piece(order[i], row - starts[i], row - starts[i] + take))
-            position += take
-        return pieces
+        return rank_pieces(order, [u.rows for u in self.units], self.rank, self.rows_per_rank)
 
     def _unit_rows(self, unit: int, epoch: int) -> Tensor | slice:
         """The unit's rows in stream order: a permutation with shuffle, else all in file order."""
@@ -349,14 +287,14 @@ class StreamingLoader:
             raise ValueError(f"{path}: row group {u.row_group}: {err}") from err
         return decode_table(table, columns, path)
 
-    def _keys(self, piece: _Piece, epoch: int) -> Tensor:
+    def _keys(self, piece: Piece, epoch: int) -> Tensor:
         rows = self._unit_rows(piece.unit, epoch)
         first = self.units[piece.unit].first
         if isinstance(rows, slice):
             return torch.arange(first + piece.start, first + piece.stop)
         return rows[piece.start : piece.stop] + first
 
-    def _read(self, piece: _Piece, epoch: int) -> _Rows:
+    def _read(self, piece: Piece, epoch: int) -> _Rows:
         """The piece's rows with their data."""
         key = self._keys(piece, epoch)
         data = self._decode_unit(piece.unit)
@@ -365,7 +303,7 @@ class StreamingLoader:
             return _Rows(key, data)
         return _Rows(key, Batch(*(t.index_select(0, index) for t in data)))
 
-    def _read_keys(self, piece: _Piece, epoch: int) -> _Rows:
+    def _read_keys(self, piece: Piece, epoch: int) -> _Rows:
         """The piece's row ids only: what the replay of a resumption needs."""
         return _Rows(self._keys(piece, epoch), None)
 
@@ -388,7 +326,7 @@ class _EpochStream:
     """The batches of one epoch of one rank, produced from the pieces of the plan through the buffer."""
 
     def __init__(
-        self, loader: StreamingLoader, epoch: int, read: Callable[[_Piece, int], _Rows], readahead: int = 0
+        self, loader: StreamingLoader, epoch: int, read: Callable[[Piece, int], _Rows], readahead: int = 0
     ) -> None:
         self.loader, self.epoch, self.read = loader, epoch, read
         self.pieces = loader._plan(epoch)

@@ -62,13 +62,8 @@ import pyarrow.csv as pcsv
 from loguru import logger
 from tqdm import tqdm
 
-from dlrm.data.preprocess import (
-    METADATA_FILE,
-    OUTPUT_SCHEMA,
-    SplitWriter,
-    build_metadata,
-    move_into_place,
-)
+from dlrm.data.output import METADATA_FILE, SplitWriter, build_metadata, move_into_place
+from dlrm.data.parse import OUTPUT_SCHEMA
 from dlrm.data.schema import (
     MISSING_CATEGORY,
     NUM_DENSE,
@@ -76,6 +71,7 @@ from dlrm.data.schema import (
     RAW_COLUMNS,
     SPARSE_COLUMNS,
 )
+from dlrm.errors import cli_errors
 
 KAGGLE_CARDINALITIES = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
@@ -674,7 +670,7 @@ def main(
     Writes either raw Criteo TSV (--output, readable by python -m dlrm.data.preprocess) or the
     preprocessed parquet layout directly (--output-dir, readable by python -m dlrm.train).
     """
-    try:
+    with cli_errors():  # SyntheticError (a ValueError) and OSError on the output path: one line, exit 2
         if (output is None) == (output_dir is None):
             raise SyntheticError("give exactly one of --output FILE.tsv[.gz] and --output-dir DIR")
         config = SyntheticConfig(preset_cardinalities(preset, max_cardinality), seed, ctr)
@@ -682,10 +678,6 @@ def main(
             write_tsv(config, rows, output, block_size, overwrite)
         else:
             write_parquet(config, rows, output_dir, eval_fraction, rows_per_file, block_size, overwrite)
-    except SyntheticError as e:
-        raise click.UsageError(str(e)) from None
-    except OSError as e:
-        raise click.ClickException(f"{e.filename or ''}: {e.strerror or e}") from None
 
 
 if __name__ == "__main__":

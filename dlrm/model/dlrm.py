@@ -318,6 +318,8 @@ class DLRM(nn.Module):
         mlp_kernel: how MLP layers run: "torch", "bias_act" or "linear_act" (dlrm.model.mlp).
         sparse_kernel: how the embeddings, the interaction and the loss run: "torch" or "triton" (our
             table-batched embedding with the fused optimizer update, interaction and loss kernels).
+        sparse_arch: the embedding tables to use instead of building a SparseArch (the sharded tables of
+            dlrm.parallel, same interface); table_rows and vocabularies are then unused.
     """
 
     def __init__(
@@ -327,11 +329,14 @@ class DLRM(nn.Module):
         vocabularies: list[torch.Tensor] | None = None,
         mlp_kernel: str = "torch",
         sparse_kernel: str = "torch",
+        sparse_arch: nn.Module | None = None,
     ):
         super().__init__()
         lora = (cfg.lora.rank, cfg.lora.alpha)
         self.dense_arch = DenseArch(cfg.bottom_mlp, mlp_kernel, cfg.mlp_block, cfg.gate, lora)
-        self.sparse_arch = SparseArch(cfg.embedding_dim, table_rows, cfg.hashing, vocabularies, sparse_kernel)
+        if sparse_arch is None:
+            sparse_arch = SparseArch(cfg.embedding_dim, table_rows, cfg.hashing, vocabularies, sparse_kernel)
+        self.sparse_arch = sparse_arch
         self.interaction_arch = InteractionArch(
             cfg.embedding_dim, cfg.interaction, kernel=sparse_kernel, attention=cfg.attention
         )
@@ -370,7 +375,7 @@ class DLRM(nn.Module):
     def embedding_parameters(self) -> list[nn.Parameter]:
         """Embedding tables for a torch optimizer (sparse gradients); none for the "triton" sparse kernel,
         whose backward updates its tables itself (SparseArch.configure_optimizer)."""
-        if self.sparse_arch.kernel == "triton" or self.sparse_arch.frozen:
+        if self.sparse_arch.kernel == "triton" or getattr(self.sparse_arch, "frozen", False):
             return []
         return list(self.sparse_arch.parameters())
 

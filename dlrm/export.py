@@ -1,0 +1,116 @@
+"""`python -m dlrm.export`: a trained checkpoint as a self-contained serving program (torch.export).
+
+    python -m dlrm.export --checkpoint runs/<run>/checkpoints/best.pt --output model.pt2 [--device cpu|cuda]
+
+The exported program is the eval-mode model with its input transform and hashing inside:
+
+    ctr = program(dense_counts, sparse_ids)
+    dense_counts  [B, 13] float32  raw counts I1..I13 (missing = 0); log(1 + max(x, 0)) is applied inside
+    sparse_ids    [B, 26] int64    raw ids C1..C26, the 32-bit hex value (missing = -1); hashed inside
+    ctr           [B]     float32  click probability, sigmoid of the logit
+
+B is dynamic (1 .. 2**20). `--output` is an ExportedProgram (`torch.export.save`) that loads with
+`torch.export.load(path).module()` in a process that has torch but not this package; it holds the weights,
+on `--device`, and `dlrm.json` (the run config, input names, checkpoint) as an extra file.
+"""
+
+import json
+from pathlib import Path
+
+import click
+import torch
+from loguru import logger
+from torch import nn
+
+from dlrm.checkpoint import load_checkpoint
+from dlrm.cli_options import checkpoint_option
+from dlrm.config import from_dict
+from dlrm.data.schema import DENSE_COLUMNS, NUM_DENSE, NUM_SPARSE, SPARSE_COLUMNS
+from dlrm.errors import cli_errors
+from dlrm.model import DLRM, model_from_checkpoint
+from dlrm.step import resolve_device
+
+MAX_BATCH = 1 << 20
+
+
+class ServingModel(nn.Module):
+    """Raw Criteo features -> click probability: dense counts [B, 13] f32 and raw ids [B, 26] i64 -> ctr [B]
+    f32. The dense transform is the loaders' (log(1 + max(x, 0))); hashing is the model's own."""
+
+    def __init__(self, model: DLRM):
+        super().__init__()
+        self.model = model
+
+    def forward(self, dense_counts: torch.Tensor, sparse_ids: torch.Tensor) -> torch.Tensor:
+        dense = torch.log1p(dense_counts.clamp_min(0))
+        return torch.sigmoid(self.model(dense, sparse_ids).float())
+
+
+def serving_model(checkpoint: Path, device: torch.device) -> tuple[ServingModel, dict]:
+    """The eval-mode ServingModel of a training checkpoint (any backend) on `device`, and the checkpoint's
+    config dict. Raises ValueError for a missing or foreign checkpoint."""
+    state = load_checkpoint(checkpoint)
+    model = model_from_checkpoint(from_dict(state["config"]).model, state["table_rows"], state["model"])
+    # Buffers that are views of one tensor (the interaction's triangle indices) are saved apart, so that
+    # each is a whole tensor in the archive.
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buffer.clone())
+    return ServingModel(model).requires_grad_(False).to(device).eval(), state["config"]
+
+
+def example_inputs(batch: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random raw inputs of `batch` rows: counts in [0, 100) with some missing (0), ids with some -1."""
+    generator = torch.Generator().manual_seed(seed)
+    dense = torch.randint(0, 100, (batch, NUM_DENSE), generator=generator).float()
+    sparse = torch.randint(-1, 1 << 32, (batch, NUM_SPARSE), generator=generator)
+    return dense.to(device), sparse.to(device)
+
+
+def export_program(model: ServingModel, device: torch.device) -> torch.export.ExportedProgram:
+    """torch.export of `model` with a dynamic batch dimension (1 .. MAX_BATCH)."""
+    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    with torch.no_grad():
+        return torch.export.export(
+            model, example_inputs(8, device), dynamic_shapes=({0: batch}, {0: batch}), strict=False
+        )
+
+
+def save_program(program: torch.export.ExportedProgram, path: Path, config: dict, checkpoint: Path) -> None:
+    info = {
+        "inputs": {"dense_counts": DENSE_COLUMNS, "sparse_ids": SPARSE_COLUMNS},
+        "output": "ctr",
+        "checkpoint": str(checkpoint),
+        "config": config,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.export.save(program, str(path), extra_files={"dlrm.json": json.dumps(info)})
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@checkpoint_option
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="ExportedProgram file to write (model.pt2): ctr = program(dense_counts [B,13], sparse_ids [B,26]).",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    help="Where the exported weights live and the program runs.",
+)
+def main(checkpoint_path, output, device):
+    """Export a checkpoint as a self-contained torch.export program that maps raw dense counts and raw
+    category ids to the click probability."""
+    with cli_errors():
+        dev = resolve_device(device)
+        model, config = serving_model(checkpoint_path, dev)
+        program = export_program(model, dev)
+        save_program(program, output, config, checkpoint_path)
+        logger.info("exported {} -> {} ({})", checkpoint_path, output, dev)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Many GPUs (or CPU processes) with torchrun: one model, the dense part data parallel, the embedding
+tables model parallel (sharded by the planner, exchanged by all_to_all), sharded DCP checkpoints.
+
+    torchrun --nproc-per-node N -m dlrm.train --config C [flags]
+
+Modules, one job each: group (process group from torchrun's environment, heartbeats, fault handling),
+planner (which rank holds which table rows), sharded (the sharded SparseArch and its all_to_all exchange),
+dense (the dense gradients' all-reduce inside the step), evaluation (exact metrics over all ranks),
+checkpoint (DCP, resharding N -> M ranks, and one-process reads), run (the loop's rank-aware helpers).
+The training loop (dlrm.loop) calls these; they never call the loop. Without torchrun nothing here runs.
+"""
+
+from dlrm.parallel.dense import grad_averager
+from dlrm.parallel.group import (
+    SINGLE,
+    Dist,
+    abort_peers,
+    exit_now,
+    fail,
+    init_distributed,
+    is_distributed,
+    note_progress,
+    rank_prefix,
+    shutdown,
+    world_from_env,
+)
+
+__all__ = [
+    "SINGLE",
+    "Dist",
+    "abort_peers",
+    "exit_now",
+    "fail",
+    "grad_averager",
+    "init_distributed",
+    "is_distributed",
+    "note_progress",
+    "rank_prefix",
+    "shutdown",
+    "world_from_env",
+]

@@ -1,0 +1,282 @@
+"""Sharded checkpoints of a many-rank run with torch.distributed.checkpoint (DCP), in the tables' logical
+layout, so that a checkpoint written by N ranks loads on M ranks (any plan) and in one process.
+
+A checkpoint is a directory (e.g. runs/<run>/checkpoints/last/): DCP's files (one per rank, plus .metadata)
+and meta.json (config, table_rows, step, best evaluation, early-stopping count, loader position,
+world size and plan of the writer), written by rank 0. The DCP keys, flat:
+
+    model/<name>        every entry of the one-process model's state_dict, by the same names: the
+                        dense part (replicated: DCP writes it once) and the tables
+                        `sparse_arch.embeddings.<f>.weight` [rows_f, D], each a ShardedTensor whose shards
+                        are the plan's row ranges, written by the ranks that hold them
+    optim/<name>        Adagrad's accumulator ("sum") of each parameter, same names and layout (tables
+                        sharded, for both sparse kernels); nothing for SGD
+
+Loading on M ranks builds the same keys as ShardedTensors of the new plan, views of the new shards, and
+DCP reads each shard's rows from whichever files hold them (resharding). One process (`load_full`, used by
+`--resume` and `python -m dlrm.evaluate`) reads every key whole into a one-process checkpoint dict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+
+from dlrm.config import from_dict
+from dlrm.parallel.group import Dist
+from dlrm.parallel.planner import ShardingPlan
+
+META = "meta.json"
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # ShardedTensor is deprecated in favour of DTensor, which cannot
+    # express a table held whole by one rank of the mesh; TorchRec's checkpoints use it the same way.
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+
+def table_key(f: int) -> str:
+    """The one-process state_dict name of table f."""
+    return f"sparse_arch.embeddings.{f}.weight"
+
+
+def _sharded(plan: ShardingPlan, rank: int, f: int, local: Tensor | None, width: int) -> ShardedTensor:
+    """Table f [rows_f, width] as a ShardedTensor over the plan's shards; `local`: this rank's rows."""
+    device = "cpu" if local is None else str(local.device)
+    shards = [s for s in plan.shards if s.table == f]
+    metas = [ShardMetadata([s.row_start, 0], [s.rows, width], f"rank:{s.rank}/{device}") for s in shards]
+    dtype = local.dtype if local is not None else torch.float32
+    global_md = ShardedTensorMetadata(
+        metas, torch.Size([plan.table_rows[f], width]), TensorProperties(dtype=dtype)
+    )
+    mine = [Shard(local, m) for s, m in zip(shards, metas, strict=True) if s.rank == rank]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ShardedTensor._init_from_local_shards_and_global_metadata(mine, global_md)
+
+
+def _table_views(tensor: Tensor, arch) -> dict[int, Tensor]:
+    """Rows of each local shard of `tensor` ([local rows, ...], laid out as arch.weights), by table."""
+    rows = [s.rows for s in arch.local_shards]
+    return {s.table: view for s, view in zip(arch.local_shards, tensor.split(rows), strict=True)}
+
+
+def _embedding_state(model, optimizer: torch.optim.Optimizer) -> Tensor | None:
+    """The tables' Adagrad accumulators [local rows, D] (either kernel), None for SGD."""
+    arch = model.sparse_arch
+    if arch.kernel == "triton":
+        return arch.optimizer_state if arch.optimizer_state.numel() else None
+    return optimizer.state.get(arch.weights, {}).get("sum")
+
+
+def _state_dict(model, optimizer: torch.optim.Optimizer, dist_: Dist) -> dict[str, Any]:
+    """The flat DCP state of this rank (module docstring): views of the live tensors, so loading fills
+    them in place."""
+    arch, plan = model.sparse_arch, model.sparse_arch.plan
+    width = arch.weights.shape[1]
+    state: dict[str, Any] = {}
+    for name, value in model.state_dict(keep_vars=False).items():
+        if not name.startswith("sparse_arch.") or name.startswith("sparse_arch.vocab_"):
+            state[f"model/{name}"] = value
+    names = {p: n for n, p in model.named_parameters()}
+    for p in model.dense_parameters():
+        if "sum" in optimizer.state.get(p, {}):
+            state[f"optim/{names[p]}"] = optimizer.state[p]["sum"]
+    tables = _table_views(arch.weights.detach(), arch)
+    sums = _embedding_state(model, optimizer)
+    sum_views = _table_views(sums, arch) if sums is not None else {}
+    for f in range(len(plan.table_rows)):
+        state[f"model/{table_key(f)}"] = _sharded(plan, dist_.rank, f, tables.get(f), width)
+        if sums is not None:
+            state[f"optim/{table_key(f)}"] = _sharded(plan, dist_.rank, f, sum_views.get(f), width)
+    return state
+
+
+def save_sharded(path: Path, model, optimizer: torch.optim.Optimizer, dist_: Dist, meta: dict) -> None:
+    """Write the checkpoint directory `path` from every rank (a collective: all ranks call it).
+
+    Written under a temporary name and renamed into place by rank 0 once complete, so a crash never
+    leaves a partial checkpoint under the final name. The directory must be on a filesystem every rank
+    sees (shared across hosts).
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    if dist_.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_state_dict(model, optimizer, dist_), checkpoint_id=tmp)
+    if dist_.is_main:
+        plan = model.sparse_arch.plan
+        meta = {**meta, "world_size": dist_.world_size, "plan": plan.to_dict()}
+        (tmp / META).write_text(json.dumps(meta, indent=2))
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def read_meta(path: Path) -> dict:
+    """meta.json of checkpoint directory `path`.
+
+    Raises:
+        ValueError: `path` is not a sharded checkpoint directory.
+    """
+    if not (path / META).is_file() or not (path / ".metadata").is_file():
+        raise ValueError(f"{path}: not a sharded DLRM checkpoint (no {META} or .metadata)")
+    meta = json.loads((path / META).read_text())
+    meta["config"] = from_dict(meta["config"]).to_dict()  # JSON lists back to the config's tuples
+    return meta
+
+
+def load_sharded(path: Path, model, optimizer: torch.optim.Optimizer, dist_: Dist) -> dict:
+    """Load checkpoint directory `path` (written by any number of ranks) into this rank's model and
+    optimizer, resharding the tables to this run's plan; returns meta.json. A collective.
+
+    Raises:
+        ValueError: not a sharded checkpoint, or a model of other table sizes / optimizer.
+    """
+    meta = read_meta(path)
+    if meta["table_rows"] != model.sparse_arch.table_rows:
+        raise ValueError(
+            f"{path}: tables of {meta['table_rows']} rows, this model has {model.sparse_arch.table_rows}"
+        )
+    state = _state_dict(model, optimizer, dist_)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=path)
+    # Plain tensors load in place; copy anyway where DCP handed back a new tensor.
+    live = model.state_dict()
+    for key, value in state.items():
+        name = key.removeprefix("model/")
+        if key.startswith("model/") and name in live and live[name].data_ptr() != value.data_ptr():
+            live[name].copy_(value)
+    set_steps(optimizer, meta["step"])
+    return meta
+
+
+def set_steps(optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Set torch Adagrad's per-parameter step counters (not saved: they equal the run's step)."""
+    for state in optimizer.state.values():
+        if "step" in state and isinstance(state["step"], Tensor):
+            state["step"].fill_(step)
+
+
+def load_full(path: Path) -> dict[str, Any]:
+    """Read checkpoint directory `path` whole in this process (no process group): a dict like a
+    one-process checkpoint (dlrm.checkpoint): "model" (one-process state_dict names), "optimizer" None,
+    "optimizer_by_name" ({parameter name: Adagrad sum}), "embedding_optimizer_state" (the tables' sums
+    concatenated, as the one-process "triton" kernel keeps them; None for SGD), and meta.json's fields.
+
+    Raises:
+        ValueError: not a sharded checkpoint.
+    """
+    meta = read_meta(path)
+    reader = dcp.FileSystemReader(path)
+    state: dict[str, Any] = {}
+    for key, md in reader.read_metadata().state_dict_metadata.items():
+        if hasattr(md, "size"):
+            state[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    model = {k.removeprefix("model/"): v for k, v in state.items() if k.startswith("model/")}
+    sums = {k.removeprefix("optim/"): v for k, v in state.items() if k.startswith("optim/")}
+    tables = [table_key(f) for f in range(len(meta["table_rows"]))]
+    embedding = torch.cat([sums[k] for k in tables]) if all(k in sums for k in tables) else None
+    return {
+        **meta,
+        "model": model,
+        "optimizer": None,
+        "optimizer_by_name": sums,
+        "embedding_optimizer_state": embedding,
+    }
+
+
+def load_optimizer_by_name(
+    model, optimizer: torch.optim.Optimizer, sums: dict[str, Tensor], step: int
+) -> None:
+    """One process: set Adagrad's accumulators from {parameter name: sum} (load_full's
+    "optimizer_by_name") and its step counters to `step`."""
+    for name, p in model.named_parameters():
+        if name in sums and "sum" in optimizer.state.get(p, {}):
+            optimizer.state[p]["sum"].copy_(sums[name])
+    set_steps(optimizer, step)
+
+
+def load_full_into_sharded(checkpoint: dict[str, Any], model, optimizer: torch.optim.Optimizer) -> None:
+    """Load a one-process checkpoint dict (dlrm.checkpoint.load_checkpoint of a .pt, or load_full) into
+    this rank's sharded model: the dense part whole, each local shard its rows of the full tables.
+
+    Raises:
+        ValueError: tables of other sizes.
+    """
+    arch = model.sparse_arch
+    if list(checkpoint["table_rows"]) != arch.table_rows:
+        raise ValueError(
+            f"checkpoint tables of {checkpoint['table_rows']} rows, this model has {arch.table_rows}"
+        )
+    full = checkpoint["model"]
+    dense = {
+        k: v
+        for k, v in full.items()
+        if not k.startswith("sparse_arch.") or k.startswith("sparse_arch.vocab_")
+    }
+    model.load_state_dict(dense, strict=False)
+    sums = _optimizer_sums(checkpoint, model)
+    local_sums = _embedding_state(model, optimizer)
+    with torch.no_grad():
+        for shard, view in zip(
+            arch.local_shards, arch.weights.split([s.rows for s in arch.local_shards]), strict=True
+        ):
+            rows = slice(shard.row_start, shard.row_start + shard.rows)
+            view.copy_(full[table_key(shard.table)][rows])
+        if local_sums is not None and sums:
+            for shard, view in zip(
+                arch.local_shards, local_sums.split([s.rows for s in arch.local_shards]), strict=True
+            ):
+                view.copy_(sums[table_key(shard.table)][shard.row_start : shard.row_start + shard.rows])
+    names = dict(model.named_parameters())
+    for name in model_dense_names(model):
+        if name in sums and "sum" in optimizer.state.get(names[name], {}):
+            optimizer.state[names[name]]["sum"].copy_(sums[name])
+    set_steps(optimizer, checkpoint["step"])
+
+
+def model_dense_names(model) -> list[str]:
+    ids = {id(p) for p in model.dense_parameters()}
+    return [n for n, p in model.named_parameters() if id(p) in ids]
+
+
+def _optimizer_sums(checkpoint: dict[str, Any], model) -> dict[str, Tensor]:
+    """{parameter name: Adagrad sum} of a one-process checkpoint dict (a .pt or load_full's)."""
+    if checkpoint.get("optimizer_by_name") is not None:
+        return checkpoint["optimizer_by_name"]
+    sums: dict[str, Tensor] = {}
+    optimizer_state = checkpoint.get("optimizer") or {}
+    if optimizer_state.get("state"):
+        # A .pt of one process: torch's optimizer state_dict numbers parameters in group order, dense
+        # parameters first (dlrm.step.make_optimizer), then the "torch" kernel's tables.
+        order = [*model_dense_names(model), *[table_key(f) for f in range(len(checkpoint["table_rows"]))]]
+        for index, value in optimizer_state["state"].items():
+            if "sum" in value and index < len(order):
+                sums[order[index]] = value["sum"]
+    state = checkpoint.get("embedding_optimizer_state")
+    if state is not None and state.numel():
+        for f, part in enumerate(state.split(list(checkpoint["table_rows"]))):
+            sums[table_key(f)] = part
+    return sums

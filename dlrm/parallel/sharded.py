@@ -1,0 +1,242 @@
+"""The sharded SparseArch: embedding tables model parallel over W ranks, exchanged by all_to_all.
+
+Letters: W ranks, b = B / W samples per rank (the global batch B split evenly), F tables, D dim,
+S = the plan's shard count (a table split row-wise over k ranks counts k times), n = this rank's shards.
+
+Forward on each rank, for its b samples' raw ids [b, F] int64:
+1. hash: rows [b, F] = the table row of each id in the FULL table, as one process does (modulus
+   (x + 1) % rows_f, or the vocabulary); every rank holds the F row counts (and vocabularies).
+2. ids all_to_all: to each rank q the columns of the tables q holds a shard of, [n_q, b] per q (fixed
+   split sizes b * n_q). Rank q receives [W, n_q, b]: the rows of the whole global batch for its shards,
+   in global-batch order (rank r's samples are rows r*b .. (r+1)*b - 1).
+3. lookup on the local shards (kernel "triton": our table-batched kernel with the optimizer fused into
+   backward; kernel "torch": one table-batched weight with a sparse gradient for a torch optimizer).
+   A row shard [start, start + rows) looks up row - start where 0 <= row - start < rows and gives zeros
+   (and, through the zero gradient, no update) elsewhere: exactly one shard of a table gives a row's vector.
+4. pooled all_to_all back: [W*b, n, D] as it is (rank r's rows are a contiguous block) -> from each rank
+   q a [b, n_q, D] block (split sizes b * n_q * D), added by one index_add to the (sample, table) rows of
+   embedded [b, F, D] (a table's row shards: one non-zero term per element, so exact).
+Backward reverses 4 (all_to_all of the gradients, scaled by 1/W: each rank's loss is a mean over its b
+samples, so the summed gradient of W ranks is W times the one-process mean over B) and 3 applies the
+optimizer. Every size depends on b and the plan only: the step can be captured as one CUDA graph.
+Profiler ranges (inside "embedding"): all_to_all_ids, lookup, all_to_all_vectors; all_to_all_backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.profiler import record_function
+
+from dlrm.model.dlrm import SPARSE_KERNELS, SparseArch
+from dlrm.parallel.planner import ShardingPlan
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single of a flat tensor with fixed split sizes; backward sends the gradient back the
+    other way (the splits swapped), multiplied by `grad_scale`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], grad_scale: float) -> Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.grad_scale = out_splits, in_splits, grad_scale
+        return exchange(x, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        if ctx.grad_scale != 1.0:
+            grad = grad * ctx.grad_scale
+        with record_function("all_to_all_backward"):
+            return exchange(grad, ctx.in_splits, ctx.out_splits), None, None, None
+
+
+def exchange(x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
+    """torch.distributed.all_to_all_single on the default group: send in_splits[q] elements of the 1-D x
+    (in rank order) to rank q, receive out_splits[q] from rank q; returns the [sum(out_splits)] tensor."""
+    out = x.new_empty(sum(out_splits))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits)
+    return out
+
+
+class ShardedSparseArch(nn.Module):
+    """This rank's shards of the F embedding tables, and the exchange that serves every rank's samples.
+
+    Same interface as dlrm.model.dlrm.SparseArch (forward [b, F] raw ids -> [b, F, D]; `kernel`,
+    `table_rows`, `configure_optimizer`, `optimizer_state`), but holds only the rows the plan gives
+    `rank`: `weights` [rows of the local shards, D] fp32, shard i from row `offsets[i]`, created on
+    `device` (never on the host first), each shard initialized U(-sqrt(1/rows_f), sqrt(1/rows_f)) like
+    one process's tables, from a generator of (seed, table, first row): the values differ from a
+    one-process run of the same seed.
+
+    Args:
+        plan: the sharding plan (dlrm.parallel.planner); W = plan.world_size.
+        rank: this process's rank.
+        embedding_dim: D.
+        hashing: "modulus" or "vocab" (vocabularies: F sorted int64 tensors, held by every rank).
+        kernel: "torch" or "triton".
+        device: where the shards live.
+        seed: base seed of the initialization.
+    Raises:
+        ValueError: unknown kernel, or a plan of other tables than `vocabularies` give.
+    """
+
+    def __init__(
+        self,
+        plan: ShardingPlan,
+        rank: int,
+        embedding_dim: int,
+        hashing: str = "modulus",
+        vocabularies: list[Tensor] | None = None,
+        kernel: str = "torch",
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+    ):
+        super().__init__()
+        if kernel not in SPARSE_KERNELS:
+            raise ValueError(f"unknown sparse kernel {kernel!r}: expected one of {SPARSE_KERNELS}")
+        device = torch.device(device)
+        self.plan, self.rank, self.world_size = plan, rank, plan.world_size
+        self.kernel, self.hashing = kernel, hashing
+        self.table_rows = list(plan.table_rows)
+        if hashing == "vocab":
+            if vocabularies is None or [len(v) + 1 for v in vocabularies] != self.table_rows:
+                raise ValueError("hashing 'vocab': the vocabularies do not give the plan's table rows")
+            for f, vocab in enumerate(vocabularies):
+                self.register_buffer(f"vocab_{f}", vocab.to(device, torch.int64))
+        self.register_buffer("rows", torch.tensor(self.table_rows, device=device), persistent=False)
+        self.local_shards = plan.shards_of(rank)
+        shard_rows = [s.rows for s in self.local_shards]
+        self.weights = nn.Parameter(torch.empty(sum(shard_rows), embedding_dim, device=device))
+        for shard, table in zip(self.local_shards, self.weights.data.split(shard_rows), strict=True):
+            generator = torch.Generator(device).manual_seed(
+                seed * 1_000_003 + 7919 * shard.table + shard.row_start
+            )
+            bound = (1.0 / self.table_rows[shard.table]) ** 0.5
+            table.uniform_(-bound, bound, generator=generator)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+        self.register_buffer("offsets", as_tensor([0, *shard_rows[:-1]]).cumsum(0), persistent=False)
+        self.register_buffer("shard_rows", as_tensor(shard_rows), persistent=False)
+        self.register_buffer(
+            "row_start", as_tensor([s.row_start for s in self.local_shards]), persistent=False
+        )
+        # Only row shards need the range mask; whole tables hold every row.
+        self.partial = any(s.rows != self.table_rows[s.table] for s in self.local_shards)
+        # The tables whose rows go to each rank, rank after rank: the ids' send order and, coming back,
+        # the table of each pooled column.
+        self.shards_per_rank = [len(plan.shards_of(q)) for q in range(self.world_size)]
+        send_tables = [s.table for q in range(self.world_size) for s in plan.shards_of(q)]
+        self.register_buffer("send_tables", as_tensor(send_tables), persistent=False)
+        self.register_buffer("optimizer_state", torch.zeros(0, device=device), persistent=False)
+        self.optimizer: tuple[str, float, float] | None = None
+        self._destination_cache: dict[int, Tensor] = {}
+
+    def configure_optimizer(self, optimizer: str, lr: float, eps: float = 1e-10) -> None:
+        """For kernel "triton": the update its backward applies (see SparseArch.configure_optimizer).
+
+        Raises:
+            ValueError: kernel "torch", or an unknown optimizer.
+        """
+        SparseArch.configure_optimizer(self, optimizer, lr, eps)
+
+    def hash_ids(self, sparse: Tensor) -> Tensor:
+        """Raw ids [b, F] int64 -> rows [b, F] int64 of the full tables (as SparseArch.hash_ids)."""
+        return SparseArch.hash_ids(self, sparse)
+
+    def forward(self, sparse: Tensor) -> Tensor:
+        """sparse: [b, F] int64 raw ids of this rank's samples -> embedded [b, F, D] (the lookup's dtype:
+        fp32, or bf16 from the "triton" kernel under bf16 autocast). Every rank must call it with the same
+        b: it exchanges with all of them."""
+        b, world, n = sparse.shape[0], self.world_size, len(self.local_shards)
+        rows = self.hash_ids(sparse)
+        send = rows.index_select(1, self.send_tables).t().contiguous()  # [S, b]: per rank q, [n_q, b]
+        with record_function("all_to_all_ids"):
+            ids = exchange(send.view(-1), [n * b] * world, [k * b for k in self.shards_per_rank])
+        ids = ids.view(world, n, b).transpose(1, 2).reshape(world * b, n)  # global batch x local shards
+        with record_function("lookup"):
+            pooled = self._lookup(ids)  # [W*b, n, D]: rank r's samples are rows r*b .. (r+1)*b - 1
+        d = pooled.shape[2]
+        with record_function("all_to_all_vectors"):
+            back = AllToAll.apply(
+                pooled.reshape(-1),
+                [b * k * d for k in self.shards_per_rank],
+                [b * n * d] * world,
+                1.0 / world,
+            )  # from each rank q, [b, n_q, D]
+        # One pass: each received vector added to its (sample, table) row of [b * F, D] (one non-zero term
+        # per element for row shards, so exact); its backward is one gather, the send buffer of backward.
+        embedded = back.new_zeros(b * len(self.table_rows), d)
+        return embedded.index_add(0, self._destinations(b), back.view(-1, d)).view(b, -1, d)
+
+    def _destinations(self, b: int) -> Tensor:
+        """[b * S] int64: the row of [b * F] (sample i, table f -> i * F + f) of each vector received from
+        the ranks, in the order they arrive (rank q's [b, n_q] block after block). Cached per b."""
+        if b not in self._destination_cache:
+            samples = torch.arange(b, device=self.send_tables.device).unsqueeze(1) * len(self.table_rows)
+            blocks = self.send_tables.split(self.shards_per_rank)
+            self._destination_cache[b] = torch.cat([(samples + tables).reshape(-1) for tables in blocks])
+        return self._destination_cache[b]
+
+    def _lookup(self, ids: Tensor) -> Tensor:
+        """Table rows [N, n] (N = W*b) -> vectors [N, n, D]; zeros where a row lies outside its shard."""
+        local = ids - self.row_start
+        valid = None
+        if self.partial:
+            valid = (local >= 0) & (local < self.shard_rows)
+            local = torch.where(valid, local, 0)
+        d = self.weights.shape[1]
+        if local.shape[1] == 0:  # a rank without shards still takes part in the exchange, both ways
+            return self.weights.new_zeros(local.shape[0], 0, d).requires_grad_(torch.is_grad_enabled())
+        if self.kernel == "triton":
+            from kernels.embedding import embedding_lookup
+
+            if self.optimizer is None and torch.is_grad_enabled():
+                raise ValueError(
+                    "ShardedSparseArch(kernel='triton'): call configure_optimizer before training"
+                )
+            optimizer, lr, eps = self.optimizer or ("sgd", 0.0, 0.0)
+            device = ids.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+            pooled = embedding_lookup(
+                self.weights, self.optimizer_state, self.offsets, self.shard_rows, local, "index",
+                optimizer, lr, eps, out_dtype=dtype,
+            )  # fmt: skip
+        else:
+            pooled = F.embedding(local + self.offsets, self.weights, sparse=True)
+        return pooled if valid is None else pooled * valid.unsqueeze(2).to(pooled.dtype)
+
+
+def build_sharded_model(
+    cfg, metadata: dict, train_sparse: Tensor, rank: int, world_size: int, device: torch.device
+):
+    """(DLRM with this rank's shards of the tables and the whole dense part, its ShardingPlan) for a run
+    config `cfg` (RunConfig) on `world_size` ranks. The tables are created on `device`; the dense part is
+    built like one process's (same seed, same modules) and then made equal to rank 0's.
+
+    Raises:
+        ValueError: as dlrm.model.build_model and dlrm.parallel.planner.plan_tables.
+    """
+    from dlrm.model import DLRM
+    from dlrm.model.tables import build_vocabularies, resolve_table_rows
+    from dlrm.parallel.dense import broadcast_from_rank0
+    from dlrm.parallel.planner import plan_tables
+
+    m = cfg.model
+    vocabularies = build_vocabularies(train_sparse, m.max_rows) if m.hashing == "vocab" else None
+    table_rows = [len(v) + 1 for v in vocabularies] if vocabularies else resolve_table_rows(m, metadata)
+    plan = plan_tables(
+        table_rows,
+        m.embedding_dim,
+        cfg.train.optimizer,
+        world_size,
+        cfg.parallel.row_wise,
+        cfg.parallel.row_wise_bytes,
+    )
+    sparse = ShardedSparseArch(
+        plan, rank, m.embedding_dim, m.hashing, vocabularies, cfg.sparse_kernel, device, cfg.train.seed
+    )
+    model = DLRM(m, mlp_kernel=cfg.mlp_kernel, sparse_kernel=cfg.sparse_kernel, sparse_arch=sparse).to(device)
+    for module in (model.dense_arch, model.interaction_arch, model.over_arch):
+        broadcast_from_rank0(module)
+    return model, plan

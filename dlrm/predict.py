@@ -1,0 +1,226 @@
+"""`python -m dlrm.predict`: the click-through rate of every input row under a trained checkpoint, as parquet.
+
+    python -m dlrm.predict --checkpoint runs/<run>/checkpoints/best.pt --input day_1.tsv.gz \\
+        --output predictions.parquet [--batch-size 4096] [--device auto|cpu|cuda]
+    python -m dlrm.predict --checkpoint ... --input data/criteo_sample [--split eval] --output ...
+
+Inputs:
+    FILE (any name but *.parquet)   raw Criteo lines, plain or gzip, parsed and validated exactly as
+                                    `dlrm.data.preprocess` does (a bad line stops with its file and line
+                                    number, exit code 2). Lines of 40 fields have a label; lines of 39
+                                    fields (Criteo's unlabeled test files) have none.
+    FILE.parquet                    one preprocessed shard (either parquet layout of dlrm.data.dataset)
+    DIR with metadata.json          the `--split` of a preprocessed data directory
+    DIR of *.parquet                those shards, in name order
+
+Output (one row per input row, in input order): `row` int64 (0-based: the line number - 1 for text, the
+position in the split's shards for parquet), `logit` float32, `ctr` float32 (sigmoid of the logit), and
+`label` float32 when the input has labels. The output is written under a temporary name and renamed into
+place once complete.
+
+Streaming in bounded memory: text is read `--block-size` lines at a time, parquet one record batch of at
+most `--block-size` rows at a time, and scored `--batch-size` rows at a time; nothing grows with the input.
+Any backend's checkpoint works (the weights are saved in one layout); scoring runs the eager model.
+"""
+
+import os
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from loguru import logger
+from tqdm import tqdm
+
+from dlrm import progress
+from dlrm.checkpoint import load_checkpoint
+from dlrm.cli_options import checkpoint_option, device_option
+from dlrm.config import from_dict
+from dlrm.data.dataset import Batch, columns_of, decode_table, split_files, split_paths
+from dlrm.data.parse import parse_block
+from dlrm.data.schema import RAW_COLUMNS
+from dlrm.data.text import LineReader, PreprocessError, TextBlock
+from dlrm.errors import cli_errors
+from dlrm.model import DLRM, model_from_checkpoint
+from dlrm.step import resolve_device
+
+DEFAULT_BLOCK_SIZE = 1 << 16
+
+
+def load_model(checkpoint: Path, device: torch.device) -> DLRM:
+    """The eval-mode eager DLRM of a training checkpoint (of any backend), on `device`.
+
+    Raises:
+        ValueError: the file is missing or not a DLRM checkpoint.
+    """
+    state = load_checkpoint(checkpoint)
+    cfg = from_dict(state["config"])
+    return model_from_checkpoint(cfg.model, state["table_rows"], state["model"]).to(device).eval()
+
+
+def input_blocks(source: Path, split: str, block_size: int) -> Iterator[tuple[Batch, bool]]:
+    """The rows of `source` in order, `block_size` rows at most at a time, as (Batch on the CPU, whether
+    the rows have labels); see the module docstring for what `source` may be.
+
+    Raises:
+        PreprocessError: a bad line of a text input (the message names the file and line).
+        FileNotFoundError, ValueError: no such input, a directory without parquet files, a parquet file
+            without the expected columns.
+    """
+    if source.is_dir():
+        files = split_paths(source, split) if (source / "metadata.json").is_file() else split_files(source)
+        yield from _parquet_blocks(files, block_size)
+    elif source.suffix == ".parquet":
+        yield from _parquet_blocks([source], block_size)
+    elif source.exists():
+        yield from _text_blocks(source, block_size)
+    else:
+        raise FileNotFoundError(f"{source}: no such file or directory")
+
+
+def _parquet_blocks(files: list[Path], block_size: int) -> Iterator[tuple[Batch, bool]]:
+    for path in files:
+        columns = columns_of(path)
+        for record_batch in pq.ParquetFile(path).iter_batches(batch_size=block_size, columns=columns):
+            yield decode_table(pa.Table.from_batches([record_batch]), columns, path), True
+
+
+_FIELD_COUNT = re.compile(rf"expected {len(RAW_COLUMNS)} tab-separated fields, got (\d+)")
+
+
+def _text_blocks(path: Path, block_size: int) -> Iterator[tuple[Batch, bool]]:
+    labeled = None
+    with LineReader(path) as reader:
+        while (block := reader.read(block_size)) is not None:
+            if labeled is None:  # decided by the first line: 40 fields, or 39 without the label
+                first_line = block.data.split(b"\n", 1)[0]
+                labeled = first_line.count(b"\t") != len(RAW_COLUMNS) - 2
+            try:
+                rows, _ = parse_block(block if labeled else _with_label_field(block), skip_bad_lines=False)
+            except PreprocessError as err:
+                if labeled:
+                    raise
+                # Name the field count of the line as written, without the placeholder label.
+                message = _FIELD_COUNT.sub(
+                    lambda m: (
+                        f"expected {len(RAW_COLUMNS) - 1} tab-separated fields (no label), "
+                        f"got {int(m.group(1)) - 1}"
+                    ),
+                    str(err),
+                )
+                raise PreprocessError(message) from None
+            yield decode_table(pa.Table.from_batches([rows]), RAW_COLUMNS, path), labeled
+    if labeled is None:
+        raise PreprocessError(f"{path} line 1: file is empty")
+
+
+def _with_label_field(block: TextBlock) -> TextBlock:
+    """The block's lines with a placeholder label field "0" in front, so that unlabeled lines parse."""
+    data = b"0\t" + block.data.replace(b"\n", b"\n0\t")
+    if block.data.endswith(b"\n"):
+        data = data[:-2]
+    return block._replace(data=data)
+
+
+@torch.no_grad()
+def predict(
+    model: DLRM,
+    blocks: Iterator[tuple[Batch, bool]],
+    output: Path,
+    batch_size: int,
+    device: torch.device,
+    mode: str = "log",
+) -> dict:
+    """Score every row of `blocks` with `model` and write `output` (parquet, see the module docstring);
+    returns {"rows", "mean_ctr", "output"}. `output` appears only when complete. `mode` (dlrm.progress):
+    "bar" counts the rows on a progress bar."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    writer = None
+    rows = 0
+    ctr_sum = 0.0
+    bar = tqdm(desc="predict", unit=" rows", unit_scale=True, file=sys.stdout, disable=mode != "bar")
+    try:
+        for block, labeled in blocks:
+            for start in range(0, len(block.label), batch_size):
+                batch = Batch(*(t[start : start + batch_size] for t in block)).to(device)
+                logits = model(batch.dense, batch.sparse).float()
+                ctr = torch.sigmoid(logits)
+                n = len(logits)
+                columns = {
+                    "row": pa.array(torch.arange(rows, rows + n).numpy()),
+                    "logit": pa.array(logits.cpu().numpy()),
+                    "ctr": pa.array(ctr.cpu().numpy()),
+                }
+                if labeled:
+                    columns["label"] = pa.array(batch.label.cpu().numpy())
+                table = pa.table(columns)
+                if writer is None:
+                    writer = pq.ParquetWriter(tmp, table.schema)
+                writer.write_table(table)
+                rows += n
+                ctr_sum += ctr.double().sum().item()
+                bar.update(n)
+        if writer is None:
+            raise ValueError("the input has no rows")
+        writer.close()
+        writer = None
+        os.replace(tmp, output)
+    finally:
+        bar.close()
+        if writer is not None:
+            writer.close()
+        tmp.unlink(missing_ok=True)
+    return {"rows": rows, "mean_ctr": ctr_sum / rows, "output": str(output)}
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@checkpoint_option
+@click.option(
+    "--input",
+    "input_path",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Raw Criteo TSV(.gz) (40 fields, or 39 without the label), a .parquet shard, a preprocessed data "
+    "directory (with metadata.json; see --split) or a directory of .parquet shards.",
+)
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Parquet file to write: row, logit, ctr, and label when the input has one.",
+)
+@click.option(
+    "--split",
+    default="eval",
+    help="With a preprocessed data directory: the split to score (eval, val, test).",
+)
+@click.option("--batch-size", type=click.IntRange(min=1), default=4096, help="Rows scored at once.")
+@click.option(
+    "--block-size",
+    type=click.IntRange(min=1),
+    default=DEFAULT_BLOCK_SIZE,
+    help="Lines (or parquet rows) read at once; memory grows with it, not with the input.",
+)
+@device_option
+@click.option(
+    "--quiet", is_flag=True, help="No progress bar (shown when stdout is a terminal) and no log lines."
+)
+def main(checkpoint_path, input_path, output, split, batch_size, block_size, device, quiet):
+    """Write the click-through rate of every row of INPUT under a checkpoint to OUTPUT (parquet)."""
+    mode = progress.configure("quiet" if quiet else "auto")
+    with cli_errors():
+        dev = resolve_device(device)
+        model = load_model(checkpoint_path, dev)
+        logger.info("scoring {} with {} on {}", input_path, checkpoint_path, dev)
+        blocks = input_blocks(input_path, split, block_size)
+        result = predict(model, blocks, output, batch_size, dev, mode)
+    logger.info("{} rows, mean ctr {:.4f}, written to {}", result["rows"], result["mean_ctr"], output)
+
+
+if __name__ == "__main__":
+    main()

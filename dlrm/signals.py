@@ -1,0 +1,37 @@
+"""Stop signals for a training run: SIGINT / SIGTERM ask the loop to stop after the current step."""
+
+import os
+import signal
+import threading
+from typing import Any
+
+
+class StopSignals:
+    """SIGINT / SIGTERM handlers while a run trains (main thread only): the first signal asks the loop to
+    stop after the current step (`received`: its number); a second one stops at once (KeyboardInterrupt).
+    The previous handlers come back on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+        # Not the logger: it is not re-entrant, and the signal may come while it writes. os.write is.
+        name = signal.Signals(signum).name
+        os.write(
+            2, f"{name} received: stopping after this step, writing last.pt (again: stop at once)\n".encode()
+        )

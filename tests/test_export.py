@@ -1,0 +1,93 @@
+"""`python -m dlrm.export`: the ExportedProgram scores raw inputs like the model and loads without dlrm."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+from click.testing import CliRunner
+
+from dlrm import export as export_cli
+from dlrm.checkpoint import save_checkpoint
+from dlrm.config import load_config, replace
+from dlrm.model import DLRM
+from dlrm.predict import load_model
+from tests.conftest import REPO
+
+TINY = REPO / "configs" / "tiny.json"
+TABLE_ROWS = [5 + 3 * f for f in range(26)]
+
+# Runs in a fresh interpreter where importing dlrm (or kernels) fails: the program must stand alone.
+LOAD_WITHOUT_DLRM = textwrap.dedent(
+    """
+    import sys
+    sys.modules["dlrm"] = None
+    sys.modules["kernels"] = None
+    import torch
+    for name in sys.argv[1:]:
+        inputs = torch.load(name + ".inputs.pt")
+        program = torch.export.load(name + ".pt2").module()
+        torch.save([program(*x) for x in inputs], name + ".outputs.pt")
+    """
+)
+
+
+def _checkpoint(path, hashing: str):
+    cfg = replace(load_config(TINY), "model", hashing=hashing)
+    torch.manual_seed(0)
+    if hashing == "vocab":
+        vocabularies = [torch.arange(-1, 40 + f, 3) for f in range(26)]
+        model = DLRM(cfg.model, vocabularies=vocabularies)
+    else:
+        model = DLRM(cfg.model, table_rows=TABLE_ROWS)
+    save_checkpoint(
+        path, model=model.state_dict(), config=cfg.to_dict(), table_rows=model.sparse_arch.table_rows
+    )
+
+
+def _raw_inputs(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw counts (negatives and zeros included) and raw ids (missing -1, up to 2**32 - 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    dense = torch.randint(-3, 1000, (batch, 13), generator=generator).float()
+    sparse = torch.randint(-1, 60, (batch, 26), generator=generator)
+    sparse[0, :3] = torch.tensor([-1, 2**32 - 1, 0])
+    return dense, sparse
+
+
+def test_exported_program_loads_without_dlrm_and_matches_the_model(tmp_path):
+    names = []
+    for hashing in ("modulus", "vocab"):
+        checkpoint, name = tmp_path / f"{hashing}.pt", str(tmp_path / hashing)
+        _checkpoint(checkpoint, hashing)
+        result = CliRunner().invoke(
+            export_cli.main, ["--checkpoint", str(checkpoint), "--output", name + ".pt2"]
+        )
+        assert result.exit_code == 0, result.output
+        torch.save([_raw_inputs(1, 0), _raw_inputs(300, 1)], name + ".inputs.pt")
+        names.append(name)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_DLRM, *names], cwd=tmp_path, env=env, check=True, timeout=120
+    )
+    for hashing, name in zip(("modulus", "vocab"), names, strict=True):
+        model = load_model(tmp_path / f"{hashing}.pt", torch.device("cpu"))
+        outputs = torch.load(name + ".outputs.pt")
+        for (dense, sparse), got in zip(torch.load(name + ".inputs.pt"), outputs, strict=True):
+            with torch.no_grad():
+                expected = torch.sigmoid(model(torch.log1p(dense.clamp_min(0)), sparse))
+            assert got.shape == (len(dense),) and got.dtype == torch.float32
+            torch.testing.assert_close(got, expected, msg=hashing)
+    extra = {"dlrm.json": ""}
+    torch.export.load(names[0] + ".pt2", extra_files=extra)
+    info = json.loads(extra["dlrm.json"])
+    assert info["output"] == "ctr" and info["inputs"]["sparse_ids"][0] == "C1"
+    assert info["config"]["model"]["hashing"] == "modulus"
+
+
+def test_missing_checkpoint(tmp_path):
+    result = CliRunner().invoke(
+        export_cli.main, ["--checkpoint", str(tmp_path / "no.pt"), "--output", str(tmp_path / "m.pt2")]
+    )
+    assert result.exit_code == 2 and "no.pt: checkpoint not found" in result.output

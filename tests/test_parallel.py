@@ -1,0 +1,419 @@
+"""Many processes (dlrm.parallel) on the CPU with gloo: the planner, rank-aware batches, and real
+2- and 3-process runs of the training loop against one process on the same global batches."""
+
+import dataclasses
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from click.testing import CliRunner
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from dlrm import evaluate as evaluate_cli
+from dlrm import parallel
+from dlrm.checkpoint import load_checkpoint
+from dlrm.config import load_config, replace
+from dlrm.data.dataset import BatchLoader, open_split
+from dlrm.loop import train
+from dlrm.model.dlrm import SparseArch
+from dlrm.parallel.planner import plan_tables, row_bytes
+from dlrm.parallel.run import check_world
+from dlrm.parallel.sharded import ShardedSparseArch
+from tests.conftest import REPO
+
+TINY = REPO / "configs" / "tiny.json"
+# W ranks compute the same sums as one process, in other orders (the dense all-reduce, GEMMs over B/W
+# rows instead of B): float32 rounding, compounded over a few steps.
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(data_dir, **train):
+    """tiny.json on `data_dir`: global batch 240 (divisible by 1, 2, 3), log every step, no profiler."""
+    cfg = load_config(TINY)
+    cfg = dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, path=str(data_dir), batch_size=240),
+        profiler=dataclasses.replace(cfg.profiler, enabled=False),
+    )
+    return replace(cfg, "train", device="cpu", log_interval=1, **train)
+
+
+def _losses(run_dir: Path) -> list[float]:
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    return [e.value for e in events.Scalars("train/loss")]
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(path)["model"]
+
+
+def _assert_same_weights(actual: dict, expected: dict, rtol=RTOL, atol=ATOL) -> None:
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, rtol=rtol, atol=atol, msg=key)
+
+
+# --------------------------------------------------------------------------------------------------
+# No processes: the planner, the batches of each rank, the checks before any work
+# --------------------------------------------------------------------------------------------------
+
+KAGGLE_LIKE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
+               5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8, 26])
+def test_table_wise_plan_places_every_table_once_balanced(world_size):
+    plan = plan_tables(KAGGLE_LIKE, 16, "sgd", world_size, row_wise=False)
+    assert sorted(s.table for s in plan.shards) == list(range(26))
+    assert all(s.row_start == 0 and s.rows == KAGGLE_LIKE[s.table] for s in plan.shards)
+    loads = plan.bytes_per_rank()
+    assert sum(loads) == sum(KAGGLE_LIKE) * 16 * 4
+    # Greedy largest-first: the spread is at most the largest table (here the largest table decides).
+    assert max(loads) - min(loads) <= max(KAGGLE_LIKE) * 16 * 4
+
+
+@pytest.mark.parametrize(
+    ("world_size", "optimizer"), [(2, "sgd"), (3, "adagrad"), (8, "adagrad"), (40, "sgd")]
+)
+def test_row_wise_plan_covers_every_row_once(world_size, optimizer):
+    plan = plan_tables(KAGGLE_LIKE, 128, optimizer, world_size)
+    for f, rows in enumerate(KAGGLE_LIKE):
+        shards = sorted((s for s in plan.shards if s.table == f), key=lambda s: s.row_start)
+        assert shards[0].row_start == 0 and sum(s.rows for s in shards) == rows
+        assert all(a.row_start + a.rows == b.row_start for a, b in zip(shards, shards[1:], strict=False))
+        assert len({s.rank for s in shards}) == len(shards)  # a table's shards on distinct ranks
+    loads = plan.bytes_per_rank()
+    largest_shard = max(plan.shard_bytes(s) for s in plan.shards)
+    assert sum(loads) == sum(KAGGLE_LIKE) * row_bytes(128, optimizer)
+    assert max(loads) - min(loads) <= largest_shard
+    # The big tables are split, so no rank holds much more than an even share.
+    assert max(loads) <= sum(loads) / world_size + largest_shard
+
+
+def test_plan_refuses_more_ranks_than_tables_without_row_wise():
+    with pytest.raises(ValueError, match="parallel.row_wise: 27 ranks but 26 tables"):
+        plan_tables(KAGGLE_LIKE, 16, "sgd", 27, row_wise=False)
+
+
+def test_world_checks_are_one_line_errors(criteo_sample):
+    with pytest.raises(
+        ValueError, match=r"^data.batch_size: 240 \(the global batch\) is not divisible by the 7"
+    ):
+        check_world(_config(criteo_sample), 7)
+    cfg = replace(_config(criteo_sample), "parallel", row_wise=False)
+    with pytest.raises(ValueError, match="^parallel.row_wise: 30 ranks but 26 tables"):
+        check_world(replace(cfg, "data", batch_size=30), 30)
+
+
+def test_ranks_split_every_global_batch(criteo_sample):
+    dataset = open_split(criteo_sample, "train")
+    single = list(BatchLoader(dataset, 300, shuffle=True, seed=4))
+    ranks = [list(BatchLoader(dataset, 300, shuffle=True, seed=4, rank=r, world_size=3)) for r in range(3)]
+    assert all(len(r) == len(single) for r in ranks)  # 8000 rows: the last batch of 200 is split 3 x 66
+    for i, batch in enumerate(single):
+        joined = torch.cat([ranks[r][i].sparse for r in range(3)])
+        rows = batch.sparse.shape[0] // 3 * 3
+        assert torch.equal(joined, batch.sparse[:rows])
+    with pytest.raises(ValueError, match="not divisible by world_size 7"):
+        BatchLoader(dataset, 300, rank=0, world_size=7)
+
+
+# --------------------------------------------------------------------------------------------------
+# Real processes
+# --------------------------------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, world_size: int, port: int, jobs: list) -> None:
+    """One rank of a gloo job: run each (function, args) in turn, then leave the group. A failure ends
+    every rank (exit status 1, which fails the spawn)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), DLRM_TIMEOUT_S="60",
+    )  # fmt: skip
+    try:
+        parallel.init_distributed("cpu", 60.0)
+        for function, args in jobs:
+            function(*args)
+    except Exception as err:
+        parallel.fail(err)
+    parallel.shutdown()
+
+
+def _sharded_tables_match_one_table_batch(kernel: str, optimizer: str, empty_last_rank: bool = False) -> None:
+    """On every rank: the sharded tables (some split by rows) look up this rank's part of a global batch
+    as one process's SparseArch does, and after two optimizer steps hold the same rows. With
+    `empty_last_rank` the last rank holds no table (it still exchanges its samples, both ways)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    table_rows, dim, b, lr = [5 + 3 * f for f in range(26)], 4, 6, 0.1
+    full = SparseArch(dim, table_rows, kernel=kernel)
+    plan = plan_tables(table_rows, dim, optimizer, world - empty_last_rank, row_wise_bytes=300)
+    plan = dataclasses.replace(plan, world_size=world)
+    assert any(s.rows < table_rows[s.table] for s in plan.shards)  # some tables split by rows
+    sharded = ShardedSparseArch(plan, rank, dim, kernel=kernel)
+    tables = {k: v for k, v in full.state_dict().items() if k.startswith("embeddings.")}
+    with torch.no_grad():
+        for shard, view in zip(
+            sharded.local_shards, sharded.weights.split([s.rows for s in sharded.local_shards]), strict=True
+        ):
+            view.copy_(
+                tables[f"embeddings.{shard.table}.weight"][shard.row_start : shard.row_start + shard.rows]
+            )
+    optimizers = []
+    for module in (full, sharded):
+        if kernel == "triton":
+            module.configure_optimizer(optimizer, lr)
+        else:
+            optimizers.append(
+                (torch.optim.SGD if optimizer == "sgd" else torch.optim.Adagrad)(module.parameters(), lr)
+            )
+    generator = torch.Generator().manual_seed(1)
+    mine = slice(rank * b, (rank + 1) * b)
+    for step in range(2):
+        ids = torch.randint(-1, 60, (world * b, 26), generator=generator)  # -1: missing; past rows: hashed
+        grad = torch.randn(world * b, 26, dim, generator=generator)
+        expected = full(ids)
+        looked_up = sharded(ids[mine])
+        # The same rows exactly; after an update, rounded differently (grad / b / W, not grad / B).
+        exact = step == 0
+        torch.testing.assert_close(
+            looked_up, expected[mine].detach(), rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7
+        )
+        (expected * grad).sum().div(world * b).backward()  # one process: mean over the global batch
+        (looked_up * grad[mine]).sum().div(b).backward()  # each rank: mean over its part
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    tables = {k: v for k, v in full.state_dict().items() if k.startswith("embeddings.")}
+    for shard, view in zip(
+        sharded.local_shards,
+        sharded.weights.detach().split([s.rows for s in sharded.local_shards]),
+        strict=True,
+    ):
+        rows = tables[f"embeddings.{shard.table}.weight"][shard.row_start : shard.row_start + shard.rows]
+        torch.testing.assert_close(view, rows, rtol=1e-6, atol=1e-7, msg=f"{kernel} {optimizer} {shard}")
+
+
+def _spawn(world_size: int, jobs: list) -> None:
+    mp.spawn(_rank_main, args=(world_size, _free_port(), jobs), nprocs=world_size, join=True)
+
+
+# (name, train overrides, parallel overrides, model overrides, world sizes) of the runs compared with one
+# process. (The Triton interpreter takes ~10 s per step and evaluation here: our kernels are compared in
+# `_sharded_tables_match_one_table_batch`, on the embedding alone.)
+SCENARIOS = [
+    ("sgd_table_wise", {}, {"row_wise": False}, {}, (2, 3)),
+    (
+        "adagrad_row_wise_vocab",
+        {"optimizer": "adagrad", "lr": 0.05},
+        {"row_wise_bytes": 1},
+        {"hashing": "vocab"},
+        (2, 3),
+    ),
+]
+
+
+def _scenario_config(data_dir, name, max_steps):
+    _, train_overrides, parallel_overrides, model_overrides, _ = next(s for s in SCENARIOS if s[0] == name)
+    cfg = _config(data_dir, max_steps=max_steps, **train_overrides)
+    cfg = replace(cfg, "parallel", **parallel_overrides)
+    return replace(cfg, "model", **model_overrides) if model_overrides else cfg
+
+
+def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_path):
+    """From the same weights (a one-process checkpoint at step 2), 2 and 3 ranks train steps 3..6 of the
+    same global batches as one process: the same logged losses, eval metrics and final weights (the
+    "torch" tables; the "triton" ones on the embedding alone, `_sharded_tables_match_one_table_batch`). Also:
+    their sharded checkpoint, read whole, holds those weights; 2 ranks' checkpoint at step 4 resumes on 3
+    ranks and on 1 process with identical weights, and goes on to the same step-6 weights."""
+    reference = {}
+    jobs2, jobs3 = [], []
+    for name, *_, worlds in SCENARIOS:
+        start = tmp_path / f"{name}-start"
+        train(_scenario_config(criteo_sample, name, 2), start)
+        reference[name] = tmp_path / f"{name}-1"
+        start_ckpt = start / "checkpoints" / "last.pt"
+        train(_scenario_config(criteo_sample, name, 6), reference[name], start_ckpt)
+        for world_size, jobs in ((2, jobs2), (3, jobs3)):
+            if world_size in worlds:
+                run = tmp_path / f"{name}-{world_size}"
+                jobs.append((train, (_scenario_config(criteo_sample, name, 6), run, start_ckpt)))
+    # Resharding: 2 ranks write step 4; 3 ranks load it (and save it again untouched), then go on to 6.
+    name = "adagrad_row_wise_vocab"
+    start_ckpt = tmp_path / f"{name}-start" / "checkpoints" / "last.pt"
+    half = tmp_path / "half-2"
+    jobs2.append((train, (_scenario_config(criteo_sample, name, 4), half, start_ckpt)))
+    half_ckpt = half / "checkpoints" / "last"
+    jobs3.append((train, (_scenario_config(criteo_sample, name, 4), tmp_path / "reloaded-3", half_ckpt)))
+    jobs3.append((train, (_scenario_config(criteo_sample, name, 6), tmp_path / "resumed-3", half_ckpt)))
+    # Our Triton kernels (interpreted) and the torch tables, on the embedding alone, SGD and Adagrad.
+    for kernel, optimizer in (("triton", "sgd"), ("triton", "adagrad"), ("torch", "adagrad")):
+        jobs2.insert(0, (_sharded_tables_match_one_table_batch, (kernel, optimizer)))
+    jobs3.insert(0, (_sharded_tables_match_one_table_batch, ("triton", "adagrad")))
+    jobs3.insert(0, (_sharded_tables_match_one_table_batch, ("torch", "sgd", True)))
+    # The other loaders and bf16 on 2 ranks, with the profiler on (a trace per rank).
+    streaming = replace(_config(criteo_sample, max_steps=4, precision="bf16"), "data", loader="streaming")
+    streaming = dataclasses.replace(streaming, profiler=dataclasses.replace(streaming.profiler, enabled=True))
+    jobs2.append((train, (streaming, tmp_path / "streaming-bf16-2", None)))
+    resident = replace(_config(criteo_sample, max_steps=2), "data", loader="gpu_resident")
+    jobs2.append((train, (resident, tmp_path / "resident-2", None)))
+    _spawn(2, jobs2)
+    _spawn(3, jobs3)
+    train(_scenario_config(criteo_sample, name, 6), tmp_path / "resumed-1", half_ckpt)
+
+    for name, *_, worlds in SCENARIOS:
+        expected = json.loads((reference[name] / "metrics.json").read_text())
+        expected_losses = _losses(reference[name])
+        expected_weights = _weights(reference[name] / "checkpoints" / "last.pt")
+        assert len(expected_losses) == 3  # steps 4..6 (the first step of a process is reported apart)
+        for world_size in worlds:
+            run = tmp_path / f"{name}-{world_size}"
+            metrics = json.loads((run / "metrics.json").read_text())
+            assert (
+                metrics["world_size"] == world_size and metrics["samples"] == expected["samples"] == 6 * 240
+            )
+            assert metrics["step_ms_min"] <= metrics["step_ms_max"]
+            torch.testing.assert_close(_losses(run), expected_losses, rtol=RTOL, atol=ATOL, msg=name)
+            for key in ("eval_auc", "eval_logloss", "eval_ne"):
+                assert metrics[key] == pytest.approx(expected[key], rel=1e-4), (name, world_size, key)
+            plan = json.loads((run / "sharding_plan.json").read_text())
+            assert plan["world_size"] == world_size
+            _assert_same_weights(_weights(run / "checkpoints" / "last"), expected_weights)
+
+    for run, steps in (("streaming-bf16-2", 4), ("resident-2", 2)):
+        metrics = json.loads((tmp_path / run / "metrics.json").read_text())
+        assert metrics["steps"] == steps and metrics["samples"] == steps * 240, run
+        assert math.isfinite(metrics["train_loss"]) and 0 < metrics["eval_auc"] < 1, run
+    assert sorted(p.name.split(".")[0] for p in (tmp_path / "streaming-bf16-2").glob("*.pt.trace.json")) == [
+        "rank0",
+        "rank1",
+    ]
+    # `python -m dlrm.evaluate` reads a sharded checkpoint in one process: the metrics of the run.
+    run = tmp_path / "sgd_table_wise-2"
+    result = CliRunner().invoke(
+        evaluate_cli.main, ["--checkpoint", str(run / "checkpoints" / "best"), "--data", str(criteo_sample)]
+    )
+    assert result.exit_code == 0, result.output
+    best = json.loads((run / "metrics.json").read_text())
+    assert json.loads(result.output.splitlines()[-1])["auc"] == pytest.approx(best["eval_auc"], abs=1e-6)
+
+    reference_6 = _weights(tmp_path / "adagrad_row_wise_vocab-1" / "checkpoints" / "last.pt")
+    half_weights = _weights(half_ckpt)
+    _assert_same_weights(_weights(tmp_path / "reloaded-3" / "checkpoints" / "last"), half_weights, 0, 0)
+    for run in ("resumed-3", "resumed-1"):
+        last = tmp_path / run / "checkpoints" / ("last.pt" if run.endswith("-1") else "last")
+        _assert_same_weights(_weights(last), reference_6)
+
+
+FAULT_WORKER = """
+import os, sys, time
+import dlrm.loop
+from dlrm.train import main
+
+account_step = dlrm.loop.account_step
+def faulty_account_step(run, state, *args):
+    account_step(run, state, *args)
+    if state.step == 3 and run.dist.rank == 1:  # mid-run, between two steps' collectives
+        if sys.argv[1] == "kill":
+            os.kill(os.getpid(), 9)
+        time.sleep(3600)
+dlrm.loop.account_step = faulty_account_step
+main(sys.argv[2:])
+"""
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_a_dead_or_hung_rank_ends_every_rank_with_a_message(criteo_sample, tmp_path, fault):
+    config = tmp_path / "c.json"
+    raw = json.loads(TINY.read_text())
+    raw["data"].update(path=str(criteo_sample), batch_size=240)
+    raw["train"].update(max_steps=50, device="cpu")
+    raw["profiler"]["enabled"] = False
+    config.write_text(json.dumps(raw))
+    port = _free_port()
+    timeout_s = 6
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+            "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "DLRM_TIMEOUT_S": str(timeout_s),
+            "PYTHONPATH": str(REPO),
+        }  # fmt: skip
+        args = [
+            sys.executable,
+            "-c",
+            FAULT_WORKER,
+            fault,
+            "--config",
+            str(config),
+            "--output-dir",
+            str(tmp_path / "run"),
+        ]
+        procs.append(subprocess.Popen(args, env=env, cwd=REPO, stderr=subprocess.PIPE, text=True))
+    start = time.monotonic()
+    _, err0 = procs[0].communicate(timeout=120)
+    _, err1 = procs[1].communicate(timeout=30)
+    elapsed = time.monotonic() - start
+    assert procs[0].returncode == 1 and "Traceback" not in err0
+    if fault == "kill":
+        assert procs[1].returncode == -9
+        assert "rank 0: ending: rank 1 stopped: no heartbeat" in err0, err0[-3000:]
+    else:  # rank 0's all_to_all times out: rank 1 is alive but not in it
+        assert procs[1].returncode == 1
+        assert "rank 0: ending: rank 1 hung: alive, but not in the collective that failed on rank 0" in err0
+        assert "rank 1: ending: rank 1 hung" in err1
+    assert elapsed < 60  # start-up (imports, data), the timeout, the heartbeat window
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("precision", "rtol", "atol"), [("fp32", 1e-3, 1e-4), ("bf16", 2e-2, 1e-3)])
+def test_two_gpus_with_cuda_graphs_follow_one_gpu(criteo_sample, tmp_path, precision, rtol, atol):
+    """torchrun on 2 GPUs, `--use-triton --cuda-graphs` (NCCL all_to_all and all_reduce captured in the
+    step's graph): from the same step-2 checkpoint, the loss curve and weights of one GPU. (TF32 is off in
+    fp32; the tolerance covers cuBLAS choosing other kernels for B/2 rows.)"""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    config = tmp_path / "c.json"
+    raw = json.loads(TINY.read_text())
+    raw["data"].update(path=str(criteo_sample), batch_size=256)
+    raw["train"].update(max_steps=2, log_interval=1, use_triton=True, cuda_graphs=True, precision=precision)
+    raw["profiler"]["enabled"] = False
+    config.write_text(json.dumps(raw))
+
+    def dlrm_train(nproc: int, run: str, *args: str) -> None:
+        launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run"]
+        launcher += [] if nproc == 1 else ["--standalone", f"--nproc-per-node={nproc}"]
+        command = [
+            *launcher,
+            "-m",
+            "dlrm.train",
+            "--config",
+            str(config),
+            "--output-dir",
+            str(tmp_path / run),
+        ]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        subprocess.run([*command, *args], cwd=REPO, env=env, check=True, timeout=600)
+
+    dlrm_train(1, "start")
+    start = str(tmp_path / "start" / "checkpoints" / "last.pt")
+    dlrm_train(1, "one", "--resume", start, "--max-steps", "12")
+    dlrm_train(2, "two", "--resume", start, "--max-steps", "12")
+    torch.testing.assert_close(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=rtol, atol=atol)
+    expected = _weights(tmp_path / "one" / "checkpoints" / "last.pt")
+    _assert_same_weights(_weights(tmp_path / "two" / "checkpoints" / "last"), expected, rtol, atol)

@@ -1,0 +1,97 @@
+"""The profiled window's per-stage breakdown in TensorBoard (scalars and the Text tab's table)."""
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.autograd import DeviceType
+
+from dlrm.config import load_config, replace
+from dlrm.loop import train
+from dlrm.profiling import DATA_LOADER_RANGE, STAGES, breakdown_table, stage_breakdown
+from tests.conftest import REPO
+
+
+def test_tiny_run_writes_the_stage_breakdown(criteo_sample, tmp_path):
+    cfg = load_config(REPO / "configs" / "tiny.json")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(criteo_sample)))
+    train(replace(cfg, "train", device="cpu", max_steps=4), tmp_path)
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    for stage in STAGES:
+        values = events.Scalars(f"profile/{stage}_ms")
+        assert len(values) == 1 and values[0].step == 4, stage  # the window: steps 3 and 4
+        assert values[0].value > 0, stage
+        assert f"profile/{stage}_gpu_ms" not in scalars  # a CPU run has no GPU time
+    assert events.Scalars("profile/step_ms")[0].value > events.Scalars("profile/embedding_ms")[0].value
+    (text,) = events.Tensors("profile/text_summary")
+    table = text.tensor_proto.string_val[0].decode()
+    assert "| stage | host ms/step | % of step |" in table and "Profiled steps: 2." in table
+    for stage in STAGES:
+        assert f"| {stage} | " in table
+    # torch-tb-profiler counts this range (inside "data") as DataLoader time.
+    (trace,) = tmp_path.glob("*.pt.trace.json")
+    categories = {e.get("name"): e.get("cat") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert categories["data"] == "user_annotation" and categories[DATA_LOADER_RANGE] == "cpu_op"
+
+
+@pytest.mark.gpu
+def test_gpu_run_writes_gpu_time_per_stage(criteo_sample, tmp_path):
+    cfg = load_config(REPO / "configs" / "tiny.json")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(criteo_sample)))
+    train(replace(cfg, "train", device="cuda", max_steps=4), tmp_path)
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    for stage in ("embedding", "bottom_mlp", "interaction", "top_mlp", "backward", "optimizer"):
+        assert events.Scalars(f"profile/{stage}_gpu_ms")[0].value > 0, stage
+    (text,) = events.Tensors("profile/text_summary")
+    assert "GPU ms/step" in text.tensor_proto.string_val[0].decode()
+
+
+def _event(name, start, end, thread=1, kernels=()):
+    return SimpleNamespace(
+        name=name,
+        device_type=DeviceType.CPU,
+        is_async=False,
+        thread=thread,
+        time_range=SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start),
+        kernels=[SimpleNamespace(duration=d) for d in kernels],
+    )
+
+
+def test_gpu_time_goes_to_the_stage_open_when_the_work_was_launched():
+    events = [
+        _event("ProfilerStep*", 0, 1000),
+        _event("data", 0, 100),
+        _event("aten::copy_", 10, 20, kernels=[30]),  # host-to-device copy
+        _event("forward", 100, 400),
+        _event("embedding", 110, 200),
+        _event("aten::embedding", 120, 130, kernels=[5, 7]),
+        _event("top_mlp", 200, 400),
+        _event("aten::addmm", 210, 220, kernels=[40]),
+        _event("backward", 400, 800),
+        _event("aten::mm", 500, 510, thread=2, kernels=[60]),  # autograd's thread
+        _event("optimizer", 800, 900),
+        _event("aten::add_", 950, 960, kernels=[1000]),  # outside every stage: not counted
+        _event("ProfilerStep*", 1000, 3000),
+    ]
+    result = stage_breakdown(events)
+    assert result["steps"] == 2 and result["gpu"] and result["step_ms"] == pytest.approx(1.5)
+    stages = result["stages"]
+    gpu = {stage: stages[stage]["gpu_ms"] * 2 * 1000 for stage in STAGES}  # back to us in all steps
+    assert gpu == {
+        "data": 30,
+        "embedding": 12,
+        "bottom_mlp": 0,
+        "interaction": 0,
+        "top_mlp": 40,
+        "loss": 0,
+        "backward": 60,
+        "optimizer": 0,
+    }
+    assert stages["backward"]["host_ms"] == pytest.approx(0.2)
+    table = breakdown_table(result)
+    assert "| backward | 0.200 | 13.3% | 0.030 |" in table and "GPU ms/step" in table
