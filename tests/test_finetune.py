@@ -83,7 +83,7 @@ def test_merged_checkpoint_gives_the_adapted_logits_and_is_read_back(base_run, c
     assert json.loads(result.output)["samples"] == 2000
     cfg = replace(from_dict(merged["config"]), "train", max_steps=merged["step"] + 2)
     metrics = train_cli.train(cfg, tmp_path / "resumed", resume=merged_path)
-    assert metrics["steps"] == merged["step"] + 2 and metrics["samples"] == 2 * cfg.data.batch_size
+    assert metrics["steps"] == merged["step"] + 2
 
 
 def test_errors_are_one_line(base_run, tmp_path):
