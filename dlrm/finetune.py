@@ -17,13 +17,13 @@ the adapted layers run on the fused kernel `kernels/lora_linear.py`.
 """
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import click
 
 from dlrm.checkpoint import load_checkpoint, save_checkpoint
 from dlrm.config import LoraConfig, RunConfig, from_dict, load_config, replace
+from dlrm.errors import cli_errors
 from dlrm.model import model_from_checkpoint
 
 
@@ -115,7 +115,7 @@ def main(
     use_triton, device,
 ):  # fmt: skip
     """Fine-tune CHECKPOINT with LoRA adapters, or (--merge) fold a fine-tuned checkpoint's adapters in."""
-    try:
+    with cli_errors():  # bad input: one line, exit 2 (dlrm/errors.py)
         if merge:
             if output is None:
                 raise ValueError("--merge needs --output FILE")
@@ -131,9 +131,6 @@ def main(
         from dlrm.loop import train
 
         train(cfg, output_dir)
-    except (ValueError, FileNotFoundError) as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
 
 
 if __name__ == "__main__":
