@@ -223,3 +223,22 @@ def test_options_on_the_gpu_with_cuda_graphs(criteo_sample, tmp_path, model, pre
     atol = 2e-2 if precision == "bf16" else 1e-3
     for name in runs.keys() - {"eager"}:
         torch.testing.assert_close(curves[name], curves["eager"], rtol=0, atol=atol, msg=name)
+
+
+def test_a_checkpoint_from_before_the_options_resumes_and_evaluates(criteo_sample, tmp_path):
+    """A checkpoint whose config lacks the option keys (written before they existed) reads as the defaults:
+    `--resume` accepts it under a config that has them, and dlrm.evaluate rebuilds it."""
+    cfg = _tiny(criteo_sample, max_steps=2)
+    cfg = dataclasses.replace(cfg, profiler=dataclasses.replace(cfg.profiler, enabled=False))
+    train_cli.train(cfg, tmp_path / "old")
+    path = tmp_path / "old" / "checkpoints" / "last.pt"
+    state = torch.load(path, weights_only=True)
+    for key in ("mlp_block", "gate", "attention", "lora"):
+        del state["config"]["model"][key]
+    torch.save(state, path)
+    metrics = train_cli.train(replace(cfg, "train", max_steps=3), tmp_path / "resumed", resume=path)
+    assert metrics["steps"] == 3
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(evaluate_cli.main, ["--checkpoint", str(path), "--data", str(criteo_sample)])
+    assert result.exit_code == 0, result.output
