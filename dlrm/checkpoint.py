@@ -84,6 +84,11 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     missing = [k for k in ("model", "config", "table_rows") if not isinstance(state, dict) or k not in state]
     if missing:
         raise ValueError(f"{path}: not a DLRM checkpoint (missing {', '.join(missing)})")
+    # Config keys added since the checkpoint was written (e.g. model.mlp_block) take their defaults, which
+    # are what such a run had: a resume compares configs key by key.
+    from dlrm.config import from_dict
+
+    state["config"] = from_dict(state["config"]).to_dict()
     return state
 
 

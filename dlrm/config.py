@@ -15,11 +15,13 @@ from typing import Any
 DEVICES = ("auto", "cpu", "cuda")
 HASHINGS = ("modulus", "vocab")
 LOADERS = ("memory", "gpu_resident", "streaming", "binary")
-INTERACTIONS = ("dot", "cat")
+INTERACTIONS = ("dot", "cat", "attention")
+MLP_BLOCKS = ("linear_act", "ln_linear_gelu", "gated")
+GATES = ("sigmoid_tanh", "geglu", "swiglu")
 OPTIMIZERS = ("sgd", "adagrad")
 PRECISIONS = ("fp32", "tf32", "bf16")
 COMPILE_MODES = ("default", "reduce-overhead")
-TRITON_MLP_KERNELS = ("linear_act", "bias_act")
+TRITON_MLP_KERNELS = ("linear_act", "bias_act", "cuda_bias_act")
 ON_NONFINITE = ("stop", "skip_batch")
 
 
@@ -51,6 +53,30 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class AttentionConfig:
+    """The "attention" interaction (AutoInt): `layers` layers of multi-head self-attention over the F + 1
+    feature vectors, `heads` heads of `dim` features each (dlrm.model.dlrm.InteractionArch)."""
+
+    heads: int = 2
+    layers: int = 2
+    dim: int = 16
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on every MLP layer (`python -m dlrm.finetune`): rank 0 is off. With `rank` r > 0
+    each layer is act(x W^T + (alpha / r) (x A^T) B^T + b) with W, b (and every other dense weight) frozen
+    and A [r, K], B [N, r] trained (B starts at zero: the model starts as its base). `alpha` null means r
+    (scale 1). `base`: the checkpoint whose weights (and table layout) the model starts from.
+    `freeze_embeddings`: keep the embedding tables fixed too. Only with `mlp_block` "linear_act"."""
+
+    rank: int = 0
+    alpha: float | None = None
+    base: str | None = None
+    freeze_embeddings: bool = False
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """DLRM architecture (FB-DLRM Kaggle defaults).
 
@@ -60,6 +86,13 @@ class ModelConfig:
     `table_rows`: rows per embedding table (26 ints); null takes each table's train cardinality + 1 from
     metadata.json. Either way rows are capped by `max_rows`. `hashing`: `modulus` maps a raw id x to
     (x + 1) % rows; `vocab` maps train ids exactly and unseen ids to one shared out-of-vocabulary row.
+    `mlp_block`: what each layer of the bottom and top MLPs is (the logit layer stays a plain Linear):
+    "linear_act" (Linear + ReLU), "ln_linear_gelu" (LayerNorm -> Linear -> GELU tanh) or "gated" (one
+    Linear of twice the width, halves combined by `gate`: "sigmoid_tanh", "geglu" or "swiglu"; `gate` is
+    read by "gated" only). See dlrm.model.mlp.
+    `interaction`: "dot" (FB-DLRM's pairwise dot products), "cat" (concatenation) or "attention"
+    (AutoInt-style self-attention over the feature vectors, shaped by `attention`: {heads, layers, dim};
+    missing categorical values are masked out as keys). See dlrm.model.dlrm.InteractionArch.
     """
 
     embedding_dim: int = 16
@@ -69,6 +102,10 @@ class ModelConfig:
     hashing: str = "modulus"
     table_rows: tuple[int, ...] | None = None
     max_rows: int = 10_000_000
+    mlp_block: str = "linear_act"
+    gate: str = "sigmoid_tanh"
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(frozen=True)
@@ -82,7 +119,8 @@ class TrainConfig:
     model on our Triton kernels: table-batched embeddings whose backward applies the optimizer (SGD or
     Adagrad) to the touched rows, the dot interaction, the loss, and the MLP layers, which
     `triton_mlp_kernel` picks: "linear_act" (GEMM + bias + activation fused) or "bias_act" (cuBLAS GEMM,
-    then fused bias + activation).
+    then fused bias + activation), or "cuda_bias_act" (bias_act's CUDA C++ twin, built with nvcc on first
+    use; CUDA only).
     Both flags may be set. `cuda_graphs` captures the whole training step once as a CUDA graph and
     replays it (dlrm.graphs); it needs `use_triton` and optimizer "sgd", whose steps have no host sync.
     `precision` of the training step's MLPs and interaction: "fp32", "tf32" (fp32 tensors, TF32 tensor-core
@@ -211,7 +249,9 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
         ):
             raise ValueError(f"{key}: expected a list of integers, got {value!r}")
         return tuple(value)
-    if annotation in (int | None, float | None, tuple[int, ...] | None):
+    if dataclasses.is_dataclass(annotation):  # a nested section, e.g. model.attention
+        return _build(annotation, value, f"{key}.")
+    if annotation in (int | None, float | None, tuple[int, ...] | None, str | None):
         if value is None:
             return None
         inner = next(a for a in annotation.__args__ if a is not type(None))
@@ -263,6 +303,20 @@ def validate(cfg: RunConfig) -> RunConfig:
     _require(m.top_mlp[-1] == 1, "model.top_mlp", "a last width of 1 (the logit)", list(m.top_mlp))
     _require(m.interaction in INTERACTIONS, "model.interaction", f"one of {INTERACTIONS}", m.interaction)
     _require(m.hashing in HASHINGS, "model.hashing", f"one of {HASHINGS}", m.hashing)
+    _require(m.mlp_block in MLP_BLOCKS, "model.mlp_block", f"one of {MLP_BLOCKS}", m.mlp_block)
+    _require(m.gate in GATES, "model.gate", f"one of {GATES}", m.gate)
+    a = m.attention
+    _require(a.heads > 0, "model.attention.heads", "a positive integer", a.heads)
+    _require(a.layers > 0, "model.attention.layers", "a positive integer", a.layers)
+    _require(0 < a.dim <= 256, "model.attention.dim", "an integer in 1..256 (features per head)", a.dim)
+    lora = m.lora
+    _require(0 <= lora.rank <= 128, "model.lora.rank", "an integer in 0..128 (0: no adapters)", lora.rank)
+    if lora.alpha is not None:
+        _require(lora.alpha > 0, "model.lora.alpha", "a positive number or null", lora.alpha)
+    if lora.rank:
+        _require(m.mlp_block == "linear_act", "model.mlp_block", "'linear_act' with model.lora", m.mlp_block)
+    else:
+        _require(lora.base is None, "model.lora.base", "null without adapters (model.lora.rank 0)", lora.base)
     # Vocabularies are built from every train id in memory, which the streaming loaders never hold.
     _require(
         not (d.loader in ("streaming", "binary") and m.hashing == "vocab"),

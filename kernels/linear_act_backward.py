@@ -37,7 +37,7 @@ from kernels.linear_act_dw import linear_act_dw
 from kernels.linear_act_forward import SAVES_Y, check_inputs
 from kernels.partials import row_programs, sum_partials
 
-__all__ = ["check_bwd_inputs", "linear_act_bwd"]
+__all__ = ["check_bwd_inputs", "linear_act_bwd", "linear_act_dz"]
 
 
 # M (the batch) changes between calls: do not specialize on it (a new batch size reuses the compiled kernel).
@@ -193,6 +193,28 @@ def _graph_time(fn) -> float:
     return ms
 
 
+def linear_act_dz(
+    dy: Tensor, saved: Tensor | None, activation: str, has_bias: bool, dtype: torch.dtype
+) -> tuple[Tensor, Tensor | None]:
+    """dz = dy * act' [M, N] (rounded to `dtype`) and, with has_bias, db = its column sums [N] (`dtype`), in
+    one Triton pass over [M, N] (``_linear_act_dz_kernel``) and a sum of its fp32 partials; `saved` is the
+    forward's y (relu, sigmoid) or z (gelu_tanh, silu), not read for identity. M >= 1. Also the first step
+    of other ops' backwards (kernels/lora_linear.py)."""
+    m, n = dy.shape
+    dy = dy.contiguous()
+    s = saved.contiguous() if activation != "identity" else dy
+    dz = launch.empty((m, n), dtype, dy.device)
+    block_n = min(128, triton.next_power_of_2(n))
+    block_m = max(16, 4096 // block_n)
+    grid = (row_programs(m, block_m), triton.cdiv(n, block_n))
+    db_part = launch.empty((grid[0], n), torch.float32, dy.device) if has_bias else dz
+    _linear_act_dz_kernel[grid](
+        dy, s, dz, db_part, m, n, dy.stride(0), s.stride(0), dz.stride(0),
+        HAS_BIAS=has_bias, ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    return dz, (sum_partials(db_part, dtype) if has_bias else None)
+
+
 def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx):
     """dz and db partials in one Triton pass over [M, N], then dx = dz @ W and dW = dz^T @ x by cuBLAS."""
     m, k = x.shape
@@ -200,17 +222,7 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
     if m == 0:
         db = torch.zeros(n, dtype=x.dtype, device=x.device) if has_bias else None
         return (new_padded(m, k, x) if needs_dx else None), x.new_zeros(n, k), db
-    dy = dy.contiguous()
-    s = saved.contiguous() if activation != "identity" else dy
-    dz = launch.empty((m, n), x.dtype, x.device)
-    block_n = min(128, triton.next_power_of_2(n))
-    block_m = max(16, 4096 // block_n)
-    grid = (row_programs(m, block_m), triton.cdiv(n, block_n))
-    db_part = launch.empty((grid[0], n), torch.float32, x.device) if has_bias else dz
-    _linear_act_dz_kernel[grid](
-        dy, s, dz, db_part, m, n, dy.stride(0), s.stride(0), dz.stride(0),
-        HAS_BIAS=has_bias, ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n,
-    )  # fmt: skip
+    dz, db = linear_act_dz(dy, saved, activation, has_bias, x.dtype)
     kp = aligned_width(k, x.dtype)
     dx = None
     if needs_dx:
@@ -230,5 +242,4 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
         dw = torch.mm(dz.t(), x.as_strided((m, kp), (kp, 1)))[:, :k].contiguous()
     else:
         dw = torch.mm(dz.t(), x)
-    db = sum_partials(db_part, x.dtype) if has_bias else None
     return dx, dw, db

@@ -8,9 +8,32 @@ the forward + backward of:
     compile     torch.compile of that function                Inductor (compile time reported apart)
     bias_act    bias_act(F.linear(x, W), b, act)              cuBLAS GEMM + our fused bias+activation kernel
     linear_act  linear_act(x, W, b, act)                      our fused GEMM + bias + activation kernel
+    cuda_bias_act  bias_act_cuda(F.linear(x, W), b, act)      the same with the CUDA C++ add-bias-activation
+                (not in the default --paths; give it to compare with bias_act)
 each two ways (median of CUDA-event timings, triton.testing.do_bench): "launch", called from Python as an
 eager training loop does (host launch overhead included), and "graph", replays of a CUDA graph of the same
 calls (GPU time only, what a graph-captured training step pays).
+
+`--what blocks` times the other MLP blocks (`model.mlp_block`) instead, on the same layers but the logit
+layer (rows in scripts/results/blocks.csv):
+    eager       the block in PyTorch ops: F.layer_norm -> F.linear -> F.gelu(tanh), or
+                F.linear -> gate(z[:, 0::2], z[:, 1::2])
+    compile     torch.compile of that function
+    triton      our fused kernel: kernels.ln_linear_gelu / kernels.gated_linear
+
+`--what lora` times the LoRA layer act(x W^T + s (x A^T) B^T + b) (W, b frozen; gradients for x, A, B) on
+the same layers, per rank of `--lora-ranks` (rows in scripts/results/lora.csv): eager (the PyTorch
+expression), compile of it, triton (kernels.lora_linear).
+
+`--what attention` times the attention interaction (`model.interaction` "attention") at each batch, per
+(heads, dim) of `--attention-shapes` (rows in scripts/results/attention.csv), two ways:
+    op "attention"    softmax(QK^T / sqrt(d)) V with a key mask on [B, heads, 27, d] (q, k, v views of one
+                      [B, 27, 3, heads, d] projection, as the model makes them; ~20% of keys masked):
+                      eager F.scaled_dot_product_attention(attn_mask=bool), compile of it, triton
+                      kernels.attention.masked_attention
+    op "interaction"  the whole InteractionArch (model.attention.layers layers: projections, attention,
+                      residual, relu) over dense [B, 16] and embedded [B, 26, 16]: kernel "torch", compile
+                      of it, kernel "triton"
 Precisions: tf32 (fp32 tensors, TF32 matmuls allowed for every path) and bf16. Inputs rotate over several
 buffer sets so the L2 cache does not hold them between repeats.
 
@@ -38,6 +61,12 @@ from kernels.bias_act import bias_act
 from kernels.linear_act import linear_act
 
 RESULTS = Path(__file__).parent / "results" / "kernels.csv"
+BLOCK_RESULTS = Path(__file__).parent / "results" / "blocks.csv"
+BLOCKS = ("ln_linear_gelu", "gated:sigmoid_tanh", "gated:geglu", "gated:swiglu")
+BLOCK_PATHS = ("eager", "compile", "triton")
+ATTENTION_RESULTS = Path(__file__).parent / "results" / "attention.csv"
+ATTENTION_SHAPES = "2x16,2x32,4x32,8x16"  # heads x dim
+LORA_RESULTS = Path(__file__).parent / "results" / "lora.csv"
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
 PATHS = ("eager", "compile", "bias_act", "linear_act")
@@ -79,6 +108,10 @@ def _layer_fns(path: str, act: str):
         return (lambda x, w, b: act_ref(F.linear(x, w, b), act)), 0.0
     if path == "bias_act":
         return (lambda x, w, b: bias_act(F.linear(x, w), b, act)), 0.0
+    if path == "cuda_bias_act":
+        from kernels.bias_act_cuda import bias_act_cuda
+
+        return (lambda x, w, b: bias_act_cuda(F.linear(x, w), b, act)), 0.0
     if path == "linear_act":
         return (lambda x, w, b: linear_act(x, w, b, act)), 0.0
     torch._dynamo.reset()  # each layer compiles afresh: the lambda's code object is shared between layers
@@ -114,26 +147,34 @@ def bench_layer(path: str, m: int, k: int, n: int, act: str, dtype: torch.dtype)
         dy = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
         sets.append((x, w, b, dy))
     fn, compile_s = _layer_fns(path, act)
-    if compile_s is None:
+    return _time_passes(fn, sets, compile_s is None)
+
+
+def _time_passes(fn, sets: list[tuple], compiled: bool) -> dict[str, float]:
+    """Median ms of `fn(*inputs)` on rotating input `sets` (inputs..., dy): forward and forward+backward,
+    launched from Python and as CUDA-graph replays; compile seconds (the first call) when `compiled`."""
+    compile_s = 0.0
+    if compiled:
         torch.cuda.synchronize()
         start = datetime.now()
-        x, w, b, dy = sets[0]
-        fn(x, w, b).backward(dy)
+        *inputs, dy = sets[0]
+        fn(*inputs).backward(dy)
         with torch.no_grad():
-            fn(x, w, b)
+            fn(*inputs)
         torch.cuda.synchronize()
         compile_s = (datetime.now() - start).total_seconds()
     i = iter(range(10**9))
 
     def fwd():
-        x, w, b, _ = sets[next(i) % ROTATE]
+        *inputs, _ = sets[next(i) % ROTATE]
         with torch.no_grad():
-            fn(x, w, b)
+            fn(*inputs)
 
     def fwd_bwd():
-        x, w, b, dy = sets[next(i) % ROTATE]
-        x.grad = w.grad = b.grad = None
-        fn(x, w, b).backward(dy)
+        *inputs, dy = sets[next(i) % ROTATE]
+        for t in inputs:
+            t.grad = None
+        fn(*inputs).backward(dy)
 
     return {
         "launch fwd": _median_ms(fwd),
@@ -144,11 +185,243 @@ def bench_layer(path: str, m: int, k: int, n: int, act: str, dtype: torch.dtype)
     }
 
 
-def bench_bias_act_bandwidth(m: int, n: int, dtype: torch.dtype, copy_gbps: float) -> tuple[float, float]:
-    """Bandwidth of bias_act alone as % of copy: forward reads x, b and writes y; backward reads dy, x, b
-    and writes dx. Timed as CUDA-graph replays (GPU time, what a graph-captured step pays), like the
-    layers' "graph" passes."""
-    from kernels.bias_act import bias_act_bwd, bias_act_fwd
+def _block_fn(path: str, block: str):
+    """fn(x, *params) of one MLP block (`BLOCKS`) on one path (`BLOCK_PATHS`)."""
+    from kernels.gated_linear import gate_ref, gated_linear
+    from kernels.ln_linear_gelu import ln_linear_gelu
+
+    kind, _, gate = block.partition(":")
+    if path == "triton":
+        if kind == "ln_linear_gelu":
+            return ln_linear_gelu
+        return lambda x, w, b: gated_linear(x, w, b, gate)
+
+    if kind == "ln_linear_gelu":
+
+        def eager(x, gamma, beta, w, b):
+            a = F.layer_norm(x, (x.shape[1],), gamma, beta, 1e-5)
+            return F.gelu(F.linear(a, w, b), approximate="tanh")
+    else:
+
+        def eager(x, w, b):
+            z = F.linear(x, w, b)
+            return gate_ref(z[:, 0::2], z[:, 1::2], gate)
+
+    if path == "eager":
+        return eager
+    torch._dynamo.reset()
+    return torch.compile(eager, dynamic=False)
+
+
+def bench_block(path: str, block: str, m: int, k: int, n: int, dtype: torch.dtype) -> dict[str, float]:
+    """Median ms of one block K -> N on one path, as `bench_layer` times a layer."""
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
+    sets = []
+    wide = 2 if block.startswith("gated") else 1
+    for _ in range(ROTATE):
+        x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        w = (torch.randn(wide * n, k, device="cuda", dtype=dtype, generator=g) / k**0.5).requires_grad_()
+        b = torch.randn(wide * n, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        dy = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
+        if wide == 1:
+            gamma = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).to(dtype).requires_grad_()
+            beta = (0.1 * torch.randn(k, device="cuda", generator=g)).to(dtype).requires_grad_()
+            sets.append((x, gamma, beta, w, b, dy))
+        else:
+            sets.append((x, w, b, dy))
+    return _time_passes(_block_fn(path, block), sets, path == "compile")
+
+
+def run_blocks(configs, batches, precisions, blocks, paths, ceilings, common) -> None:
+    """`--what blocks`: every block on every layer of the configs' MLPs but the logit layer; rows to
+    BLOCK_RESULTS, and per (config, precision, batch, block) the sums over the layers with their ratios."""
+    rows = []
+    print(
+        "\nMLP blocks, sum over each config's layers but the logit layer, ms (ratio = eager / path), "
+        + common["device"]
+    )
+    print(f"{'config':<8}{'prec':<6}{'B':>7}  {'block':<20}{'pass':<15}" + "".join(f"{p:>20}" for p in paths))
+    for config in configs:
+        layers = mlp_layers(config)[:-1]  # the logit layer stays a plain Linear
+        for precision in precisions:
+            peak = ceilings[f"gemm_tflops_{precision}"]
+            for m in batches:
+                for block in blocks:
+                    wide = 2 if block.startswith("gated") else 1
+                    totals = {(p, ps): 0.0 for p in paths for ps in PASSES}
+                    for k, n, _ in layers:
+                        times = {p: bench_block(p, block, m, k, n, DTYPES[precision]) for p in paths}
+                        for path, t in times.items():
+                            for ps in PASSES:
+                                totals[(path, ps)] += t[ps]
+                                flops = (6 if ps.endswith("bwd") else 2) * m * wide * n * k
+                                tflops = flops / t[ps] / 1e9
+                                rows.append(dict(
+                                    common, config=config, block=block, layer=f"{k}->{n}", batch=m,
+                                    precision=precision, path=path, **{"pass": ps}, ms=round(t[ps], 5),
+                                    tflops=round(tflops, 2), pct_gemm_peak=round(100 * tflops / peak, 2),
+                                    ratio_vs_eager=round(times[paths[0]][ps] / t[ps], 3),
+                                    compile_s=round(t["compile_s"], 2),
+                                ))  # fmt: skip
+                    for ps in PASSES:
+                        base = totals[(paths[0], ps)]
+                        cells = "".join(
+                            f"{totals[(p, ps)]:>10.4f} ({base / totals[(p, ps)]:>5.2f}x)" for p in paths
+                        )
+                        print(f"{config:<8}{precision:<6}{m:>7}  {block:<20}{ps:<15}{cells}")
+                    if "compile" in paths and "triton" in paths:
+                        ratio = totals[("compile", "graph fwd+bwd")] / totals[("triton", "graph fwd+bwd")]
+                        print(f"{'':<41}triton graph fwd+bwd speed-up over compile: {ratio:.2f}x")
+    append_rows(BLOCK_RESULTS, rows)
+
+
+def _attention_inputs(m: int, heads: int, dim: int, dtype: torch.dtype, g: torch.Generator):
+    qkv = torch.randn(m, 27, 3, heads, dim, device="cuda", dtype=dtype, generator=g).requires_grad_()
+    valid = torch.rand(m, 27, device="cuda", generator=g) >= 0.2
+    valid[:, 0] = True  # the dense vector: always a valid key
+    return qkv, valid
+
+
+def bench_attention(path: str, op: str, m: int, heads: int, dim: int, dtype: torch.dtype) -> dict[str, float]:
+    """Median ms of the attention op or the whole attention interaction on one path (module docstring)."""
+    from dlrm.config import AttentionConfig
+    from kernels.attention import masked_attention
+
+    g = torch.Generator(device="cuda").manual_seed(m + heads * dim)
+    sets = []
+    if op == "attention":
+        for _ in range(ROTATE):
+            qkv, valid = _attention_inputs(m, heads, dim, dtype, g)
+            sets.append((qkv, valid, torch.randn(m, heads, 27, dim, device="cuda", dtype=dtype, generator=g)))
+
+        def split(qkv):
+            return (t.transpose(1, 2) for t in qkv.unbind(2))
+
+        if path == "triton":
+            fn = lambda qkv, valid: masked_attention(*split(qkv), valid)  # noqa: E731
+        else:
+
+            def fn(qkv, valid):
+                return F.scaled_dot_product_attention(*split(qkv), attn_mask=valid[:, None, None, :])
+
+            if path == "compile":
+                torch._dynamo.reset()
+                fn = torch.compile(fn, dynamic=False)
+        return _time_passes(fn, sets, path == "compile")
+    d = 16
+    cfg = AttentionConfig(heads=heads, layers=2, dim=dim)
+    arch = InteractionArch(d, "attention", kernel="triton" if path == "triton" else "torch", attention=cfg)
+    arch = arch.to(device="cuda", dtype=dtype)
+    for _ in range(ROTATE):
+        dense = torch.randn(m, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        embedded = torch.randn(m, 26, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        sparse = torch.randint(0, 1000, (m, 26), device="cuda", generator=g)
+        sparse[torch.rand(m, 26, device="cuda", generator=g) < 0.2] = -1
+        dy = torch.randn(m, arch.out_features, device="cuda", dtype=dtype, generator=g)
+        sets.append((dense, embedded, sparse, dy))
+    fn = arch
+    if path == "compile":
+        torch._dynamo.reset()
+        fn = torch.compile(arch, dynamic=False)
+    return _time_passes(fn, sets, path == "compile")
+
+
+def _lora_fn(path: str, act: str):
+    from kernels.lora_linear import lora_linear
+
+    if path == "triton":
+        return lambda x, w, b, a, bl: lora_linear(x, w, b, a, bl, 0.5, act)
+
+    def eager(x, w, b, a, bl):
+        return act_ref(F.linear(x, w, b) + 0.5 * F.linear(F.linear(x, a), bl), act)
+
+    if path == "eager":
+        return eager
+    torch._dynamo.reset()
+    return torch.compile(eager, dynamic=False)
+
+
+def bench_lora(path: str, m: int, k: int, n: int, r: int, act: str, dtype: torch.dtype) -> dict[str, float]:
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + n + r)
+    sets = []
+    for _ in range(ROTATE):
+        x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5  # frozen
+        b = torch.randn(n, device="cuda", dtype=dtype, generator=g)  # frozen
+        a = (torch.randn(r, k, device="cuda", dtype=dtype, generator=g) / k**0.5).requires_grad_()
+        bl = torch.randn(n, r, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        sets.append((x, w, b, a, bl, torch.randn(m, n, device="cuda", dtype=dtype, generator=g)))
+    return _time_passes(_lora_fn(path, act), sets, path == "compile")
+
+
+def run_lora(configs, batches, precisions, ranks, paths, common) -> None:
+    """`--what lora`: rows to LORA_RESULTS; per (config, precision, batch, rank) the sums over the layers."""
+    rows = []
+    print(f"\nLoRA layers, sum over each config's layers, ms (ratio = eager / path), {common['device']}")
+    print(f"{'config':<8}{'prec':<6}{'B':>7}  {'r':>4}  {'pass':<15}" + "".join(f"{p:>20}" for p in paths))
+    for config in configs:
+        for precision in precisions:
+            for m in batches:
+                for r in ranks:
+                    totals = {(p, ps): 0.0 for p in paths for ps in PASSES}
+                    for k, n, act in mlp_layers(config):
+                        times = {p: bench_lora(p, m, k, n, r, act, DTYPES[precision]) for p in paths}
+                        for path, t in times.items():
+                            for ps in PASSES:
+                                totals[(path, ps)] += t[ps]
+                                rows.append(dict(
+                                    common, config=config, layer=f"{k}->{n}", rank=r, act=act, batch=m,
+                                    precision=precision, path=path, **{"pass": ps}, ms=round(t[ps], 5),
+                                    ratio_vs_eager=round(times[paths[0]][ps] / t[ps], 3),
+                                    compile_s=round(t["compile_s"], 2),
+                                ))  # fmt: skip
+                    for ps in PASSES:
+                        base = totals[(paths[0], ps)]
+                        cells = "".join(
+                            f"{totals[(p, ps)]:>10.4f} ({base / totals[(p, ps)]:>5.2f}x)" for p in paths
+                        )
+                        print(f"{config:<8}{precision:<6}{m:>7}  {r:>4}  {ps:<15}{cells}")
+    append_rows(LORA_RESULTS, rows)
+
+
+def run_attention(batches, precisions, shapes, paths, common) -> None:
+    """`--what attention`: rows to ATTENTION_RESULTS; per (op, precision, batch, shape) times and ratios."""
+    rows = []
+    print(f"\nattention interaction, ms (ratio = eager / path), {common['device']}")
+    print(f"{'op':<13}{'prec':<6}{'B':>7}  {'HxD':<7}{'pass':<15}" + "".join(f"{p:>20}" for p in paths))
+    for op in ("attention", "interaction"):
+        for precision in precisions:
+            for m in batches:
+                for shape in shapes:
+                    heads, dim = (int(v) for v in shape.split("x"))
+                    times = {p: bench_attention(p, op, m, heads, dim, DTYPES[precision]) for p in paths}
+                    for ps in PASSES:
+                        base = times[paths[0]][ps]
+                        cells = "".join(
+                            f"{times[p][ps]:>10.4f} ({base / times[p][ps]:>5.2f}x)" for p in paths
+                        )
+                        print(f"{op:<13}{precision:<6}{m:>7}  {shape:<7}{ps:<15}{cells}")
+                        for path in paths:
+                            rows.append(dict(
+                                common, op=op, heads=heads, dim=dim, seq=27, batch=m, precision=precision,
+                                path=path, **{"pass": ps}, ms=round(times[path][ps], 5),
+                                ratio_vs_eager=round(base / times[path][ps], 3),
+                                compile_s=round(times[path]["compile_s"], 2),
+                            ))  # fmt: skip
+    append_rows(ATTENTION_RESULTS, rows)
+
+
+def bench_bias_act_bandwidth(
+    m: int, n: int, dtype: torch.dtype, copy_gbps: float, kernel: str = "triton"
+) -> tuple[float, float]:
+    """Bandwidth of bias_act alone (`kernel` "triton", or "cuda": the CUDA C++ twin) as % of copy: forward
+    reads x, b and writes y; backward reads dy, x, b and writes dx. Timed as CUDA-graph replays (GPU time,
+    what a graph-captured step pays), like the layers' "graph" passes."""
+    if kernel == "cuda":
+        from kernels.bias_act_cuda import bias_act_cuda_bwd as bias_act_bwd
+        from kernels.bias_act_cuda import bias_act_cuda_fwd as bias_act_fwd
+    else:
+        from kernels.bias_act import bias_act_bwd, bias_act_fwd
 
     x, dy = torch.randn(m, n, device="cuda", dtype=dtype), torch.randn(m, n, device="cuda", dtype=dtype)
     b = torch.randn(n, device="cuda", dtype=dtype)
@@ -180,9 +453,21 @@ def _print_summary(summary: list, path_list: list[str], gpu: str) -> None:
 @click.option("--batches", default="2048,16384", help="Comma-separated batch sizes B (= M).")
 @click.option("--precisions", default="tf32,bf16", help="Comma-separated: tf32, bf16.")
 @click.option(
-    "--paths", default=",".join(PATHS), help="Comma-separated paths to time; eager first for ratios."
+    "--paths", default=None, help="Comma-separated paths to time; eager first for ratios. [default: all]"
 )
-def main(configs, batches, precisions, paths):
+@click.option(
+    "--what",
+    type=click.Choice(["layers", "blocks", "attention", "lora"]),
+    default="layers",
+    help="layers: the linear_act paths (kernels.csv); blocks: the model.mlp_block kernels (blocks.csv); "
+    "attention: the attention interaction (attention.csv); lora: the LoRA layer (lora.csv).",
+)
+@click.option("--blocks", default=",".join(BLOCKS), help="With --what blocks: comma-separated blocks.")
+@click.option(
+    "--attention-shapes", default=ATTENTION_SHAPES, help="With --what attention: comma-separated HEADSxDIM."
+)
+@click.option("--lora-ranks", default="4,16", help="With --what lora: comma-separated adapter ranks.")
+def main(configs, batches, precisions, paths, what, blocks, attention_shapes, lora_ranks):
     """Time the MLP layer paths on this GPU and append the rows to scripts/results/kernels.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_kernels.py needs a CUDA GPU")
@@ -192,8 +477,26 @@ def main(configs, batches, precisions, paths):
     gemm = ", ".join(f"GEMM {p} {ceilings[f'gemm_tflops_{p}']:.0f} TFLOP/s" for p in DTYPES)
     print(f"{gpu}: copy {ceilings['copy_gbps']:.0f} GB/s, {gemm}")
     common = provenance(gpu)
+    if what == "blocks":
+        run_blocks(
+            configs.split(","), [int(b) for b in batches.split(",")], precisions.split(","),
+            blocks.split(","), (paths or ",".join(BLOCK_PATHS)).split(","), ceilings, common,
+        )  # fmt: skip
+        return
+    if what == "lora":
+        run_lora(
+            configs.split(","), [int(b) for b in batches.split(",")], precisions.split(","),
+            [int(r) for r in lora_ranks.split(",")], (paths or ",".join(BLOCK_PATHS)).split(","), common,
+        )  # fmt: skip
+        return
+    if what == "attention":
+        run_attention(
+            [int(b) for b in batches.split(",")], precisions.split(","), attention_shapes.split(","),
+            (paths or ",".join(BLOCK_PATHS)).split(","), common,
+        )  # fmt: skip
+        return
     rows, summary = [], []
-    path_list = paths.split(",")
+    path_list = (paths or ",".join(PATHS)).split(",")
     for config in configs.split(","):
         for precision in precisions.split(","):
             peak = ceilings[f"gemm_tflops_{precision}"]
@@ -220,6 +523,16 @@ def main(configs, batches, precisions, paths):
     for ps, pct in (("fwd", fwd_pct), ("bwd", bwd_pct)):
         rows.append(dict(common, config="-", layer="65536x512", act="relu", batch=65536, precision="bf16",
                          path="bias_act_alone", **{"pass": ps}, pct_copy_bw=round(pct, 1)))  # fmt: skip
+    if "cuda_bias_act" in path_list:  # the CUDA C++ twin alone, same shape (target: within 10% of Triton's)
+        cuda_fwd, cuda_bwd = bench_bias_act_bandwidth(
+            65536, 512, torch.bfloat16, ceilings["copy_gbps"], "cuda"
+        )
+        print(f"bias_act_cuda alone: forward {cuda_fwd:.0f}%, backward {cuda_bwd:.0f}% of copy BW "
+              f"(time / Triton's: {fwd_pct / cuda_fwd:.2f}x, {bwd_pct / cuda_bwd:.2f}x)")  # fmt: skip
+        for ps, pct in (("fwd", cuda_fwd), ("bwd", cuda_bwd)):
+            rows.append(dict(common, config="-", layer="65536x512", act="relu", batch=65536,
+                             precision="bf16", path="cuda_bias_act_alone", **{"pass": ps},
+                             pct_copy_bw=round(pct, 1)))  # fmt: skip
 
     append_rows(RESULTS, rows)
     _print_summary(summary, path_list, gpu)

@@ -1,5 +1,7 @@
 """The DLRM model and its construction from a run config."""
 
+from pathlib import Path
+
 import torch
 
 from dlrm.config import ModelConfig
@@ -14,7 +16,8 @@ def build_model(
     mlp_kernel: str = "torch",
     sparse_kernel: str = "torch",
 ) -> DLRM:
-    """A freshly initialized DLRM sized from the config and the training data.
+    """A freshly initialized DLRM sized from the config and the training data; with `cfg.lora.base` (LoRA
+    fine-tuning) the base checkpoint's model instead, its table layout and weights, with fresh adapters.
 
     Args:
         cfg: model section of the run config.
@@ -22,23 +25,54 @@ def build_model(
         train_sparse: [rows, F] int64 raw train ids (vocabularies for vocab hashing).
         mlp_kernel: how MLP layers run: "torch", "bias_act" or "linear_act" (dlrm.model.mlp).
         sparse_kernel: how embeddings, interaction and loss run: "torch" or "triton" (dlrm.model.dlrm.DLRM).
+
+    Raises:
+        ValueError: a base checkpoint that is missing or does not fit the config.
     """
     kernels = {"mlp_kernel": mlp_kernel, "sparse_kernel": sparse_kernel}
+    if cfg.lora.base is not None:
+        from dlrm.checkpoint import load_checkpoint
+
+        base = load_checkpoint(Path(cfg.lora.base))
+        return model_from_checkpoint(cfg, base["table_rows"], base["model"], adapters_missing=True, **kernels)
     if cfg.hashing == "vocab":
         return DLRM(cfg, vocabularies=build_vocabularies(train_sparse, cfg.max_rows), **kernels)
     return DLRM(cfg, table_rows=resolve_table_rows(cfg, metadata), **kernels)
 
 
 def model_from_checkpoint(
-    cfg: ModelConfig, table_rows: list[int], state: dict, mlp_kernel: str = "torch"
+    cfg: ModelConfig,
+    table_rows: list[int],
+    state: dict,
+    mlp_kernel: str = "torch",
+    sparse_kernel: str = "torch",
+    adapters_missing: bool = False,
 ) -> DLRM:
-    """Rebuild a DLRM with the table layout stored in a checkpoint and load its weights."""
+    """Rebuild a DLRM with the table layout stored in a checkpoint and load its weights. With
+    `adapters_missing` the state may lack the LoRA adapters (`lora_a`, `lora_b`: a base model's checkpoint),
+    which keep their initialization.
+
+    Raises:
+        ValueError: the state does not fit the model (the message names the keys).
+    """
+    kernels = {"mlp_kernel": mlp_kernel, "sparse_kernel": sparse_kernel}
     if cfg.hashing == "vocab":
         placeholders = [torch.empty(rows - 1, dtype=torch.int64) for rows in table_rows]
-        model = DLRM(cfg, vocabularies=placeholders, mlp_kernel=mlp_kernel)
+        model = DLRM(cfg, vocabularies=placeholders, **kernels)
     else:
-        model = DLRM(cfg, table_rows=table_rows, mlp_kernel=mlp_kernel)
-    model.load_state_dict(state)
+        model = DLRM(cfg, table_rows=table_rows, **kernels)
+    if not adapters_missing:
+        model.load_state_dict(state)
+        return model
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:
+        raise ValueError(f"the base checkpoint does not fit model config: {err}") from None
+    missing = [k for k in missing if ".lora_" not in k]
+    if missing or unexpected:
+        raise ValueError(
+            f"the base checkpoint does not fit the model: missing {missing}, unexpected {unexpected}"
+        )
     return model
 
 

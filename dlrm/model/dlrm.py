@@ -9,16 +9,19 @@ Glossary letters, used across the project:
     M, N, K  GEMM sizes: [M, K] @ [K, N]
 
 Forward: dense[B, N_dense] -> DenseArch -> [B, D]; sparse[B, F] raw ids -> hashing -> SparseArch -> [B, F, D];
-InteractionArch -> [B, D + F(F+1)/2] ("dot") or [B, (F+1) D] ("cat"); OverArch -> logit[B].
+InteractionArch -> [B, D + F(F+1)/2] ("dot"), [B, (F+1) D] ("cat") or [B, (F+1) heads dim] ("attention");
+OverArch -> logit[B].
 The model returns logits; the sigmoid is applied once, in evaluation/prediction.
 """
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from dlrm.config import ModelConfig
+from dlrm.config import AttentionConfig, ModelConfig
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model.mlp import MLP
 
@@ -26,11 +29,19 @@ SPARSE_KERNELS = ("torch", "triton")
 
 
 class DenseArch(nn.Module):
-    """Bottom MLP over the dense features, ReLU after every layer: [B, N_dense] f32 -> [B, D]."""
+    """Bottom MLP over the dense features, ReLU after every layer (or every layer a `block`, see
+    dlrm.model.mlp): [B, N_dense] f32 -> [B, D]."""
 
-    def __init__(self, widths: tuple[int, ...], mlp_kernel: str = "torch"):
+    def __init__(
+        self,
+        widths: tuple[int, ...],
+        mlp_kernel: str = "torch",
+        block: str = "linear_act",
+        gate: str = "sigmoid_tanh",
+        lora: tuple[int, float | None] = (0, None),
+    ):
         super().__init__()
-        self.mlp = MLP(NUM_DENSE, widths, "relu", "relu", mlp_kernel)
+        self.mlp = MLP(NUM_DENSE, widths, "relu", "relu", mlp_kernel, block, gate, True, *lora)
 
     def forward(self, dense: torch.Tensor) -> torch.Tensor:
         return self.mlp(dense)
@@ -86,6 +97,7 @@ class SparseArch(nn.Module):
             raise ValueError(f"expected {NUM_SPARSE} table sizes, got {table_rows!r}")
         self.hashing = hashing
         self.table_rows = list(table_rows)
+        self.frozen = False  # fixed tables (LoRA fine-tuning with freeze_embeddings): no update, no gradient
         # A buffer, so hashing does not copy the sizes to the device every step.
         self.register_buffer("rows", torch.tensor(self.table_rows), persistent=False)
         self.kernel = kernel
@@ -148,7 +160,7 @@ class SparseArch(nn.Module):
             ids, hashing = (
                 (sparse, "modulus") if self.hashing == "modulus" else (self.hash_ids(sparse), "index")
             )
-            if self.optimizer is None and torch.is_grad_enabled():
+            if self.optimizer is None and torch.is_grad_enabled() and not self.frozen:
                 raise ValueError(
                     "SparseArch(kernel='triton') updates its tables in backward: call configure_optimizer "
                     "before training (or look up under torch.no_grad())"
@@ -159,9 +171,11 @@ class SparseArch(nn.Module):
             # pass over [B, F, D] forward and one back to fp32 in backward.
             device = sparse.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-            return embedding_lookup(
-                self.weights, state, offsets, self.rows, ids, hashing, optimizer, lr, eps, out_dtype=dtype
-            )
+            # Frozen tables: no backward, whose kernel would update them.
+            with torch.no_grad() if self.frozen else contextlib.nullcontext():
+                return embedding_lookup(
+                    self.weights, state, offsets, self.rows, ids, hashing, optimizer, lr, eps, out_dtype=dtype
+                )
         rows = self.hash_ids(sparse)
         return torch.stack([table(rows[:, f]) for f, table in enumerate(self.embeddings)], dim=1)
 
@@ -187,7 +201,18 @@ class InteractionArch(nn.Module):
     take Z = T @ T^T and keep the strict lower triangle Z[:, i, j], i > j, in row-major order
     (F(F+1)/2 = 351 products for F = 26); output [dense | products], [B, D + 351] (367 for D = 16).
     "cat": [dense | embeddings flattened], [B, (F + 1) D].
-    `kernel` "triton" runs "dot" as our one-kernel interaction (`kernels.interaction`), forward and backward.
+    "attention" (AutoInt, Song et al. 2019): `attention.layers` layers of multi-head self-attention over
+    the F + 1 vectors T (`attention.heads` heads of `attention.dim` features each, E = heads * dim), each
+        Q, K, V = T W_q, T W_k, T W_v   (one bias-free projection [E_in -> 3E], W_qkv)
+        O = softmax(Q K^T / sqrt(dim) over the valid keys) V   per head, heads concatenated
+        T' = relu(O + T W_res)   (W_res bias-free, only where E_in != E; else T itself, the residual)
+    output T' flattened, [B, (F + 1) E]. A missing categorical value (raw id -1) is masked out as a key:
+    no vector attends to the embedding row that missing ids hash to (its query still attends to the valid
+    keys, and its output still goes to the top MLP); the dense vector is always valid, so every softmax has
+    a key. The mask needs the raw ids (`forward`'s `sparse`); without them every key is valid.
+    `kernel` "triton" runs "dot" as our one-kernel interaction (`kernels.interaction`) and "attention"'s
+    softmax(QK^T)V as our fused attention kernel (`kernels.attention`), forward and backward; "torch" runs
+    F.scaled_dot_product_attention with the boolean key mask.
     """
 
     def __init__(
@@ -196,13 +221,14 @@ class InteractionArch(nn.Module):
         interaction: str = "dot",
         num_sparse: int = NUM_SPARSE,
         kernel: str = "torch",
+        attention: AttentionConfig | None = None,
     ):
         super().__init__()
         if kernel not in SPARSE_KERNELS:
             raise ValueError(f"unknown interaction kernel {kernel!r}: expected one of {SPARSE_KERNELS}")
         self.kernel = kernel
-        if interaction not in ("dot", "cat"):
-            raise ValueError(f"unknown interaction {interaction!r}: expected 'dot' or 'cat'")
+        if interaction not in ("dot", "cat", "attention"):
+            raise ValueError(f"unknown interaction {interaction!r}: expected 'dot', 'cat' or 'attention'")
         self.interaction = interaction
         n = num_sparse + 1
         li, lj = torch.tril_indices(n, n, offset=-1)
@@ -210,12 +236,28 @@ class InteractionArch(nn.Module):
         self.register_buffer("lj", lj, persistent=False)
         if interaction == "dot":
             self.out_features = embedding_dim + n * (n - 1) // 2
-        else:
+        elif interaction == "cat":
             self.out_features = n * embedding_dim
+        else:
+            attention = attention or AttentionConfig()
+            self.heads, self.head_dim = attention.heads, attention.dim
+            width = attention.heads * attention.dim
+            widths = [embedding_dim] + [width] * attention.layers
+            self.qkv = nn.ModuleList(nn.Linear(e, 3 * width, bias=False) for e in widths[:-1])
+            self.residual = nn.ModuleList(
+                nn.Linear(e, width, bias=False) if e != width else nn.Identity() for e in widths[:-1]
+            )
+            self.out_features = n * width
 
-    def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, dense: torch.Tensor, embedded: torch.Tensor, sparse: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """dense [B, D], embedded [B, F, D], sparse [B, F] raw ids (read by "attention" only, for its key
+        mask) -> [B, out_features]."""
         if self.interaction == "cat":
             return torch.cat([dense, embedded.flatten(1)], dim=1)
+        if self.interaction == "attention":
+            return self._attention(dense, embedded, sparse)
         if self.kernel == "triton":
             from kernels.interaction import dot_interaction
 
@@ -225,13 +267,42 @@ class InteractionArch(nn.Module):
         z = torch.bmm(t, t.transpose(1, 2))
         return torch.cat([dense, z[:, self.li, self.lj]], dim=1)
 
+    def _attention(
+        self, dense: torch.Tensor, embedded: torch.Tensor, sparse: torch.Tensor | None
+    ) -> torch.Tensor:
+        t = torch.cat([dense.unsqueeze(1), embedded.to(dense.dtype)], dim=1)  # [B, S = F + 1, D]
+        b, s, _ = t.shape
+        valid = torch.ones(b, s, dtype=torch.bool, device=t.device)
+        if sparse is not None:
+            valid = torch.cat([valid[:, :1], sparse != -1], dim=1)  # raw id -1: a missing value
+        h, d = self.heads, self.head_dim
+        for qkv, residual in zip(self.qkv, self.residual, strict=True):
+            q, k, v = (u.transpose(1, 2) for u in qkv(t).view(b, s, 3, h, d).unbind(2))  # [B, H, S, d] views
+            if self.kernel == "triton":
+                from kernels.attention import masked_attention
+
+                o = masked_attention(q, k, v, valid)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])
+            t = torch.relu(o.transpose(1, 2).reshape(b, s, h * d) + residual(t))
+        return t.flatten(1)
+
 
 class OverArch(nn.Module):
-    """Top MLP, ReLU between layers and none after the last: [B, interaction width] -> logit [B]."""
+    """Top MLP, ReLU between layers (or every layer but the last a `block`, see dlrm.model.mlp) and a plain
+    Linear last (the logit layer): [B, interaction width] -> logit [B]."""
 
-    def __init__(self, in_features: int, widths: tuple[int, ...], mlp_kernel: str = "torch"):
+    def __init__(
+        self,
+        in_features: int,
+        widths: tuple[int, ...],
+        mlp_kernel: str = "torch",
+        block: str = "linear_act",
+        gate: str = "sigmoid_tanh",
+        lora: tuple[int, float | None] = (0, None),
+    ):
         super().__init__()
-        self.mlp = MLP(in_features, widths, "relu", "identity", mlp_kernel)
+        self.mlp = MLP(in_features, widths, "relu", "identity", mlp_kernel, block, gate, False, *lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(x).squeeze(1)
@@ -261,12 +332,19 @@ class DLRM(nn.Module):
         sparse_arch: nn.Module | None = None,
     ):
         super().__init__()
-        self.dense_arch = DenseArch(cfg.bottom_mlp, mlp_kernel)
+        lora = (cfg.lora.rank, cfg.lora.alpha)
+        self.dense_arch = DenseArch(cfg.bottom_mlp, mlp_kernel, cfg.mlp_block, cfg.gate, lora)
         if sparse_arch is None:
             sparse_arch = SparseArch(cfg.embedding_dim, table_rows, cfg.hashing, vocabularies, sparse_kernel)
         self.sparse_arch = sparse_arch
-        self.interaction_arch = InteractionArch(cfg.embedding_dim, cfg.interaction, kernel=sparse_kernel)
-        self.over_arch = OverArch(self.interaction_arch.out_features, cfg.top_mlp, mlp_kernel)
+        self.interaction_arch = InteractionArch(
+            cfg.embedding_dim, cfg.interaction, kernel=sparse_kernel, attention=cfg.attention
+        )
+        self.over_arch = OverArch(
+            self.interaction_arch.out_features, cfg.top_mlp, mlp_kernel, cfg.mlp_block, cfg.gate, lora
+        )
+        if cfg.lora.rank:
+            self.freeze_for_lora(cfg.lora.freeze_embeddings)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         with record_function("embedding"):
@@ -274,18 +352,30 @@ class DLRM(nn.Module):
         with record_function("bottom_mlp"):
             dense_out = self.dense_arch(dense)
         with record_function("interaction"):
-            features = self.interaction_arch(dense_out, embedded)
+            features = self.interaction_arch(dense_out, embedded, sparse)
         with record_function("top_mlp"):
             return self.over_arch(features)
 
     def dense_parameters(self) -> list[nn.Parameter]:
-        """Parameters of the MLPs (dense gradients)."""
-        return [*self.dense_arch.parameters(), *self.over_arch.parameters()]
+        """Trained parameters of the MLPs and of the interaction (the attention interaction's projections):
+        dense gradients. With LoRA adapters, the adapters only."""
+        archs = (self.dense_arch, self.interaction_arch, self.over_arch)
+        return [p for arch in archs for p in arch.parameters() if p.requires_grad]
+
+    def freeze_for_lora(self, freeze_embeddings: bool) -> None:
+        """Fine-tuning with adapters (model.lora): every dense weight but the adapters stops training, and
+        the embedding tables too with `freeze_embeddings`."""
+        for arch in (self.dense_arch, self.interaction_arch, self.over_arch):
+            for name, p in arch.named_parameters():
+                p.requires_grad_(".lora_" in f".{name}")
+        self.sparse_arch.frozen = freeze_embeddings
+        for p in self.sparse_arch.parameters():
+            p.requires_grad_(not freeze_embeddings)
 
     def embedding_parameters(self) -> list[nn.Parameter]:
         """Embedding tables for a torch optimizer (sparse gradients); none for the "triton" sparse kernel,
         whose backward updates its tables itself (SparseArch.configure_optimizer)."""
-        if self.sparse_arch.kernel == "triton":
+        if self.sparse_arch.kernel == "triton" or getattr(self.sparse_arch, "frozen", False):
             return []
         return list(self.sparse_arch.parameters())
 

@@ -1,0 +1,544 @@
+"""LayerNorm -> Linear -> GELU(tanh) with the normalization fused into the GEMM, forward and backward:
+``y = gelu_tanh(layer_norm(x) @ W^T + b)``.
+
+Math (per row i of x; gamma, beta the LayerNorm's affine weight and bias, over the K features)
+    mu_i   = mean_k x_ik;   rstd_i = 1 / sqrt(mean_k (x_ik - mu_i)^2 + eps)      (biased variance)
+    xhat   = (x - mu) rstd;   a = xhat * gamma + beta                              [M, K]
+    z      = a @ W^T + b                                                           [M, N]
+    y      = gelu_tanh(z)                       (formula in ``kernels/activations.py``)
+    backward:
+    dz     = dy * gelu_tanh'(z)
+    da     = dz @ W;   dW = dz^T @ a;   db = sum over rows of dz
+    dgamma = sum over rows of da * xhat;   dbeta = sum over rows of da
+    dxhat  = da * gamma;   dx = rstd (dxhat - mean_k(dxhat) - xhat mean_k(dxhat * xhat))
+
+Shapes (GEMM letters): x [M, K] (M rows, the batch B), ln_weight / ln_bias [K], weight [N, K]
+(nn.Linear layout), bias [N] or None, y [M, N]. Any M >= 0, N >= 1, K >= 1 (K = 1 normalizes every row
+to beta). x may have any row stride; its columns must be contiguous (else it is copied).
+
+Dtypes: x, ln_weight, ln_bias, weight, bias all fp32, bf16 or fp16 (one dtype); y, z and the gradients
+have that dtype; the row statistics are fp32. Compute: LayerNorm statistics and the normalization in
+fp32 on values cast right after load (two passes over the row: mean, then the variance of x - mu); the
+normalized operand goes to ``tl.dot`` in the weight's dtype on the GPU (fp32 as TF32 exactly when
+``torch.backends.cuda.matmul.allow_tf32``), as fp32 in the interpreter; fp32 accumulation; bias and GELU in
+fp32. This is what PyTorch's autocast does too: layer_norm in fp32, its output rounded for the GEMM.
+
+Forward: ``_ln_rows_kernel`` writes mu and rstd ([M] fp32 each: a small first pass over x), then
+``_ln_linear_gelu_fwd_kernel``, a GEMM whose A operand is normalized as it is loaded (a never goes to
+memory), writes z (saved for gelu') and y. Saved for backward: x, gamma, beta, W, z, mu, rstd.
+Backward: ``_ln_rows_kernel`` rewrites a from x and the saved statistics (into rows padded to 16 bytes,
+for cuBLAS's aligned kernels), then linear_act's backward (``kernels/linear_act_backward.py``: a Triton
+pass for dz = dy * gelu' and the bias partials, then cuBLAS for da and dW), then ``_ln_bwd_kernel`` for dx
+and the fp32 partial sums of dgamma and dbeta in one pass over the rows.
+
+It equals ``F.gelu(F.linear(F.layer_norm(x, (K,), gamma, beta, eps), W, b), approximate="tanh")`` computed
+in fp32 and cast back to x's dtype (``ln_linear_gelu_ref``), up to the GEMM precision above.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels import launch
+from kernels.activations import act_fwd, act_grad_ref
+from kernels.gemm_tuning import autotuned, input_precision, m_bucket
+from kernels.launch import DTYPES, INTERPRETED, aligned_width, new_padded, rows_contiguous, use_triton
+from kernels.linear_act_backward import linear_act_bwd
+from kernels.linear_act_forward import _grouped_tile
+from kernels.partials import row_programs, sum_partials
+
+__all__ = ["ln_linear_gelu", "ln_linear_gelu_ref", "ln_linear_gelu_fwd", "ln_linear_gelu_bwd"]
+
+EPS = 1e-5  # nn.LayerNorm's default
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["M"])
+def _ln_rows_kernel(
+    # pointers
+    x_ptr,  # [M, K] input
+    gamma_ptr,  # [K] LayerNorm weight (read if WRITE_A)
+    beta_ptr,  # [K] LayerNorm bias (read if WRITE_A)
+    mean_ptr,  # [M] fp32 row means (written if WRITE_STATS)
+    rstd_ptr,  # [M] fp32 row 1/std (written if WRITE_STATS)
+    a_ptr,  # [M, KP] output a = xhat * gamma + beta, zeros in columns K..KP-1 (written if WRITE_A)
+    # sizes
+    M,
+    K,
+    KP,  # a's padded width (its row stride)
+    eps,
+    # strides
+    stride_xm,
+    # meta-parameters
+    WRITE_STATS: tl.constexpr,
+    WRITE_A: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_K: tl.constexpr,  # >= KP, power of two: a whole row per block
+):
+    """Row statistics of LayerNorm (and optionally its output a), BLOCK_M whole rows per program."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    mask_m = rows < M
+    mask = mask_m[:, None] & (ks < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / K
+    centered = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / K + eps)
+    if WRITE_STATS:
+        tl.store(mean_ptr + rows, mean, mask=mask_m)
+        tl.store(rstd_ptr + rows, rstd, mask=mask_m)
+    if WRITE_A:
+        gamma = tl.load(gamma_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+        a = centered * rstd[:, None] * gamma[None, :] + beta[None, :]  # zero past K: gamma, beta are
+        tl.store(a_ptr + rows[:, None] * KP + ks[None, :], a.to(a_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & (ks < KP)[None, :])  # fmt: skip
+
+
+# M (the batch) changes between calls: do not specialize on it, so a new batch size reuses the kernel.
+@triton.jit(do_not_specialize=["M"])
+def _ln_linear_gelu_fwd_kernel(
+    # pointers
+    x_ptr,  # [M, K] input, fp32/bf16/fp16
+    mean_ptr,  # [M] fp32 row means
+    rstd_ptr,  # [M] fp32 row 1/std
+    gamma_ptr,  # [K] LayerNorm weight, x's dtype
+    beta_ptr,  # [K] LayerNorm bias, x's dtype
+    w_ptr,  # [N, K] weight, x's dtype
+    b_ptr,  # [N] bias, x's dtype (not read unless HAS_BIAS)
+    y_ptr,  # [M, N] output y = gelu_tanh(z)
+    z_ptr,  # [M, N] output z (saved for the backward)
+    # sizes
+    M,
+    N,
+    K,
+    M_BUCKET,  # autotuning key only
+    # strides (row strides, in elements; the column stride is 1)
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    stride_zm,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # keep the dot operands in fp32 (interpreter only)
+    INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "ieee" (torch's allow_tf32)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # reduction chunk
+    GROUP: tl.constexpr,
+):
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    # int64 row offsets: M * K and M * N can pass 2**31.
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    mask_m = rows < M
+    mask_n = cols < N
+    mean = tl.load(mean_ptr + rows, mask=mask_m, other=0.0)[:, None]
+    rstd = tl.load(rstd_ptr + rows, mask=mask_m, other=0.0)[:, None]
+
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N] tile of W^T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = ks < K - k0
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        gamma = tl.load(gamma_ptr + k0 + ks, mask=mask_k, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + k0 + ks, mask=mask_k, other=0.0).to(tl.float32)
+        # LayerNorm on the A operand; columns past K give 0 (gamma = beta = 0 there).
+        a = (x - mean) * rstd * gamma[None, :] + beta[None, :]
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if DOT_FP32:
+            w = w.to(tl.float32)
+        else:
+            a = a.to(w_ptr.dtype.element_ty)
+        acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    tl.store(z_ptr + rows[:, None] * stride_zm + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
+    y = act_fwd(acc, "gelu_tanh")
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+_ln_linear_gelu_fwd_kernel = autotuned(
+    _ln_linear_gelu_fwd_kernel, ("BLOCK_M", "BLOCK_N", "BLOCK_K"), ("M_BUCKET", "N"), "x_ptr", {"GROUP": 8}
+)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _ln_bwd_kernel(
+    # pointers
+    x_ptr,  # [M, K] saved input
+    da_ptr,  # [M, K] gradient of a (rows stride_dam apart)
+    mean_ptr,  # [M] fp32
+    rstd_ptr,  # [M] fp32
+    gamma_ptr,  # [K]
+    dx_ptr,  # [M, K] output dx, x's dtype (written if WRITE_DX)
+    dgamma_part_ptr,  # [P, K] fp32 partial column sums of da * xhat
+    dbeta_part_ptr,  # [P, K] fp32 partial column sums of da
+    # sizes
+    M,
+    K,
+    # strides
+    stride_xm,
+    stride_dam,
+    stride_dxm,
+    # meta-parameters
+    WRITE_DX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # >= K, power of two: a whole row per block
+):
+    """LayerNorm's backward: dx per row, and dgamma / dbeta partials. Program p loops over row blocks
+    p, p + P, ... and writes its column sums to row p of the partials (summed once, after the loop)."""
+    pid = tl.program_id(0)
+    ks = tl.arange(0, BLOCK_K)
+    mask_k = ks < K
+    gamma = tl.load(gamma_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
+    dgamma_acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    dbeta_acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for block in range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask_m = rows < M
+        mask = mask_m[:, None] & mask_k[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        da = tl.load(da_ptr + rows[:, None] * stride_dam + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=mask_m, other=0.0)[:, None]
+        rstd = tl.load(rstd_ptr + rows, mask=mask_m, other=0.0)[:, None]
+        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        dgamma_acc += da * xhat
+        dbeta_acc += da
+        if WRITE_DX:
+            dxhat = da * gamma[None, :]
+            c1 = tl.sum(dxhat, axis=1)[:, None] / K
+            c2 = tl.sum(dxhat * xhat, axis=1)[:, None] / K
+            dx = rstd * (dxhat - c1 - xhat * c2)
+            tl.store(
+                dx_ptr + rows[:, None] * stride_dxm + ks[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask
+            )
+    tl.store(dgamma_part_ptr + pid * K + ks, tl.sum(dgamma_acc, axis=0), mask=mask_k)
+    tl.store(dbeta_part_ptr + pid * K + ks, tl.sum(dbeta_acc, axis=0), mask=mask_k)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(x: Tensor, ln_weight: Tensor, ln_bias: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    """Raise ValueError naming the offending values; works on fake tensors too."""
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(
+            f"ln_linear_gelu: x must be [M, K] and weight [N, K], got {tuple(x.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
+    k = x.shape[1]
+    if weight.shape[1] != k or k < 1 or weight.shape[0] < 1:
+        raise ValueError(
+            f"ln_linear_gelu: weight must be [N, K] (N >= 1) with K = {k} >= 1 columns for x of shape "
+            f"{tuple(x.shape)}, got {tuple(weight.shape)}"
+        )
+    if x.dtype not in DTYPES:
+        raise ValueError(f"ln_linear_gelu: x dtype must be one of {DTYPES}, got {x.dtype}")
+    named = [
+        ("ln_weight", ln_weight, (k,)),
+        ("ln_bias", ln_bias, (k,)),
+        ("weight", weight, tuple(weight.shape)),
+    ]
+    if bias is not None:
+        named.append(("bias", bias, (weight.shape[0],)))
+    for name, t, shape in named:
+        if tuple(t.shape) != shape or t.dtype != x.dtype or t.device != x.device:
+            raise ValueError(
+                f"ln_linear_gelu: {name} must be ({shape}, {x.dtype}, {x.device}) for x of shape "
+                f"{tuple(x.shape)}, got ({tuple(t.shape)}, {t.dtype}, {t.device})"
+            )
+
+
+def _rows_meta(width: int) -> dict:
+    """Row-wise kernels: a whole row per block, BLOCK_M rows so a block holds ~4k values."""
+    block_k = triton.next_power_of_2(width)
+    return {
+        "BLOCK_K": block_k,
+        "BLOCK_M": max(1, min(64, 4096 // block_k)),
+        "num_warps": 4 if block_k >= 512 else 2,
+    }
+
+
+def ln_linear_gelu_fwd(
+    x: Tensor, ln_weight: Tensor, ln_bias: Tensor, weight: Tensor, bias: Tensor | None, eps: float = EPS
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Launch the statistics pass and the fused GEMM: (y [M, N], z [M, N], mean [M], rstd [M]) (module
+    docstring); y, z in x's dtype, mean and rstd fp32.
+
+    Raises:
+        ValueError: bad shapes, dtypes or devices.
+    """
+    _check_inputs(x, ln_weight, ln_bias, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    y = launch.empty((m, n), x.dtype, x.device)
+    z = launch.empty((m, n), x.dtype, x.device)
+    mean = launch.empty((m,), torch.float32, x.device)
+    rstd = launch.empty((m,), torch.float32, x.device)
+    if m == 0:
+        return y, z, mean, rstd
+    x = rows_contiguous(x)
+    weight = weight.contiguous()
+    meta = _rows_meta(k)
+    _ln_rows_kernel[(triton.cdiv(m, meta["BLOCK_M"]),)](
+        x, x, x, mean, rstd, x, m, k, k, eps, x.stride(0), WRITE_STATS=True, WRITE_A=False, **meta
+    )
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    _ln_linear_gelu_fwd_kernel[grid](
+        x, mean, rstd, ln_weight.contiguous(), ln_bias.contiguous(), weight,
+        bias.contiguous() if bias is not None else x, y, z,
+        m, n, k, m_bucket(m), x.stride(0), weight.stride(0), y.stride(0), z.stride(0),
+        HAS_BIAS=bias is not None, DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x.dtype),
+    )  # fmt: skip
+    return y, z, mean, rstd
+
+
+def ln_linear_gelu_bwd(
+    dy: Tensor,
+    x: Tensor,
+    ln_weight: Tensor,
+    ln_bias: Tensor,
+    weight: Tensor,
+    z: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    has_bias: bool,
+    needs_dx: bool = True,
+    eps: float = EPS,
+) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor | None]:
+    """The backward (module docstring).
+
+    Args:
+        dy: [M, N] gradient of y; x, ln_weight, ln_bias, weight: the forward's inputs; z, mean, rstd: the
+            forward's saved outputs. has_bias: whether to return db. needs_dx: whether to compute dx.
+        eps: the forward's eps (the statistics are recomputed bit for bit when a is rewritten).
+
+    Returns:
+        (dx [M, K] or None, dgamma [K], dbeta [K], dW [N, K], db [N] or None), in x's dtype.
+
+    Raises:
+        ValueError: bad shapes, dtypes or devices.
+    """
+    _check_inputs(x, ln_weight, ln_bias, weight, None)
+    m, k = x.shape
+    n = weight.shape[0]
+    if tuple(dy.shape) != (m, n) or tuple(mean.shape) != (m,) or tuple(rstd.shape) != (m,):
+        raise ValueError(
+            f"ln_linear_gelu: dy must be [{m}, {n}] and mean, rstd [{m}], got {tuple(dy.shape)}, "
+            f"{tuple(mean.shape)}, {tuple(rstd.shape)}"
+        )
+    if m == 0:
+        zeros_k = x.new_zeros(k)
+        db = x.new_zeros(n) if has_bias else None
+        return (x.new_zeros(m, k) if needs_dx else None), zeros_k, zeros_k.clone(), x.new_zeros(n, k), db
+    x = rows_contiguous(x)
+    kp = aligned_width(k, x.dtype)
+    a = new_padded(m, k, x)  # a, rewritten in rows of 16 bytes (zero padding): cuBLAS's aligned dW
+    meta = _rows_meta(kp)
+    _ln_rows_kernel[(triton.cdiv(m, meta["BLOCK_M"]),)](
+        x, ln_weight.contiguous(), ln_bias.contiguous(), mean, rstd, a, m, k, kp, eps, x.stride(0),
+        WRITE_STATS=False, WRITE_A=True, **meta,
+    )  # fmt: skip
+    da, dw, db = linear_act_bwd(dy, a, weight, z, "gelu_tanh", has_bias, needs_dx=True, method="cublas")
+    meta = _rows_meta(k)
+    programs = row_programs(m, meta["BLOCK_M"])
+    dx = launch.empty((m, k), x.dtype, x.device) if needs_dx else None
+    dgamma_part = launch.empty((programs, k), torch.float32, x.device)
+    dbeta_part = launch.empty((programs, k), torch.float32, x.device)
+    _ln_bwd_kernel[(programs,)](
+        x, da, mean, rstd, ln_weight.contiguous(), dx if needs_dx else x, dgamma_part, dbeta_part,
+        m, k, x.stride(0), da.stride(0), dx.stride(0) if needs_dx else 0,
+        WRITE_DX=needs_dx, **meta,
+    )  # fmt: skip
+    return dx, sum_partials(dgamma_part, x.dtype), sum_partials(dbeta_part, x.dtype), dw, db
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference (plain PyTorch, fp32) and CPU fallback
+# --------------------------------------------------------------------------------------------------
+
+
+def ln_linear_gelu_ref(
+    x: Tensor, ln_weight: Tensor, ln_bias: Tensor, weight: Tensor, bias: Tensor | None, eps: float = EPS
+) -> Tensor:
+    """Reference ``gelu_tanh(F.linear(F.layer_norm(x, (K,), ln_weight, ln_bias, eps), weight, bias))`` in
+    fp32, cast back to x's dtype. Differentiable by autograd (the tests' reference gradients).
+
+    Args:
+        x: [M, K]; ln_weight, ln_bias: [K]; weight: [N, K]; bias: [N] or None; eps: LayerNorm's eps.
+
+    Returns:
+        [M, N] in x's dtype.
+    """
+    a = F.layer_norm(x.float(), (x.shape[1],), ln_weight.float(), ln_bias.float(), eps)
+    z = F.linear(a, weight.float(), None if bias is None else bias.float())
+    return F.gelu(z, approximate="tanh").to(x.dtype)
+
+
+def _ln_linear_gelu_fwd_ref(x, ln_weight, ln_bias, weight, bias, eps):
+    xf = x.float()
+    var, mean = torch.var_mean(xf, dim=1, unbiased=False)
+    rstd = torch.rsqrt(var + eps)
+    a = ((xf - mean[:, None]) * rstd[:, None] * ln_weight.float() + ln_bias.float()).to(x.dtype)
+    z = F.linear(a.float(), weight.float(), None if bias is None else bias.float())
+    return F.gelu(z, approximate="tanh").to(x.dtype), z.to(x.dtype), mean, rstd
+
+
+def _ln_linear_gelu_bwd_ref(dy, x, ln_weight, ln_bias, weight, z, mean, rstd, has_bias, needs_dx):
+    """``ln_linear_gelu_bwd`` in plain PyTorch (fp32, analytic: autograd does not record in a custom op)."""
+    xhat = (x.float() - mean[:, None]) * rstd[:, None]
+    a = (xhat * ln_weight.float() + ln_bias.float()).to(x.dtype).float()
+    dz = (dy.float() * act_grad_ref(z.float(), "gelu_tanh")).to(x.dtype).float()
+    da = (dz @ weight.float()).to(x.dtype).float()
+    dxhat = da * ln_weight.float()
+    dx = rstd[:, None] * (dxhat - dxhat.mean(1, keepdim=True) - xhat * (dxhat * xhat).mean(1, keepdim=True))
+    return (
+        dx.to(x.dtype) if needs_dx else None,
+        (da * xhat).sum(0).to(x.dtype),
+        da.sum(0).to(x.dtype),
+        (dz.t() @ a).to(x.dtype),
+        dz.sum(0).to(x.dtype) if has_bias else None,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Autograd glue: custom ops, so the op works in eager and under torch.compile (no tracing into Triton)
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dlrm::ln_linear_gelu", mutates_args=())
+def _ln_linear_gelu_op(
+    x: Tensor, ln_weight: Tensor, ln_bias: Tensor, weight: Tensor, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (y, z, mean, rstd); the last three are saved for the backward."""
+    if use_triton(x):
+        return ln_linear_gelu_fwd(x, ln_weight, ln_bias, weight, bias, eps)
+    _check_inputs(x, ln_weight, ln_bias, weight, bias)
+    return _ln_linear_gelu_fwd_ref(x, ln_weight, ln_bias, weight, bias, eps)
+
+
+@_ln_linear_gelu_op.register_fake
+def _ln_linear_gelu_fake(x, ln_weight, ln_bias, weight, bias, eps):
+    _check_inputs(x, ln_weight, ln_bias, weight, bias)
+    m, n = x.shape[0], weight.shape[0]
+    stats = x.new_empty((m,), dtype=torch.float32)
+    return x.new_empty((m, n)), x.new_empty((m, n)), stats, stats.clone()
+
+
+@torch.library.custom_op("dlrm::ln_linear_gelu_backward", mutates_args=())
+def _ln_linear_gelu_backward_op(
+    dy: Tensor,
+    x: Tensor,
+    ln_weight: Tensor,
+    ln_bias: Tensor,
+    weight: Tensor,
+    z: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    has_bias: bool,
+    needs_dx: bool,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dx, dgamma, dbeta, dW, db); dx / db are empty [0] tensors when needs_dx / has_bias is
+    False."""
+    args = (dy, x, ln_weight, ln_bias, weight, z, mean, rstd, has_bias, needs_dx)
+    if use_triton(x):
+        dx, dgamma, dbeta, dw, db = ln_linear_gelu_bwd(*args, eps=eps)
+    else:
+        _check_inputs(x, ln_weight, ln_bias, weight, None)
+        dx, dgamma, dbeta, dw, db = _ln_linear_gelu_bwd_ref(*args)
+    # Distinct empty tensors: custom-op outputs may not alias each other.
+    empty = x.new_empty
+    return (dx if dx is not None else empty((0,))), dgamma, dbeta, dw, (db if db is not None else empty((0,)))
+
+
+@_ln_linear_gelu_backward_op.register_fake
+def _ln_linear_gelu_backward_fake(dy, x, ln_weight, ln_bias, weight, z, mean, rstd, has_bias, needs_dx, eps):
+    k = x.shape[1]
+    return (
+        x.new_empty(x.shape if needs_dx else (0,)),
+        x.new_empty((k,)),
+        x.new_empty((k,)),
+        weight.new_empty(weight.shape),
+        x.new_empty((weight.shape[0],) if has_bias else (0,)),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, ln_weight, ln_bias, weight, bias, eps = inputs
+    _, z, mean, rstd = output
+    ctx.save_for_backward(x, ln_weight, ln_bias, weight, z, mean, rstd)
+    ctx.has_bias = bias is not None
+    ctx.eps = eps
+
+
+def _backward(ctx, dy: Tensor, _dz, _dmean, _drstd):
+    # _dz, _dmean, _drstd: gradients w.r.t. internal outputs, which ln_linear_gelu never exposes.
+    x, ln_weight, ln_bias, weight, z, mean, rstd = ctx.saved_tensors
+    needs_dx = ctx.needs_input_grad[0]  # False for the first layer: its input is data
+    dx, dgamma, dbeta, dw, db = _ln_linear_gelu_backward_op(
+        dy, x, ln_weight, ln_bias, weight, z, mean, rstd, ctx.has_bias, needs_dx, ctx.eps
+    )
+    return (dx if needs_dx else None), dgamma, dbeta, dw, (db if ctx.has_bias else None), None
+
+
+_ln_linear_gelu_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+
+
+def ln_linear_gelu(
+    x: Tensor,
+    ln_weight: Tensor,
+    ln_bias: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    eps: float = EPS,
+) -> Tensor:
+    """Fused ``gelu_tanh(layer_norm(x) @ weight^T + bias)`` (nn.LayerNorm, nn.Linear, GELU tanh) with a fused
+    backward.
+
+    Differentiable in x and every parameter; works in eager and under ``torch.compile`` (the custom op
+    ``torch.ops.dlrm.ln_linear_gelu``, whose backward is ``torch.ops.dlrm.ln_linear_gelu_backward``). Runs
+    the Triton kernels on CUDA tensors (and on CPU under ``TRITON_INTERPRET=1``), else plain PyTorch.
+
+    Args:
+        x: [M, K] tensor, fp32, bf16 or fp16 (M >= 0, K >= 1).
+        ln_weight: [K] LayerNorm weight (gamma), x's dtype and device.
+        ln_bias: [K] LayerNorm bias (beta), x's dtype and device.
+        weight: [N, K] Linear weight (N >= 1), x's dtype and device.
+        bias: [N] Linear bias, x's dtype and device, or None.
+        eps: added to the (biased) variance, as nn.LayerNorm's eps.
+
+    Returns:
+        [M, N] tensor of x's dtype (statistics, normalization, GEMM accumulation and GELU in fp32).
+
+    Raises:
+        ValueError: x or weight not 2-D, K mismatch, N == 0 or K == 0, parameter shapes not [K] / [N],
+            unsupported or mismatched dtypes, or tensors on different devices.
+    """
+    y, _, _, _ = _ln_linear_gelu_op(x, ln_weight, ln_bias, weight, bias, eps)
+    return y
