@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from dlrm import parallel, progress
-from dlrm.config import load_config, replace
+from dlrm.config import TRITON_MLP_KERNELS, load_config, replace
 from dlrm.errors import RunStopped, cli_errors
 from dlrm.loop import train
 
@@ -46,10 +46,11 @@ from dlrm.loop import train
 )
 @click.option(
     "--triton-mlp-kernel",
-    type=click.Choice(["linear_act", "bias_act"]),
+    type=click.Choice(TRITON_MLP_KERNELS),
     default=None,
-    help="With --use-triton: fused GEMM+bias+activation (linear_act) or cuBLAS GEMM + fused bias+activation "
-    "(bias_act). Overrides train.triton_mlp_kernel.",
+    help="With --use-triton: fused GEMM+bias+activation (linear_act), cuBLAS GEMM + fused bias+activation "
+    "(bias_act), or the same with the bias+activation in CUDA C++ (cuda_bias_act, built on first use; GPU "
+    "only). Overrides train.triton_mlp_kernel.",
 )
 @click.option(
     "--cuda-graphs",
