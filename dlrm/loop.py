@@ -50,7 +50,7 @@ from dlrm.parallel.evaluation import ShardedEvalSplit, evaluate_sharded
 from dlrm.parallel.sharded import build_sharded_model
 from dlrm.profiling import data_range, make_profiler
 from dlrm.progress import TrainProgress
-from dlrm.run_dir import check_run_dir, make_run_dir, write_text_atomically
+from dlrm.run_dir import check_run_dir, make_run_dir, wait_past_event_files, write_text_atomically
 from dlrm.signals import StopSignals
 from dlrm.step import (
     StepFn,
@@ -332,6 +332,8 @@ def set_up(
     # A resumed run's events continue the step axis: TensorBoard drops the earlier events past its step
     # (logged after the checkpoint by the run that was stopped), so no step appears twice.
     purge_step = state.step + 1 if resume is not None else None
+    if resume is not None and dist.is_main:
+        wait_past_event_files(run_dir)
     writer = SummaryWriter(str(run_dir), purge_step=purge_step) if dist.is_main else ranks.NullWriter()
     writer.add_text("config", "```json\n" + config_json + "\n```")
     run = Run(

@@ -4,6 +4,7 @@
 import os
 import shutil
 import tempfile
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -63,3 +64,17 @@ def write_text_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def wait_past_event_files(run_dir: Path) -> None:
+    """Wait until the clock's second is past those in the names of run_dir's TensorBoard event files
+    (events.out.tfevents.<second>.<host>.<pid>...). TensorBoard reads the files in name order; a resumed
+    run's file started within the same second as the stopped run's could sort before it (by pid), and its
+    purge of the steps logged after the checkpoint would then be undone. At most a second, on resume only."""
+    seconds = [
+        int(p.name.split(".")[3])
+        for p in run_dir.glob("events.out.tfevents.*")
+        if p.name.split(".")[3].isdigit()
+    ]
+    while seconds and int(time.time()) <= max(seconds):
+        time.sleep(0.05)
