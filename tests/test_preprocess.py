@@ -376,7 +376,7 @@ def test_terabyte_layout_needs_separate_days(tmp_path):
 
 
 def test_a_run_does_not_import_pandas(tmp_path):
-    # Importing pandas would cost every run ~0.2 s at start-up and ~0.1 s at exit (see dlrm.data.arrow).
+    # Importing pandas would cost every run ~0.15 s, and ~0.1 s more at exit (see dlrm.data.arrow).
     code = (
         "import sys; from dlrm.data.preprocess import main; "
         "main(sys.argv[1:], standalone_mode=False); print('pandas' in sys.modules)"

@@ -1,7 +1,7 @@
 """numpy <-> arrow for fixed-width columns, without pyarrow's pandas bridge.
 
 `pa.array(ndarray)`, `pa.scalar(x)` and `Array.to_numpy()` import pandas (to check for pandas objects, or
-through the conversion code they share with `to_pandas`), which costs a preprocess run ~0.2 s at start-up
+through the conversion code they share with `to_pandas`), which costs a preprocess run ~0.15 s to import
 and ~0.1 s at exit while nothing in it needs pandas. These build the same arrays from the buffers instead,
 without copying where the layout allows.
 """
