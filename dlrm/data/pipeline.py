@@ -114,9 +114,7 @@ class _Run:
         self.rows_per_file, self.skip_bad_lines = rows_per_file, skip_bad_lines
         self.block_size, self.workers, self.min_frequency = block_size, workers, min_frequency
         partial.progress_dir.mkdir(exist_ok=True)
-        shutil.rmtree(
-            partial.counts_dir, ignore_errors=True
-        )  # a stopped run's: resumed shards are counted again
+        shutil.rmtree(partial.counts_dir, ignore_errors=True)  # a stopped run's: resumed shards count again
         counts_dir = partial.counts_dir if min_frequency is not None else None
         self.names = [name for name, _ in split_starts(layout, [1] * len(inputs), eval_fraction)]
         self.writers = {
