@@ -44,30 +44,29 @@ def make_train_loader(
         raise ValueError(
             f"data.batch_size: {cfg.batch_size} (the global batch) is not divisible by the {world_size} ranks"
         )
+    # The loaders that read their files themselves take this rank's share of the global batch.
+    streamed = {
+        "rank": rank,
+        "world_size": world_size,
+        "shuffle": cfg.shuffle,
+        "seed": seed,
+        "drop_last": cfg.drop_last,
+        "device": device,
+    }
     if cfg.loader == "streaming":
         return StreamingLoader(
             split_paths(data_dir, "train"),
             cfg.batch_size // world_size,
-            rank=rank,
-            world_size=world_size,
-            shuffle=cfg.shuffle,
-            seed=seed,
-            drop_last=cfg.drop_last,
             shuffle_buffer=cfg.shuffle_buffer,
-            device=device,
             prefetch=cfg.prefetch,
+            **streamed,
         )
     if cfg.loader == "binary":
         return BinaryLoader(
             binary_dir(data_dir, "train"),
             cfg.batch_size // world_size,
-            rank=rank,
-            world_size=world_size,
-            shuffle=cfg.shuffle,
-            seed=seed,
-            drop_last=cfg.drop_last,
             window_rows=cfg.shuffle_buffer,
-            device=device,
+            **streamed,
         )
     train_set = train_set if train_set is not None else open_split(data_dir, "train")
     loader = ResidentLoader if cfg.loader == "gpu_resident" else BatchLoader
