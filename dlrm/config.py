@@ -102,6 +102,7 @@ class ModelConfig:
     hashing: str = "modulus"
     table_rows: tuple[int, ...] | None = None
     max_rows: int = 10_000_000
+    min_frequency: int = 1
     mlp_block: str = "linear_act"
     gate: str = "sigmoid_tanh"
     attention: AttentionConfig = field(default_factory=AttentionConfig)
@@ -332,6 +333,11 @@ def validate(cfg: RunConfig) -> RunConfig:
             m.table_rows,
         )
     _require(m.max_rows >= 2, "model.max_rows", "an integer >= 2", m.max_rows)
+    _require(
+        m.min_frequency >= 1, "model.min_frequency", "an integer >= 1 (train occurrences)", m.min_frequency
+    )
+    if m.min_frequency > 1:
+        _require(m.hashing == "vocab", "model.hashing", "'vocab' with model.min_frequency > 1", m.hashing)
     _require(t.optimizer in OPTIMIZERS, "train.optimizer", f"one of {OPTIMIZERS}", t.optimizer)
     # Finite as well: configs built in Python skip _check_type.
     _require(0 < t.lr < math.inf, "train.lr", "a positive finite number", t.lr)

@@ -110,3 +110,11 @@ def test_loader_keys_default_and_load():
     assert from_dict({"data": {"loader": "gpu_resident"}, "model": {"hashing": "vocab"}}).data.loader == (
         "gpu_resident"
     )
+
+
+def test_min_frequency_needs_vocab_hashing():
+    with pytest.raises(ValueError, match="model.hashing: expected 'vocab' with model.min_frequency > 1"):
+        from_dict({"model": {"min_frequency": 3}})
+    with pytest.raises(ValueError, match="model.min_frequency: expected an integer >= 1"):
+        from_dict({"model": {"hashing": "vocab", "min_frequency": 0}})
+    assert from_dict({"model": {"hashing": "vocab", "min_frequency": 3}}).model.min_frequency == 3

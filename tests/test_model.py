@@ -179,3 +179,14 @@ def test_triton_sparse_path_falls_back_to_pytorch_without_triton(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr
+
+
+def test_min_frequency_sends_rare_ids_to_the_oov_row():
+    ids = torch.zeros(30, NUM_SPARSE, dtype=torch.int64)
+    ids[:20] = 5
+    ids[20:23] = 9  # seen 3 times
+    ids[23:25] = 7  # seen twice
+    ids[25:] = torch.arange(5).unsqueeze(1) + 100  # five singletons
+    assert build_vocabularies(ids, max_rows=1000, min_frequency=3)[0].tolist() == [5, 9]
+    assert build_vocabularies(ids, max_rows=1000, min_frequency=2)[0].tolist() == [5, 7, 9]
+    assert len(build_vocabularies(ids, max_rows=1000)[0]) == 8

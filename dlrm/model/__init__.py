@@ -36,7 +36,9 @@ def build_model(
         base = load_checkpoint(Path(cfg.lora.base))
         return model_from_checkpoint(cfg, base["table_rows"], base["model"], adapters_missing=True, **kernels)
     if cfg.hashing == "vocab":
-        return DLRM(cfg, vocabularies=build_vocabularies(train_sparse, cfg.max_rows), **kernels)
+        return DLRM(
+            cfg, vocabularies=build_vocabularies(train_sparse, cfg.max_rows, cfg.min_frequency), **kernels
+        )
     return DLRM(cfg, table_rows=resolve_table_rows(cfg, metadata), **kernels)
 
 

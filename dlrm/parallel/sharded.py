@@ -223,7 +223,9 @@ def build_sharded_model(
     from dlrm.parallel.planner import plan_tables
 
     m = cfg.model
-    vocabularies = build_vocabularies(train_sparse, m.max_rows) if m.hashing == "vocab" else None
+    vocabularies = (
+        build_vocabularies(train_sparse, m.max_rows, m.min_frequency) if m.hashing == "vocab" else None
+    )
     table_rows = [len(v) + 1 for v in vocabularies] if vocabularies else resolve_table_rows(m, metadata)
     plan = plan_tables(
         table_rows,
