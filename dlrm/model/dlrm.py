@@ -51,7 +51,9 @@ class SparseArch(nn.Module):
     """F embedding tables of D columns, looked up from raw Criteo ids.
 
     Hashing (ids are the raw 32-bit category values, -1 for missing):
-    - "modulus": row = (x + 1) % rows_f (FB-DLRM's convention; missing lands in row 0).
+    - "modulus": row = (x + 1) % rows_f (missing lands in row 0). Not FB-DLRM's mapping, which takes
+      dictionary indices first: on raw hashed ids with rows_f = cardinality + 1 about 63% of distinct ids
+      share a row with another.
     - "vocab": row = position of x in the sorted train values of feature f (the `vocabularies`, missing
       included as a value); ids not in the vocabulary share the last row, the out-of-vocabulary row.
       rows_f = len(vocabulary_f) + 1.
