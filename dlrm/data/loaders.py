@@ -37,13 +37,9 @@ def make_train_loader(
             global batch; "streaming" and "binary": each rank reads a disjoint part of the rows, in
             batches of B / W.
     Raises:
-        FileNotFoundError, ValueError: as dlrm.data.dataset.open_split / split_paths, and from the loaders;
-            ValueError naming data.batch_size when W does not divide it.
+        FileNotFoundError, ValueError: as dlrm.data.dataset.open_split / split_paths, and from the loaders
+            (W must divide the batch: dlrm.parallel.run.check_world says so first, naming the key).
     """
-    if cfg.batch_size % world_size:
-        raise ValueError(
-            f"data.batch_size: {cfg.batch_size} (the global batch) is not divisible by the {world_size} ranks"
-        )
     # The loaders that read their files themselves take this rank's share of the global batch.
     streamed = {
         "rank": rank,
