@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torchmetrics.classification import BinaryAUROC
+from torchmetrics.functional.classification import binary_auroc
 
 from dlrm.data.dataset import Batch
 
@@ -21,6 +22,24 @@ def auc_scores(logits: torch.Tensor) -> torch.Tensor:
     logit above ~16.6 to 1.0, tying them; 1/2 + atan(x)/pi in float64 stays strictly increasing for every
     finite fp32 logit the model produces (its slope 1/(pi x^2) is above float64's spacing up to |x| ~ 1e7)."""
     return 0.5 + torch.atan(logits.double()) / torch.pi
+
+
+def auc(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Exact AUC of logits [n] (any float dtype) against labels [n] (0/1, any dtype): torchmetrics' AUROC
+    on `auc_scores(logits)`, ties counted half, as `evaluate` computes it. Holds all n scores (float64)."""
+    return binary_auroc(auc_scores(logits), labels.long()).item()
+
+
+def normalized_entropy(logloss: float, positive_rate: float) -> float:
+    """NE = logloss / H(p), H(p) the entropy of a Bernoulli(p) (p = the split's positive rate).
+
+    Raises:
+        ValueError: p is 0 or 1 (or outside [0, 1]): H(p) is 0, NE undefined.
+    """
+    p = positive_rate
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"positive rate {p}: NE is undefined unless it is strictly between 0 and 1")
+    return logloss / -(p * math.log(p) + (1 - p) * math.log(1 - p))
 
 
 @torch.no_grad()
@@ -62,5 +81,5 @@ def evaluate(
     if p in (0.0, 1.0):
         raise ValueError(f"evaluation labels are all {int(p)}: AUC is undefined")
     logloss = loss_sum.item() / samples
-    entropy = -(p * math.log(p) + (1 - p) * math.log(1 - p))
-    return {"auc": auroc.compute().item(), "logloss": logloss, "ne": logloss / entropy, "samples": samples}
+    ne = normalized_entropy(logloss, p)
+    return {"auc": auroc.compute().item(), "logloss": logloss, "ne": ne, "samples": samples}

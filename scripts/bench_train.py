@@ -9,10 +9,16 @@ table's rows (uniform, so no cache-friendly hot rows as in real data), labels ~ 
 batches is generated once and cycled, so the step never waits for data. Tables: the 26 Kaggle
 cardinalities (33.8M rows), capped by the config's max_rows or `--max-rows` (e.g. 4000000 for mlperf).
 "compile-ro" is torch.compile's mode="reduce-overhead" (Inductor's CUDA graphs of the compiled dense part).
+"torch-graphed" is the strongest plain-PyTorch step, the baseline that the README's step ratios are stated
+against (scripts/torch_graphed_step.py: one table-batched weight looked up by index_select and updated by
+index_add_, the dense part torch.compile'd, the whole step one CUDA graph; SGD, "dot", modulus hashing,
+Linear+ReLU MLPs, one GPU); the printed line gives each backend's ratio to it when it ran earlier in the
+same invocation (the CSV keeps samples/s per backend, so the ratios follow from its rows).
 Backends ending in "+graphs" capture the whole step as a CUDA graph (dlrm.graphs; capture time reported
 apart). After warm-up (the first step, with compilation and autotuning, is timed apart) it times `--steps`
 steps with CUDA events and reports ms/step, samples/s, peak GPU memory and the ratio to the eager backend of
-the same invocation; rows go to scripts/results/train.csv.
+the same invocation; rows go to scripts/results/train.csv. CUDA only: main() refuses to start without a GPU,
+and everything below it (random_batches, build, bench) allocates on the current CUDA device.
 
 Many GPUs (weak scaling: `--batches` is the batch per GPU, the global batch is N times it):
 
@@ -39,6 +45,7 @@ from pathlib import Path
 import click
 import torch
 from results_csv import append_rows, provenance
+from torch_graphed_step import PlainDLRM, TorchGraphedStep
 
 from dlrm import parallel
 from dlrm.config import load_config, replace
@@ -53,8 +60,10 @@ from dlrm.step import compile_dense_part, make_optimizer, set_precision, train_s
 
 RESULTS = Path(__file__).parent / "results" / "train.csv"
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
+BASELINE = "torch-graphed"  # scripts/torch_graphed_step.py, not our model code
 FLAGS = {
     "eager": {},
+    BASELINE: {},
     "compile": {"use_torch_compile": True},
     "compile-ro": {"use_torch_compile": True, "compile_mode": "reduce-overhead"},
     "triton": {"use_triton": True},
@@ -91,6 +100,10 @@ def build(config: str, backend: str, batch: int, max_rows: int | None, precision
     torch.manual_seed(0)
     kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
     reduce_grads = None
+    generator = torch.Generator(device="cuda").manual_seed(batch + 1000 * dist.rank)
+    if backend == BASELINE:
+        model, step = build_baseline(cfg, table_rows, dist)
+        return model, None, step, random_batches(batch, table_rows, generator), table_rows
     if dist.enabled:
         cfg = replace(cfg, "model", table_rows=tuple(table_rows), max_rows=cap)
         no_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64)
@@ -105,9 +118,43 @@ def build(config: str, backend: str, batch: int, max_rows: int | None, precision
     step = functools.partial(train_step, precision=precision, reduce_grads=reduce_grads)
     if cfg.train.cuda_graphs:
         step = GraphedTrainStep(model, optimizer, step)
-    generator = torch.Generator(device="cuda").manual_seed(batch + 1000 * dist.rank)
     pool = random_batches(batch, table_rows, generator)
     return model, optimizer, step, pool, table_rows
+
+
+class BaselineStep:
+    """A TorchGraphedStep behind this script's step signature, `step(model, optimizer, batch) -> loss`."""
+
+    def __init__(self, step: TorchGraphedStep):
+        self.step = step
+
+    @property
+    def capture_s(self) -> float:
+        return self.step.capture_s
+
+    def __call__(self, model: PlainDLRM, optimizer: None, batch: Batch) -> torch.Tensor:
+        return self.step(batch)
+
+
+def build_baseline(cfg, table_rows: list[int], dist) -> tuple[PlainDLRM, BaselineStep]:
+    """The "torch-graphed" model and step for `cfg` (its model shapes, SGD lr and embedding_lr, precision)
+    on the current GPU. Raises click.UsageError for several ranks or a config it does not cover."""
+    m, t = cfg.model, cfg.train
+    if dist.enabled:
+        raise click.UsageError(f"backend {BASELINE} runs on one GPU: leave --nproc at 1")
+    needs = {
+        "train.optimizer": (t.optimizer, "sgd"),
+        "train.weight_decay": (t.weight_decay, 0.0),
+        "model.interaction": (m.interaction, "dot"),
+        "model.hashing": (m.hashing, "modulus"),
+        "model.mlp_block": (m.mlp_block, "linear_act"),
+        "model.lora.rank": (m.lora.rank, 0),
+    }
+    bad = [f"{key}={value!r} (needs {want!r})" for key, (value, want) in needs.items() if value != want]
+    if bad:
+        raise click.UsageError(f"backend {BASELINE} does not cover config {cfg.name!r}: {', '.join(bad)}")
+    model = PlainDLRM(m.embedding_dim, m.bottom_mlp, m.top_mlp, table_rows).cuda()
+    return model, BaselineStep(TorchGraphedStep(model, t.lr, t.embedding_lr, t.precision))
 
 
 def bench(
@@ -147,7 +194,7 @@ def bench(
         "ms_per_step": round(max(per_rank), 4), "samples_per_s": round(batch * world / max(per_rank) * 1000),
         "peak_mem_gib": round(max(peaks), 2),
         "first_step_s": round(first_step_s, 2),
-        "capture_s": round(step.capture_s, 2) if isinstance(step, GraphedTrainStep) else "",
+        "capture_s": round(step.capture_s, 2) if isinstance(step, GraphedTrainStep | BaselineStep) else "",
         "world_size": world, "global_batch": batch * world,
         "step_ms_min": round(min(per_rank), 4), "step_ms_max": round(max(per_rank), 4),
     }  # fmt: skip
@@ -159,7 +206,11 @@ def bench(
 @click.command(context_settings={"show_default": True})
 @click.option("--configs", default="kaggle", help="Comma-separated names of configs/*.json.")
 @click.option("--batches", default="2048,16384,65536", help="Comma-separated batch sizes.")
-@click.option("--backends", default=",".join(FLAGS), help="Comma-separated; eager first for the ratios.")
+@click.option(
+    "--backends",
+    default=",".join(FLAGS),
+    help=f"Comma-separated; eager and {BASELINE} first for the ratios to them.",
+)
 @click.option("--steps", type=click.IntRange(min=1), default=50, help="Timed steps per run.")
 @click.option("--max-rows", type=click.IntRange(min=2), default=None, help="Cap on rows per table.")
 @click.option(
@@ -185,17 +236,20 @@ def main(configs, batches, backends, steps, max_rows, precisions, nproc):
     rows = []
     for config, precision in itertools.product(configs.split(","), precisions.split(",")):
         for batch in (int(b) for b in batches.split(",")):
-            eager = None
+            eager = baseline = None
             for backend in backends.split(","):
                 r = bench(config, backend, batch, steps, max_rows, precision, dist)
                 eager = r["samples_per_s"] if backend == "eager" else eager
+                baseline = r["samples_per_s"] if backend == BASELINE else baseline
                 ratio = round(r["samples_per_s"] / eager, 3) if eager else None
+                vs_baseline = r["samples_per_s"] / baseline if baseline else float("nan")
                 rows.append({**common, "precision": precision, **r, "ratio_vs_eager": ratio})
                 if dist.is_main:
                     print(
                         f"{config:<8}{precision:<6}{backend:<23}W={dist.world_size} B={batch:<7}"
                         f"{r['ms_per_step']:>9.3f} ms/step {r['samples_per_s']:>12,} samples/s  "
-                        f"vs eager {ratio or float('nan'):>5.2f}x  peak {r['peak_mem_gib']:>6.2f} GiB  "
+                        f"vs eager {ratio or float('nan'):>5.2f}x  vs {BASELINE} {vs_baseline:>5.2f}x  "
+                        f"peak {r['peak_mem_gib']:>6.2f} GiB  "
                         f"first step {r['first_step_s']:.1f} s",
                         flush=True,
                     )

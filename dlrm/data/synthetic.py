@@ -8,7 +8,9 @@
 `--output` writes raw Criteo lines (label, I1..I13, C1..C26; tab-separated, no header; gzip when the name
 ends with .gz) that `python -m dlrm.data.preprocess` reads unchanged. `--output-dir` writes what
 preprocess would write for those lines: DIR/train/part-*.parquet, DIR/eval/part-*.parquet (the last
-`eval_fraction` of the rows) and DIR/metadata.json with the same keys, so `python -m dlrm.train` reads it.
+`eval_fraction` of the rows) and DIR/metadata.json with the same keys, so `python -m dlrm.train` reads it,
+plus "oracle": the planted model's own AUC, logloss and NE on each split, the best any model can score
+there (dlrm.data.oracle; also in the final log line, and for --output over all rows).
 
 What a row holds (row r of seed s is the same whatever the block size; see "Determinism"):
 
@@ -62,6 +64,8 @@ import pyarrow.csv as pcsv
 from loguru import logger
 from tqdm import tqdm
 
+from dlrm.data.oracle import SplitOracle
+from dlrm.data.oracle import describe as describe_oracle
 from dlrm.data.output import METADATA_FILE, SplitWriter, build_metadata, move_into_place
 from dlrm.data.parse import OUTPUT_SCHEMA
 from dlrm.data.schema import (
@@ -174,12 +178,15 @@ class Rows(NamedTuple):
     dense: [n, 13] int64 counts; 0 where missing.
     dense_missing: [n, 13] bool.
     sparse: [n, 26] int64 ids in [0, 2**32), MISSING_CATEGORY (-1) where missing.
+    logit: [n] float64 logit of the planted model, which the label was drawn from (not written; it gives
+        the oracle numbers, dlrm.data.oracle).
     """
 
     label: np.ndarray
     dense: np.ndarray
     dense_missing: np.ndarray
     sparse: np.ndarray
+    logit: np.ndarray
 
     @property
     def num_rows(self) -> int:
@@ -311,7 +318,7 @@ def _chunk(config: SyntheticConfig, index: int) -> Rows:
     dense, dense_missing, sparse = _features(rng, _CHUNK_ROWS, config.cardinalities, config.seed)
     logit = planted_logit(config, dense, sparse)
     label = (rng.random(_CHUNK_ROWS) < _sigmoid(logit)).astype(np.int8)
-    return Rows(label, dense, dense_missing, sparse)
+    return Rows(label, dense, dense_missing, sparse, logit)
 
 
 def iter_blocks(
@@ -349,6 +356,7 @@ def _empty_rows() -> Rows:
         np.empty((0, NUM_DENSE), np.int64),
         np.empty((0, NUM_DENSE), bool),
         np.empty((0, NUM_SPARSE), np.int64),
+        np.empty(0, np.float64),
     )
 
 
@@ -461,7 +469,9 @@ def write_tsv(
     """Write `rows` raw Criteo lines to `path` (gzip when it ends with .gz), via a temporary file.
 
     Returns:
-        {"rows", "positive_rate", "seconds", "rows_per_s", "bias"}.
+        {"rows", "positive_rate", "oracle", "seconds", "rows_per_s", "bias"}; "oracle" is
+        {"all": the planted model's {"auc", "auc_error_bound", "logloss", "ne", "rows"} on all rows}
+        (dlrm.data.oracle; nothing else is written next to the file).
     Raises:
         SyntheticError: bad arguments or an unusable `path`.
     """
@@ -471,12 +481,16 @@ def write_tsv(
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     started = time.perf_counter()
     positives = 0
+    oracle = SplitOracle({"all": (0, rows)})
     try:
         writer = _TsvWriter(tmp, compress=path.name.endswith(".gz"))
         try:
             with _progress(rows) as bar:
-                for block in iter_blocks(config, rows, block_size):
+                for start, block in zip(
+                    range(0, rows, block_size), iter_blocks(config, rows, block_size), strict=True
+                ):
                     writer.write(to_raw_table(block))
+                    oracle.update(start, block.logit, block.label)
                     positives += int(block.label.sum())
                     bar.update(block.num_rows)
         finally:
@@ -488,7 +502,8 @@ def write_tsv(
     return {
         "rows": rows,
         "positive_rate": positives / rows,
-        **_finish(config, rows, positives, started, path),
+        "oracle": oracle.result(),
+        **_finish(config, rows, positives, started, path, oracle.result()),
     }
 
 
@@ -504,9 +519,12 @@ def write_parquet(
     """Write `rows` rows as dlrm.data.preprocess would write their raw lines: train/eval parquet shards
     (the last `eval_fraction` of the rows are eval) and metadata.json, via a temporary directory.
 
+    metadata.json also holds "oracle": per split, the planted model's own {"auc", "auc_error_bound",
+    "logloss", "ne", "rows"} on exactly that split's rows (dlrm.data.oracle), the best a model can score.
+
     Returns:
-        The metadata written (the keys of preprocess's; "source" describes the generator), with
-        "seconds", "rows_per_s" and "bias" added (these three are not written).
+        The metadata written (the keys of preprocess's, and "oracle"; "source" describes the generator),
+        with "seconds", "rows_per_s" and "bias" added (these three are not written).
     Raises:
         SyntheticError: bad arguments or an unusable `output_dir`.
     """
@@ -528,6 +546,7 @@ def write_parquet(
         tmp_dir.mkdir()
         train = SplitWriter(tmp_dir, "train", rows_per_file, collect_feature_stats=True)
         eval_ = SplitWriter(tmp_dir, "eval", rows_per_file, collect_feature_stats=False)
+        oracle = SplitOracle({"train": (0, first_eval_row), "eval": (first_eval_row, rows)})
         with _progress(rows) as bar:
             for start, block in zip(
                 range(0, rows, block_size), iter_blocks(config, rows, block_size), strict=True
@@ -536,18 +555,19 @@ def write_parquet(
                 n_train = max(0, min(block.num_rows, first_eval_row - start))
                 train.write(batch.slice(0, n_train))
                 eval_.write(batch.slice(n_train))
+                oracle.update(start, block.logit, block.label)
                 bar.update(block.num_rows)
         train.close()
         eval_.close()
         metadata = build_metadata({"train": train, "eval": eval_}, [_describe(config, rows)], skipped_lines=0)
-        metadata |= {"layout": "fraction", "eval_fraction": eval_fraction}
+        metadata |= {"layout": "fraction", "eval_fraction": eval_fraction, "oracle": oracle.result()}
         (tmp_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
         move_into_place(tmp_dir, output_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     positives = round(train.positives + eval_.positives)
-    return {**metadata, **_finish(config, rows, positives, started, output_dir)}
+    return {**metadata, **_finish(config, rows, positives, started, output_dir, metadata["oracle"])}
 
 
 def _check_counts(rows: int, block_size: int) -> None:
@@ -567,15 +587,18 @@ def _progress(rows: int) -> tqdm:
     return tqdm(total=rows, unit="rows", unit_scale=True, desc="synthetic", disable=None, leave=False)
 
 
-def _finish(config: SyntheticConfig, rows: int, positives: int, started: float, path: Path) -> dict:
+def _finish(
+    config: SyntheticConfig, rows: int, positives: int, started: float, path: Path, oracle: dict
+) -> dict:
     seconds = time.perf_counter() - started
     logger.info(
-        "generated {:,} rows in {:.1f} s ({:,.0f} rows/s), CTR {:.4f} -> {}",
+        "generated {:,} rows in {:.1f} s ({:,.0f} rows/s), CTR {:.4f} -> {}; planted model (oracle): {}",
         rows,
         seconds,
         rows / seconds,
         positives / rows,
         path,
+        describe_oracle(oracle),
     )
     return {"seconds": seconds, "rows_per_s": rows / seconds, "bias": _bias(config)}
 

@@ -1,0 +1,214 @@
+"""The strongest plain-PyTorch DLRM training step: the baseline that the README's step ratios are stated
+against (backend "torch-graphed" of scripts/bench_train.py; DESIGN.md, "Performance method").
+
+Plain PyTorch only (no dlrm import, none of our kernels). One step, SGD, glossary letters of
+dlrm/model/dlrm.py (B batch, F = 26 tables, D embedding dim, R = sum of the tables' rows):
+
+    rows     = (sparse + 1) % rows_f + offset_f                     [B, F] i64 into ONE [R, D] f32 weight
+    embedded = weight.index_select(0, rows.flatten()).view(B, F, D) a leaf of autograd (no [R, D] gradient)
+    loss     = dense_loss(dense, embedded, label)                   bottom MLP, dot interaction, top MLP,
+                                                                    mean BCE-with-logits; torch.compile'd
+    g_emb, *g_mlp = torch.autograd.grad(loss, [embedded, *mlp_params])
+    weight.index_add_(0, rows.flatten(), g_emb.reshape(-1, D), alpha=-embedding_lr) SGD on the touched rows
+    torch._foreach_add_(mlp_params, g_mlp, alpha=-lr)        SGD on the MLPs (as torch.optim.SGD, foreach)
+
+and all of it (lookup, compiled forward and backward, both updates) captured once into one CUDA graph
+(warm-up steps on a side stream first, then capture on static input buffers) and replayed: one launch per
+step, the host only copies the next batch into the static buffers. Compilation happens in the first
+warm-up step and the capture in the first step after warm-up; both are outside a timed loop that follows
+warm-up.
+
+Numerics are those of dlrm.model.DLRM (sparse_kernel "torch", mlp_block "linear_act", interaction "dot",
+hashing "modulus") trained by dlrm.step.train_step with SGD: the same ops in the same dtypes; precision
+"bf16" runs the MLPs and the interaction under bf16 autocast as train_step does, the loss in fp32; rows
+that occur several times in a batch sum their gradients, as nn.Embedding(sparse=True)'s gradient does in
+torch.optim.SGD. tests/test_torch_graphed_step.py checks the loss and every updated weight against our
+eager step on the CPU (uncompiled, uncaptured). TF32 ("tf32") is a process-wide switch: the caller sets
+torch.backends' flags (bench_train.py does, through dlrm.step.set_precision).
+
+Left out: Adagrad, weight decay, other interactions, MLP blocks and hashings, several GPUs.
+"""
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PRECISIONS = ("fp32", "tf32", "bf16")
+WARMUP_STEPS = 3
+
+
+class PlainDLRM(nn.Module):
+    """DLRM's weights and forward in plain PyTorch, the tables as one table-batched weight.
+
+    Args:
+        embedding_dim: D.
+        bottom_mlp: widths of the bottom MLP (ReLU after every layer), the last one D.
+        top_mlp: widths of the top MLP (ReLU between layers, the last a plain Linear), the last one 1.
+        table_rows: rows_f of each of the F tables.
+    Attributes:
+        weight: [R, D] f32 buffer, table f at rows offsets[f] .. offsets[f] + rows_f (a buffer: the step
+            updates it with index_add_, autograd never sees it).
+        bottom, top: nn.ModuleList of nn.Linear.
+    Initialization is FB-DLRM's, as our model's (tables U(-sqrt(1/rows_f), sqrt(1/rows_f)); Linear
+    W ~ N(0, 2/(K+N)), b ~ N(0, 1/N)); `load_dlrm_state_dict` copies a dlrm.model.DLRM's weights instead.
+    Raises:
+        ValueError: bottom_mlp not ending in D, top_mlp not ending in 1, or no tables.
+    """
+
+    def __init__(
+        self, embedding_dim: int, bottom_mlp: Sequence[int], top_mlp: Sequence[int], table_rows: Sequence[int]
+    ):
+        super().__init__()
+        if not table_rows or bottom_mlp[-1] != embedding_dim or top_mlp[-1] != 1:
+            raise ValueError(
+                f"need tables, a bottom MLP ending in D={embedding_dim} and a top MLP ending in 1, got "
+                f"{len(table_rows)} tables, bottom {list(bottom_mlp)}, top {list(top_mlp)}"
+            )
+        self.table_rows = [int(r) for r in table_rows]
+        n = len(table_rows) + 1  # the F embeddings and the bottom MLP's output
+        self.bottom = _linears(13, bottom_mlp)
+        self.top = _linears(embedding_dim + n * (n - 1) // 2, top_mlp)
+        self.register_buffer("weight", torch.empty(sum(self.table_rows), embedding_dim))
+        for table in self.weight.split(self.table_rows):
+            bound = (1.0 / table.shape[0]) ** 0.5
+            nn.init.uniform_(table, -bound, bound)
+        self.register_buffer("rows", torch.tensor(self.table_rows))
+        self.register_buffer("offsets", torch.tensor([0, *self.table_rows[:-1]]).cumsum(0))
+        li, lj = torch.tril_indices(n, n, offset=-1)
+        self.register_buffer("li", li)
+        self.register_buffer("lj", lj)
+
+    def lookup_rows(self, sparse: torch.Tensor) -> torch.Tensor:
+        """Raw ids [B, F] i64 (-1 missing) -> rows of `weight` [B, F] i64: modulus hashing, as our model."""
+        return torch.remainder(sparse + 1, self.rows) + self.offsets
+
+    def dense_loss(
+        self, dense: torch.Tensor, embedded: torch.Tensor, label: torch.Tensor, bf16: bool = False
+    ) -> torch.Tensor:
+        """Mean BCE-with-logits, a 0-d f32 tensor, of dense [B, 13] f32 and embedded [B, F, D] f32 against
+        label [B] f32; the MLPs and the interaction under bf16 autocast when `bf16`."""
+        with torch.autocast(dense.device.type, torch.bfloat16, bf16):
+            x = dense
+            for layer in self.bottom:
+                x = F.relu(layer(x))
+            t = torch.cat([x.unsqueeze(1), embedded], dim=1)  # [B, F + 1, D]
+            z = torch.bmm(t, t.transpose(1, 2))
+            x = torch.cat([x, z[:, self.li, self.lj]], dim=1)  # strict lower triangle, row-major
+            for i, layer in enumerate(self.top):
+                x = layer(x) if i == len(self.top) - 1 else F.relu(layer(x))
+        return F.binary_cross_entropy_with_logits(x.squeeze(1).float(), label)
+
+    @torch.no_grad()
+    def load_dlrm_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy the weights of a dlrm.model.DLRM state_dict (keys `sparse_arch.embeddings.<f>.weight`,
+        `dense_arch.mlp.layers.<i>.*`, `over_arch.mlp.layers.<i>.*`).
+
+        Raises:
+            KeyError: a key is missing. RuntimeError: a shape differs.
+        """
+        tables = [state_dict[f"sparse_arch.embeddings.{f}.weight"] for f in range(len(self.table_rows))]
+        self.weight.copy_(torch.cat(tables))
+        for prefix, layers in (("dense_arch", self.bottom), ("over_arch", self.top)):
+            for i, layer in enumerate(layers):
+                layer.weight.copy_(state_dict[f"{prefix}.mlp.layers.{i}.weight"])
+                layer.bias.copy_(state_dict[f"{prefix}.mlp.layers.{i}.bias"])
+
+
+def _linears(in_features: int, widths: Sequence[int]) -> nn.ModuleList:
+    layers = nn.ModuleList(nn.Linear(k, n) for k, n in zip([in_features, *widths[:-1]], widths, strict=True))
+    with torch.no_grad():
+        for layer in layers:
+            n, k = layer.weight.shape
+            layer.weight.normal_(0.0, (2.0 / (k + n)) ** 0.5)
+            layer.bias.normal_(0.0, (1.0 / n) ** 0.5)
+    return layers
+
+
+class TorchGraphedStep:
+    """One SGD step of a PlainDLRM per call, `step(batch) -> loss` (module docstring).
+
+    Args:
+        model: the PlainDLRM, on the device that the batches are on.
+        lr: SGD learning rate of the MLPs; embedding_lr that of the tables (None: lr).
+        precision: "fp32", "tf32" (the caller sets TF32 on) or "bf16".
+        compile: torch.compile the dense part (Inductor, default mode: the CUDA graph is ours).
+        cuda_graph: capture the whole step after `warmup` side-stream steps and replay it (CUDA only);
+            a batch of another size than the captured one runs uncaptured.
+    Calling it with a batch (dense [B, 13] f32, sparse [B, F] i64, label [B] f32; any sequence of the
+    three, e.g. a dlrm Batch) returns the loss, a 0-d f32 device tensor that the next call may overwrite.
+    `capture_s`: capture wall time (0 until captured).
+    Raises:
+        ValueError: an unknown precision, or cuda_graph with the model off CUDA.
+    """
+
+    def __init__(
+        self,
+        model: PlainDLRM,
+        lr: float,
+        embedding_lr: float | None = None,
+        precision: str = "fp32",
+        compile: bool = True,
+        cuda_graph: bool = True,
+        warmup: int = WARMUP_STEPS,
+    ):
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}: expected one of {PRECISIONS}")
+        if cuda_graph and model.weight.device.type != "cuda":
+            raise ValueError(f"a CUDA graph needs the model on a CUDA device, it is on {model.weight.device}")
+        self.model, self.lr, self.embedding_lr = model, lr, lr if embedding_lr is None else embedding_lr
+        self.bf16 = precision == "bf16"
+        self.params = [p for layers in (model.bottom, model.top) for p in layers.parameters()]
+        self.dense_loss = torch.compile(model.dense_loss) if compile else model.dense_loss
+        self.cuda_graph, self.warmup = cuda_graph, warmup
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static: list[torch.Tensor] = []
+        self.static_loss: torch.Tensor | None = None
+        self.steps, self.capture_s = 0, 0.0
+
+    def step(self, dense: torch.Tensor, sparse: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        """One uncaptured step: lookup, dense part forward and backward, both SGD updates; the loss."""
+        weight = self.model.weight
+        rows = self.model.lookup_rows(sparse).flatten()  # [B * F]
+        embedded = weight.index_select(0, rows).view(*sparse.shape, -1).requires_grad_()
+        loss = self.dense_loss(dense, embedded, label, self.bf16)
+        grad_rows, *grads = torch.autograd.grad(loss, [embedded, *self.params])
+        with torch.no_grad():
+            weight.index_add_(0, rows, grad_rows.reshape(rows.numel(), -1), alpha=-self.embedding_lr)
+            torch._foreach_add_(self.params, grads, alpha=-self.lr)
+        return loss.detach()
+
+    def __call__(self, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+        dense, sparse, label = batch
+        if not self.cuda_graph:
+            return self.step(dense, sparse, label)
+        self.steps += 1
+        if self.graph is None and self.steps <= self.warmup:
+            # Warm-up (compilation, cuBLAS handles, the allocator) on a side stream, as the capture recipe.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                loss = self.step(dense, sparse, label)
+            torch.cuda.current_stream().wait_stream(side)
+            return loss
+        if self.graph is None:
+            self._capture(dense, sparse, label)
+        elif label.shape != self.static[2].shape:
+            return self.step(dense, sparse, label)
+        else:
+            for static, fresh in zip(self.static, (dense, sparse, label), strict=True):
+                static.copy_(fresh, non_blocking=True)
+        self.graph.replay()
+        return self.static_loss
+
+    def _capture(self, dense: torch.Tensor, sparse: torch.Tensor, label: torch.Tensor) -> None:
+        """Record one step on static copies of the batch (recording runs nothing: the replay that follows
+        performs this step)."""
+        start = time.perf_counter()
+        self.static = [t.clone() for t in (dense, sparse, label)]
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_loss = self.step(*self.static)
+        self.capture_s = time.perf_counter() - start

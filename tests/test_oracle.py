@@ -1,0 +1,153 @@
+"""Tests of the planted model's own numbers on synthetic data (dlrm.data.oracle, metadata.json "oracle"):
+they equal a direct computation on the written rows with dlrm.metrics, a model other than the planted one
+scores worse, and the binned AUC keeps within its stated bound."""
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+from loguru import logger
+
+from dlrm.data.oracle import BINS, OracleMetrics, SplitOracle, histogram_auc
+from dlrm.data.output import load_metadata
+from dlrm.data.schema import DENSE_COLUMNS, SPARSE_COLUMNS
+from dlrm.data.synthetic import SyntheticConfig, planted_logit, preset_cardinalities, write_parquet, write_tsv
+from dlrm.metrics import auc, normalized_entropy
+
+SMALL = SyntheticConfig(preset_cardinalities("kaggle", max_cardinality=200), seed=11)
+
+
+def read_split(data_dir, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(raw counts [n, 13] f32, ids [n, 26] i64, labels [n] f32) of a written split, in file order."""
+    metadata = load_metadata(data_dir)
+    table = pq.read_table([data_dir / f for f in metadata["files"][split]])
+    dense = np.stack([table[c].to_numpy() for c in DENSE_COLUMNS], axis=1)
+    sparse = np.stack([table[c].to_numpy() for c in SPARSE_COLUMNS], axis=1)
+    return dense, sparse, table["label"].to_numpy()
+
+
+def direct(logits: torch.Tensor, labels: torch.Tensor) -> dict:
+    """The metrics of dlrm.metrics on all rows at once."""
+    logloss = F.binary_cross_entropy_with_logits(logits.double(), labels.double()).item()
+    return {
+        "auc": auc(logits, labels),
+        "logloss": logloss,
+        "ne": normalized_entropy(logloss, labels.double().mean().item()),
+    }
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    out = tmp_path_factory.mktemp("oracle") / "syn"
+    messages = []
+    sink = logger.add(messages.append, format="{message}")
+    try:
+        # Blocks of 1000 rows, the eval split from row 8400: a block straddles the split boundary.
+        result = write_parquet(SMALL, 12_000, out, eval_fraction=0.3, rows_per_file=5000, block_size=1000)
+    finally:
+        logger.remove(sink)
+    return out, result, messages
+
+
+def test_metadata_oracle_equals_the_planted_model_on_the_written_rows(written):
+    out, result, messages = written
+    oracle = json.loads((out / "metadata.json").read_text())["oracle"]
+    assert oracle == result["oracle"]
+    assert list(oracle) == ["train", "eval"]
+    for split, rows in (("train", 8400), ("eval", 3600)):
+        dense, sparse, labels = read_split(out, split)
+        # Recomputed from the parquet rows (raw counts are exact in float32; 0 where missing).
+        logits = torch.from_numpy(planted_logit(SMALL, dense.astype(np.int64), sparse))
+        expected = direct(logits, torch.from_numpy(labels))
+        got = oracle[split]
+        assert got["rows"] == rows
+        assert got["logloss"] == pytest.approx(expected["logloss"], rel=1e-12)
+        assert got["ne"] == pytest.approx(expected["ne"], rel=1e-12)
+        assert 0 < got["auc_error_bound"] < 1e-4
+        # The stated bound, plus torchmetrics' float32 result.
+        assert abs(got["auc"] - expected["auc"]) <= got["auc_error_bound"] + 1e-6
+        assert 0.75 < got["auc"] < 0.95 and got["ne"] < 0.95
+    line = next(m for m in messages if "oracle" in m)
+    assert f"eval AUC {oracle['eval']['auc']:.4f} logloss {oracle['eval']['logloss']:.4f}" in line
+
+
+def test_models_other_than_the_planted_one_score_worse(written):
+    out, result, _ = written
+    dense, sparse, labels = read_split(out, "eval")
+    planted = torch.from_numpy(planted_logit(SMALL, dense.astype(np.int64), sparse))
+    labels = torch.from_numpy(labels)
+    best = result["oracle"]["eval"]
+    generator = torch.Generator().manual_seed(0)
+    noisy = direct(
+        planted + 0.7 * torch.randn(planted.shape, generator=generator, dtype=torch.float64), labels
+    )
+    assert noisy["auc"] < best["auc"] - 0.01 and noisy["logloss"] > best["logloss"] + 0.005
+    # Another seed's planted model: a different signal altogether.
+    other = direct(
+        torch.from_numpy(planted_logit(SyntheticConfig(SMALL.cardinalities, 12), dense, sparse)), labels
+    )
+    assert other["auc"] < best["auc"] - 0.1
+    # Same ranking, wrong calibration: same AUC, worse logloss and NE.
+    shifted = direct(planted + 1.0, labels)
+    assert abs(shifted["auc"] - best["auc"]) <= best["auc_error_bound"] + 1e-6
+    assert shifted["logloss"] > best["logloss"] + 0.02 and shifted["ne"] > best["ne"]
+
+
+def test_tsv_reports_the_oracle_over_all_rows(written):
+    _, parquet, _ = written
+    result = write_tsv(SMALL, 12_000, written[0].parent / "day.tsv", block_size=5000)
+    everything, train, eval_ = result["oracle"]["all"], parquet["oracle"]["train"], parquet["oracle"]["eval"]
+    assert everything["rows"] == 12_000
+    # The same rows: the loss of all of them is the row-weighted loss of the two splits.
+    assert everything["logloss"] == pytest.approx(
+        (8400 * train["logloss"] + 3600 * eval_["logloss"]) / 12_000
+    )
+
+
+def test_empty_or_one_class_splits_have_no_auc(tmp_path):
+    result = write_parquet(SMALL, 500, tmp_path / "syn", eval_fraction=0.0)
+    assert result["oracle"]["eval"] == {
+        "auc": None, "auc_error_bound": None, "logloss": None, "ne": None, "rows": 0
+    }  # fmt: skip
+    assert load_metadata(tmp_path / "syn")["oracle"]["eval"]["rows"] == 0
+    negatives = OracleMetrics()
+    negatives.update(np.array([-1.0, 2.0]), np.array([0, 0]))
+    assert negatives.result()["auc"] is None and negatives.result()["logloss"] > 0
+
+
+def test_histogram_auc_is_exact_without_shared_bins_and_within_the_bound_with_them():
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(5000, generator=generator, dtype=torch.float64) * 3
+    labels = (torch.rand(5000, generator=generator, dtype=torch.float64) < torch.sigmoid(logits)).long()
+    metrics = OracleMetrics()
+    metrics.update(logits.numpy()[:1234], labels.numpy()[:1234])  # in two pieces: counts add up
+    metrics.update(logits.numpy()[1234:], labels.numpy()[1234:])
+    got = metrics.result()
+    assert abs(got["auc"] - auc(logits, labels)) <= got["auc_error_bound"] + 1e-6
+    # Coarse: 4 bins, so most pairs share one; the bound still holds and is not trivially loose.
+    bins = np.clip(np.floor(logits.numpy()), -2, 1).astype(int) + 2
+    pos = np.bincount(bins[labels.numpy() == 1], minlength=4)
+    neg = np.bincount(bins[labels.numpy() == 0], minlength=4)
+    coarse, bound = histogram_auc(pos, neg)
+    assert abs(coarse - auc(logits, labels)) <= bound and bound < 0.2
+    assert histogram_auc(np.array([0, 3]), np.array([2, 0])) == (1.0, 0.0)
+    with pytest.raises(ValueError, match="undefined"):
+        histogram_auc(np.zeros(BINS, np.int64), np.ones(BINS, np.int64))
+
+
+def test_split_oracle_feeds_each_split_its_rows():
+    logits, labels = np.linspace(-3, 3, 10), np.array([0, 1] * 5)
+    oracle = SplitOracle({"a": (0, 4), "b": (4, 10), "overlap": (2, 7)})
+    for start in range(0, 10, 3):  # blocks of 3 straddle every boundary
+        oracle.update(start, logits[start : start + 3], labels[start : start + 3])
+    assert {name: m["rows"] for name, m in oracle.result().items()} == {"a": 4, "b": 6, "overlap": 5}
+    for name, (lo, hi) in oracle.splits.items():
+        expected = F.binary_cross_entropy_with_logits(
+            torch.from_numpy(logits[lo:hi]), torch.from_numpy(labels[lo:hi]).double()
+        ).item()
+        assert oracle.result()[name]["logloss"] == pytest.approx(expected, rel=1e-12)
+    with pytest.raises(ValueError, match="bad row range"):
+        SplitOracle({"x": (5, 4)})
