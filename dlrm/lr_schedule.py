@@ -78,5 +78,5 @@ class LearningRates:
         else:
             for group, base in zip(self.optimizer.param_groups, self.group_lrs, strict=True):
                 group["lr"] = base * factor
-        if getattr(self.sparse_arch, "kernel", None) == "triton":
+        if self.sparse_arch.kernel == "triton":
             self.sparse_arch.lr.fill_(self.base_embedding_lr * factor)
