@@ -110,10 +110,25 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class LrScheduleConfig:
+    """MLPerf DLRM's learning-rate schedule (dlrm.lr_schedule), a factor on `lr` and `embedding_lr` alike:
+    linear warm-up from 0 over `warmup_steps` steps, constant, then a polynomial decay of power 2 over
+    `decay_steps` steps from step `decay_start_step` down to 0 (0 from then on). The defaults (0, null, 0)
+    keep the lr constant. `decay_start_step` (null: no decay) needs `decay_steps` > 0 and must not come
+    before the warm-up's end. Works under `cuda_graphs`: the rates are device tensors the step reads."""
+
+    warmup_steps: int = 0
+    decay_start_step: int | None = None
+    decay_steps: int = 0
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Optimization and loop settings.
 
-    `embedding_lr` defaults to `lr`. `eval_interval` (steps) of null evaluates at each epoch's end only.
+    `embedding_lr` defaults to `lr`; `lr_schedule` scales both over the steps (warm-up and decay,
+    LrScheduleConfig; constant by default). `eval_interval` (steps) of null evaluates at each epoch's end
+    only.
     `patience`: stop after this many evaluations without a better eval AUC (null: never stop early).
     `use_torch_compile` compiles the dense part with Inductor, in `compile_mode` "default" or
     "reduce-overhead" (Inductor also captures the compiled part as CUDA graphs). `use_triton` runs the
@@ -136,6 +151,7 @@ class TrainConfig:
     optimizer: str = "sgd"
     lr: float = 0.1
     embedding_lr: float | None = None
+    lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)
     weight_decay: float = 0.0
     epochs: int = 1
     max_steps: int | None = None
@@ -344,6 +360,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     if t.embedding_lr is not None:
         ok = 0 < t.embedding_lr < math.inf
         _require(ok, "train.embedding_lr", "a positive finite number or null", t.embedding_lr)
+    validate_lr_schedule(t.lr_schedule)
     _require(0 <= t.weight_decay < math.inf, "train.weight_decay", "a finite number >= 0", t.weight_decay)
     _require(t.epochs > 0, "train.epochs", "a positive integer", t.epochs)
     for key, value in (
@@ -390,6 +407,21 @@ def validate(cfg: RunConfig) -> RunConfig:
         )
     _require(par.timeout_s > 0, "parallel.timeout_s", "a positive number (seconds)", par.timeout_s)
     return cfg
+
+
+def validate_lr_schedule(schedule: LrScheduleConfig) -> None:
+    """Raise ValueError naming the train.lr_schedule key whose value is bad."""
+    key = "train.lr_schedule."
+    warmup, start, steps = schedule.warmup_steps, schedule.decay_start_step, schedule.decay_steps
+    _require(warmup >= 0, key + "warmup_steps", "an integer >= 0 (0: no warm-up)", warmup)
+    _require(steps >= 0, key + "decay_steps", "an integer >= 0 (0: no decay)", steps)
+    if start is None:
+        _require(steps == 0, key + "decay_start_step", f"the step where the {steps} decay steps start", start)
+        return
+    # As MLPerf's LRPolicyScheduler: the warm-up must end before the decay starts.
+    expected = f"an integer >= warmup_steps ({warmup}) or null"
+    _require(start >= warmup, key + "decay_start_step", expected, start)
+    _require(steps > 0, key + "decay_steps", "a positive integer with decay_start_step set", steps)
 
 
 def from_dict(raw: dict[str, Any]) -> RunConfig:

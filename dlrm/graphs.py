@@ -11,6 +11,11 @@ with no data-dependent shapes) and SGD for the dense parameters; it does not hol
 embeddings (sparse gradients are coalesced with a host sync) nor for torch.optim.Adagrad (its step count
 is read on the host), so the config requires `use_triton` and optimizer "sgd".
 
+Every number that changes during a run lives in a device tensor that the captured kernels read, never in a
+kernel argument: the learning rates (the embedding kernel's `sparse_arch.lr`, the dense SGD's
+`lr_scale`), which train.lr_schedule writes in place (`fill_`) between steps on the current stream, before
+the replay that uses them (dlrm.lr_schedule).
+
 The capture follows PyTorch's whole-network recipe (torch.cuda.graphs docs): a few warm-up steps on a
 side stream (autotuning, lazy initialization, optimizer state), gradients set to None, then capture. The
 captured step is exactly `dlrm.step.train_step`; a batch of another size (the last, partial batch of an
@@ -34,7 +39,7 @@ class GraphedTrainStep:
 
     Args:
         model: the DLRM on a CUDA device (its embeddings updated in backward: sparse_kernel "triton").
-        optimizer: the dense parameters' torch.optim.SGD.
+        optimizer: the dense parameters' dlrm.optim.SGD.
         step_fn: the step to capture, `step_fn(model, optimizer, batch) -> loss` (dlrm.step.train_step).
         warmup: steps run uncaptured (on a side stream) before the capture.
     Calling it as `step(model, optimizer, batch)` runs one training step and returns the loss, a 0-d device

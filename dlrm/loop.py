@@ -41,6 +41,7 @@ from dlrm.data.loaders import STATEFUL_LOADERS, TrainLoader, make_train_loader
 from dlrm.data.resident import ResidentLoader
 from dlrm.data.schema import NUM_SPARSE
 from dlrm.errors import Interrupted, NonFiniteLoss, RunStopped
+from dlrm.lr_schedule import LearningRates
 from dlrm.metrics import evaluate
 from dlrm.model import DLRM, build_model
 from dlrm.out_of_memory import out_of_memory
@@ -138,6 +139,7 @@ class Run:
     run_dir: Path
     writer: SummaryWriter | ranks.NullWriter
     signals: StopSignals
+    lrs: LearningRates  # train.lr_schedule: set before each step
     progress: TrainProgress = field(default_factory=lambda: TrainProgress("log", 0))
     dist: parallel.Dist = parallel.SINGLE  # this process's rank; SINGLE without torchrun
 
@@ -208,6 +210,8 @@ def train_steps(run: Run, state: RunState) -> None:
                     batch = next(batches, None)
                 if batch is None:
                     break
+                # Before the step (and its graph replay), on its stream: device writes, no host sync.
+                run.lrs.set(state.step + 1)
                 loss = run.step_fn(run.model, run.optimizer, batch)
                 profiler.step()
                 account_step(run, state, interval, loss, batch, step_start)
@@ -287,6 +291,7 @@ def set_up(
     else:
         model = build_model(cfg.model, metadata, train_ids, **kernels).to(device)
     optimizer = make_optimizer(model, cfg)
+    lrs = LearningRates(t, optimizer, model.sparse_arch)  # the base rates: make_optimizer's, the config's
     state = RunState()
     checkpoint = load_resumable(resume, cfg, model, optimizer, dist) if resume is not None else {}
     for key, value in checkpoint.items():
@@ -348,6 +353,7 @@ def set_up(
         run_dir,
         writer,
         StopSignals(),
+        lrs,
         dist=dist,
     )
     run.progress = TrainProgress(progress, t.max_steps or t.epochs * len(train_loader), state.step)
@@ -528,7 +534,7 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
     writer = run.writer
     writer.add_scalar("train/loss", state.train_loss, state.step)
     writer.add_scalar("perf/samples_per_s", interval.samples / elapsed, state.step)
-    writer.add_scalar("lr", run.optimizer.param_groups[0]["lr"], state.step)
+    writer.add_scalar("train/lr", run.lrs.lr, state.step)  # the dense lr of the interval's last step
     logger.info(
         "epoch {} step {} | loss {:.5f} | {:,.0f} samples/s | {:.2f} ms/step",
         epoch,

@@ -23,6 +23,7 @@ from dlrm.config import RunConfig
 from dlrm.data.dataset import Batch
 from dlrm.graphs import GraphedTrainStep
 from dlrm.model import DLRM
+from dlrm.optim import SGD
 
 StepFn = Callable[[DLRM, torch.optim.Optimizer, Batch], torch.Tensor]
 
@@ -57,10 +58,12 @@ def set_precision(precision: str) -> None:
 
 
 def make_optimizer(model: DLRM, cfg: RunConfig) -> torch.optim.Optimizer:
-    """SGD or Adagrad with two parameter groups: the MLPs (weight decay) and the embedding tables (sparse
-    gradients, `embedding_lr`, no weight decay: decaying every row each step would make the update dense).
-    With the "triton" sparse kernel the tables are not in the torch optimizer: the same update (lr
-    `embedding_lr`, Adagrad's default eps) is fused into the embedding kernel's backward."""
+    """SGD (dlrm.optim.SGD: torch.optim.SGD's update with its lr scaled by a device tensor, so a schedule
+    reaches a CUDA-graphed step) or torch.optim.Adagrad, with two parameter groups: the MLPs (weight decay)
+    and the embedding tables (sparse gradients, `embedding_lr`, no weight decay: decaying every row each step
+    would make the update dense). With the "triton" sparse kernel the tables are not in the optimizer: the
+    same update (lr `embedding_lr`, held in the device tensor `model.sparse_arch.lr`, Adagrad's default eps)
+    is fused into the embedding kernel's backward."""
     t = cfg.train
     embedding_lr = t.embedding_lr or t.lr
     groups = [{"params": model.dense_parameters(), "lr": t.lr, "weight_decay": t.weight_decay}]
@@ -69,7 +72,7 @@ def make_optimizer(model: DLRM, cfg: RunConfig) -> torch.optim.Optimizer:
     else:
         groups.append({"params": model.embedding_parameters(), "lr": embedding_lr, "weight_decay": 0.0})
     if t.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=t.lr)
+        return SGD(groups, lr=t.lr)
     return torch.optim.Adagrad(groups, lr=t.lr)
 
 

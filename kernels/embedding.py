@@ -29,6 +29,9 @@ How backward applies the update, without a table-sized gradient:
   updates each distinct row once from its segment's sum. Memory is O(B F D), never O(R D).
 
 Everything has a fixed shape (no torch.unique, no host sync), so a step can be captured in a CUDA graph.
+The learning rate is a one-element fp32 tensor on the tables' device that the update kernels load, not a
+number baked into the launch: a learning-rate schedule writes it in place between steps (`lr.fill_`), and
+a captured graph's replays read the current value (train.lr_schedule, dlrm/lr_schedule.py).
 The PyTorch references are `embedding_lookup_ref` and `embedding_update_ref`.
 """
 
@@ -100,17 +103,16 @@ def _embedding_fwd_kernel(
     tl.store(out_ptr + lookup[:, None] * D + d[None, :], values.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["N", "lr"])
+@triton.jit(do_not_specialize=["N"])
 def _embedding_sgd_kernel(
     # pointers
     index_ptr,  # [N] int64 global rows (N = B * F lookups)
     grad_ptr,  # [N, D] dout, any float dtype
     weights_ptr,  # [R, D] fp32, updated in place
+    lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
     # sizes
     N,
     D,
-    # optimizer
-    lr,
     # meta-parameters
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -121,6 +123,7 @@ def _embedding_sgd_kernel(
     mask = mask_n[:, None] & (d < D)[None, :]
     index = tl.load(index_ptr + n, mask=mask_n, other=0)
     grad = tl.load(grad_ptr + n[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    lr = tl.load(lr_ptr).to(tl.float32)
     tl.atomic_add(weights_ptr + index[:, None] * D + d[None, :], -lr * grad, mask=mask)
 
 
@@ -148,7 +151,7 @@ def _embedding_segment_sum_kernel(
     tl.atomic_add(sums_ptr + segment[:, None] * D + d[None, :], grad, mask=mask)
 
 
-@triton.jit(do_not_specialize=["N", "lr", "eps"])
+@triton.jit(do_not_specialize=["N", "eps"])
 def _embedding_segment_update_kernel(
     # pointers
     sorted_ptr,  # [N] int64 sorted global rows
@@ -156,11 +159,11 @@ def _embedding_segment_update_kernel(
     sums_ptr,  # [N, D] fp32 gradient sum of each segment
     weights_ptr,  # [R, D] fp32/bf16, updated in place
     state_ptr,  # adagrad: [R, D] fp32; rowwise_adagrad: [R] fp32; sgd: unused
+    lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
     # sizes
     N,
     D,
     # optimizer
-    lr,
     eps,
     # meta-parameters
     OPTIMIZER: tl.constexpr,
@@ -181,6 +184,7 @@ def _embedding_segment_update_kernel(
     grad = tl.load(sums_ptr + segment[:, None] * D + d[None, :], mask=mask, other=0.0)
     w_ptrs = weights_ptr + row[:, None] * D + d[None, :]
     weights = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+    lr = tl.load(lr_ptr).to(tl.float32)
     if OPTIMIZER == "sgd":
         step = lr * grad
     elif OPTIMIZER == "adagrad":
@@ -272,6 +276,13 @@ def optimizer_state(weights: Tensor, optimizer: str) -> Tensor:
     return torch.zeros(shape, dtype=torch.float32, device=weights.device)
 
 
+def _check_lr(lr: Tensor, weights: Tensor) -> None:
+    ok = isinstance(lr, Tensor) and lr.numel() == 1 and lr.dtype == torch.float32
+    if not ok or lr.device != weights.device:
+        got = f"{lr.dtype} {list(lr.shape)} on {lr.device}" if isinstance(lr, Tensor) else repr(lr)
+        raise ValueError(f"lr must be a one-element fp32 tensor on {weights.device}, got {got}")
+
+
 def _check_update(weights: Tensor, state: Tensor, index: Tensor, grad: Tensor, optimizer: str) -> None:
     if optimizer == "adagrad" and tuple(state.shape) != tuple(weights.shape):
         raise ValueError(f"adagrad state must be {list(weights.shape)}, got {list(state.shape)}")
@@ -287,7 +298,7 @@ def _check_update(weights: Tensor, state: Tensor, index: Tensor, grad: Tensor, o
 
 
 def embedding_update(
-    weights: Tensor, state: Tensor, index: Tensor, grad: Tensor, optimizer: str, lr: float, eps: float
+    weights: Tensor, state: Tensor, index: Tensor, grad: Tensor, optimizer: str, lr: Tensor, eps: float
 ) -> None:
     """Apply one optimizer step to the rows of `weights` (and `state`) that `index` touched, in place.
 
@@ -297,13 +308,16 @@ def embedding_update(
         index: [B, F] (or any shape) int64 global rows looked up, as returned by the lookup.
         grad: index.shape + [D], gradient of the looked-up vectors (any float dtype).
         optimizer: "sgd", "adagrad" or "rowwise_adagrad" (module docstring).
-        lr: learning rate; eps: Adagrad's epsilon (unused by sgd).
+        lr: learning rate, a one-element fp32 tensor on weights' device ([] or [1]), read by the kernel
+            (no host sync; its value at launch, or at each replay of a captured graph, is the one used).
+        eps: Adagrad's epsilon (unused by sgd).
     Raises:
-        ValueError: unknown optimizer, or shapes/dtypes that do not match (message names them).
+        ValueError: unknown optimizer, or shapes/dtypes/devices that do not match (message names them).
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown embedding optimizer {optimizer!r}: expected one of {OPTIMIZERS}")
     _check_update(weights, state, index, grad, optimizer)
+    _check_lr(lr, weights)
     if not use_triton(weights):
         embedding_update_ref(weights, state, index, grad, optimizer, lr, eps)
         return
@@ -316,7 +330,7 @@ def embedding_update(
     block_n = min(_block_rows(block_d), triton.next_power_of_2(n))
     grid = (triton.cdiv(n, block_n),)
     if optimizer == "sgd" and weights.dtype == torch.float32:
-        _embedding_sgd_kernel[grid](index, grad, weights, n, d, lr, BLOCK_N=block_n, BLOCK_D=block_d)
+        _embedding_sgd_kernel[grid](index, grad, weights, lr, n, d, BLOCK_N=block_n, BLOCK_D=block_d)
         return
     sorted_rows, order = torch.sort(index)
     # Segment of each sorted position: the number of row changes before it.
@@ -331,9 +345,9 @@ def embedding_update(
         sums,
         weights,
         state,
+        lr,
         n,
         d,
-        lr,
         eps,
         OPTIMIZER=optimizer,
         BLOCK_N=block_n,
@@ -362,10 +376,12 @@ def embedding_lookup_ref(
 
 
 def embedding_update_ref(
-    weights: Tensor, state: Tensor, index: Tensor, grad: Tensor, optimizer: str, lr: float, eps: float
+    weights: Tensor, state: Tensor, index: Tensor, grad: Tensor, optimizer: str, lr: Tensor, eps: float
 ) -> None:
-    """PyTorch update of the touched rows, in place: sums repeated rows, then the module docstring's step."""
+    """PyTorch update of the touched rows, in place: sums repeated rows, then the module docstring's step.
+    `lr`: a one-element fp32 tensor (as `embedding_update`)."""
     d = weights.shape[1]
+    lr = lr.reshape(())  # [] or [1] -> [], broadcast against the [rows, D] sums
     rows, inverse = torch.unique(index.reshape(-1), return_inverse=True)
     g = torch.zeros(len(rows), d, dtype=torch.float32, device=weights.device)
     g.index_add_(0, inverse, grad.reshape(-1, d).float())
@@ -394,7 +410,7 @@ def _lookup_op(
     ids: Tensor,
     hashing: str,
     optimizer: str,
-    lr: float,
+    lr: Tensor,
     eps: float,
     out_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
@@ -413,7 +429,7 @@ def _lookup_fake(weights, state, offsets, rows, ids, hashing, optimizer, lr, eps
 
 @torch.library.custom_op("dlrm::embedding_update", mutates_args=("weights", "state"))
 def _update_op(
-    weights: Tensor, state: Tensor, index: Tensor, grad: Tensor, optimizer: str, lr: float, eps: float
+    weights: Tensor, state: Tensor, index: Tensor, grad: Tensor, optimizer: str, lr: Tensor, eps: float
 ) -> None:
     embedding_update(weights, state, index, grad, optimizer, lr, eps)
 
@@ -427,15 +443,16 @@ def _setup_context(ctx, inputs, output) -> None:
     weights, state, _, _, _, _, optimizer, lr, eps, _ = inputs
     _, index = output
     # The weights are saved only to be updated in backward (after they are unpacked, so autograd's
-    # saved-tensor version check still holds).
-    ctx.save_for_backward(weights, state, index)
-    ctx.optimizer, ctx.lr, ctx.eps = optimizer, lr, eps
+    # saved-tensor version check still holds). The lr tensor is saved as it is, not its value: a schedule
+    # writes it between steps, never between a step's forward and backward.
+    ctx.save_for_backward(weights, state, index, lr)
+    ctx.optimizer, ctx.eps = optimizer, eps
     ctx.mark_non_differentiable(index)
 
 
 def _backward(ctx, grad_out: Tensor, _grad_index):
-    weights, state, index = ctx.saved_tensors
-    _update_op(weights, state, index, grad_out, ctx.optimizer, ctx.lr, ctx.eps)
+    weights, state, index, lr = ctx.saved_tensors
+    _update_op(weights, state, index, grad_out, ctx.optimizer, lr, ctx.eps)
     # The weights were updated in place: no gradient leaves this op.
     return None, None, None, None, None, None, None, None, None, None
 
@@ -456,7 +473,7 @@ def embedding_lookup(
     ids: Tensor,
     hashing: str = "modulus",
     optimizer: str = "sgd",
-    lr: float = 0.01,
+    lr: Tensor | None = None,
     eps: float = 1e-10,
     out_dtype: torch.dtype | None = None,
 ) -> Tensor:
@@ -474,17 +491,26 @@ def embedding_lookup(
         rows: [F] int64, rows of each table (for "modulus" hashing).
         ids: [B, F] int64 raw ids (-1 = missing) for "modulus"; rows within each table for "index".
         hashing: "modulus" (row = (id + 1) mod rows[f]) or "index" (ids are rows already).
-        optimizer: "sgd", "adagrad" or "rowwise_adagrad"; lr, eps: its settings.
+        optimizer: "sgd", "adagrad" or "rowwise_adagrad"; eps: Adagrad's epsilon.
+        lr: the learning rate of the backward's update, a one-element fp32 tensor on weights' device,
+            read by the kernel when backward runs (so `lr.fill_(x)` between steps changes it, also under
+            CUDA graph replay). None only for lookups without an update (weights without grad, or
+            under torch.no_grad()).
         out_dtype: dtype of the result (None: weights' dtype), e.g. bf16 from fp32 tables under bf16
             autocast: the kernel rounds as it stores, with no separate cast pass forward or backward (the
             update reads a gradient of any float dtype).
     Returns:
         [B, F, D] in out_dtype: out[b, f] = weights[offsets[f] + row(ids[b, f])].
     Raises:
-        ValueError: shapes, dtypes, devices, hashing or optimizer not as above (the message names them).
+        ValueError: shapes, dtypes, devices, hashing, optimizer or lr not as above (the message names them).
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown embedding optimizer {optimizer!r}: expected one of {OPTIMIZERS}")
     out_dtype = weights.dtype if out_dtype is None else out_dtype
+    if lr is None:
+        if weights.requires_grad and torch.is_grad_enabled():
+            raise ValueError("embedding_lookup: lr is required when backward updates the weights")
+        lr = torch.zeros((), dtype=torch.float32, device=weights.device)
+    _check_lr(lr, weights)
     out, _ = _lookup_op(weights, state, offsets, rows, ids, hashing, optimizer, lr, eps, out_dtype)
     return out

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from dlrm.config import RunConfig, from_dict, load_config
+from dlrm.config import LrScheduleConfig, RunConfig, from_dict, load_config
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.json"))
 
@@ -79,6 +79,33 @@ def test_main_config_is_the_fb_dlrm_kaggle_architecture():
             "train.compile_mode: expected 'default' with train.cuda_graphs, got 'reduce-overhead'",
         ),
         ({"profiler": {"active": 0}}, "profiler.active"),
+        ({"train": {"lr_schedule": {"warmup": 5}}}, "train.lr_schedule.warmup: unknown key"),
+        ({"train": {"lr_schedule": 5}}, "train.lr_schedule: expected a JSON object"),
+        (
+            {"train": {"lr_schedule": {"warmup_steps": -1}}},
+            r"train.lr_schedule.warmup_steps: expected an integer >= 0 \(0: no warm-up\), got -1",
+        ),
+        (
+            {"train": {"lr_schedule": {"warmup_steps": 2.5}}},
+            "train.lr_schedule.warmup_steps: expected an integer",
+        ),
+        (
+            {"train": {"lr_schedule": {"decay_steps": -3}}},
+            "train.lr_schedule.decay_steps: expected an integer >= 0",
+        ),
+        (
+            {"train": {"lr_schedule": {"decay_steps": 10}}},
+            "train.lr_schedule.decay_start_step: expected the step where the 10 decay steps start, got None",
+        ),
+        (
+            {"train": {"lr_schedule": {"warmup_steps": 100, "decay_start_step": 50, "decay_steps": 10}}},
+            r"train.lr_schedule.decay_start_step: expected an integer >= warmup_steps "
+            r"\(100\) or null, got 50",
+        ),
+        (
+            {"train": {"lr_schedule": {"decay_start_step": 50}}},
+            "train.lr_schedule.decay_steps: expected a positive integer with decay_start_step set, got 0",
+        ),
     ],
 )
 def test_bad_values_name_the_key(raw, message):
@@ -97,6 +124,14 @@ def test_load_config_names_the_file(tmp_path):
         load_config(broken)
     with pytest.raises(ValueError, match="not found"):
         load_config(tmp_path / "missing.json")
+
+
+def test_lr_schedule_defaults_to_constant_and_loads():
+    assert RunConfig().train.lr_schedule == LrScheduleConfig(0, None, 0)
+    raw = {"warmup_steps": 10, "decay_start_step": 30, "decay_steps": 20}
+    assert from_dict({"train": {"lr_schedule": raw}}).train.lr_schedule == LrScheduleConfig(10, 30, 20)
+    # The warm-up may end where the decay starts (MLPerf allows it too).
+    from_dict({"train": {"lr_schedule": {"warmup_steps": 10, "decay_start_step": 10, "decay_steps": 5}}})
 
 
 def test_loader_keys_default_and_load():

@@ -34,6 +34,11 @@ def _tables(rows: list[int], d: int, dtype=torch.float32, device=DEVICE, seed=0)
     return weights, offsets, torch.tensor(rows, device=device)
 
 
+def _lr(value: float, device=DEVICE) -> torch.Tensor:
+    """The learning rate as the kernels take it: a 0-d fp32 tensor on the tables' device."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
 def _ids(b: int, rows: list[int], seed: int = 1, device=DEVICE) -> torch.Tensor:
     """Raw ids [B, F]: -1 (missing), the table edges (rows - 2 and rows - 1 map to rows - 1 and 0), and
     random ids up to 3x the rows (wrapping), with repeats since B exceeds small tables."""
@@ -95,7 +100,7 @@ def test_update_matches_torch_optim(optimizer, d):
 
     w = weights.clone().requires_grad_()
     state = optimizer_state(w, optimizer)
-    embedding_lookup(w, state, offsets, r, ids, "modulus", optimizer, 0.1).backward(grad)
+    embedding_lookup(w, state, offsets, r, ids, "modulus", optimizer, _lr(0.1)).backward(grad)
     assert w.grad is None  # the update happened in backward; no gradient is left behind
     torch.testing.assert_close(w.detach(), expected_w, rtol=1e-5, atol=1e-6)
     if expected_state is not None:
@@ -118,7 +123,9 @@ def test_bf16_output_from_fp32_tables(optimizer):
 
     w = weights.clone().requires_grad_()
     state = optimizer_state(w, optimizer)
-    out = embedding_lookup(w, state, offsets, r, ids, "modulus", optimizer, 0.1, out_dtype=torch.bfloat16)
+    out = embedding_lookup(
+        w, state, offsets, r, ids, "modulus", optimizer, _lr(0.1), out_dtype=torch.bfloat16
+    )
     assert out.dtype == torch.bfloat16
     expected_out = embedding_lookup_ref(weights, offsets, r, ids, "modulus")[0]
     # The interpreter rounds fp32 -> bf16 its own way (truncation); the GPU rounds to nearest.
@@ -138,8 +145,8 @@ def test_rowwise_adagrad_matches_its_formula(d):
     g = torch.Generator().manual_seed(5)
     for _ in range(2):  # the second step reads the first step's state
         grad = torch.randn(31, len(rows), d, generator=g).to(DEVICE)
-        embedding_lookup(w, state, offsets, r, ids, "modulus", "rowwise_adagrad", 0.05).backward(grad)
-        embedding_update_ref(expected_w, expected_state, index, grad, "rowwise_adagrad", 0.05, 1e-10)
+        embedding_lookup(w, state, offsets, r, ids, "modulus", "rowwise_adagrad", _lr(0.05)).backward(grad)
+        embedding_update_ref(expected_w, expected_state, index, grad, "rowwise_adagrad", _lr(0.05), 1e-10)
     torch.testing.assert_close(w.detach(), expected_w, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-6)
     assert state.shape == (sum(rows),) and bool((state[index.flatten()] > 0).all())
@@ -148,7 +155,9 @@ def test_rowwise_adagrad_matches_its_formula(d):
 def test_update_ref_sums_repeated_rows_before_adagrad():
     """Adagrad is not additive: two lookups of one row must count as one gradient (g1 + g2)."""
     w, state = torch.zeros(2, 1), torch.zeros(2, 1)
-    embedding_update_ref(w, state, torch.tensor([1, 1]), torch.tensor([[1.0], [2.0]]), "adagrad", 1.0, 0.0)
+    embedding_update_ref(
+        w, state, torch.tensor([1, 1]), torch.tensor([[1.0], [2.0]]), "adagrad", _lr(1.0, "cpu"), 0.0
+    )
     assert state[1].item() == 9.0 and w[1].item() == pytest.approx(-1.0)
 
 
@@ -163,9 +172,74 @@ def test_errors_name_the_problem():
         optimizer_state(weights, "adam")
     with pytest.raises(ValueError, match="adagrad state must be"):
         embedding_update(weights, torch.zeros(7), torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2, 4),
-                         "adagrad", 0.1, 1e-10)  # fmt: skip
+                         "adagrad", _lr(0.1), 1e-10)  # fmt: skip
     with pytest.raises(ValueError, match="weights dtype"):
         embedding_lookup(weights.double(), state, offsets, r, _ids(2, [3, 4]))
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_update_reads_the_lr_tensor(optimizer):
+    """The kernels load lr from its tensor: the value written into that one tensor between steps (as a
+    schedule does, before each CUDA graph replay) is the one applied; lr 0 leaves the weights as they
+    were, and the update is linear in lr (same gradient, same state)."""
+    rows = [1, 7, 3, 130, 2]
+    weights, offsets, r = _tables(rows, 8)
+    ids = _ids(40, rows)
+    grad = torch.randn(40, len(rows), 8, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    lr, deltas = _lr(0.5), {}
+    for value in (0.0, 0.1, 0.3):
+        lr.fill_(value)  # the same tensor each time, written in place
+        w, state = weights.clone().requires_grad_(), optimizer_state(weights, optimizer)
+        embedding_lookup(w, state, offsets, r, ids, "modulus", optimizer, lr).backward(grad)
+        deltas[value] = w.detach() - weights
+    assert torch.equal(deltas[0.0], torch.zeros_like(weights))
+    assert deltas[0.1].abs().max() > 0
+    torch.testing.assert_close(deltas[0.3], 3 * deltas[0.1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_update_op_with_tensor_lr_matches_the_reference(optimizer, shape):
+    """torch.ops.dlrm.embedding_update takes the lr as a tensor ([] or [1]) and equals the reference."""
+    rows = [3, 50, 1]
+    weights, offsets, r = _tables(rows, 16)
+    ids = _ids(31, rows)
+    index = (ids + 1) % r + offsets
+    grad = torch.randn(31, len(rows), 16, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    lr = torch.full(shape, 0.07, device=DEVICE)
+    w, state = weights.clone(), optimizer_state(weights, optimizer)
+    expected_w, expected_state = weights.clone(), optimizer_state(weights, optimizer)
+    torch.ops.dlrm.embedding_update(w, state, index, grad, optimizer, lr, 1e-10)
+    embedding_update_ref(expected_w, expected_state, index, grad, optimizer, lr, 1e-10)
+    torch.testing.assert_close(w, expected_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-6)
+    # The fake (meta) registrations take the tensor lr too, so torch.compile can trace the ops.
+    torch.library.opcheck(
+        torch.ops.dlrm.embedding_update,
+        (weights.clone(), optimizer_state(weights, optimizer), index, grad, optimizer, lr, 1e-10),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+    state = optimizer_state(weights, optimizer)
+    args = (weights.clone(), state, offsets, r, ids, "modulus", optimizer, lr, 1e-10, torch.float32)
+    torch.library.opcheck(
+        torch.ops.dlrm.embedding_lookup, args, test_utils=("test_schema", "test_faketensor")
+    )
+
+
+def test_lr_must_be_a_one_element_fp32_tensor():
+    rows = [3, 4]
+    weights, offsets, r = _tables(rows, 4)
+    w, state, ids = weights.clone().requires_grad_(), optimizer_state(weights, "sgd"), _ids(2, rows)
+    for bad, got in ((0.1, "got 0.1"), (_lr(0.1).double(), "torch.float64"), (torch.ones(2), r"\[2\]")):
+        with pytest.raises(ValueError, match=f"lr must be a one-element fp32 tensor on .*{got}"):
+            embedding_lookup(w, state, offsets, r, ids, "modulus", "sgd", bad)
+    with pytest.raises(ValueError, match="lr is required when backward updates the weights"):
+        embedding_lookup(w, state, offsets, r, ids)
+    with torch.no_grad():  # lookups only: no lr needed
+        assert torch.equal(
+            embedding_lookup(w, state, offsets, r, ids),
+            embedding_lookup_ref(weights, offsets, r, ids, "modulus")[0],
+        )
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -183,12 +257,12 @@ def test_kaggle_cardinalities_on_gpu(d, optimizer):
     out_ref, index = embedding_lookup_ref(weights, offsets, r, ids, "modulus")
     w = weights.clone().requires_grad_()
     state = optimizer_state(w, optimizer)
-    out = embedding_lookup(w, state, offsets, r, ids, "modulus", optimizer, 0.01)
+    out = embedding_lookup(w, state, offsets, r, ids, "modulus", optimizer, _lr(0.01))
     assert torch.equal(out, out_ref)
     grad = torch.randn(out.shape, device="cuda", generator=g)
     out.backward(grad)
     expected_state = optimizer_state(weights, optimizer)
-    embedding_update_ref(weights, expected_state, index, grad, optimizer, 0.01, 1e-10)
+    embedding_update_ref(weights, expected_state, index, grad, optimizer, _lr(0.01), 1e-10)
     touched = index.flatten().unique()
     # Skewed ids repeat hot rows thousands of times: both sides sum those gradients with fp32 atomics in
     # different orders (seen 8.8e-6 in a weight, 4.9e-5 relative). Adagrad's state squares such sums, and
@@ -208,12 +282,12 @@ def test_bf16_weights_on_gpu(optimizer):
     ids = _ids(300, rows, device="cuda")
     w = weights.clone().requires_grad_()
     state = optimizer_state(w, optimizer)
-    out = embedding_lookup(w, state, offsets, r, ids, "modulus", optimizer, 0.1)
+    out = embedding_lookup(w, state, offsets, r, ids, "modulus", optimizer, _lr(0.1))
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, embedding_lookup_ref(weights, offsets, r, ids, "modulus")[0])
     grad = torch.randn(out.shape, device="cuda").to(torch.bfloat16)  # what autograd hands a bf16 output
     out.backward(grad)
     expected_state = optimizer_state(weights, optimizer)
-    embedding_update_ref(weights, expected_state, (ids + 1) % r + offsets, grad, optimizer, 0.1, 1e-10)
+    embedding_update_ref(weights, expected_state, (ids + 1) % r + offsets, grad, optimizer, _lr(0.1), 1e-10)
     # Both sides round the fp32 update once to bf16 (only the fp32 summation order differs): <= 1 ulp.
     torch.testing.assert_close(w.detach(), weights, rtol=1.6e-2, atol=1e-5)

@@ -4,10 +4,11 @@ one. GPU only (CUDA graphs need CUDA); the config checks run everywhere."""
 import pytest
 import torch
 
-from dlrm.config import ModelConfig, RunConfig, TrainConfig, validate
+from dlrm.config import LrScheduleConfig, ModelConfig, RunConfig, TrainConfig, validate
 from dlrm.data.dataset import Batch
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.graphs import GraphedTrainStep
+from dlrm.lr_schedule import LearningRates
 from dlrm.model import DLRM
 from dlrm.step import make_optimizer, train_step
 
@@ -56,3 +57,41 @@ def test_graphed_steps_match_plain_steps(compiled):
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-6)
     for key, value in runs[False][1].items():
         torch.testing.assert_close(runs[True][1][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.gpu
+def test_graph_replays_follow_the_lr_schedule():
+    """A schedule that changes the rates at every step (warm-up, decay to 0) trains the same replayed as
+    plain: the replays read the lr tensors written before each of them; the last steps (factor 0) leave
+    the weights unchanged."""
+    schedule = LrScheduleConfig(warmup_steps=4, decay_start_step=5, decay_steps=4)
+    cfg = RunConfig(model=SMALL, train=TrainConfig(use_triton=True, lr=0.1, lr_schedule=schedule))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    batches = [
+        Batch(
+            torch.rand(64, NUM_DENSE, device="cuda", generator=g),
+            torch.randint(-1, 1000, (64, NUM_SPARSE), device="cuda", generator=g),
+            (torch.rand(64, device="cuda", generator=g) < 0.3).float(),
+        )
+        for _ in range(11)
+    ]
+    runs = {}
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        model = DLRM(
+            SMALL, table_rows=[37] * NUM_SPARSE, mlp_kernel="linear_act", sparse_kernel="triton"
+        ).cuda()
+        optimizer = make_optimizer(model, cfg)
+        lrs = LearningRates(cfg.train, optimizer, model.sparse_arch)
+        step = GraphedTrainStep(model, optimizer, train_step) if graphed else train_step
+        states = []
+        for k, batch in enumerate(batches, start=1):
+            lrs.set(k)
+            step(model, optimizer, batch)
+            states.append({key: v.clone() for key, v in model.state_dict().items()})
+        runs[graphed] = states
+        if graphed:
+            assert step.graph is not None
+    for key, value in runs[False][-1].items():
+        torch.testing.assert_close(runs[True][-1][key], value, rtol=1e-5, atol=1e-6, msg=key)
+        assert torch.equal(runs[True][-1][key], runs[True][8][key]), key  # steps 10 and 11: factor 0

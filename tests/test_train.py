@@ -69,7 +69,7 @@ def test_tiny_run_writes_events_trace_checkpoints_and_metrics(criteo_sample, tmp
         assert stage in trace_names, stage
     events = EventAccumulator(str(run))
     events.Reload()
-    for tag in ("train/loss", "eval/auc", "eval/logloss", "perf/samples_per_s", "lr"):
+    for tag in ("train/loss", "eval/auc", "eval/logloss", "perf/samples_per_s", "train/lr"):
         assert tag in events.Tags()["scalars"], tag
     state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
     assert state["step"] == 8 and "optimizer" in state

@@ -116,7 +116,9 @@ class SparseArch(nn.Module):
             offsets = torch.tensor([0, *self.table_rows[:-1]]).cumsum(0)
             self.register_buffer("offsets", offsets, persistent=False)
             self.register_buffer("optimizer_state", torch.zeros(0), persistent=False)
-            self.optimizer: tuple[str, float, float] | None = None  # set by configure_optimizer
+            # The update's learning rate, a 0-d fp32 tensor the kernel reads (a schedule writes it in place).
+            self.register_buffer("lr", torch.zeros(()), persistent=False)
+            self.optimizer: tuple[str, float] | None = None  # (optimizer, eps), set by configure_optimizer
             self.register_state_dict_post_hook(_split_tables)
             self.register_load_state_dict_pre_hook(_join_tables)
         for table in tables:
@@ -125,8 +127,9 @@ class SparseArch(nn.Module):
 
     def configure_optimizer(self, optimizer: str, lr: float, eps: float = 1e-10) -> None:
         """For kernel "triton": the update its backward applies, "sgd" or "adagrad" (torch.optim's
-        semantics) or "rowwise_adagrad"; allocates the optimizer state next to the weights (call it after
-        moving the module to its device).
+        semantics) or "rowwise_adagrad"; allocates the optimizer state and `lr` (a 0-d fp32 tensor holding
+        `lr`, which a schedule may overwrite in place) next to the weights (call it after moving the module
+        to its device).
 
         Raises:
             ValueError: kernel "torch" (its tables take a torch optimizer), or an unknown optimizer.
@@ -138,7 +141,8 @@ class SparseArch(nn.Module):
         from kernels.embedding import optimizer_state
 
         self.optimizer_state = optimizer_state(self.weights.detach(), optimizer)
-        self.optimizer = (optimizer, lr, eps)
+        self.lr = torch.full((), lr, dtype=torch.float32, device=self.weights.device)
+        self.optimizer = (optimizer, eps)
 
     def hash_ids(self, sparse: torch.Tensor) -> torch.Tensor:
         """Raw ids [B, F] int64 -> row indices [B, F] int64 within each table."""
@@ -167,7 +171,7 @@ class SparseArch(nn.Module):
                     "SparseArch(kernel='triton') updates its tables in backward: call configure_optimizer "
                     "before training (or look up under torch.no_grad())"
                 )
-            optimizer, lr, eps = self.optimizer or ("sgd", 0.0, 0.0)  # lookups only: nothing is updated
+            optimizer, eps = self.optimizer or ("sgd", 0.0)  # lookups only: lr 0, nothing is updated
             state, offsets = self.optimizer_state, self.offsets
             # Under bf16 autocast the interaction takes bf16: the kernel writes it directly, saving a cast
             # pass over [B, F, D] forward and one back to fp32 in backward.
@@ -176,7 +180,7 @@ class SparseArch(nn.Module):
             # Frozen tables: no backward, whose kernel would update them.
             with torch.no_grad() if self.frozen else contextlib.nullcontext():
                 return embedding_lookup(
-                    self.weights, state, offsets, self.rows, ids, hashing, optimizer, lr, eps, out_dtype=dtype
+                    self.weights, state, offsets, self.rows, ids, hashing, optimizer, self.lr, eps, dtype
                 )
         rows = self.hash_ids(sparse)
         return torch.stack([table(rows[:, f]) for f, table in enumerate(self.embeddings)], dim=1)

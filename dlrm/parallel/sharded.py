@@ -129,7 +129,8 @@ class ShardedSparseArch(nn.Module):
         send_tables = [s.table for q in range(self.world_size) for s in plan.shards_of(q)]
         self.register_buffer("send_tables", as_tensor(send_tables), persistent=False)
         self.register_buffer("optimizer_state", torch.zeros(0, device=device), persistent=False)
-        self.optimizer: tuple[str, float, float] | None = None
+        self.register_buffer("lr", torch.zeros((), device=device), persistent=False)
+        self.optimizer: tuple[str, float] | None = None  # (optimizer, eps)
         self._destination_cache: dict[int, Tensor] = {}
 
     def configure_optimizer(self, optimizer: str, lr: float, eps: float = 1e-10) -> None:
@@ -195,12 +196,12 @@ class ShardedSparseArch(nn.Module):
                 raise ValueError(
                     "ShardedSparseArch(kernel='triton'): call configure_optimizer before training"
                 )
-            optimizer, lr, eps = self.optimizer or ("sgd", 0.0, 0.0)
+            optimizer, eps = self.optimizer or ("sgd", 0.0)
             device = ids.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
             pooled = embedding_lookup(
                 self.weights, self.optimizer_state, self.offsets, self.shard_rows, local, "index",
-                optimizer, lr, eps, out_dtype=dtype,
+                optimizer, self.lr, eps, out_dtype=dtype,
             )  # fmt: skip
         else:
             pooled = F.embedding(local + self.offsets, self.weights, sparse=True)

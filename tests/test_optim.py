@@ -1,0 +1,97 @@
+"""Tests for dlrm/optim.py: the dense SGD whose lr is scaled by a device tensor, read without a host sync."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dlrm.optim import SGD
+
+
+class AtenOps(TorchDispatchMode):
+    """Records the aten ops that run inside it. A device value read by the host (`.item()`, a tensor
+    passed where a Python number is expected) shows up as aten._local_scalar_dense: a host sync on CUDA,
+    and an error inside a CUDA graph capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def host_reads(self) -> list[str]:
+        return [op for op in self.ops if "_local_scalar_dense" in op]
+
+
+def _params(seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Dense parameters with gradients (shapes with 1 and primes) and a table with a sparse gradient."""
+    g = torch.Generator().manual_seed(seed)
+    dense = [torch.randn(shape, generator=g).requires_grad_() for shape in ((1,), (3, 7), (127, 5))]
+    for p in dense:
+        p.grad = torch.randn(p.shape, generator=g)
+    table = torch.randn(11, 4, generator=g).requires_grad_()
+    rows = torch.tensor([[0, 3, 3, 10]])
+    table.grad = torch.sparse_coo_tensor(rows, torch.randn(4, 4, generator=g), (11, 4))
+    return dense, table
+
+
+def _groups(dense, table, weight_decay: float) -> list[dict]:
+    return [
+        {"params": dense, "lr": 0.1, "weight_decay": weight_decay},
+        {"params": [table], "lr": 0.03, "weight_decay": 0.0},
+    ]
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_scale_one_is_torch_sgd_exactly(weight_decay):
+    ours, theirs = _params(), _params()
+    SGD(_groups(*ours, weight_decay), lr=0.1).step()
+    torch.optim.SGD(_groups(*theirs, weight_decay), lr=0.1).step()
+    for a, b in zip([*ours[0], ours[1]], [*theirs[0], theirs[1]], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_the_step_reads_lr_scale_in_place(weight_decay):
+    """One optimizer, its lr_scale written in place between steps: 0 leaves every weight as it was,
+    0.25 moves them a quarter of what 1 does (dense and sparse)."""
+    dense, table = _params()
+    optimizer = SGD(_groups(dense, table, weight_decay), lr=0.1)
+    start = [p.detach().clone() for p in (*dense, table)]
+    deltas = {}
+    for scale in (0.0, 0.25, 1.0):
+        with torch.no_grad():
+            for p, s in zip((*dense, table), start, strict=True):
+                p.copy_(s)
+        optimizer.lr_scale.fill_(scale)
+        before = [p.detach().clone() for p in (*dense, table)]
+        optimizer.step()
+        deltas[scale] = [p.detach() - b for p, b in zip((*dense, table), before, strict=True)]
+    for d0, d25, d1 in zip(deltas[0.0], deltas[0.25], deltas[1.0], strict=True):
+        assert torch.equal(d0, torch.zeros_like(d0))
+        assert d1.abs().max() > 0
+        torch.testing.assert_close(d25, 0.25 * d1, rtol=1e-5, atol=1e-7)
+
+
+def test_no_host_read_in_the_step():
+    """The step never reads a device value on the host; torch.optim.SGD given a Tensor lr does (its
+    foreach path passes the lr as `alpha`), which is why dlrm.optim.SGD exists."""
+    dense, table = _params()
+    optimizer = SGD([{"params": dense, "lr": 0.1, "weight_decay": 0.01}], lr=0.1)
+    optimizer.lr_scale.fill_(0.5)
+    with AtenOps() as ours:
+        optimizer.step()
+    assert "aten._foreach_mul.Tensor" in ours.ops and not ours.host_reads
+    torch_sgd = torch.optim.SGD(dense, lr=torch.tensor(0.05))
+    with AtenOps() as theirs:
+        torch_sgd.step()
+    assert theirs.host_reads  # the detector sees the sync this module avoids
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+    with pytest.raises(ValueError, match="weight_decay must be >= 0"):
+        SGD([torch.zeros(1, requires_grad=True)], lr=0.1, weight_decay=-1.0)
