@@ -2,16 +2,20 @@
 dense-layer gradients and the table updates, on every backend (eager, torch.compile, our Triton kernels in
 the interpreter), and inside a DLRM."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from dlrm.config import ModelConfig, RunConfig, TrainConfig
+from dlrm import train as train_cli
+from dlrm.config import ModelConfig, RunConfig, TrainConfig, load_config, replace
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model import DLRM, model_from_checkpoint
 from dlrm.model.first_order import FirstOrder
 from dlrm.model.tables import build_vocabularies
 from dlrm.step import compile_dense_part, make_optimizer
+from tests.conftest import REPO
 
 SMALL = ModelConfig(embedding_dim=4, bottom_mlp=(8, 4), top_mlp=(8, 1), max_rows=50)
 # 1 (a table of one row), primes, and a table larger than the batch's ids reach.
@@ -138,3 +142,31 @@ def test_first_order_terms_stay_fp32_under_bf16_autocast():
     with torch.autocast("cpu", torch.bfloat16):
         assert model.first_order(dense, sparse).dtype == torch.float32
         assert model(dense, sparse).dtype == torch.float32
+
+
+def test_triton_adagrad_resume_restores_the_first_order_state(criteo_sample, tmp_path):
+    """The first-order tables' fused Adagrad sums are checkpointed beside the embedding tables' and restored:
+    2 + 2 resumed steps end at the weights of 4 uninterrupted ones."""
+    cfg = load_config(REPO / "configs" / "tiny.json")
+    cfg = dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, path=str(criteo_sample)),
+        profiler=dataclasses.replace(cfg.profiler, enabled=False),
+    )
+    cfg = replace(cfg, "model", first_order=True)
+
+    def run(name: str, steps: int, resume=None) -> dict:
+        train_cfg = replace(cfg, "train", optimizer="adagrad", lr=0.05, use_triton=True, max_steps=steps)
+        train_cli.train(train_cfg, tmp_path / name, resume=resume)
+        return torch.load(tmp_path / name / "checkpoints" / "last.pt", weights_only=True)
+
+    whole = run("whole", 4)
+    run("half", 2)
+    resumed = run("resumed", 4, resume=tmp_path / "half" / "checkpoints" / "last.pt")
+    sums = whole["first_order_optimizer_state"]
+    assert sums.shape == (sum(whole["table_rows"]), 1) and 0 < int((sums > 0).sum()) < sums.shape[0]
+    assert whole["embedding_optimizer_state"].shape == (sum(whole["table_rows"]), 8)
+    torch.testing.assert_close(resumed["first_order_optimizer_state"], sums, rtol=1e-6, atol=1e-7)
+    for key, value in whole["model"].items():
+        torch.testing.assert_close(resumed["model"][key], value, rtol=1e-6, atol=1e-7, msg=key)
+    assert torch.count_nonzero(whole["model"]["first_order.tables.embeddings.0.weight"]) > 0  # they trained
