@@ -87,7 +87,7 @@ class ModelConfig:
     `top_mlp`, `interaction`, `mlp_block`, `gate`, `attention` and `lora`, must keep their defaults).
     `first_order`: add those first-order ("wide") terms to the DLRM logit (dlrm.model.first_order); they
     start at zero, so the model starts as the plain DLRM. A "logistic" model is those terms alone, with or
-    without the key.
+    without the key. Neither runs on many ranks yet (dlrm.parallel.run.check_world refuses them).
     `bottom_mlp` and `top_mlp` list layer widths without the input width: the bottom MLP reads the 13 dense
     features, the top MLP reads the interaction output. The bottom MLP's last width must equal
     `embedding_dim` and the top MLP's last width must be 1 (the logit).
@@ -101,6 +101,8 @@ class ModelConfig:
     `interaction`: "dot" (FB-DLRM's pairwise dot products), "cat" (concatenation) or "attention"
     (AutoInt-style self-attention over the feature vectors, shaped by `attention`: {heads, layers, dim};
     missing categorical values are masked out as keys). See dlrm.model.dlrm.InteractionArch.
+    `embedding_dim`: D, the columns of every embedding table. `lora`: low-rank adapters on the MLP layers
+    (LoraConfig; `python -m dlrm.finetune`).
     """
 
     arch: str = "dlrm"
