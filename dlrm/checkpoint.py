@@ -2,7 +2,8 @@
 
 With `--use-triton` the embedding tables are updated inside their kernel's backward, not by the torch
 optimizer, so their optimizer state (Adagrad's accumulators; empty for SGD) is saved apart, as
-`embedding_optimizer_state`; None otherwise.
+`embedding_optimizer_state`; None otherwise. A DLRM with `model.first_order` keeps its first-order tables'
+state beside it the same way, as `first_order_optimizer_state`.
 
 With `data.loader` "streaming" or "binary" a checkpoint also holds `loader`: the train loader's position
 (the `state_dict()` of StreamingLoader or BinaryLoader: epoch, batches consumed, and the settings a resume

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 DEVICES = ("auto", "cpu", "cuda")
+ARCHS = ("dlrm", "logistic")
 HASHINGS = ("modulus", "vocab")
 LOADERS = ("memory", "gpu_resident", "streaming", "binary")
 INTERACTIONS = ("dot", "cat", "attention")
@@ -78,8 +79,15 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """DLRM architecture (FB-DLRM Kaggle defaults).
+    """The model: DLRM (FB-DLRM Kaggle defaults) or its baseline floor, hashed logistic regression.
 
+    `arch`: "dlrm" (dlrm.model.dlrm.DLRM) or "logistic" (dlrm.model.logistic: logit = bias + a linear layer
+    over the dense features + one weight per table row of each sparse feature, on the same tables and
+    hashing; no embeddings, MLPs or interaction, so the keys that shape those, `embedding_dim`, `bottom_mlp`,
+    `top_mlp`, `interaction`, `mlp_block`, `gate`, `attention` and `lora`, must keep their defaults).
+    `first_order`: add those first-order ("wide") terms to the DLRM logit (dlrm.model.first_order); they
+    start at zero, so the model starts as the plain DLRM. A "logistic" model is those terms alone, with or
+    without the key. Neither runs on many ranks yet (dlrm.parallel.run.check_world refuses them).
     `bottom_mlp` and `top_mlp` list layer widths without the input width: the bottom MLP reads the 13 dense
     features, the top MLP reads the interaction output. The bottom MLP's last width must equal
     `embedding_dim` and the top MLP's last width must be 1 (the logit).
@@ -93,8 +101,12 @@ class ModelConfig:
     `interaction`: "dot" (FB-DLRM's pairwise dot products), "cat" (concatenation) or "attention"
     (AutoInt-style self-attention over the feature vectors, shaped by `attention`: {heads, layers, dim};
     missing categorical values are masked out as keys). See dlrm.model.dlrm.InteractionArch.
+    `embedding_dim`: D, the columns of every embedding table. `lora`: low-rank adapters on the MLP layers
+    (LoraConfig; `python -m dlrm.finetune`).
     """
 
+    arch: str = "dlrm"
+    first_order: bool = False
     embedding_dim: int = 16
     bottom_mlp: tuple[int, ...] = (512, 256, 64, 16)
     top_mlp: tuple[int, ...] = (512, 256, 1)
@@ -297,6 +309,39 @@ def _require(ok: bool, key: str, expected: str, value: Any) -> None:
         raise ValueError(f"{key}: expected {expected}, got {value!r}")
 
 
+# What shapes DLRM's embeddings, MLPs and interaction, none of which a "logistic" model has.
+_DLRM_ONLY = (
+    "embedding_dim",
+    "bottom_mlp",
+    "top_mlp",
+    "interaction",
+    "mlp_block",
+    "gate",
+    "attention",
+    "lora",
+)
+
+
+def _check_logistic(cfg: RunConfig) -> None:
+    """model.arch "logistic": the DLRM-only keys keep their defaults (a value set there would be silently
+    unused). Raises ValueError naming the first key that does not."""
+    pairs = [(f"model.{k}", getattr(ModelConfig(), k), getattr(cfg.model, k)) for k in _DLRM_ONLY]
+    for key, default, value in pairs:
+        if dataclasses.is_dataclass(value):  # model.attention, model.lora: their fields join the loop
+            pairs += [
+                (f"{key}.{f.name}", getattr(default, f.name), getattr(value, f.name)) for f in fields(value)
+            ]
+            continue
+        expected = f"its default {default!r} with model.arch 'logistic' (no embeddings, MLPs or interaction)"
+        _require(value == default, key, expected, value)
+    kernel = cfg.train.triton_mlp_kernel
+    expected = f"its default {TrainConfig.triton_mlp_kernel!r} with model.arch 'logistic' (no MLPs)"
+    _require(kernel == TrainConfig.triton_mlp_kernel, "train.triton_mlp_kernel", expected, kernel)
+    # The first-order terms run outside autocast (dlrm.model.first_order): bf16 would change nothing.
+    expected = "'fp32' or 'tf32' with model.arch 'logistic' (its terms are computed in fp32)"
+    _require(cfg.train.precision != "bf16", "train.precision", expected, cfg.train.precision)
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Check values that types alone do not; return `cfg`. Raises ValueError naming the key."""
     d, m, t, p = cfg.data, cfg.model, cfg.train, cfg.profiler
@@ -306,6 +351,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _require(d.loader in LOADERS, "data.loader", f"one of {LOADERS}", d.loader)
     _require(d.shuffle_buffer >= 0, "data.shuffle_buffer", "an integer >= 0 (rows)", d.shuffle_buffer)
     _require(d.prefetch >= 0, "data.prefetch", "an integer >= 0 (batches)", d.prefetch)
+    _require(m.arch in ARCHS, "model.arch", f"one of {ARCHS}", m.arch)
+    if m.arch == "logistic":  # first: its own message before the DLRM-only keys' checks
+        _check_logistic(cfg)
     _require(m.embedding_dim > 0, "model.embedding_dim", "a positive integer", m.embedding_dim)
     for key, widths in (("model.bottom_mlp", m.bottom_mlp), ("model.top_mlp", m.top_mlp)):
         _require(

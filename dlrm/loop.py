@@ -43,7 +43,7 @@ from dlrm.data.schema import NUM_SPARSE
 from dlrm.errors import Interrupted, NonFiniteLoss, RunStopped
 from dlrm.lr_schedule import LearningRates
 from dlrm.metrics import evaluate
-from dlrm.model import DLRM, build_model
+from dlrm.model import DLRM, Model, build_model
 from dlrm.out_of_memory import out_of_memory
 from dlrm.parallel import checkpoint as sharded_checkpoint
 from dlrm.parallel import run as ranks
@@ -130,7 +130,7 @@ class Run:
 
     cfg: RunConfig
     device: torch.device
-    model: DLRM
+    model: Model
     optimizer: torch.optim.Optimizer
     step_fn: StepFn
     train_loader: TrainLoader
@@ -291,7 +291,7 @@ def set_up(
     else:
         model = build_model(cfg.model, metadata, train_ids, **kernels).to(device)
     optimizer = make_optimizer(model, cfg)
-    lrs = LearningRates(t, optimizer, model.sparse_arch)  # the base rates: make_optimizer's, the config's
+    lrs = LearningRates(t, optimizer, model.table_archs())  # the base rates: make_optimizer's, the config's
     state = RunState()
     checkpoint = load_resumable(resume, cfg, model, optimizer, dist) if resume is not None else {}
     for key, value in checkpoint.items():
@@ -386,7 +386,7 @@ def check_rows(data_dir: Path, metadata: dict, split: str, rows: int) -> None:
 def load_resumable(
     path: Path,
     cfg: RunConfig,
-    model: DLRM,
+    model: Model,
     optimizer: torch.optim.Optimizer,
     dist: parallel.Dist = parallel.SINGLE,
 ) -> dict:
@@ -420,8 +420,9 @@ def load_resumable(
             )
         else:
             optimizer.load_state_dict(state["optimizer"])
-        if model.sparse_arch.kernel == "triton" and state.get("embedding_optimizer_state") is not None:
-            model.sparse_arch.optimizer_state.copy_(state["embedding_optimizer_state"])
+        for key, tensor in fused_optimizer_states(model).items():
+            if tensor is not None and state.get(key) is not None:
+                tensor.copy_(state[key])
     for group, values in zip(optimizer.param_groups, ours, strict=True):
         for key, value in values.items():
             if group[key] != value:
@@ -637,10 +638,20 @@ def save_last(run: Run, state: RunState, interval: Interval) -> None:
             (directory / f"step-{step}.pt").unlink(missing_ok=True)
 
 
-def weights_finite(model: DLRM) -> bool:
+def weights_finite(model: Model) -> bool:
     """Whether every parameter is finite (one sum per parameter, one host sync)."""
     sums = [p.detach().sum(dtype=torch.float32) for p in model.parameters()]
     return bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
+
+
+def fused_optimizer_states(model: Model) -> dict[str, torch.Tensor | None]:
+    """The optimizer state of the "triton" tables, which lives beside them, not in the torch optimizer (None
+    for kernel "torch"), by checkpoint key: "embedding_optimizer_state" for `model.sparse_arch` (a logistic
+    model's first-order tables), "first_order_optimizer_state" for a DLRM's first-order tables."""
+    archs = {"embedding_optimizer_state": model.sparse_arch}
+    if isinstance(model, DLRM) and model.first_order is not None:
+        archs["first_order_optimizer_state"] = model.first_order.tables
+    return {key: a.optimizer_state if a.kernel == "triton" else None for key, a in archs.items()}
 
 
 def save_run_checkpoint(run: Run, state: RunState, name: str) -> None:
@@ -665,8 +676,7 @@ def save_run_checkpoint(run: Run, state: RunState, name: str) -> None:
         config=run.cfg.to_dict(),
         table_rows=sparse_arch.table_rows,
         loader=loader.state_dict() if isinstance(loader, STATEFUL_LOADERS) else None,
-        # The "triton" tables' Adagrad state lives beside them, not in the torch optimizer.
-        embedding_optimizer_state=sparse_arch.optimizer_state if sparse_arch.kernel == "triton" else None,
+        **fused_optimizer_states(run.model),
         **state.checkpointed(),
     )
 

@@ -19,8 +19,8 @@ floors a decayed lr at 1e-7.
 The factor is a function of the step count alone, which checkpoints hold, so `--resume` goes on with the
 exact rates. `LearningRates.set` writes base * factor where the step reads it: device tensors written in
 place (`fill_`, a kernel on the current stream, ordered before the step or graph replay that follows) for
-the dense SGD (`dlrm.optim.SGD.lr_scale`) and the "triton" tables' fused update (`sparse_arch.lr`), and the
-float param-group lr of torch.optim.Adagrad, which is never captured in a graph.
+the dense SGD (`dlrm.optim.SGD.lr_scale`) and the "triton" tables' fused update (each table set's `lr`),
+and the float param-group lr of torch.optim.Adagrad, which is never captured in a graph.
 """
 
 import torch
@@ -50,12 +50,14 @@ class LearningRates:
             tables; null means `lr`).
         optimizer: the dense optimizer from dlrm.step.make_optimizer, as built (its groups' "lr" are the base
             rates): dlrm.optim.SGD or torch.optim.Adagrad.
-        sparse_arch: the model's SparseArch; with kernel "triton" its `lr` tensor is the tables' rate.
+        tables: the model's table sets (`model.table_archs()`: the embeddings, the first-order tables); with
+            kernel "triton" each one's `lr` tensor is its fused update's rate.
     `set(step)` writes only when the factor changes: never for the default constant schedule.
     """
 
-    def __init__(self, train: TrainConfig, optimizer: torch.optim.Optimizer, sparse_arch: torch.nn.Module):
-        self.schedule, self.optimizer, self.sparse_arch = train.lr_schedule, optimizer, sparse_arch
+    def __init__(self, train: TrainConfig, optimizer: torch.optim.Optimizer, tables: list[torch.nn.Module]):
+        self.schedule, self.optimizer = train.lr_schedule, optimizer
+        self.fused_tables = [arch for arch in tables if arch.kernel == "triton"]
         self.base_lr = train.lr
         self.base_embedding_lr = train.embedding_lr or train.lr
         self.group_lrs = [group["lr"] for group in optimizer.param_groups]
@@ -78,5 +80,5 @@ class LearningRates:
         else:
             for group, base in zip(self.optimizer.param_groups, self.group_lrs, strict=True):
                 group["lr"] = base * factor
-        if self.sparse_arch.kernel == "triton":
-            self.sparse_arch.lr.fill_(self.base_embedding_lr * factor)
+        for arch in self.fused_tables:
+            arch.lr.fill_(self.base_embedding_lr * factor)

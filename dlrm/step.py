@@ -22,10 +22,10 @@ from torch.profiler import record_function
 from dlrm.config import RunConfig
 from dlrm.data.dataset import Batch
 from dlrm.graphs import GraphedTrainStep
-from dlrm.model import DLRM
+from dlrm.model import Model
 from dlrm.optim import SGD
 
-StepFn = Callable[[DLRM, torch.optim.Optimizer, Batch], torch.Tensor]
+StepFn = Callable[[Model, torch.optim.Optimizer, Batch], torch.Tensor]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -57,18 +57,19 @@ def set_precision(precision: str) -> None:
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
 
 
-def make_optimizer(model: DLRM, cfg: RunConfig) -> torch.optim.Optimizer:
+def make_optimizer(model: Model, cfg: RunConfig) -> torch.optim.Optimizer:
     """SGD (dlrm.optim.SGD: torch.optim.SGD's update with its lr scaled by a device tensor, so a schedule
     reaches a CUDA-graphed step) or torch.optim.Adagrad, with two parameter groups: the MLPs (weight decay)
-    and the embedding tables (sparse gradients, `embedding_lr`, no weight decay: decaying every row each step
-    would make the update dense). With the "triton" sparse kernel the tables are not in the optimizer: the
-    same update (lr `embedding_lr`, held in the device tensor `model.sparse_arch.lr`, Adagrad's default eps)
-    is fused into the embedding kernel's backward."""
+    and the embedding tables, the first-order tables among them (sparse gradients, `embedding_lr`, no weight
+    decay: decaying every row each step would make the update dense). With the "triton" sparse kernel the
+    tables are not in the optimizer: the same update (lr `embedding_lr`, held in each table set's device
+    tensor `lr`, Adagrad's default eps) is fused into the embedding kernel's backward."""
     t = cfg.train
     embedding_lr = t.embedding_lr or t.lr
     groups = [{"params": model.dense_parameters(), "lr": t.lr, "weight_decay": t.weight_decay}]
     if model.sparse_arch.kernel == "triton":
-        model.sparse_arch.configure_optimizer(t.optimizer, embedding_lr)
+        for tables in model.table_archs():
+            tables.configure_optimizer(t.optimizer, embedding_lr)
     else:
         groups.append({"params": model.embedding_parameters(), "lr": embedding_lr, "weight_decay": 0.0})
     if t.optimizer == "sgd":
@@ -76,12 +77,13 @@ def make_optimizer(model: DLRM, cfg: RunConfig) -> torch.optim.Optimizer:
     return torch.optim.Adagrad(groups, lr=t.lr)
 
 
-def compile_dense_part(model: DLRM, mode: str = "default") -> None:
-    """Compile the MLPs and the interaction with Inductor, in place, in torch.compile's `mode` ("default"
-    or "reduce-overhead": CUDA graphs of the compiled part, one per batch size). The embedding lookups
-    stay eager: their sparse gradients do not compile. The batch dimension is dynamic from the start, so
+def compile_dense_part(model: Model, mode: str = "default") -> None:
+    """Compile the model's dense modules (the MLPs, the interaction, the first-order dense layer) with
+    Inductor, in place, in torch.compile's `mode` ("default" or "reduce-overhead": CUDA graphs of the
+    compiled part, one per batch size). The embedding lookups (first-order ones too) stay eager: their
+    sparse gradients do not compile. The batch dimension is dynamic from the start, so
     the last partial batch and the eval batch size do not trigger recompiles."""
-    for module in (model.dense_arch, model.interaction_arch, model.over_arch):
+    for module in model.dense_modules():
         module.compile(dynamic=True, mode=mode)
 
 
@@ -102,10 +104,10 @@ class _GradGate(torch.autograd.Function):
 class NonFiniteGuard:
     """Skips the update of a step whose loss is not finite (`train.on_nonfinite` "skip_batch"), on the device.
 
-    - Embedding tables: the gradient flowing into the embeddings is gated (a forward hook on the SparseArch
-      puts `_GradGate` after the lookup), so the "triton" kernel's fused SGD / Adagrad update in backward
-      and the eager tables' sparse update both add exact zeros: the rows and Adagrad accumulators keep
-      their values.
+    - Embedding tables: the gradient flowing into the embeddings is gated (a forward hook on each SparseArch,
+      the first-order tables' too, puts `_GradGate` after the lookup), so the "triton" kernel's fused SGD /
+      Adagrad update in backward and the eager tables' sparse update both add exact zeros: the rows and
+      Adagrad accumulators keep their values.
     - MLPs: their gradients are zeroed by torch.where before `optimizer.step()`; SGD and Adagrad then leave
       the weights as they were. With weight decay the decay term would still move them, so the weights and
       optimizer state of the dense parameters are also restored by torch.where after the step.
@@ -114,11 +116,12 @@ class NonFiniteGuard:
     `ok` is the last step's verdict, a 0-d bool device tensor.
     """
 
-    def __init__(self, model: DLRM, optimizer: torch.optim.Optimizer, device: torch.device):
+    def __init__(self, model: Model, optimizer: torch.optim.Optimizer, device: torch.device):
         self.model, self.optimizer = model, optimizer
         self.ok = torch.ones((), dtype=torch.bool, device=device)
         self.restore = any(group.get("weight_decay", 0.0) for group in optimizer.param_groups)
-        model.sparse_arch.register_forward_hook(self._gate)
+        for tables in model.table_archs():
+            tables.register_forward_hook(self._gate)
 
     def _gate(self, module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         return _GradGate.apply(output, self.ok) if torch.is_grad_enabled() else output
@@ -150,7 +153,7 @@ class NonFiniteGuard:
 
 
 def train_step(
-    model: DLRM,
+    model: Model,
     optimizer: torch.optim.Optimizer,
     batch: Batch,
     precision: str = "fp32",
@@ -189,7 +192,7 @@ def train_step(
 
 
 def build_step(
-    model: DLRM,
+    model: Model,
     optimizer: torch.optim.Optimizer,
     cfg: RunConfig,
     device: torch.device,

@@ -106,6 +106,23 @@ def test_main_config_is_the_fb_dlrm_kaggle_architecture():
             {"train": {"lr_schedule": {"decay_start_step": 50}}},
             "train.lr_schedule.decay_steps: expected a positive integer with decay_start_step set, got 0",
         ),
+        ({"model": {"arch": "wide"}}, r"model.arch: expected one of \('dlrm', 'logistic'\), got 'wide'"),
+        ({"model": {"first_order": "yes"}}, "model.first_order: expected true or false"),
+        (
+            {"model": {"arch": "logistic", "embedding_dim": 8}},
+            "model.embedding_dim: expected its default 16 with model.arch 'logistic'",
+        ),
+        ({"model": {"arch": "logistic", "interaction": "cat"}}, "model.interaction: expected its default"),
+        ({"model": {"arch": "logistic", "lora": {"rank": 4}}}, "model.lora.rank: expected its default 0"),
+        ({"model": {"arch": "logistic", "attention": {"heads": 4}}}, "model.attention.heads: expected its"),
+        (
+            {"model": {"arch": "logistic"}, "train": {"triton_mlp_kernel": "bias_act"}},
+            "train.triton_mlp_kernel: expected its default 'linear_act' with model.arch 'logistic'",
+        ),
+        (
+            {"model": {"arch": "logistic"}, "train": {"precision": "bf16"}},
+            "train.precision: expected 'fp32' or 'tf32' with model.arch 'logistic'",
+        ),
     ],
 )
 def test_bad_values_name_the_key(raw, message):

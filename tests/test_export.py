@@ -1,5 +1,6 @@
 """`python -m dlrm.export`: the ExportedProgram scores raw inputs like the model and loads without dlrm."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,8 +12,8 @@ from click.testing import CliRunner
 
 from dlrm import export as export_cli
 from dlrm.checkpoint import save_checkpoint
-from dlrm.config import load_config, replace
-from dlrm.model import DLRM
+from dlrm.config import ModelConfig, load_config, replace
+from dlrm.model import make_model
 from dlrm.predict import load_model
 from tests.conftest import REPO
 
@@ -34,14 +35,32 @@ LOAD_WITHOUT_DLRM = textwrap.dedent(
 )
 
 
-def _checkpoint(path, hashing: str):
-    cfg = replace(load_config(TINY), "model", hashing=hashing)
+# Checkpoints exported: name -> (hashing, model section changes).
+VARIANTS = {
+    "modulus": ("modulus", {}),
+    "vocab": ("vocab", {}),
+    "first_order": ("vocab", {"first_order": True}),
+    "logistic": ("modulus", {"arch": "logistic"}),
+}
+
+
+def _checkpoint(path, hashing: str, changes: dict):
+    cfg = load_config(TINY)
+    if changes.get("arch") == "logistic":  # none of tiny.json's MLP settings
+        cfg = dataclasses.replace(cfg, model=ModelConfig(hashing=hashing, **changes))
+    else:
+        cfg = replace(cfg, "model", hashing=hashing, **changes)
     torch.manual_seed(0)
     if hashing == "vocab":
         vocabularies = [torch.arange(-1, 40 + f, 3) for f in range(26)]
-        model = DLRM(cfg.model, vocabularies=vocabularies)
+        model = make_model(cfg.model, vocabularies=vocabularies)
     else:
-        model = DLRM(cfg.model, table_rows=TABLE_ROWS)
+        model = make_model(cfg.model, table_rows=TABLE_ROWS)
+    first_order = getattr(model, "first_order", None)
+    if first_order is not None:  # from their zero start, so that the program's check can fail
+        with torch.no_grad():
+            for p in first_order.parameters():
+                p.normal_()
     save_checkpoint(
         path, model=model.state_dict(), config=cfg.to_dict(), table_rows=model.sparse_arch.table_rows
     )
@@ -58,9 +77,9 @@ def _raw_inputs(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_exported_program_loads_without_dlrm_and_matches_the_model(tmp_path):
     names = []
-    for hashing in ("modulus", "vocab"):
-        checkpoint, name = tmp_path / f"{hashing}.pt", str(tmp_path / hashing)
-        _checkpoint(checkpoint, hashing)
+    for variant, (hashing, changes) in VARIANTS.items():
+        checkpoint, name = tmp_path / f"{variant}.pt", str(tmp_path / variant)
+        _checkpoint(checkpoint, hashing, changes)
         result = CliRunner().invoke(
             export_cli.main, ["--checkpoint", str(checkpoint), "--output", name + ".pt2"]
         )
@@ -71,14 +90,14 @@ def test_exported_program_loads_without_dlrm_and_matches_the_model(tmp_path):
     subprocess.run(
         [sys.executable, "-c", LOAD_WITHOUT_DLRM, *names], cwd=tmp_path, env=env, check=True, timeout=120
     )
-    for hashing, name in zip(("modulus", "vocab"), names, strict=True):
-        model = load_model(tmp_path / f"{hashing}.pt", torch.device("cpu"))
+    for variant, name in zip(VARIANTS, names, strict=True):
+        model = load_model(tmp_path / f"{variant}.pt", torch.device("cpu"))
         outputs = torch.load(name + ".outputs.pt")
         for (dense, sparse), got in zip(torch.load(name + ".inputs.pt"), outputs, strict=True):
             with torch.no_grad():
                 expected = torch.sigmoid(model(torch.log1p(dense.clamp_min(0)), sparse))
             assert got.shape == (len(dense),) and got.dtype == torch.float32
-            torch.testing.assert_close(got, expected, msg=hashing)
+            torch.testing.assert_close(got, expected, msg=variant)
     extra = {"dlrm.json": ""}
     torch.export.load(names[0] + ".pt2", extra_files=extra)
     info = json.loads(extra["dlrm.json"])

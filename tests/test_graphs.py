@@ -82,7 +82,7 @@ def test_graph_replays_follow_the_lr_schedule():
             SMALL, table_rows=[37] * NUM_SPARSE, mlp_kernel="linear_act", sparse_kernel="triton"
         ).cuda()
         optimizer = make_optimizer(model, cfg)
-        lrs = LearningRates(cfg.train, optimizer, model.sparse_arch)
+        lrs = LearningRates(cfg.train, optimizer, model.table_archs())
         step = GraphedTrainStep(model, optimizer, train_step) if graphed else train_step
         states = []
         for k, batch in enumerate(batches, start=1):

@@ -16,7 +16,7 @@ from dlrm.config import LrScheduleConfig, ModelConfig, RunConfig, TrainConfig, l
 from dlrm.data.dataset import Batch
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.lr_schedule import LearningRates, lr_factor
-from dlrm.model import DLRM
+from dlrm.model import DLRM, make_model
 from dlrm.step import make_optimizer, train_step
 from tests.conftest import REPO
 
@@ -78,7 +78,21 @@ def _model_and_optimizer(optimizer="sgd", sparse_kernel="triton", schedule=MLPER
     mlp_kernel = "linear_act" if sparse_kernel == "triton" else "torch"
     model = DLRM(SMALL, table_rows=[37] * NUM_SPARSE, mlp_kernel=mlp_kernel, sparse_kernel=sparse_kernel)
     optimizer = make_optimizer(model, cfg)
-    return model, optimizer, LearningRates(cfg.train, optimizer, model.sparse_arch)
+    return model, optimizer, LearningRates(cfg.train, optimizer, model.table_archs())
+
+
+@pytest.mark.parametrize("arch", ["dlrm", "logistic"])
+def test_every_fused_table_set_follows_the_schedule(arch):
+    """The first-order tables (model.first_order, model.arch logistic) have an lr tensor of their own."""
+    model_cfg = dataclasses.replace(SMALL, first_order=True) if arch == "dlrm" else ModelConfig(arch=arch)
+    cfg = RunConfig(model=model_cfg, train=TrainConfig(lr=0.1, embedding_lr=0.05, lr_schedule=MLPERF))
+    model = make_model(model_cfg, table_rows=[37] * NUM_SPARSE, sparse_kernel="triton")
+    optimizer = make_optimizer(model, cfg)
+    lrs = LearningRates(cfg.train, optimizer, model.table_archs())
+    lrs.set(2)
+    assert len(model.table_archs()) == (2 if arch == "dlrm" else 1)
+    for tables in model.table_archs():
+        assert tables.lr.item() == pytest.approx(0.05 * lr_factor(MLPERF, 2))
 
 
 def _batch(seed: int = 0, b: int = 16) -> Batch:
@@ -130,10 +144,10 @@ def test_set_writes_the_device_tensors_only_when_the_factor_changes():
     assert set(writes) == {"aten.fill_.Scalar"} and len(writes) == 2 * (W + N)
     assert optimizer.param_groups[0]["lr"] == 0.1  # the base rate stays what checkpoints save
     _, _, constant = _model_and_optimizer(schedule=LrScheduleConfig())
-    versions = (constant.optimizer.lr_scale._version, constant.sparse_arch.lr._version)
+    versions = (constant.optimizer.lr_scale._version, constant.fused_tables[0].lr._version)
     for k in range(1, 100):
         constant.set(k)
-    assert (constant.optimizer.lr_scale._version, constant.sparse_arch.lr._version) == versions
+    assert (constant.optimizer.lr_scale._version, constant.fused_tables[0].lr._version) == versions
 
 
 def test_adagrad_and_eager_tables_get_float_group_rates():

@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from dlrm import evaluate as evaluate_cli
 from dlrm import parallel
 from dlrm.checkpoint import load_checkpoint
-from dlrm.config import load_config, replace
+from dlrm.config import ModelConfig, load_config, replace
 from dlrm.data.dataset import BatchLoader, open_split
 from dlrm.loop import train
 from dlrm.model.dlrm import SparseArch
@@ -118,6 +118,11 @@ def test_world_checks_are_one_line_errors(criteo_sample):
     cfg = replace(_config(criteo_sample), "parallel", row_wise=False)
     with pytest.raises(ValueError, match="^parallel.row_wise: 30 ranks but 26 tables"):
         check_world(replace(cfg, "data", batch_size=30), 30)
+    with pytest.raises(ValueError, match="^model.first_order: not supported on many ranks yet"):
+        check_world(replace(_config(criteo_sample), "model", first_order=True), 2)
+    logistic = dataclasses.replace(_config(criteo_sample), model=ModelConfig(arch="logistic"))
+    with pytest.raises(ValueError, match="^model.arch: 'logistic' is not supported on many ranks yet"):
+        check_world(logistic, 2)
 
 
 def test_ranks_split_every_global_batch(criteo_sample):

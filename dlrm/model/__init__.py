@@ -1,4 +1,4 @@
-"""The DLRM model and its construction from a run config."""
+"""The model (`model.arch`: DLRM, or hashed logistic regression) and its construction from a run config."""
 
 from pathlib import Path
 
@@ -6,7 +6,25 @@ import torch
 
 from dlrm.config import ModelConfig
 from dlrm.model.dlrm import DLRM
+from dlrm.model.logistic import LogisticRegression
 from dlrm.model.tables import build_vocabularies, resolve_table_rows
+
+# What the training loop, checkpoints, prediction and export take: forward(dense, sparse) -> logit [B],
+# loss, dense_parameters, embedding_parameters, table_archs, dense_modules, sparse_arch.
+Model = DLRM | LogisticRegression
+
+
+def make_model(
+    cfg: ModelConfig,
+    table_rows: list[int] | None = None,
+    vocabularies: list[torch.Tensor] | None = None,
+    mlp_kernel: str = "torch",
+    sparse_kernel: str = "torch",
+) -> Model:
+    """`cfg.arch`'s model: DLRM, or LogisticRegression (which has no MLPs: `mlp_kernel` unused)."""
+    if cfg.arch == "logistic":
+        return LogisticRegression(table_rows, cfg.hashing, vocabularies, sparse_kernel)
+    return DLRM(cfg, table_rows, vocabularies, mlp_kernel, sparse_kernel)
 
 
 def build_model(
@@ -15,9 +33,10 @@ def build_model(
     train_sparse: torch.Tensor,
     mlp_kernel: str = "torch",
     sparse_kernel: str = "torch",
-) -> DLRM:
-    """A freshly initialized DLRM sized from the config and the training data; with `cfg.lora.base` (LoRA
-    fine-tuning) the base checkpoint's model instead, its table layout and weights, with fresh adapters.
+) -> Model:
+    """A freshly initialized model (`cfg.arch`) sized from the config and the training data; with
+    `cfg.lora.base` (LoRA fine-tuning) the base checkpoint's model instead, its table layout and weights, with
+    fresh adapters.
 
     Args:
         cfg: model section of the run config.
@@ -36,10 +55,9 @@ def build_model(
         base = load_checkpoint(Path(cfg.lora.base))
         return model_from_checkpoint(cfg, base["table_rows"], base["model"], adapters_missing=True, **kernels)
     if cfg.hashing == "vocab":
-        return DLRM(
-            cfg, vocabularies=build_vocabularies(train_sparse, cfg.max_rows, cfg.min_frequency), **kernels
-        )
-    return DLRM(cfg, table_rows=resolve_table_rows(cfg, metadata), **kernels)
+        vocabularies = build_vocabularies(train_sparse, cfg.max_rows, cfg.min_frequency)
+        return make_model(cfg, vocabularies=vocabularies, **kernels)
+    return make_model(cfg, table_rows=resolve_table_rows(cfg, metadata), **kernels)
 
 
 def model_from_checkpoint(
@@ -49,8 +67,8 @@ def model_from_checkpoint(
     mlp_kernel: str = "torch",
     sparse_kernel: str = "torch",
     adapters_missing: bool = False,
-) -> DLRM:
-    """Rebuild a DLRM with the table layout stored in a checkpoint and load its weights. With
+) -> Model:
+    """Rebuild a model (`cfg.arch`) with the table layout stored in a checkpoint and load its weights. With
     `adapters_missing` the state may lack the LoRA adapters (`lora_a`, `lora_b`: a base model's checkpoint),
     which keep their initialization.
 
@@ -60,9 +78,9 @@ def model_from_checkpoint(
     kernels = {"mlp_kernel": mlp_kernel, "sparse_kernel": sparse_kernel}
     if cfg.hashing == "vocab":
         placeholders = [torch.empty(rows - 1, dtype=torch.int64) for rows in table_rows]
-        model = DLRM(cfg, vocabularies=placeholders, **kernels)
+        model = make_model(cfg, vocabularies=placeholders, **kernels)
     else:
-        model = DLRM(cfg, table_rows=table_rows, **kernels)
+        model = make_model(cfg, table_rows=table_rows, **kernels)
     if not adapters_missing:
         model.load_state_dict(state)
         return model
@@ -78,4 +96,4 @@ def model_from_checkpoint(
     return model
 
 
-__all__ = ["DLRM", "build_model", "model_from_checkpoint"]
+__all__ = ["DLRM", "LogisticRegression", "Model", "build_model", "make_model", "model_from_checkpoint"]

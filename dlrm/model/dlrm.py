@@ -10,7 +10,7 @@ Glossary letters, used across the project:
 
 Forward: dense[B, N_dense] -> DenseArch -> [B, D]; sparse[B, F] raw ids -> hashing -> SparseArch -> [B, F, D];
 InteractionArch -> [B, D + F(F+1)/2] ("dot"), [B, (F+1) D] ("cat") or [B, (F+1) heads dim] ("attention");
-OverArch -> logit[B].
+OverArch -> logit[B]; with `model.first_order`, + the first-order terms [B] (dlrm.model.first_order).
 The model returns logits; the sigmoid is applied once, in evaluation/prediction.
 """
 
@@ -57,6 +57,9 @@ class SparseArch(nn.Module):
     - "vocab": row = position of x in the sorted train values of feature f (the `vocabularies`, missing
       included as a value); ids not in the vocabulary share the last row, the out-of-vocabulary row.
       rows_f = len(vocabulary_f) + 1.
+    - "index": the ids are rows already (another SparseArch's `hash_ids`), so a second set of tables
+      shares the first one's vocabularies instead of holding a copy (the first-order tables of
+      dlrm.model.first_order); rows must lie in [0, rows_f), which is not checked.
 
     `kernel` picks how the tables are held and updated:
     - "torch": F nn.Embedding tables with sparse gradients; a torch optimizer updates the looked-up rows.
@@ -69,7 +72,7 @@ class SparseArch(nn.Module):
     Args:
         embedding_dim: D.
         table_rows: rows_f per table (F ints). Ignored for "vocab", which takes len(vocabulary) + 1.
-        hashing: "modulus" or "vocab".
+        hashing: "modulus", "vocab" or "index".
         vocabularies: for "vocab", F sorted int64 tensors of known ids.
         kernel: "torch" or "triton".
     Raises:
@@ -93,8 +96,8 @@ class SparseArch(nn.Module):
             table_rows = [len(v) + 1 for v in vocabularies]
             for f, vocab in enumerate(vocabularies):
                 self.register_buffer(f"vocab_{f}", vocab.to(torch.int64))
-        elif hashing != "modulus":
-            raise ValueError(f"unknown hashing {hashing!r}: expected 'modulus' or 'vocab'")
+        elif hashing not in ("modulus", "index"):
+            raise ValueError(f"unknown hashing {hashing!r}: expected 'modulus', 'vocab' or 'index'")
         if table_rows is None or len(table_rows) != NUM_SPARSE:
             raise ValueError(f"expected {NUM_SPARSE} table sizes, got {table_rows!r}")
         self.hashing = hashing
@@ -148,6 +151,8 @@ class SparseArch(nn.Module):
         """Raw ids [B, F] int64 -> row indices [B, F] int64 within each table."""
         if self.hashing == "modulus":
             return torch.remainder(sparse + 1, self.rows)
+        if self.hashing == "index":
+            return sparse
         columns = []
         for f in range(NUM_SPARSE):
             vocab = getattr(self, f"vocab_{f}")
@@ -162,7 +167,7 @@ class SparseArch(nn.Module):
         if self.kernel == "triton":
             from kernels.embedding import embedding_lookup
 
-            # The kernel hashes modulus ids itself; vocab rows are looked up here first.
+            # The kernel hashes modulus ids itself; vocab rows are looked up here first ("index": as given).
             ids, hashing = (
                 (sparse, "modulus") if self.hashing == "modulus" else (self.hash_ids(sparse), "index")
             )
@@ -326,6 +331,9 @@ class DLRM(nn.Module):
             table-batched embedding with the fused optimizer update, interaction and loss kernels).
         sparse_arch: the embedding tables to use instead of building a SparseArch (the sharded tables of
             dlrm.parallel, same interface); table_rows and vocabularies are then unused.
+    With `cfg.first_order` the logit gains the first-order terms (`first_order`, a FirstOrder on the same
+    table sizes and hashing, vocab rows hashed once by `sparse_arch`; None without), built after every
+    other module so that a seed initializes the rest as without them.
     """
 
     def __init__(
@@ -349,6 +357,15 @@ class DLRM(nn.Module):
         self.over_arch = OverArch(
             self.interaction_arch.out_features, cfg.top_mlp, mlp_kernel, cfg.mlp_block, cfg.gate, lora
         )
+        self.first_order = None
+        if cfg.first_order:
+            from dlrm.model.first_order import FirstOrder  # here: it imports SparseArch from this module
+
+            hashing = "modulus" if self.sparse_arch.hashing == "modulus" else "index"
+            # No bias: the top MLP's logit layer has one.
+            self.first_order = FirstOrder(
+                self.sparse_arch.table_rows, hashing, kernel=sparse_kernel, bias=False
+            )
         if cfg.lora.rank:
             self.freeze_for_lora(cfg.lora.freeze_embeddings)
 
@@ -360,36 +377,65 @@ class DLRM(nn.Module):
         with record_function("interaction"):
             features = self.interaction_arch(dense_out, embedded, sparse)
         with record_function("top_mlp"):
-            return self.over_arch(features)
+            logit = self.over_arch(features)
+        if self.first_order is None:
+            return logit
+        with record_function("first_order"):
+            ids = (
+                sparse if self.first_order.tables.hashing == "modulus" else self.sparse_arch.hash_ids(sparse)
+            )
+            return logit + self.first_order(dense, ids)  # fp32 (under bf16 autocast the MLP's logit is bf16)
+
+    def dense_modules(self) -> list[nn.Module]:
+        """The modules of the dense parameters, which `--use-torch-compile` compiles (dlrm.step)."""
+        modules = [self.dense_arch, self.interaction_arch, self.over_arch]
+        return modules + ([self.first_order.dense] if self.first_order is not None else [])
+
+    def table_archs(self) -> list[nn.Module]:
+        """The embedding tables (SparseArch or its sharded twin), then the first-order tables if any."""
+        return [self.sparse_arch] + ([self.first_order.tables] if self.first_order is not None else [])
 
     def dense_parameters(self) -> list[nn.Parameter]:
-        """Trained parameters of the MLPs and of the interaction (the attention interaction's projections):
-        dense gradients. With LoRA adapters, the adapters only."""
-        archs = (self.dense_arch, self.interaction_arch, self.over_arch)
-        return [p for arch in archs for p in arch.parameters() if p.requires_grad]
+        """Trained parameters of the MLPs, of the interaction (the attention interaction's projections) and
+        of the first-order dense layer: dense gradients. With LoRA adapters, the adapters only."""
+        return [p for arch in self.dense_modules() for p in arch.parameters() if p.requires_grad]
 
     def freeze_for_lora(self, freeze_embeddings: bool) -> None:
         """Fine-tuning with adapters (model.lora): every dense weight but the adapters stops training, and
         the embedding tables too with `freeze_embeddings`."""
-        for arch in (self.dense_arch, self.interaction_arch, self.over_arch):
+        for arch in self.dense_modules():
             for name, p in arch.named_parameters():
                 p.requires_grad_(".lora_" in f".{name}")
-        self.sparse_arch.frozen = freeze_embeddings
-        for p in self.sparse_arch.parameters():
-            p.requires_grad_(not freeze_embeddings)
+        for tables in self.table_archs():
+            tables.frozen = freeze_embeddings
+            for p in tables.parameters():
+                p.requires_grad_(not freeze_embeddings)
 
     def embedding_parameters(self) -> list[nn.Parameter]:
-        """Embedding tables for a torch optimizer (sparse gradients); none for the "triton" sparse kernel,
-        whose backward updates its tables itself (SparseArch.configure_optimizer)."""
-        if self.sparse_arch.kernel == "triton" or getattr(self.sparse_arch, "frozen", False):
-            return []
-        return list(self.sparse_arch.parameters())
+        """Embedding tables (and first-order tables) for a torch optimizer (sparse gradients); none for the
+        "triton" sparse kernel, whose backward updates its tables itself (SparseArch.configure_optimizer)."""
+        return embedding_parameters(self.table_archs())
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean BCE-with-logits of logits [B] against labels [B] float: a 0-d fp32 tensor (computed in fp32;
-        one fused kernel, forward and gradient, for the "triton" sparse kernel)."""
-        if self.sparse_arch.kernel == "triton":
-            from kernels.loss import bce_with_logits
+        """Mean BCE-with-logits of logits [B] against labels [B] (`bce_loss`)."""
+        return bce_loss(logits, labels, self.sparse_arch.kernel)
 
-            return bce_with_logits(logits, labels)
-        return F.binary_cross_entropy_with_logits(logits.float(), labels)
+
+def embedding_parameters(table_archs: list[nn.Module]) -> list[nn.Parameter]:
+    """The parameters of the tables that a torch optimizer updates: not frozen, not kernel "triton"."""
+    return [
+        p
+        for arch in table_archs
+        if arch.kernel != "triton" and not getattr(arch, "frozen", False)
+        for p in arch.parameters()
+    ]
+
+
+def bce_loss(logits: torch.Tensor, labels: torch.Tensor, kernel: str) -> torch.Tensor:
+    """Mean BCE-with-logits of logits [B] against labels [B] float: a 0-d fp32 tensor (computed in fp32;
+    one fused kernel, forward and gradient, for `kernel` "triton")."""
+    if kernel == "triton":
+        from kernels.loss import bce_with_logits
+
+        return bce_with_logits(logits, labels)
+    return F.binary_cross_entropy_with_logits(logits.float(), labels)
