@@ -150,7 +150,9 @@ class TrainConfig:
     then fused bias + activation), or "cuda_bias_act" (bias_act's CUDA C++ twin, built with nvcc on first
     use; CUDA only).
     Both flags may be set. `cuda_graphs` captures the whole training step once as a CUDA graph and
-    replays it (dlrm.graphs); it needs `use_triton` and optimizer "sgd", whose steps have no host sync.
+    replays it (dlrm.graphs); true needs `use_triton` and optimizer "sgd", whose steps have no host sync.
+    null (the default) takes it wherever it works: `use_triton` on a CUDA device, one process, SGD,
+    compile_mode "default" (dlrm.step.resolve_cuda_graphs; the log says why when it cannot); false: never.
     `precision` of the training step's MLPs and interaction: "fp32", "tf32" (fp32 tensors, TF32 tensor-core
     matmuls) or "bf16" (autocast to bf16; fp32 master weights, embedding tables, loss and evaluation).
     `on_nonfinite`: what a NaN or infinite training loss does: "stop" the run (exit 3; last.pt stays the
@@ -176,7 +178,7 @@ class TrainConfig:
     compile_mode: str = "default"
     use_triton: bool = False
     triton_mlp_kernel: str = "linear_act"
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     precision: str = "fp32"
     on_nonfinite: str = "stop"
     checkpoint_interval: int | None = None
@@ -280,7 +282,7 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
         return tuple(value)
     if dataclasses.is_dataclass(annotation):  # a nested section, e.g. model.attention
         return _build(annotation, value, f"{key}.")
-    if annotation in (int | None, float | None, tuple[int, ...] | None, str | None):
+    if annotation in (bool | None, int | None, float | None, tuple[int, ...] | None, str | None):
         if value is None:
             return None
         inner = next(a for a in annotation.__args__ if a is not type(None))

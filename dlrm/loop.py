@@ -57,6 +57,7 @@ from dlrm.step import (
     StepFn,
     build_step,
     make_optimizer,
+    resolve_cuda_graphs,
     set_precision,
     use_interpreter_on_cpu,
 )
@@ -264,6 +265,8 @@ def set_up(
     if world_size > 1:  # config / world-size mismatches: one-line errors before the process group
         ranks.check_world(cfg, world_size)
     dist, device = parallel.init_distributed(t.device, cfg.parallel.timeout_s)  # single process: no-op
+    cfg = resolve_cuda_graphs(cfg, device, dist.world_size)
+    t = cfg.train
     run_dir = output_dir if output_dir or resume is None else resume.parent.parent
     if dist.is_main:
         run_dir = check_run_dir(cfg, run_dir, resume, overwrite)

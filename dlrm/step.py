@@ -17,9 +17,10 @@ import sys
 from collections.abc import Callable
 
 import torch
+from loguru import logger
 from torch.profiler import record_function
 
-from dlrm.config import RunConfig
+from dlrm.config import RunConfig, replace
 from dlrm.data.dataset import Batch
 from dlrm.graphs import GraphedTrainStep
 from dlrm.model import Model
@@ -56,6 +57,26 @@ def set_precision(precision: str) -> None:
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
 
+
+
+def resolve_cuda_graphs(cfg: RunConfig, device: torch.device, world_size: int) -> RunConfig:
+    """`cfg` with `train.cuda_graphs` decided: null (the default) becomes true for `use_triton` on a CUDA
+    device where the whole-step graph works, else false, with one log line saying why when `use_triton` on
+    CUDA runs without it (launched from Python, our custom ops cost more host time than they save).
+    True or false stay as given (true is validated by dlrm.config)."""
+    t = cfg.train
+    if t.cuda_graphs is not None:
+        return cfg
+    blockers = [
+        (t.optimizer != "sgd", f"optimizer {t.optimizer!r} syncs with the host each step (use 'sgd')"),
+        (t.compile_mode != "default", f"compile_mode {t.compile_mode!r} records Inductor's own CUDA graphs"),
+        (world_size > 1, "many ranks: the captured collectives are not verified on GPUs yet (--cuda-graphs)"),
+    ]
+    why = next((reason for blocked, reason in blockers if blocked), None)
+    wanted = t.use_triton and device.type == "cuda"
+    if wanted and why is not None:
+        logger.info("--use-triton without the whole-step CUDA graph: {}", why)
+    return replace(cfg, "train", cuda_graphs=wanted and why is None)
 
 def make_optimizer(model: Model, cfg: RunConfig) -> torch.optim.Optimizer:
     """SGD (dlrm.optim.SGD: torch.optim.SGD's update with its lr scaled by a device tensor, so a schedule

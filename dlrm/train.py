@@ -53,9 +53,11 @@ from dlrm.loop import train
     "only). Overrides train.triton_mlp_kernel.",
 )
 @click.option(
-    "--cuda-graphs",
-    is_flag=True,
-    help="Capture the whole training step once as a CUDA graph and replay it (needs --use-triton, SGD, GPU).",
+    "--cuda-graphs/--no-cuda-graphs",
+    default=None,
+    help="Capture the whole training step once as a CUDA graph and replay it (needs --use-triton, SGD, GPU). "
+    "Default (train.cuda_graphs null): on wherever it works, i.e. --use-triton on one GPU with SGD; the log "
+    "says why when it cannot.",
 )
 @click.option(
     "--precision",
@@ -122,7 +124,7 @@ def main(
         overrides = {
             "use_torch_compile": use_torch_compile or cfg.train.use_torch_compile,
             "use_triton": use_triton or cfg.train.use_triton,
-            "cuda_graphs": cuda_graphs or cfg.train.cuda_graphs,
+            "cuda_graphs": cfg.train.cuda_graphs if cuda_graphs is None else cuda_graphs,
         }
         for key, value in (
             ("compile_mode", compile_mode),
@@ -161,7 +163,10 @@ def resume_command(ctx: click.Context, checkpoint: Path) -> str:
     args = [sys.executable, "-m", "dlrm.train"]
     for param in ctx.command.params:
         value = ctx.params.get(param.name)
-        if param.name in ("output_dir", "overwrite", "resume") or value is None or value is False:
+        if param.name in ("output_dir", "overwrite", "resume") or value is None:
+            continue
+        if value is False:  # an unset flag, or the off side of a pair such as --no-cuda-graphs
+            args += param.secondary_opts[:1]
             continue
         args += [param.opts[0]] if getattr(param, "is_flag", False) else [param.opts[0], str(value)]
     return shlex.join([*args, "--resume", str(checkpoint)])

@@ -85,7 +85,7 @@ def train_run(
         config_path.write_text(json.dumps(cfg))
         command = [sys.executable, "-m", "dlrm.train", "--config", str(config_path), "--use-triton",
                    "--precision", precision, "--output-dir", str(run_dir)]  # fmt: skip
-        subprocess.run(command + (["--cuda-graphs"] if graphs else []), check=True)
+        subprocess.run([*command, "--cuda-graphs" if graphs else "--no-cuda-graphs"], check=True)
         metrics = json.loads((run_dir / "metrics.json").read_text())
         traces = sorted(run_dir.glob("*.pt.trace.json"))
         metrics["gpu_idle_share"] = gpu_idle_share(traces[0]) if traces else float("nan")

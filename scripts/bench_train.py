@@ -66,7 +66,7 @@ FLAGS = {
     BASELINE: {},
     "compile": {"use_torch_compile": True},
     "compile-ro": {"use_torch_compile": True, "compile_mode": "reduce-overhead"},
-    "triton": {"use_triton": True},
+    "triton": {"use_triton": True, "cuda_graphs": False},
     "triton+compile": {"use_triton": True, "use_torch_compile": True},
     "triton+graphs": {"use_triton": True, "cuda_graphs": True},
     "triton+compile+graphs": {"use_triton": True, "use_torch_compile": True, "cuda_graphs": True},

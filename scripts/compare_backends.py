@@ -28,7 +28,7 @@ RESULTS = Path(__file__).parent / "results" / "backends.csv"
 FLAGS = {
     "eager": {},
     "compile": {"use_torch_compile": True},
-    "triton": {"use_triton": True},
+    "triton": {"use_triton": True, "cuda_graphs": False},
     "triton_bias_act": {"use_triton": True, "triton_mlp_kernel": "bias_act"},
     "triton+compile": {"use_triton": True, "use_torch_compile": True},
     "triton+graphs": {"use_triton": True, "cuda_graphs": True},

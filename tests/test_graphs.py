@@ -10,7 +10,7 @@ from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.graphs import GraphedTrainStep
 from dlrm.lr_schedule import LearningRates
 from dlrm.model import DLRM
-from dlrm.step import make_optimizer, train_step
+from dlrm.step import make_optimizer, resolve_cuda_graphs, train_step
 
 SMALL = ModelConfig(embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1), max_rows=100)
 
@@ -22,6 +22,39 @@ def test_config_requires_triton_and_sgd():
         validate(RunConfig(train=TrainConfig(cuda_graphs=True)))
     with pytest.raises(ValueError, match="train.optimizer: expected 'sgd' with train.cuda_graphs"):
         validate(RunConfig(train=TrainConfig(cuda_graphs=True, use_triton=True, optimizer="adagrad")))
+
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("train", "device", "world_size", "expected", "logged"),
+    [
+        ({"use_triton": True}, CUDA, 1, True, None),
+        ({"use_triton": True}, CPU, 1, False, None),
+        ({}, CUDA, 1, False, None),
+        ({"use_triton": True, "optimizer": "adagrad"}, CUDA, 1, False, "optimizer 'adagrad' syncs"),
+        ({"use_triton": True, "compile_mode": "reduce-overhead"}, CUDA, 1, False, "Inductor's own"),
+        ({"use_triton": True}, CUDA, 2, False, "many ranks"),
+        ({"use_triton": True, "cuda_graphs": False}, CUDA, 1, False, None),
+    ],
+)
+def test_use_triton_takes_the_cuda_graph_by_default_where_it_works(
+    train, device, world_size, expected, logged
+):
+    from loguru import logger
+
+    lines: list[str] = []
+    handler = logger.add(lines.append, format="{message}")
+    try:
+        cfg = resolve_cuda_graphs(validate(RunConfig(train=TrainConfig(**train))), device, world_size)
+    finally:
+        logger.remove(handler)
+    assert cfg.train.cuda_graphs is expected
+    notes = [line for line in lines if "--use-triton without the whole-step CUDA graph" in line]
+    assert len(notes) == (logged is not None)
+    if logged is not None:
+        assert logged in notes[0]
 
 
 @pytest.mark.gpu

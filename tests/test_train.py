@@ -267,3 +267,14 @@ def test_resume_refuses_another_model(criteo_sample, tmp_path):
     cfg = replace(_tiny(criteo_sample, max_steps=4), "model", embedding_dim=4, bottom_mlp=(32, 4))
     with pytest.raises(ValueError, match="trained with model.embedding_dim = 8, the config has 4"):
         train_cli.train(cfg, tmp_path / "other", resume=tmp_path / "run" / "checkpoints" / "last.pt")
+
+
+def test_resume_command_repeats_the_options_given_including_the_off_side_of_a_pair():
+    args = ["--config", "c.json", "--use-triton", "--no-cuda-graphs", "--seed", "3", "--output-dir", "r"]
+    ctx = train_cli.main.make_context("train", args)
+    command = train_cli.resume_command(ctx, REPO / "r" / "last.pt")
+    assert command.endswith(
+        f"--config c.json --use-triton --no-cuda-graphs --seed 3 --resume {REPO}/r/last.pt"
+    )
+    ctx = train_cli.main.make_context("train", ["--config", "c.json"])
+    assert "cuda-graphs" not in train_cli.resume_command(ctx, REPO / "last.pt")  # unset: the config decides
