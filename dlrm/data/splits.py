@@ -11,9 +11,20 @@ place of val / test; `require_val_test` refuses them with the command that rewri
 
 from pathlib import Path
 
-__all__ = ["DEFAULT_HELD_OUT", "SELECT", "REPORT", "held_out_fractions", "require_val_test"]
+from dlrm.data.output import METADATA_FILE, load_metadata
+
+__all__ = [
+    "DEFAULT_HELD_OUT",
+    "REPORT",
+    "SELECT",
+    "SPLITS",
+    "check_data_dir",
+    "held_out_fractions",
+    "require_val_test",
+]
 
 SELECT, REPORT = "val", "test"  # the split that selects the weights, the split that reports them
+SPLITS = ("train", SELECT, REPORT)
 DEFAULT_HELD_OUT = 0.1  # val and test fraction each when none is given (0.2 held out, as before)
 
 
@@ -58,6 +69,13 @@ def held_out_fractions(
     if val + test >= 1.0:
         raise error(f"--val-fraction {val} + --test-fraction {test} must be below 1 (train keeps the rest)")
     return val, test
+
+
+def check_data_dir(data_dir: Path) -> None:
+    """`require_val_test` for a data directory with metadata.json (one without, of bare split directories,
+    is read by dlrm.data.dataset.split_paths as it is). Raises ValueError as `require_val_test`."""
+    if (Path(data_dir) / METADATA_FILE).is_file():
+        require_val_test(Path(data_dir), load_metadata(data_dir))
 
 
 def require_val_test(data_dir: Path, metadata: dict) -> None:
