@@ -145,6 +145,27 @@ def test_selection_reads_val_only_and_test_reports_the_selected_weights(criteo_s
     assert _scalars(run, "test/ne") == [(4, pytest.approx(metrics["test_ne"]))]
 
 
+def test_a_run_resumed_elsewhere_reports_test_of_the_best_it_resumed_with(
+    criteo_sample, tmp_path, monkeypatch
+):
+    """Resumed into another directory with no better val evaluation after it: the selected weights are the
+    first run's best.pt (step 4), which the test evaluation loads from there."""
+    train_cli.train(_tiny(criteo_sample, max_steps=4), tmp_path / "first")
+    real = loop.evaluate_split
+
+    def worse_val(run, loader, split):  # every later val evaluation worse than the first run's best
+        result = real(run, loader, split)
+        return {**result, "auc": 0.01} if split == "val" else result
+
+    monkeypatch.setattr(loop, "evaluate_split", worse_val)
+    resume = tmp_path / "first" / "checkpoints" / "last.pt"
+    metrics = train_cli.train(_tiny(criteo_sample, max_steps=8), tmp_path / "second", resume=resume)
+    assert metrics["best_step"] == 4 and not (tmp_path / "second" / "checkpoints" / "best.pt").exists()
+    selected = _evaluate(tmp_path / "first" / "checkpoints" / "best.pt", criteo_sample)
+    for key in AUC_NE:
+        assert metrics[f"test_{key}"] == pytest.approx(selected[key], abs=1e-6), key
+
+
 def test_no_finite_val_evaluation_reports_null_test_numbers(criteo_sample, tmp_path, monkeypatch):
     """Without a finite val evaluation there is no best.pt and no selected weights: test_* are null
     (strict JSON), and the test split is never read."""
