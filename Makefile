@@ -1,7 +1,7 @@
 # `make train`: create .venv on first use, preprocess the shipped Criteo sample once, train configs/main.json.
 # `make test`: the same venv, then the test suite (CPU; Triton kernels run in the interpreter).
-# `make evaluate`: the newest run's best checkpoint on the sample's eval split (CHECKPOINT=..., DATA=... for
-#   others).
+# `make evaluate`: the newest run's best checkpoint on the sample's test split, the one a run reports
+#   (CHECKPOINT=..., DATA=..., SPLIT=val for others).
 # `make tensorboard`: TensorBoard (with the PyTorch profiler plugin) on runs/, at http://localhost:$(PORT).
 # `make test-browser`: headless Chromium checks what TensorBoard shows for a tiny run (needs apt's chromium and
 #   Playwright, which it installs; not part of `make test`); screenshots go to scripts/results/screenshots/.
@@ -12,8 +12,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BROWSER_STAMP := $(VENV)/.browser-installed
 CHROMIUM := /usr/bin/chromium
-SAMPLE := data/criteo_sample/metadata.json
+# The test split's shard, which only a train / val / test preprocess writes: a data/criteo_sample/ of an older
+# preprocess (train / eval, refused by dlrm.train) is written again.
+SAMPLE := data/criteo_sample/test/part-00000.parquet
 DATA ?= data/criteo_sample
+SPLIT ?= test
 CHECKPOINT ?= $(shell ls -t runs/*/checkpoints/best.pt 2>/dev/null | head -n 1)
 PORT ?= 6006
 
@@ -27,14 +30,14 @@ $(STAMP): pyproject.toml
 
 $(SAMPLE): data/day_0_head10k.tsv.gz | $(STAMP)
 	$(PY) -m dlrm.data.preprocess --input data/day_0_head10k.tsv.gz --output-dir data/criteo_sample \
-		--eval-fraction 0.2 --overwrite
+		--val-fraction 0.1 --test-fraction 0.1 --overwrite
 
 train: $(STAMP) $(SAMPLE)
 	$(PY) -m dlrm.train --config configs/main.json
 
 evaluate: $(STAMP) $(SAMPLE)
 	@test -n "$(CHECKPOINT)" || { echo "no runs/*/checkpoints/best.pt: run make train first" >&2; exit 2; }
-	$(PY) -m dlrm.evaluate --checkpoint $(CHECKPOINT) --data $(DATA)
+	$(PY) -m dlrm.evaluate --checkpoint $(CHECKPOINT) --data $(DATA) --split $(SPLIT)
 
 tensorboard: $(STAMP)
 	$(VENV)/bin/tensorboard --logdir runs --port $(PORT)

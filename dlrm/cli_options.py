@@ -13,6 +13,15 @@ checkpoint_option = click.option(
     "of a torchrun run.",
 )
 
+# The splits of a preprocessed data directory (dlrm.data.splits); test, the reported one, by default.
+split_option = click.option(
+    "--split",
+    type=click.Choice(["train", "val", "test"]),
+    default="test",
+    help="Split of a preprocessed data directory: test (what a run reports), val (what selected best.pt), "
+    "or train.",
+)
+
 device_option = click.option(
     "--device",
     type=click.Choice(["auto", "cpu", "cuda"]),

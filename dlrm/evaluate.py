@@ -9,9 +9,10 @@ import torch
 
 from dlrm import progress
 from dlrm.checkpoint import load_checkpoint
-from dlrm.cli_options import checkpoint_option, device_option
+from dlrm.cli_options import checkpoint_option, device_option, split_option
 from dlrm.config import from_dict
 from dlrm.data.dataset import BatchLoader, open_split
+from dlrm.data.splits import check_data_dir
 from dlrm.errors import cli_errors
 from dlrm.metrics import evaluate
 from dlrm.model import model_from_checkpoint
@@ -27,9 +28,7 @@ from dlrm.step import resolve_device
     required=True,
     help="Preprocessed data directory (with metadata.json).",
 )
-@click.option(
-    "--split", default="eval", help="Split to evaluate: eval, or val / test for layouts kaggle, terabyte."
-)
+@split_option
 @click.option("--batch-size", type=click.IntRange(min=1), default=4096, help="Rows per forward pass.")
 @device_option
 @click.option(
@@ -41,6 +40,7 @@ def main(checkpoint_path, data_dir, split, batch_size, device, quiet):
     """Print {"auc", "logloss", "ne", "samples"} of a checkpoint on DATA/SPLIT as JSON."""
     mode = progress.configure("quiet" if quiet else "auto")
     with cli_errors():
+        check_data_dir(data_dir)  # an older train / eval directory: re-run preprocess
         state = load_checkpoint(checkpoint_path)
         cfg = from_dict(state["config"])
         dev = resolve_device(device)

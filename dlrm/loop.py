@@ -4,6 +4,10 @@ writes metrics.json, top to bottom.
 Each run writes into its own directory (default `runs/<name>-<timestamp>/`): config.json (resolved config),
 TensorBoard events, a profiler trace `*.pt.trace.json`, checkpoints/last.pt and best.pt, and metrics.json.
 
+The protocol (dlrm.data.splits): the periodic evaluations, early stopping and best.pt see the "val" split
+only; when the run ends, however it ends, the selected weights (best.pt's) are evaluated once on "test",
+and metrics.json reports both: val_* of the selecting evaluation, test_* of the same weights.
+
 What changes while a run goes on lives in one `RunState` (step, samples, best evaluation, throughput
 sums), which checkpoints save and `--resume` restores; the steps since the last log line live in an
 `Interval`. What is fixed once set up (model, optimizer, step, loaders, writer) is a `Run`. Logging,
@@ -36,10 +40,11 @@ from torch.utils.tensorboard import SummaryWriter
 from dlrm import parallel
 from dlrm.checkpoint import load_checkpoint, save_checkpoint
 from dlrm.config import RunConfig
-from dlrm.data.dataset import Batch, BatchLoader, ParquetDataset, load_metadata, open_split
+from dlrm.data.dataset import Batch, BatchLoader, ParquetDataset, load_metadata, open_split, split_paths
 from dlrm.data.loaders import STATEFUL_LOADERS, TrainLoader, make_train_loader
 from dlrm.data.resident import ResidentLoader
 from dlrm.data.schema import NUM_SPARSE
+from dlrm.data.splits import REPORT, SELECT, require_val_test
 from dlrm.errors import Interrupted, NonFiniteLoss, RunStopped
 from dlrm.lr_schedule import LearningRates
 from dlrm.metrics import evaluate
@@ -68,11 +73,12 @@ class RunState:
     """What changes during a run; saved in every checkpoint, restored by `--resume`.
 
     step: optimization steps done. samples: train samples of those steps, over the whole run (resumes
-    included). best: the best evaluation so far ({"auc", "logloss", "ne", "samples", "step"}), None before
-    the first. evals_since_best: for early stopping. skipped_batches: steps whose non-finite loss was
-    skipped (train.on_nonfinite "skip_batch"). last_finite_loss: (step, loss) of the last finite step loss
-    read. train_loss: the last log line's mean loss (None before one). The rest are this process's:
-    throughput sums, the last evaluation, when last.pt was written.
+    included). best: the best val evaluation so far ({"auc", "logloss", "ne", "samples", "step"}), None
+    before the first finite one. evals_since_best: for early stopping. skipped_batches: steps whose
+    non-finite loss was skipped (train.on_nonfinite "skip_batch"). last_finite_loss: (step, loss) of the
+    last finite step loss read. train_loss: the last log line's mean loss (None before one). The rest are
+    this process's: throughput sums, the last evaluation, when last.pt was written, where best's weights
+    are.
     """
 
     step: int = 0
@@ -95,6 +101,9 @@ class RunState:
     last_checkpoint_step: int | None = None  # the step checkpoints/last.pt holds, when known
     last_checkpoint_time: float = field(default_factory=time.monotonic)
     last_checkpoint_state: dict | None = None  # checkpointed() as last.pt holds it
+    # The checkpoint that holds `best`'s weights: this run's best.pt once it writes one; a resumed run's
+    # until then is the one beside the checkpoint it resumed from (another run directory, maybe).
+    best_checkpoint: Path | None = None
 
     def checkpointed(self) -> dict[str, Any]:
         """The fields a resumed run goes on from."""
@@ -135,8 +144,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     step_fn: StepFn
     train_loader: TrainLoader
-    eval_loader: BatchLoader | ShardedEvalSplit  # many ranks: each scores its part of the split
-    eval_split: str
+    val_loader: BatchLoader | ShardedEvalSplit  # many ranks: each scores its part of the split
     run_dir: Path
     writer: SummaryWriter | ranks.NullWriter
     signals: StopSignals
@@ -153,8 +161,10 @@ def train(
     progress: str = "auto",
 ) -> dict:
     """Train per `cfg`, writing everything into the run directory; returns the metrics.json contents:
-    {"steps", "samples", "train_loss", "eval_auc", "eval_logloss", "samples_per_s", "wall_s", "backend", ...}.
-    "eval_auc"/"eval_logloss" are those of the best evaluation (saved as checkpoints/best.pt).
+    {"steps", "samples", "train_loss", "val_auc", "val_logloss", "val_ne", "best_step", "test_auc",
+    "test_logloss", "test_ne", "samples_per_s", "wall_s", "backend", ...}. "val_*" are those of the best
+    val evaluation (its weights saved as checkpoints/best.pt, at "best_step"), "test_*" those of the same
+    weights on the test split, evaluated once at the end (null when no val evaluation was finite).
     With `resume` (a checkpoint of a run of the same model config) training goes on from its step: weights,
     optimizer state, best evaluation and the train loader's position are restored (hyperparameters are the
     config's), and the run directory defaults to the checkpoint's. "steps" and "samples" cover the whole run.
@@ -165,8 +175,9 @@ def train(
     writes the run directory's files (checkpoints: every rank, sharded).
 
     Raises:
-        ValueError: bad data directory, config values the data contradicts, no CUDA for device "cuda", a
-            checkpoint that does not fit the config, or a run directory that holds a run or is not writable.
+        ValueError: bad data directory (one without val and test splits included), config values the data
+            contradicts, no CUDA for device "cuda", a checkpoint that does not fit the config, a run
+            directory that holds a run or is not writable, or a test split that cannot be read at the end.
         NonFiniteLoss: a NaN or infinite loss with train.on_nonfinite "stop" (metrics.json written).
         Interrupted: SIGINT / SIGTERM (last.pt and metrics.json written).
         OutOfMemory: the device ran out of memory (nothing more written).
@@ -278,14 +289,14 @@ def set_up(
     data_dir = Path(cfg.data.path)
     logger.info("reading {} ({} loader)", data_dir, cfg.data.loader)
     metadata = load_metadata(data_dir)
-    # Layouts kaggle and terabyte hold out "val" (model selection) and "test"; layout fraction: "eval".
-    eval_split = "val" if "val" in metadata.get("files", {}) else "eval"
+    require_val_test(data_dir, metadata)  # an older train / eval directory would select on what it reports
     # The streaming loaders never hold the train split; config validation then requires modulus hashing,
     # which needs no train ids.
     streams = cfg.data.loader in ("streaming", "binary")
     train_set = None if streams else open_split(data_dir, "train")
-    eval_set = open_split(data_dir, eval_split)
-    check_rows(data_dir, metadata, eval_split, eval_set.num_rows)
+    val_set = open_split(data_dir, SELECT)
+    check_rows(data_dir, metadata, SELECT, val_set.num_rows)
+    check_test_split(data_dir, metadata)  # read only at the end: checked now, not after hours of training
     train_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64) if train_set is None else train_set.sparse
     kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
     logger.info("building the model ({} backend) on {}", cfg.backend, device)
@@ -300,6 +311,8 @@ def set_up(
     for key, value in checkpoint.items():
         if key in RunState.__dataclass_fields__:
             setattr(state, key, value)
+    if resume is not None:
+        state.best_checkpoint = resume.parent / ("best" if resume.is_dir() else "best.pt")
     reduce_grads = parallel.grad_averager(model.dense_parameters(), dist.world_size) if dist.enabled else None
     step_fn = build_step(model, optimizer, cfg, device, reduce_grads)
     train_loader = make_train_loader(
@@ -312,10 +325,7 @@ def set_up(
     check_rows(data_dir, metadata, "train", train_loader.num_rows)
     if checkpoint.get("loader") is not None:
         train_loader.load_state_dict(checkpoint["loader"])
-    if dist.enabled:
-        eval_loader = ShardedEvalSplit(eval_set, cfg.data.eval_batch_size, dist)
-    else:
-        eval_loader = make_eval_loader(eval_set, cfg.data.eval_batch_size, device)
+    val_loader = make_split_loader(val_set, cfg, device, dist)
 
     make_run_dir(run_dir, overwrite and resume is None and dist.is_main)
     if resume is not None and resume.resolve() == (run_dir / "checkpoints" / "last.pt").resolve():
@@ -328,13 +338,12 @@ def set_up(
         if dist.is_main:
             (run_dir / "sharding_plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
     logger.info(
-        "run {} | backend {} | device {} | train {} rows, {} {} rows | {} params",
+        "run {} | backend {} | device {} | train {} rows, val {} rows | {} params",
         run_dir,
         cfg.backend,
         device,
         train_loader.num_rows,
-        eval_split,
-        eval_set.num_rows,
+        val_set.num_rows,
         sum(p.numel() for p in model.parameters()),
     )
     # A resumed run's events continue the step axis: TensorBoard drops the earlier events past its step
@@ -351,8 +360,7 @@ def set_up(
         optimizer,
         step_fn,
         train_loader,
-        eval_loader,
-        eval_split,
+        val_loader,
         run_dir,
         writer,
         StopSignals(),
@@ -361,6 +369,16 @@ def set_up(
     )
     run.progress = TrainProgress(progress, t.max_steps or t.epochs * len(train_loader), state.step)
     return run, state
+
+
+def make_split_loader(
+    dataset: ParquetDataset, cfg: RunConfig, device: torch.device, dist: parallel.Dist
+) -> BatchLoader | ShardedEvalSplit:
+    """How an evaluation reads `dataset` (val or test) in batches of data.eval_batch_size: one process's
+    loader (`make_eval_loader`), or under torchrun this rank's part of it (dlrm.parallel.evaluation)."""
+    if dist.enabled:
+        return ShardedEvalSplit(dataset, cfg.data.eval_batch_size, dist)
+    return make_eval_loader(dataset, cfg.data.eval_batch_size, device)
 
 
 def make_eval_loader(eval_set: ParquetDataset, batch_size: int, device: torch.device) -> BatchLoader:
@@ -384,6 +402,16 @@ def check_rows(data_dir: Path, metadata: dict, split: str, rows: int) -> None:
         )
     if rows == 0:
         raise ValueError(f"{data_dir}: split {split!r} has no rows")
+
+
+def check_test_split(data_dir: Path, metadata: dict) -> None:
+    """Raise ValueError when the test split has no rows or a shard of it is missing (it is read only once
+    training ends; see `evaluate_selected`)."""
+    missing = [str(p) for p in split_paths(data_dir, REPORT) if not p.is_file()]  # ValueError: no files
+    if missing:
+        raise ValueError(f"{data_dir}: shards of split {REPORT!r} are missing: {', '.join(missing)}")
+    if metadata.get("rows", {}).get(REPORT) == 0:  # shards of bad lines only
+        raise ValueError(f"{data_dir}: split {REPORT!r} has no rows")
 
 
 def load_resumable(
@@ -552,18 +580,24 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
     interval.read, interval.loss_sum, interval.finite = 0, 0.0, 0
 
 
+def evaluate_split(run: Run, loader: BatchLoader | ShardedEvalSplit, split: str) -> dict[str, float]:
+    """{"auc", "logloss", "ne", "samples"} of the current weights on `split`, read through `loader`
+    (`make_split_loader`). Many ranks: every rank must call it (collectives); each scores its part and
+    all get the metrics of the whole split. Raises ValueError as dlrm.metrics.evaluate."""
+    if run.dist.enabled:
+        return evaluate_sharded(run.model, loader, run.device)
+    batches = run.progress.eval_batches(loader, split)
+    return evaluate(run.model, batches, run.device, run.cfg.train.precision)
+
+
 def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
-    """Evaluate on the eval split, log it, keep the best as checkpoints/best.pt; True when early stopping
+    """Evaluate on the val split, log it, keep the best as checkpoints/best.pt; True when early stopping
     says stop. The evaluation's and the checkpoint's time are kept out of the interval's throughput. The
     losses since the last log line are checked first (NonFiniteLoss), and a non-finite evaluation never
-    becomes best."""
+    becomes best. The test split is never read here (see `evaluate_selected`)."""
     check_finite(run, state, interval)
     eval_start = time.perf_counter()
-    if run.dist.enabled:  # every rank scores its part; all get the metrics of the whole split
-        result = evaluate_sharded(run.model, run.eval_loader, run.device)
-    else:
-        batches = run.progress.eval_batches(run.eval_loader, run.eval_split)
-        result = evaluate(run.model, batches, run.device, run.cfg.train.precision)
+    result = evaluate_split(run, run.val_loader, SELECT)
     # The evaluation alone (its result is on the host, so its GPU work is done); best.pt's write is apart.
     eval_time = time.perf_counter() - eval_start
     state.evals += 1
@@ -571,9 +605,9 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     state.first_eval_s = eval_time if state.first_eval_s is None else state.first_eval_s
     state.last_eval, state.last_eval_step = result, state.step
     for key in ("auc", "logloss", "ne"):
-        run.writer.add_scalar(f"eval/{key}", result[key], state.step)
+        run.writer.add_scalar(f"{SELECT}/{key}", result[key], state.step)
     logger.info(
-        "step {} | eval auc {:.4f} logloss {:.4f} ne {:.4f} | {:.2f} s",
+        "step {} | val auc {:.4f} logloss {:.4f} ne {:.4f} | {:.2f} s",
         state.step,
         result["auc"],
         result["logloss"],
@@ -587,14 +621,81 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     if finite and (state.best is None or result["auc"] > state.best["auc"]):
         state.best, state.evals_since_best = {**result, "step": state.step}, 0
         save_run_checkpoint(run, state, "best.pt")
+        state.best_checkpoint = best_checkpoint_path(run)
     else:
         state.evals_since_best += 1
     interval.start += time.perf_counter() - eval_start
     patience = run.cfg.train.patience
     if patience is not None and state.evals_since_best >= patience:
-        logger.info("early stop: no better eval AUC in {} evaluations", patience)
+        logger.info("early stop: no better val AUC in {} evaluations", patience)
         return True
     return False
+
+
+def evaluate_selected(run: Run, state: RunState) -> dict | None:
+    """Evaluate the selected weights, best.pt's (the best val evaluation), once on the test split; log it
+    and write test/auc, test/logloss, test/ne at the best step. The current weights when they are those
+    (no step since the best evaluation), else best.pt's model state loaded into the model (training is
+    over). Many ranks: every rank calls it; the same path as the val evaluation.
+
+    Returns:
+        {"auc", "logloss", "ne", "samples"}, or None when no val evaluation was finite (no best.pt) or the
+        checkpoint with the best weights is gone or holds another step (a warning says which).
+    Raises:
+        ValueError: the test split cannot be read, or is of one class only (dlrm.metrics.evaluate).
+    """
+    if state.best is None:
+        logger.warning("no finite val evaluation, so no best.pt: no test evaluation")
+        return None
+    best_step = state.best["step"]
+    if state.step != best_step and not load_best_weights(run, state):
+        return None
+    data_dir = Path(run.cfg.data.path)
+    test_set = open_split(data_dir, REPORT)
+    check_rows(data_dir, load_metadata(data_dir), REPORT, test_set.num_rows)
+    start = time.perf_counter()
+    result = evaluate_split(run, make_split_loader(test_set, run.cfg, run.device, run.dist), REPORT)
+    for key in ("auc", "logloss", "ne"):
+        run.writer.add_scalar(f"{REPORT}/{key}", result[key], best_step)
+    logger.info(
+        "test (weights of step {}, selected on val) | auc {:.4f} logloss {:.4f} ne {:.4f} | {:.2f} s",
+        best_step,
+        result["auc"],
+        result["logloss"],
+        result["ne"],
+        time.perf_counter() - start,
+    )
+    return result
+
+
+def load_best_weights(run: Run, state: RunState) -> bool:
+    """Load the model weights of `state.best_checkpoint` (this run's best.pt, or the resumed run's) into
+    the model, through the path a resume takes (a sharded checkpoint on many ranks: a collective; its
+    optimizer state comes along, unused). False, with a warning, when it is missing or holds another
+    step than `state.best` (a resumed run's directory whose best.pt moved on)."""
+    path, step = state.best_checkpoint, state.best["step"]
+    if path is None or not path.exists():
+        logger.warning("{}: not found, so the weights of step {} are gone: no test evaluation", path, step)
+        return False
+    sharded = run.dist.enabled and path.is_dir()
+    checkpoint = sharded_checkpoint.read_meta(path) if sharded else load_checkpoint(path)
+    held = (checkpoint.get("best") or {}).get("step")
+    if held != step:
+        logger.warning("{} holds the best of step {}, not of step {}: no test evaluation", path, held, step)
+        return False
+    if sharded:
+        sharded_checkpoint.load_sharded(path, run.model, run.optimizer, run.dist)
+    elif run.dist.enabled:  # a one-process best.pt of the run resumed from: each rank takes its rows
+        sharded_checkpoint.load_full_into_sharded(checkpoint, run.model, run.optimizer)
+    else:
+        run.model.load_state_dict(checkpoint["model"])
+    logger.info("loaded the weights of step {} from {} for the test evaluation", step, path)
+    return True
+
+
+def best_checkpoint_path(run: Run) -> Path:
+    """Where `save_run_checkpoint(run, state, "best.pt")` writes: a file, or many ranks' directory."""
+    return run.run_dir / "checkpoints" / ("best" if run.dist.enabled else "best.pt")
 
 
 def checkpoint_due_by_steps(cfg: RunConfig, state: RunState) -> bool:
@@ -699,7 +800,9 @@ def stop_on_signal(run: Run, state: RunState, interval: Interval) -> None:
 
 def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None = None) -> dict:
     """Write metrics.json (strict JSON: null for what is undefined), close the writer; return the metrics.
-    `stopped`: why the run ended early, recorded as "stopped"."""
+    `stopped`: why the run ended early, recorded as "stopped". First the selected weights are evaluated
+    on the test split (`evaluate_selected`), whatever stopped the run."""
+    test = evaluate_selected(run, state) or {}
     run.progress.close()
     cfg, best, last_eval = run.cfg, state.best or {}, state.last_eval or {}
     ms_per_step = 1000 * state.timed_s / state.timed_steps if state.timed_steps else None
@@ -708,13 +811,17 @@ def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None 
         "steps": state.step,
         "samples": state.samples,
         "train_loss": state.train_loss,
-        "eval_auc": best.get("auc"),
-        "eval_logloss": best.get("logloss"),
-        "eval_ne": best.get("ne"),
+        # Selected on val; test is of the same weights, read once (dlrm.data.splits).
+        "val_auc": best.get("auc"),
+        "val_logloss": best.get("logloss"),
+        "val_ne": best.get("ne"),
         "best_step": best.get("step"),
-        "eval_split": run.eval_split,
-        "eval_samples": best.get("samples"),
-        "last_eval_auc": last_eval.get("auc"),
+        "test_auc": test.get("auc"),
+        "test_logloss": test.get("logloss"),
+        "test_ne": test.get("ne"),
+        "val_samples": best.get("samples"),
+        "test_samples": test.get("samples"),
+        "last_val_auc": last_eval.get("auc"),
         "skipped_batches": state.skipped_batches,
         "samples_per_s": state.timed_samples / state.timed_s if state.timed_s else None,
         "first_step_s": state.first_step_s,
@@ -738,12 +845,16 @@ def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None 
         write_text_atomically(run.run_dir / "metrics.json", json.dumps(metrics, indent=2, allow_nan=False))
     run.writer.close()
     if stopped is None:
-        auc = "none" if metrics["eval_auc"] is None else f"{metrics['eval_auc']:.4f}"
         logger.info(
-            "done: {} steps, best eval auc {} at step {}, metrics in {}",
+            "done: {} steps, best val auc {} ne {} at step {}, test auc {} ne {}, metrics in {}",
             state.step,
-            auc,
+            *(_number(metrics[key]) for key in ("val_auc", "val_ne")),
             metrics["best_step"],
+            *(_number(metrics[key]) for key in ("test_auc", "test_ne")),
             run.run_dir / "metrics.json",
         )
     return metrics
+
+
+def _number(value: float | None) -> str:
+    return "none" if value is None else f"{value:.4f}"

@@ -2,7 +2,7 @@
 
     python -m dlrm.predict --checkpoint runs/<run>/checkpoints/best.pt --input day_1.tsv.gz \\
         --output predictions.parquet [--batch-size 4096] [--device auto|cpu|cuda]
-    python -m dlrm.predict --checkpoint ... --input data/criteo_sample [--split eval] --output ...
+    python -m dlrm.predict --checkpoint ... --input data/criteo_sample [--split test|val|train] --output ...
 
 Inputs:
     FILE (any name but *.parquet)   raw Criteo lines, plain or gzip, parsed and validated exactly as
@@ -10,7 +10,7 @@ Inputs:
                                     number, exit code 2). Lines of 40 fields have a label; lines of 39
                                     fields (Criteo's unlabeled test files) have none.
     FILE.parquet                    one preprocessed shard (either parquet layout of dlrm.data.dataset)
-    DIR with metadata.json          the `--split` of a preprocessed data directory
+    DIR with metadata.json          the `--split` of a preprocessed data directory (default test)
     DIR of *.parquet                those shards, in name order
 
 Output (one row per input row, in input order): `row` int64 (0-based: the line number - 1 for text, the
@@ -38,11 +38,12 @@ from tqdm import tqdm
 
 from dlrm import progress
 from dlrm.checkpoint import load_checkpoint
-from dlrm.cli_options import checkpoint_option, device_option
+from dlrm.cli_options import checkpoint_option, device_option, split_option
 from dlrm.config import from_dict
 from dlrm.data.dataset import Batch, columns_of, decode_table, split_files, split_paths
 from dlrm.data.parse import parse_block
 from dlrm.data.schema import RAW_COLUMNS
+from dlrm.data.splits import check_data_dir
 from dlrm.data.text import LineReader, PreprocessError, TextBlock
 from dlrm.errors import cli_errors
 from dlrm.model import DLRM, model_from_checkpoint
@@ -72,6 +73,7 @@ def input_blocks(source: Path, split: str, block_size: int) -> Iterator[tuple[Ba
             without the expected columns.
     """
     if source.is_dir():
+        check_data_dir(source)  # an older train / eval directory: re-run preprocess
         files = split_paths(source, split) if (source / "metadata.json").is_file() else split_files(source)
         yield from _parquet_blocks(files, block_size)
     elif source.suffix == ".parquet":
@@ -194,11 +196,7 @@ def predict(
     required=True,
     help="Parquet file to write: row, logit, ctr, and label when the input has one.",
 )
-@click.option(
-    "--split",
-    default="eval",
-    help="With a preprocessed data directory: the split to score (eval, val, test).",
-)
+@split_option
 @click.option("--batch-size", type=click.IntRange(min=1), default=4096, help="Rows scored at once.")
 @click.option(
     "--block-size",

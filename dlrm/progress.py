@@ -12,7 +12,7 @@ Modes (`resolve_mode`):
     bar = TrainProgress(mode, total_steps, first_step)
     bar.step()                                        # per training step; no host sync
     bar.interval(epoch, loss, samples_per_s)          # per log line, with the values the loop just read
-    for batch in eval_batches(mode, loader, "eval"): ...
+    for batch in eval_batches(mode, loader, "test"): ...
     bar.close()
 """
 

@@ -58,7 +58,6 @@ def set_precision(precision: str) -> None:
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
 
 
-
 def resolve_cuda_graphs(cfg: RunConfig, device: torch.device, world_size: int) -> RunConfig:
     """`cfg` with `train.cuda_graphs` decided: null (the default) becomes true for `use_triton` on a CUDA
     device where the whole-step graph works, else false, with one log line saying why when `use_triton` on
@@ -77,6 +76,7 @@ def resolve_cuda_graphs(cfg: RunConfig, device: torch.device, world_size: int) -
     if wanted and why is not None:
         logger.info("--use-triton without the whole-step CUDA graph: {}", why)
     return replace(cfg, "train", cuda_graphs=wanted and why is None)
+
 
 def make_optimizer(model: Model, cfg: RunConfig) -> torch.optim.Optimizer:
     """SGD (dlrm.optim.SGD: torch.optim.SGD's update with its lr scaled by a device tensor, so a schedule

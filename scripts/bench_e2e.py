@@ -132,7 +132,7 @@ def main(config, rows, data, batch, precision, loaders, graphs, steps):
                 "vs_gpu_resident": round(m["samples_per_s"] / resident[graph], 3) if resident[graph] else "",
                 "gpu_idle_share": round(m["gpu_idle_share"], 4),
                 "first_eval_s": round(m["first_eval_s"], 2),
-                "eval_samples_per_s": round(later_evals * m["eval_samples"] / later_s) if later_evals else "",
+                "eval_samples_per_s": round(later_evals * m["val_samples"] / later_s) if later_evals else "",
                 "peak_rss_gib": round(m["peak_rss_gib"], 2),
                 "first_step_s": round(m["first_step_s"], 1),
             }  # fmt: skip

@@ -3,7 +3,8 @@
 Trains configs/tiny.json on the preprocessed sample into a temporary runs/ directory, starts TensorBoard
 (with the torch-tb-profiler plugin) on it, and in headless Chromium (Playwright for Python driving the
 operating system's /usr/bin/chromium; Playwright's own browser download is not needed) checks that:
-- the Scalars tab shows train/loss, eval/auc and the profile/<stage>_ms scalars of the run,
+- the Scalars tab shows train/loss, val/auc (the periodic evaluations), test/auc (the selected weights') and
+  the profile/<stage>_ms scalars of the run,
 - the Text tab shows the profile table of the stages,
 - the PYTORCH_PROFILER tab lists the run and its trace, and its overview counts DataLoader time (read from
   the plugin's API: the overview page draws with Google Charts from www.gstatic.com, which an offline
@@ -103,12 +104,12 @@ def wait_for_run(url: str, timeout_s: float = 120) -> None:
 
 
 def check_scalars(page, url: str, screenshot: Path) -> None:
-    page.goto(f"{url}/#scalars&tagFilter=train%2Floss%7Ceval%2Fauc%7Cprofile%2Fembedding_ms")
-    for tag in ("train/loss", "eval/auc", "profile/embedding_ms"):
+    page.goto(f"{url}/#scalars&tagFilter=train%2Floss%7Cval%2Fauc%7Ctest%2Fauc%7Cprofile%2Fembedding_ms")
+    for tag in ("train/loss", "val/auc", "test/auc", "profile/embedding_ms"):
         page.get_by_text(tag, exact=True).first.wait_for()
     page.wait_for_timeout(1500)  # let the charts draw
     page.screenshot(path=str(screenshot))
-    print("scalars: train/loss, eval/auc, profile/embedding_ms shown")
+    print("scalars: train/loss, val/auc, test/auc, profile/embedding_ms shown")
 
 
 def check_text(page, url: str, screenshot: Path) -> None:

@@ -2,11 +2,13 @@
 
     python scripts/compare_backends.py --config configs/main.json --backends eager,compile,triton
 
-Prints a table (eval AUC / logloss of the best evaluation, final train loss, samples/s excluding the first
-step, first-step seconds including compilation, the largest gap between the backend's logged train loss
-and eager's at the same steps) and appends one row per backend to
-scripts/results/backends.csv with the device name, torch/triton versions and git sha. The ratio column is
-samples/s over the eager run of the same invocation.
+Prints a table (val AUC of the best evaluation, which selects the weights, and test AUC / logloss of those
+weights; final train loss, samples/s excluding the first step, first-step seconds including compilation,
+the largest gap between the backend's logged train loss and eager's at the same steps) and appends one row
+per backend to scripts/results/backends-val-test.csv with the device name, torch/triton versions and git
+sha. The ratio column is samples/s over the eager run of the same invocation. (scripts/results/backends.csv
+holds the rows of before the train / val / test protocol, whose eval_auc selected and reported on one
+split.)
 """
 
 import dataclasses
@@ -24,7 +26,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from dlrm.config import PRECISIONS, load_config, replace
 from dlrm.step import resolve_device, train
 
-RESULTS = Path(__file__).parent / "results" / "backends.csv"
+RESULTS = Path(__file__).parent / "results" / "backends-val-test.csv"
 FLAGS = {
     "eager": {},
     "compile": {"use_torch_compile": True},
@@ -81,7 +83,7 @@ def main(config_path, backends, device, max_steps, log_interval):
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
-    keys = ("eval_auc", "eval_logloss", "best_step", "train_loss", "samples_per_s", "first_step_s")
+    keys = ("val_auc", "best_step", "test_auc", "test_logloss", "train_loss", "samples_per_s", "first_step_s")
     rows, curves = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
@@ -98,15 +100,20 @@ def main(config_path, backends, device, max_steps, log_interval):
     common["steps"] = cfg.train.max_steps
     append_rows(RESULTS, [{**common, **r} for r in rows])
     print(f"{config_path.name}, batch {cfg.data.batch_size}, seed {cfg.train.seed}, {device_name}")
-    header = ("backend", "eval_auc", "logloss", "best_step", "train_loss", "samples/s", "vs eager", "first_s",
-              "max loss gap")  # fmt: skip
+    header = ("backend", "val_auc", "best_step", "test_auc", "test_logloss", "train_loss", "samples/s",
+              "vs eager", "first_s", "max loss gap")  # fmt: skip
     print(f"{header[0]:<16}" + "".join(f"{h:>13}" for h in header[1:]))
     for r in rows:
         print(
-            f"{r['backend']:<16}{r['eval_auc']:>13.4f}{r['eval_logloss']:>13.4f}{r['best_step']:>13}"
+            f"{r['backend']:<16}{_num(r['val_auc'])}{r['best_step']!s:>13}"
+            f"{_num(r['test_auc'])}{_num(r['test_logloss'])}"
             f"{r['train_loss']:>13.4f}{r['samples_per_s']:>13,.0f}{r['ratio_vs_eager'] or 0:>13.2f}"
             f"{r['first_step_s']:>13.2f}{r['max_loss_gap_vs_eager'] or 0:>13.2e}"
         )
+
+
+def _num(value: float | None) -> str:
+    return f"{'none':>13}" if value is None else f"{value:>13.4f}"  # null when no evaluation was finite
 
 
 if __name__ == "__main__":

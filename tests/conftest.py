@@ -28,7 +28,8 @@ SAMPLE_TSV = REPO / "data" / "day_0_head10k.tsv.gz"
 
 @pytest.fixture(scope="session")
 def criteo_sample(tmp_path_factory):
-    """The shipped 10,000 real Criteo rows, preprocessed once per test session (8,000 train / 2,000 eval)."""
+    """The shipped 10,000 real Criteo rows, preprocessed once per test session: 8,000 train, 1,000 val,
+    1,000 test."""
     from dlrm.data.preprocess import preprocess
 
     out = tmp_path_factory.mktemp("criteo") / "sample"

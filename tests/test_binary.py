@@ -155,7 +155,8 @@ def test_truncated_or_missing_files_name_the_file(split, tmp_path):
 def test_cli_writes_every_split_and_reports_bad_input(criteo_sample, tmp_path):
     result = CliRunner().invoke(binary_cli.main, ["--data", str(criteo_sample)])
     assert result.exit_code == 0, result.output
-    assert open_binary(binary_dir(criteo_sample, "eval")).rows == 2000
+    assert open_binary(binary_dir(criteo_sample, "val")).rows == 1000
+    assert open_binary(binary_dir(criteo_sample, "test")).rows == 1000
     result = CliRunner().invoke(binary_cli.main, ["--data", str(tmp_path)])
     assert result.exit_code == 2 and result.output.startswith("error: ") and "metadata" in result.output
 
@@ -170,4 +171,4 @@ def test_preprocess_binary_flag_writes_every_split(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert open_binary(binary_dir(out, "train")).rows == 8000
-    assert open_binary(binary_dir(out, "eval")).rows == 2000
+    assert open_binary(binary_dir(out, "val")).rows == open_binary(binary_dir(out, "test")).rows == 1000

@@ -90,9 +90,10 @@ def test_batches_match_the_tsv(train_set, lines):
     assert_batch_equal(concat(loader), reference_batch(lines[:8000]))
 
 
-def test_eval_split_is_the_last_rows(data_dir, lines):
-    eval_set = open_split(data_dir, "eval")
-    assert_batch_equal(concat(BatchLoader(eval_set, batch_size=512)), reference_batch(lines[8000:]))
+def test_val_then_test_are_the_last_rows(data_dir, lines):
+    val_set, test_set = open_split(data_dir, "val"), open_split(data_dir, "test")
+    assert_batch_equal(concat(BatchLoader(val_set, batch_size=512)), reference_batch(lines[8000:9000]))
+    assert_batch_equal(concat(BatchLoader(test_set, batch_size=512)), reference_batch(lines[9000:]))
 
 
 def test_len_and_drop_last(train_set):
@@ -154,7 +155,7 @@ def test_lecture_layout_gives_the_same_batches(tmp_path, data_dir, train_set):
 
 
 def test_wrong_schema_names_file_and_missing_columns(tmp_path, data_dir):
-    table = pq.read_table(data_dir / "eval" / "part-00000.parquet").drop_columns(["I3", "C7"])
+    table = pq.read_table(data_dir / "test" / "part-00000.parquet").drop_columns(["I3", "C7"])
     pq.write_table(table, tmp_path / "broken.parquet")
     with pytest.raises(ValueError, match=r"broken.parquet: missing columns I3, C7 \(expected"):
         ParquetDataset(tmp_path)
@@ -173,18 +174,18 @@ def test_open_split_without_metadata_globs_the_split_dir(tmp_path, data_dir, tra
         (tmp_path / "train" / name).write_bytes((data_dir / "train" / name).read_bytes())
     dataset = open_split(tmp_path, "train")
     assert torch.equal(dataset.sparse, train_set.sparse)
-    with pytest.raises(FileNotFoundError, match="no \\*.parquet files in .*eval"):
-        open_split(tmp_path, "eval")
+    with pytest.raises(FileNotFoundError, match="no \\*.parquet files in .*val"):
+        open_split(tmp_path, "val")
 
 
 def test_open_split_errors(tmp_path, data_dir):
-    with pytest.raises(ValueError, match="has no split 'test'"):
-        open_split(data_dir, "test")
-    out = tmp_path / "no_eval"
-    preprocess([SAMPLE], out, eval_fraction=0.0)
-    assert load_metadata(out)["rows"] == {"train": 10000, "eval": 0}
-    with pytest.raises(ValueError, match="split 'eval' .* is empty"):
-        open_split(out, "eval")
+    with pytest.raises(ValueError, match="has no split 'eval'"):
+        open_split(data_dir, "eval")
+    out = tmp_path / "no_test"
+    preprocess([SAMPLE], out, val_fraction=0.2, test_fraction=0.0)
+    assert load_metadata(out)["rows"] == {"train": 8000, "val": 2000, "test": 0}
+    with pytest.raises(ValueError, match="split 'test' .* is empty"):
+        open_split(out, "test")
 
 
 def test_batch_to_keeps_values(train_set):

@@ -86,6 +86,9 @@ def test_nonfinite_loss_stops_with_exit_3_and_keeps_the_last_finite_checkpoint(c
         assert all(torch.isfinite(v).all() for v in best["model"].values())
     metrics = _strict_json(run / "metrics.json")
     assert metrics["stopped"] == "NonFiniteLoss" and metrics["steps"] == bad_step
+    # The test split scores best.pt's finite weights, not the non-finite last ones; none without best.pt.
+    assert (metrics["best_step"] is None) == (not (run / "checkpoints" / "best.pt").exists())
+    assert metrics["best_step"] is None or metrics["test_auc"] is not None
 
 
 def test_nonfinite_loss_before_any_checkpoint_writes_no_last_pt(criteo_sample, tmp_path):
@@ -216,7 +219,7 @@ def _wait_for(proc: subprocess.Popen, pattern: str) -> tuple[re.Match, list[str]
 
 
 def test_sigterm_writes_last_pt_and_prints_the_resume_command(criteo_sample, tmp_path):
-    config = _config(tmp_path, criteo_sample, epochs=200, max_steps=None, log_interval=1)
+    config = _config(tmp_path, criteo_sample, epochs=200, max_steps=None, log_interval=1, eval_interval=2)
     run = tmp_path / "run"
     proc = _start(config, "--output-dir", run)
     _wait_for(proc, r"step 3 \|")
@@ -228,10 +231,14 @@ def test_sigterm_writes_last_pt_and_prints_the_resume_command(criteo_sample, tmp
     resume = f"{sys.executable} -m dlrm.train --config {config} --resume {run}/checkpoints/last.pt"
     assert "SIGTERM" in line and line.endswith(f"go on with: {resume}")
     assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["step"] == step
-    assert _strict_json(run / "metrics.json")["stopped"] == "Interrupted"
+    metrics = _strict_json(run / "metrics.json")
+    assert metrics["stopped"] == "Interrupted"
+    # A signal stop still reports the selected weights on test (best.pt: an evaluation every 2 steps).
+    assert metrics["best_step"] in range(2, step + 1, 2) and 0 < metrics["test_auc"] < 1
     events = EventAccumulator(str(run))
     events.Reload()
     assert events.Scalars("train/loss")  # flushed
+    assert [e.step for e in events.Scalars("test/auc")] == [metrics["best_step"]]
 
 
 def test_sigint_stops_after_the_step_with_exit_130(criteo_sample, tmp_path, monkeypatch):
@@ -306,7 +313,8 @@ def test_resume_after_sigkill_gives_the_weights_of_an_uninterrupted_run(
         assert torch.equal(resumed["model"][key], value), key
     metrics = _strict_json(run / "metrics.json")
     assert metrics["steps"] == whole["steps"] and metrics["samples"] == whole["samples"]
-    assert metrics["eval_auc"] == whole["eval_auc"]
+    for key in ("val_auc", "best_step", "test_auc", "test_logloss", "test_ne"):
+        assert metrics[key] == whole[key], key
     events = EventAccumulator(str(run))
     events.Reload()
     steps = [e.step for e in events.Scalars("train/loss")]
@@ -472,7 +480,9 @@ def _rewrite(path: Path, change) -> None:
     pq.write_table(change(table), path)
 
 
-@pytest.mark.parametrize("fault", ["missing_column", "mistyped_column", "nan_dense", "rows", "empty_eval"])
+@pytest.mark.parametrize(
+    "fault", ["missing_column", "mistyped_column", "nan_dense", "rows", "empty_val", "empty_test", "no_test"]
+)
 @pytest.mark.parametrize("loader", ["memory", "streaming"])
 def test_bad_data_is_one_line_naming_the_file_and_nothing_is_written(criteo_sample, tmp_path, fault, loader):
     data = _copy_data(criteo_sample, tmp_path)
@@ -495,11 +505,16 @@ def test_bad_data_is_one_line_naming_the_file_and_nothing_is_written(criteo_samp
         metadata["rows"]["train"] += 1
         (data / "metadata.json").write_text(json.dumps(metadata))
         expected = f"{data}/metadata.json: split 'train' has 8001 rows, its parquet files hold 8000"
-    else:
+    elif fault in ("empty_val", "empty_test"):
+        split = fault.removeprefix("empty_")
         metadata = json.loads((data / "metadata.json").read_text())
-        metadata["files"]["eval"] = []
+        metadata["files"][split] = []
         (data / "metadata.json").write_text(json.dumps(metadata))
-        expected = "split 'eval'"
+        expected = f"split {split!r} of {data} is empty"
+    else:  # the test split's shard gone: found at set-up, not when training ends
+        shard = data / "test" / "part-00000.parquet"
+        shard.unlink()
+        expected = f"{data}: shards of split 'test' are missing: {shard}"
     config = _config(tmp_path, data, max_steps=2)
     raw = json.loads(config.read_text())
     raw["data"]["loader"] = loader

@@ -67,7 +67,7 @@ def test_merged_checkpoint_gives_the_adapted_logits_and_is_read_back(base_run, c
     assert result.exit_code == 0, result.output
     tuned, merged = (torch.load(p, weights_only=True) for p in (tuned_path, merged_path))
     assert not any(".lora_" in k for k in merged["model"]) and merged["config"]["model"]["lora"]["rank"] == 0
-    split = open_split(criteo_sample, "eval")
+    split = open_split(criteo_sample, "test")
     dense, sparse = split.dense[:64], split.sparse[:64]
     with torch.no_grad():
         logits = [
@@ -80,7 +80,7 @@ def test_merged_checkpoint_gives_the_adapted_logits_and_is_read_back(base_run, c
         evaluate_cli.main, ["--checkpoint", str(merged_path), "--data", str(criteo_sample)]
     )
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["samples"] == 2000
+    assert json.loads(result.output)["samples"] == 1000  # the test split
     cfg = replace(from_dict(merged["config"]), "train", max_steps=merged["step"] + 2)
     metrics = train_cli.train(cfg, tmp_path / "resumed", resume=merged_path)
     assert metrics["steps"] == merged["step"] + 2

@@ -106,7 +106,7 @@ def test_logistic_config_trains_alike_on_every_backend(criteo_sample, tmp_path, 
     assert np.mean(curve[-5:]) < np.mean(curve[:5])
     for name in ("compile", "triton"):
         torch.testing.assert_close(runs[name][0], curve, rtol=1e-4, atol=1e-5, msg=name)
-        assert runs[name][1]["eval_auc"] == pytest.approx(runs["eager"][1]["eval_auc"], abs=1e-4)
+        assert runs[name][1]["val_auc"] == pytest.approx(runs["eager"][1]["val_auc"], abs=1e-4)
         assert runs[name][1]["backend"] == name
     state = torch.load(tmp_path / "triton" / "checkpoints" / "last.pt", weights_only=True)
     if optimizer == "adagrad":  # the fused Adagrad's sums, [R, 1], nonzero on the rows looked up

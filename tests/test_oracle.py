@@ -45,8 +45,10 @@ def written(tmp_path_factory):
     messages = []
     sink = logger.add(messages.append, format="{message}")
     try:
-        # Blocks of 1000 rows, the eval split from row 8400: a block straddles the split boundary.
-        result = write_parquet(SMALL, 12_000, out, eval_fraction=0.3, rows_per_file=5000, block_size=1000)
+        # Blocks of 1000 rows, val from row 8400, test from row 10,200: blocks straddle both boundaries.
+        result = write_parquet(
+            SMALL, 12_000, out, val_fraction=0.15, test_fraction=0.15, rows_per_file=5000, block_size=1000
+        )
     finally:
         logger.remove(sink)
     return out, result, messages
@@ -56,8 +58,8 @@ def test_metadata_oracle_equals_the_planted_model_on_the_written_rows(written):
     out, result, messages = written
     oracle = json.loads((out / "metadata.json").read_text())["oracle"]
     assert oracle == result["oracle"]
-    assert list(oracle) == ["train", "eval"]
-    for split, rows in (("train", 8400), ("eval", 3600)):
+    assert list(oracle) == ["train", "val", "test"]
+    for split, rows in (("train", 8400), ("val", 1800), ("test", 1800)):
         dense, sparse, labels = read_split(out, split)
         # Recomputed from the parquet rows (raw counts are exact in float32; 0 where missing).
         logits = torch.from_numpy(planted_logit(SMALL, dense.astype(np.int64), sparse))
@@ -71,15 +73,15 @@ def test_metadata_oracle_equals_the_planted_model_on_the_written_rows(written):
         assert abs(got["auc"] - expected["auc"]) <= got["auc_error_bound"] + 1e-6
         assert 0.75 < got["auc"] < 0.95 and got["ne"] < 0.95
     line = next(m for m in messages if "oracle" in m)
-    assert f"eval AUC {oracle['eval']['auc']:.4f} logloss {oracle['eval']['logloss']:.4f}" in line
+    assert f"test AUC {oracle['test']['auc']:.4f} logloss {oracle['test']['logloss']:.4f}" in line
 
 
 def test_models_other_than_the_planted_one_score_worse(written):
     out, result, _ = written
-    dense, sparse, labels = read_split(out, "eval")
+    dense, sparse, labels = read_split(out, "test")
     planted = torch.from_numpy(planted_logit(SMALL, dense.astype(np.int64), sparse))
     labels = torch.from_numpy(labels)
-    best = result["oracle"]["eval"]
+    best = result["oracle"]["test"]
     generator = torch.Generator().manual_seed(0)
     noisy = direct(
         planted + 0.7 * torch.randn(planted.shape, generator=generator, dtype=torch.float64), labels
@@ -99,20 +101,20 @@ def test_models_other_than_the_planted_one_score_worse(written):
 def test_tsv_reports_the_oracle_over_all_rows(written):
     _, parquet, _ = written
     result = write_tsv(SMALL, 12_000, written[0].parent / "day.tsv", block_size=5000)
-    everything, train, eval_ = result["oracle"]["all"], parquet["oracle"]["train"], parquet["oracle"]["eval"]
+    everything, splits = result["oracle"]["all"], parquet["oracle"]
     assert everything["rows"] == 12_000
-    # The same rows: the loss of all of them is the row-weighted loss of the two splits.
+    # The same rows: the loss of all of them is the row-weighted loss of the three splits.
     assert everything["logloss"] == pytest.approx(
-        (8400 * train["logloss"] + 3600 * eval_["logloss"]) / 12_000
+        sum(split["rows"] * split["logloss"] for split in splits.values()) / 12_000
     )
 
 
 def test_empty_or_one_class_splits_have_no_auc(tmp_path):
     result = write_parquet(SMALL, 500, tmp_path / "syn", eval_fraction=0.0)
-    assert result["oracle"]["eval"] == {
+    assert result["oracle"]["test"] == {
         "auc": None, "auc_error_bound": None, "logloss": None, "ne": None, "rows": 0
     }  # fmt: skip
-    assert load_metadata(tmp_path / "syn")["oracle"]["eval"]["rows"] == 0
+    assert load_metadata(tmp_path / "syn")["oracle"]["val"]["rows"] == 0
     negatives = OracleMetrics()
     negatives.update(np.array([-1.0, 2.0]), np.array([0, 0]))
     assert negatives.result()["auc"] is None and negatives.result()["logloss"] > 0

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dlrm import evaluate as evaluate_cli
-from dlrm import parallel
+from dlrm import loop, parallel
 from dlrm.checkpoint import load_checkpoint
 from dlrm.config import ModelConfig, load_config, replace
 from dlrm.data.dataset import BatchLoader, open_split
@@ -214,6 +214,26 @@ def _sharded_tables_match_one_table_batch(kernel: str, optimizer: str, empty_las
         torch.testing.assert_close(view, rows, rtol=1e-6, atol=1e-7, msg=f"{kernel} {optimizer} {shard}")
 
 
+SCRIPTED_VAL_AUC = [0.6, 0.9, 0.7, 0.65]  # evaluations at steps 1..4: val selects step 2
+
+
+def _train_with_scripted_val(cfg, run_dir: Path) -> None:
+    """`train` with the val AUCs of SCRIPTED_VAL_AUC (the rest of each val evaluation real), so that the
+    selected weights are not the last ones: the test evaluation must load best.pt's (here the sharded
+    checkpoints/best, on every rank)."""
+    real, scripted = loop.evaluate_split, iter(SCRIPTED_VAL_AUC)
+
+    def scripted_val(run, loader, split):
+        result = real(run, loader, split)
+        return {**result, "auc": next(scripted)} if split == "val" else result
+
+    loop.evaluate_split = scripted_val
+    try:
+        train(cfg, run_dir)
+    finally:
+        loop.evaluate_split = real
+
+
 def _spawn(world_size: int, jobs: list) -> None:
     mp.spawn(_rank_main, args=(world_size, _free_port(), jobs), nprocs=world_size, join=True)
 
@@ -277,6 +297,8 @@ def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_pa
     jobs2.append((train, (streaming, tmp_path / "streaming-bf16-2", None)))
     resident = replace(_config(criteo_sample, max_steps=2), "data", loader="gpu_resident")
     jobs2.append((train, (resident, tmp_path / "resident-2", None)))
+    selecting = _config(criteo_sample, max_steps=4, eval_interval=1)
+    jobs2.append((_train_with_scripted_val, (selecting, tmp_path / "selecting-2")))
     _spawn(2, jobs2)
     _spawn(3, jobs3)
     train(_scenario_config(criteo_sample, name, 6), tmp_path / "resumed-1", half_ckpt)
@@ -294,7 +316,7 @@ def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_pa
             )
             assert metrics["step_ms_min"] <= metrics["step_ms_max"]
             torch.testing.assert_close(_losses(run), expected_losses, rtol=RTOL, atol=ATOL, msg=name)
-            for key in ("eval_auc", "eval_logloss", "eval_ne"):
+            for key in ("val_auc", "val_logloss", "val_ne", "test_auc", "test_logloss", "test_ne"):
                 assert metrics[key] == pytest.approx(expected[key], rel=1e-4), (name, world_size, key)
             plan = json.loads((run / "sharding_plan.json").read_text())
             assert plan["world_size"] == world_size
@@ -303,19 +325,34 @@ def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_pa
     for run, steps in (("streaming-bf16-2", 4), ("resident-2", 2)):
         metrics = json.loads((tmp_path / run / "metrics.json").read_text())
         assert metrics["steps"] == steps and metrics["samples"] == steps * 240, run
-        assert math.isfinite(metrics["train_loss"]) and 0 < metrics["eval_auc"] < 1, run
+        assert (
+            math.isfinite(metrics["train_loss"])
+            and 0 < metrics["val_auc"] < 1
+            and 0 < metrics["test_auc"] < 1
+        ), run
     assert sorted(p.name.split(".")[0] for p in (tmp_path / "streaming-bf16-2").glob("*.pt.trace.json")) == [
         "rank0",
         "rank1",
     ]
-    # `python -m dlrm.evaluate` reads a sharded checkpoint in one process: the metrics of the run.
-    run = tmp_path / "sgd_table_wise-2"
-    result = CliRunner().invoke(
-        evaluate_cli.main, ["--checkpoint", str(run / "checkpoints" / "best"), "--data", str(criteo_sample)]
+    # `python -m dlrm.evaluate` reads a sharded checkpoint in one process: the metrics of the run (test by
+    # default). The scripted run selected step 2 of 4 on val: its test numbers are best's weights'.
+    for run in (tmp_path / "sgd_table_wise-2", tmp_path / "selecting-2"):
+        metrics = json.loads((run / "metrics.json").read_text())
+        for split in ("test", "val"):
+            args = ["--checkpoint", run / "checkpoints" / "best", "--data", criteo_sample, "--split", split]
+            result = CliRunner().invoke(evaluate_cli.main, [str(a) for a in args])
+            assert result.exit_code == 0, result.output
+            scored = json.loads(result.output.splitlines()[-1])
+            key = "logloss" if run.name == "selecting-2" and split == "val" else "auc"  # val AUC scripted
+            assert scored[key] == pytest.approx(metrics[f"{split}_{key}"], abs=1e-6), (run, split)
+    assert metrics["best_step"] == 2 and metrics["val_auc"] == 0.9 and metrics["steps"] == 4
+    last = CliRunner().invoke(
+        evaluate_cli.main, ["--checkpoint", str(run / "checkpoints" / "last"), "--data", str(criteo_sample)]
     )
-    assert result.exit_code == 0, result.output
-    best = json.loads((run / "metrics.json").read_text())
-    assert json.loads(result.output.splitlines()[-1])["auc"] == pytest.approx(best["eval_auc"], abs=1e-6)
+    assert abs(json.loads(last.output.splitlines()[-1])["logloss"] - metrics["test_logloss"]) > 1e-4
+    events = EventAccumulator(str(run))
+    events.Reload()
+    assert [e.step for e in events.Scalars("test/auc")] == [2]
 
     reference_6 = _weights(tmp_path / "adagrad_row_wise_vocab-1" / "checkpoints" / "last.pt")
     half_weights = _weights(half_ckpt)

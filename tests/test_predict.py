@@ -47,22 +47,27 @@ def _lines() -> list[bytes]:
 
 
 def test_tsv_and_parquet_give_the_same_ctr(checkpoint, criteo_sample, tmp_path):
-    # The sample's last 2,000 lines are the preprocessed eval split.
+    # The sample's last 1,000 lines are the preprocessed test split (the default --split), the 1,000
+    # before them val.
     result = _predict(checkpoint, SAMPLE_TSV, tmp_path / "tsv.parquet", "--block-size", "3000")
     assert result.exit_code == 0, result.output
-    result = _predict(checkpoint, criteo_sample, tmp_path / "eval.parquet", "--batch-size", "700")
+    result = _predict(checkpoint, criteo_sample, tmp_path / "test.parquet", "--batch-size", "700")
+    assert result.exit_code == 0, result.output
+    result = _predict(checkpoint, criteo_sample, tmp_path / "val.parquet", "--split", "val")
     assert result.exit_code == 0, result.output
     tsv = pq.read_table(tmp_path / "tsv.parquet")
-    split = pq.read_table(tmp_path / "eval.parquet")
+    split = pq.read_table(tmp_path / "test.parquet")
     assert tsv.column_names == ["row", "logit", "ctr", "label"] == split.column_names
     assert tsv["row"].to_pylist() == list(range(10_000))
-    assert split["row"].to_pylist() == list(range(2_000))
+    assert split["row"].to_pylist() == list(range(1_000))
+    val_ctr = torch.tensor(pq.read_table(tmp_path / "val.parquet")["ctr"].to_numpy())
     labels = [float(line.split(b"\t", 1)[0]) for line in _lines()]
     assert tsv["label"].to_pylist() == labels
     ctr = torch.tensor(tsv["ctr"].to_numpy())
     assert ((ctr > 0) & (ctr < 1)).all()
     torch.testing.assert_close(torch.sigmoid(torch.tensor(tsv["logit"].to_numpy())), ctr)
-    torch.testing.assert_close(ctr[8_000:], torch.tensor(split["ctr"].to_numpy()))
+    torch.testing.assert_close(ctr[9_000:], torch.tensor(split["ctr"].to_numpy()))
+    torch.testing.assert_close(ctr[8_000:9_000], val_ctr)
 
 
 def test_unlabeled_tsv(checkpoint, tmp_path):

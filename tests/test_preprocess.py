@@ -70,15 +70,42 @@ def sample_out(tmp_path_factory) -> Path:
     return out
 
 
-def test_splits_are_the_first_80_and_last_20_percent(sample_out, lines):
+def test_splits_are_the_first_80_then_10_and_10_percent(sample_out, lines):
+    """--eval-fraction 0.2 is shorthand for val 0.1 + test 0.1: train, val, test in file order, each line
+    in exactly one split."""
     metadata = load_metadata(sample_out)
-    assert metadata["rows"] == {"train": 8000, "eval": 2000}
+    assert metadata["rows"] == {"train": 8000, "val": 1000, "test": 1000}
+    assert metadata["layout"] == "fraction"
+    assert (metadata["val_fraction"], metadata["test_fraction"]) == (0.1, 0.1)
     reference = reference_rows(lines)
-    for split, rows in (("train", slice(0, 8000)), ("eval", slice(8000, 10000))):
+    for split, rows in (("train", slice(0, 8000)), ("val", slice(8000, 9000)), ("test", slice(9000, 10000))):
         table = read_split(sample_out, split)
         for name in RAW_COLUMNS:
             assert table.column(name).to_pylist() == reference[name][rows], (split, name)
-    assert sum(np.sum(read_split(sample_out, s).column(LABEL).to_numpy()) for s in ("train", "eval")) == 265
+    splits = ("train", "val", "test")
+    assert sum(np.sum(read_split(sample_out, s).column(LABEL).to_numpy()) for s in splits) == 265
+
+
+def test_val_and_test_fractions_cut_the_tail_in_file_order(tmp_path, lines):
+    """--val-fraction 0.15 --test-fraction 0.05 of 1,000 lines: train 800, val 150, test the last 50; no
+    line in two splits (the rows, numbered by I1 = line number, partition 0..999 in order)."""
+    fields = [line.split("\t") for line in lines[:1000]]
+    numbered = ["\t".join([f[0], str(i), *f[2:]]) for i, f in enumerate(fields)]
+    out = tmp_path / "out"
+    metadata = preprocess(
+        [write_tsv(tmp_path / "x.tsv", numbered)], out, val_fraction=0.15, test_fraction=0.05
+    )
+    assert metadata["rows"] == {"train": 800, "val": 150, "test": 50}
+    assert (metadata["val_fraction"], metadata["test_fraction"]) == (0.15, 0.05)
+    ids = {s: read_split(out, s).column("I1").to_pylist() for s in ("train", "val", "test")}
+    assert ids["train"] + ids["val"] + ids["test"] == list(range(1000))
+    assert ids["val"] == list(range(800, 950)) and ids["test"] == list(range(950, 1000))
+
+
+def test_default_fractions_are_a_tenth_each(tmp_path, lines):
+    metadata = preprocess([write_tsv(tmp_path / "x.tsv", lines[:100])], tmp_path / "out")
+    assert metadata["rows"] == {"train": 80, "val": 10, "test": 10}
+    assert (metadata["val_fraction"], metadata["test_fraction"]) == (0.1, 0.1)
 
 
 def test_parquet_schema(sample_out):
@@ -92,7 +119,7 @@ def test_parquet_schema(sample_out):
 def test_hex_values_are_unsigned_32_bit(tmp_path, lines):
     line = corrupt(corrupt(lines, 1, 14, "ffffffff"), 1, 15, "")[0]
     out = tmp_path / "out"
-    preprocess([write_tsv(tmp_path / "x.tsv", [line, line])], out, eval_fraction=0.0)
+    preprocess([write_tsv(tmp_path / "x.tsv", [line, line])], out, val_fraction=0.0, test_fraction=0.0)
     table = read_split(out, "train")
     assert table.column("C1").to_pylist() == [4294967295, 4294967295]
     assert table.column("C2").to_pylist() == [-1, -1]
@@ -103,13 +130,15 @@ def test_metadata_matches_reference(sample_out, lines):
     assert metadata["version"] == __version__
     assert metadata["source"] == [str(SAMPLE)]
     assert metadata["skipped_lines"] == 0
-    assert metadata["files"] == {"train": ["train/part-00000.parquet"], "eval": ["eval/part-00000.parquet"]}
-    train, evaluation = (
+    assert metadata["files"] == {s: [f"{s}/part-00000.parquet"] for s in ("train", "val", "test")}
+    train, val, test = (
         [line.split("\t") for line in lines[:8000]],
-        [line.split("\t") for line in lines[8000:]],
+        [line.split("\t") for line in lines[8000:9000]],
+        [line.split("\t") for line in lines[9000:]],
     )
     assert metadata["positive_rate"]["train"] == pytest.approx(sum(int(f[0]) for f in train) / 8000)
-    assert metadata["positive_rate"]["eval"] == pytest.approx(sum(int(f[0]) for f in evaluation) / 2000)
+    assert metadata["positive_rate"]["val"] == pytest.approx(sum(int(f[0]) for f in val) / 1000)
+    assert metadata["positive_rate"]["test"] == pytest.approx(sum(int(f[0]) for f in test) / 1000)
     for i, name in enumerate(SPARSE_COLUMNS, start=14):
         assert metadata["categorical"][name]["cardinality"] == len({f[i] for f in train if f[i]}), name
     for i, name in enumerate(DENSE_COLUMNS, start=1):
@@ -123,10 +152,10 @@ def test_metadata_matches_reference(sample_out, lines):
 def test_shards_and_small_blocks_give_the_same_rows(tmp_path, sample_out):
     # 260-line blocks that do not divide the shards, exercising the block bookkeeping.
     out = tmp_path / "out"
-    metadata = preprocess([SAMPLE], out, rows_per_file=3000, block_size=260, workers=3)
+    metadata = preprocess([SAMPLE], out, eval_fraction=0.2, rows_per_file=3000, block_size=260, workers=3)
     assert metadata["files"]["train"] == [f"train/part-{i:05d}.parquet" for i in range(3)]
     assert [pq.read_metadata(out / f).num_rows for f in metadata["files"]["train"]] == [3000, 3000, 2000]
-    assert metadata["files"]["eval"] == ["eval/part-00000.parquet"]
+    assert metadata["files"]["test"] == ["test/part-00000.parquet"]
     reference = load_metadata(sample_out)
     assert metadata["rows"] == reference["rows"]
     assert metadata["categorical"] == reference["categorical"]
@@ -134,7 +163,7 @@ def test_shards_and_small_blocks_give_the_same_rows(tmp_path, sample_out):
     for name in DENSE_COLUMNS:
         # Sums taken block by block differ in the last bits.
         assert metadata["dense"][name] == pytest.approx(reference["dense"][name], rel=1e-12), name
-    for split in ("train", "eval"):
+    for split in ("train", "val", "test"):
         assert read_split(out, split).equals(read_split(sample_out, split))
 
 
@@ -147,8 +176,8 @@ def test_several_inputs_split_by_position_over_all_lines(tmp_path, lines, sample
     out = tmp_path / "out"
     metadata = preprocess([first, second], out)
     assert metadata["source"] == [str(first), str(second)]
-    assert metadata["rows"] == {"train": 8000, "eval": 2000}
-    for split in ("train", "eval"):
+    assert metadata["rows"] == {"train": 8000, "val": 1000, "test": 1000}
+    for split in ("train", "val", "test"):
         assert read_split(out, split).equals(read_split(sample_out, split))
 
 
@@ -159,7 +188,7 @@ def test_existing_output_dir_needs_overwrite(tmp_path, lines):
     with pytest.raises(PreprocessError, match="already exists"):
         preprocess([tsv], out)
     metadata = preprocess([write_tsv(tmp_path / "y.tsv", lines[:50])], out, overwrite=True)
-    assert load_metadata(out)["rows"] == metadata["rows"] == {"train": 40, "eval": 10}
+    assert load_metadata(out)["rows"] == metadata["rows"] == {"train": 40, "val": 5, "test": 5}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "x.tsv", "y.tsv"]
 
     unrelated = tmp_path / "unrelated"
@@ -172,8 +201,18 @@ def test_existing_output_dir_needs_overwrite(tmp_path, lines):
 
 def test_bad_arguments(tmp_path, lines):
     tsv = write_tsv(tmp_path / "x.tsv", lines[:10])
-    with pytest.raises(PreprocessError, match="eval fraction"):
+    with pytest.raises(PreprocessError, match="--eval-fraction must be in"):
         preprocess([tsv], tmp_path / "out", eval_fraction=1.0)
+    with pytest.raises(PreprocessError, match="--val-fraction must be in"):
+        preprocess([tsv], tmp_path / "out", val_fraction=-0.1)
+    with pytest.raises(PreprocessError, match="--test-fraction must be in"):
+        preprocess([tsv], tmp_path / "out", test_fraction=1.0)
+    with pytest.raises(PreprocessError, match=r"--val-fraction 0.5 \+ --test-fraction 0.5 must be below 1"):
+        preprocess([tsv], tmp_path / "out", val_fraction=0.5, test_fraction=0.5)
+    with pytest.raises(PreprocessError, match="--eval-fraction F is shorthand"):
+        preprocess([tsv], tmp_path / "out", eval_fraction=0.2, test_fraction=0.1)
+    with pytest.raises(PreprocessError, match="--val-fraction: only for --layout fraction"):
+        preprocess([tsv], tmp_path / "out", layout="kaggle", val_fraction=0.1)
     with pytest.raises(PreprocessError, match="rows per file"):
         preprocess([tsv], tmp_path / "out", rows_per_file=0)
     with pytest.raises(PreprocessError, match="no input files"):
@@ -306,14 +345,18 @@ def test_skip_bad_lines(tmp_path, lines, block_size):
     metadata = preprocess([tsv], out, skip_bad_lines=True, block_size=block_size)
     assert metadata["skipped_lines"] == 6
 
-    # The split is by line position: 10,001 lines -> lines 1..8001 train, 8002..10001 eval.
+    # The split is by line position: 10,001 lines -> lines 1..8001 train, 8002..9001 val, 9002.. test.
     good = [
         (i, line) for i, line in enumerate(corrupted, start=1) if i not in {17, 300, 4000, 5001, 9501, 10001}
     ]
-    train = [line for i, line in good if i <= 8001]
-    evaluation = [line for i, line in good if i > 8001]
-    assert metadata["rows"] == {"train": len(train), "eval": len(evaluation)} == {"train": 7997, "eval": 1998}
-    for split, expected in (("train", train), ("eval", evaluation)):
+    expected_rows = {
+        "train": [line for i, line in good if i <= 8001],
+        "val": [line for i, line in good if 8001 < i <= 9001],
+        "test": [line for i, line in good if i > 9001],
+    }
+    assert metadata["rows"] == {split: len(rows) for split, rows in expected_rows.items()}
+    assert metadata["rows"] == {"train": 7997, "val": 1000, "test": 998}
+    for split, expected in expected_rows.items():
         table = read_split(out, split)
         reference = reference_rows(expected)
         for name in RAW_COLUMNS:
@@ -343,7 +386,7 @@ def test_kaggle_layout_cuts_seven_days_and_halves_the_last(tmp_path, lines):
     day 6 (1428 lines) halved into val then test."""
     out = tmp_path / "kaggle"
     metadata = preprocess([SAMPLE], out, layout="kaggle", rows_per_file=3000)
-    assert metadata["layout"] == "kaggle" and metadata["eval_fraction"] is None
+    assert metadata["layout"] == "kaggle" and metadata["val_fraction"] is metadata["test_fraction"] is None
     assert metadata["rows"] == {"train": 8572, "val": 714, "test": 714}
     reference = reference_rows(lines)
     for split, rows in (("train", slice(0, 8572)), ("val", slice(8572, 9286)), ("test", slice(9286, 10000))):

@@ -235,7 +235,7 @@ def test_a_partial_run_being_written_by_another_process_is_refused(tmp_path, mon
         holder.kill()
         holder.wait()
     preprocess([SAMPLE], tmp_path / "out")
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["eval", "metadata.json", "train"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["metadata.json", "test", "train", "val"]
 
 
 def test_a_partial_run_with_other_arguments_is_started_anew(tmp_path, monkeypatch):
@@ -314,7 +314,7 @@ def test_bad_line_deep_in_a_large_gz_stream_is_skipped_and_counted(tmp_path, bad
         [path], tmp_path / "out", skip_bad_lines=True, eval_fraction=0.0, rows_per_file=60_000
     )
     assert metadata["skipped_lines"] == 1
-    assert metadata["rows"] == {"train": BIG_LINES - 1, "eval": 0}
+    assert metadata["rows"] == {"train": BIG_LINES - 1, "val": 0, "test": 0}
     assert [pq.read_metadata(tmp_path / "out" / f).num_rows for f in metadata["files"]["train"]] == [
         60_000, 60_000, 59_999, 20_000,
     ]  # fmt: skip
@@ -362,7 +362,7 @@ def write_lines(path: Path, lines: list[str]) -> Path:
     [
         ("kaggle", [0, 4100, 10_000], {"train": 8572, "val": 714, "test": 714}),
         ("terabyte", [0, 3000, 6000, 9000, 10_000], {"train": 9000, "val": 500, "test": 500}),
-        ("fraction", [0, 2500, 7999, 10_000], {"train": 8000, "eval": 2000}),
+        ("fraction", [0, 2500, 7999, 10_000], {"train": 8000, "val": 1000, "test": 1000}),
     ],
 )
 def test_split_layouts_are_row_exact_across_blocks_shards_and_files(tmp_path, layout, cuts, expected):

@@ -48,8 +48,8 @@ def test_bar_on_a_terminal(command, tmp_path):
     output = b"".join(chunks).decode("utf-8", "replace")
     assert BAR in output and "\r" in output
     assert "epoch 0: 4/4 steps" in output and "samples/s" in output and "loss 0." in output
-    assert "eval eval" in output  # the evaluation's bar
-    assert "eval auc" in output  # log lines still print, above the bar
+    assert "eval val" in output and "eval test" in output  # the evaluations' bars
+    assert "val auc" in output and "test (weights of step" in output  # log lines still print, above the bar
 
 
 def test_log_lines_when_not_a_terminal(command, tmp_path):
@@ -58,7 +58,8 @@ def test_log_lines_when_not_a_terminal(command, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert BAR not in result.stdout + result.stderr and "\r" not in result.stdout + result.stderr
-    for line in ("reading ", "building the model", "epoch 0 step 4 | loss", "evaluating on eval", "eval auc"):
+    lines = ("reading ", "building the model", "epoch 0 step 4 | loss", "evaluating on val", "val auc")
+    for line in (*lines, "evaluating on test", "test (weights of step"):
         assert line in result.stderr, line
 
 

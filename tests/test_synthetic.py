@@ -61,20 +61,21 @@ def test_tsv_is_raw_criteo_that_preprocess_reads(tmp_path):
     assert any(row[1].startswith("-") for row in dense)  # I2 may be negative
 
     metadata = preprocess([path], tmp_path / "pre", eval_fraction=0.25)
-    assert metadata["rows"] == {"train": 3000, "eval": 1000}
+    assert metadata["rows"] == {"train": 3000, "val": 500, "test": 500}
     assert metadata["skipped_lines"] == 0
 
 
 def test_parquet_is_what_preprocess_makes_of_the_tsv(tmp_path):
     config = SyntheticConfig(preset_cardinalities("terabyte", 5000), seed=2, ctr=0.2)
     write_tsv(config, 3000, tmp_path / "day.tsv", block_size=700)
-    preprocess([tmp_path / "day.tsv"], tmp_path / "pre", eval_fraction=0.3, rows_per_file=1000)
-    written = write_parquet(
-        config, 3000, tmp_path / "syn", eval_fraction=0.3, rows_per_file=1000, block_size=900
-    )
+    # Uneven fractions and a block size that cuts through the split points: 2100 / 600 / 300 rows.
+    fractions = {"val_fraction": 0.2, "test_fraction": 0.1}
+    preprocess([tmp_path / "day.tsv"], tmp_path / "pre", rows_per_file=1000, **fractions)
+    written = write_parquet(config, 3000, tmp_path / "syn", rows_per_file=1000, block_size=900, **fractions)
+    assert written["rows"] == {"train": 2100, "val": 600, "test": 300}
 
     expected, actual = load_metadata(tmp_path / "pre"), load_metadata(tmp_path / "syn")
-    assert actual.pop("oracle").keys() == {"train", "eval"}  # what preprocess cannot know
+    assert actual.pop("oracle").keys() == {"train", "val", "test"}  # what preprocess cannot know
     assert actual.keys() == expected.keys()
     assert {k: v for k, v in actual.items() if k != "source"} == {
         k: v for k, v in expected.items() if k != "source"
@@ -82,15 +83,15 @@ def test_parquet_is_what_preprocess_makes_of_the_tsv(tmp_path):
     assert {k: written[k] for k in ("rows", "files", "categorical")} == {
         k: actual[k] for k in ("rows", "files", "categorical")
     }
-    for split in ("train", "eval"):
+    for split in ("train", "val", "test"):
         for file in actual["files"][split]:
             assert pq.read_table(tmp_path / "syn" / file).equals(pq.read_table(tmp_path / "pre" / file))
 
 
 def test_parquet_loads_with_the_dataset_and_loader(tmp_path):
     write_parquet(SMALL, 5000, tmp_path / "syn", block_size=2048)
-    train, eval_ = open_split(tmp_path / "syn", "train"), open_split(tmp_path / "syn", "eval")
-    assert (train.num_rows, eval_.num_rows) == (4000, 1000)
+    train, val, test = (open_split(tmp_path / "syn", s) for s in ("train", "val", "test"))
+    assert (train.num_rows, val.num_rows, test.num_rows) == (4000, 500, 500)
     batches = list(BatchLoader(train, batch_size=512, shuffle=True))
     assert len(batches) == 8
     assert batches[0].dense.shape == (512, NUM_DENSE) and batches[0].dense.dtype == torch.float32
@@ -143,8 +144,8 @@ def test_ids_follow_the_cardinalities_and_are_skewed():
 
 def test_planted_signal_is_learnable(tmp_path):
     torch.manual_seed(0)
-    write_parquet(SMALL, 20_000, tmp_path / "syn")
-    train, eval_ = open_split(tmp_path / "syn", "train"), open_split(tmp_path / "syn", "eval")
+    write_parquet(SMALL, 20_000, tmp_path / "syn", val_fraction=0.0, test_fraction=0.2)  # 4000 held out
+    train, eval_ = open_split(tmp_path / "syn", "train"), open_split(tmp_path / "syn", "test")
 
     # Logistic regression: one weight per (column, id mod P) plus a linear term in the dense features,
     # full-batch Adam.
@@ -198,7 +199,7 @@ def test_cli_writes_tsv_and_parquet(tmp_path):
     args = ["--rows", "1000", "--output-dir", str(tmp_path / "d"), "--eval-fraction", "0.1"]
     result = runner.invoke(main, [*args, "--cardinalities", "terabyte", "--max-cardinality", "1000"])
     assert result.exit_code == 0, result.output
-    assert load_metadata(tmp_path / "d")["rows"] == {"train": 900, "eval": 100}
+    assert load_metadata(tmp_path / "d")["rows"] == {"train": 900, "val": 50, "test": 50}
     # An existing output is kept unless --overwrite.
     assert runner.invoke(main, args).exit_code == 2
     assert runner.invoke(main, [*args, "--overwrite", "--seed", "1"]).exit_code == 0
@@ -216,7 +217,17 @@ def test_cli_writes_tsv_and_parquet(tmp_path):
         (["--rows", "10", "--output", "a.tsv", "--max-cardinality", "0"], "max cardinality"),
         (["--rows", "10", "--output", "a.tsv", "--ctr", "1.5"], "ctr must be in (0, 1)"),
         (["--rows", "10", "--output", "a.tsv", "--seed", "-1"], "seed must be non-negative"),
-        (["--rows", "10", "--output-dir", "d", "--eval-fraction", "1"], "eval fraction"),
+        (["--rows", "10", "--output-dir", "d", "--eval-fraction", "1"], "--eval-fraction must be in"),
+        (["--rows", "10", "--output-dir", "d", "--test-fraction", "-1"], "--test-fraction must be in"),
+        (["--rows", "10", "--output-dir", "d", "--val-fraction", "0.6", "--test-fraction", "0.4"], "below 1"),
+        (
+            ["--rows", "10", "--output-dir", "d", "--eval-fraction", "0.2", "--val-fraction", "0.1"],
+            "shorthand",
+        ),
+        (
+            ["--rows", "10", "--output", "a.tsv", "--val-fraction", "0.1"],
+            "--val-fraction: only with --output-dir",
+        ),
         (["--rows", "1", "--output-dir", "d", "--eval-fraction", "0.9"], "no train rows"),
         (["--rows", "10", "--output", "missing/a.tsv"], "no such directory"),
         (["--rows", "10", "--output", "a.tsv", "--cardinalities", "huge"], "huge"),

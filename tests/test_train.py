@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dlrm import evaluate as evaluate_cli
+from dlrm import loop
 from dlrm import train as train_cli
 from dlrm.config import load_config, replace
 from dlrm.data.binary import write_binary
@@ -42,15 +43,22 @@ def test_tiny_run_writes_events_trace_checkpoints_and_metrics(criteo_sample, tmp
         "steps",
         "samples",
         "train_loss",
-        "eval_auc",
-        "eval_logloss",
+        "val_auc",
+        "val_logloss",
+        "val_ne",
+        "best_step",
+        "test_auc",
+        "test_logloss",
+        "test_ne",
         "samples_per_s",
         "wall_s",
         "backend",
     }
     assert expected <= set(metrics)
     assert metrics["steps"] == 8 and metrics["samples"] == 8 * 256 and metrics["backend"] == "eager"
-    assert 0.0 < metrics["eval_auc"] < 1.0 and metrics["eval_logloss"] > 0
+    assert 0.0 < metrics["val_auc"] < 1.0 and metrics["val_logloss"] > 0 and metrics["val_ne"] > 0
+    assert 0.0 < metrics["test_auc"] < 1.0 and metrics["test_logloss"] > 0 and metrics["test_ne"] > 0
+    assert not any(key.startswith("eval_") and key != "eval_s" for key in metrics)
     assert json.loads((run / "config.json").read_text())["name"] == "tiny"
     assert list(run.glob("events.out.tfevents.*"))
     traces = list(run.glob("*.pt.trace.json"))
@@ -69,17 +77,133 @@ def test_tiny_run_writes_events_trace_checkpoints_and_metrics(criteo_sample, tmp
         assert stage in trace_names, stage
     events = EventAccumulator(str(run))
     events.Reload()
-    for tag in ("train/loss", "eval/auc", "eval/logloss", "perf/samples_per_s", "train/lr"):
+    for tag in (
+        "train/loss",
+        "perf/samples_per_s",
+        "train/lr",
+        *(f"{s}/{k}" for s in ("val", "test") for k in AUC_NE),
+    ):
         assert tag in events.Tags()["scalars"], tag
     state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
     assert state["step"] == 8 and "optimizer" in state
 
+    # python -m dlrm.evaluate: --split test by default, the numbers metrics.json reports.
+    for extra, split in (([], "test"), (["--split", "val"], "val")):
+        result = _evaluate(run / "checkpoints" / "best.pt", criteo_sample, *extra)
+        assert result["split"] == split and result["samples"] == 1000
+        for key in AUC_NE:
+            assert result[key] == pytest.approx(metrics[f"{split}_{key}"], abs=1e-6), (split, key)
+
+
+AUC_NE = ("auc", "logloss", "ne")
+
+
+def _evaluate(checkpoint, data_dir, *extra) -> dict:
     result = CliRunner().invoke(
-        evaluate_cli.main,
-        ["--checkpoint", str(run / "checkpoints" / "best.pt"), "--data", str(criteo_sample)],
+        evaluate_cli.main, ["--checkpoint", str(checkpoint), "--data", str(data_dir), *extra]
     )
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["auc"] == pytest.approx(metrics["eval_auc"], abs=1e-6)
+    return json.loads(result.output)
+
+
+def _scalars(run_dir, tag: str) -> list[tuple[int, float]]:
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def test_selection_reads_val_only_and_test_reports_the_selected_weights(criteo_sample, tmp_path, monkeypatch):
+    """Val AUCs scripted to peak at step 4 (evaluations every 2 steps, patience 2: early stop at step 8),
+    while the weights go on changing: best_step, best.pt and val_* follow val alone; test is read once, at
+    the end, and test_* are the real test metrics of best.pt's weights (step 4), not of the last ones."""
+    scripted, calls = iter([0.60, 0.80, 0.70, 0.65]), []
+    real = loop.evaluate_split
+
+    def scripted_val(run, loader, split):
+        calls.append(split)
+        result = real(run, loader, split)
+        return {**result, "auc": next(scripted)} if split == "val" else result
+
+    monkeypatch.setattr(loop, "evaluate_split", scripted_val)
+    run = tmp_path / "run"
+    cfg = _tiny(criteo_sample, max_steps=12, eval_interval=2, patience=2, log_interval=2)
+    metrics = train_cli.train(
+        dataclasses.replace(cfg, profiler=dataclasses.replace(cfg.profiler, enabled=False)), run
+    )
+    assert calls == ["val"] * 4 + ["test"]
+    assert metrics["steps"] == 8 and metrics["stopped"] is None  # early stopping, 4 short of max_steps
+    assert metrics["best_step"] == 4 and metrics["val_auc"] == 0.80 and metrics["last_val_auc"] == 0.65
+    assert torch.load(run / "checkpoints" / "best.pt", weights_only=True)["step"] == 4
+
+    selected = _evaluate(run / "checkpoints" / "best.pt", criteo_sample)
+    last = _evaluate(run / "checkpoints" / "last.pt", criteo_sample)
+    for key in AUC_NE:
+        assert metrics[f"test_{key}"] == pytest.approx(selected[key], abs=1e-6), key
+    assert abs(last["logloss"] - selected["logloss"]) > 1e-4  # the last weights would report otherwise
+    assert [step for step, _ in _scalars(run, "val/auc")] == [2, 4, 6, 8]
+    assert _scalars(run, "test/auc") == [(4, pytest.approx(metrics["test_auc"]))]
+    assert _scalars(run, "test/ne") == [(4, pytest.approx(metrics["test_ne"]))]
+
+
+def test_a_run_resumed_elsewhere_reports_test_of_the_best_it_resumed_with(
+    criteo_sample, tmp_path, monkeypatch
+):
+    """Resumed into another directory with no better val evaluation after it: the selected weights are the
+    first run's best.pt (step 4), which the test evaluation loads from there."""
+    train_cli.train(_tiny(criteo_sample, max_steps=4), tmp_path / "first")
+    real = loop.evaluate_split
+
+    def worse_val(run, loader, split):  # every later val evaluation worse than the first run's best
+        result = real(run, loader, split)
+        return {**result, "auc": 0.01} if split == "val" else result
+
+    monkeypatch.setattr(loop, "evaluate_split", worse_val)
+    resume = tmp_path / "first" / "checkpoints" / "last.pt"
+    metrics = train_cli.train(_tiny(criteo_sample, max_steps=8), tmp_path / "second", resume=resume)
+    assert metrics["best_step"] == 4 and not (tmp_path / "second" / "checkpoints" / "best.pt").exists()
+    selected = _evaluate(tmp_path / "first" / "checkpoints" / "best.pt", criteo_sample)
+    for key in AUC_NE:
+        assert metrics[f"test_{key}"] == pytest.approx(selected[key], abs=1e-6), key
+
+
+def test_no_finite_val_evaluation_reports_null_test_numbers(criteo_sample, tmp_path, monkeypatch):
+    """Without a finite val evaluation there is no best.pt and no selected weights: test_* are null
+    (strict JSON), and the test split is never read."""
+    calls = []
+
+    def nan_val(run, loader, split):
+        calls.append(split)
+        return {"auc": float("nan"), "logloss": float("nan"), "ne": float("nan"), "samples": 1000}
+
+    monkeypatch.setattr(loop, "evaluate_split", nan_val)
+    metrics = train_cli.train(_tiny(criteo_sample, max_steps=4), tmp_path / "run")
+    assert calls == ["val"] and not (tmp_path / "run" / "checkpoints" / "best.pt").exists()
+    on_disk = json.loads((tmp_path / "run" / "metrics.json").read_text(), parse_constant=pytest.fail)
+    for key in ("val_auc", "best_step", "test_auc", "test_logloss", "test_ne"):
+        assert on_disk[key] is None and metrics[key] is None, key
+
+
+def test_a_train_eval_directory_of_an_older_preprocess_is_refused(criteo_sample, tmp_path):
+    """Splits train / eval (no val / test): training and evaluate stop with one line that says how to
+    write the directory again, instead of selecting on the split they report."""
+    old = tmp_path / "old"
+    old.mkdir()
+    metadata = json.loads((criteo_sample / "metadata.json").read_text())
+    (old / "train").symlink_to(criteo_sample / "train")
+    (old / "eval").symlink_to(criteo_sample / "val")
+    files, rows = metadata["files"], metadata["rows"]
+    metadata["files"] = {"train": files["train"], "eval": [f.replace("val/", "eval/") for f in files["val"]]}
+    metadata["rows"] = {"train": rows["train"], "eval": rows["val"]}
+    (old / "metadata.json").write_text(json.dumps(metadata))
+    command = f"re-run: python -m dlrm.data.preprocess --input {REPO / 'data' / 'day_0_head10k.tsv.gz'} "
+    command += f"--output-dir {old} --overwrite"
+    with pytest.raises(ValueError, match=f"{old} has splits train, eval, no val / test") as err:
+        train_cli.train(_tiny(old, max_steps=2), tmp_path / "run")
+    assert str(err.value).endswith(command) and not (tmp_path / "run").exists()
+    result = CliRunner().invoke(
+        evaluate_cli.main, ["--checkpoint", str(tmp_path / "none.pt"), "--data", str(old)]
+    )
+    assert result.exit_code == 2 and result.output.strip().endswith(command)
 
 
 def _loss_curves(
@@ -119,7 +243,7 @@ def test_adagrad_and_vocab_hashing_train(criteo_sample, tmp_path):
     cfg = _tiny(criteo_sample, optimizer="adagrad", lr=0.05)
     cfg = replace(cfg, "model", hashing="vocab")
     metrics = train_cli.train(cfg, tmp_path / "run")
-    assert metrics["steps"] == 8 and 0.0 < metrics["eval_auc"] < 1.0
+    assert metrics["steps"] == 8 and 0.0 < metrics["val_auc"] < 1.0 and 0.0 < metrics["test_auc"] < 1.0
 
 
 @pytest.mark.parametrize(
@@ -167,7 +291,7 @@ def test_kaggle_layout_trains_and_selects_on_val(tmp_path):
     data = tmp_path / "kaggle"
     preprocess([REPO / "data" / "day_0_head10k.tsv.gz"], data, layout="kaggle")
     metrics = train_cli.train(_tiny(data, max_steps=4), tmp_path / "run")
-    assert metrics["eval_split"] == "val" and metrics["eval_samples"] == 714
+    assert metrics["val_samples"] == metrics["test_samples"] == 714
     result = CliRunner().invoke(
         evaluate_cli.main,
         [
@@ -185,7 +309,7 @@ def test_kaggle_layout_trains_and_selects_on_val(tmp_path):
 
 def test_bf16_precision_trains(criteo_sample, tmp_path):
     metrics = train_cli.train(_tiny(criteo_sample, precision="bf16", max_steps=4), tmp_path / "run")
-    assert metrics["steps"] == 4 and math.isfinite(metrics["train_loss"]) and 0.0 < metrics["eval_auc"] < 1.0
+    assert metrics["steps"] == 4 and math.isfinite(metrics["train_loss"]) and 0.0 < metrics["test_auc"] < 1.0
 
 
 @pytest.mark.gpu
@@ -259,7 +383,8 @@ def test_resume_gives_the_weights_of_an_uninterrupted_run(criteo_sample, tmp_pat
     assert resumed["step"] == whole["step"] == 8 and metrics["samples"] == 8 * 256  # the whole run
     for key, value in whole["model"].items():
         torch.testing.assert_close(resumed["model"][key], value, rtol=1e-6, atol=1e-7, msg=key)
-    assert metrics["eval_auc"] == pytest.approx(whole_metrics["eval_auc"], abs=1e-6)
+    for key in ("val_auc", "best_step", "test_auc", "test_logloss"):
+        assert metrics[key] == pytest.approx(whole_metrics[key], abs=1e-6), key
 
 
 def test_resume_refuses_another_model(criteo_sample, tmp_path):

@@ -218,7 +218,7 @@ def _is_numeric(dtype: pa.DataType) -> bool:
 
 
 def open_split(data_dir: Path | str, split: str) -> ParquetDataset:
-    """The `split` ("train", "eval", ...) of a preprocessed data directory, in memory (see `split_paths`)."""
+    """The `split` ("train", "val", "test") of a preprocessed data directory, in memory (`split_paths`)."""
     return ParquetDataset(split_paths(data_dir, split))
 
 
@@ -237,7 +237,9 @@ def split_paths(data_dir: Path | str, split: str) -> list[Path]:
     if split not in files:
         raise ValueError(f"{data_dir}/metadata.json has no split {split!r} (it has {', '.join(files)})")
     if not files[split]:
-        raise ValueError(f"split {split!r} of {data_dir} is empty (preprocessed with --eval-fraction 0?)")
+        raise ValueError(
+            f"split {split!r} of {data_dir} is empty (preprocessed with a --{split}-fraction of 0?)"
+        )
     return [data_dir / f for f in files[split]]
 
 

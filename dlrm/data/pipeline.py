@@ -41,16 +41,22 @@ PARSE_LINES = 1 << 15
 _COUNTER_POLL_S = 0.02
 
 
-def split_starts(layout: str, line_counts: list[int], eval_fraction: float) -> list[tuple[str, int]]:
-    """The splits of `layout` in file order, as (name, 0-based first line over all inputs); each runs to
-    the next one's first line (see dlrm.data.preprocess's docstring). Raises PreprocessError for an unknown
-    layout or, for terabyte, fewer than two inputs.
+def split_starts(
+    layout: str, line_counts: list[int], val_fraction: float = 0.0, test_fraction: float = 0.0
+) -> list[tuple[str, int]]:
+    """The splits of `layout` in file order, train / val / test, as (name, 0-based first line over all
+    inputs); each runs to the next one's first line (see dlrm.data.preprocess's docstring). Layout
+    "fraction": test is the last round(total * test_fraction) lines, val the round(total * (val_fraction
+    + test_fraction)) - that before it (fractions checked by dlrm.data.splits.held_out_fractions). Raises
+    PreprocessError for an unknown layout or, for terabyte, fewer than two inputs.
 
     Every first line is non-decreasing in each line count, so counts that are lower bounds of the true
     ones give lower bounds of the true first lines."""
     total = sum(line_counts)
     if layout == "fraction":
-        return [("train", 0), ("eval", total - round(total * eval_fraction))]
+        # Both cuts round from the end, so val + test is the rounded held-out share, never one line off it.
+        test = total - round(total * test_fraction)
+        return [("train", 0), ("val", total - round(total * (val_fraction + test_fraction))), ("test", test)]
     if layout == "kaggle":
         per_day, longer_days = divmod(total, 7)
         held_out = 6 * per_day + min(6, longer_days)  # first line of day 6
@@ -67,7 +73,8 @@ def write_splits(
     inputs: Sequence[Path],
     partial: PartialDir,
     layout: str,
-    eval_fraction: float,
+    val_fraction: float,
+    test_fraction: float,
     rows_per_file: int,
     skip_bad_lines: bool,
     block_size: int,
@@ -80,15 +87,15 @@ def write_splits(
 
     Returns:
         The metadata of `build_metadata`, with "min_frequency" and the columns' "vocab" and "vocab_size"
-        when `min_frequency` is given (without "layout" and "eval_fraction").
+        when `min_frequency` is given (without "layout", "val_fraction" and "test_fraction").
     Raises:
         PreprocessError: a missing, empty or truncated input, a malformed line (without `skip_bad_lines`),
             or no train rows.
         OSError: a shard or file could not be written.
     """
     run = _Run(
-        list(inputs), partial, layout, eval_fraction, rows_per_file, skip_bad_lines, block_size, workers,
-        min_frequency, exact_distinct_limit,
+        list(inputs), partial, layout, (val_fraction, test_fraction), rows_per_file, skip_bad_lines,
+        block_size, workers, min_frequency, exact_distinct_limit,
     )  # fmt: skip
     return run.execute()
 
@@ -101,7 +108,7 @@ class _Run:
         inputs: list[Path],
         partial: PartialDir,
         layout: str,
-        eval_fraction: float,
+        fractions: tuple[float, float],
         rows_per_file: int,
         skip_bad_lines: bool,
         block_size: int,
@@ -110,13 +117,13 @@ class _Run:
         exact_distinct_limit: int,
     ) -> None:
         self.inputs, self.partial, self.root = inputs, partial, partial.path
-        self.layout, self.eval_fraction = layout, eval_fraction
+        self.layout, self.fractions = layout, fractions  # (val, test): layout "fraction"
         self.rows_per_file, self.skip_bad_lines = rows_per_file, skip_bad_lines
         self.block_size, self.workers, self.min_frequency = block_size, workers, min_frequency
         partial.progress_dir.mkdir(exist_ok=True)
         shutil.rmtree(partial.counts_dir, ignore_errors=True)  # a stopped run's: resumed shards count again
         counts_dir = partial.counts_dir if min_frequency is not None else None
-        self.names = [name for name, _ in split_starts(layout, [1] * len(inputs), eval_fraction)]
+        self.names = [name for name, _ in split_starts(layout, [1] * len(inputs), *fractions)]
         self.writers = {
             name: SplitWriter(
                 self.root,
@@ -175,7 +182,7 @@ class _Run:
         if index >= len(self.names):
             return float("inf"), True
         counts, exact = self._line_counts()
-        return split_starts(self.layout, counts, self.eval_fraction)[index][1], exact
+        return split_starts(self.layout, counts, *self.fractions)[index][1], exact
 
     def _next_split_start(self, split: int, line: int) -> float:
         """Exact first line of the split after `split` if it is within a block of `line`, else a lower bound
@@ -302,7 +309,7 @@ class _Run:
         # Terabyte's counts of the inputs not read yet stay unknown: a full shard is still placed by lower
         # bounds, a shorter one (the last of its split) is redone.
         counts, exact = self._line_counts(wait=self.layout != "terabyte")
-        ends = [start for _, start in split_starts(self.layout, counts, self.eval_fraction)] + [sum(counts)]
+        ends = [start for _, start in split_starts(self.layout, counts, *self.fractions)] + [sum(counts)]
         lines = min(self.rows_per_file, ends[split + 1] - first_line)
         if (
             (lines < self.rows_per_file and not exact)

@@ -1,14 +1,16 @@
 """`python -m dlrm.data.preprocess`: raw Criteo TSV(.gz) click logs -> parquet shards + metadata.json.
 
     python -m dlrm.data.preprocess --input day_0.gz [--input day_1.gz ...] --output-dir DIR \\
-        [--layout fraction|kaggle|terabyte] [--eval-fraction 0.2] [--rows-per-file 1000000] \\
+        [--layout fraction|kaggle|terabyte] [--val-fraction 0.1 --test-fraction 0.1 | --eval-fraction 0.2] \\
+        [--rows-per-file 1000000] \\
         [--block-size 65536] [--workers N] [--min-frequency N] [--exact-distinct-limit 1048576] \\
         [--skip-bad-lines] [--overwrite]
 
 Inputs are raw Criteo lines (40 tab-separated fields, no header: label, I1..I13, C1..C26), plain or gzip,
 given in time order. Splits are cut by line position over the inputs concatenated (CTR hold-out is by
-time), per `--layout`:
-    fraction   the last `eval_fraction` of the lines is the eval split, the rest train;
+time), per `--layout`, always train / val / test (dlrm.data.splits: training selects on val, reports test):
+    fraction   the last `test_fraction` of the lines is test, the `val_fraction` before it val, the rest
+               train (`--eval-fraction F`: F/2 each; default 0.1 each);
     kaggle     FB-DLRM's convention for the Kaggle train.txt: the lines cut into 7 equal "days" (the first
                total % 7 days one line longer), days 0-5 train, day 6 halved: val, then test;
     terabyte   the 1TB logs given as day_0 .. day_23: every input but the last is train, the last day is
@@ -17,7 +19,8 @@ The first half of a halved day gets the odd line. Output:
 
     DIR/train/part-00000.parquet ...   shard k of a split: its lines [k, k + 1) * rows_per_file (bad lines
                                        left out), one parquet row group per block
-    DIR/eval/part-00000.parquet ...    (or DIR/val/..., DIR/test/...)
+    DIR/val/part-00000.parquet ...     the same for val and test
+    DIR/test/part-00000.parquet ...
     DIR/vocab/C1.parquet ...           with --min-frequency N: the train ids seen at least N times
     DIR/metadata.json                  row counts, shard list, positive rates, train cardinalities and
                                        dense statistics (see `preprocess`)
@@ -49,6 +52,7 @@ from loguru import logger
 from dlrm.data.binary import write_binary
 from dlrm.data.output import METADATA_FILE, PartialDir, move_into_place
 from dlrm.data.pipeline import DEFAULT_BLOCK_SIZE, LAYOUTS, split_starts, write_splits
+from dlrm.data.splits import held_out_fractions
 from dlrm.data.stats import DEFAULT_EXACT_DISTINCT_LIMIT
 from dlrm.data.text import PreprocessError
 from dlrm.errors import cli_errors
@@ -64,7 +68,7 @@ _TRIM_THRESHOLD = 1 << 30
 def preprocess(
     inputs: Sequence[Path | str],
     output_dir: Path | str,
-    eval_fraction: float = 0.2,
+    eval_fraction: float | None = None,
     layout: str = "fraction",
     rows_per_file: int = 1_000_000,
     skip_bad_lines: bool = False,
@@ -73,14 +77,16 @@ def preprocess(
     workers: int | None = None,
     min_frequency: int | None = None,
     exact_distinct_limit: int = DEFAULT_EXACT_DISTINCT_LIMIT,
+    val_fraction: float | None = None,
+    test_fraction: float | None = None,
 ) -> dict:
     """Convert raw Criteo files into parquet shards per split and metadata.json under `output_dir`.
 
     Args:
         inputs: raw Criteo TSV files, plain or gzip, in time order.
         output_dir: directory to create; it must not exist unless `overwrite`.
-        eval_fraction: layout "fraction": share of lines, taken from the end, that forms the eval split;
-            in [0, 1).
+        eval_fraction: layout "fraction": shorthand for val_fraction = test_fraction = eval_fraction / 2;
+            in [0, 1); not with val_fraction or test_fraction.
         layout: "fraction", "kaggle" or "terabyte" (see the module docstring).
         rows_per_file: lines per parquet shard (the last of a split may be shorter; bad lines are left out).
         skip_bad_lines: count and leave out malformed lines instead of stopping at the first one.
@@ -91,9 +97,12 @@ def preprocess(
         min_frequency: also write, per sparse column, the train ids seen at least this many times
             (DIR/vocab/<column>.parquet: `value` int64 ascending, `count` int64).
         exact_distinct_limit: distinct counts are exact up to this many ids per column, estimated past it.
+        val_fraction, test_fraction: layout "fraction": shares of lines, from the end, that form test and,
+            before it, val; each in [0, 1) (default 0.1), together below 1.
     Returns:
         The metadata written to metadata.json:
-        {"version", "source": [inputs], "layout", "eval_fraction" (null unless layout "fraction"),
+        {"version", "source": [inputs], "layout", "val_fraction" and "test_fraction" (null unless layout
+         "fraction"),
          "rows": {split: rows}, "files": {split: [paths relative to output_dir]},
          "positive_rate": {split: rate} (null for an empty split),
          "categorical": {"C1": {"cardinality": distinct non-missing train ids, "exact": whether that count
@@ -102,16 +111,18 @@ def preprocess(
          "dense": {"I1": {"min", "max", "mean"} over train after missing -> 0, ...}, "skipped_lines",
          "exact_distinct_limit", and with --min-frequency "min_frequency"}.
     Raises:
-        PreprocessError: bad arguments, an unusable output directory, a missing, empty or truncated input,
+        PreprocessError: bad arguments (a bad fraction names its option, as does one given for a layout
+            other than "fraction"), an unusable output directory, a missing, empty or truncated input,
             or a malformed line (without `skip_bad_lines`); the message is a single line.
     """
     inputs = [Path(p) for p in inputs]
     output_dir = Path(output_dir)
     workers = (os.cpu_count() or 1) if workers is None else workers
+    fractions = held_out_fractions(eval_fraction, val_fraction, test_fraction, layout, PreprocessError)
     _check_arguments(
         inputs,
         output_dir,
-        eval_fraction,
+        fractions,
         layout,
         rows_per_file,
         overwrite,
@@ -124,14 +135,14 @@ def preprocess(
     identity = {
         "inputs": [_fingerprint(p) for p in inputs],
         "layout": layout,
-        "eval_fraction": eval_fraction,
+        "fractions": list(fractions),
         "rows_per_file": rows_per_file,
         "skip_bad_lines": skip_bad_lines,
     }
     with PartialDir(output_dir, identity) as partial:
         try:
             metadata = write_splits(
-                inputs, partial, layout, eval_fraction, rows_per_file, skip_bad_lines, block_size, workers,
+                inputs, partial, layout, *fractions, rows_per_file, skip_bad_lines, block_size, workers,
                 min_frequency, exact_distinct_limit,
             )  # fmt: skip
         except PreprocessError:
@@ -140,7 +151,8 @@ def preprocess(
         except BaseException:
             logger.warning("stopped; run the same command again to resume from {}", partial.path)
             raise
-        metadata |= {"layout": layout, "eval_fraction": eval_fraction if layout == "fraction" else None}
+        val, test = fractions if layout == "fraction" else (None, None)
+        metadata |= {"layout": layout, "val_fraction": val, "test_fraction": test}
         partial.finish(metadata)
     move_into_place(partial.path, output_dir)
 
@@ -163,7 +175,7 @@ def preprocess(
 def _check_arguments(
     inputs: list[Path],
     output_dir: Path,
-    eval_fraction: float,
+    fractions: tuple[float, float],
     layout: str,
     rows_per_file: int,
     overwrite: bool,
@@ -174,9 +186,7 @@ def _check_arguments(
 ) -> None:
     if not inputs:
         raise PreprocessError("no input files given")
-    if not 0.0 <= eval_fraction < 1.0:
-        raise PreprocessError(f"eval fraction must be in [0, 1), got {eval_fraction}")
-    split_starts(layout, [1] * len(inputs), eval_fraction)  # an unknown layout, or terabyte with one input
+    split_starts(layout, [1] * len(inputs), *fractions)  # an unknown layout, or terabyte with one input
     if rows_per_file < 1:
         raise PreprocessError(f"rows per file must be at least 1, got {rows_per_file}")
     if block_size < 1:
@@ -224,14 +234,29 @@ def _fingerprint(path: Path) -> dict:
     type=click.Choice(LAYOUTS),
     default="fraction",
     show_default=True,
-    help="Splits: fraction (train/eval by --eval-fraction), kaggle (FB-DLRM's 7 days of train.txt: "
-    "6 train, the last halved into val/test), terabyte (inputs day_0..day_23: the last halved: val/test).",
+    help="Splits: fraction (train/val/test by --val-fraction, --test-fraction), kaggle (FB-DLRM's 7 days "
+    "of train.txt: 6 train, the last halved into val/test), terabyte (inputs day_0..day_23: the last "
+    "halved: val/test).",
+)
+@click.option(
+    "--val-fraction",
+    type=float,
+    default=None,
+    help="Layout fraction: share of lines, before the test split, that forms val (model selection).  "
+    "[default: 0.1]",
+)
+@click.option(
+    "--test-fraction",
+    type=float,
+    default=None,
+    help="Layout fraction: share of lines, taken from the end of the inputs, that forms test (the reported "
+    "AUC).  [default: 0.1]",
 )
 @click.option(
     "--eval-fraction",
-    default=0.2,
-    show_default=True,
-    help="Share of lines, taken from the end of the inputs, that forms the eval split.",
+    type=float,
+    default=None,
+    help="Layout fraction: shorthand for --val-fraction F/2 --test-fraction F/2.",
 )
 @click.option("--rows-per-file", default=1_000_000, show_default=True, help="Lines per parquet shard.")
 @click.option(
@@ -268,7 +293,9 @@ def main(
     inputs: tuple[Path, ...],
     output_dir: Path,
     layout: str,
-    eval_fraction: float,
+    val_fraction: float | None,
+    test_fraction: float | None,
+    eval_fraction: float | None,
     rows_per_file: int,
     block_size: int,
     workers: int | None,
@@ -293,6 +320,8 @@ def main(
             workers,
             min_frequency,
             exact_distinct_limit,
+            val_fraction,
+            test_fraction,
         )
         if binary:
             write_binary(output_dir)

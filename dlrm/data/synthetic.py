@@ -3,14 +3,15 @@
     python -m dlrm.data.synthetic --rows 1000000 --output day_x.tsv.gz          # raw 40-field TSV(.gz)
     python -m dlrm.data.synthetic --rows 1000000 --output-dir data/synthetic    # as dlrm.data.preprocess
         [--cardinalities kaggle|terabyte] [--max-cardinality N] [--ctr 0.1] [--seed 0] [--block-size 65536]
-        [--eval-fraction 0.2] [--rows-per-file 1000000] [--overwrite]
+        [--val-fraction 0.1 --test-fraction 0.1 | --eval-fraction 0.2] [--rows-per-file 1000000] [--overwrite]
 
 `--output` writes raw Criteo lines (label, I1..I13, C1..C26; tab-separated, no header; gzip when the name
 ends with .gz) that `python -m dlrm.data.preprocess` reads unchanged. `--output-dir` writes what
-preprocess would write for those lines: DIR/train/part-*.parquet, DIR/eval/part-*.parquet (the last
-`eval_fraction` of the rows) and DIR/metadata.json with the same keys, so `python -m dlrm.train` reads it,
-plus "oracle": the planted model's own AUC, logloss and NE on each split, the best any model can score
-there (dlrm.data.oracle; also in the final log line, and for --output over all rows).
+preprocess would write for those lines with `--layout fraction`: DIR/train/, DIR/val/ and DIR/test/
+part-*.parquet (test the last `test_fraction` of the rows, val the `val_fraction` before it; `--eval-fraction
+F` is F/2 each) and DIR/metadata.json with the same keys, so `python -m dlrm.train` reads it, plus "oracle":
+the planted model's own AUC, logloss and NE on each split, the best any model can score there
+(dlrm.data.oracle; also in the final log line, and for --output over all rows).
 
 What a row holds (row r of seed s is the same whatever the block size; see "Determinism"):
 
@@ -68,6 +69,7 @@ from dlrm.data.oracle import SplitOracle
 from dlrm.data.oracle import describe as describe_oracle
 from dlrm.data.output import METADATA_FILE, SplitWriter, build_metadata, move_into_place
 from dlrm.data.parse import OUTPUT_SCHEMA
+from dlrm.data.pipeline import split_starts
 from dlrm.data.schema import (
     MISSING_CATEGORY,
     NUM_DENSE,
@@ -75,6 +77,7 @@ from dlrm.data.schema import (
     RAW_COLUMNS,
     SPARSE_COLUMNS,
 )
+from dlrm.data.splits import held_out_fractions
 from dlrm.errors import cli_errors
 
 KAGGLE_CARDINALITIES = (
@@ -511,13 +514,17 @@ def write_parquet(
     config: SyntheticConfig,
     rows: int,
     output_dir: Path | str,
-    eval_fraction: float = 0.2,
+    eval_fraction: float | None = None,
     rows_per_file: int = 1_000_000,
     block_size: int = 1 << 16,
     overwrite: bool = False,
+    val_fraction: float | None = None,
+    test_fraction: float | None = None,
 ) -> dict:
-    """Write `rows` rows as dlrm.data.preprocess would write their raw lines: train/eval parquet shards
-    (the last `eval_fraction` of the rows are eval) and metadata.json, via a temporary directory.
+    """Write `rows` rows as dlrm.data.preprocess would write their raw lines: train/val/test parquet
+    shards and metadata.json, via a temporary directory. The fractions are preprocess's (layout
+    "fraction", dlrm.data.splits.held_out_fractions): test the last `test_fraction` of the rows, val the
+    `val_fraction` before it (default 0.1 each), or `eval_fraction` F for F/2 each.
 
     metadata.json also holds "oracle": per split, the planted model's own {"auc", "auc_error_bound",
     "logloss", "ne", "rows"} on exactly that split's rows (dlrm.data.oracle), the best a model can score.
@@ -526,17 +533,18 @@ def write_parquet(
         The metadata written (the keys of preprocess's, and "oracle"; "source" describes the generator),
         with "seconds", "rows_per_s" and "bias" added (these three are not written).
     Raises:
-        SyntheticError: bad arguments or an unusable `output_dir`.
+        SyntheticError: bad arguments (a bad fraction names its option) or an unusable `output_dir`.
     """
     output_dir = Path(output_dir)
     _check_counts(rows, block_size)
-    if not 0.0 <= eval_fraction < 1.0:
-        raise SyntheticError(f"eval fraction must be in [0, 1), got {eval_fraction}")
+    fractions = held_out_fractions(eval_fraction, val_fraction, test_fraction, error=SyntheticError)
     if rows_per_file < 1:
         raise SyntheticError(f"rows per file must be at least 1, got {rows_per_file}")
-    first_eval_row = rows - round(rows * eval_fraction)  # as preprocess splits lines
-    if first_eval_row < 1:
-        raise SyntheticError(f"no train rows: --rows {rows} with eval fraction {eval_fraction}")
+    starts = split_starts("fraction", [rows], *fractions)  # as preprocess splits lines
+    if starts[1][1] < 1:
+        raise SyntheticError(
+            f"no train rows: --rows {rows} with --val-fraction {fractions[0]} --test-fraction {fractions[1]}"
+        )
     _check_output(output_dir, overwrite, is_dir=True)
 
     started = time.perf_counter()
@@ -544,29 +552,38 @@ def write_parquet(
     shutil.rmtree(tmp_dir, ignore_errors=True)
     try:
         tmp_dir.mkdir()
-        train = SplitWriter(tmp_dir, "train", rows_per_file, collect_feature_stats=True)
-        eval_ = SplitWriter(tmp_dir, "eval", rows_per_file, collect_feature_stats=False)
-        oracle = SplitOracle({"train": (0, first_eval_row), "eval": (first_eval_row, rows)})
+        writers = {
+            name: SplitWriter(tmp_dir, name, rows_per_file, collect_feature_stats=name == "train")
+            for name, _ in starts
+        }
+        ends = [start for _, start in starts[1:]] + [rows]
+        oracle = SplitOracle({name: (first, last) for (name, first), last in zip(starts, ends, strict=True)})
         with _progress(rows) as bar:
             for start, block in zip(
                 range(0, rows, block_size), iter_blocks(config, rows, block_size), strict=True
             ):
                 batch = to_record_batch(block)
-                n_train = max(0, min(block.num_rows, first_eval_row - start))
-                train.write(batch.slice(0, n_train))
-                eval_.write(batch.slice(n_train))
+                for (name, first), last in zip(starts, ends, strict=True):  # this block's rows of each split
+                    lo, hi = max(first, start) - start, min(last, start + block.num_rows) - start
+                    if hi > lo:
+                        writers[name].write(batch.slice(lo, hi - lo))
                 oracle.update(start, block.logit, block.label)
                 bar.update(block.num_rows)
-        train.close()
-        eval_.close()
-        metadata = build_metadata({"train": train, "eval": eval_}, [_describe(config, rows)], skipped_lines=0)
-        metadata |= {"layout": "fraction", "eval_fraction": eval_fraction, "oracle": oracle.result()}
+        for writer in writers.values():
+            writer.close()
+        metadata = build_metadata(writers, [_describe(config, rows)], skipped_lines=0)
+        metadata |= {
+            "layout": "fraction",
+            "val_fraction": fractions[0],
+            "test_fraction": fractions[1],
+            "oracle": oracle.result(),
+        }
         (tmp_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
         move_into_place(tmp_dir, output_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    positives = round(train.positives + eval_.positives)
+    positives = round(sum(writer.positives for writer in writers.values()))
     return {**metadata, **_finish(config, rows, positives, started, output_dir, metadata["oracle"])}
 
 
@@ -634,14 +651,25 @@ class _OneLineErrors(click.Command):
 @click.option(
     "--output-dir",
     type=click.Path(path_type=Path),
-    help="Directory to write in the layout of dlrm.data.preprocess (train/, eval/, metadata.json).",
+    help="Directory to write in the layout of dlrm.data.preprocess (train/, val/, test/, metadata.json).",
+)
+@click.option(
+    "--val-fraction",
+    type=float,
+    default=None,
+    help="With --output-dir: share of rows, before the test split, that forms val.  [default: 0.1]",
+)
+@click.option(
+    "--test-fraction",
+    type=float,
+    default=None,
+    help="With --output-dir: share of rows, taken from the end, that forms test.  [default: 0.1]",
 )
 @click.option(
     "--eval-fraction",
     type=float,
-    default=0.2,
-    show_default=True,
-    help="With --output-dir: share of rows, taken from the end, that forms the eval split.",
+    default=None,
+    help="With --output-dir: shorthand for --val-fraction F/2 --test-fraction F/2.",
 )
 @click.option(
     "--cardinalities",
@@ -679,7 +707,9 @@ def main(
     rows: int,
     output: Path | None,
     output_dir: Path | None,
-    eval_fraction: float,
+    val_fraction: float | None,
+    test_fraction: float | None,
+    eval_fraction: float | None,
     preset: str,
     max_cardinality: int | None,
     ctr: float,
@@ -697,10 +727,20 @@ def main(
         if (output is None) == (output_dir is None):
             raise SyntheticError("give exactly one of --output FILE.tsv[.gz] and --output-dir DIR")
         config = SyntheticConfig(preset_cardinalities(preset, max_cardinality), seed, ctr)
+        given = {
+            "--val-fraction": val_fraction,
+            "--test-fraction": test_fraction,
+            "--eval-fraction": eval_fraction,
+        }
+        if output is not None and (named := [option for option, v in given.items() if v is not None]):
+            raise SyntheticError(f"{', '.join(named)}: only with --output-dir (--output writes raw lines)")
         if output is not None:
             write_tsv(config, rows, output, block_size, overwrite)
         else:
-            write_parquet(config, rows, output_dir, eval_fraction, rows_per_file, block_size, overwrite)
+            write_parquet(
+                config, rows, output_dir, eval_fraction, rows_per_file, block_size, overwrite,
+                val_fraction, test_fraction,
+            )  # fmt: skip
 
 
 if __name__ == "__main__":
