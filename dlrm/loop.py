@@ -46,7 +46,7 @@ from dlrm.data.resident import ResidentLoader
 from dlrm.data.schema import NUM_SPARSE
 from dlrm.data.splits import REPORT, SELECT, require_val_test
 from dlrm.errors import Interrupted, NonFiniteLoss, RunStopped
-from dlrm.lr_schedule import LearningRates
+from dlrm.lr_schedule import LearningRates, lr_factor
 from dlrm.metrics import evaluate
 from dlrm.model import DLRM, Model, build_model
 from dlrm.out_of_memory import out_of_memory
@@ -454,12 +454,15 @@ def load_resumable(
         for key, tensor in fused_optimizer_states(model).items():
             if tensor is not None and state.get(key) is not None:
                 tensor.copy_(state[key])
+    # torch.optim.Adagrad's groups hold the scheduled rate of the checkpoint's step (dlrm.lr_schedule), the
+    # base rate times the factor: compare base rates. (dlrm.optim.SGD's hold the base rate.)
+    scheduled = isinstance(optimizer, torch.optim.Adagrad) and state["step"] > 0
+    factor = lr_factor(cfg.train.lr_schedule, state["step"]) if scheduled else 1.0
     for group, values in zip(optimizer.param_groups, ours, strict=True):
         for key, value in values.items():
-            if group[key] != value:
-                logger.info(
-                    "resuming with the config's {} {} (the checkpoint had {})", key, value, group[key]
-                )
+            held = group[key] / factor if key == "lr" and factor else group[key]
+            if not math.isclose(held, value, rel_tol=1e-9):
+                logger.info("resuming with the config's {} {} (the checkpoint had {:.6g})", key, value, held)
             group[key] = value
     logger.info("resuming from {} at step {}", path, state["step"])
     return state

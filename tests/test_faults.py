@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
+from loguru import logger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dlrm import evaluate as evaluate_cli
@@ -407,6 +408,49 @@ def test_resume_takes_the_configs_hyperparameters(criteo_sample, trained, tmp_pa
     state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
     assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [0.02, 0.02]
     assert _strict_json(run / "metrics.json")["samples"] == 6 * 256  # the whole run, 4 + 2 steps
+
+
+def test_a_checkpoint_older_than_a_model_key_resumes_as_trained_with_its_default(
+    criteo_sample, trained, tmp_path
+):
+    state = torch.load(trained / "checkpoints" / "last.pt", weights_only=True)
+    for key in ("arch", "first_order", "min_frequency"):  # keys added after such checkpoints were written
+        del state["config"]["model"][key]
+    old = tmp_path / "old.pt"
+    torch.save(state, old)
+    config = _config(tmp_path, criteo_sample, max_steps=6)
+    args = ["--config", config, "--resume", old, "--output-dir", tmp_path / "resumed"]
+    assert _cli(train_cli.main, args)[0] == 0
+    wide = _config(tmp_path, criteo_sample, "wide.json", max_steps=6)
+    raw = json.loads(wide.read_text())
+    raw["model"]["first_order"] = True
+    wide.write_text(json.dumps(raw))
+    args = ["--config", wide, "--resume", old, "--output-dir", tmp_path / "wide"]
+    code, output = _cli(train_cli.main, args)
+    assert code == 2 and "trained with model.first_order = False, the config has True" in _one_error_line(
+        output
+    )
+
+
+def test_adagrad_resumed_under_a_schedule_keeps_its_rates_silently(criteo_sample, tmp_path):
+    schedule = {"warmup_steps": 10}
+    config = _config(tmp_path, criteo_sample, max_steps=4, optimizer="adagrad", lr=0.05, lr_schedule=schedule)
+    assert _cli(train_cli.main, ["--config", config, "--output-dir", tmp_path / "run"])[0] == 0
+    lines: list[str] = []
+    sink = logger.add(lines.append, format="{message}")
+    try:
+        resumed = _config(tmp_path, criteo_sample, "r.json", max_steps=6, optimizer="adagrad", lr=0.05,
+                          lr_schedule=schedule)  # fmt: skip
+        args = ["--config", resumed, "--resume", tmp_path / "run" / "checkpoints" / "last.pt"]
+        assert _cli(train_cli.main, args)[0] == 0
+        changed = _config(tmp_path, criteo_sample, "c2.json", max_steps=8, optimizer="adagrad", lr=0.1,
+                          lr_schedule=schedule)  # fmt: skip
+        args = ["--config", changed, "--resume", tmp_path / "run" / "checkpoints" / "last.pt"]
+        assert _cli(train_cli.main, args)[0] == 0
+    finally:
+        logger.remove(sink)
+    notes = [line.strip() for line in lines if line.startswith("resuming with the config's lr")]
+    assert notes == ["resuming with the config's lr 0.1 (the checkpoint had 0.05)"] * 2  # two groups
 
 
 @pytest.mark.parametrize(
