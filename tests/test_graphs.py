@@ -57,21 +57,26 @@ def test_use_triton_takes_the_cuda_graph_by_default_where_it_works(
         assert logged in notes[0]
 
 
+def _cuda_batches(n: int) -> list[Batch]:
+    """`n` random batches of 64 rows on the GPU, the same for every call."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return [
+        Batch(
+            torch.rand(64, NUM_DENSE, device="cuda", generator=g),
+            torch.randint(-1, 1000, (64, NUM_SPARSE), device="cuda", generator=g),
+            (torch.rand(64, device="cuda", generator=g) < 0.3).float(),
+        )
+        for _ in range(n)
+    ]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("compiled", [False, True])
 def test_graphed_steps_match_plain_steps(compiled):
     from dlrm.step import compile_dense_part
 
     cfg = RunConfig(model=SMALL, train=TrainConfig(use_triton=True, lr=0.1))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    batches = [
-        Batch(
-            torch.rand(64, NUM_DENSE, device="cuda", generator=g),
-            torch.randint(-1, 1000, (64, NUM_SPARSE), device="cuda", generator=g),
-            (torch.rand(64, device="cuda", generator=g) < 0.3).float(),
-        )
-        for _ in range(8)
-    ]
+    batches = _cuda_batches(8)
     batches.append(Batch(*(t[:10] for t in batches[0])))  # a partial batch runs uncaptured
     runs = {}
     for graphed in (False, True):
@@ -99,15 +104,7 @@ def test_graph_replays_follow_the_lr_schedule():
     the weights unchanged."""
     schedule = LrScheduleConfig(warmup_steps=4, decay_start_step=5, decay_steps=4)
     cfg = RunConfig(model=SMALL, train=TrainConfig(use_triton=True, lr=0.1, lr_schedule=schedule))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    batches = [
-        Batch(
-            torch.rand(64, NUM_DENSE, device="cuda", generator=g),
-            torch.randint(-1, 1000, (64, NUM_SPARSE), device="cuda", generator=g),
-            (torch.rand(64, device="cuda", generator=g) < 0.3).float(),
-        )
-        for _ in range(11)
-    ]
+    batches = _cuda_batches(11)
     runs = {}
     for graphed in (False, True):
         torch.manual_seed(0)
