@@ -67,7 +67,7 @@ FLAGS = {
     "compile": {"use_torch_compile": True},
     "compile-ro": {"use_torch_compile": True, "compile_mode": "reduce-overhead"},
     "triton": {"use_triton": True, "cuda_graphs": False},
-    "triton+compile": {"use_triton": True, "use_torch_compile": True},
+    "triton+compile": {"use_triton": True, "use_torch_compile": True, "cuda_graphs": False},
     "triton+graphs": {"use_triton": True, "cuda_graphs": True},
     "triton+compile+graphs": {"use_triton": True, "use_torch_compile": True, "cuda_graphs": True},
     "triton_bias_act+graphs": {"use_triton": True, "triton_mlp_kernel": "bias_act", "cuda_graphs": True},

@@ -31,8 +31,8 @@ FLAGS = {
     "eager": {},
     "compile": {"use_torch_compile": True},
     "triton": {"use_triton": True, "cuda_graphs": False},
-    "triton_bias_act": {"use_triton": True, "triton_mlp_kernel": "bias_act"},
-    "triton+compile": {"use_triton": True, "use_torch_compile": True},
+    "triton_bias_act": {"use_triton": True, "triton_mlp_kernel": "bias_act", "cuda_graphs": False},
+    "triton+compile": {"use_triton": True, "use_torch_compile": True, "cuda_graphs": False},
     "triton+graphs": {"use_triton": True, "cuda_graphs": True},
 }
 

@@ -320,7 +320,7 @@ def test_triton_bf16_and_cuda_graphs_follow_eager(criteo_sample, tmp_path):
         tmp_path,
         {
             "eager": {"precision": "bf16"},
-            "triton": {"use_triton": True, "precision": "bf16"},
+            "triton": {"use_triton": True, "cuda_graphs": False, "precision": "bf16"},
             "triton_graphs": {"use_triton": True, "cuda_graphs": True, "precision": "bf16"},
         },
     )
@@ -340,7 +340,7 @@ def test_every_loader_trains_with_cuda_graphs_like_eager(criteo_sample, tmp_path
         write_binary(criteo_sample, ["train"])
     runs = {
         "eager": {"precision": precision},
-        "triton": {"use_triton": True, "precision": precision},
+        "triton": {"use_triton": True, "cuda_graphs": False, "precision": precision},
         "triton_graphs": {"use_triton": True, "cuda_graphs": True, "precision": precision},
     }
     if precision == "fp32":
