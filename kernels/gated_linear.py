@@ -55,7 +55,7 @@ from kernels.launch import (
     use_triton,
     zero_padded,
 )
-from kernels.linear_act_forward import _grouped_tile
+from kernels.linear_act_forward import _grouped_tile, matmul_tile
 from kernels.partials import row_programs, sum_partials
 
 __all__ = ["GATES", "gated_linear", "gated_linear_ref", "gated_linear_fwd", "gated_linear_bwd"]
@@ -130,23 +130,12 @@ def _gated_linear_fwd_kernel(
     # int64 row offsets: M * K and M * N can pass 2**31.
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
     mask_m = rows < M
     mask_n = cols < N
-
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N] tile of W^T
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = ks < K - k0
-        a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc = matmul_tile(
+        x_ptr, w_ptr, rows, cols, mask_m, mask_n, K, stride_xm, stride_wn,
+        DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
 
     # Epilogue in fp32: bias, z, then the gate over the tile's (a, b) column pairs.
     if HAS_BIAS:

@@ -40,6 +40,32 @@ def _grouped_tile(pid, num_pid_a, num_pid_b, GROUP: tl.constexpr):
     return pid_a, pid_b
 
 
+@triton.jit
+def matmul_tile(
+    x_ptr, w_ptr, rows, cols, mask_m, mask_n, K, stride_xm, stride_wn,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The [BLOCK_M, BLOCK_N] fp32 tile of x @ W^T at `rows` x `cols` (x [M, K] and W [N, K] with row strides
+    stride_xm, stride_wn), reduced over K in BLOCK_K chunks; masked rows, columns and the K tail read 0.
+    Inlined into the forward GEMM kernels (linear_act, gated_linear), which add their own epilogues."""
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N] tile of W^T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = ks < K - k0
+        a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
 # M (the batch) changes between calls: do not specialize on it (value 1 / divisibility by 16), so a new
 # batch size reuses the compiled kernel. M_BUCKET only feeds the autotuning key (a power of two >= 64).
 @triton.jit(do_not_specialize=["M"])
@@ -75,23 +101,12 @@ def _linear_act_fwd_kernel(
     # int64 row offsets: M * K and M * N can pass 2**31.
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
     mask_m = rows < M
     mask_n = cols < N
-
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N] tile of W^T
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = ks < K - k0
-        a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc = matmul_tile(
+        x_ptr, w_ptr, rows, cols, mask_m, mask_n, K, stride_xm, stride_wn,
+        DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
 
     # Epilogue: bias, (z), activation, in fp32.
     if HAS_BIAS:
