@@ -428,3 +428,13 @@ def test_a_run_does_not_import_pandas(tmp_path):
     result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False"]
+
+
+def test_preprocess_does_not_import_torch():
+    """torch's import (about 1.2 s and 200 MiB) once doubled the time of a 1M-row preprocess
+    (bench_preprocess: 2.6x gzip -dc's time instead of 1.3x); only --binary needs it."""
+    code = (
+        "import sys, dlrm.data.preprocess; print([m for m in sys.modules if m.split('.')[0] == 'torch'][:3])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]", out.stdout
