@@ -388,7 +388,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _require(
         not (d.loader in ("streaming", "binary") and m.hashing == "vocab"),
         "data.loader",
-        "'memory' or 'gpu_resident' with model.hashing 'vocab'",
+        "'memory' or 'gpu_resident' with model.hashing 'vocab' (or set model.hashing 'modulus')",
         d.loader,
     )
     if m.table_rows is not None:

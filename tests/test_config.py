@@ -71,7 +71,8 @@ def test_main_config_is_the_fb_dlrm_kaggle_architecture():
         ({"data": {"prefetch": -2}}, r"data.prefetch: expected an integer >= 0 \(batches\), got -2"),
         (
             {"data": {"loader": "streaming"}, "model": {"hashing": "vocab"}},
-            "data.loader: expected 'memory' or 'gpu_resident' with model.hashing 'vocab', got 'streaming'",
+            r"data.loader: expected 'memory' or 'gpu_resident' with model.hashing 'vocab' \(or set "
+            r"model.hashing 'modulus'\), got 'streaming'",
         ),
         ({"train": {"compile_mode": "max-autotune"}}, r"train.compile_mode: expected one of \('default'"),
         (
