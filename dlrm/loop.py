@@ -218,7 +218,7 @@ def train_steps(run: Run, state: RunState) -> None:
             batches = epoch_batches(loader, skip if epoch == first_epoch else 0)
             while state.step < max_steps and not stop:
                 step_start = time.perf_counter()
-                with data_range():
+                with data_range(profiler):
                     batch = next(batches, None)
                 if batch is None:
                     break

@@ -1,16 +1,25 @@
 """The profiled window's per-stage breakdown in TensorBoard (scalars and the Text tab's table)."""
 
+import contextlib
 import dataclasses
 import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.autograd import DeviceType
 
-from dlrm.config import load_config, replace
+from dlrm.config import ProfilerConfig, load_config, replace
 from dlrm.loop import train
-from dlrm.profiling import DATA_LOADER_RANGE, STAGES, breakdown_table, stage_breakdown
+from dlrm.profiling import (
+    DATA_LOADER_RANGE,
+    STAGES,
+    breakdown_table,
+    data_range,
+    make_profiler,
+    stage_breakdown,
+)
 from tests.conftest import REPO
 
 
@@ -95,3 +104,23 @@ def test_gpu_time_goes_to_the_stage_open_when_the_work_was_launched():
     assert stages["backward"]["host_ms"] == pytest.approx(0.2)
     table = breakdown_table(result)
     assert "| backward | 0.200 | 13.3% | 0.030 |" in table and "GPU ms/step" in table
+
+
+def test_outside_its_window_the_profiler_costs_no_ranges(tmp_path):
+    """After the one recorded window, step() opens no more "ProfilerStep#" ranges and the loop's data range
+    is a no-op; inside the window the data range is recorded."""
+    cfg = ProfilerConfig(wait=1, warmup=1, active=1)
+    profiler = make_profiler(cfg, tmp_path, torch.device("cpu"))
+    ranges = []
+    with profiler:
+        for _ in range(10):
+            ranges.append(data_range(profiler))
+            with ranges[-1]:
+                torch.ones(1).add_(1)
+            profiler.step()
+    assert profiler.step_num == 3  # wait + warmup + active, then no more steps
+    nulls = [isinstance(r, contextlib.nullcontext) for r in ranges]
+    assert nulls == [True, False, False] + [True] * 7
+    assert "data" in {e.name for e in profiler.events()}
+    assert isinstance(data_range(make_profiler(dataclasses.replace(cfg, enabled=False), tmp_path, "cpu")),
+                      contextlib.nullcontext)  # fmt: skip
