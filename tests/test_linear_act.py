@@ -62,9 +62,12 @@ def _grads_from_saved(dy, x, w, saved, activation: str, has_bias: bool):
     return dz @ w.float(), dz.t() @ x.float(), dz.sum(0) if has_bias else None
 
 
-def _assert_norm_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str):
-    """||actual - expected|| <= rtol ||expected|| + atol sqrt(numel), with tol(dtype, "gemm_norm")."""
-    t = tol(dtype, "gemm_norm")
+def _assert_norm_close(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str, rtol: float | None = None
+):
+    """||actual - expected|| <= rtol ||expected|| + atol sqrt(numel), with tol(dtype, "gemm_norm") unless
+    `rtol` is given."""
+    t = tol(dtype, "gemm_norm") | ({} if rtol is None else {"rtol": rtol})
     err = (actual.float() - expected.float()).norm().item()
     ref = expected.float().norm().item()
     bound = t["rtol"] * ref + t["atol"] * math.sqrt(max(expected.numel(), 1))

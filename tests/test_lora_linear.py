@@ -51,7 +51,7 @@ def _check(m, n, k, r, activation, dtype, device=DEVICE, needs_dx=True, has_bias
     leaves32 = [t.detach().float().requires_grad_(True) for t in leaves]
     x32 = leaves32[0] if needs_dx else x.float()
     b32 = None if b is None else b.float()
-    y32 = lora_linear_ref(x32, w.float(), b32, *leaves32[-2:], SCALE, activation)
+    y32 = lora_linear_ref(x32, w.float(), b32, *leaves32[-2:], SCALE, activation, u_dtype=dtype)
     grads32 = torch.autograd.grad(y32, leaves32, dy.float())
     names = (["y", "dx"] if needs_dx else ["y"]) + ["dA", "dB"]
     for got, want, name in zip((y, *grads), (y32, *grads32), names, strict=True):

