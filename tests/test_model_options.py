@@ -204,15 +204,23 @@ def test_attention_masks_missing_values_as_keys(kernel):
     assert ((before - after).abs().sum(-1)[sample] > 0).all()
 
 
-GPU_RUNS = [{"mlp_block": b, "gate": g} for b, g in OPTIONS] + [ATTENTION]
+# The wide terms too: their D = 1 tables run our embedding kernel with BLOCK_D = 1 under --use-triton.
+GPU_RUNS = [{"mlp_block": b, "gate": g} for b, g in OPTIONS] + [
+    ATTENTION,
+    {"first_order": True},
+    # logistic takes the default model keys (tiny.json's embedding_dim and MLPs are refused with it)
+    {f.name: getattr(ModelConfig(arch="logistic"), f.name) for f in dataclasses.fields(ModelConfig)},
+]
+GPU_IDS = [*BACKEND_IDS, "first_order", "logistic"]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("model", GPU_RUNS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("model", GPU_RUNS, ids=GPU_IDS)
 def test_options_on_the_gpu_with_cuda_graphs(criteo_sample, tmp_path, model, precision):
-    """Every option on the GPU: --use-triton, with the whole-step CUDA graph, and --use-torch-compile follow
-    eager's loss curve for 30 steps (an epoch's evaluation inside), in fp32 and bf16."""
+    """Every option on the GPU (first-order terms and the logistic floor included): --use-triton, with the
+    whole-step CUDA graph, and --use-torch-compile follow eager's loss curve for 30 steps (an epoch's
+    evaluation inside), in fp32 and bf16."""
     runs = {
         "eager": {"precision": precision},
         "triton": {"use_triton": True, "cuda_graphs": False, "precision": precision},
