@@ -23,7 +23,7 @@ from loguru import logger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dlrm import evaluate as evaluate_cli
-from dlrm import loop
+from dlrm import loop, run_setup
 from dlrm import train as train_cli
 from dlrm.config import load_config, replace
 from dlrm.data import preprocess as preprocess_cli
@@ -146,7 +146,7 @@ def test_skip_batch_leaves_weights_and_optimizer_state_untouched(sparse_kernel, 
 def test_skip_batch_run_counts_the_skipped_batch_and_goes_on(criteo_sample, tmp_path, monkeypatch):
     """A NaN appears in one batch (after the loader's checks, as a device fault would): that step is
     skipped, counted in metrics.json, and training goes on."""
-    build_step = loop.build_step
+    build_step = run_setup.build_step
 
     def poisoning_build_step(model, optimizer, cfg, device, reduce_grads=None):
         step, calls = build_step(model, optimizer, cfg, device, reduce_grads), [0]
@@ -159,7 +159,7 @@ def test_skip_batch_run_counts_the_skipped_batch_and_goes_on(criteo_sample, tmp_
 
         return poisoned
 
-    monkeypatch.setattr(loop, "build_step", poisoning_build_step)
+    monkeypatch.setattr(run_setup, "build_step", poisoning_build_step)
     cfg = load_config(_config(tmp_path, criteo_sample, on_nonfinite="skip_batch"))
     metrics = loop.train(cfg, tmp_path / "run")
     assert metrics["skipped_batches"] == 1 and metrics["steps"] == 8 and metrics["stopped"] is None
@@ -244,7 +244,7 @@ def test_sigterm_writes_last_pt_and_prints_the_resume_command(criteo_sample, tmp
 
 def test_sigint_stops_after_the_step_with_exit_130(criteo_sample, tmp_path, monkeypatch):
     """Ctrl-C, delivered in-process (this process signals itself during step 3)."""
-    build_step = loop.build_step
+    build_step = run_setup.build_step
 
     def interrupting_build_step(model, optimizer, cfg, device, reduce_grads=None):
         step, calls = build_step(model, optimizer, cfg, device, reduce_grads), [0]
@@ -257,7 +257,7 @@ def test_sigint_stops_after_the_step_with_exit_130(criteo_sample, tmp_path, monk
 
         return interrupted
 
-    monkeypatch.setattr(loop, "build_step", interrupting_build_step)
+    monkeypatch.setattr(run_setup, "build_step", interrupting_build_step)
     config = _config(tmp_path, criteo_sample)
     run = tmp_path / "run"
     code, output = _cli(train_cli.main, ["--config", config, "--output-dir", run])
@@ -484,9 +484,9 @@ def test_out_of_memory_is_one_line_with_the_numbers(criteo_sample, tmp_path, mon
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has ...\nmore")
 
     if when == "set-up":
-        monkeypatch.setattr(loop, "build_model", oom)
+        monkeypatch.setattr(run_setup, "build_model", oom)
     else:
-        monkeypatch.setattr(loop, "build_step", lambda *a: oom)
+        monkeypatch.setattr(run_setup, "build_step", lambda *a: oom)
     config = _config(tmp_path, criteo_sample, max_steps=2)
     code, output = _cli(train_cli.main, ["--config", config, "--output-dir", tmp_path / "run"])
     line = _one_error_line(output)

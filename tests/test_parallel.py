@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dlrm import evaluate as evaluate_cli
-from dlrm import loop, parallel
+from dlrm import parallel, selection
 from dlrm.checkpoint import load_checkpoint
 from dlrm.config import ModelConfig, load_config, replace
 from dlrm.data.dataset import BatchLoader, open_split
@@ -221,17 +221,17 @@ def _train_with_scripted_val(cfg, run_dir: Path) -> None:
     """`train` with the val AUCs of SCRIPTED_VAL_AUC (the rest of each val evaluation real), so that the
     selected weights are not the last ones: the test evaluation must load best.pt's (here the sharded
     checkpoints/best, on every rank)."""
-    real, scripted = loop.evaluate_split, iter(SCRIPTED_VAL_AUC)
+    real, scripted = selection.evaluate_split, iter(SCRIPTED_VAL_AUC)
 
     def scripted_val(run, loader, split):
         result = real(run, loader, split)
         return {**result, "auc": next(scripted)} if split == "val" else result
 
-    loop.evaluate_split = scripted_val
+    selection.evaluate_split = scripted_val
     try:
         train(cfg, run_dir)
     finally:
-        loop.evaluate_split = real
+        selection.evaluate_split = real
 
 
 def _spawn(world_size: int, jobs: list) -> None:

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dlrm import evaluate as evaluate_cli
-from dlrm import loop
+from dlrm import selection
 from dlrm import train as train_cli
 from dlrm.config import load_config, replace
 from dlrm.data.binary import write_binary
@@ -117,14 +117,14 @@ def test_selection_reads_val_only_and_test_reports_the_selected_weights(criteo_s
     while the weights go on changing: best_step, best.pt and val_* follow val alone; test is read once, at
     the end, and test_* are the real test metrics of best.pt's weights (step 4), not of the last ones."""
     scripted, calls = iter([0.60, 0.80, 0.70, 0.65]), []
-    real = loop.evaluate_split
+    real = selection.evaluate_split
 
     def scripted_val(run, loader, split):
         calls.append(split)
         result = real(run, loader, split)
         return {**result, "auc": next(scripted)} if split == "val" else result
 
-    monkeypatch.setattr(loop, "evaluate_split", scripted_val)
+    monkeypatch.setattr(selection, "evaluate_split", scripted_val)
     run = tmp_path / "run"
     cfg = _tiny(criteo_sample, max_steps=12, eval_interval=2, patience=2, log_interval=2)
     metrics = train_cli.train(
@@ -151,13 +151,13 @@ def test_a_run_resumed_elsewhere_reports_test_of_the_best_it_resumed_with(
     """Resumed into another directory with no better val evaluation after it: the selected weights are the
     first run's best.pt (step 4), which the test evaluation loads from there."""
     train_cli.train(_tiny(criteo_sample, max_steps=4), tmp_path / "first")
-    real = loop.evaluate_split
+    real = selection.evaluate_split
 
     def worse_val(run, loader, split):  # every later val evaluation worse than the first run's best
         result = real(run, loader, split)
         return {**result, "auc": 0.01} if split == "val" else result
 
-    monkeypatch.setattr(loop, "evaluate_split", worse_val)
+    monkeypatch.setattr(selection, "evaluate_split", worse_val)
     resume = tmp_path / "first" / "checkpoints" / "last.pt"
     metrics = train_cli.train(_tiny(criteo_sample, max_steps=8), tmp_path / "second", resume=resume)
     assert metrics["best_step"] == 4 and not (tmp_path / "second" / "checkpoints" / "best.pt").exists()
@@ -175,7 +175,7 @@ def test_no_finite_val_evaluation_reports_null_test_numbers(criteo_sample, tmp_p
         calls.append(split)
         return {"auc": float("nan"), "logloss": float("nan"), "ne": float("nan"), "samples": 1000}
 
-    monkeypatch.setattr(loop, "evaluate_split", nan_val)
+    monkeypatch.setattr(selection, "evaluate_split", nan_val)
     metrics = train_cli.train(_tiny(criteo_sample, max_steps=4), tmp_path / "run")
     assert calls == ["val"] and not (tmp_path / "run" / "checkpoints" / "best.pt").exists()
     on_disk = json.loads((tmp_path / "run" / "metrics.json").read_text(), parse_constant=pytest.fail)

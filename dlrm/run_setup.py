@@ -1,0 +1,246 @@
+"""Setting a run up (dlrm.loop): data, model, optimizer, step, loaders, run directory, TensorBoard writer
+and progress bar, and the state a `--resume` checkpoint restores. Under torchrun: the process group, the
+sharded tables and rank-aware loaders."""
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from loguru import logger
+from torch.utils.tensorboard import SummaryWriter
+
+from dlrm import parallel
+from dlrm.checkpoint import load_checkpoint
+from dlrm.config import RunConfig
+from dlrm.data.dataset import BatchLoader, ParquetDataset, load_metadata, open_split, split_paths
+from dlrm.data.loaders import make_train_loader
+from dlrm.data.resident import ResidentLoader
+from dlrm.data.schema import NUM_SPARSE
+from dlrm.data.splits import REPORT, SELECT, require_val_test
+from dlrm.lr_schedule import LearningRates, lr_factor
+from dlrm.model import Model, build_model
+from dlrm.parallel import checkpoint as sharded_checkpoint
+from dlrm.parallel import run as ranks
+from dlrm.parallel.evaluation import ShardedEvalSplit
+from dlrm.parallel.sharded import build_sharded_model
+from dlrm.progress import TrainProgress
+from dlrm.run_checkpoints import fused_optimizer_states
+from dlrm.run_dir import check_run_dir, make_run_dir, wait_past_event_files
+from dlrm.run_state import Run, RunState
+from dlrm.signals import StopSignals
+from dlrm.step import (
+    build_step,
+    make_optimizer,
+    resolve_cuda_graphs,
+    set_precision,
+    use_interpreter_on_cpu,
+)
+
+
+def set_up(
+    cfg: RunConfig,
+    output_dir: Path | None,
+    resume: Path | None,
+    overwrite: bool = False,
+    progress: str = "auto",
+) -> tuple[Run, RunState]:
+    """Data, model, optimizer, step, loaders, run directory, TensorBoard writer and progress bar of a run,
+    and its state (restored from `resume` when given). Under torchrun: the process group, the sharded
+    tables and rank-aware loaders. The run directory is checked first and written only once all else is
+    set up. Raises ValueError as `train`."""
+    t = cfg.train
+    _, world_size, _ = parallel.world_from_env()
+    if world_size > 1:  # config / world-size mismatches: one-line errors before the process group
+        ranks.check_world(cfg, world_size)
+    dist, device = parallel.init_distributed(t.device, cfg.parallel.timeout_s)  # single process: no-op
+    cfg = resolve_cuda_graphs(cfg, device, dist.world_size)
+    t = cfg.train
+    run_dir = output_dir if output_dir or resume is None else resume.parent.parent
+    if dist.is_main:
+        run_dir = check_run_dir(cfg, run_dir, resume, overwrite)
+    if dist.enabled:
+        run_dir = ranks.same_path(run_dir)
+    use_interpreter_on_cpu(cfg, device)
+    set_precision(t.precision)
+    torch.manual_seed(t.seed)
+    data_dir = Path(cfg.data.path)
+    logger.info("reading {} ({} loader)", data_dir, cfg.data.loader)
+    metadata = load_metadata(data_dir)
+    require_val_test(data_dir, metadata)  # an older train / eval directory would select on what it reports
+    # The streaming loaders never hold the train split; config validation then requires modulus hashing,
+    # which needs no train ids.
+    streams = cfg.data.loader in ("streaming", "binary")
+    train_set = None if streams else open_split(data_dir, "train")
+    val_set = open_split(data_dir, SELECT)
+    check_rows(data_dir, metadata, SELECT, val_set.num_rows)
+    check_test_split(data_dir, metadata)  # read only at the end: checked now, not after hours of training
+    train_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64) if train_set is None else train_set.sparse
+    kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
+    logger.info("building the model ({} backend) on {}", cfg.backend, device)
+    if dist.enabled:  # tables sharded over the ranks, the dense part replicated
+        model, plan = build_sharded_model(cfg, metadata, train_ids, dist.rank, dist.world_size, device)
+    else:
+        model = build_model(cfg.model, metadata, train_ids, **kernels).to(device)
+    optimizer = make_optimizer(model, cfg)
+    lrs = LearningRates(t, optimizer, model.table_archs())  # the base rates: make_optimizer's, the config's
+    state = RunState()
+    checkpoint = load_resumable(resume, cfg, model, optimizer, dist) if resume is not None else {}
+    for key, value in checkpoint.items():
+        if key in RunState.__dataclass_fields__:
+            setattr(state, key, value)
+    if resume is not None:
+        state.best_checkpoint = resume.parent / ("best" if resume.is_dir() else "best.pt")
+    reduce_grads = parallel.grad_averager(model.dense_parameters(), dist.world_size) if dist.enabled else None
+    step_fn = build_step(model, optimizer, cfg, device, reduce_grads)
+    train_loader = make_train_loader(
+        cfg.data, data_dir, t.seed, device, train_set, dist.rank, dist.world_size
+    )
+    if len(train_loader) == 0:
+        raise ValueError(
+            f"data.batch_size: {cfg.data.batch_size} leaves no batch of {train_loader.num_rows} train rows"
+        )
+    check_rows(data_dir, metadata, "train", train_loader.num_rows)
+    if checkpoint.get("loader") is not None:
+        train_loader.load_state_dict(checkpoint["loader"])
+    val_loader = make_split_loader(val_set, cfg, device, dist)
+
+    make_run_dir(run_dir, overwrite and resume is None and dist.is_main)
+    if resume is not None and resume.resolve() == (run_dir / "checkpoints" / "last.pt").resolve():
+        state.last_checkpoint_step = state.step
+    config_json = json.dumps(cfg.to_dict(), indent=2)
+    if dist.is_main:
+        (run_dir / "config.json").write_text(config_json)
+    if dist.enabled:
+        logger.info("{} ranks; embedding tables:\n{}", dist.world_size, plan.describe())
+        if dist.is_main:
+            (run_dir / "sharding_plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
+    logger.info(
+        "run {} | backend {} | device {} | train {} rows, val {} rows | {} params",
+        run_dir,
+        cfg.backend,
+        device,
+        train_loader.num_rows,
+        val_set.num_rows,
+        sum(p.numel() for p in model.parameters()),
+    )
+    # A resumed run's events continue the step axis: TensorBoard drops the earlier events past its step
+    # (logged after the checkpoint by the run that was stopped), so no step appears twice.
+    purge_step = state.step + 1 if resume is not None else None
+    if resume is not None and dist.is_main:
+        wait_past_event_files(run_dir)
+    writer = SummaryWriter(str(run_dir), purge_step=purge_step) if dist.is_main else ranks.NullWriter()
+    writer.add_text("config", "```json\n" + config_json + "\n```")
+    run = Run(
+        cfg,
+        device,
+        model,
+        optimizer,
+        step_fn,
+        train_loader,
+        val_loader,
+        run_dir,
+        writer,
+        StopSignals(),
+        lrs,
+        dist=dist,
+    )
+    run.progress = TrainProgress(progress, t.max_steps or t.epochs * len(train_loader), state.step)
+    return run, state
+
+
+def make_split_loader(
+    dataset: ParquetDataset, cfg: RunConfig, device: torch.device, dist: parallel.Dist
+) -> BatchLoader | ShardedEvalSplit:
+    """How an evaluation reads `dataset` (val or test) in batches of data.eval_batch_size: one process's
+    loader (`make_eval_loader`), or under torchrun this rank's part of it (dlrm.parallel.evaluation)."""
+    if dist.enabled:
+        return ShardedEvalSplit(dataset, cfg.data.eval_batch_size, dist)
+    return make_eval_loader(dataset, cfg.data.eval_batch_size, device)
+
+
+def make_eval_loader(eval_set: ParquetDataset, batch_size: int, device: torch.device) -> BatchLoader:
+    """The eval split on the GPU once when it fits (no host copy per batch: evaluation runs at the speed
+    of the forward), else in host memory."""
+    if device.type == "cuda":
+        try:
+            return ResidentLoader(eval_set, batch_size, device=device)
+        except ValueError as err:
+            logger.info("eval split stays in host memory: {}", err)
+    return BatchLoader(eval_set, batch_size, device=device)
+
+
+def check_rows(data_dir: Path, metadata: dict, split: str, rows: int) -> None:
+    """Raise ValueError when `split` has no rows, or other row counts than metadata.json says."""
+    expected = metadata.get("rows", {}).get(split)
+    if expected is not None and expected != rows:
+        raise ValueError(
+            f"{data_dir}/metadata.json: split {split!r} has {expected} rows, its parquet files hold {rows} "
+            "(files changed since preprocessing? preprocess again)"
+        )
+    if rows == 0:
+        raise ValueError(f"{data_dir}: split {split!r} has no rows")
+
+
+def check_test_split(data_dir: Path, metadata: dict) -> None:
+    """Raise ValueError when the test split has no rows or a shard of it is missing (it is read only once
+    training ends; see `evaluate_selected`)."""
+    missing = [str(p) for p in split_paths(data_dir, REPORT) if not p.is_file()]  # ValueError: no files
+    if missing:
+        raise ValueError(f"{data_dir}: shards of split {REPORT!r} are missing: {', '.join(missing)}")
+    if metadata.get("rows", {}).get(REPORT) == 0:  # shards of bad lines only
+        raise ValueError(f"{data_dir}: split {REPORT!r} has no rows")
+
+
+def load_resumable(
+    path: Path,
+    cfg: RunConfig,
+    model: Model,
+    optimizer: torch.optim.Optimizer,
+    dist: parallel.Dist = parallel.SINGLE,
+) -> dict:
+    """Load checkpoint `path` into `model` and `optimizer`; return it (step, best, loader position, ...).
+    `path` is a .pt file of one process or a sharded checkpoint directory of many (dlrm.parallel.checkpoint),
+    loaded on any number of ranks.
+
+    Raises:
+        ValueError: the file is not a checkpoint, or was trained with another model config or optimizer.
+    """
+    sharded = dist.enabled and path.is_dir()  # read by every rank, each its own rows
+    state = sharded_checkpoint.read_meta(path) if sharded else load_checkpoint(path)
+    ours, theirs = cfg.to_dict(), state["config"]
+    for section, key in [("model", k) for k in ours["model"]] + [("train", "optimizer"), ("data", "loader")]:
+        if theirs[section].get(key) != ours[section][key]:
+            raise ValueError(
+                f"{path}: trained with {section}.{key} = {theirs[section].get(key)!r}, "
+                f"the config has {ours[section][key]!r}"
+            )
+    # The config's hyperparameters win over the checkpoint's (the optimizer's state restores those too).
+    ours = [{k: group[k] for k in ("lr", "weight_decay")} for group in optimizer.param_groups]
+    if sharded:
+        sharded_checkpoint.load_sharded(path, model, optimizer, dist)
+    elif dist.enabled:  # a one-process .pt: each rank takes its rows
+        sharded_checkpoint.load_full_into_sharded(state, model, optimizer)
+    else:
+        model.load_state_dict(state["model"])
+        if state["optimizer"] is None:  # a sharded checkpoint read whole: optimizer state by parameter name
+            sharded_checkpoint.load_optimizer_by_name(
+                model, optimizer, state["optimizer_by_name"], state["step"]
+            )
+        else:
+            optimizer.load_state_dict(state["optimizer"])
+        for key, tensor in fused_optimizer_states(model).items():
+            if tensor is not None and state.get(key) is not None:
+                tensor.copy_(state[key])
+    # torch.optim.Adagrad's groups hold the scheduled rate of the checkpoint's step (dlrm.lr_schedule), the
+    # base rate times the factor: compare base rates. (dlrm.optim.SGD's hold the base rate.)
+    scheduled = isinstance(optimizer, torch.optim.Adagrad) and state["step"] > 0
+    factor = lr_factor(cfg.train.lr_schedule, state["step"]) if scheduled else 1.0
+    for group, values in zip(optimizer.param_groups, ours, strict=True):
+        for key, value in values.items():
+            held = group[key] / factor if key == "lr" and factor else group[key]
+            if not math.isclose(held, value, rel_tol=1e-9):
+                logger.info("resuming with the config's {} {} (the checkpoint had {:.6g})", key, value, held)
+            group[key] = value
+    logger.info("resuming from {} at step {}", path, state["step"])
+    return state

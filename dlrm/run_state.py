@@ -1,0 +1,110 @@
+"""What a training run is made of (dlrm.loop): `Run`, what it is set up with, fixed until it ends;
+`RunState`, what changes while it goes on (step, samples, best evaluation, throughput sums), which
+checkpoints save and `--resume` restores; `Interval`, the steps since the last log line."""
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+from dlrm import parallel
+from dlrm.config import RunConfig
+from dlrm.data.dataset import BatchLoader
+from dlrm.data.loaders import TrainLoader
+from dlrm.lr_schedule import LearningRates
+from dlrm.model import Model
+from dlrm.parallel import run as ranks
+from dlrm.parallel.evaluation import ShardedEvalSplit
+from dlrm.progress import TrainProgress
+from dlrm.signals import StopSignals
+from dlrm.step import (
+    StepFn,
+)
+
+
+@dataclass
+class RunState:
+    """What changes during a run; saved in every checkpoint, restored by `--resume`.
+
+    step: optimization steps done. samples: train samples of those steps, over the whole run (resumes
+    included). best: the best val evaluation so far ({"auc", "logloss", "ne", "samples", "step"}), None
+    before the first finite one. evals_since_best: for early stopping. skipped_batches: steps whose
+    non-finite loss was skipped (train.on_nonfinite "skip_batch"). last_finite_loss: (step, loss) of the
+    last finite step loss read. train_loss: the last log line's mean loss (None before one). The rest are
+    this process's: throughput sums, the last evaluation, when last.pt was written, where best's weights
+    are.
+    """
+
+    step: int = 0
+    samples: int = 0
+    best: dict | None = None
+    evals_since_best: int = 0
+    skipped_batches: int = 0
+    last_finite_loss: tuple[int, float] | None = None
+    train_loss: float | None = None
+    last_eval: dict | None = None
+    last_eval_step: int | None = None
+    first_step_s: float | None = None  # this process's first step, compilation included
+    # Training throughput of this process: the first step (compilation) and evaluations excluded.
+    timed_s: float = 0.0
+    timed_samples: int = 0
+    timed_steps: int = 0
+    evals: int = 0  # evaluations of this process
+    eval_s: float = 0.0  # their time, in all (best.pt's writes not included)
+    first_eval_s: float | None = None  # the first's, which pays for the eval shapes' JIT and tuning
+    last_checkpoint_step: int | None = None  # the step checkpoints/last.pt holds, when known
+    last_checkpoint_time: float = field(default_factory=time.monotonic)
+    last_checkpoint_state: dict | None = None  # checkpointed() as last.pt holds it
+    # The checkpoint that holds `best`'s weights: this run's best.pt once it writes one; a resumed run's
+    # until then is the one beside the checkpoint it resumed from (another run directory, maybe).
+    best_checkpoint: Path | None = None
+
+    def checkpointed(self) -> dict[str, Any]:
+        """The fields a resumed run goes on from."""
+        keys = (
+            "step",
+            "samples",
+            "best",
+            "evals_since_best",
+            "skipped_batches",
+            "last_finite_loss",
+            "train_loss",
+        )
+        return {key: getattr(self, key) for key in keys}
+
+
+@dataclass
+class Interval:
+    """The steps since the last log line. Their losses are copied into the device buffer `losses` (one
+    slot per step, no host sync) and read at the log line, or earlier where an evaluation or checkpoint
+    needs to know they are finite (`read` of them already checked)."""
+
+    losses: torch.Tensor
+    steps: int = 0
+    samples: int = 0
+    read: int = 0
+    loss_sum: float = 0.0  # of the finite losses read
+    finite: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Run:
+    """What a run is set up with, fixed until it ends."""
+
+    cfg: RunConfig
+    device: torch.device
+    model: Model
+    optimizer: torch.optim.Optimizer
+    step_fn: StepFn
+    train_loader: TrainLoader
+    val_loader: BatchLoader | ShardedEvalSplit  # many ranks: each scores its part of the split
+    run_dir: Path
+    writer: SummaryWriter | ranks.NullWriter
+    signals: StopSignals
+    lrs: LearningRates  # train.lr_schedule: set before each step
+    progress: TrainProgress = field(default_factory=lambda: TrainProgress("log", 0))
+    dist: parallel.Dist = parallel.SINGLE  # this process's rank; SINGLE without torchrun

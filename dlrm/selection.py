@@ -1,0 +1,133 @@
+"""Evaluation and model selection (the protocol of dlrm.data.splits): during training the val split is
+scored, the best val evaluation kept as checkpoints/best.pt, and early stopping counts evaluations since
+it; when the run ends, best.pt's weights are scored once on the test split."""
+
+import math
+import time
+from pathlib import Path
+
+from loguru import logger
+
+from dlrm.checkpoint import load_checkpoint
+from dlrm.data.dataset import BatchLoader, load_metadata, open_split
+from dlrm.data.splits import REPORT, SELECT
+from dlrm.metrics import evaluate
+from dlrm.nonfinite import check_finite, weights_finite
+from dlrm.parallel import checkpoint as sharded_checkpoint
+from dlrm.parallel.evaluation import ShardedEvalSplit, evaluate_sharded
+from dlrm.run_checkpoints import best_checkpoint_path, save_run_checkpoint
+from dlrm.run_setup import check_rows, make_split_loader
+from dlrm.run_state import Interval, Run, RunState
+
+
+def evaluate_split(run: Run, loader: BatchLoader | ShardedEvalSplit, split: str) -> dict[str, float]:
+    """{"auc", "logloss", "ne", "samples"} of the current weights on `split`, read through `loader`
+    (`make_split_loader`). Many ranks: every rank must call it (collectives); each scores its part and
+    all get the metrics of the whole split. Raises ValueError as dlrm.metrics.evaluate."""
+    if run.dist.enabled:
+        return evaluate_sharded(run.model, loader, run.device)
+    batches = run.progress.eval_batches(loader, split)
+    return evaluate(run.model, batches, run.device, run.cfg.train.precision)
+
+
+def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
+    """Evaluate on the val split, log it, keep the best as checkpoints/best.pt; True when early stopping
+    says stop. The evaluation's and the checkpoint's time are kept out of the interval's throughput. The
+    losses since the last log line are checked first (NonFiniteLoss), and a non-finite evaluation never
+    becomes best. The test split is never read here (see `evaluate_selected`)."""
+    check_finite(run, state, interval)
+    eval_start = time.perf_counter()
+    result = evaluate_split(run, run.val_loader, SELECT)
+    # The evaluation alone (its result is on the host, so its GPU work is done); best.pt's write is apart.
+    eval_time = time.perf_counter() - eval_start
+    state.evals += 1
+    state.eval_s += eval_time
+    state.first_eval_s = eval_time if state.first_eval_s is None else state.first_eval_s
+    state.last_eval, state.last_eval_step = result, state.step
+    for key in ("auc", "logloss", "ne"):
+        run.writer.add_scalar(f"{SELECT}/{key}", result[key], state.step)
+    logger.info(
+        "step {} | val auc {:.4f} logloss {:.4f} ne {:.4f} | {:.2f} s",
+        state.step,
+        result["auc"],
+        result["logloss"],
+        result["ne"],
+        eval_time,
+    )
+    # AUC can look finite (a rank statistic) on NaN logits: the logloss and the weights tell.
+    finite = all(math.isfinite(result[key]) for key in ("auc", "logloss", "ne")) and weights_finite(run.model)
+    if not finite:
+        logger.warning("step {}: the evaluation is not finite; not a candidate for best.pt", state.step)
+    if finite and (state.best is None or result["auc"] > state.best["auc"]):
+        state.best, state.evals_since_best = {**result, "step": state.step}, 0
+        save_run_checkpoint(run, state, "best.pt")
+        state.best_checkpoint = best_checkpoint_path(run)
+    else:
+        state.evals_since_best += 1
+    interval.start += time.perf_counter() - eval_start
+    patience = run.cfg.train.patience
+    if patience is not None and state.evals_since_best >= patience:
+        logger.info("early stop: no better val AUC in {} evaluations", patience)
+        return True
+    return False
+
+
+def evaluate_selected(run: Run, state: RunState) -> dict | None:
+    """Evaluate the selected weights, best.pt's (the best val evaluation), once on the test split; log it
+    and write test/auc, test/logloss, test/ne at the best step. The current weights when they are those
+    (no step since the best evaluation), else best.pt's model state loaded into the model (training is
+    over). Many ranks: every rank calls it; the same path as the val evaluation.
+
+    Returns:
+        {"auc", "logloss", "ne", "samples"}, or None when no val evaluation was finite (no best.pt) or the
+        checkpoint with the best weights is gone or holds another step (a warning says which).
+    Raises:
+        ValueError: the test split cannot be read, or is of one class only (dlrm.metrics.evaluate).
+    """
+    if state.best is None:
+        logger.warning("no finite val evaluation, so no best.pt: no test evaluation")
+        return None
+    best_step = state.best["step"]
+    if state.step != best_step and not load_best_weights(run, state):
+        return None
+    data_dir = Path(run.cfg.data.path)
+    test_set = open_split(data_dir, REPORT)
+    check_rows(data_dir, load_metadata(data_dir), REPORT, test_set.num_rows)
+    start = time.perf_counter()
+    result = evaluate_split(run, make_split_loader(test_set, run.cfg, run.device, run.dist), REPORT)
+    for key in ("auc", "logloss", "ne"):
+        run.writer.add_scalar(f"{REPORT}/{key}", result[key], best_step)
+    logger.info(
+        "test (weights of step {}, selected on val) | auc {:.4f} logloss {:.4f} ne {:.4f} | {:.2f} s",
+        best_step,
+        result["auc"],
+        result["logloss"],
+        result["ne"],
+        time.perf_counter() - start,
+    )
+    return result
+
+
+def load_best_weights(run: Run, state: RunState) -> bool:
+    """Load the model weights of `state.best_checkpoint` (this run's best.pt, or the resumed run's) into
+    the model, through the path a resume takes (a sharded checkpoint on many ranks: a collective; its
+    optimizer state comes along, unused). False, with a warning, when it is missing or holds another
+    step than `state.best` (a resumed run's directory whose best.pt moved on)."""
+    path, step = state.best_checkpoint, state.best["step"]
+    if path is None or not path.exists():
+        logger.warning("{}: not found, so the weights of step {} are gone: no test evaluation", path, step)
+        return False
+    sharded = run.dist.enabled and path.is_dir()
+    checkpoint = sharded_checkpoint.read_meta(path) if sharded else load_checkpoint(path)
+    held = (checkpoint.get("best") or {}).get("step")
+    if held != step:
+        logger.warning("{} holds the best of step {}, not of step {}: no test evaluation", path, held, step)
+        return False
+    if sharded:
+        sharded_checkpoint.load_sharded(path, run.model, run.optimizer, run.dist)
+    elif run.dist.enabled:  # a one-process best.pt of the run resumed from: each rank takes its rows
+        sharded_checkpoint.load_full_into_sharded(checkpoint, run.model, run.optimizer)
+    else:
+        run.model.load_state_dict(checkpoint["model"])
+    logger.info("loaded the weights of step {} from {} for the test evaluation", step, path)
+    return True
