@@ -20,7 +20,7 @@ SPLIT ?= test
 CHECKPOINT ?= $(shell ls -t runs/*/checkpoints/best.pt 2>/dev/null | head -n 1)
 PORT ?= 6006
 
-.PHONY: train evaluate tensorboard test test-browser bench lint clean
+.PHONY: train evaluate tensorboard test test-gpu test-browser bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,9 @@ tensorboard: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m gpu
 
 $(BROWSER_STAMP): $(STAMP)
 	test -x $(CHROMIUM) || apt-get install -y chromium || sudo apt-get install -y chromium
