@@ -23,7 +23,7 @@ from torch.profiler import record_function
 from dlrm.config import RunConfig, replace
 from dlrm.data.dataset import Batch
 from dlrm.graphs import GraphedTrainStep
-from dlrm.model import Model
+from dlrm.model import DLRM, Model
 from dlrm.optim import SGD
 
 StepFn = Callable[[Model, torch.optim.Optimizer, Batch], torch.Tensor]
@@ -106,7 +106,7 @@ def compile_dense_part(model: Model, mode: str = "default") -> None:
     compiled part, one per batch size). The embedding lookups (first-order ones too) stay eager: their
     sparse gradients do not compile. The batch dimension is dynamic from the start, so
     the last partial batch and the eval batch size do not trigger recompiles."""
-    if getattr(getattr(model, "interaction_arch", None), "interaction", None) == "attention":
+    if isinstance(model, DLRM) and model.interaction_arch.interaction == "attention":
         # Inductor's coalescing analysis fails an assertion on the attention backward's dynamic-shape
         # kernels in bf16 (InductorError in tiling_utils.get_pw_red_splits, torch 2.11 on an H100); without
         # the analysis Inductor keeps its default tiling. A global flag: read when a graph is compiled.
