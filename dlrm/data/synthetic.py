@@ -50,7 +50,6 @@ import json
 import os
 import queue
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -624,24 +623,7 @@ def _finish(
 # CLI
 
 
-class _OneLineErrors(click.Command):
-    """A click command whose usage errors are one `error: ...` line on stderr (exit status 2)."""
-
-    def main(self, *args, standalone_mode: bool = True, **kwargs):  # noqa: ANN201 - click's signature
-        try:
-            result = super().main(*args, standalone_mode=False, **kwargs)
-        except click.ClickException as e:
-            click.echo(f"error: {e.format_message()}", err=True)
-            sys.exit(e.exit_code)
-        except click.Abort:
-            click.echo("aborted", err=True)
-            sys.exit(1)
-        if standalone_mode:
-            sys.exit(result if isinstance(result, int) else 0)
-        return result
-
-
-@click.command(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--rows", type=int, required=True, help="Number of rows (lines) to generate.")
 @click.option(
     "--output",
