@@ -314,7 +314,8 @@ def test_bf16_precision_trains(criteo_sample, tmp_path):
 
 @pytest.mark.gpu
 def test_triton_bf16_and_cuda_graphs_follow_eager(criteo_sample, tmp_path):
-    """bf16 autocast through our kernels, and the graph-captured step, give eager bf16's loss curve."""
+    """bf16 autocast through our kernels, and the graph-captured step, give eager bf16's loss curve;
+    `--use-triton` alone (train.cuda_graphs null) takes the graph."""
     curves = _loss_curves(
         criteo_sample,
         tmp_path,
@@ -322,10 +323,13 @@ def test_triton_bf16_and_cuda_graphs_follow_eager(criteo_sample, tmp_path):
             "eager": {"precision": "bf16"},
             "triton": {"use_triton": True, "cuda_graphs": False, "precision": "bf16"},
             "triton_graphs": {"use_triton": True, "cuda_graphs": True, "precision": "bf16"},
+            "triton_default": {"use_triton": True, "precision": "bf16"},
         },
     )
+    resolved = json.loads((tmp_path / "triton_default" / "config.json").read_text())["train"]
+    assert resolved["cuda_graphs"] is True
     # bf16 rounds the MLP activations (8 bits of mantissa) in different places on each path.
-    for name in ("triton", "triton_graphs"):
+    for name in ("triton", "triton_graphs", "triton_default"):
         torch.testing.assert_close(curves[name], curves["eager"], rtol=2e-2, atol=1e-3, msg=name)
 
 
