@@ -263,16 +263,19 @@ def run_blocks(configs, batches, precisions, blocks, paths, ceilings, common) ->
                                     ratio_vs_eager=round(times[paths[0]][ps] / t[ps], 3),
                                     compile_s=round(t["compile_s"], 2),
                                 ))  # fmt: skip
-                    for ps in PASSES:
-                        base = totals[(paths[0], ps)]
-                        cells = "".join(
-                            f"{totals[(p, ps)]:>10.4f} ({base / totals[(p, ps)]:>5.2f}x)" for p in paths
-                        )
-                        print(f"{config:<8}{precision:<6}{m:>7}  {block:<20}{ps:<15}{cells}")
+                    _print_totals(f"{config:<8}{precision:<6}{m:>7}  {block:<20}", totals, paths)
                     if "compile" in paths and "triton" in paths:
                         ratio = totals[("compile", "graph fwd+bwd")] / totals[("triton", "graph fwd+bwd")]
                         print(f"{'':<41}triton graph fwd+bwd speed-up over compile: {ratio:.2f}x")
     append_rows(BLOCK_RESULTS, rows)
+
+
+def _print_totals(prefix: str, totals: dict, paths: list[str]) -> None:
+    """One line per pass: each path's summed ms and its speed-up over the first path (eager)."""
+    for ps in PASSES:
+        base = totals[(paths[0], ps)]
+        cells = "".join(f"{totals[(p, ps)]:>10.4f} ({base / totals[(p, ps)]:>5.2f}x)" for p in paths)
+        print(f"{prefix}{ps:<15}{cells}")
 
 
 def _attention_inputs(m: int, heads: int, dim: int, dtype: torch.dtype, g: torch.Generator):
@@ -375,12 +378,7 @@ def run_lora(configs, batches, precisions, ranks, paths, common) -> None:
                                     ratio_vs_eager=round(times[paths[0]][ps] / t[ps], 3),
                                     compile_s=round(t["compile_s"], 2),
                                 ))  # fmt: skip
-                    for ps in PASSES:
-                        base = totals[(paths[0], ps)]
-                        cells = "".join(
-                            f"{totals[(p, ps)]:>10.4f} ({base / totals[(p, ps)]:>5.2f}x)" for p in paths
-                        )
-                        print(f"{config:<8}{precision:<6}{m:>7}  {r:>4}  {ps:<15}{cells}")
+                    _print_totals(f"{config:<8}{precision:<6}{m:>7}  {r:>4}  ", totals, paths)
     append_rows(LORA_RESULTS, rows)
 
 
