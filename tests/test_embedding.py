@@ -269,14 +269,20 @@ def _assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, w
     )
 
 
+def _skewed_ids(r: torch.Tensor, b: int, g: torch.Generator) -> torch.Tensor:
+    """Raw ids [b, F] for tables of r rows, skewed to the low rows (u^4, u uniform): a table's first rows
+    take most of the batch, as hot ids do."""
+    u = torch.rand(b, len(r), device=r.device, generator=g, dtype=torch.float64) ** 4
+    return (u * r).long() - 1
+
+
 def _check_update_against_exact(rows: list[int], b: int, d: int, optimizer: str, device: str) -> None:
     """Lookup of skewed ids (hot rows repeat up to thousands of times) exact; one fused update within fp32
     summation error of the exact update, computed in float64 from the exact row sums. The kernel updates
     the tables in place: no reference copy of them (at Kaggle size and D = 128, 17 GB each)."""
     weights, offsets, r = _tables(rows, d, device=device)
     g = torch.Generator(device=device).manual_seed(7)
-    u = torch.rand(b, len(rows), device=device, generator=g, dtype=torch.float64) ** 4  # skewed to low ids
-    ids = (u * r).long() - 1
+    ids = _skewed_ids(r, b, g)
     out_ref, index = embedding_lookup_ref(weights, offsets, r, ids, "modulus")
     touched, inverse = index.flatten().unique(return_inverse=True)
     before = weights[touched].double()
@@ -314,8 +320,7 @@ def test_summation_bound_covers_fp32_sums_in_any_order():
     of each row's terms, in file order and in a random order, both stay within it."""
     g = torch.Generator().manual_seed(7)
     r = torch.tensor(KAGGLE_ROWS)
-    u = torch.rand(16384, len(KAGGLE_ROWS), generator=g, dtype=torch.float64) ** 4
-    rows = (u * r).long() % r + torch.tensor([0, *KAGGLE_ROWS[:-1]]).cumsum(0)
+    rows = (_skewed_ids(r, 16384, g) + 1) % r + torch.tensor([0, *KAGGLE_ROWS[:-1]]).cumsum(0)
     touched, inverse = rows.flatten().unique(return_inverse=True)
     grad = torch.randn(rows.numel(), 16, generator=g)
     sums, bound = _exact_row_sums(inverse, grad, len(touched))
