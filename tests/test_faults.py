@@ -1,7 +1,8 @@
 """Nothing lost (issue 15): non-finite losses, hard kills, signals, reused run directories, unreadable
 checkpoints and paths, out-of-memory, bad data. Each case: its exit code, its one line, what is on disk.
 
-CPU only; the kill and signal cases run `python -m dlrm.train` in subprocesses on tiny configs.
+The kill and signal cases run `python -m dlrm.train` in subprocesses on tiny configs. The tests marked
+`gpu` check skip_batch inside the whole-step CUDA graph and a real CUDA out-of-memory.
 """
 
 import dataclasses
@@ -42,7 +43,7 @@ def _config(tmp_path: Path, data_dir: Path, name: str = "c.json", **train) -> Pa
     raw = json.loads(TINY.read_text())
     raw["data"]["path"] = str(data_dir)
     raw["profiler"]["enabled"] = False
-    raw["train"].update(device="cpu", **train)
+    raw["train"].update({"device": "cpu", **train})
     path = tmp_path / name
     path.write_text(json.dumps(raw))
     return path
@@ -143,24 +144,69 @@ def test_skip_batch_leaves_weights_and_optimizer_state_untouched(sparse_kernel, 
     assert bool(guard.ok) and not torch.equal(before[0][0], next(model.parameters()))
 
 
-def test_skip_batch_run_counts_the_skipped_batch_and_goes_on(criteo_sample, tmp_path, monkeypatch):
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_skip_batch_under_the_cuda_graph_leaves_the_state_untouched_gpu(weight_decay):
+    """The guard captured in the whole-step CUDA graph: a replay on a NaN batch changes no weight and no
+    embedding row; the next replay on a good batch trains."""
+    from dlrm.data.dataset import Batch
+    from dlrm.graphs import WARMUP_STEPS, GraphedTrainStep
+    from dlrm.model import DLRM
+    from dlrm.step import build_step
+
+    cfg = load_config(TINY)
+    cfg = replace(cfg, "train", use_triton=True, cuda_graphs=True, on_nonfinite="skip_batch",
+                  weight_decay=weight_decay)  # fmt: skip
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = DLRM(cfg.model, [50] * 26, sparse_kernel=cfg.sparse_kernel, mlp_kernel=cfg.mlp_kernel).to(device)
+    opt = make_optimizer(model, cfg)
+    step = build_step(model, opt, cfg, device)
+    gen = torch.Generator().manual_seed(1)
+
+    def batch(poison: bool) -> Batch:
+        dense = torch.rand(64, 13, generator=gen)
+        if poison:
+            dense[3, 5] = float("nan")
+        sparse = torch.randint(0, 1000, (64, 26), generator=gen)
+        return Batch(dense, sparse, torch.rand(64, generator=gen).round()).to(device)
+
+    def snapshot() -> list[torch.Tensor]:
+        return [p.detach().clone() for p in model.parameters()] + [model.sparse_arch.optimizer_state.clone()]
+
+    for _ in range(WARMUP_STEPS + 1):  # warm-up steps, then the capture and its first replay
+        step(model, opt, batch(False))
+    assert isinstance(step, GraphedTrainStep) and step.graph is not None
+    before = snapshot()
+    assert not torch.isfinite(step(model, opt, batch(True)))
+    for old, new in zip(before, snapshot(), strict=True):
+        assert torch.equal(old, new)
+    assert torch.isfinite(step(model, opt, batch(False)))
+    assert not torch.equal(before[0], next(model.parameters()))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_skip_batch_run_counts_the_skipped_batch_and_goes_on(criteo_sample, tmp_path, monkeypatch, device):
     """A NaN appears in one batch (after the loader's checks, as a device fault would): that step is
-    skipped, counted in metrics.json, and training goes on."""
+    skipped, counted in metrics.json, and training goes on. On the GPU the step is `--use-triton` in its
+    CUDA graph and the NaN batch is a replay."""
     build_step = run_setup.build_step
+    poison_at = 3 if device == "cpu" else 6  # on the GPU: after the warm-up steps and the capture
 
     def poisoning_build_step(model, optimizer, cfg, device, reduce_grads=None):
         step, calls = build_step(model, optimizer, cfg, device, reduce_grads), [0]
 
         def poisoned(model, optimizer, batch):
             calls[0] += 1
-            if calls[0] == 3:
+            if calls[0] == poison_at:
                 batch = batch._replace(dense=batch.dense.clone().fill_(float("nan")))
             return step(model, optimizer, batch)
 
         return poisoned
 
     monkeypatch.setattr(run_setup, "build_step", poisoning_build_step)
-    cfg = load_config(_config(tmp_path, criteo_sample, on_nonfinite="skip_batch"))
+    options = {} if device == "cpu" else {"use_triton": True, "cuda_graphs": True}
+    cfg = load_config(_config(tmp_path, criteo_sample, on_nonfinite="skip_batch", device=device, **options))
     metrics = loop.train(cfg, tmp_path / "run")
     assert metrics["skipped_batches"] == 1 and metrics["steps"] == 8 and metrics["stopped"] is None
     assert _strict_json(tmp_path / "run" / "metrics.json")["skipped_batches"] == 1
@@ -495,6 +541,21 @@ def test_out_of_memory_is_one_line_with_the_numbers(criteo_sample, tmp_path, mon
     assert "embedding tables" in line and "lower data.batch_size" in line
     assert ("during set-up" if when == "set-up" else "at step 1") in line
     assert (tmp_path / "run").exists() == (when == "step")
+
+
+@pytest.mark.gpu
+def test_a_real_cuda_out_of_memory_is_one_line_gpu(criteo_sample, tmp_path):
+    """Too large a batch for the GPU: a top-MLP layer 2^22 wide at batch 4096 needs 64 GiB per activation
+    (its weights, 6 GiB, fit). The first step fails; one line with the numbers and exit 2."""
+    raw = json.loads(_config(tmp_path, criteo_sample, max_steps=2, device="cuda").read_text())
+    raw["model"]["top_mlp"] = [2**22, 1]
+    raw["data"]["batch_size"] = 4096
+    config = tmp_path / "huge.json"
+    config.write_text(json.dumps(raw))
+    code, output = _cli(train_cli.main, ["--config", config, "--output-dir", tmp_path / "run"])
+    line = _one_error_line(output)
+    assert code == 2 and "out of memory at step 1" in line and "GiB GPU memory free" in line, line
+    assert "batch 4096" in line and "lower data.batch_size" in line
 
 
 def test_out_of_memory_message_names_free_gpu_memory(monkeypatch):
