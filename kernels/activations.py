@@ -1,7 +1,7 @@
 """Activations shared by the MLP kernels: Triton device functions and their PyTorch references.
 
     identity   y = z                                  act'(z) = 1
-    relu       y = max(z, 0)                          act'(z) = 1 if z > 0 else 0   (= [y > 0])
+    relu       y = max(z, 0) (NaN for NaN)            act'(z) = 1 if z > 0 else 0   (= [y > 0])
     sigmoid    y = s(z) = 1 / (1 + exp(-z))           act'(z) = s(z) (1 - s(z))     (= y (1 - y))
     gelu_tanh  y = 0.5 z (1 + tanh(u)), u = sqrt(2/pi) (z + 0.044715 z^3)  (GELU, tanh approximation;
                = z s(2u))                             act'(z) = s(2u) + 2 z s(2u) (1 - s(2u)) du/dz
@@ -40,7 +40,9 @@ def sigmoid(v):
 def act_fwd(z, ACTIVATION: tl.constexpr):
     """act(z) for an fp32 tile z."""
     if ACTIVATION == "relu":
-        y = tl.maximum(z, 0.0)
+        # NaN stays NaN, as in torch.relu (the GPU's max returns the other operand): a NaN input must
+        # reach the loss, where train.on_nonfinite sees it.
+        y = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL)
     elif ACTIVATION == "sigmoid":
         y = sigmoid(z)
     elif ACTIVATION == "gelu_tanh":

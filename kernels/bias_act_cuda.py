@@ -64,7 +64,7 @@ __device__ __forceinline__ float sigmoid_f(float v) {
 // ACT: 0 identity, 1 relu, 2 sigmoid, 3 gelu_tanh, 4 silu (the order of kernels.activations.ACTIVATIONS).
 template <int ACT>
 __device__ __forceinline__ float act_fwd(float z) {
-  if (ACT == 1) return fmaxf(z, 0.f);
+  if (ACT == 1) return z < 0.f ? 0.f : z;  // NaN stays NaN, as in torch.relu (fmaxf would return 0)
   if (ACT == 2) return sigmoid_f(z);
   if (ACT == 3) {
     const float u = 0.7978845608028654f * (z + 0.044715f * z * z * z);

@@ -128,6 +128,20 @@ def test_matches_linear_with_bias(activation):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=lambda s, n=name: f"grad {n}: {s}")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_relu_propagates_nan_like_torch(device):
+    """A NaN input gives NaN out of relu, as torch.relu does (the GPU's max instruction returns the other
+    operand, 0): else a NaN batch trains on with a finite loss and train.on_nonfinite never sees it."""
+    from kernels.linear_act import linear_act
+
+    x = torch.randn(4, 8, device=device)
+    x[1, 2] = float("nan")
+    z = torch.zeros(8, device=device)
+    assert torch.equal(bias_act(x, z, "relu").isnan(), torch.relu(x).isnan())
+    w = torch.randn(16, 8, device=device)
+    assert linear_act(x, w, torch.zeros(16, device=device), "relu")[1].isnan().all()
+
+
 def test_empty_batch():
     x = torch.randn(0, 9, requires_grad=True)
     b = torch.randn(9, generator=torch.Generator().manual_seed(5), requires_grad=True)
