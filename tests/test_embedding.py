@@ -298,7 +298,11 @@ def _check_update_against_exact(rows: list[int], b: int, d: int, optimizer: str,
     after = weights.detach()[touched].double()
     rounding = 2.0**-22 * (before.abs() + after.abs())  # of w - step in fp32
     if optimizer == "sgd":
-        step, step_bound = lr * sums, lr * bound
+        # The kernel adds each -lr g_k into the weight by an atomic add: n roundings at |w|'s scale, a
+        # random walk bounded the same way (8 u sqrt(n) |w|) on top of the sum's error.
+        hits = torch.bincount(inverse.flatten(), minlength=len(touched)).double()[:, None]
+        step = lr * sums
+        step_bound = lr * bound + 8 * 2.0**-24 * hits.sqrt() * torch.maximum(before.abs(), after.abs())
     elif optimizer == "adagrad":  # from a zero state: state = g^2, step = lr g / (|g| + eps)
         _assert_within(state[touched].double().sqrt(), sums.abs(), bound, "sqrt(Adagrad state) vs |g|")
         step = lr * sums / (sums.abs() + 1e-10)
