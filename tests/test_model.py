@@ -68,6 +68,44 @@ def test_vocab_hashing_is_exact_with_shared_oov_row():
     assert (arch.hash_ids(unseen) == torch.tensor(arch.table_rows) - 1).all()
 
 
+def test_vocab_rows_of_one_lookup_equal_each_features_own():
+    """The one-array lookup against each feature's own sorted vocabulary: ids present, absent, missing
+    (-1), -2 and outside [-1, 2^58 - 1); a feature with an empty vocabulary; a feature whose only id is
+    another's."""
+    g = torch.Generator().manual_seed(5)
+    vocabularies = [
+        torch.randint(-1, 2**32, (int(n),), generator=g).unique()
+        for n in torch.randint(1, 60, (26,), generator=g)
+    ]
+    vocabularies[3] = torch.zeros(0, dtype=torch.int64)
+    vocabularies[4] = vocabularies[5][:1].clone()
+    queries = torch.stack([v[torch.randint(0, max(len(v), 1), (50,), generator=g)] if len(v) else
+                           torch.zeros(50, dtype=torch.int64) for v in vocabularies], dim=1)  # fmt: skip
+    queries[::3] = torch.randint(-1, 2**32, (len(queries[::3]), 26), generator=g)
+    # Out of range, each an id of another feature shifted by whole key ranges: a lookup without the range
+    # check would find it there.
+    queries[1, :4] = torch.tensor([-1, -2, int(vocabularies[1][0]) - 2**58, int(vocabularies[19][0]) + 2**62])
+    arch = SparseArch(4, hashing="vocab", vocabularies=vocabularies)
+    got = arch.hash_ids(queries)
+    for f, vocab in enumerate(vocabularies):
+        known = vocab.tolist()
+        want = [known.index(x) if x in known else len(known) for x in queries[:, f].tolist()]
+        assert got[:, f].tolist() == want, f
+
+
+def test_vocab_lookup_follows_loaded_vocabularies():
+    """A model built on placeholders (as from a checkpoint) hashes with the loaded vocabularies; with every
+    vocabulary empty every id is out of vocabulary."""
+    ids = _ids(torch.Generator().manual_seed(3), 30)
+    trained = SparseArch(4, hashing="vocab", vocabularies=build_vocabularies(ids, max_rows=1000))
+    placeholders = [torch.zeros(rows - 1, dtype=torch.int64) for rows in trained.table_rows]
+    loaded = SparseArch(4, hashing="vocab", vocabularies=placeholders)
+    loaded.load_state_dict(trained.state_dict())
+    assert torch.equal(loaded.hash_ids(ids), trained.hash_ids(ids))
+    empty = SparseArch(4, hashing="vocab", vocabularies=build_vocabularies(ids, 1000, min_frequency=10**6))
+    assert (empty.hash_ids(ids) == 0).all() and empty.table_rows == [1] * NUM_SPARSE
+
+
 def test_vocab_cap_keeps_most_frequent_ids():
     ids = torch.zeros(30, NUM_SPARSE, dtype=torch.int64)
     ids[:20] = 5  # most frequent

@@ -77,7 +77,7 @@ def model_from_checkpoint(
     """
     kernels = {"mlp_kernel": mlp_kernel, "sparse_kernel": sparse_kernel}
     if cfg.hashing == "vocab":
-        placeholders = [torch.empty(rows - 1, dtype=torch.int64) for rows in table_rows]
+        placeholders = [torch.zeros(rows - 1, dtype=torch.int64) for rows in table_rows]  # loaded below
         model = make_model(cfg, vocabularies=placeholders, **kernels)
     else:
         model = make_model(cfg, table_rows=table_rows, **kernels)

@@ -24,6 +24,7 @@ from torch.profiler import record_function
 from dlrm.config import AttentionConfig, ModelConfig
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model.mlp import MLP
+from dlrm.model.tables import vocabulary_index, vocabulary_rows
 
 SPARSE_KERNELS = ("torch", "triton")
 
@@ -96,6 +97,8 @@ class SparseArch(nn.Module):
             table_rows = [len(v) + 1 for v in vocabularies]
             for f, vocab in enumerate(vocabularies):
                 self.register_buffer(f"vocab_{f}", vocab.to(torch.int64))
+            self.index_vocabularies()
+            self.register_load_state_dict_post_hook(_index_loaded_vocabularies)
         elif hashing not in ("modulus", "index"):
             raise ValueError(f"unknown hashing {hashing!r}: expected 'modulus', 'vocab' or 'index'")
         if table_rows is None or len(table_rows) != NUM_SPARSE:
@@ -147,19 +150,20 @@ class SparseArch(nn.Module):
         self.lr = torch.full((), lr, dtype=torch.float32, device=self.weights.device)
         self.optimizer = (optimizer, eps)
 
+    def index_vocabularies(self) -> None:
+        """(Re)build the vocabularies' one-array lookup (`vocabulary_index`, non-persistent buffers) from
+        the `vocab_<f>` buffers; a state_dict load does it itself, an in-place write of them must call it."""
+        index = vocabulary_index([getattr(self, f"vocab_{f}") for f in range(NUM_SPARSE)])
+        for name, tensor in index.items():
+            self.register_buffer(f"vocab_{name}", tensor, persistent=False)
+
     def hash_ids(self, sparse: torch.Tensor) -> torch.Tensor:
         """Raw ids [B, F] int64 -> row indices [B, F] int64 within each table."""
         if self.hashing == "modulus":
             return torch.remainder(sparse + 1, self.rows)
         if self.hashing == "index":
             return sparse
-        columns = []
-        for f in range(NUM_SPARSE):
-            vocab = getattr(self, f"vocab_{f}")
-            ids = sparse[:, f].contiguous()
-            pos = torch.searchsorted(vocab, ids).clamp_(max=len(vocab) - 1)
-            columns.append(torch.where(vocab[pos] == ids, pos, len(vocab)))
-        return torch.stack(columns, dim=1)
+        return vocabulary_rows(sparse, self.vocab_keys, self.vocab_starts, self.vocab_sizes, self.vocab_bases)
 
     def forward(self, sparse: torch.Tensor) -> torch.Tensor:
         """sparse: [B, F] int64 raw ids -> embeddings [B, F, D], the tables' dtype (kernel "triton" under
@@ -189,6 +193,11 @@ class SparseArch(nn.Module):
                 )
         rows = self.hash_ids(sparse)
         return torch.stack([table(rows[:, f]) for f, table in enumerate(self.embeddings)], dim=1)
+
+
+def _index_loaded_vocabularies(module: SparseArch, incompatible_keys) -> None:
+    """load_state_dict post-hook: the loaded `vocab_<f>` buffers' lookup."""
+    module.index_vocabularies()
 
 
 def _split_tables(module: SparseArch, state_dict: dict, prefix: str, local_metadata: dict) -> None:

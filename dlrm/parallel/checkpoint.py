@@ -165,6 +165,8 @@ def load_sharded(path: Path, model, optimizer: torch.optim.Optimizer, dist_: Dis
         name = key.removeprefix("model/")
         if key.startswith("model/") and name in live and live[name].data_ptr() != value.data_ptr():
             live[name].copy_(value)
+    if model.sparse_arch.hashing == "vocab":  # vocab_<f> written in place: their lookup follows
+        model.sparse_arch.index_vocabularies()
     set_steps(optimizer, meta["step"])
     return meta
 
