@@ -5,7 +5,7 @@ The trace is written as `<run_dir>/<host>_<pid>.<time>.pt.trace.json`, named as
 `torch.profiler.tensorboard_trace_handler` names it; open it in Perfetto (ui.perfetto.dev) /
 chrome://tracing, or TensorBoard's PYTORCH_PROFILER tab (the torch-tb-profiler plugin). The training
 loop marks its stages with `record_function` (STAGES: data, embedding, bottom_mlp, interaction, top_mlp,
-loss, backward, optimizer).
+loss, backward, optimizer; under `--cuda-graphs` all but data run inside one range, graph_replay).
 The data range holds a second range named as PyTorch's DataLoader names its own
 (`enumerate(DataLoader)#...__next__`), which is what the plugin's overview counts as "DataLoader" time; the
 plugin (archived upstream) only reads such ranges as operators ("cpu_op"), while today's profiler writes
@@ -35,6 +35,9 @@ from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_fun
 from dlrm.config import ProfilerConfig
 
 STAGES = ("data", "embedding", "bottom_mlp", "interaction", "top_mlp", "loss", "backward", "optimizer")
+# The whole-step CUDA graph's replay (dlrm.graphs): forward, loss, backward and the optimizer in one launch,
+# so their ranges never open in a profiled window of a graphed run; this range's GPU time is theirs.
+GRAPH_REPLAY = "graph_replay"
 # torch-tb-profiler counts a range as data loading when its name starts with "enumerate(DataLoader)#" and
 # ends with ".__next__" (torch_tb_profiler/profiler/event_parser.py), as PyTorch's DataLoader names it.
 DATA_LOADER_RANGE = "enumerate(DataLoader)#TrainLoader.__next__"
@@ -145,11 +148,12 @@ def export_trace(prof: profile, run_dir: Path, worker_name: str | None = None) -
 def stage_breakdown(events) -> dict:
     """Per-step time of each stage over the profiled steps of `events` (a profiler's `events()`):
     {"steps": profiled steps, "step_ms": host ms per step, "gpu": whether GPU times exist,
-    "stages": {stage: {"host_ms", "gpu_ms"}}} (ms per profiled step; GPU 0 without a GPU)."""
+    "stages": {stage: {"host_ms", "gpu_ms"}}} (ms per profiled step; GPU 0 without a GPU). The stages are
+    STAGES, and GRAPH_REPLAY after them when the window replayed the step's CUDA graph."""
     cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async]
     steps = [e for e in cpu if e.name.startswith(_STEP_PREFIX)]
     n = max(len(steps), 1)
-    host = dict.fromkeys(STAGES, 0.0)
+    host = dict.fromkeys((*STAGES, GRAPH_REPLAY), 0.0)
     intervals = []  # (start_us, end_us, stage) of every stage range, sorted by start
     for e in cpu:
         if e.name in host:
@@ -157,7 +161,7 @@ def stage_breakdown(events) -> dict:
             intervals.append((e.time_range.start, e.time_range.end, e.name))
     intervals.sort()
     starts = [start for start, _, _ in intervals]
-    gpu = dict.fromkeys(STAGES, 0.0)
+    gpu = dict.fromkeys(host, 0.0)
     any_kernel = False
     for e in cpu:
         if not e.kernels:
@@ -175,7 +179,11 @@ def stage_breakdown(events) -> dict:
         "steps": len(steps),
         "step_ms": step_us / n / 1000,
         "gpu": any_kernel,
-        "stages": {s: {"host_ms": host[s] / n / 1000, "gpu_ms": gpu[s] / n / 1000} for s in STAGES},
+        "stages": {
+            s: {"host_ms": host[s] / n / 1000, "gpu_ms": gpu[s] / n / 1000}
+            for s in host
+            if s in STAGES or any(name == s for _, _, name in intervals)
+        },
     }
 
 
@@ -197,6 +205,13 @@ def breakdown_table(breakdown: dict) -> str:
             else "No GPU time (CPU run). "
         )
         + "On a GPU the host only launches work: the host and GPU times of a stage differ."
+        + (
+            f" {GRAPH_REPLAY}: the whole training step replayed as one CUDA graph (--cuda-graphs), so the"
+            " model's stages do not run apart and read 0 here; scripts/profile_step.py splits the replay's"
+            " kernels by stage."
+            if GRAPH_REPLAY in breakdown["stages"]
+            else ""
+        )
     )
     return "\n".join(lines) + "\n\n" + note
 

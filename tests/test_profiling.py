@@ -14,6 +14,7 @@ from dlrm.config import ProfilerConfig, load_config, replace
 from dlrm.loop import train
 from dlrm.profiling import (
     DATA_LOADER_RANGE,
+    GRAPH_REPLAY,
     STAGES,
     breakdown_table,
     data_range,
@@ -104,6 +105,37 @@ def test_gpu_time_goes_to_the_stage_open_when_the_work_was_launched():
     assert stages["backward"]["host_ms"] == pytest.approx(0.2)
     table = breakdown_table(result)
     assert "| backward | 0.200 | 13.3% | 0.030 |" in table and "GPU ms/step" in table
+
+
+def test_a_graph_replay_is_a_row_of_its_own():
+    """Under --cuda-graphs the step's kernels are launched by the replay (the model's ranges do not open):
+    its GPU time lands in a graph_replay row, which a run without graphs does not have."""
+    events = [
+        _event("ProfilerStep*", 0, 1000),
+        _event("data", 0, 100),
+        _event("aten::copy_", 10, 20, kernels=[30]),
+        _event(GRAPH_REPLAY, 100, 150),
+        _event("cudaGraphLaunch", 110, 140, kernels=[400, 300]),
+    ]
+    result = stage_breakdown(events)
+    assert list(result["stages"]) == [*STAGES, GRAPH_REPLAY]
+    assert result["stages"][GRAPH_REPLAY] == {"host_ms": 0.05, "gpu_ms": 0.7}
+    assert result["stages"]["embedding"] == {"host_ms": 0.0, "gpu_ms": 0.0}
+    table = breakdown_table(result)
+    assert "| graph_replay | 0.050 | 5.0% | 0.700 |" in table and "scripts/profile_step.py" in table
+    without = stage_breakdown([e for e in events if e.name not in (GRAPH_REPLAY, "cudaGraphLaunch")])
+    assert list(without["stages"]) == list(STAGES) and GRAPH_REPLAY not in breakdown_table(without)
+
+
+@pytest.mark.gpu
+def test_a_graphed_gpu_run_writes_the_replays_gpu_time(criteo_sample, tmp_path):
+    cfg = load_config(REPO / "configs" / "tiny.json")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(criteo_sample)))
+    cfg = dataclasses.replace(cfg, profiler=dataclasses.replace(cfg.profiler, wait=5, warmup=1, active=2))
+    train(replace(cfg, "train", device="cuda", use_triton=True, cuda_graphs=True, max_steps=8), tmp_path)
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert events.Scalars(f"profile/{GRAPH_REPLAY}_gpu_ms")[0].value > 0
 
 
 def test_outside_its_window_the_profiler_costs_no_ranges(tmp_path):
