@@ -1,5 +1,6 @@
-"""A device out-of-memory error turned into the one line a user can act on (batch, table bytes, free GPU
-memory, what to change)."""
+"""Out of memory as the one line a user can act on (batch, table bytes, free memory, what to change): a
+device out-of-memory error turned into it, and tables too large for the host or the GPU refused before they
+are built."""
 
 from pathlib import Path
 
@@ -38,3 +39,46 @@ def out_of_memory(cfg: RunConfig, err: torch.OutOfMemoryError, when: str) -> Out
         f"out of memory {when} ({first}): {', '.join(parts)}; lower data.batch_size or model.max_rows, "
         "use --precision bf16, or spread the tables over more GPUs"
     )
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux): what can be allocated without swapping; None elsewhere."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_tables_fit(cfg: RunConfig, table_rows: list[int], device: torch.device) -> None:
+    """Refuse tables that cannot be built: their fp32 weights are initialized in host memory, then moved to
+    `device` (with the optimizer's state there). Past the host's available memory the allocation succeeds
+    lazily and the kernel's OOM killer ends the process while the weights are initialized, with no message;
+    past a GPU's free memory the move fails.
+
+    Raises:
+        OutOfMemory: more bytes than the host has available, or (CUDA) than the device has free.
+    """
+    rows = sum(table_rows)
+    dim = 1 if cfg.model.arch == "logistic" else cfg.model.embedding_dim  # logistic: one weight per row
+    weights = rows * dim * 4
+    what = f"embedding tables of {rows:,} rows x D={dim} ({_gib(weights)} in fp32)"
+    fix = "lower model.max_rows or model.embedding_dim, or spread the tables over more GPUs (torchrun)"
+    available = host_available_bytes()
+    if available is not None and weights > available:
+        raise OutOfMemory(f"out of memory during set-up: {what}, built in host memory, which has "
+                          f"{_gib(available)} available; {fix}")  # fmt: skip
+    if device.type == "cuda":
+        state = weights if cfg.train.optimizer == "adagrad" else 0  # Adagrad: one accumulator per weight
+        free, total = torch.cuda.mem_get_info(device)
+        if weights + state > free:
+            with_state = f" plus {_gib(state)} of Adagrad state" if state else ""
+            raise OutOfMemory(f"out of memory during set-up: {what}{with_state}, on a GPU with {_gib(free)} "
+                              f"of {_gib(total)} free; {fix}")  # fmt: skip

@@ -20,6 +20,8 @@ from dlrm.data.schema import NUM_SPARSE
 from dlrm.data.splits import REPORT, SELECT, require_val_test
 from dlrm.lr_schedule import LearningRates, lr_factor
 from dlrm.model import Model, build_model
+from dlrm.model.tables import resolve_table_rows
+from dlrm.out_of_memory import check_tables_fit
 from dlrm.parallel import checkpoint as sharded_checkpoint
 from dlrm.parallel import run as ranks
 from dlrm.parallel.evaluation import ShardedEvalSplit
@@ -81,6 +83,8 @@ def set_up(
     if dist.enabled:  # tables sharded over the ranks, the dense part replicated
         model, plan = build_sharded_model(cfg, metadata, train_ids, dist.rank, dist.world_size, device)
     else:
+        if cfg.model.hashing == "modulus":  # sizes known before building (vocab: from the train ids)
+            check_tables_fit(cfg, resolve_table_rows(cfg.model, metadata), device)
         model = build_model(cfg.model, metadata, train_ids, **kernels).to(device)
     optimizer = make_optimizer(model, cfg)
     lrs = LearningRates(t, optimizer, model.table_archs())  # the base rates: make_optimizer's, the config's

@@ -25,6 +25,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from dlrm import evaluate as evaluate_cli
 from dlrm import loop, run_setup
+from dlrm import out_of_memory as out_of_memory_module
 from dlrm import train as train_cli
 from dlrm.config import load_config, replace
 from dlrm.data import preprocess as preprocess_cli
@@ -556,6 +557,26 @@ def test_a_real_cuda_out_of_memory_is_one_line_gpu(criteo_sample, tmp_path):
     line = _one_error_line(output)
     assert code == 2 and "out of memory at step 1" in line and "GiB GPU memory free" in line, line
     assert "batch 4096" in line and "lower data.batch_size" in line
+
+
+def test_tables_past_the_host_memory_are_refused_before_they_are_built(criteo_sample, tmp_path, monkeypatch):
+    """Tables larger than the host's available memory: one line before any allocation (else the kernel's
+    OOM killer ends the process while the weights are initialized, with no message); nothing written."""
+    monkeypatch.setattr(out_of_memory_module, "host_available_bytes", lambda: 2**16)
+    config = _config(tmp_path, criteo_sample, max_steps=2)
+    code, output = _cli(train_cli.main, ["--config", config, "--output-dir", tmp_path / "run"])
+    line = _one_error_line(output)
+    assert code == 2 and "out of memory during set-up: embedding tables of" in line, line
+    assert "x D=8" in line and "0.00 GiB available" in line and "lower model.max_rows" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_tables_past_the_free_gpu_memory_are_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30, 80 * 2**30))
+    cfg = replace(load_config(TINY), "train", optimizer="adagrad")
+    out_of_memory_module.check_tables_fit(cfg, [2**24], torch.device("cuda"))  # 0.5 + 0.5 GiB: fits
+    with pytest.raises(OutOfMemory, match=r"plus 0.50 GiB of Adagrad state, on a GPU with 1.00 GiB of 80.00 GiB free"):
+        out_of_memory_module.check_tables_fit(cfg, [2**24 + 1], torch.device("cuda"))
 
 
 def test_out_of_memory_message_names_free_gpu_memory(monkeypatch):
