@@ -575,7 +575,8 @@ def test_tables_past_the_free_gpu_memory_are_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30, 80 * 2**30))
     cfg = replace(load_config(TINY), "train", optimizer="adagrad")
     out_of_memory_module.check_tables_fit(cfg, [2**24], torch.device("cuda"))  # 0.5 + 0.5 GiB: fits
-    with pytest.raises(OutOfMemory, match=r"plus 0.50 GiB of Adagrad state, on a GPU with 1.00 GiB of 80.00 GiB free"):
+    expected = r"plus 0.50 GiB of Adagrad state, on a GPU with 1.00 GiB of 80.00 GiB free"
+    with pytest.raises(OutOfMemory, match=expected):
         out_of_memory_module.check_tables_fit(cfg, [2**24 + 1], torch.device("cuda"))
 
 

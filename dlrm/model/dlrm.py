@@ -24,7 +24,7 @@ from torch.profiler import record_function
 from dlrm.config import AttentionConfig, ModelConfig
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model.mlp import MLP
-from dlrm.model.tables import vocabulary_index, vocabulary_rows
+from dlrm.model.tables import register_vocabularies, vocabulary_rows
 
 SPARSE_KERNELS = ("torch", "triton")
 
@@ -95,10 +95,7 @@ class SparseArch(nn.Module):
             if vocabularies is None or len(vocabularies) != NUM_SPARSE:
                 raise ValueError(f"hashing 'vocab' needs {NUM_SPARSE} vocabularies")
             table_rows = [len(v) + 1 for v in vocabularies]
-            for f, vocab in enumerate(vocabularies):
-                self.register_buffer(f"vocab_{f}", vocab.to(torch.int64))
-            self.index_vocabularies()
-            self.register_load_state_dict_post_hook(_index_loaded_vocabularies)
+            register_vocabularies(self, vocabularies)
         elif hashing not in ("modulus", "index"):
             raise ValueError(f"unknown hashing {hashing!r}: expected 'modulus', 'vocab' or 'index'")
         if table_rows is None or len(table_rows) != NUM_SPARSE:
@@ -150,13 +147,6 @@ class SparseArch(nn.Module):
         self.lr = torch.full((), lr, dtype=torch.float32, device=self.weights.device)
         self.optimizer = (optimizer, eps)
 
-    def index_vocabularies(self) -> None:
-        """(Re)build the vocabularies' one-array lookup (`vocabulary_index`, non-persistent buffers) from
-        the `vocab_<f>` buffers; a state_dict load does it itself, an in-place write of them must call it."""
-        index = vocabulary_index([getattr(self, f"vocab_{f}") for f in range(NUM_SPARSE)])
-        for name, tensor in index.items():
-            self.register_buffer(f"vocab_{name}", tensor, persistent=False)
-
     def hash_ids(self, sparse: torch.Tensor) -> torch.Tensor:
         """Raw ids [B, F] int64 -> row indices [B, F] int64 within each table."""
         if self.hashing == "modulus":
@@ -193,11 +183,6 @@ class SparseArch(nn.Module):
                 )
         rows = self.hash_ids(sparse)
         return torch.stack([table(rows[:, f]) for f, table in enumerate(self.embeddings)], dim=1)
-
-
-def _index_loaded_vocabularies(module: SparseArch, incompatible_keys) -> None:
-    """load_state_dict post-hook: the loaded `vocab_<f>` buffers' lookup."""
-    module.index_vocabularies()
 
 
 def _split_tables(module: SparseArch, state_dict: dict, prefix: str, local_metadata: dict) -> None:

@@ -90,3 +90,25 @@ def vocabulary_rows(
     query = torch.where(in_range, ids + 1, KEY_SPAN - 1) + bases
     pos = torch.searchsorted(keys, query).clamp_(max=keys.numel() - 1)
     return torch.where(keys[pos] == query, pos - starts, sizes)
+
+
+def register_vocabularies(module: torch.nn.Module, vocabularies: list[torch.Tensor]) -> None:
+    """Give a SparseArch (or its sharded twin) its `vocab_<f>` buffers (int64, saved in checkpoints) and
+    their one-array lookup (`index_vocabularies`), rebuilt after every load_state_dict."""
+    for f, vocab in enumerate(vocabularies):
+        module.register_buffer(f"vocab_{f}", vocab.to(torch.int64))
+    index_vocabularies(module)
+    module.register_load_state_dict_post_hook(_index_loaded_vocabularies)
+
+
+def index_vocabularies(module: torch.nn.Module) -> None:
+    """(Re)build `module`'s vocabulary lookup, non-persistent buffers `vocab_keys`, `vocab_starts`,
+    `vocab_sizes`, `vocab_bases` (`vocabulary_index`), from its `vocab_<f>` buffers: after a load that wrote
+    them in place (a distributed checkpoint), call it."""
+    index = vocabulary_index([getattr(module, f"vocab_{f}") for f in range(NUM_SPARSE)])
+    for name, tensor in index.items():
+        module.register_buffer(f"vocab_{name}", tensor, persistent=False)
+
+
+def _index_loaded_vocabularies(module: torch.nn.Module, incompatible_keys) -> None:
+    index_vocabularies(module)

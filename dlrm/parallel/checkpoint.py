@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
 from dlrm.config import from_dict
+from dlrm.model.tables import index_vocabularies
 from dlrm.parallel.group import Dist
 from dlrm.parallel.planner import ShardingPlan
 
@@ -166,7 +167,7 @@ def load_sharded(path: Path, model, optimizer: torch.optim.Optimizer, dist_: Dis
         if key.startswith("model/") and name in live and live[name].data_ptr() != value.data_ptr():
             live[name].copy_(value)
     if model.sparse_arch.hashing == "vocab":  # vocab_<f> written in place: their lookup follows
-        model.sparse_arch.index_vocabularies()
+        index_vocabularies(model.sparse_arch)
     set_steps(optimizer, meta["step"])
     return meta
 

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from dlrm.model.dlrm import SPARSE_KERNELS, SparseArch, _index_loaded_vocabularies
+from dlrm.model.dlrm import SPARSE_KERNELS, SparseArch
+from dlrm.model.tables import register_vocabularies
 from dlrm.parallel.planner import ShardingPlan
 
 
@@ -103,10 +104,7 @@ class ShardedSparseArch(nn.Module):
         if hashing == "vocab":
             if vocabularies is None or [len(v) + 1 for v in vocabularies] != self.table_rows:
                 raise ValueError("hashing 'vocab': the vocabularies do not give the plan's table rows")
-            for f, vocab in enumerate(vocabularies):
-                self.register_buffer(f"vocab_{f}", vocab.to(device, torch.int64))
-            self.index_vocabularies()
-            self.register_load_state_dict_post_hook(_index_loaded_vocabularies)
+            register_vocabularies(self, [vocab.to(device) for vocab in vocabularies])
         self.register_buffer("rows", torch.tensor(self.table_rows, device=device), persistent=False)
         self.local_shards = plan.shards_of(rank)
         shard_rows = [s.rows for s in self.local_shards]
@@ -142,10 +140,6 @@ class ShardedSparseArch(nn.Module):
             ValueError: kernel "torch", or an unknown optimizer.
         """
         SparseArch.configure_optimizer(self, optimizer, lr, eps)
-
-    def index_vocabularies(self) -> None:
-        """As SparseArch.index_vocabularies."""
-        SparseArch.index_vocabularies(self)
 
     def hash_ids(self, sparse: Tensor) -> Tensor:
         """Raw ids [b, F] int64 -> rows [b, F] int64 of the full tables (as SparseArch.hash_ids)."""
