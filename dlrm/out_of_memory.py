@@ -17,12 +17,11 @@ def out_of_memory(cfg: RunConfig, err: torch.OutOfMemoryError, when: str) -> Out
     parts = [f"batch {cfg.data.batch_size}"]
     try:
         rows = sum(resolve_table_rows(cfg.model, load_metadata(Path(cfg.data.path))))
-        state = 2 if cfg.train.optimizer == "adagrad" else 1  # Adagrad keeps one accumulator per weight
-        table_bytes = rows * cfg.model.embedding_dim * 4 * state
-        size = f"{table_bytes / 2**30:.2f} GiB" if table_bytes >= 2**30 else f"{table_bytes / 2**20:.1f} MiB"
+        dim, weights, state = table_bytes(cfg, rows)
+        held = weights + state
+        size = f"{held / 2**30:.2f} GiB" if held >= 2**30 else f"{held / 2**20:.1f} MiB"
         parts.append(
-            f"embedding tables {size} ({rows:,} rows x D={cfg.model.embedding_dim}"
-            f"{', with Adagrad state' if state == 2 else ''})"
+            f"embedding tables {size} ({rows:,} rows x D={dim}{', with Adagrad state' if state else ''})"
         )
     except (ValueError, OSError):
         pass
@@ -39,6 +38,14 @@ def out_of_memory(cfg: RunConfig, err: torch.OutOfMemoryError, when: str) -> Out
         f"out of memory {when} ({first}): {', '.join(parts)}; lower data.batch_size or model.max_rows, "
         "use --precision bf16, or spread the tables over more GPUs"
     )
+
+
+def table_bytes(cfg: RunConfig, rows: int) -> tuple[int, int, int]:
+    """(D, fp32 weight bytes, optimizer state bytes) of `rows` table rows: D is 1 for `logistic` (a weight per
+    row); Adagrad keeps one accumulator per weight, SGD none."""
+    dim = 1 if cfg.model.arch == "logistic" else cfg.model.embedding_dim
+    weights = rows * dim * 4
+    return dim, weights, weights if cfg.train.optimizer == "adagrad" else 0
 
 
 def _gib(n: float) -> str:
@@ -67,8 +74,7 @@ def check_tables_fit(cfg: RunConfig, table_rows: list[int], device: torch.device
         OutOfMemory: more bytes than the host has available, or (CUDA) than the device has free.
     """
     rows = sum(table_rows)
-    dim = 1 if cfg.model.arch == "logistic" else cfg.model.embedding_dim  # logistic: one weight per row
-    weights = rows * dim * 4
+    dim, weights, state = table_bytes(cfg, rows)
     what = f"embedding tables of {rows:,} rows x D={dim} ({_gib(weights)} in fp32)"
     fix = "lower model.max_rows or model.embedding_dim, or spread the tables over more GPUs (torchrun)"
     available = host_available_bytes()
@@ -76,7 +82,6 @@ def check_tables_fit(cfg: RunConfig, table_rows: list[int], device: torch.device
         raise OutOfMemory(f"out of memory during set-up: {what}, built in host memory, which has "
                           f"{_gib(available)} available; {fix}")  # fmt: skip
     if device.type == "cuda":
-        state = weights if cfg.train.optimizer == "adagrad" else 0  # Adagrad: one accumulator per weight
         free, total = torch.cuda.mem_get_info(device)
         if weights + state > free:
             with_state = f" plus {_gib(state)} of Adagrad state" if state else ""
