@@ -18,6 +18,7 @@ from dlrm.profiling import (
     STAGES,
     breakdown_table,
     data_range,
+    graph_replay_range,
     make_profiler,
     stage_breakdown,
 )
@@ -125,6 +126,13 @@ def test_a_graph_replay_is_a_row_of_its_own():
     assert "| graph_replay | 0.050 | 5.0% | 0.700 |" in table and "scripts/profile_step.py" in table
     without = stage_breakdown([e for e in events if e.name not in (GRAPH_REPLAY, "cudaGraphLaunch")])
     assert list(without["stages"]) == list(STAGES) and GRAPH_REPLAY not in breakdown_table(without)
+
+
+def test_the_graph_replay_range_is_recorded_only_while_a_profiler_records():
+    assert isinstance(graph_replay_range(), contextlib.nullcontext)
+    with torch.profiler.profile() as prof, graph_replay_range():
+        torch.ones(3).add_(1)
+    assert GRAPH_REPLAY in {e.name for e in prof.events()}
 
 
 @pytest.mark.gpu
