@@ -608,7 +608,8 @@ def _rewrite(path: Path, change) -> None:
 
 
 @pytest.mark.parametrize(
-    "fault", ["missing_column", "mistyped_column", "nan_dense", "rows", "empty_val", "empty_test", "no_test"]
+    "fault",
+    ["missing_column", "mistyped_column", "nan_dense", "label", "rows", "empty_val", "empty_test", "no_test"],
 )
 @pytest.mark.parametrize("loader", ["memory", "streaming"])
 def test_bad_data_is_one_line_naming_the_file_and_nothing_is_written(criteo_sample, tmp_path, fault, loader):
@@ -627,6 +628,10 @@ def test_bad_data_is_one_line_naming_the_file_and_nothing_is_written(criteo_samp
         column = pa.array([float("nan")] + [1.0] * 7999, pa.float32())
         _rewrite(shard, lambda t: t.set_column(t.schema.get_field_index("I4"), "I4", column))
         expected += ": column I4: 1 NaN or infinite value(s)"
+    elif fault == "label":
+        column = pa.array([0.0, 2.0, 1.0] + [0.0] * 7997, pa.float32())
+        _rewrite(shard, lambda t: t.set_column(t.schema.get_field_index("label"), "label", column))
+        expected += ": column label: 1 value(s) other than 0 and 1, expected clicks"
     elif fault == "rows":
         metadata = json.loads((data / "metadata.json").read_text())
         metadata["rows"]["train"] += 1
@@ -647,7 +652,7 @@ def test_bad_data_is_one_line_naming_the_file_and_nothing_is_written(criteo_samp
     raw["data"]["loader"] = loader
     config.write_text(json.dumps(raw))
     code, output = _cli(train_cli.main, ["--config", config, "--output-dir", tmp_path / "run"])
-    if fault == "nan_dense" and loader == "streaming":  # found where the row group is read, mid-run
+    if fault in ("nan_dense", "label") and loader == "streaming":  # found when its row group is read, mid-run
         assert code == 2 and expected in _one_error_line(output)
         return
     assert code == 2 and expected in _one_error_line(output)

@@ -183,7 +183,7 @@ def decode_table(table: pa.Table, columns: list[str], path: Path) -> Batch:
         columns: [label, 13 dense, 26 sparse] column names, as returned by `columns_of(path)`.
     Raises:
         ValueError: `table` lacks some of `columns` (the file changed since `columns_of` read it), an id
-            does not fit int64, or a dense count is NaN or infinite.
+            does not fit int64, a dense count is NaN or infinite, or a label is other than 0 and 1.
     """
     missing = [c for c in columns if c not in table.column_names]
     if missing:
@@ -204,12 +204,19 @@ def decode_table(table: pa.Table, columns: list[str], path: Path) -> Batch:
             raise ValueError(f"{path}: column {name}: {bad} NaN or infinite value(s), expected finite counts")
         return values
 
+    def clicks(name: str) -> np.ndarray:
+        # Checked here, once per file, so evaluation need not check each batch (dlrm.metrics.evaluate).
+        values = column(name, pa.float32(), 0)
+        bad = int(((values != 0) & (values != 1)).sum())
+        if bad:
+            raise ValueError(f"{path}: column {name}: {bad} value(s) other than 0 and 1, expected clicks")
+        return values.copy()  # pyarrow's zero-copy arrays are read-only, and torch tensors are writable
+
     label, dense, sparse = columns[0], columns[1 : 1 + NUM_DENSE], columns[1 + NUM_DENSE :]
     return Batch(
         torch.log1p(torch.from_numpy(np.stack([finite(c) for c in dense], axis=1)).clamp_min_(0)),
         torch.from_numpy(np.stack([column(c, pa.int64(), MISSING_CATEGORY) for c in sparse], axis=1)),
-        # A copy: pyarrow's zero-copy arrays are read-only, and torch tensors are writable.
-        torch.from_numpy(column(label, pa.float32(), 0).copy()),
+        torch.from_numpy(clicks(label)),
     )
 
 
