@@ -181,6 +181,7 @@ def stage_breakdown(events) -> dict:
         if i >= 0:
             gpu[intervals[i][2]] += sum(k.duration for k in e.kernels)
     step_us = sum(e.time_range.elapsed_us() for e in steps)
+    seen = {name for _, _, name in intervals}  # GRAPH_REPLAY only where the step was replayed
     return {
         "steps": len(steps),
         "step_ms": step_us / n / 1000,
@@ -188,7 +189,7 @@ def stage_breakdown(events) -> dict:
         "stages": {
             s: {"host_ms": host[s] / n / 1000, "gpu_ms": gpu[s] / n / 1000}
             for s in host
-            if s in STAGES or any(name == s for _, _, name in intervals)
+            if s in STAGES or s in seen
         },
     }
 

@@ -69,10 +69,10 @@ def vocabulary_index(vocabularies: list[torch.Tensor]) -> dict[str, torch.Tensor
     """
     device = vocabularies[0].device
     for f, vocab in enumerate(vocabularies):
-        if len(vocab) and (int(vocab[0]) < -1 or int(vocab[-1]) >= KEY_SPAN - 1):
-            raise ValueError(
-                f"vocabulary {f}: ids must lie in [-1, 2^58 - 1), got {int(vocab[0])}..{int(vocab[-1])}"
-            )
+        if len(vocab):
+            lo, hi = int(vocab[0]), int(vocab[-1])  # sorted: its extremes
+            if lo < -1 or hi >= KEY_SPAN - 1:
+                raise ValueError(f"vocabulary {f}: ids must lie in [-1, 2^58 - 1), got {lo}..{hi}")
     sizes = torch.tensor([len(v) for v in vocabularies], dtype=torch.int64, device=device)
     bases = torch.arange(len(vocabularies), dtype=torch.int64, device=device) * KEY_SPAN
     keys = torch.cat([v + 1 + bases[f] for f, v in enumerate(vocabularies)])
