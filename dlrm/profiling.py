@@ -167,19 +167,29 @@ def stage_breakdown(events) -> dict:
             intervals.append((e.time_range.start, e.time_range.end, e.name))
     intervals.sort()
     starts = [start for start, _, _ in intervals]
+
+    def stage_at(t: float) -> str | None:
+        """The innermost stage range open at host time t (stages do not nest in one another, but a stage
+        may start inside another's time span on another thread: take the latest start before t)."""
+        i = bisect.bisect_right(starts, t) - 1
+        while i >= 0 and intervals[i][1] < t:
+            i -= 1
+        return intervals[i][2] if i >= 0 else None
+
     gpu = dict.fromkeys(host, 0.0)
     any_kernel = False
     for e in cpu:
-        if not e.kernels:
-            continue
-        any_kernel = True
-        # The innermost stage range open when the op started (stages do not nest in one another, but a
-        # stage may start inside another's time span on another thread: take the latest start before it).
-        i = bisect.bisect_right(starts, e.time_range.start) - 1
-        while i >= 0 and intervals[i][1] < e.time_range.start:
-            i -= 1
-        if i >= 0:
-            gpu[intervals[i][2]] += sum(k.duration for k in e.kernels)
+        if e.kernels and (stage := stage_at(e.time_range.start)) is not None:
+            gpu[stage] += sum(k.duration for k in e.kernels)
+        any_kernel = any_kernel or bool(e.kernels)
+    # A replayed graph's kernels carry the correlation id of their cudaGraphLaunch call, not of an op, so
+    # no op lists them in e.kernels: they are found among the device events by that id.
+    graph_launches = {e.id: e.time_range.start for e in cpu if e.name == "cudaGraphLaunch"}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU and not e.is_user_annotation and e.id in graph_launches:
+            any_kernel = True
+            if (stage := stage_at(graph_launches[e.id])) is not None:
+                gpu[stage] += e.time_range.elapsed_us()
     step_us = sum(e.time_range.elapsed_us() for e in steps)
     seen = {name for _, _, name in intervals}  # GRAPH_REPLAY only where the step was replayed
     return {

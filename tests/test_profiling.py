@@ -62,10 +62,12 @@ def test_gpu_run_writes_gpu_time_per_stage(criteo_sample, tmp_path):
     assert "GPU ms/step" in text.tensor_proto.string_val[0].decode()
 
 
-def _event(name, start, end, thread=1, kernels=()):
+def _event(name, start, end, thread=1, kernels=(), id=0, device_type=DeviceType.CPU, user_annotation=False):
     return SimpleNamespace(
         name=name,
-        device_type=DeviceType.CPU,
+        id=id,
+        device_type=device_type,
+        is_user_annotation=user_annotation,
         is_async=False,
         thread=thread,
         time_range=SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start),
@@ -110,13 +112,19 @@ def test_gpu_time_goes_to_the_stage_open_when_the_work_was_launched():
 
 def test_a_graph_replay_is_a_row_of_its_own():
     """Under --cuda-graphs the step's kernels are launched by the replay (the model's ranges do not open):
-    its GPU time lands in a graph_replay row, which a run without graphs does not have."""
+    its GPU time lands in a graph_replay row, which a run without graphs does not have. The replayed kernels
+    are device events with the id of their cudaGraphLaunch, as the profiler gives them on an H100 (torch 2.11);
+    the GPU-side span of the range (a device user annotation) is not a kernel."""
     events = [
         _event("ProfilerStep*", 0, 1000),
         _event("data", 0, 100),
-        _event("aten::copy_", 10, 20, kernels=[30]),
-        _event(GRAPH_REPLAY, 100, 150),
-        _event("cudaGraphLaunch", 110, 140, kernels=[400, 300]),
+        _event("aten::copy_", 10, 20, kernels=[30], id=5),
+        _event(GRAPH_REPLAY, 100, 150, id=6, user_annotation=True),
+        _event("cudaGraphLaunch", 110, 140, id=7),
+        _event(GRAPH_REPLAY, 150, 900, id=6, device_type=DeviceType.CUDA, user_annotation=True),
+        _event("sm90_gemm", 150, 550, id=7, device_type=DeviceType.CUDA),
+        _event("elementwise", 600, 900, id=7, device_type=DeviceType.CUDA),
+        _event("copy_kernel", 10, 40, id=5, device_type=DeviceType.CUDA),  # the copy's, listed in its kernels
     ]
     result = stage_breakdown(events)
     assert list(result["stages"]) == [*STAGES, GRAPH_REPLAY]
