@@ -113,8 +113,8 @@ def test_gpu_time_goes_to_the_stage_open_when_the_work_was_launched():
 def test_a_graph_replay_is_a_row_of_its_own():
     """Under --cuda-graphs the step's kernels are launched by the replay (the model's ranges do not open):
     its GPU time lands in a graph_replay row, which a run without graphs does not have. The replayed kernels
-    are device events with the id of their cudaGraphLaunch, as the profiler gives them on an H100 (torch 2.11);
-    the GPU-side span of the range (a device user annotation) is not a kernel."""
+    are device events with the id of their cudaGraphLaunch, as the profiler gives them on an
+    H100 (torch 2.11); the GPU-side span of the range (a device user annotation) is not a kernel."""
     events = [
         _event("ProfilerStep*", 0, 1000),
         _event("data", 0, 100),
