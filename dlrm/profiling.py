@@ -185,9 +185,9 @@ def stage_breakdown(events) -> dict:
     # A replayed graph's kernels carry the correlation id of their cudaGraphLaunch call, not of an op, so
     # no op lists them in e.kernels: they are found among the device events by that id.
     graph_launches = {e.id: e.time_range.start for e in cpu if e.name == "cudaGraphLaunch"}
-    device = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU and not e.is_user_annotation]
-    for e in device:
-        if e.id in graph_launches:
+    for e in events:
+        kernel = e.device_type != torch.autograd.DeviceType.CPU and not e.is_user_annotation
+        if kernel and e.id in graph_launches:
             any_kernel = True
             if (stage := stage_at(graph_launches[e.id])) is not None:
                 gpu[stage] += e.time_range.elapsed_us()
