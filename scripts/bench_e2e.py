@@ -77,7 +77,11 @@ def train_run(
     """One `python -m dlrm.train` run; its metrics.json plus the GPU idle share of its trace."""
     cfg = load_config(REPO / "configs" / f"{config}.json").to_dict()
     cfg["data"] |= {"path": str(data), "batch_size": batch, "eval_batch_size": batch, "loader": loader}
-    cfg["train"] |= {"epochs": 1, "max_steps": steps, "log_interval": 50}
+    train_rows = json.loads((data / "metadata.json").read_text())["rows"]["train"]
+    # As many epochs as `steps` needs: a one-epoch run of a small split is over before its start-up (the
+    # loader's first reads, the graph's capture) stops weighing on its samples/s.
+    epochs = -(-steps * batch // train_rows)
+    cfg["train"] |= {"epochs": epochs, "max_steps": steps, "log_interval": 50}
     cfg["profiler"] = {"enabled": True, "wait": steps // 2, "warmup": 3, "active": 10}
     cfg["train"]["eval_interval"] = steps // 4  # several evaluations: the first pays for JIT, the rest not
     with tempfile.TemporaryDirectory() as tmp:

@@ -383,8 +383,8 @@ def run_lora(configs, batches, precisions, ranks, paths, common) -> None:
 
 
 def run_attention(batches, precisions, shapes, paths, common) -> None:
-    """`--what attention`: rows to ATTENTION_RESULTS; per (op, precision, batch, shape) times and ratios."""
-    rows = []
+    """`--what attention`: rows to ATTENTION_RESULTS; per (op, precision, batch, shape) times and ratios.
+    Each shape's rows are appended as soon as they are timed, so a run cut short keeps what it measured."""
     print(f"\nattention interaction, ms (ratio = eager / path), {common['device']}")
     print(f"{'op':<13}{'prec':<6}{'B':>7}  {'HxD':<7}{'pass':<15}" + "".join(f"{p:>20}" for p in paths))
     for op in ("attention", "interaction"):
@@ -393,6 +393,7 @@ def run_attention(batches, precisions, shapes, paths, common) -> None:
                 for shape in shapes:
                     heads, dim = (int(v) for v in shape.split("x"))
                     times = {p: bench_attention(p, op, m, heads, dim, DTYPES[precision]) for p in paths}
+                    rows = []
                     for ps in PASSES:
                         base = times[paths[0]][ps]
                         cells = "".join(
@@ -406,7 +407,7 @@ def run_attention(batches, precisions, shapes, paths, common) -> None:
                                 ratio_vs_eager=round(base / times[path][ps], 3),
                                 compile_s=round(times[path]["compile_s"], 2),
                             ))  # fmt: skip
-    append_rows(ATTENTION_RESULTS, rows)
+                    append_rows(ATTENTION_RESULTS, rows)
 
 
 def bench_bias_act_bandwidth(
