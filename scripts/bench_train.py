@@ -4,9 +4,12 @@
         [--backends eager,compile,triton,triton+compile] [--steps 50]
 
 Trains the real model code (dlrm.model, dlrm.step.train_step, SGD; fused into backward under triton) on
-GPU-resident random batches: dense ~ U(0, 3) (the range of log1p counts), sparse ids uniform over each
-table's rows (uniform, so no cache-friendly hot rows as in real data), labels ~ Bernoulli(0.25); a pool of
-batches is generated once and cycled, so the step never waits for data. Tables: the 26 Kaggle
+GPU-resident random batches: dense ~ U(0, 3) (the range of log1p counts), labels ~ Bernoulli(0.25), sparse
+ids uniform over each table's rows (`--ids uniform`, the default: no hot rows) or drawn as
+dlrm.data.synthetic draws them (`--ids zipf`: P(rank k) ~ (k + 1)^-1.15, rank 0 about 11% of a 10M-row
+table's lookups, ranks scattered over the table by a multiplicative hash as the pipeline's 32-bit id hashes
+and modulus scatter them), the skew of real click logs, where many lookups in a batch update the same rows;
+a pool of batches is generated once and cycled, so the step never waits for data. Tables: the 26 Kaggle
 cardinalities (33.8M rows), capped by the config's max_rows or `--max-rows` (e.g. 4000000 for mlperf).
 "compile-ro" is torch.compile's mode="reduce-overhead" (Inductor's CUDA graphs of the compiled dense part).
 "torch-graphed" is the strongest plain-PyTorch step, the baseline that the README's step ratios are stated
@@ -51,7 +54,7 @@ from dlrm import parallel
 from dlrm.config import load_config, replace
 from dlrm.data.dataset import Batch
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
-from dlrm.data.synthetic import CARDINALITY_PRESETS
+from dlrm.data.synthetic import CARDINALITY_PRESETS, power_law_ranks
 from dlrm.graphs import GraphedTrainStep
 from dlrm.model import DLRM
 from dlrm.parallel.run import gather_floats
@@ -73,24 +76,40 @@ FLAGS = {
     "triton_bias_act+graphs": {"use_triton": True, "triton_mlp_kernel": "bias_act", "cuda_graphs": True},
 }
 POOL = 8  # distinct batches cycled through
+IDS = ("uniform", "zipf")
+_SCATTER = 2654435761  # Knuth's multiplicative hash constant: spreads consecutive ranks over a table
 
 
-def random_batches(batch: int, table_rows: list[int], generator: torch.Generator) -> list[Batch]:
-    """POOL GPU-resident batches: dense [B, 13] f32, sparse [B, 26] i64 within each table, label [B] f32."""
+def random_batches(batch: int, table_rows: list[int], generator: torch.Generator, ids: str) -> list[Batch]:
+    """POOL GPU-resident batches: dense [B, 13] f32, sparse [B, 26] i64 within each table (`ids`: one of
+    IDS, module docstring), label [B] f32."""
     rows = torch.tensor(table_rows, device="cuda")
     pool = []
     for _ in range(POOL):
         dense = 3 * torch.rand(batch, NUM_DENSE, device="cuda", generator=generator)
         uniform = torch.rand(batch, len(table_rows), device="cuda", generator=generator, dtype=torch.float64)
-        sparse = (uniform * rows).long()
+        if ids == "zipf":
+            ranks = torch.from_numpy(power_law_ranks(uniform.cpu().numpy(), table_rows)).cuda()
+            sparse = ranks * _SCATTER % rows
+        else:
+            sparse = (uniform * rows).long()
         label = (torch.rand(batch, device="cuda", generator=generator) < 0.25).float()
         pool.append(Batch(dense, sparse, label))
     return pool
 
 
-def build(config: str, backend: str, batch: int, max_rows: int | None, precision: str, dist=parallel.SINGLE):
+def build(
+    config: str,
+    backend: str,
+    batch: int,
+    max_rows: int | None,
+    precision: str,
+    ids: str,
+    dist=parallel.SINGLE,
+):
     """(model, optimizer, step, pool, table_rows) for configs/<config>.json with `backend`: the step is
-    `step(model, optimizer, batch) -> loss` (graph-captured for "+graphs" backends), pool the batches.
+    `step(model, optimizer, batch) -> loss` (graph-captured for "+graphs" backends), pool the batches
+    (`ids`: one of IDS).
     With several ranks (`dist`) the tables are sharded (created on each rank's GPU) and `batch` is the
     batch of each rank."""
     cfg = replace(load_config(CONFIG_DIR / f"{config}.json"), "train", precision=precision, **FLAGS[backend])
@@ -103,7 +122,7 @@ def build(config: str, backend: str, batch: int, max_rows: int | None, precision
     generator = torch.Generator(device="cuda").manual_seed(batch + 1000 * dist.rank)
     if backend == BASELINE:
         model, step = build_baseline(cfg, table_rows, dist)
-        return model, None, step, random_batches(batch, table_rows, generator), table_rows
+        return model, None, step, random_batches(batch, table_rows, generator, ids), table_rows
     if dist.enabled:
         cfg = replace(cfg, "model", table_rows=tuple(table_rows), max_rows=cap)
         no_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64)
@@ -118,7 +137,7 @@ def build(config: str, backend: str, batch: int, max_rows: int | None, precision
     step = functools.partial(train_step, precision=precision, reduce_grads=reduce_grads)
     if cfg.train.cuda_graphs:
         step = GraphedTrainStep(model, optimizer, step)
-    pool = random_batches(batch, table_rows, generator)
+    pool = random_batches(batch, table_rows, generator, ids)
     return model, optimizer, step, pool, table_rows
 
 
@@ -165,9 +184,11 @@ def bench(
     max_rows: int | None,
     precision: str,
     dist=parallel.SINGLE,
+    ids: str = "uniform",
 ) -> dict:
-    """Train `steps` timed steps of configs/<config>.json with `backend` at batch size `batch` (per rank)."""
-    model, optimizer, step, pool, table_rows = build(config, backend, batch, max_rows, precision, dist)
+    """Train `steps` timed steps of configs/<config>.json with `backend` at batch size `batch` (per rank),
+    on random batches whose sparse ids are `ids` (one of IDS)."""
+    model, optimizer, step, pool, table_rows = build(config, backend, batch, max_rows, precision, ids, dist)
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -217,12 +238,18 @@ def bench(
     "--precisions", default="fp32", help="Comma-separated train.precision values: fp32, tf32, bf16."
 )
 @click.option(
+    "--ids",
+    type=click.Choice(IDS),
+    default="uniform",
+    help="Sparse ids of the random batches: uniform over each table, or Zipf-skewed (dlrm.data.synthetic).",
+)
+@click.option(
     "--nproc",
     default="1",
     help="Comma-separated GPU counts N: each runs under torchrun on N GPUs of this host (weak scaling: "
     "--batches per GPU).",
 )
-def main(configs, batches, backends, steps, max_rows, precisions, nproc):
+def main(configs, batches, backends, steps, max_rows, precisions, ids, nproc):
     """Time the DLRM training step per config, backend and batch; append rows to scripts/results/train.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_train.py needs a CUDA GPU")
@@ -232,13 +259,14 @@ def main(configs, batches, backends, steps, max_rows, precisions, nproc):
         return
     dist, _ = parallel.init_distributed("cuda", 600.0)  # one process without torchrun
     common = provenance(torch.cuda.get_device_name())
-    common |= {"data": "gpu-resident random ids", "optimizer": "sgd"}
+    data = "gpu-resident random ids" + (" (zipf 1.15)" if ids == "zipf" else "")
+    common |= {"data": data, "optimizer": "sgd"}
     rows = []
     for config, precision in itertools.product(configs.split(","), precisions.split(",")):
         for batch in (int(b) for b in batches.split(",")):
             eager = baseline = None
             for backend in backends.split(","):
-                r = bench(config, backend, batch, steps, max_rows, precision, dist)
+                r = bench(config, backend, batch, steps, max_rows, precision, dist, ids)
                 eager = r["samples_per_s"] if backend == "eager" else eager
                 baseline = r["samples_per_s"] if backend == BASELINE else baseline
                 ratio = round(r["samples_per_s"] / eager, 3) if eager else None

@@ -1,7 +1,7 @@
 """Where the GPU time of one training step goes: the CUDA kernels of `--steps` steps, by total time.
 
     python scripts/profile_step.py [--config kaggle] [--backend triton+graphs] [--batch 16384] \
-        [--precision tf32] [--steps 10] [--max-rows N] [--trace-dir DIR]
+        [--precision tf32] [--steps 10] [--max-rows N] [--ids uniform|zipf] [--trace-dir DIR]
 
 Builds the model, optimizer and GPU-resident random batches exactly as scripts/bench_train.py does, runs
 the warm-up steps there (autotuning, the CUDA graph capture for "+graphs" backends), then records `--steps`
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 import torch
-from bench_train import FLAGS, POOL, build
+from bench_train import FLAGS, IDS, POOL, build
 from results_csv import provenance
 from torch.profiler import ProfilerActivity, profile
 
@@ -57,12 +57,13 @@ def kernel_table(prof, steps: int) -> list[tuple[str, str, float, int]]:
 @click.option("--precision", type=click.Choice(["fp32", "tf32", "bf16"]), default="tf32")
 @click.option("--steps", type=click.IntRange(min=1), default=10, help="Profiled steps.")
 @click.option("--max-rows", type=click.IntRange(min=2), default=None, help="Cap on rows per table.")
+@click.option("--ids", type=click.Choice(IDS), default="uniform", help="Sparse ids, as bench_train's --ids.")
 @click.option("--trace-dir", type=click.Path(path_type=Path), default=None)
-def main(config, backend, batch, precision, steps, max_rows, trace_dir):
+def main(config, backend, batch, precision, steps, max_rows, ids, trace_dir):
     """Profile the training step on this GPU and print its kernels by time."""
     if not torch.cuda.is_available():
         raise click.UsageError("profile_step.py needs a CUDA GPU")
-    model, optimizer, step, pool, _ = build(config, backend, batch, max_rows, precision)
+    model, optimizer, step, pool, _ = build(config, backend, batch, max_rows, precision, ids)
     for i in range(2 * POOL):  # warm-up as in bench_train: JIT, autotuning, graph capture
         step(model, optimizer, pool[i % POOL])
     torch.cuda.synchronize()
@@ -75,8 +76,8 @@ def main(config, backend, batch, precision, steps, max_rows, trace_dir):
     info = provenance(torch.cuda.get_device_name())
     lines = [
         f"# python scripts/profile_step.py --config {config} --backend {backend} --batch {batch} "
-        f"--precision {precision}: {info['device']}, torch {info['torch']}, triton {info['triton']}, "
-        f"git {info['git_sha']}",
+        f"--precision {precision} --ids {ids}: {info['device']}, torch {info['torch']}, "
+        f"triton {info['triton']}, git {info['git_sha']}",
         f"# kernel time per step {total:.1f} us "
         f"({batch / total * 1e6:,.0f} samples/s if the kernels ran back to back)",
     ]
@@ -89,7 +90,8 @@ def main(config, backend, batch, precision, steps, max_rows, trace_dir):
     ]
     text = "\n".join(lines) + "\n"
     print(text)
-    out = RESULTS / f"profile_{config}_{backend.replace('+', '_')}_{batch}.txt"
+    suffix = "_zipf" if ids == "zipf" else ""
+    out = RESULTS / f"profile_{config}_{backend.replace('+', '_')}_{batch}{suffix}.txt"
     out.write_text(text)
     if trace_dir is not None:
         trace_dir.mkdir(parents=True, exist_ok=True)

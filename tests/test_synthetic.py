@@ -27,6 +27,7 @@ from dlrm.data.synthetic import (
     iter_blocks,
     main,
     planted_logit,
+    power_law_ranks,
     preset_cardinalities,
     write_parquet,
     write_tsv,
@@ -256,3 +257,16 @@ def test_module_entry_point_error(tmp_path):
     assert result.returncode == 2
     assert result.stderr == "error: rows must be at least 1, got 0\n"
     assert not out.exists()
+
+
+@pytest.mark.parametrize("cardinality", [3, 1000, 10_000_000])
+def test_power_law_ranks_follow_the_power_law(cardinality):
+    """Ranks lie in [0, K) and rank k has the continuous power law's mass on [k + 1, k + 2): for rank 0,
+    (1 - 2^(1-s)) / (1 - (K+1)^(1-s)) (about 0.11 at K = 10M, the hot row the benchmarks' Zipf ids have)."""
+    u = np.random.default_rng(0).random((400_000, 1))
+    ranks = power_law_ranks(u, [cardinality])
+    assert ranks.min() == 0 and ranks.max() < cardinality
+    a = 1 - synthetic.ZIPF_EXPONENT
+    for k in (0, 1):
+        expected = ((k + 2) ** a - (k + 1) ** a) / ((cardinality + 1) ** a - 1)
+        assert (ranks == k).mean() == pytest.approx(expected, abs=5 * (expected / len(u)) ** 0.5)
