@@ -118,11 +118,12 @@ def train_steps(run: Run, state: RunState) -> None:
                     batch = next(batches, None)
                 if batch is None:
                     break
+                apart_since = drain_before_new_size(run, state, interval, batch)
                 # Before the step (and its graph replay), on its stream: device writes, no host sync.
                 run.lrs.set(state.step + 1)
                 loss = run.step_fn(run.model, run.optimizer, batch)
-                profiler.step()
-                account_step(run, state, interval, loss, batch, step_start)
+                report_s = profiler.step()  # the window's trace, written at its last step
+                account_step(run, state, interval, loss, batch, step_start, apart_since, report_s)
                 stop = after_step(run, state, interval, epoch)
             log_interval(run, state, interval, epoch)
             if not stop and state.last_eval_step != state.step:
@@ -169,16 +170,41 @@ def epoch_batches(loader: TrainLoader, skip: int) -> Iterator[Batch]:
     return itertools.islice(iter(loader), skip, None)
 
 
+def drain_before_new_size(run: Run, state: RunState, interval: Interval, batch: Batch) -> float | None:
+    """Before the first step of a batch size this process has not trained on yet (not its first step: an
+    epoch's partial last batch), finish the steps before it (their losses are read, a host sync) and
+    return the time it starts at, so that `account_step` keeps it out of the interval's throughput: it
+    compiles and tunes kernels for the new shape (seconds with --use-triton, as many steps' worth). None
+    for any other step."""
+    if state.first_step_s is None or len(batch.label) in state.batch_sizes:
+        return None
+    check_finite(run, state, interval)
+    if run.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def account_step(
-    run: Run, state: RunState, interval: Interval, loss: torch.Tensor, batch: Batch, step_start: float
+    run: Run,
+    state: RunState,
+    interval: Interval,
+    loss: torch.Tensor,
+    batch: Batch,
+    step_start: float,
+    apart_since: float | None = None,
+    report_s: float = 0.0,
 ) -> None:
     """Count a finished step. The first step of the process pays for compilation (Inductor, Triton JIT):
-    it is timed apart and kept out of the interval's throughput. Other steps' losses go into the
-    interval's device buffer (no host sync)."""
+    it is timed apart and kept out of the interval's throughput, and so is the first step of a new batch
+    size, which started at `apart_since` (`drain_before_new_size`). Other steps' losses go into the
+    interval's device buffer (no host sync), and `report_s` (the profiler writing its window's trace after
+    the step) is kept out of the interval's time."""
     state.step += 1
     parallel.note_progress(state.step)
-    samples = batch.label.numel() * run.dist.world_size  # the global batch
+    rows = len(batch.label)
+    samples = rows * run.dist.world_size  # the global batch
     state.samples += samples
+    state.batch_sizes.add(rows)
     run.progress.step()
     if state.first_step_s is None:
         if run.device.type == "cuda":
@@ -190,6 +216,13 @@ def account_step(
             state.train_loss = loss.item()
         interval.start = time.perf_counter()
         return
+    if apart_since is not None:
+        note_losses(run, state, [loss.item()], state.step)  # a host sync: the step is done
+        took = time.perf_counter() - apart_since
+        interval.start += took
+        logger.info("first step of batch size {}: {:.2f} s (kernels for its shape), not timed", rows, took)
+        return
+    interval.start += report_s
     interval.losses[interval.steps].copy_(loss.detach())
     interval.steps += 1
     interval.samples += samples
@@ -199,7 +232,8 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
     """Log the steps since the last log line (its one host sync: the losses not read yet) and start a new
     interval. Raises NonFiniteLoss as `note_losses`, and when every step of the interval was skipped (the
     weights themselves are no longer finite)."""
-    if not interval.steps:
+    if not interval.steps:  # e.g. after a step timed apart: what follows starts a new interval
+        interval.start = time.perf_counter()
         return
     check_finite(run, state, interval)
     if not interval.finite:

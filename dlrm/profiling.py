@@ -71,8 +71,8 @@ class _NoProfiler(contextlib.AbstractContextManager):
     def __exit__(self, *exc) -> None:
         return None
 
-    def step(self) -> None:
-        pass
+    def step(self) -> float:
+        return 0.0
 
 
 def make_profiler(
@@ -83,7 +83,9 @@ def make_profiler(
     first_step: int = 0,
     worker_name: str | None = None,
 ):
-    """A context manager with `.step()`, to be called once per training step.
+    """A context manager with `.step()`, to be called once per training step; it returns the seconds it
+    spent writing the window's trace and breakdown (at the window's last step, else 0), which are not the
+    step's time.
 
     Records steps wait + 1 .. wait + warmup + active (one cycle, then idle), counted from `first_step`
     (a resumed run's step). With a SummaryWriter `writer`, the window's per-stage breakdown goes into
@@ -107,15 +109,27 @@ def make_profiler(
 
 class _OneWindowProfiler(profile):
     """torch.profiler.profile whose `step()` stops once its one window has been recorded: torch's would go
-    on opening a "ProfilerStep#" range every step of the run (10-20 us of host time each, for nothing)."""
+    on opening a "ProfilerStep#" range every step of the run (10-20 us of host time each, for nothing).
+    `step()` returns the seconds that `on_trace_ready` took in it (writing the trace: about a second for a
+    window of a large model), so that the loop keeps them out of its throughput."""
 
-    def __init__(self, window_steps: int, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, window_steps: int, on_trace_ready, **kwargs):
         self.window_steps = window_steps
+        self.report_s = 0.0
 
-    def step(self) -> None:
-        if self.step_num < self.window_steps:
-            super().step()
+        def timed(prof: profile) -> None:
+            start = time.perf_counter()
+            on_trace_ready(prof)
+            self.report_s += time.perf_counter() - start
+
+        super().__init__(on_trace_ready=timed, **kwargs)
+
+    def step(self) -> float:
+        if self.step_num >= self.window_steps:
+            return 0.0
+        before = self.report_s
+        super().step()
+        return self.report_s - before
 
 
 def _on_trace_ready(run_dir: Path, writer, first_step: int, worker_name: str | None):

@@ -48,6 +48,9 @@ class RunState:
     last_eval: dict | None = None
     last_eval_step: int | None = None
     first_step_s: float | None = None  # this process's first step, compilation included
+    # The batch sizes this process has trained on: the first step of a new one (an epoch's partial last
+    # batch) compiles and tunes kernels for its shape, and is timed apart like the first step.
+    batch_sizes: set[int] = field(default_factory=set)
     # Training throughput of this process: the first step (compilation) and evaluations excluded.
     timed_s: float = 0.0
     timed_samples: int = 0

@@ -3,6 +3,7 @@
 import contextlib
 import dataclasses
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -172,3 +173,24 @@ def test_outside_its_window_the_profiler_costs_no_ranges(tmp_path):
     assert "data" in {e.name for e in profiler.events()}
     assert isinstance(data_range(make_profiler(dataclasses.replace(cfg, enabled=False), tmp_path, "cpu")),
                       contextlib.nullcontext)  # fmt: skip
+
+
+def test_the_step_that_writes_the_trace_returns_the_time_it_took(tmp_path, monkeypatch):
+    """The loop keeps the trace's writing out of its throughput: step() returns the seconds spent in
+    on_trace_ready at the window's last step, and 0 at every other step."""
+    from dlrm import profiling
+
+    write = profiling.export_trace
+
+    def slow_export(*args, **kwargs):
+        time.sleep(0.3)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(profiling, "export_trace", slow_export)
+    profiler = make_profiler(ProfilerConfig(wait=1, warmup=1, active=1), tmp_path, torch.device("cpu"))
+    with profiler:
+        returned = []
+        for _ in range(5):
+            torch.ones(1).add_(1)
+            returned.append(profiler.step())
+    assert returned[2] >= 0.3 and returned[:2] + returned[3:] == [0.0] * 4, returned

@@ -6,10 +6,12 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from click.testing import CliRunner
+from loguru import logger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dlrm import evaluate as evaluate_cli
@@ -407,3 +409,37 @@ def test_resume_command_repeats_the_options_given_including_the_off_side_of_a_pa
     )
     ctx = train_cli.main.make_context("train", ["--config", "c.json"])
     assert "cuda-graphs" not in train_cli.resume_command(ctx, REPO / "last.pt")  # unset: the config decides
+
+
+def test_the_first_step_of_a_new_batch_size_is_timed_apart(criteo_sample, tmp_path, monkeypatch):
+    """8,000 train rows at batch 3,000: two full batches and a 2,000-row one per epoch. The step of a new
+    batch size pays for its kernels' compilation (here: a 2 s sleep the first time a size is seen after the
+    first step); that step is logged apart and kept out of samples/s, like the first step, and only once."""
+    from dlrm import run_setup
+
+    build_step = run_setup.build_step
+
+    def slow_on_new_sizes(*args, **kwargs):
+        step, seen = build_step(*args, **kwargs), set()
+
+        def run(model, optimizer, batch):
+            if seen and len(batch.label) not in seen:
+                time.sleep(2.0)
+            seen.add(len(batch.label))
+            return step(model, optimizer, batch)
+
+        return run
+
+    monkeypatch.setattr(run_setup, "build_step", slow_on_new_sizes)
+    cfg = _tiny(criteo_sample, epochs=3, max_steps=None, log_interval=1)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=3000))
+    lines = []
+    sink = logger.add(lines.append, format="{message}")
+    try:
+        metrics = train_cli.train(cfg, tmp_path / "run")
+    finally:
+        logger.remove(sink)
+    assert metrics["steps"] == 9 and metrics["samples"] == 3 * 8000
+    # Counted, the sleep alone would make the 7 timed steps >= 2000 / 7 = 286 ms each.
+    assert metrics["step_ms_max"] < 150, metrics["step_ms_max"]
+    assert sum("first step of batch size 2000" in line for line in lines) == 1
