@@ -111,8 +111,8 @@ def main(config, rows, data, batch, precision, loaders, graphs, steps):
         raise click.UsageError("bench_e2e.py needs a CUDA GPU")
     data = data or Path(tempfile.gettempdir()) / f"e2e-{rows}"
     ensure_data(data, rows)
-    # The bare step on random batches with the data's id skew (dlrm.data.synthetic's Zipf ranks): with
-    # uniform ids no row is hot, and the embedding updates, which add into the same rows, run faster.
+    # The bare step on random batches with the data's id skew (dlrm.data.synthetic's Zipf ranks), so that
+    # the ratios compare the same embedding traffic: uniform ids have no hot rows.
     step = bench(config, "triton+graphs", batch, 50, None, precision, ids="zipf")
     print(
         f"bare step (triton+graphs, resident random batches, Zipf ids): {step['samples_per_s']:,} samples/s",
