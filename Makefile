@@ -45,8 +45,10 @@ tensorboard: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
+# Several pytest workers share the GPU: the tests are small and mostly wait on compilation (Triton JIT, nvcc).
+GPU_WORKERS ?= 6
 test-gpu: $(STAMP)
-	$(PY) -m pytest -m gpu
+	$(PY) -m pytest -m gpu -n $(GPU_WORKERS)
 
 $(BROWSER_STAMP): $(STAMP)
 	test -x $(CHROMIUM) || apt-get install -y chromium || sudo apt-get install -y chromium
