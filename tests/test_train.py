@@ -440,7 +440,7 @@ def test_the_first_step_of_a_new_batch_size_is_timed_apart(criteo_sample, tmp_pa
     finally:
         logger.remove(sink)
     assert metrics["steps"] == 9 and metrics["samples"] == 3 * 8000
-    # Counted, the sleep alone would make the 7 timed steps >= 5000 / 7 = 714 ms each (they take ~20-70 ms on a
-    # 2-core CPU).
+    # Counted, the sleep alone would make the 7 timed steps >= 5000 / 7 = 714 ms each (they take ~20-70 ms
+    # on a 2-core CPU).
     assert metrics["step_ms_max"] < 350, metrics["step_ms_max"]
     assert sum("first step of batch size 2000" in line for line in lines) == 1
