@@ -1,6 +1,7 @@
 """`python -m dlrm.export`: a trained checkpoint as a self-contained serving program (torch.export).
 
-    python -m dlrm.export --checkpoint runs/<run>/checkpoints/best.pt --output model.pt2 [--device cpu|cuda]
+    python -m dlrm.export --checkpoint runs/<run>/checkpoints/best.pt --output model.pt2 [--device cpu|cuda] \
+        [--aoti-output model.aoti.pt2]
 
 The exported program is the eval-mode model with its input transform and hashing inside:
 
@@ -12,9 +13,14 @@ The exported program is the eval-mode model with its input transform and hashing
 B is dynamic (1 .. 2**20). `--output` is an ExportedProgram (`torch.export.save`) that loads with
 `torch.export.load(path).module()` in a process that has torch but not this package; it holds the weights,
 on `--device`, and `dlrm.json` (the run config, input names, checkpoint) as an extra file.
+`--aoti-output` also compiles it ahead of time with AOTInductor, in a child process (dlrm.aoti).
 """
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -31,6 +37,7 @@ from dlrm.model import DLRM, model_from_checkpoint
 from dlrm.step import resolve_device
 
 MAX_BATCH = 1 << 20
+AOTI_COMMAND = [sys.executable, "-m", "dlrm.aoti"]  # + --program P --output O
 
 
 class ServingModel(nn.Module):
@@ -84,7 +91,22 @@ def save_program(program: torch.export.ExportedProgram, path: Path, config: dict
         "config": config,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.export.save(program, str(path), extra_files={"dlrm.json": json.dumps(info)})
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.export.save(program, str(tmp), extra_files={"dlrm.json": json.dumps(info)})
+    os.replace(tmp, path)
+
+
+def compile_in_child(program: Path, package: Path) -> None:
+    """`python -m dlrm.aoti --program program --output package` (its output passes through). Raises
+    ValueError in one line when it fails or crashes (the program stays, usable without the package)."""
+    code = subprocess.run([*AOTI_COMMAND, "--program", str(program), "--output", str(package)]).returncode
+    if code < 0:
+        raise ValueError(
+            f"{package}: the AOTInductor compiler crashed ({signal.Signals(-code).name}); {program} is "
+            "written and serves without it"
+        )
+    if code != 0:
+        raise ValueError(f"{package}: AOTInductor failed (exit {code}, its error above); {program} written")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -101,15 +123,24 @@ def save_program(program: torch.export.ExportedProgram, path: Path, config: dict
     default="cpu",
     help="Where the exported weights live and the program runs.",
 )
-def main(checkpoint_path, output, device):
+@click.option(
+    "--aoti-output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also compile the program with AOTInductor into this package (.pt2) and print its latency per "
+    "batch (python -m dlrm.aoti; needs a C++ compiler).",
+)
+def main(checkpoint_path, output, device, aoti_output):
     """Export a checkpoint as a self-contained torch.export program that maps raw dense counts and raw
-    category ids to the click probability."""
+    category ids to the click probability (and, with --aoti-output, an AOTInductor package of it)."""
     with cli_errors():
         dev = resolve_device(device)
         model, config = serving_model(checkpoint_path, dev)
         program = export_program(model, dev)
         save_program(program, output, config, checkpoint_path)
         logger.info("exported {} -> {} ({})", checkpoint_path, output, dev)
+        if aoti_output is not None:
+            compile_in_child(output, aoti_output)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -110,3 +112,57 @@ def test_missing_checkpoint(tmp_path):
         export_cli.main, ["--checkpoint", str(tmp_path / "no.pt"), "--output", str(tmp_path / "m.pt2")]
     )
     assert result.exit_code == 2 and "no.pt: checkpoint not found" in result.output
+
+
+def _export_args(tmp_path, *extra: str) -> list[str]:
+    return ["--checkpoint", str(tmp_path / "best.pt"), "--output", str(tmp_path / "model.pt2"), *extra]
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="AOTInductor compiles C++: needs a C++ compiler")
+@pytest.mark.parametrize("variant", ["modulus", "first_order"])
+def test_aoti_package_scores_like_the_program(tmp_path, capfd, variant):
+    """--aoti-output on the CPU (the GPU test is below): the package is written, scores raw rows as the
+    exported program does, and its latency table has a row per batch size."""
+    import torch._inductor
+
+    _checkpoint(tmp_path / "best.pt", *VARIANTS[variant])
+    package = tmp_path / "model.aoti.pt2"
+    result = CliRunner().invoke(export_cli.main, _export_args(tmp_path, "--aoti-output", str(package)))
+    assert result.exit_code == 0, result.output
+    printed = capfd.readouterr().out  # the child process's table
+    for batch in (1, 128, 4096):
+        assert f"| {batch} |" in printed, printed
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+    runner = torch._inductor.aoti_load_package(str(package))
+    program = torch.export.load(str(tmp_path / "model.pt2")).module()
+    dense, sparse = _raw_inputs(257, 3)
+    torch.testing.assert_close(runner(dense, sparse), program(dense, sparse))
+
+
+def test_a_crashing_aoti_compiler_is_one_line_and_keeps_the_program(tmp_path, monkeypatch):
+    """The compiler runs in a child process: one that dies of a signal (torch 2.11's segfault on an H100)
+    ends with one line naming it, exit 2, and the exported program written."""
+    _checkpoint(tmp_path / "best.pt", "modulus", {})
+    crash = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+    monkeypatch.setattr(export_cli, "AOTI_COMMAND", [sys.executable, "-c", crash])
+    package = tmp_path / "model.aoti.pt2"
+    result = CliRunner().invoke(export_cli.main, _export_args(tmp_path, "--aoti-output", str(package)))
+    assert result.exit_code == 2
+    assert f"error: {package}: the AOTInductor compiler crashed (SIGSEGV)" in result.output
+    assert (tmp_path / "model.pt2").is_file() and not package.exists()
+
+
+@pytest.mark.gpu
+def test_aoti_package_on_gpu(tmp_path, capfd):
+    _checkpoint(tmp_path / "best.pt", "vocab", {"first_order": True})
+    package = tmp_path / "model.aoti.pt2"
+    args = _export_args(tmp_path, "--device", "cuda", "--aoti-output", str(package))
+    result = CliRunner().invoke(export_cli.main, args)
+    assert result.exit_code == 0, result.output
+    assert "| 4096 |" in capfd.readouterr().out
+    import torch._inductor
+
+    runner = torch._inductor.aoti_load_package(str(package))
+    program = torch.export.load(str(tmp_path / "model.pt2")).module()
+    dense, sparse = (t.cuda() for t in _raw_inputs(257, 3))
+    torch.testing.assert_close(runner(dense, sparse), program(dense, sparse))

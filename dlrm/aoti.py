@@ -1,0 +1,103 @@
+"""`python -m dlrm.aoti`: a serving program of `python -m dlrm.export` compiled ahead of time with
+AOTInductor, and its latency per batch against the program run as it is.
+
+    python -m dlrm.aoti --program model.pt2 --output model.aoti.pt2
+
+The package (`torch._inductor.aoti_compile_and_package`) runs on the device that the program's weights are
+on (`dlrm.export --device`), loads with `torch._inductor.aoti_load_package(path)` in a process that has
+torch but not this package, and is called like the program: ctr [B] = package(dense_counts [B, 13] float32,
+sparse_ids [B, 26] int64). Compiling needs a C++ compiler (and, for a GPU program, the CUDA toolkit) and
+takes seconds to minutes.
+
+`dlrm.export --aoti-output` runs this module in a child process: a crash inside the compiler (torch 2.11's
+aoti_compile_and_package once ended an H100 export with a segmentation fault) then ends that process, not
+the export, which says so in one line.
+"""
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+import torch
+from loguru import logger
+
+from dlrm.errors import cli_errors
+from dlrm.export import example_inputs
+
+LATENCY_BATCHES = (1, 128, 4096)
+
+
+def program_device(program: torch.export.ExportedProgram) -> torch.device:
+    """The device of the program's weights (where it and its package run)."""
+    return next(iter(program.state_dict.values())).device
+
+
+def compile_package(program: torch.export.ExportedProgram, path: Path) -> Callable:
+    """AOTInductor package of `program`, written to a temporary name beside `path` and renamed when
+    complete; returns it loaded."""
+    import torch._inductor
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.pt2")  # the compiler wants the .pt2 suffix
+    torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+    os.replace(tmp, path)
+    return torch._inductor.aoti_load_package(str(path))
+
+
+@torch.no_grad()
+def latency_ms(fn: Callable, batch: int, device: torch.device, warmup: int = 10, repeats: int = 50) -> float:
+    """Median milliseconds of one call of `fn` on `batch` random raw rows (CUDA events on a GPU)."""
+    inputs = example_inputs(batch, device, seed=batch)
+    for _ in range(warmup):
+        fn(*inputs)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*inputs)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn(*inputs)
+            times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option(
+    "--program",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    required=True,
+    help="A serving program written by python -m dlrm.export (model.pt2).",
+)
+@click.option(
+    "--output", type=click.Path(path_type=Path), required=True, help="AOTInductor package to write (.pt2)."
+)
+def main(program, output):
+    """Compile a dlrm.export program with AOTInductor and print its latency per batch of 1 / 128 / 4096
+    rows against the program's."""
+    with cli_errors():
+        exported = torch.export.load(str(program))
+        device = program_device(exported)
+        start = time.perf_counter()
+        package = compile_package(exported, output)
+        took = time.perf_counter() - start
+        logger.info("AOTInductor package {} ({:.0f} s to compile, {})", output, took, device)
+        module = exported.module()
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        click.echo(f"latency on {name}, ms per batch (median):")
+        click.echo("| batch | program | AOTInductor | program / AOTInductor |")
+        click.echo("| --- | --- | --- | --- |")
+        for batch in LATENCY_BATCHES:
+            eager, compiled = latency_ms(module, batch, device), latency_ms(package, batch, device)
+            click.echo(f"| {batch} | {eager:.3f} | {compiled:.3f} | {eager / compiled:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
