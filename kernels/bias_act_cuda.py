@@ -28,6 +28,10 @@ It equals ``act_ref(x.float() + b.float(), activation).to(x.dtype)`` (``bias_act
 
 from __future__ import annotations
 
+import time
+import warnings
+from pathlib import Path
+
 import torch
 from torch import Tensor
 
@@ -236,6 +240,27 @@ void bias_act_cuda_bwd(torch::Tensor dy, torch::Tensor x, torch::Tensor b, torch
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _MODULE = None
+_NAME = "dlrm_bias_act_cuda"
+# A build takes about a minute (H100 machine, 16 cores); a lock older than this was left by a stopped one.
+STALE_LOCK_S = 600
+
+
+def _remove_stale_lock() -> None:
+    """torch holds `<build directory>/lock` while it builds the extension, and a process that finds the file
+    waits until it is gone, without end: a build stopped midway (Ctrl-C, a time limit) leaves it, and every
+    later process hangs (an H100 benchmark waited there until its 300 s limit). A lock older than
+    STALE_LOCK_S is removed, with a warning."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(_NAME, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        message = f"bias_act_cuda: removing {lock}, left {age / 60:.0f} min ago by a build that was stopped"
+        warnings.warn(message, stacklevel=3)
+        lock.unlink(missing_ok=True)
 
 
 def _module():
@@ -250,8 +275,9 @@ def _module():
             raise ValueError(
                 "bias_act_cuda: needs nvcc to build the CUDA C++ kernel (set CUDA_HOME or put nvcc on PATH)"
             )
+        _remove_stale_lock()
         _MODULE = load_inline(
-            name="dlrm_bias_act_cuda",
+            name=_NAME,
             cpp_sources=_CPP_DECLARATIONS,
             cuda_sources=DEVICE_SOURCE + _BINDING_SOURCE,
             functions=["bias_act_rows_per_block", "bias_act_cuda_fwd", "bias_act_cuda_bwd"],

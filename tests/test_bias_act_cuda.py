@@ -155,3 +155,31 @@ def test_training_with_the_cuda_kernel_follows_eager_gpu(criteo_sample, tmp_path
     )
     for name in ("cuda", "cuda_graphs"):
         torch.testing.assert_close(curves[name], curves["eager"], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_lock_left_by_a_stopped_build_is_removed(monkeypatch, tmp_path):
+    """torch waits without end while the build's lock file exists: one older than STALE_LOCK_S (a build
+    stopped midway left it) is removed with a warning before the build; a younger one (a build running
+    now) is left alone."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cuda_mod, "_MODULE", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpp, "CUDA_HOME", "/usr/local/cuda")
+    lock_at_build = []
+    monkeypatch.setattr(cpp, "load_inline", lambda **kwargs: lock_at_build.append(lock.exists()) or "module")
+    lock = tmp_path / cuda_mod._NAME / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    old = time.time() - cuda_mod.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="removing .*lock, left 11 min ago by a build that was stopped"):
+        assert cuda_mod._module() == "module"
+    monkeypatch.setattr(cuda_mod, "_MODULE", None)
+    lock.touch()  # now: a build in progress
+    assert cuda_mod._module() == "module"
+    assert lock_at_build == [False, True]
