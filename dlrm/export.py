@@ -37,7 +37,8 @@ from dlrm.model import DLRM, model_from_checkpoint
 from dlrm.step import resolve_device
 
 MAX_BATCH = 1 << 20
-AOTI_COMMAND = [sys.executable, "-m", "dlrm.aoti"]  # + --program P --output O
+# + --program P --output O; faulthandler: a crash in the compiler prints the Python stack where it happened
+AOTI_COMMAND = [sys.executable, "-X", "faulthandler", "-m", "dlrm.aoti"]
 
 
 class ServingModel(nn.Module):

@@ -22,6 +22,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _release_cached_gpu_memory():
+    """Hand a test's cached CUDA blocks back to the driver after it: pytest-xdist workers share one GPU
+    (`make test-gpu`), and memory one worker's caching allocator keeps after a large test (the kaggle
+    tables at D=128 take 16 GiB) is memory the others cannot have."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 SAMPLE_TSV = REPO / "data" / "day_0_head10k.tsv.gz"
 
