@@ -38,7 +38,7 @@ from dlrm.config import RunConfig
 from dlrm.data.dataset import Batch
 from dlrm.data.loaders import STATEFUL_LOADERS, TrainLoader
 from dlrm.errors import Interrupted, RunStopped
-from dlrm.nonfinite import check_finite, nonfinite_stop, note_losses
+from dlrm.nonfinite import check_finite, nonfinite_stop
 from dlrm.out_of_memory import out_of_memory
 from dlrm.parallel import run as ranks
 from dlrm.profiling import data_range, make_profiler
@@ -194,11 +194,11 @@ def account_step(
     apart_since: float | None = None,
     report_s: float = 0.0,
 ) -> None:
-    """Count a finished step. The first step of the process pays for compilation (Inductor, Triton JIT):
-    it is timed apart and kept out of the interval's throughput, and so is the first step of a new batch
-    size, which started at `apart_since` (`drain_before_new_size`). Other steps' losses go into the
-    interval's device buffer (no host sync), and `report_s` (the profiler writing its window's trace after
-    the step) is kept out of the interval's time."""
+    """Count a finished step: its loss goes into the interval's device buffer (no host sync). The first
+    step of the process pays for compilation (Inductor, Triton JIT): it is timed apart and kept out of the
+    interval's throughput, and so is the first step of a new batch size, which started at `apart_since`
+    (`drain_before_new_size`); `report_s` (the profiler writing its window's trace after the step) is kept
+    out of the interval's time."""
     state.step += 1
     parallel.note_progress(state.step)
     rows = len(batch.label)
@@ -206,33 +206,39 @@ def account_step(
     state.samples += samples
     state.batch_sizes.add(rows)
     run.progress.step()
+    interval.losses[interval.steps].copy_(loss.detach())
+    interval.steps += 1
     if state.first_step_s is None:
-        if run.device.type == "cuda":
-            torch.cuda.synchronize()
+        first_loss = loss.item()  # waits for the step
         state.first_step_s = time.perf_counter() - step_start
-        logger.info("first step {:.2f} s (includes compile / kernel JIT)", state.first_step_s)
-        note_losses(run, state, [loss.item()], state.step)
-        if state.train_loss is None and math.isfinite(loss.item()):
-            state.train_loss = loss.item()
+        logger.info("first step {:.2f} s (includes compile / kernel JIT), not timed", state.first_step_s)
+        if state.train_loss is None and math.isfinite(first_loss):
+            state.train_loss = first_loss
         interval.start = time.perf_counter()
         return
     if apart_since is not None:
-        note_losses(run, state, [loss.item()], state.step)  # a host sync: the step is done
+        if run.device.type == "cuda":
+            torch.cuda.synchronize()
         took = time.perf_counter() - apart_since
         interval.start += took
-        logger.info("first step of batch size {}: {:.2f} s (kernels for its shape), not timed", rows, took)
+        logger.info(
+            "step {}, first of batch size {}: {:.2f} s (kernels for its shape), not timed",
+            state.step,
+            rows,
+            took,
+        )
         return
     interval.start += report_s
-    interval.losses[interval.steps].copy_(loss.detach())
-    interval.steps += 1
+    interval.timed_steps += 1
     interval.samples += samples
 
 
 def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> None:
     """Log the steps since the last log line (its one host sync: the losses not read yet) and start a new
-    interval. Raises NonFiniteLoss as `note_losses`, and when every step of the interval was skipped (the
-    weights themselves are no longer finite)."""
-    if not interval.steps:  # e.g. after a step timed apart: what follows starts a new interval
+    interval: the mean loss of its steps, and the throughput of those not timed apart. Raises
+    NonFiniteLoss as `note_losses`, and when every step of the interval was skipped (the weights
+    themselves are no longer finite)."""
+    if not interval.steps:
         interval.start = time.perf_counter()
         return
     check_finite(run, state, interval)
@@ -243,24 +249,21 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
     if run.dist.enabled:  # the mean of the ranks' means: the global batch's mean loss
         local = torch.tensor(state.train_loss, device=run.device)
         state.train_loss = ranks.mean_over_ranks(local).item()
-    elapsed = time.perf_counter() - interval.start
-    state.timed_s += elapsed
-    state.timed_samples += interval.samples
-    state.timed_steps += interval.steps
     writer = run.writer
     writer.add_scalar("train/loss", state.train_loss, state.step)
-    writer.add_scalar("perf/samples_per_s", interval.samples / elapsed, state.step)
     writer.add_scalar("train/lr", run.lrs.lr, state.step)  # the dense lr of the interval's last step
-    logger.info(
-        "epoch {} step {} | loss {:.5f} | {:,.0f} samples/s | {:.2f} ms/step",
-        epoch,
-        state.step,
-        state.train_loss,
-        interval.samples / elapsed,
-        1000 * elapsed / interval.steps,
-    )
-    run.progress.interval(epoch, state.train_loss, interval.samples / elapsed)
-    interval.steps, interval.samples, interval.start = 0, 0, time.perf_counter()
+    rate = ""
+    if interval.timed_steps:
+        elapsed = time.perf_counter() - interval.start
+        state.timed_s += elapsed
+        state.timed_samples += interval.samples
+        state.timed_steps += interval.timed_steps
+        samples_per_s = interval.samples / elapsed
+        writer.add_scalar("perf/samples_per_s", samples_per_s, state.step)
+        rate = f" | {samples_per_s:,.0f} samples/s | {1000 * elapsed / interval.timed_steps:.2f} ms/step"
+        run.progress.interval(epoch, state.train_loss, samples_per_s)
+    logger.info("epoch {} step {} | loss {:.5f}{}", epoch, state.step, state.train_loss, rate)
+    interval.steps, interval.timed_steps, interval.samples, interval.start = 0, 0, 0, time.perf_counter()
     interval.read, interval.loss_sum, interval.finite = 0, 0.0, 0
 
 

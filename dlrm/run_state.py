@@ -83,10 +83,12 @@ class RunState:
 class Interval:
     """The steps since the last log line. Their losses are copied into the device buffer `losses` (one
     slot per step, no host sync) and read at the log line, or earlier where an evaluation or checkpoint
-    needs to know they are finite (`read` of them already checked)."""
+    needs to know they are finite (`read` of them already checked). A step timed apart (the first, the first
+    of a batch size) has its loss here but is not in `timed_steps` and `samples`, the throughput's count."""
 
     losses: torch.Tensor
     steps: int = 0
+    timed_steps: int = 0
     samples: int = 0
     read: int = 0
     loss_sum: float = 0.0  # of the finite losses read

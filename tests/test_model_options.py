@@ -121,7 +121,7 @@ def test_backends_agree_on_every_option(small_sample, tmp_path, model, with_comp
     if with_compile:
         runs["compile"] = {"use_torch_compile": True}
     curves = _curves(small_sample, tmp_path, model, runs)
-    assert len(curves["eager"]) == 4 and all(math.isfinite(v) for v in curves["eager"])
+    assert len(curves["eager"]) == 5 and all(math.isfinite(v) for v in curves["eager"])
     for name in runs.keys() - {"eager"}:
         torch.testing.assert_close(curves[name], curves["eager"], rtol=0, atol=1e-3, msg=name)
 
