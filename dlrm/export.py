@@ -64,6 +64,10 @@ def serving_model(checkpoint: Path, device: torch.device) -> tuple[ServingModel,
     for module in model.modules():
         for name, buffer in list(module.named_buffers(recurse=False)):
             setattr(module, name, buffer.clone())
+        # Inductor lowers a dense lookup to a gather kernel; a sparse one (training's gradients) falls back
+        # to the proxy executor, and torch 2.11's AOTInductor then crashed loading the CUDA package.
+        if isinstance(module, nn.Embedding):
+            module.sparse = False
     return ServingModel(model).requires_grad_(False).to(device).eval(), state["config"]
 
 

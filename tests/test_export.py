@@ -166,3 +166,18 @@ def test_aoti_package_on_gpu(tmp_path, capfd):
     program = torch.export.load(str(tmp_path / "model.pt2")).module()
     dense, sparse = (t.cuda() for t in _raw_inputs(257, 3))
     torch.testing.assert_close(runner(dense, sparse), program(dense, sparse))
+
+
+@pytest.mark.parametrize("variant", ["modulus", "first_order"])
+def test_the_serving_program_looks_rows_up_densely(tmp_path, variant):
+    """Training's tables take sparse gradients; the serving program's lookups must not be sparse:
+    Inductor lowers only a dense aten.embedding to its gather kernel, and AOTInductor's fallback for the
+    sparse one crashed loading a CUDA package (torch 2.11, H100)."""
+    _checkpoint(tmp_path / "best.pt", *VARIANTS[variant])
+    model, _ = export_cli.serving_model(tmp_path / "best.pt", torch.device("cpu"))
+    program = export_cli.export_program(model, torch.device("cpu"))
+    lookups = [n for n in program.graph.nodes if n.target == torch.ops.aten.embedding.default]
+    assert lookups  # the tables are looked up with aten.embedding
+    for node in lookups:
+        sparse = node.args[4] if len(node.args) > 4 else node.kwargs.get("sparse", False)
+        assert sparse is False, node.format_node()
