@@ -18,11 +18,15 @@ the replay that uses them (dlrm.lr_schedule).
 
 The capture follows PyTorch's whole-network recipe (torch.cuda.graphs docs): a few warm-up steps on a
 side stream (autotuning, lazy initialization, optimizer state), gradients set to None, then capture. The
-captured step is exactly `dlrm.step.train_step`; a batch of another size (the last, partial batch of an
-epoch) runs uncaptured.
+captured step is exactly `dlrm.step.train_step`. A graph has fixed shapes, so each batch size gets its
+own: a size that comes after the warm-up (an epoch's last, partial batch) runs once uncaptured, which
+compiles and tunes its kernels (that cannot happen inside a capture), is captured the next time it comes,
+and replays from then on. Each graph keeps its own memory pool: a partial batch's graph adds at most the
+activation memory of one full step.
 """
 
 import time
+from typing import NamedTuple
 
 import torch
 from loguru import logger
@@ -35,25 +39,38 @@ from dlrm.profiling import graph_replay_range
 WARMUP_STEPS = 3
 
 
+class _Captured(NamedTuple):
+    """One captured step: the graph, the inputs it reads (copy a batch into them) and the loss it writes."""
+
+    graph: torch.cuda.CUDAGraph
+    batch: Batch
+    loss: Tensor
+
+
 class GraphedTrainStep:
-    """`train_step(model, optimizer, batch)` as a CUDA graph replay after `warmup` ordinary steps.
+    """`train_step(model, optimizer, batch)` as a CUDA graph replay after `warmup` ordinary steps, one graph
+    per batch size (module docstring).
 
     Args:
         model: the DLRM on a CUDA device (its embeddings updated in backward: sparse_kernel "triton").
         optimizer: the dense parameters' dlrm.optim.SGD.
         step_fn: the step to capture, `step_fn(model, optimizer, batch) -> loss` (dlrm.step.train_step).
-        warmup: steps run uncaptured (on a side stream) before the capture.
+        warmup: steps run uncaptured (on a side stream) before the first capture.
     Calling it as `step(model, optimizer, batch)` runs one training step and returns the loss, a 0-d device
-    tensor that the next call overwrites (read or accumulate it before then). `capture_s`: capture wall time.
+    tensor that the next call of the same batch size overwrites (read or accumulate it before then).
+    `capture_s`: the wall time of all captures; `graph`: the first captured graph (None before).
     """
 
     def __init__(self, model: DLRM, optimizer: torch.optim.Optimizer, step_fn, warmup: int = WARMUP_STEPS):
         self.model, self.optimizer, self.step_fn, self.warmup = model, optimizer, step_fn, warmup
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.static_batch: Batch | None = None
-        self.static_loss: Tensor | None = None
+        self.captured: dict[int, _Captured] = {}  # by batch size
+        self.warmed: set[int] = set()  # batch sizes that ran uncaptured: their kernels are compiled
         self.steps = 0
         self.capture_s = 0.0
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        return next(iter(self.captured.values())).graph if self.captured else None
 
     def __call__(self, model: DLRM, optimizer: torch.optim.Optimizer, batch: Batch) -> Tensor:
         """One training step on `batch` (the signature of train_step; model and optimizer must be the
@@ -61,18 +78,19 @@ class GraphedTrainStep:
         if model is not self.model or optimizer is not self.optimizer:
             raise ValueError("GraphedTrainStep replays the model and optimizer it was built with")
         self.steps += 1
-        if self.graph is None and self.steps <= self.warmup:
+        rows = len(batch.label)
+        captured = self.captured.get(rows)
+        if captured is None and (self.steps <= self.warmup or rows not in self.warmed):
+            self.warmed.add(rows)
             return self._side_stream_step(batch)
-        if self.graph is None:
-            self._capture(batch)
-        elif batch.label.shape != self.static_batch.label.shape:
-            return self.step_fn(self.model, self.optimizer, batch)
+        if captured is None:
+            captured = self.captured[rows] = self._capture(batch)
         else:
-            for static, fresh in zip(self.static_batch, batch, strict=True):
+            for static, fresh in zip(captured.batch, batch, strict=True):
                 static.copy_(fresh, non_blocking=True)
         with graph_replay_range():  # the profiled window's GPU time of the step (dlrm.profiling)
-            self.graph.replay()
-        return self.static_loss
+            captured.graph.replay()
+        return captured.loss
 
     def _side_stream_step(self, batch: Batch) -> Tensor:
         side = torch.cuda.Stream()
@@ -82,14 +100,18 @@ class GraphedTrainStep:
         torch.cuda.current_stream().wait_stream(side)
         return loss
 
-    def _capture(self, batch: Batch) -> None:
+    def _capture(self, batch: Batch) -> _Captured:
         """Record one step on static copies of `batch` (recording runs nothing: the replay that follows
         performs this step)."""
         start = time.perf_counter()
-        self.static_batch = Batch(*(t.clone() for t in batch))
+        static = Batch(*(t.clone() for t in batch))
         self.optimizer.zero_grad(set_to_none=True)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.static_loss = self.step_fn(self.model, self.optimizer, self.static_batch)
-        self.capture_s = time.perf_counter() - start
-        logger.info("captured the training step as a CUDA graph in {:.2f} s", self.capture_s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss = self.step_fn(self.model, self.optimizer, static)
+        took = time.perf_counter() - start
+        self.capture_s += took
+        logger.info(
+            "captured the training step at batch size {} as a CUDA graph in {:.2f} s", len(batch.label), took
+        )
+        return _Captured(graph, static, loss)

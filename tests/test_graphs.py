@@ -1,5 +1,8 @@
 """CUDA graph capture of the training step (dlrm.graphs): the replayed step trains exactly like the plain
-one. GPU only (CUDA graphs need CUDA); the config checks run everywhere."""
+one. GPU only (CUDA graphs need CUDA); the config checks and which step is captured when (on fake graphs)
+run everywhere."""
+
+import contextlib
 
 import pytest
 import torch
@@ -69,6 +72,67 @@ def test_use_triton_takes_the_cuda_graph_by_default_where_it_works(
         assert logged in notes[0]
 
 
+def test_each_batch_size_is_warmed_once_then_captured_then_replayed(monkeypatch):
+    """Warm-up steps run uncaptured; a batch size new after them (an epoch's partial batch) runs uncaptured
+    once, is captured the next time, then replays; every replay reads the batch it was given (fake graphs:
+    the CPU has no CUDA graphs, and a fake replay runs the recorded step on the static inputs)."""
+    calls = []
+
+    class FakeGraph:
+        def replay(self):
+            calls.append(("replay", len(self.batch.label), self.batch.dense[0, 0].item()))
+
+    capturing = []
+
+    @contextlib.contextmanager
+    def fake_capture(graph):
+        capturing.append(graph)
+        yield
+        capturing.pop()
+
+    class FakeStream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+    def step_fn(model, optimizer, batch):
+        if capturing:
+            capturing[-1].batch = batch  # what the graph reads when replayed
+            calls.append(("capture", len(batch.label)))
+        else:
+            calls.append(("uncaptured", len(batch.label), batch.dense[0, 0].item()))
+        return torch.zeros(())
+
+    model, optimizer = torch.nn.Linear(1, 1), torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+    step = GraphedTrainStep(model, optimizer, step_fn, warmup=2)
+    sizes = [8, 8, 8, 8, 3, 8, 3, 8, 3]
+    for i, rows in enumerate(sizes):
+        step(
+            model,
+            optimizer,
+            Batch(torch.full((rows, NUM_DENSE), float(i)), torch.zeros(rows, 2), torch.zeros(rows)),
+        )
+    assert calls == [
+        ("uncaptured", 8, 0.0),
+        ("uncaptured", 8, 1.0),
+        ("capture", 8),
+        ("replay", 8, 2.0),
+        ("replay", 8, 3.0),
+        ("uncaptured", 3, 4.0),
+        ("replay", 8, 5.0),
+        ("capture", 3),
+        ("replay", 3, 6.0),
+        ("replay", 8, 7.0),
+        ("replay", 3, 8.0),
+    ]
+    assert set(step.captured) == {8, 3} and step.graph is step.captured[8].graph
+
+
 def _cuda_batches(n: int) -> list[Batch]:
     """`n` random batches of 64 rows on the GPU, the same for every call."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -89,7 +153,10 @@ def test_graphed_steps_match_plain_steps(compiled):
 
     cfg = RunConfig(model=SMALL, train=TrainConfig(use_triton=True, lr=0.1))
     batches = _cuda_batches(8)
-    batches.append(Batch(*(t[:10] for t in batches[0])))  # a partial batch runs uncaptured
+    # A partial batch runs uncaptured, the next one of its size is captured and replayed, and so are the
+    # full batches around them.
+    batches += [Batch(*(t[:10] for t in batches[0])), batches[1], Batch(*(t[10:20] for t in batches[2]))]
+    batches += [batches[3], Batch(*(t[20:30] for t in batches[4]))]
     runs = {}
     for graphed in (False, True):
         torch.manual_seed(0)
@@ -103,7 +170,7 @@ def test_graphed_steps_match_plain_steps(compiled):
         losses = [step(model, optimizer, b).item() for b in batches]
         runs[graphed] = (losses, model.state_dict())
         if graphed:
-            assert step.graph is not None
+            assert set(step.captured) == {64, 10}
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-6)
     for key, value in runs[False][1].items():
         torch.testing.assert_close(runs[True][1][key], value, rtol=1e-5, atol=1e-6, msg=key)
