@@ -9,9 +9,9 @@ torch but not this package, and is called like the program: ctr [B] = package(de
 sparse_ids [B, 26] int64). Compiling needs a C++ compiler (and, for a GPU program, the CUDA toolkit) and
 takes seconds to minutes.
 
-`dlrm.export --aoti-output` runs this module in a child process: a crash inside the compiler (torch 2.11's
-aoti_compile_and_package once ended an H100 export with a segmentation fault) then ends that process, not
-the export, which says so in one line.
+`dlrm.export --aoti-output` runs this module in a child process: a crash inside AOTInductor (torch 2.11
+on an H100 segfaults loading any CUDA package, a plain nn.Linear's too) then ends that process, not the
+export, which says so in one line.
 """
 
 import os

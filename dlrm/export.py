@@ -107,8 +107,8 @@ def compile_in_child(program: Path, package: Path) -> None:
     code = subprocess.run([*AOTI_COMMAND, "--program", str(program), "--output", str(package)]).returncode
     if code < 0:
         raise ValueError(
-            f"{package}: the AOTInductor compiler crashed ({signal.Signals(-code).name}); {program} is "
-            "written and serves without it"
+            f"{package}: AOTInductor crashed ({signal.Signals(-code).name}) compiling or loading it; "
+            f"{program} is written and serves without it"
         )
     if code != 0:
         raise ValueError(f"{package}: AOTInductor failed (exit {code}, its error above); {program} written")

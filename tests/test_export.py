@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -148,8 +149,26 @@ def test_a_crashing_aoti_compiler_is_one_line_and_keeps_the_program(tmp_path, mo
     package = tmp_path / "model.aoti.pt2"
     result = CliRunner().invoke(export_cli.main, _export_args(tmp_path, "--aoti-output", str(package)))
     assert result.exit_code == 2
-    assert f"error: {package}: the AOTInductor compiler crashed (SIGSEGV)" in result.output
+    assert f"error: {package}: AOTInductor crashed (SIGSEGV)" in result.output
     assert (tmp_path / "model.pt2").is_file() and not package.exists()
+
+
+PLAIN_CUDA_PACKAGE = """
+import sys, torch, torch._inductor
+linear = torch.nn.Linear(8, 4).cuda().eval()
+program = torch.export.export(linear, (torch.randn(2, 8, device="cuda"),))
+torch._inductor.aoti_compile_and_package(program, package_path=sys.argv[1])
+torch._inductor.aoti_load_package(sys.argv[1])(torch.randn(3, 8, device="cuda"))
+"""
+
+
+def _plain_cuda_package_crashes(tmp_path) -> bool:
+    """Whether this torch's AOTInductor segfaults on a CUDA package of a plain nn.Linear (torch 2.11 on an
+    H100 does, at load): then a crash on ours is not this repository's to fix."""
+    child = subprocess.run(
+        [sys.executable, "-c", PLAIN_CUDA_PACKAGE, str(tmp_path / "linear.pt2")], timeout=300
+    )
+    return child.returncode == -signal.SIGSEGV
 
 
 @pytest.mark.gpu
@@ -158,6 +177,8 @@ def test_aoti_package_on_gpu(tmp_path, capfd):
     package = tmp_path / "model.aoti.pt2"
     args = _export_args(tmp_path, "--device", "cuda", "--aoti-output", str(package))
     result = CliRunner().invoke(export_cli.main, args)
+    if "AOTInductor crashed (SIGSEGV)" in result.output and _plain_cuda_package_crashes(tmp_path):
+        pytest.xfail("this torch's AOTInductor segfaults on a plain nn.Linear's CUDA package too")
     assert result.exit_code == 0, result.output
     assert "| 4096 |" in capfd.readouterr().out
     import torch._inductor
