@@ -226,8 +226,8 @@ def test_a_run_follows_the_schedule_and_resumes_exactly(criteo_sample, tmp_path,
     events = EventAccumulator(str(tmp_path / "whole"))
     events.Reload()
     logged = [(e.step, e.value) for e in events.Scalars("train/lr")]
-    expected = [0.2 / 3, 0.1, 0.1, 0.025, 0.0, 0.0, 0.0]  # steps 2..8 (step 1, timed apart, logs no line)
-    assert [step for step, _ in logged] == list(range(2, 9))
+    expected = [0.1 / 3, 0.2 / 3, 0.1, 0.1, 0.025, 0.0, 0.0, 0.0]  # steps 1..8
+    assert [step for step, _ in logged] == list(range(1, 9))
     assert [value for _, value in logged] == pytest.approx(expected, rel=1e-6)
     if use_triton:
         return  # two more runs in the Triton interpreter cost a minute; the loop's resume path is the same
