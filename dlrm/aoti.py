@@ -14,7 +14,6 @@ on an H100 segfaults loading any CUDA package, a plain nn.Linear's too) then end
 export, which says so in one line.
 """
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ import click
 import torch
 from loguru import logger
 
+from dlrm.atomic import replacing
 from dlrm.errors import cli_errors
 from dlrm.export import example_inputs
 
@@ -40,10 +40,8 @@ def compile_package(program: torch.export.ExportedProgram, path: Path) -> Callab
     complete; returns it loaded."""
     import torch._inductor
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.pt2")  # the compiler wants the .pt2 suffix
-    torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
-    os.replace(tmp, path)
+    with replacing(path, suffix=".pt2") as tmp:
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
     return torch._inductor.aoti_load_package(str(path))
 
 

@@ -19,22 +19,17 @@ from typing import Any
 
 import torch
 
+from dlrm.atomic import replacing
+
 
 def save_checkpoint(path: Path, **state: Any) -> None:
     """torch.save `state` to `path` atomically: a temporary file in the same directory, fsync'ed, renamed
     over `path`, then the directory fsync'ed, so a crash or kill at any moment leaves either the old or the
     new checkpoint under the final name, never a half-written one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with replacing(path) as tmp, open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
     fsync_directory(path.parent)
 
 

@@ -17,7 +17,6 @@ on `--device`, and `dlrm.json` (the run config, input names, checkpoint) as an e
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import torch
 from loguru import logger
 from torch import nn
 
+from dlrm.atomic import replacing
 from dlrm.checkpoint import load_checkpoint
 from dlrm.cli_options import checkpoint_option
 from dlrm.config import from_dict
@@ -95,10 +95,8 @@ def save_program(program: torch.export.ExportedProgram, path: Path, config: dict
         "checkpoint": str(checkpoint),
         "config": config,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.export.save(program, str(tmp), extra_files={"dlrm.json": json.dumps(info)})
-    os.replace(tmp, path)
+    with replacing(path, suffix=".pt2") as tmp:
+        torch.export.save(program, str(tmp), extra_files={"dlrm.json": json.dumps(info)})
 
 
 def compile_in_child(program: Path, package: Path) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from loguru import logger
 
-from dlrm import parallel
+from dlrm import atomic, parallel
 from dlrm.config import RunConfig
 from dlrm.data.dataset import Batch
 from dlrm.data.loaders import STATEFUL_LOADERS, TrainLoader
@@ -43,7 +43,6 @@ from dlrm.out_of_memory import out_of_memory
 from dlrm.parallel import run as ranks
 from dlrm.profiling import data_range, make_profiler
 from dlrm.run_checkpoints import checkpoint_due_by_steps, checkpoint_due_by_time, save_last
-from dlrm.run_dir import write_text_atomically
 from dlrm.run_setup import set_up
 from dlrm.run_state import Interval, Run, RunState
 from dlrm.selection import evaluate_and_select, evaluate_selected
@@ -324,7 +323,7 @@ def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None 
     }
     metrics = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
     if run.dist.is_main:
-        write_text_atomically(run.run_dir / "metrics.json", json.dumps(metrics, indent=2, allow_nan=False))
+        atomic.write_text(run.run_dir / "metrics.json", json.dumps(metrics, indent=2, allow_nan=False))
     run.writer.close()
     if stopped is None:
         logger.info(

@@ -32,6 +32,7 @@ import torch
 from loguru import logger
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function, schedule
 
+from dlrm import atomic
 from dlrm.config import ProfilerConfig
 
 STAGES = ("data", "embedding", "bottom_mlp", "interaction", "top_mlp", "loss", "backward", "optimizer")
@@ -159,9 +160,7 @@ def export_trace(prof: profile, run_dir: Path, worker_name: str | None = None) -
     for event in trace.get("traceEvents", []):
         if event.get("name") == DATA_LOADER_RANGE and event.get("cat") == "user_annotation":
             event["cat"] = "cpu_op"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(trace))
-    os.replace(tmp, path)
+    atomic.write_text(path, json.dumps(trace))
     return path
 
 

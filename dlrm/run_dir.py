@@ -1,7 +1,6 @@
 """The run directory: chosen and checked before a run sets anything up, created (or emptied for
 --overwrite) once it has, and files written into it whole (a temporary name renamed into place)."""
 
-import os
 import shutil
 import tempfile
 import time
@@ -57,13 +56,6 @@ def make_run_dir(run_dir: Path, clear: bool) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ValueError(f"{run_dir}: cannot write the run directory: {err.strerror or err}") from None
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """`text` into `path` via a temporary file renamed into place."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def wait_past_event_files(run_dir: Path) -> None:

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from loguru import logger
 
-from dlrm import __version__
+from dlrm import __version__, atomic
 from dlrm.data.parse import OUTPUT_SCHEMA
 from dlrm.data.stats import DEFAULT_EXACT_DISTINCT_LIMIT, BlockStats, SplitStats, block_stats
 from dlrm.data.text import PreprocessError
@@ -127,7 +127,7 @@ class PartialDir:
     def save_line_counts(self, counts: list[int | None]) -> None:
         """Keep the inputs' line counts known so far (None for the others) in the manifest."""
         path = self.path / MANIFEST_FILE
-        _write_atomically(path, json.dumps(json.loads(path.read_text()) | {"line_counts": counts}) + "\n")
+        atomic.write_text(path, json.dumps(json.loads(path.read_text()) | {"line_counts": counts}) + "\n")
 
     def finish(self, metadata: dict) -> None:
         """Write `metadata` to metadata.json and remove the run's bookkeeping: what is left is DIR."""
@@ -235,7 +235,7 @@ class SplitWriter:
             raise OSError(f"{tmp}: footer says {footer_rows} rows, {self._rows_in_file} were written")
         if self.progress_dir is not None:
             record = {"first_line": first_line, "lines": lines, "rows": footer_rows, "bad_lines": bad_lines}
-            _write_atomically(self._progress_path(len(self.files) - 1), json.dumps(record) + "\n")
+            atomic.write_text(self._progress_path(len(self.files) - 1), json.dumps(record) + "\n")
         os.replace(tmp, self.root / relative)
         self._rows_in_file = 0
 
@@ -268,12 +268,6 @@ class SplitWriter:
 
     def dense_stats(self) -> dict:
         return self.stats.dense_stats()
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def build_metadata(writers: dict[str, SplitWriter], source: list[str], skipped_lines: int) -> dict:
