@@ -23,7 +23,6 @@ most `--block-size` rows at a time, and scored `--batch-size` rows at a time; no
 Any backend's checkpoint works (the weights are saved in one layout); scoring runs the eager model.
 """
 
-import os
 import re
 import sys
 from collections.abc import Iterator
@@ -36,7 +35,7 @@ import torch
 from loguru import logger
 from tqdm import tqdm
 
-from dlrm import progress
+from dlrm import atomic, progress
 from dlrm.checkpoint import load_checkpoint
 from dlrm.cli_options import checkpoint_option, device_option, split_option
 from dlrm.config import from_dict
@@ -140,43 +139,37 @@ def predict(
     """Score every row of `blocks` with `model` and write `output` (parquet, see the module docstring);
     returns {"rows", "mean_ctr", "output"}. `output` appears only when complete. `mode` (dlrm.progress):
     "bar" counts the rows on a progress bar."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     writer = None
     rows = 0
     ctr_sum = 0.0
     bar = tqdm(desc="predict", unit=" rows", unit_scale=True, file=sys.stdout, disable=mode != "bar")
-    try:
-        for block, labeled in blocks:
-            for start in range(0, len(block.label), batch_size):
-                batch = Batch(*(t[start : start + batch_size] for t in block)).to(device)
-                logits = model(batch.dense, batch.sparse).float()
-                ctr = torch.sigmoid(logits)
-                n = len(logits)
-                columns = {
-                    "row": pa.array(torch.arange(rows, rows + n).numpy()),
-                    "logit": pa.array(logits.cpu().numpy()),
-                    "ctr": pa.array(ctr.cpu().numpy()),
-                }
-                if labeled:
-                    columns["label"] = pa.array(batch.label.cpu().numpy())
-                table = pa.table(columns)
-                if writer is None:
-                    writer = pq.ParquetWriter(tmp, table.schema)
-                writer.write_table(table)
-                rows += n
-                ctr_sum += ctr.double().sum().item()
-                bar.update(n)
-        if writer is None:
-            raise ValueError("the input has no rows")
-        writer.close()
-        writer = None
-        os.replace(tmp, output)
-    finally:
-        bar.close()
-        if writer is not None:
-            writer.close()
-        tmp.unlink(missing_ok=True)
+    with atomic.replacing(output) as tmp, bar:
+        try:
+            for block, labeled in blocks:
+                for start in range(0, len(block.label), batch_size):
+                    batch = Batch(*(t[start : start + batch_size] for t in block)).to(device)
+                    logits = model(batch.dense, batch.sparse).float()
+                    ctr = torch.sigmoid(logits)
+                    n = len(logits)
+                    columns = {
+                        "row": pa.array(torch.arange(rows, rows + n).numpy()),
+                        "logit": pa.array(logits.cpu().numpy()),
+                        "ctr": pa.array(ctr.cpu().numpy()),
+                    }
+                    if labeled:
+                        columns["label"] = pa.array(batch.label.cpu().numpy())
+                    table = pa.table(columns)
+                    if writer is None:
+                        writer = pq.ParquetWriter(tmp, table.schema)
+                    writer.write_table(table)
+                    rows += n
+                    ctr_sum += ctr.double().sum().item()
+                    bar.update(n)
+            if writer is None:
+                raise ValueError("the input has no rows")
+        finally:  # before the file is renamed into place, or removed on an error
+            if writer is not None:
+                writer.close()
     return {"rows": rows, "mean_ctr": ctr_sum / rows, "output": str(output)}
 
 
