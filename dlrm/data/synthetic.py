@@ -64,7 +64,6 @@ import pyarrow.csv as pcsv
 from loguru import logger
 from tqdm import tqdm
 
-from dlrm import atomic
 from dlrm.data.oracle import SplitOracle
 from dlrm.data.oracle import describe as describe_oracle
 from dlrm.data.output import METADATA_FILE, SplitWriter, build_metadata, move_into_place
@@ -486,10 +485,11 @@ def write_tsv(
     path = Path(path)
     _check_counts(rows, block_size)
     _check_output(path, overwrite, is_dir=False)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     started = time.perf_counter()
     positives = 0
     oracle = SplitOracle({"all": (0, rows)})
-    with atomic.replacing(path) as tmp:
+    try:
         writer = _TsvWriter(tmp, compress=path.name.endswith(".gz"))
         try:
             with _progress(rows) as bar:
@@ -502,6 +502,10 @@ def write_tsv(
                     bar.update(block.num_rows)
         finally:
             writer.close()
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return {
         "rows": rows,
         "positive_rate": positives / rows,
