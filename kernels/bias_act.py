@@ -34,12 +34,15 @@ It equals the PyTorch expression ``act(x + b)`` computed in fp32 and cast back t
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from kernels.activations import ACTIVATIONS, act_fwd, act_grad, act_grad_ref, act_ref, check_activation
+from kernels.direct import call, eager_function
 from kernels.launch import DTYPES, INTERPRETED, use_triton
 from kernels.partials import row_programs, sum_partials
 
@@ -307,16 +310,19 @@ def _bias_act_bwd_ref(dy: Tensor, x: Tensor, b: Tensor, activation: str) -> tupl
 
 
 # --------------------------------------------------------------------------------------------------
-# Autograd glue: custom ops, so the op works in eager and under torch.compile (no tracing into Triton)
+# Autograd glue: custom ops, so the op works under torch.compile (no tracing into Triton); eager calls
+# run the same bodies and formulas without the dispatcher (kernels/direct.py)
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("dlrm::bias_act", mutates_args=())
-def _bias_act_op(x: Tensor, bias: Tensor, activation: str) -> Tensor:
+def _bias_act_impl(x: Tensor, bias: Tensor, activation: str) -> Tensor:
     if use_triton(x):
         return bias_act_fwd(x, bias, activation)
     _check_inputs(x, bias, activation)
     return bias_act_ref(x, bias, activation)
+
+
+_bias_act_op = torch.library.custom_op("dlrm::bias_act", _bias_act_impl, mutates_args=())
 
 
 @_bias_act_op.register_fake
@@ -325,13 +331,17 @@ def _bias_act_fake(x: Tensor, bias: Tensor, activation: str) -> Tensor:
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("dlrm::bias_act_backward", mutates_args=())
-def _bias_act_backward_op(dy: Tensor, x: Tensor, bias: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+def _bias_act_backward_impl(dy: Tensor, x: Tensor, bias: Tensor, activation: str) -> tuple[Tensor, Tensor]:
     if use_triton(x):
         return bias_act_bwd(dy, x, bias, activation)
     _check_inputs(x, bias, activation)
     _check_like("dy", dy, x)
     return _bias_act_bwd_ref(dy, x, bias, activation)
+
+
+_bias_act_backward_op = torch.library.custom_op(
+    "dlrm::bias_act_backward", _bias_act_backward_impl, mutates_args=()
+)
 
 
 @_bias_act_backward_op.register_fake
@@ -346,13 +356,16 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.activation = activation
 
 
-def _backward(ctx, dy: Tensor):
+def _backward(backward_fn, ctx, dy: Tensor):
     x, bias = ctx.saved_tensors
-    dx, db = _bias_act_backward_op(dy, x, bias, ctx.activation)
+    dx, db = backward_fn(dy, x, bias, ctx.activation)
     return dx, db, None
 
 
-_bias_act_op.register_autograd(_backward, setup_context=_setup_context)
+_bias_act_op.register_autograd(partial(_backward, _bias_act_backward_op), setup_context=_setup_context)
+_bias_act_eager = eager_function(
+    "BiasAct", _bias_act_impl, _setup_context, partial(_backward, _bias_act_backward_impl)
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -381,4 +394,4 @@ def bias_act(x: Tensor, bias: Tensor, activation: str = "relu") -> Tensor:
         ValueError: x not 2-D or with N == 0, bias shape not [N], unknown activation, unsupported dtype,
             x/bias dtype mismatch, or x/bias on different devices (the message names the values).
     """
-    return _bias_act_op(x, bias, activation)
+    return call(_bias_act_op, _bias_act_eager, x, bias, activation)

@@ -37,6 +37,8 @@ computed in fp32 and cast back to x's dtype (``gated_linear_ref``), up to the GE
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -45,6 +47,7 @@ from torch import Tensor
 
 from kernels import launch
 from kernels.activations import act_fwd, act_grad, act_grad_ref, sigmoid
+from kernels.direct import call, eager_function
 from kernels.gemm_tuning import autotuned, input_precision, m_bucket
 from kernels.launch import (
     DTYPES,
@@ -367,17 +370,20 @@ def _gated_linear_bwd_ref(dy, x, weight, z, gate, has_bias, needs_dx):
 
 
 # --------------------------------------------------------------------------------------------------
-# Autograd glue: custom ops, so the op works in eager and under torch.compile (no tracing into Triton)
+# Autograd glue: custom ops, so the op works under torch.compile (no tracing into Triton); eager calls
+# run the same bodies and formulas without the dispatcher (kernels/direct.py)
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("dlrm::gated_linear", mutates_args=())
-def _gated_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None, gate: str) -> tuple[Tensor, Tensor]:
+def _gated_linear_impl(x: Tensor, weight: Tensor, bias: Tensor | None, gate: str) -> tuple[Tensor, Tensor]:
     """Returns (y, z); z [M, 2N] is saved for the backward."""
     if use_triton(x):
         return gated_linear_fwd(x, weight, bias, gate)
     _check_inputs(x, weight, bias, gate)
     return _gated_linear_fwd_ref(x, weight, bias, gate)
+
+
+_gated_linear_op = torch.library.custom_op("dlrm::gated_linear", _gated_linear_impl, mutates_args=())
 
 
 @_gated_linear_op.register_fake
@@ -386,8 +392,7 @@ def _gated_linear_fake(x: Tensor, weight: Tensor, bias: Tensor | None, gate: str
     return x.new_empty((x.shape[0], weight.shape[0] // 2)), x.new_empty((x.shape[0], weight.shape[0]))
 
 
-@torch.library.custom_op("dlrm::gated_linear_backward", mutates_args=())
-def _gated_linear_backward_op(
+def _gated_linear_backward_impl(
     dy: Tensor, x: Tensor, weight: Tensor, z: Tensor, gate: str, has_bias: bool, needs_dx: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (dx, dW, dbias); dx / dbias are empty [0] tensors when needs_dx / has_bias is False."""
@@ -398,6 +403,11 @@ def _gated_linear_backward_op(
         dx, dw, db = _gated_linear_bwd_ref(dy, x, weight, z, gate, has_bias, needs_dx)
     # Distinct empty tensors: custom-op outputs may not alias each other.
     return (dx if dx is not None else x.new_empty((0,))), dw, (db if db is not None else x.new_empty((0,)))
+
+
+_gated_linear_backward_op = torch.library.custom_op(
+    "dlrm::gated_linear_backward", _gated_linear_backward_impl, mutates_args=()
+)
 
 
 @_gated_linear_backward_op.register_fake
@@ -418,15 +428,20 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.has_bias = bias is not None
 
 
-def _backward(ctx, dy: Tensor, _dz: Tensor | None):
+def _backward(backward_fn, ctx, dy: Tensor, _dz: Tensor | None):
     # _dz: the gradient w.r.t. the internal output z, which gated_linear never exposes.
     x, weight, z = ctx.saved_tensors
     needs_dx = ctx.needs_input_grad[0]  # False for the first layer: its input is data
-    dx, dw, db = _gated_linear_backward_op(dy, x, weight, z, ctx.gate, ctx.has_bias, needs_dx)
+    dx, dw, db = backward_fn(dy, x, weight, z, ctx.gate, ctx.has_bias, needs_dx)
     return (dx if needs_dx else None), dw, (db if ctx.has_bias else None), None
 
 
-_gated_linear_op.register_autograd(_backward, setup_context=_setup_context)
+_gated_linear_op.register_autograd(
+    partial(_backward, _gated_linear_backward_op), setup_context=_setup_context
+)
+_gated_linear_eager = eager_function(
+    "GatedLinear", _gated_linear_impl, _setup_context, partial(_backward, _gated_linear_backward_impl)
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -456,5 +471,5 @@ def gated_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, gate: st
         ValueError: x or weight not 2-D, K mismatch, an odd or zero weight height, bias shape not [2N],
             unknown gate, unsupported or mismatched dtypes, or tensors on different devices.
     """
-    y, _ = _gated_linear_op(x, weight, bias, gate)
+    y, _ = call(_gated_linear_op, _gated_linear_eager, x, weight, bias, gate)
     return y

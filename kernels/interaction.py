@@ -27,11 +27,14 @@ The PyTorch reference is `dot_interaction_ref`.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.direct import call, eager_function
 from kernels.launch import DTYPES, INTERPRETED, aligned_width, leading_columns, rows_contiguous, use_triton
 
 __all__ = ["dot_interaction", "dot_interaction_ref", "interaction_width"]
@@ -239,18 +242,20 @@ def _dot_interaction_bwd_ref(dout: Tensor, dense: Tensor, embedded: Tensor) -> t
 
 
 # --------------------------------------------------------------------------------------------------
-# Autograd glue
+# Autograd glue: custom ops for torch.compile; eager calls skip the dispatcher (kernels/direct.py)
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("dlrm::dot_interaction", mutates_args=())
-def _interaction_op(dense: Tensor, embedded: Tensor) -> Tensor:
+def _interaction_impl(dense: Tensor, embedded: Tensor) -> Tensor:
     if use_triton(dense):
         return dot_interaction_fwd(dense, embedded)
     _check_inputs(dense, embedded)
     out = _new_out(*embedded.shape, dense)
     out.as_strided((out.shape[0], out.stride(0)), out.stride()).zero_()
     return out.copy_(dot_interaction_ref(dense, embedded))  # the kernel's layout
+
+
+_interaction_op = torch.library.custom_op("dlrm::dot_interaction", _interaction_impl, mutates_args=())
 
 
 @_interaction_op.register_fake
@@ -260,11 +265,15 @@ def _interaction_fake(dense: Tensor, embedded: Tensor) -> Tensor:
     return dense.new_empty_strided((b, w), (aligned_width(w, dense.dtype), 1))
 
 
-@torch.library.custom_op("dlrm::dot_interaction_backward", mutates_args=())
-def _interaction_backward_op(dout: Tensor, dense: Tensor, embedded: Tensor) -> tuple[Tensor, Tensor]:
+def _interaction_backward_impl(dout: Tensor, dense: Tensor, embedded: Tensor) -> tuple[Tensor, Tensor]:
     if use_triton(dense):
         return dot_interaction_bwd(dout, dense, embedded)
     return _dot_interaction_bwd_ref(dout, dense, embedded)
+
+
+_interaction_backward_op = torch.library.custom_op(
+    "dlrm::dot_interaction_backward", _interaction_backward_impl, mutates_args=()
+)
 
 
 @_interaction_backward_op.register_fake
@@ -276,12 +285,15 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs)
 
 
-def _backward(ctx, dout: Tensor):
+def _backward(backward_fn, ctx, dout: Tensor):
     dense, embedded = ctx.saved_tensors
-    return _interaction_backward_op(dout, dense, embedded)
+    return backward_fn(dout, dense, embedded)
 
 
-_interaction_op.register_autograd(_backward, setup_context=_setup_context)
+_interaction_op.register_autograd(partial(_backward, _interaction_backward_op), setup_context=_setup_context)
+_interaction_eager = eager_function(
+    "DotInteraction", _interaction_impl, _setup_context, partial(_backward, _interaction_backward_impl)
+)
 
 
 def dot_interaction(dense: Tensor, embedded: Tensor) -> Tensor:
@@ -298,4 +310,4 @@ def dot_interaction(dense: Tensor, embedded: Tensor) -> Tensor:
     Raises:
         ValueError: shapes, dtypes or devices that do not match (the message names them).
     """
-    return _interaction_op(dense, embedded)
+    return call(_interaction_op, _interaction_eager, dense, embedded)

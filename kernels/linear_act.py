@@ -54,10 +54,13 @@ It equals the PyTorch expression ``act(F.linear(x, W, b))`` computed in fp32 and
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
 from kernels.activations import ACTIVATIONS, act_grad_ref, act_ref
+from kernels.direct import call, eager_function
 from kernels.launch import aligned_width, leading_columns, new_padded, rows_aligned, use_triton, zero_padded
 from kernels.linear_act_backward import check_bwd_inputs, linear_act_bwd
 from kernels.linear_act_forward import SAVES_Y, SAVES_Z, check_inputs, linear_act_fwd
@@ -138,7 +141,8 @@ def _linear_act_bwd_ref(
 
 
 # --------------------------------------------------------------------------------------------------
-# Autograd glue: custom ops, so the op works in eager and under torch.compile (no tracing into Triton)
+# Autograd glue: custom ops, so the op works under torch.compile (no tracing into Triton); eager calls
+# run the same bodies and formulas without the dispatcher (kernels/direct.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -149,8 +153,7 @@ def _pads_input(x: Tensor) -> bool:
     return not (x.stride(1) == 1 and rows_aligned(x) and (m <= 1 or x.stride(0) >= k))
 
 
-@torch.library.custom_op("dlrm::linear_act", mutates_args=())
-def _linear_act_op(
+def _linear_act_impl(
     x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (y, z, x_padded); z is the pre-activation for gelu_tanh/silu and an empty [0] tensor
@@ -175,6 +178,9 @@ def _linear_act_op(
     return y, z, (leading_columns(x_padded, k) if x_padded is not None else x.new_empty((0,)))
 
 
+_linear_act_op = torch.library.custom_op("dlrm::linear_act", _linear_act_impl, mutates_args=())
+
+
 @_linear_act_op.register_fake
 def _linear_act_fake(
     x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
@@ -186,8 +192,7 @@ def _linear_act_fake(
     return x.new_empty(shape), x.new_empty(shape if activation in SAVES_Z else (0,)), x_padded
 
 
-@torch.library.custom_op("dlrm::linear_act_backward", mutates_args=())
-def _linear_act_backward_op(
+def _linear_act_backward_impl(
     dy: Tensor,
     x: Tensor,
     weight: Tensor,
@@ -205,6 +210,11 @@ def _linear_act_backward_op(
         dx = new_padded(*dx.shape, x).copy_(dx) if needs_dx else None  # the kernels' layout (see the fake)
     empty = x.new_empty((0,))
     return (dx if dx is not None else empty), dw, (db if db is not None else empty)
+
+
+_linear_act_backward_op = torch.library.custom_op(
+    "dlrm::linear_act_backward", _linear_act_backward_impl, mutates_args=()
+)
 
 
 @_linear_act_backward_op.register_fake
@@ -234,15 +244,20 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.has_bias = bias is not None
 
 
-def _backward(ctx, dy: Tensor, _dz: Tensor | None, _dx_padded: Tensor | None):
-    # _dz, _dx_padded: gradients w.r.t. the internal outputs, which linear_act never exposes (None/zero).
+def _backward(backward_fn, ctx, dy: Tensor, _dz: Tensor | None, _dx_padded: Tensor | None):
+    # backward_fn: the backward op, or its body on the eager path. _dz, _dx_padded: gradients w.r.t. the
+    # internal outputs, which linear_act never exposes (None/zero).
     x, weight, saved = ctx.saved_tensors
     needs_dx = ctx.needs_input_grad[0]  # False for the first layer: its input is data
-    dx, dw, db = _linear_act_backward_op(dy, x, weight, saved, ctx.activation, ctx.has_bias, needs_dx)
+    args = (dy, x, weight, saved, ctx.activation, ctx.has_bias, needs_dx)
+    dx, dw, db = backward_fn(*args)
     return (dx if needs_dx else None), dw, (db if ctx.has_bias else None), None
 
 
-_linear_act_op.register_autograd(_backward, setup_context=_setup_context)
+_linear_act_op.register_autograd(partial(_backward, _linear_act_backward_op), setup_context=_setup_context)
+_linear_act_eager = eager_function(
+    "LinearAct", _linear_act_impl, _setup_context, partial(_backward, _linear_act_backward_impl)
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -254,8 +269,9 @@ def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation
     """Fused ``act(x @ weight^T + bias)`` (an nn.Linear plus activation) with a fused backward.
 
     Equals ``act(F.linear(x, weight, bias))``. Differentiable in x, weight and bias; works in eager and
-    under ``torch.compile`` (it is the custom op ``torch.ops.dlrm.linear_act``, whose backward is the
-    custom op ``torch.ops.dlrm.linear_act_backward``). Runs the Triton kernels on CUDA tensors (and on CPU
+    under ``torch.compile``, which sees the custom op ``torch.ops.dlrm.linear_act`` (its backward the
+    custom op ``torch.ops.dlrm.linear_act_backward``; eager calls skip the dispatcher, kernels/direct.py).
+    Runs the Triton kernels on CUDA tensors (and on CPU
     under ``TRITON_INTERPRET=1``), else falls back to plain PyTorch (``linear_act_ref``'s math).
 
     Args:
@@ -275,5 +291,5 @@ def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation
             activation, unsupported dtype, dtype mismatch, or tensors on different devices (the message
             names the values).
     """
-    y, _, _ = _linear_act_op(x, weight, bias, activation)
+    y, _, _ = call(_linear_act_op, _linear_act_eager, x, weight, bias, activation)
     return y

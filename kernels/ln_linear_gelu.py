@@ -37,6 +37,8 @@ in fp32 and cast back to x's dtype (``ln_linear_gelu_ref``), up to the GEMM prec
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -45,6 +47,7 @@ from torch import Tensor
 
 from kernels import launch
 from kernels.activations import act_fwd, act_grad_ref
+from kernels.direct import call, eager_function
 from kernels.gemm_tuning import autotuned, input_precision, m_bucket
 from kernels.launch import DTYPES, INTERPRETED, aligned_width, new_padded, rows_contiguous, use_triton
 from kernels.linear_act_backward import linear_act_bwd
@@ -422,12 +425,12 @@ def _ln_linear_gelu_bwd_ref(dy, x, ln_weight, ln_bias, weight, z, mean, rstd, ha
 
 
 # --------------------------------------------------------------------------------------------------
-# Autograd glue: custom ops, so the op works in eager and under torch.compile (no tracing into Triton)
+# Autograd glue: custom ops, so the op works under torch.compile (no tracing into Triton); eager calls
+# run the same bodies and formulas without the dispatcher (kernels/direct.py)
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("dlrm::ln_linear_gelu", mutates_args=())
-def _ln_linear_gelu_op(
+def _ln_linear_gelu_impl(
     x: Tensor, ln_weight: Tensor, ln_bias: Tensor, weight: Tensor, bias: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (y, z, mean, rstd); the last three are saved for the backward."""
@@ -435,6 +438,9 @@ def _ln_linear_gelu_op(
         return ln_linear_gelu_fwd(x, ln_weight, ln_bias, weight, bias, eps)
     _check_inputs(x, ln_weight, ln_bias, weight, bias)
     return _ln_linear_gelu_fwd_ref(x, ln_weight, ln_bias, weight, bias, eps)
+
+
+_ln_linear_gelu_op = torch.library.custom_op("dlrm::ln_linear_gelu", _ln_linear_gelu_impl, mutates_args=())
 
 
 @_ln_linear_gelu_op.register_fake
@@ -445,8 +451,7 @@ def _ln_linear_gelu_fake(x, ln_weight, ln_bias, weight, bias, eps):
     return x.new_empty((m, n)), x.new_empty((m, n)), stats, stats.clone()
 
 
-@torch.library.custom_op("dlrm::ln_linear_gelu_backward", mutates_args=())
-def _ln_linear_gelu_backward_op(
+def _ln_linear_gelu_backward_impl(
     dy: Tensor,
     x: Tensor,
     ln_weight: Tensor,
@@ -472,6 +477,11 @@ def _ln_linear_gelu_backward_op(
     return (dx if dx is not None else empty((0,))), dgamma, dbeta, dw, (db if db is not None else empty((0,)))
 
 
+_ln_linear_gelu_backward_op = torch.library.custom_op(
+    "dlrm::ln_linear_gelu_backward", _ln_linear_gelu_backward_impl, mutates_args=()
+)
+
+
 @_ln_linear_gelu_backward_op.register_fake
 def _ln_linear_gelu_backward_fake(dy, x, ln_weight, ln_bias, weight, z, mean, rstd, has_bias, needs_dx, eps):
     k = x.shape[1]
@@ -492,17 +502,22 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.eps = eps
 
 
-def _backward(ctx, dy: Tensor, _dz, _dmean, _drstd):
+def _backward(backward_fn, ctx, dy: Tensor, _dz, _dmean, _drstd):
     # _dz, _dmean, _drstd: gradients w.r.t. internal outputs, which ln_linear_gelu never exposes.
     x, ln_weight, ln_bias, weight, z, mean, rstd = ctx.saved_tensors
     needs_dx = ctx.needs_input_grad[0]  # False for the first layer: its input is data
-    dx, dgamma, dbeta, dw, db = _ln_linear_gelu_backward_op(
+    dx, dgamma, dbeta, dw, db = backward_fn(
         dy, x, ln_weight, ln_bias, weight, z, mean, rstd, ctx.has_bias, needs_dx, ctx.eps
     )
     return (dx if needs_dx else None), dgamma, dbeta, dw, (db if ctx.has_bias else None), None
 
 
-_ln_linear_gelu_op.register_autograd(_backward, setup_context=_setup_context)
+_ln_linear_gelu_op.register_autograd(
+    partial(_backward, _ln_linear_gelu_backward_op), setup_context=_setup_context
+)
+_ln_linear_gelu_eager = eager_function(
+    "LnLinearGelu", _ln_linear_gelu_impl, _setup_context, partial(_backward, _ln_linear_gelu_backward_impl)
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -540,5 +555,5 @@ def ln_linear_gelu(
         ValueError: x or weight not 2-D, K mismatch, N == 0 or K == 0, parameter shapes not [K] / [N],
             unsupported or mismatched dtypes, or tensors on different devices.
     """
-    y, _, _, _ = _ln_linear_gelu_op(x, ln_weight, ln_bias, weight, bias, eps)
+    y, _, _, _ = call(_ln_linear_gelu_op, _ln_linear_gelu_eager, x, ln_weight, ln_bias, weight, bias, eps)
     return y

@@ -33,6 +33,8 @@ x's dtype (``lora_linear_ref``), up to the GEMM precision above.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -41,6 +43,7 @@ from torch import Tensor
 
 from kernels import launch
 from kernels.activations import ACTIVATIONS, act_fwd, act_grad_ref, act_ref, check_activation
+from kernels.direct import call, eager_function
 from kernels.gemm_tuning import autotuned, input_precision, m_bucket
 from kernels.launch import DTYPES, INTERPRETED, rows_contiguous, use_triton
 from kernels.linear_act_backward import linear_act_dz
@@ -279,12 +282,12 @@ def _lora_linear_bwd_ref(dy, x, weight, lora_a, lora_b, saved, u, scale, activat
 
 
 # --------------------------------------------------------------------------------------------------
-# Autograd glue: custom ops, so the op works in eager and under torch.compile
+# Autograd glue: custom ops, so the op works under torch.compile; eager calls run the same bodies and
+# formulas without the dispatcher (kernels/direct.py)
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("dlrm::lora_linear", mutates_args=())
-def _lora_linear_op(
+def _lora_linear_impl(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None,
@@ -303,6 +306,9 @@ def _lora_linear_op(
     return y, (saved if activation in SAVES_Z else x.new_empty((0,))), u
 
 
+_lora_linear_op = torch.library.custom_op("dlrm::lora_linear", _lora_linear_impl, mutates_args=())
+
+
 @_lora_linear_op.register_fake
 def _lora_linear_fake(x, weight, bias, lora_a, lora_b, scale, activation):
     _check_inputs(x, weight, bias, lora_a, lora_b, activation)
@@ -314,8 +320,7 @@ def _lora_linear_fake(x, weight, bias, lora_a, lora_b, scale, activation):
     )
 
 
-@torch.library.custom_op("dlrm::lora_linear_backward", mutates_args=())
-def _lora_linear_backward_op(
+def _lora_linear_backward_impl(
     dy: Tensor,
     x: Tensor,
     weight: Tensor,
@@ -337,6 +342,11 @@ def _lora_linear_backward_op(
     return (dx if dx is not None else x.new_empty((0,))), da, db
 
 
+_lora_linear_backward_op = torch.library.custom_op(
+    "dlrm::lora_linear_backward", _lora_linear_backward_impl, mutates_args=()
+)
+
+
 @_lora_linear_backward_op.register_fake
 def _lora_linear_backward_fake(dy, x, weight, lora_a, lora_b, saved, u, scale, activation, needs_dx):
     return (
@@ -354,18 +364,19 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.scale, ctx.activation = scale, activation
 
 
-def _backward(ctx, dy: Tensor, _dz, _du):
+def _backward(backward_fn, ctx, dy: Tensor, _dz, _du):
     # _dz, _du: gradients w.r.t. internal outputs, which lora_linear never exposes.
     x, weight, lora_a, lora_b, saved, u = ctx.saved_tensors
     needs_dx = ctx.needs_input_grad[0]
-    dx, da, db = _lora_linear_backward_op(
-        dy, x, weight, lora_a, lora_b, saved, u, ctx.scale, ctx.activation, needs_dx
-    )
+    dx, da, db = backward_fn(dy, x, weight, lora_a, lora_b, saved, u, ctx.scale, ctx.activation, needs_dx)
     # W and b are frozen: no gradient (module docstring).
     return (dx if needs_dx else None), None, None, da, db, None, None
 
 
-_lora_linear_op.register_autograd(_backward, setup_context=_setup_context)
+_lora_linear_op.register_autograd(partial(_backward, _lora_linear_backward_op), setup_context=_setup_context)
+_lora_linear_eager = eager_function(
+    "LoraLinear", _lora_linear_impl, _setup_context, partial(_backward, _lora_linear_backward_impl)
+)
 
 
 def lora_linear(
@@ -396,5 +407,7 @@ def lora_linear(
     Raises:
         ValueError: shapes, rank, dtypes, devices or activation that do not fit (the message names them).
     """
-    y, _, _ = _lora_linear_op(x, weight, bias, lora_a, lora_b, float(scale), activation)
+    y, _, _ = call(
+        _lora_linear_op, _lora_linear_eager, x, weight, bias, lora_a, lora_b, float(scale), activation
+    )
     return y
