@@ -30,12 +30,14 @@ It equals ``F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, Non
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.direct import call, eager_function
 from kernels.gemm_tuning import input_precision
 from kernels.launch import DTYPES, INTERPRETED, use_triton
 
@@ -336,12 +338,12 @@ def _masked_attention_bwd_ref(do, q, k, v, o, lse, valid):
 
 
 # --------------------------------------------------------------------------------------------------
-# Autograd glue: custom ops, so the op works in eager and under torch.compile (no tracing into Triton)
+# Autograd glue: custom ops, so the op works under torch.compile (no tracing into Triton); eager calls
+# run the same bodies and formulas without the dispatcher (kernels/direct.py)
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("dlrm::masked_attention", mutates_args=())
-def _attention_op(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+def _attention_impl(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
     """Returns (o, lse); lse is saved for the backward."""
     if use_triton(q):
         return masked_attention_fwd(q, k, v, valid)
@@ -354,20 +356,27 @@ def _bshd_fake(q: Tensor) -> Tensor:
     return q.new_empty_strided((b, h, s, d), (s * h * d, d, h * d, 1))
 
 
+_attention_op = torch.library.custom_op("dlrm::masked_attention", _attention_impl, mutates_args=())
+
+
 @_attention_op.register_fake
 def _attention_fake(q, k, v, valid):
     _check_inputs(q, k, v, valid)
     return _bshd_fake(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("dlrm::masked_attention_backward", mutates_args=())
-def _attention_backward_op(
+def _attention_backward_impl(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, valid: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     if use_triton(q):
         return masked_attention_bwd(do, q, k, v, o, lse, valid)
     _check_inputs(q, k, v, valid)
     return _masked_attention_bwd_ref(do, q, k, v, o, lse, valid)
+
+
+_attention_backward_op = torch.library.custom_op(
+    "dlrm::masked_attention_backward", _attention_backward_impl, mutates_args=()
+)
 
 
 @_attention_backward_op.register_fake
@@ -381,14 +390,17 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, k, v, o, lse, valid)
 
 
-def _backward(ctx, do: Tensor, _dlse: Tensor | None):
+def _backward(backward_fn, ctx, do: Tensor, _dlse: Tensor | None):
     # _dlse: the gradient w.r.t. the internal output lse, which masked_attention never exposes.
     q, k, v, o, lse, valid = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(do, q, k, v, o, lse, valid)
+    dq, dk, dv = backward_fn(do, q, k, v, o, lse, valid)
     return dq, dk, dv, None
 
 
-_attention_op.register_autograd(_backward, setup_context=_setup_context)
+_attention_op.register_autograd(partial(_backward, _attention_backward_op), setup_context=_setup_context)
+_attention_eager = eager_function(
+    "MaskedAttention", _attention_impl, _setup_context, partial(_backward, _attention_backward_impl)
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -415,5 +427,5 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
     Raises:
         ValueError: shapes that differ or are out of range, dtypes, a valid mask not [B, S] bool, devices.
     """
-    o, _ = _attention_op(q, k, v, valid)
+    o, _ = call(_attention_op, _attention_eager, q, k, v, valid)
     return o

@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import time
 import warnings
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from kernels.activations import ACTIVATIONS, act_grad_ref, act_ref, check_activation
+from kernels.direct import call, eager_function
 from kernels.launch import DTYPES
 from kernels.partials import sum_partials
 
@@ -357,13 +359,16 @@ def _bias_act_cuda_bwd_ref(dy: Tensor, x: Tensor, b: Tensor, activation: str) ->
 
 
 # --------------------------------------------------------------------------------------------------
-# Autograd glue: custom ops (eager and torch.compile; CUDA-graph capturable)
+# Autograd glue: custom ops (torch.compile; CUDA-graph capturable); eager calls skip the dispatcher
+# (kernels/direct.py)
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("dlrm::bias_act_cuda", mutates_args=())
-def _bias_act_cuda_op(x: Tensor, bias: Tensor, activation: str) -> Tensor:
+def _bias_act_cuda_impl(x: Tensor, bias: Tensor, activation: str) -> Tensor:
     return bias_act_cuda_fwd(x, bias, activation)
+
+
+_bias_act_cuda_op = torch.library.custom_op("dlrm::bias_act_cuda", _bias_act_cuda_impl, mutates_args=())
 
 
 @_bias_act_cuda_op.register_fake
@@ -372,9 +377,15 @@ def _bias_act_cuda_fake(x: Tensor, bias: Tensor, activation: str) -> Tensor:
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("dlrm::bias_act_cuda_backward", mutates_args=())
-def _bias_act_cuda_backward_op(dy: Tensor, x: Tensor, bias: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+def _bias_act_cuda_backward_impl(
+    dy: Tensor, x: Tensor, bias: Tensor, activation: str
+) -> tuple[Tensor, Tensor]:
     return bias_act_cuda_bwd(dy, x, bias, activation)
+
+
+_bias_act_cuda_backward_op = torch.library.custom_op(
+    "dlrm::bias_act_cuda_backward", _bias_act_cuda_backward_impl, mutates_args=()
+)
 
 
 @_bias_act_cuda_backward_op.register_fake
@@ -390,13 +401,18 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.activation = activation
 
 
-def _backward(ctx, dy: Tensor):
+def _backward(backward_fn, ctx, dy: Tensor):
     x, bias = ctx.saved_tensors
-    dx, db = _bias_act_cuda_backward_op(dy, x, bias, ctx.activation)
+    dx, db = backward_fn(dy, x, bias, ctx.activation)
     return dx, db, None
 
 
-_bias_act_cuda_op.register_autograd(_backward, setup_context=_setup_context)
+_bias_act_cuda_op.register_autograd(
+    partial(_backward, _bias_act_cuda_backward_op), setup_context=_setup_context
+)
+_bias_act_cuda_eager = eager_function(
+    "BiasActCuda", _bias_act_cuda_impl, _setup_context, partial(_backward, _bias_act_cuda_backward_impl)
+)
 
 
 def bias_act_cuda(x: Tensor, bias: Tensor, activation: str = "relu") -> Tensor:
@@ -418,4 +434,4 @@ def bias_act_cuda(x: Tensor, bias: Tensor, activation: str = "relu") -> Tensor:
         ValueError: bad shapes, dtypes or activation, tensors not on a CUDA device, or no nvcc to build the
             kernel (one line saying so).
     """
-    return _bias_act_cuda_op(x, bias, activation)
+    return call(_bias_act_cuda_op, _bias_act_cuda_eager, x, bias, activation)

@@ -37,11 +37,14 @@ The PyTorch references are `embedding_lookup_ref` and `embedding_update_ref`.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.direct import call, eager_function
 from kernels.launch import use_triton
 
 __all__ = [
@@ -397,12 +400,12 @@ def embedding_update_ref(
 
 
 # --------------------------------------------------------------------------------------------------
-# Autograd glue: the lookup is a custom op whose backward applies the optimizer update
+# Autograd glue: the lookup is a custom op whose backward applies the optimizer update; eager calls run
+# the same body and formulas without the dispatcher (kernels/direct.py)
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("dlrm::embedding_lookup", mutates_args=())
-def _lookup_op(
+def _lookup_impl(
     weights: Tensor,
     state: Tensor,
     offsets: Tensor,
@@ -419,6 +422,9 @@ def _lookup_op(
     _check_tables(weights, offsets, rows)
     _check_ids(ids, offsets, hashing)
     return embedding_lookup_ref(weights, offsets, rows, ids, hashing, out_dtype)
+
+
+_lookup_op = torch.library.custom_op("dlrm::embedding_lookup", _lookup_impl, mutates_args=())
 
 
 @_lookup_op.register_fake
@@ -450,14 +456,18 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(index)
 
 
-def _backward(ctx, grad_out: Tensor, _grad_index):
+def _backward(update_fn, ctx, grad_out: Tensor, _grad_index):
+    # update_fn: the update op, or the function it runs on the eager path.
     weights, state, index, lr = ctx.saved_tensors
-    _update_op(weights, state, index, grad_out, ctx.optimizer, lr, ctx.eps)
+    update_fn(weights, state, index, grad_out, ctx.optimizer, lr, ctx.eps)
     # The weights were updated in place: no gradient leaves this op.
     return None, None, None, None, None, None, None, None, None, None
 
 
-_lookup_op.register_autograd(_backward, setup_context=_setup_context)
+_lookup_op.register_autograd(partial(_backward, _update_op), setup_context=_setup_context)
+_lookup_eager = eager_function(
+    "EmbeddingLookup", _lookup_impl, _setup_context, partial(_backward, embedding_update)
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -512,5 +522,7 @@ def embedding_lookup(
             raise ValueError("embedding_lookup: lr is required when backward updates the weights")
         lr = torch.zeros((), dtype=torch.float32, device=weights.device)
     _check_lr(lr, weights)
-    out, _ = _lookup_op(weights, state, offsets, rows, ids, hashing, optimizer, lr, eps, out_dtype)
+    out, _ = call(
+        _lookup_op, _lookup_eager, weights, state, offsets, rows, ids, hashing, optimizer, lr, eps, out_dtype
+    )
     return out

@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.activations import sigmoid
+from kernels.direct import call, eager_function
 from kernels.launch import DTYPES, use_triton
 
 __all__ = ["bce_with_logits", "bce_with_logits_accumulate_", "bce_with_logits_ref"]
@@ -117,18 +118,20 @@ def bce_with_logits_ref(logits: Tensor, labels: Tensor, reduction: str = "mean")
 
 
 # --------------------------------------------------------------------------------------------------
-# Autograd glue
+# Autograd glue: custom ops for torch.compile; eager calls skip the dispatcher (kernels/direct.py)
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("dlrm::bce_with_logits", mutates_args=())
-def _bce_op(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+def _bce_impl(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     if use_triton(logits):
         return bce_with_logits_fwd(logits, labels)
     _check_inputs(logits, labels)
     x = logits.float()
     grad = (torch.sigmoid(x) - labels) / logits.shape[0]
     return bce_with_logits_ref(x, labels), grad.to(logits.dtype)
+
+
+_bce_op = torch.library.custom_op("dlrm::bce_with_logits", _bce_impl, mutates_args=())
 
 
 @_bce_op.register_fake
@@ -148,14 +151,19 @@ def _backward(ctx, grad_loss: Tensor, _grad_dlogits):
 
 
 _bce_op.register_autograd(_backward, setup_context=_setup_context)
+_bce_eager = eager_function("BceWithLogits", _bce_impl, _setup_context, _backward)
 
 
-@torch.library.custom_op("dlrm::bce_with_logits_accumulate_", mutates_args=("total",))
-def _bce_accumulate_op(logits: Tensor, labels: Tensor, total: Tensor) -> None:
+def _bce_accumulate_impl(logits: Tensor, labels: Tensor, total: Tensor) -> None:
     if use_triton(logits):
         _launch(logits.contiguous(), labels.contiguous(), total, None, 1.0, accumulate=True)
     else:
         total += bce_with_logits_ref(logits, labels, reduction="sum")
+
+
+_bce_accumulate_op = torch.library.custom_op(
+    "dlrm::bce_with_logits_accumulate_", _bce_accumulate_impl, mutates_args=("total",)
+)
 
 
 @_bce_accumulate_op.register_fake
@@ -180,7 +188,7 @@ def bce_with_logits(logits: Tensor, labels: Tensor) -> Tensor:
     Raises:
         ValueError: shapes, dtypes or devices that do not match (the message names them).
     """
-    loss, _ = _bce_op(logits, labels)
+    loss, _ = call(_bce_op, _bce_eager, logits, labels)
     return loss
 
 
@@ -198,4 +206,4 @@ def bce_with_logits_accumulate_(logits: Tensor, labels: Tensor, total: Tensor) -
         raise ValueError(
             f"total must be a 0-d fp32 tensor on {logits.device}, got {total.dtype} {list(total.shape)}"
         )
-    _bce_accumulate_op(logits, labels, total)
+    call(_bce_accumulate_op, _bce_accumulate_impl, logits, labels, total)

@@ -3,7 +3,17 @@
 import pytest
 import torch
 
-from kernels import bias_act, gated_linear, interaction, linear_act, ln_linear_gelu, lora_linear
+from kernels import (
+    attention,
+    bias_act,
+    embedding,
+    gated_linear,
+    interaction,
+    linear_act,
+    ln_linear_gelu,
+    lora_linear,
+    loss,
+)
 
 M, K, N, R = 37, 24, 16, 4
 
@@ -44,6 +54,18 @@ def _cases():
             (t(M, 8), t(M, 5, 8)),
             (0, 1),
         ),
+        "masked_attention": (
+            attention.masked_attention,
+            attention._attention_op,
+            (t(3, 2, 6, 8), t(3, 2, 6, 8), t(3, 2, 6, 8), torch.rand(3, 6, generator=g) < 0.7),
+            (0, 1, 2),
+        ),
+        "bce_with_logits": (
+            loss.bce_with_logits,
+            loss._bce_op,
+            (t(M), (torch.rand(M, generator=g) < 0.3).float()),
+            (0,),
+        ),
     }
 
 
@@ -81,4 +103,32 @@ def test_torch_compile_still_sees_the_custom_op():
     y_eager, grads_eager = _run(public, inputs, grad_at)
     torch.testing.assert_close(y, y_eager, rtol=0, atol=0)
     for got, expected in zip(grads, grads_eager, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_the_embedding_lookup_updates_the_tables_alike_without_the_dispatcher():
+    """The lookup's backward applies the optimizer to the tables in place (no gradient): the eager path
+    looks up and updates exactly as the custom ops do, and dispatches neither."""
+    g = torch.Generator().manual_seed(1)
+    rows = torch.tensor([5, 9, 3])
+    weights = torch.randn(int(rows.sum()), 8, generator=g)
+    offsets = torch.cumsum(rows, 0) - rows
+    ids = torch.randint(-1, 50, (M, 3), generator=g)
+    lr = torch.tensor(0.1)
+
+    def run(lookup):
+        w = weights.clone().requires_grad_(True)
+        state = embedding.optimizer_state(w, "adagrad")
+        out = lookup(w, state, offsets, rows, ids, "modulus", "adagrad", lr, 1e-10, w.dtype)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+        return out.detach(), w.detach(), state
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        eager = run(embedding.embedding_lookup)
+    called = {e.name for e in prof.events() if e.name.startswith("dlrm::")}
+    assert called == set(), called
+    through_ops = run(embedding._lookup_op)
+    assert not torch.equal(eager[1], weights)  # the backward did update the tables
+    for got, expected in zip(eager, through_ops, strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
