@@ -17,12 +17,13 @@ body and the same autograd formulas that the op registers. Both paths launch the
 from collections.abc import Callable
 
 import torch
+from torch.compiler import is_compiling
 
 
 def call(op: Callable, eager_fn: Callable, *args):
     """``op(*args)`` while torch.compile or torch.export traces (they need the custom op and its fake),
     else ``eager_fn(*args)``."""
-    if torch.compiler.is_compiling():
+    if is_compiling():
         return op(*args)
     return eager_fn(*args)
 

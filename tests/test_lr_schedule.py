@@ -18,6 +18,7 @@ from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.lr_schedule import LearningRates, lr_factor
 from dlrm.model import DLRM, make_model
 from dlrm.step import make_optimizer, train_step
+from kernels import direct
 from tests.conftest import REPO
 
 W, S, N = 8, 20, 10  # warmup_steps, decay_start_step, decay_steps
@@ -157,10 +158,15 @@ def test_adagrad_and_eager_tables_get_float_group_rates():
     assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([0.1 * 2 / W, 0.05 * 2 / W])
 
 
-def test_the_captured_step_reads_the_lr_tensors():
+@pytest.mark.parametrize("through_ops", [False, True], ids=["eager", "custom_ops"])
+def test_the_captured_step_reads_the_lr_tensors(monkeypatch, through_ops):
     """What GraphedTrainStep captures (train_step on the "triton" model and dlrm.optim.SGD), recorded op by
     op: the rates enter as the tensors LearningRates writes (the embedding ops and the dense update take
-    them), never as Python numbers, and nothing is read back to the host."""
+    them), never as Python numbers, and nothing is read back to the host. Eager calls of our kernels skip
+    the dispatcher (kernels/direct.py); through the custom ops, which get the same arguments, the
+    dispatcher records that the embedding ops take the lr tensor itself."""
+    if through_ops:
+        monkeypatch.setattr(direct, "is_compiling", lambda: True)
     model, optimizer, lrs = _model_and_optimizer()
     train_step(model, optimizer, _batch(0))  # first call: Triton JIT, lazy state
     lrs.set(3)  # factor 3/8: dense lr 0.0375, embedding lr 0.01875
@@ -169,9 +175,10 @@ def test_the_captured_step_reads_the_lr_tensors():
     assert "aten._local_scalar_dense.default" not in calls.names()
     for rate in (0.1 * 3 / W, 0.05 * 3 / W, -0.1 * 3 / W, 3 / W):
         assert not any(math.isclose(x, rate, rel_tol=1e-6) for x in calls.numbers()), rate
-    assert {"dlrm.embedding_lookup.default", "dlrm.embedding_update.default"} <= set(
-        calls.takes(model.sparse_arch.lr)
-    )
+    if through_ops:
+        assert {"dlrm.embedding_lookup.default", "dlrm.embedding_update.default"} <= set(
+            calls.takes(model.sparse_arch.lr)
+        )
     assert calls.takes(optimizer.lr_scale)  # the dense update multiplies by it
 
 
