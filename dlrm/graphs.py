@@ -1,4 +1,5 @@
-"""Whole-step CUDA graph capture of the training step (`train.cuda_graphs`, `--cuda-graphs`).
+"""Whole-step CUDA graph capture of the training step (`train.cuda_graphs`, `--cuda-graphs`), and of the
+evaluation forward (`GraphedForward`).
 
 Without graphs a DLRM step costs milliseconds of host time at every batch size: each of its ~100 kernel
 launches goes through Python, autograd and the dispatcher. Captured once into a CUDA graph, forward,
@@ -26,6 +27,7 @@ activation memory of one full step.
 """
 
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -115,3 +117,59 @@ class GraphedTrainStep:
             "captured the training step at batch size {} as a CUDA graph in {:.2f} s", len(batch.label), took
         )
         return _Captured(graph, static, loss)
+
+
+class _CapturedForward(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    dense: Tensor
+    sparse: Tensor
+    logits: Tensor
+
+
+class GraphedForward:
+    """An evaluation forward `forward(dense, sparse) -> logits` as CUDA graph replays, one graph per batch
+    size: the first call of a size runs it on a side stream (kernels compiled and tuned), the second
+    captures it, and later calls copy the batch into the graph's inputs and replay.
+
+    Why: launched from Python, evaluation is bound by host time, not by the GPU (an H100 with the kaggle
+    model under --use-triton: ~8 ms of launches against ~1 ms of kernels per batch of 65,536). Evaluation
+    pads its last batch to the batch size (dlrm.metrics.evaluate), so a split needs one graph.
+
+    The graph reads the model's parameters where they are; training updates them in place (SGD, the
+    fused embedding update, load_state_dict), so a replay always sees the current weights. Each graph
+    keeps the forward's activations of its batch size in a memory pool of its own for the run.
+
+    Args:
+        forward: what to capture, e.g. ``functools.partial(dlrm.metrics.forward_logits, model, precision)``;
+            it must run without a host sync (the model in eval mode under no_grad does).
+    Returns of a call: the logits [B] (a tensor that the next call of the same size overwrites).
+    """
+
+    def __init__(self, forward: Callable[[Tensor, Tensor], Tensor]):
+        self.forward = forward
+        self.captured: dict[int, _CapturedForward] = {}
+        self.warmed: set[int] = set()
+
+    def __call__(self, dense: Tensor, sparse: Tensor) -> Tensor:
+        rows = dense.shape[0]
+        captured = self.captured.get(rows)
+        if captured is None and rows not in self.warmed:
+            self.warmed.add(rows)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                logits = self.forward(dense, sparse)
+            torch.cuda.current_stream().wait_stream(side)
+            return logits
+        if captured is None:
+            dense, sparse = dense.clone(), sparse.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self.forward(dense, sparse)
+            logger.info("captured the evaluation forward at batch size {} as a CUDA graph", rows)
+            captured = self.captured[rows] = _CapturedForward(graph, dense, sparse, logits)
+        else:
+            captured.dense.copy_(dense, non_blocking=True)
+            captured.sparse.copy_(sparse, non_blocking=True)
+        captured.graph.replay()
+        return captured.logits

@@ -5,8 +5,9 @@ NE = logloss / H(p), H(p) = -(p log p + (1 - p) log(1 - p)) with p the split's p
 (He et al. 2014, "Practical Lessons from Predicting Clicks on Ads at Facebook").
 """
 
+import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -42,15 +43,30 @@ def normalized_entropy(logloss: float, positive_rate: float) -> float:
     return logloss / -(p * math.log(p) + (1 - p) * math.log(1 - p))
 
 
+def forward_logits(
+    model: torch.nn.Module, precision: str, dense: torch.Tensor, sparse: torch.Tensor
+) -> torch.Tensor:
+    """The model's logits [B] in fp32 for dense [B, 13] and sparse [B, F], under bf16 autocast for precision
+    "bf16" (as the training step runs the forward)."""
+    with torch.autocast(dense.device.type, torch.bfloat16, precision == "bf16"):
+        return model(dense, sparse).float()
+
+
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, batches: Iterable[Batch], device: torch.device, precision: str = "fp32"
+    model: torch.nn.Module,
+    batches: Iterable[Batch],
+    device: torch.device,
+    precision: str = "fp32",
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Run `model` over `batches` and return {"auc", "logloss", "ne", "samples"}.
 
-    The forward runs as in training: under bf16 autocast for precision "bf16". A last batch smaller than
-    the first is padded to the first's size (the padding's logits are dropped), so evaluation runs the
-    kernels the first batch compiled and tuned instead of JIT-compiling and autotuning a new shape.
+    The forward runs as in training: under bf16 autocast for precision "bf16" (`forward_logits`), or as
+    `forward(dense, sparse)` when given (dlrm.graphs.GraphedForward: the same forward as graph replays).
+    A last batch smaller than the first is padded to the first's size (the padding's logits are dropped),
+    so evaluation runs the kernels the first batch compiled and tuned instead of JIT-compiling and
+    autotuning a new shape, and the graph of the first batch's size.
     AUC is computed on `auc_scores(logits)`, which keep the logits' order (see there).
     Raises:
         ValueError: no samples, or only one class in the labels (AUC undefined).
@@ -61,6 +77,7 @@ def evaluate(
     # labels), so the host could not launch the next batch while the GPU runs this one. The labels were
     # checked to be 0 or 1 when decoded (dlrm.data.dataset.decode_table); the scores lie in (0, 1).
     auroc = BinaryAUROC(validate_args=False).to(device)
+    forward = forward or functools.partial(forward_logits, model, precision)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     positives = torch.zeros((), dtype=torch.float64, device=device)
     samples, size = 0, None
@@ -71,8 +88,7 @@ def evaluate(
         dense, sparse = batch.dense, batch.sparse
         if rows < size:
             dense, sparse = (torch.cat([t, t[:1].expand(size - rows, -1)]) for t in (dense, sparse))
-        with torch.autocast(device.type, torch.bfloat16, precision == "bf16"):
-            logits = model(dense, sparse)[:rows].float()
+        logits = forward(dense, sparse)[:rows]
         loss_sum += F.binary_cross_entropy_with_logits(logits, batch.label, reduction="sum").double()
         positives += batch.label.sum().double()
         auroc.update(auc_scores(logits), batch.label.long())

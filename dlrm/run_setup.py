@@ -2,6 +2,7 @@
 and progress bar, and the state a `--resume` checkpoint restores. Under torchrun: the process group, the
 sharded tables and rank-aware loaders."""
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -18,7 +19,9 @@ from dlrm.data.loaders import make_train_loader
 from dlrm.data.resident import ResidentLoader
 from dlrm.data.schema import NUM_SPARSE
 from dlrm.data.splits import REPORT, SELECT, require_val_test
+from dlrm.graphs import GraphedForward
 from dlrm.lr_schedule import LearningRates, lr_factor
+from dlrm.metrics import forward_logits
 from dlrm.model import Model, build_model
 from dlrm.model.tables import resolve_table_rows
 from dlrm.out_of_memory import check_tables_fit
@@ -150,6 +153,8 @@ def set_up(
         dist=dist,
     )
     run.progress = TrainProgress(progress, t.max_steps or t.epochs * len(train_loader), state.step)
+    if t.cuda_graphs and not dist.enabled:  # many ranks evaluate through dlrm.parallel.evaluation
+        run.eval_forward = GraphedForward(functools.partial(forward_logits, model, t.precision))
     return run, state
 
 

@@ -3,6 +3,7 @@
 checkpoints save and `--resume` restores; `Interval`, the steps since the last log line."""
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,3 +114,6 @@ class Run:
     lrs: LearningRates  # train.lr_schedule: set before each step
     progress: TrainProgress = field(default_factory=lambda: TrainProgress("log", 0))
     dist: parallel.Dist = parallel.SINGLE  # this process's rank; SINGLE without torchrun
+    # The evaluation forward as CUDA graph replays under train.cuda_graphs (dlrm.graphs.GraphedForward);
+    # None: launched from Python.
+    eval_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None

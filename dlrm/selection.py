@@ -27,7 +27,7 @@ def evaluate_split(run: Run, loader: BatchLoader | ShardedEvalSplit, split: str)
     if run.dist.enabled:
         return evaluate_sharded(run.model, loader, run.device)
     batches = run.progress.eval_batches(loader, split)
-    return evaluate(run.model, batches, run.device, run.cfg.train.precision)
+    return evaluate(run.model, batches, run.device, run.cfg.train.precision, run.eval_forward)
 
 
 def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:

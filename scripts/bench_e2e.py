@@ -12,7 +12,9 @@ evaluation's time and the samples/s of the later ones, the peak host RSS of the 
 GPU's idle share in the profiled window (1 - the union of kernel and copy intervals over the window's
 span). The same invocation also times the bare training step on GPU-resident random batches whose ids have
 the synthetic data's skew (scripts/bench_train.py --ids zipf, backend triton+graphs) and reports each run's
-ratio to it and to the gpu_resident run. Rows go to scripts/results/e2e.csv.
+ratio to it and to the gpu_resident run, and profiles 10 such bare steps for their GPU idle share: the gaps
+between the kernels of a replayed graph, which no data path can remove (`step_gpu_idle_share`; what a run's
+share has above it is what its loop and data path leave idle). Rows go to scripts/results/e2e.csv.
 """
 
 import json
@@ -25,6 +27,7 @@ from pathlib import Path
 import click
 import torch
 from bench_train import bench
+from profile_step import profile_steps
 from results_csv import append_rows, provenance
 
 from dlrm.config import load_config
@@ -53,6 +56,17 @@ def gpu_idle_share(trace: Path) -> float:
             end = max(end, hi)
     busy += end - start
     return 1 - busy / (end - first)
+
+
+def step_idle_share(config: str, batch: int, precision: str) -> float:
+    """`gpu_idle_share` of 10 bare steps (profile_step's, backend triton+graphs, Zipf ids): the idle share a
+    run has with no data path and no loop at all, the floor of the runs' (the few-microsecond gaps between
+    the kernels of a replayed graph)."""
+    prof = profile_steps(config, "triton+graphs", batch, precision, 10, None, "zipf")
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "step.pt.trace.json"
+        prof.export_chrome_trace(str(trace))
+        return gpu_idle_share(trace)
 
 
 def ensure_data(data: Path, rows: int) -> None:
@@ -114,8 +128,10 @@ def main(config, rows, data, batch, precision, loaders, graphs, steps):
     # The bare step on random batches with the data's id skew (dlrm.data.synthetic's Zipf ranks), so that
     # the ratios compare the same embedding traffic: uniform ids have no hot rows.
     step = bench(config, "triton+graphs", batch, 50, None, precision, ids="zipf")
+    step_idle = step_idle_share(config, batch, precision)
     print(
-        f"bare step (triton+graphs, resident random batches, Zipf ids): {step['samples_per_s']:,} samples/s",
+        f"bare step (triton+graphs, resident random batches, Zipf ids): {step['samples_per_s']:,} samples/s, "
+        f"GPU idle {step_idle:.1%} (the gaps between the replayed graph's kernels)",
         flush=True,
     )
     common = provenance(torch.cuda.get_device_name()) | {"cpus": os.cpu_count(), "config": config}
@@ -138,6 +154,7 @@ def main(config, rows, data, batch, precision, loaders, graphs, steps):
                 "vs_step": round(m["samples_per_s"] / step["samples_per_s"], 3),
                 "vs_gpu_resident": round(m["samples_per_s"] / resident[graph], 3) if resident[graph] else "",
                 "gpu_idle_share": round(m["gpu_idle_share"], 4),
+                "step_gpu_idle_share": round(step_idle, 4),
                 "first_eval_s": round(m["first_eval_s"], 2),
                 "eval_samples_per_s": round(later_evals * m["val_samples"] / later_s) if later_evals else "",
                 "peak_rss_gib": round(m["peak_rss_gib"], 2),

@@ -50,6 +50,21 @@ def kernel_table(prof, steps: int) -> list[tuple[str, str, float, int]]:
     return sorted(rows, key=lambda r: -r[2])
 
 
+def profile_steps(
+    config: str, backend: str, batch: int, precision: str, steps: int, max_rows: int | None, ids: str
+) -> profile:
+    """The CUDA activity of `steps` steps, after bench_train's warm-up (JIT, autotuning, graph capture)."""
+    model, optimizer, step, pool, _ = build(config, backend, batch, max_rows, precision, ids)
+    for i in range(2 * POOL):
+        step(model, optimizer, pool[i % POOL])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(model, optimizer, pool[i % POOL])
+        torch.cuda.synchronize()
+    return prof
+
+
 @click.command(context_settings={"show_default": True})
 @click.option("--config", default="kaggle", help="Name of a configs/*.json file.")
 @click.option("--backend", type=click.Choice(list(FLAGS)), default="triton+graphs")
@@ -63,14 +78,7 @@ def main(config, backend, batch, precision, steps, max_rows, ids, trace_dir):
     """Profile the training step on this GPU and print its kernels by time."""
     if not torch.cuda.is_available():
         raise click.UsageError("profile_step.py needs a CUDA GPU")
-    model, optimizer, step, pool, _ = build(config, backend, batch, max_rows, precision, ids)
-    for i in range(2 * POOL):  # warm-up as in bench_train: JIT, autotuning, graph capture
-        step(model, optimizer, pool[i % POOL])
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            step(model, optimizer, pool[i % POOL])
-        torch.cuda.synchronize()
+    prof = profile_steps(config, backend, batch, precision, steps, max_rows, ids)
     rows = kernel_table(prof, steps)
     total = sum(r[2] for r in rows)
     info = provenance(torch.cuda.get_device_name())

@@ -3,6 +3,7 @@ one. GPU only (CUDA graphs need CUDA); the config checks and which step is captu
 run everywhere."""
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -10,8 +11,9 @@ import torch
 from dlrm.config import LrScheduleConfig, ModelConfig, RunConfig, TrainConfig, validate
 from dlrm.data.dataset import Batch
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
-from dlrm.graphs import GraphedTrainStep
+from dlrm.graphs import GraphedForward, GraphedTrainStep
 from dlrm.lr_schedule import LearningRates
+from dlrm.metrics import evaluate, forward_logits
 from dlrm.model import DLRM
 from dlrm.step import make_optimizer, resolve_cuda_graphs, train_step
 
@@ -72,16 +74,19 @@ def test_use_triton_takes_the_cuda_graph_by_default_where_it_works(
         assert logged in notes[0]
 
 
-def test_each_batch_size_is_warmed_once_then_captured_then_replayed(monkeypatch):
-    """Warm-up steps run uncaptured; a batch size new after them (an epoch's partial batch) runs uncaptured
-    once, is captured the next time, then replays; every replay reads the batch it was given (fake graphs:
-    the CPU has no CUDA graphs, and a fake replay runs the recorded step on the static inputs)."""
-    calls = []
+class FakeGraph:
+    """A CUDA graph on the CPU: a replay calls `on_replay(graph)`; the capture records what it reads."""
 
-    class FakeGraph:
-        def replay(self):
-            calls.append(("replay", len(self.batch.label), self.batch.dense[0, 0].item()))
+    on_replay = None
 
+    def replay(self):
+        FakeGraph.on_replay(self)
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """CUDA graphs, streams and capture faked on the CPU (which has none): returns the list that holds the
+    graph being captured while a capture runs."""
     capturing = []
 
     @contextlib.contextmanager
@@ -99,6 +104,19 @@ def test_each_batch_size_is_warmed_once_then_captured_then_replayed(monkeypatch)
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    return capturing
+
+
+def test_each_batch_size_is_warmed_once_then_captured_then_replayed(fake_graphs, monkeypatch):
+    """Warm-up steps run uncaptured; a batch size new after them (an epoch's partial batch) runs uncaptured
+    once, is captured the next time, then replays; every replay reads the batch it was given (fake graphs:
+    the CPU has no CUDA graphs, and a fake replay runs the recorded step on the static inputs)."""
+    calls, capturing = [], fake_graphs
+
+    def replay(graph):
+        calls.append(("replay", len(graph.batch.label), graph.batch.dense[0, 0].item()))
+
+    monkeypatch.setattr(FakeGraph, "on_replay", staticmethod(replay))
 
     def step_fn(model, optimizer, batch):
         if capturing:
@@ -131,6 +149,43 @@ def test_each_batch_size_is_warmed_once_then_captured_then_replayed(monkeypatch)
         ("replay", 3, 8.0),
     ]
     assert set(step.captured) == {8, 3} and step.graph is step.captured[8].graph
+
+
+def test_each_eval_batch_size_is_warmed_once_then_captured_then_replayed(fake_graphs, monkeypatch):
+    """GraphedForward as GraphedTrainStep but with no warm-up steps: a size runs uncaptured once, is
+    captured the next time, then replays on the inputs of each call (fake graphs, as above)."""
+    calls, capturing = [], fake_graphs
+
+    def replay(graph):
+        calls.append(("replay", len(graph.dense), graph.dense[0, 0].item()))
+        graph.logits.copy_(graph.dense[:, 0])  # what the recorded forward computes
+
+    monkeypatch.setattr(FakeGraph, "on_replay", staticmethod(replay))
+
+    def forward(dense, sparse):
+        logits = torch.full((len(dense),), float("nan"))
+        if capturing:  # recording computes nothing: the replays fill the logits
+            capturing[-1].dense, capturing[-1].logits = dense, logits
+            calls.append(("capture", len(dense)))
+        else:
+            calls.append(("uncaptured", len(dense), dense[0, 0].item()))
+            logits.copy_(dense[:, 0])
+        return logits
+
+    graphed = GraphedForward(forward)
+    for i, rows in enumerate([8, 8, 8, 3, 3, 8]):
+        logits = graphed(torch.full((rows, NUM_DENSE), float(i)), torch.zeros(rows, 2))
+        assert logits.tolist() == [float(i)] * rows
+    assert calls == [
+        ("uncaptured", 8, 0.0),
+        ("capture", 8),
+        ("replay", 8, 1.0),
+        ("replay", 8, 2.0),
+        ("uncaptured", 3, 3.0),
+        ("capture", 3),
+        ("replay", 3, 4.0),
+        ("replay", 8, 5.0),
+    ]
 
 
 def _cuda_batches(n: int) -> list[Batch]:
@@ -204,3 +259,25 @@ def test_graph_replays_follow_the_lr_schedule():
     for key, value in runs[False][-1].items():
         torch.testing.assert_close(runs[True][-1][key], value, rtol=1e-5, atol=1e-6, msg=key)
         assert torch.equal(runs[True][-1][key], runs[True][8][key]), key  # steps 10 and 11: factor 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_graphed_evaluation_matches_launched_evaluation(precision):
+    """Evaluations through GraphedForward give the launched forward's metrics, also after training steps
+    changed the weights in place (the graph reads the current weights) and with a partial last batch."""
+    cfg = RunConfig(model=SMALL, train=TrainConfig(use_triton=True, lr=0.1))
+    torch.manual_seed(0)
+    model = DLRM(SMALL, table_rows=[37] * NUM_SPARSE, mlp_kernel="linear_act", sparse_kernel="triton").cuda()
+    optimizer = make_optimizer(model, cfg)
+    train_batches = _cuda_batches(4)
+    eval_batches = _cuda_batches(3) + [Batch(*(t[:20] for t in _cuda_batches(1)[0]))]
+    graphed = GraphedForward(functools.partial(forward_logits, model, precision))
+    device = torch.device("cuda")
+    for batch in train_batches:
+        train_step(model, optimizer, batch, precision=precision)
+        launched = evaluate(model, eval_batches, device, precision)
+        replayed = evaluate(model, eval_batches, device, precision, graphed)
+        for key in ("auc", "logloss", "ne", "samples"):
+            assert replayed[key] == pytest.approx(launched[key], rel=1e-6, abs=1e-7), key
+    assert set(graphed.captured) == {64}
