@@ -18,9 +18,10 @@ import click
 import torch
 from bench_train import FLAGS, IDS, POOL, build
 from results_csv import provenance
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, schedule
 
 RESULTS = Path(__file__).parent / "results"
+PROFILER_WARMUP = 3  # steps the profiler runs before its window, as in bench_e2e.s runs of dlrm.train
 # Stage of a kernel, by a substring of its name (first match wins).
 STAGES = (
     ("embedding", ("_embedding_", "sort", "cumsum", "scan")),
@@ -53,15 +54,20 @@ def kernel_table(prof, steps: int) -> list[tuple[str, str, float, int]]:
 def profile_steps(
     config: str, backend: str, batch: int, precision: str, steps: int, max_rows: int | None, ids: str
 ) -> profile:
-    """The CUDA activity of `steps` steps, after bench_train's warm-up (JIT, autotuning, graph capture)."""
+    """The CUDA activity of `steps` steps, after bench_train's warm-up (JIT, autotuning, graph capture) and
+    the profiler's own (its first steps record with gaps of its start-up: H100, 10 bare kaggle steps
+    recorded from the profiler's start were 31% idle)."""
     model, optimizer, step, pool, _ = build(config, backend, batch, max_rows, precision, ids)
     for i in range(2 * POOL):
         step(model, optimizer, pool[i % POOL])
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
+    window = schedule(wait=0, warmup=PROFILER_WARMUP, active=steps, repeat=1)
+    with profile(activities=[ProfilerActivity.CUDA], schedule=window) as prof:
+        for i in range(PROFILER_WARMUP + steps):
             step(model, optimizer, pool[i % POOL])
-        torch.cuda.synchronize()
+            if i == PROFILER_WARMUP + steps - 1:
+                torch.cuda.synchronize()  # the window's kernels end before it closes
+            prof.step()
     return prof
 
 
