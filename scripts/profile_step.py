@@ -21,7 +21,7 @@ from results_csv import provenance
 from torch.profiler import ProfilerActivity, profile, schedule
 
 RESULTS = Path(__file__).parent / "results"
-PROFILER_WARMUP = 3  # steps the profiler runs before its window, as in bench_e2e.s runs of dlrm.train
+PROFILER_WARMUP = 3  # steps the profiler runs before its window, as in bench_e2e's runs of dlrm.train
 # Stage of a kernel, by a substring of its name (first match wins).
 STAGES = (
     ("embedding", ("_embedding_", "sort", "cumsum", "scan")),
