@@ -150,7 +150,8 @@ class TrainConfig:
     then fused bias + activation), or "cuda_bias_act" (bias_act's CUDA C++ twin, built with nvcc on first
     use; CUDA only).
     Both flags may be set. `cuda_graphs` captures the whole training step once as a CUDA graph and
-    replays it (dlrm.graphs); true needs `use_triton` and optimizer "sgd", whose steps have no host sync.
+    replays it, and evaluations replay the forward as a graph too (dlrm.graphs); true needs `use_triton`
+    and optimizer "sgd", whose steps have no host sync.
     null (the default) takes it wherever it works: `use_triton` on a CUDA device, one process, SGD,
     compile_mode "default" (dlrm.step.resolve_cuda_graphs; the log says why when it cannot); false: never.
     `precision` of the training step's MLPs and interaction: "fp32", "tf32" (fp32 tensors, TF32 tensor-core
