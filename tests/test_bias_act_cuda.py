@@ -17,7 +17,9 @@ from kernels.activations import ACTIVATIONS
 from kernels.bias_act_cuda import bias_act_cuda, bias_act_cuda_bwd, bias_act_cuda_ref
 from tests.tolerances import tol
 
-SHAPES = [(1, 1), (3, 7), (127, 65), (300, 257), (4099, 512)]
+# N a multiple of 16 bytes' elements takes the vectorized backward (4099x512, 5x16 with lanes past N), the
+# others the scalar one.
+SHAPES = [(1, 1), (3, 7), (127, 65), (300, 257), (4099, 512), (5, 16)]
 
 
 def test_cpu_tensors_raise_one_line():
@@ -120,6 +122,22 @@ def test_cuda_graph_capture_gpu():
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(y, bias_act_cuda_ref(x, b, "relu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_unaligned_rows_take_the_scalar_backward_gpu(dtype):
+    """Contiguous inputs whose data starts one element past 16 bytes (N = 512 would take the vectorized
+    backward): the scalar kernel's results."""
+    m, n = 1000, 512
+    x, b, dy = _inputs(m, n, dtype, seed=4)
+    shifted = [torch.empty(m * n + 1, device="cuda", dtype=dtype)[1:].view(m, n).copy_(t) for t in (x, dy)]
+    assert shifted[0].data_ptr() % 16 != 0
+    dx, db = bias_act_cuda_bwd(shifted[1], shifted[0], b, "gelu_tanh")
+    x32, b32 = (t.float().requires_grad_(True) for t in (x, b))
+    dx32, db32 = torch.autograd.grad(bias_act_cuda_ref(x32, b32, "gelu_tanh"), (x32, b32), dy.float())
+    torch.testing.assert_close(dx.float(), dx32, **tol(dtype, "grad"))
+    torch.testing.assert_close(db.float(), db32, **tol(dtype, "sum"))
 
 
 @pytest.mark.gpu
