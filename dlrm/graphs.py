@@ -41,6 +41,17 @@ from dlrm.profiling import graph_replay_range
 WARMUP_STEPS = 3
 
 
+def _on_side_stream(fn: Callable, *args):
+    """``fn(*args)`` on a new side stream that first waits for the current stream, which then waits for it:
+    how the CUDA graph docs run the uncaptured warm-up before a capture (lazy initialization there)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        result = fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    return result
+
+
 class _Captured(NamedTuple):
     """One captured step: the graph, the inputs it reads (copy a batch into them) and the loss it writes."""
 
@@ -95,12 +106,7 @@ class GraphedTrainStep:
         return captured.loss
 
     def _side_stream_step(self, batch: Batch) -> Tensor:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            loss = self.step_fn(self.model, self.optimizer, batch)
-        torch.cuda.current_stream().wait_stream(side)
-        return loss
+        return _on_side_stream(self.step_fn, self.model, self.optimizer, batch)
 
     def _capture(self, batch: Batch) -> _Captured:
         """Record one step on static copies of `batch` (recording runs nothing: the replay that follows
@@ -155,12 +161,7 @@ class GraphedForward:
         captured = self.captured.get(rows)
         if captured is None and rows not in self.warmed:
             self.warmed.add(rows)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                logits = self.forward(dense, sparse)
-            torch.cuda.current_stream().wait_stream(side)
-            return logits
+            return _on_side_stream(self.forward, dense, sparse)
         if captured is None:
             dense, sparse = dense.clone(), sparse.clone()
             graph = torch.cuda.CUDAGraph()
