@@ -10,7 +10,9 @@ dlrm.data.synthetic draws them (`--ids zipf`: P(rank k) ~ (k + 1)^-1.15, rank 0 
 table's lookups, ranks scattered over the table by a multiplicative hash as the pipeline's 32-bit id hashes
 and modulus scatter them), the skew of real click logs, where many lookups in a batch update the same rows;
 a pool of batches is generated once and cycled, so the step never waits for data. Tables: the 26 Kaggle
-cardinalities (33.8M rows), capped by the config's max_rows or `--max-rows` (e.g. 4000000 for mlperf).
+cardinalities (33.8M rows; `--cardinalities terabyte`: Criteo 1TB's, 178M rows), capped by the config's
+max_rows or `--max-rows` (e.g. 4000000 for mlperf). SGD, or `--optimizer adagrad` (its state doubles the
+tables' bytes).
 "compile-ro" is torch.compile's mode="reduce-overhead" (Inductor's CUDA graphs of the compiled dense part).
 "torch-graphed" is the strongest plain-PyTorch step, the baseline that the README's step ratios are stated
 against (scripts/torch_graphed_step.py: one table-batched weight looked up by index_select and updated by
@@ -106,16 +108,19 @@ def build(
     precision: str,
     ids: str,
     dist=parallel.SINGLE,
+    cardinalities: str = "kaggle",
+    optimizer: str = "sgd",
 ):
-    """(model, optimizer, step, pool, table_rows) for configs/<config>.json with `backend`: the step is
-    `step(model, optimizer, batch) -> loss` (graph-captured for "+graphs" backends), pool the batches
-    (`ids`: one of IDS).
+    """(model, optimizer, step, pool, table_rows) for configs/<config>.json with `backend` and `optimizer`
+    (train.optimizer): the step is `step(model, optimizer, batch) -> loss` (graph-captured for "+graphs"
+    backends), pool the batches (`ids`: one of IDS) over tables of the `cardinalities` preset.
     With several ranks (`dist`) the tables are sharded (created on each rank's GPU) and `batch` is the
     batch of each rank."""
-    cfg = replace(load_config(CONFIG_DIR / f"{config}.json"), "train", precision=precision, **FLAGS[backend])
+    flags = {"precision": precision, "optimizer": optimizer, **FLAGS[backend]}
+    cfg = replace(load_config(CONFIG_DIR / f"{config}.json"), "train", **flags)
     set_precision(precision)
     cap = max_rows or cfg.model.max_rows
-    table_rows = [min(rows, cap) for rows in CARDINALITY_PRESETS["kaggle"]]
+    table_rows = [min(rows, cap) for rows in CARDINALITY_PRESETS[cardinalities]]
     torch.manual_seed(0)
     kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
     reduce_grads = None
@@ -185,10 +190,15 @@ def bench(
     precision: str,
     dist=parallel.SINGLE,
     ids: str = "uniform",
+    cardinalities: str = "kaggle",
+    optimizer: str = "sgd",
 ) -> dict:
-    """Train `steps` timed steps of configs/<config>.json with `backend` at batch size `batch` (per rank),
-    on random batches whose sparse ids are `ids` (one of IDS)."""
-    model, optimizer, step, pool, table_rows = build(config, backend, batch, max_rows, precision, ids, dist)
+    """Train `steps` timed steps of configs/<config>.json with `backend` and `optimizer` at batch size
+    `batch` (per rank), on random batches whose sparse ids are `ids` (one of IDS) over tables of the
+    `cardinalities` preset."""
+    model, optimizer, step, pool, table_rows = build(
+        config, backend, batch, max_rows, precision, ids, dist, cardinalities, optimizer
+    )
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -213,7 +223,7 @@ def bench(
     result = {
         "config": config, "backend": backend, "batch": batch, "table_rows_total": sum(table_rows),
         "ms_per_step": round(max(per_rank), 4), "samples_per_s": round(batch * world / max(per_rank) * 1000),
-        "peak_mem_gib": round(max(peaks), 2),
+        "peak_mem_gib": round(max(peaks), 2), "peak_mem_gib_min": round(min(peaks), 2),
         "first_step_s": round(first_step_s, 2),
         "capture_s": round(step.capture_s, 2) if isinstance(step, GraphedTrainStep | BaselineStep) else "",
         "world_size": world, "global_batch": batch * world,
@@ -249,7 +259,14 @@ def bench(
     help="Comma-separated GPU counts N: each runs under torchrun on N GPUs of this host (weak scaling: "
     "--batches per GPU).",
 )
-def main(configs, batches, backends, steps, max_rows, precisions, ids, nproc):
+@click.option(
+    "--cardinalities",
+    type=click.Choice(list(CARDINALITY_PRESETS)),
+    default="kaggle",
+    help="Table sizes: the Criteo Kaggle or 1TB cardinalities (capped by max_rows).",
+)
+@click.option("--optimizer", type=click.Choice(["sgd", "adagrad"]), default="sgd", help="train.optimizer.")
+def main(configs, batches, backends, steps, max_rows, precisions, ids, nproc, cardinalities, optimizer):
     """Time the DLRM training step per config, backend and batch; append rows to scripts/results/train.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_train.py needs a CUDA GPU")
@@ -260,13 +277,16 @@ def main(configs, batches, backends, steps, max_rows, precisions, ids, nproc):
     dist, _ = parallel.init_distributed("cuda", 600.0)  # one process without torchrun
     common = provenance(torch.cuda.get_device_name())
     data = "gpu-resident random ids" + (" (zipf 1.15)" if ids == "zipf" else "")
-    common |= {"data": data, "optimizer": "sgd"}
+    data += ", terabyte cardinalities" if cardinalities == "terabyte" else ""
+    common |= {"data": data, "optimizer": optimizer}
     rows = []
     for config, precision in itertools.product(configs.split(","), precisions.split(",")):
         for batch in (int(b) for b in batches.split(",")):
             eager = baseline = None
             for backend in backends.split(","):
-                r = bench(config, backend, batch, steps, max_rows, precision, dist, ids)
+                r = bench(
+                    config, backend, batch, steps, max_rows, precision, dist, ids, cardinalities, optimizer
+                )
                 eager = r["samples_per_s"] if backend == "eager" else eager
                 baseline = r["samples_per_s"] if backend == BASELINE else baseline
                 ratio = round(r["samples_per_s"] / eager, 3) if eager else None
@@ -277,7 +297,7 @@ def main(configs, batches, backends, steps, max_rows, precisions, ids, nproc):
                         f"{config:<8}{precision:<6}{backend:<23}W={dist.world_size} B={batch:<7}"
                         f"{r['ms_per_step']:>9.3f} ms/step {r['samples_per_s']:>12,} samples/s  "
                         f"vs eager {ratio or float('nan'):>5.2f}x  vs {BASELINE} {vs_baseline:>5.2f}x  "
-                        f"peak {r['peak_mem_gib']:>6.2f} GiB  "
+                        f"peak {r['peak_mem_gib_min']:.2f}-{r['peak_mem_gib']:.2f} GiB/GPU  "
                         f"first step {r['first_step_s']:.1f} s",
                         flush=True,
                     )

@@ -1,7 +1,8 @@
 """Where the GPU time of one training step goes: the CUDA kernels of `--steps` steps, by total time.
 
     python scripts/profile_step.py [--config kaggle] [--backend triton+graphs] [--batch 16384] \
-        [--precision tf32] [--steps 10] [--max-rows N] [--ids uniform|zipf] [--trace-dir DIR]
+        [--precision tf32] [--steps 10] [--max-rows N] [--ids uniform|zipf] [--trace-dir DIR] \
+        [--cardinalities kaggle|terabyte] [--optimizer sgd|adagrad]
 
 Builds the model, optimizer and GPU-resident random batches exactly as scripts/bench_train.py does, runs
 the warm-up steps there (autotuning, the CUDA graph capture for "+graphs" backends), then records `--steps`
@@ -10,6 +11,12 @@ time and its call count, grouped under the model stage it belongs to (by kernel 
 interaction, loss, MLP GEMMs and epilogues, optimizer, other). Kernels launched inside a CUDA graph replay
 are recorded like any other. The table is also written to scripts/results/profile_<config>_<backend>_<B>.txt
 (with the GPU, versions and git sha); with --trace-dir the Chrome trace goes there too (open in Perfetto).
+
+Under torchrun (`torchrun --standalone --nproc-per-node N scripts/profile_step.py ...`, `--batch` per rank)
+the tables are sharded as bench_train.py shards them and every rank writes its own table (`_rank<k>` in
+the file name). NCCL's kernels get stages of their own: all_to_all (the embedding exchange: ids out,
+pooled vectors back, their gradients) and all_reduce (the dense gradients, the loss). A collective's
+kernel runs from the moment both ranks enter it, so its time includes waiting for the slower rank.
 """
 
 from pathlib import Path
@@ -20,10 +27,15 @@ from bench_train import FLAGS, IDS, POOL, build
 from results_csv import provenance
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from dlrm import parallel
+from dlrm.data.synthetic import CARDINALITY_PRESETS
+
 RESULTS = Path(__file__).parent / "results"
 PROFILER_WARMUP = 3  # steps the profiler runs before its window, as in bench_e2e's runs of dlrm.train
 # Stage of a kernel, by a substring of its name (first match wins).
 STAGES = (
+    ("all_to_all", ("SendRecv", "AllToAll")),  # NCCL runs all_to_all_single as grouped send/recv
+    ("all_reduce", ("AllReduce",)),
     ("embedding", ("_embedding_", "sort", "cumsum", "scan")),
     ("interaction", ("_interaction_",)),
     ("loss", ("_bce_",)),
@@ -52,12 +64,23 @@ def kernel_table(prof, steps: int) -> list[tuple[str, str, float, int]]:
 
 
 def profile_steps(
-    config: str, backend: str, batch: int, precision: str, steps: int, max_rows: int | None, ids: str
+    config: str,
+    backend: str,
+    batch: int,
+    precision: str,
+    steps: int,
+    max_rows: int | None,
+    ids: str,
+    dist=parallel.SINGLE,
+    cardinalities: str = "kaggle",
+    optimizer: str = "sgd",
 ) -> profile:
     """The CUDA activity of `steps` steps, after bench_train's warm-up (JIT, autotuning, graph capture) and
     the profiler's own (its first steps record with gaps of its start-up: H100, 10 bare kaggle steps
-    recorded from the profiler's start were 31% idle)."""
-    model, optimizer, step, pool, _ = build(config, backend, batch, max_rows, precision, ids)
+    recorded from the profiler's start were 31% idle). Arguments as bench_train.build's."""
+    model, optimizer, step, pool, _ = build(
+        config, backend, batch, max_rows, precision, ids, dist, cardinalities, optimizer
+    )
     for i in range(2 * POOL):
         step(model, optimizer, pool[i % POOL])
     torch.cuda.synchronize()
@@ -80,17 +103,24 @@ def profile_steps(
 @click.option("--max-rows", type=click.IntRange(min=2), default=None, help="Cap on rows per table.")
 @click.option("--ids", type=click.Choice(IDS), default="uniform", help="Sparse ids, as bench_train's --ids.")
 @click.option("--trace-dir", type=click.Path(path_type=Path), default=None)
-def main(config, backend, batch, precision, steps, max_rows, ids, trace_dir):
-    """Profile the training step on this GPU and print its kernels by time."""
+@click.option("--cardinalities", type=click.Choice(list(CARDINALITY_PRESETS)), default="kaggle")
+@click.option("--optimizer", type=click.Choice(["sgd", "adagrad"]), default="sgd")
+def main(config, backend, batch, precision, steps, max_rows, ids, trace_dir, cardinalities, optimizer):
+    """Profile the training step on this GPU (or each rank's, under torchrun) and print its kernels by
+    time."""
     if not torch.cuda.is_available():
         raise click.UsageError("profile_step.py needs a CUDA GPU")
-    prof = profile_steps(config, backend, batch, precision, steps, max_rows, ids)
+    dist, _ = parallel.init_distributed("cuda", 600.0)  # one process without torchrun
+    prof = profile_steps(
+        config, backend, batch, precision, steps, max_rows, ids, dist, cardinalities, optimizer
+    )
     rows = kernel_table(prof, steps)
     total = sum(r[2] for r in rows)
     info = provenance(torch.cuda.get_device_name())
     lines = [
         f"# python scripts/profile_step.py --config {config} --backend {backend} --batch {batch} "
-        f"--precision {precision} --ids {ids}: {info['device']}, torch {info['torch']}, "
+        f"--precision {precision} --ids {ids} --cardinalities {cardinalities} --optimizer {optimizer}: "
+        f"rank {dist.rank} of {dist.world_size}, {info['device']}, torch {info['torch']}, "
         f"triton {info['triton']}, git {info['git_sha']}",
         f"# kernel time per step {total:.1f} us "
         f"({batch / total * 1e6:,.0f} samples/s if the kernels ran back to back)",
@@ -104,12 +134,15 @@ def main(config, backend, batch, precision, steps, max_rows, ids, trace_dir):
     ]
     text = "\n".join(lines) + "\n"
     print(text)
-    suffix = "_zipf" if ids == "zipf" else ""
+    suffix = ("_zipf" if ids == "zipf" else "") + ("_terabyte" if cardinalities == "terabyte" else "")
+    suffix += f"_{optimizer}" if optimizer != "sgd" else ""
+    suffix += f"_rank{dist.rank}of{dist.world_size}" if dist.enabled else ""
     out = RESULTS / f"profile_{config}_{backend.replace('+', '_')}_{batch}{suffix}.txt"
     out.write_text(text)
     if trace_dir is not None:
         trace_dir.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace_dir / f"{out.stem}.json"))
+    parallel.shutdown()
 
 
 if __name__ == "__main__":
