@@ -394,7 +394,7 @@ def test_a_dead_or_hung_rank_ends_every_rank_with_a_message(criteo_sample, tmp_p
         env = {
             **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
             "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "DLRM_TIMEOUT_S": str(timeout_s),
-            "PYTHONPATH": str(REPO),
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         }  # fmt: skip
         args = [
             sys.executable,
@@ -449,7 +449,8 @@ def test_two_gpus_with_cuda_graphs_follow_one_gpu(criteo_sample, tmp_path, preci
             "--output-dir",
             str(tmp_path / run),
         ]
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        # REPO first, the environment's path after it (the GPU image's carried packages are there).
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         subprocess.run([*command, *args], cwd=REPO, env=env, check=True, timeout=600)
 
     dlrm_train(1, "start")
