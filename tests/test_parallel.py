@@ -26,7 +26,7 @@ from dlrm.loop import train
 from dlrm.model.dlrm import SparseArch
 from dlrm.parallel.planner import plan_tables, row_bytes
 from dlrm.parallel.run import check_world
-from dlrm.parallel.sharded import ShardedSparseArch
+from dlrm.parallel.sharded import ShardedSparseArch, ToTableOrder
 from tests.conftest import REPO
 
 TINY = REPO / "configs" / "tiny.json"
@@ -85,6 +85,25 @@ def test_table_wise_plan_places_every_table_once_balanced(world_size):
     assert sum(loads) == sum(KAGGLE_LIKE) * 16 * 4
     # Greedy largest-first: the spread is at most the largest table (here the largest table decides).
     assert max(loads) - min(loads) <= max(KAGGLE_LIKE) * 16 * 4
+    assert max(loads) <= sum(loads) / world_size + max(KAGGLE_LIKE) * 16 * 4
+    # Lookups balanced too where the bytes leave room: by bytes alone 2 ranks held 23 and 3 tables.
+    counts = [len(plan.shards_of(rank)) for rank in range(world_size)]
+    if world_size <= 3:
+        assert max(counts) - min(counts) <= 2
+
+
+def test_received_vectors_go_to_table_order_both_ways():
+    """ToTableOrder (table-wise plans) puts each rank's [b, n_q, D] block where index_add over the
+    (sample, table) rows puts it, and its backward is that map's adjoint (gradcheck)."""
+    b, d, blocks = 5, 3, [[2, 0, 4], [], [1, 3]]  # rank 1 holds no table
+    place = {t: (q, j) for q, tables in enumerate(blocks) for j, t in enumerate(tables)}
+    columns = [place[f] for f in range(5)]
+    back = torch.randn(b * 5 * d, dtype=torch.float64, requires_grad=True)
+    samples = torch.arange(b).unsqueeze(1) * 5
+    rows = torch.cat([(samples + torch.tensor(tables)).reshape(-1) for tables in blocks if tables])
+    expected = torch.zeros(b * 5, d, dtype=torch.float64).index_add(0, rows, back.view(-1, d))
+    torch.testing.assert_close(ToTableOrder.apply(back, b, d, columns, blocks), expected.view(b, 5, d))
+    assert torch.autograd.gradcheck(lambda x: ToTableOrder.apply(x, b, d, columns, blocks), (back,))
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ Forward on each rank, for its b samples' raw ids [b, F] int64:
    (and, through the zero gradient, no update) elsewhere: exactly one shard of a table gives a row's vector.
 4. pooled all_to_all back: [W*b, n, D] as it is (rank r's rows are a contiguous block) -> from each rank
    q a [b, n_q, D] block (split sizes b * n_q * D), put in the (sample, table) rows of embedded [b, F, D]:
-   a permutation of rows when every table is whole on one rank (RowPermutation), else summed by one
+   one strided copy per table when every table is whole on one rank (ToTableOrder), else summed by one
    index_add (a table's row shards: one non-zero term per element, so exact).
 Backward reverses 4 (all_to_all of the gradients, scaled by 1/W: each rank's loss is a mean over its b
 samples, so the summed gradient of W ranks is W times the one-process mean over B) and 3 applies the
@@ -54,27 +54,33 @@ class AllToAll(torch.autograd.Function):
             return exchange(grad, ctx.in_splits, ctx.out_splits), None, None, None
 
 
-class RowPermutation(torch.autograd.Function):
-    """out[i] = x[index[i]] for x [N, D] and a permutation `index` [N] int64 of range(N); backward puts the
-    gradient back with `inverse` (the inverse permutation: grad_x[j] = grad_out[inverse[j]]). Both ways one
-    torch.gather over the index broadcast along D, an elementwise kernel: index_select (or index_add's
-    backward, which is one) gives every row a CUDA thread block, and with rows of D = 16 fp32 values the
-    kaggle step's 1.7M rows took it 1.33 ms on an H200 (torch 2.11), 28% of the 2-GPU step."""
+class ToTableOrder(torch.autograd.Function):
+    """The vectors received from the ranks -> embedded [b, F, D], when every table is whole on one rank.
+
+    `back` is flat: from each rank q a [b, n_q, D] block, rank after rank, whose n_q columns are the tables
+    `blocks[q]`; `columns[f]` = (q, j): table f is column j of block q (blocks[q][j] = f). Forward and
+    backward are one strided copy per table (torch.stack of column views): elementwise kernels. A row
+    gather (index_add's backward index_select, or torch.gather over an index expanded along D) runs CUDA's
+    vectorized_gather_kernel, which gives every D-value row a thread block: 1.3 ms per direction for the
+    1.7M rows of the 2-GPU kaggle step on H200s (torch 2.11), a quarter of that step.
+    """
 
     @staticmethod
-    def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
-        ctx.save_for_backward(inverse)
-        return _gather_rows(x, index)
+    def forward(ctx, back: Tensor, b: int, d: int, columns: list[tuple[int, int]], blocks: list[list[int]]):
+        ctx.b, ctx.d, ctx.blocks = b, d, blocks
+        sizes = [b * len(tables) * d for tables in blocks]
+        views = [x.view(b, -1, d) if x.numel() else None for x in back.split(sizes)]
+        return torch.stack([views[q][:, j] for q, j in columns], dim=1)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        (inverse,) = ctx.saved_tensors
-        return _gather_rows(grad.contiguous(), inverse), None, None
-
-
-def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
-    """x [N, D], index [M] int64 -> [M, D] rows x[index] (torch.gather with the index expanded along D)."""
-    return x.gather(0, index.unsqueeze(1).expand(-1, x.shape[1]))
+        b, d, blocks = ctx.b, ctx.d, ctx.blocks
+        sizes = [b * len(tables) * d for tables in blocks]
+        grad_back = grad.new_empty(sum(sizes))
+        for x, tables in zip(grad_back.split(sizes), blocks, strict=True):
+            if tables:
+                torch.stack([grad[:, f] for f in tables], dim=1, out=x.view(b, len(tables), d))
+        return grad_back, None, None, None, None
 
 
 def exchange(x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
@@ -151,12 +157,16 @@ class ShardedSparseArch(nn.Module):
         # the table of each pooled column.
         self.shards_per_rank = [len(plan.shards_of(q)) for q in range(self.world_size)]
         send_tables = [s.table for q in range(self.world_size) for s in plan.shards_of(q)]
-        self.table_wise = len(send_tables) == len(self.table_rows)  # every table whole on one rank
+        # Every table whole on one rank: table f is column j of rank q's block, columns[f] = (q, j).
+        self.table_wise = len(send_tables) == len(self.table_rows)
+        self.blocks = [[s.table for s in plan.shards_of(q)] for q in range(self.world_size)]
+        place = {t: (q, j) for q, tables in enumerate(self.blocks) for j, t in enumerate(tables)}
+        self.columns = [place[f] for f in range(len(self.table_rows))] if self.table_wise else []
         self.register_buffer("send_tables", as_tensor(send_tables), persistent=False)
         self.register_buffer("optimizer_state", torch.zeros(0, device=device), persistent=False)
         self.register_buffer("lr", torch.zeros((), device=device), persistent=False)
         self.optimizer: tuple[str, float] | None = None  # (optimizer, eps)
-        self._destination_cache: dict[int, tuple[Tensor, Tensor | None]] = {}
+        self._destination_cache: dict[int, Tensor] = {}
 
     def configure_optimizer(self, optimizer: str, lr: float, eps: float = 1e-10) -> None:
         """For kernel "triton": the update its backward applies (see SparseArch.configure_optimizer).
@@ -190,28 +200,20 @@ class ShardedSparseArch(nn.Module):
                 [b * n * d] * world,
                 1.0 / world,
             )  # from each rank q, [b, n_q, D]
-        destinations, sources = self._destinations(b)
-        if sources is not None:  # table-wise: each (sample, table) row receives exactly one vector
-            return RowPermutation.apply(back.view(-1, d), sources, destinations).view(b, -1, d)
+        if self.table_wise:
+            return ToTableOrder.apply(back, b, d, self.columns, self.blocks)
         # Row shards: each received vector added to its (sample, table) row of [b * F, D] (one non-zero
         # term per element, so exact).
         embedded = back.new_zeros(b * len(self.table_rows), d)
-        return embedded.index_add(0, destinations, back.view(-1, d)).view(b, -1, d)
+        return embedded.index_add(0, self._destinations(b), back.view(-1, d)).view(b, -1, d)
 
-    def _destinations(self, b: int) -> tuple[Tensor, Tensor | None]:
-        """(destinations [b * S] int64: the row of [b * F] (sample i, table f -> i * F + f) of each vector
-        received from the ranks, in the order they arrive (rank q's [b, n_q] block after block); sources
-        [b * F] int64, its inverse permutation, when the plan is table-wise (S = F), else None). Cached per
-        b (the first step fills it, before any CUDA graph capture)."""
+    def _destinations(self, b: int) -> Tensor:
+        """[b * S] int64: the row of [b * F] (sample i, table f -> i * F + f) of each vector received from
+        the ranks, in the order they arrive (rank q's [b, n_q] block after block). Cached per b."""
         if b not in self._destination_cache:
             samples = torch.arange(b, device=self.send_tables.device).unsqueeze(1) * len(self.table_rows)
             blocks = self.send_tables.split(self.shards_per_rank)
-            destinations = torch.cat([(samples + tables).reshape(-1) for tables in blocks])
-            sources = None
-            if self.table_wise:
-                sources = torch.empty_like(destinations)
-                sources[destinations] = torch.arange(len(destinations), device=destinations.device)
-            self._destination_cache[b] = (destinations, sources)
+            self._destination_cache[b] = torch.cat([(samples + tables).reshape(-1) for tables in blocks])
         return self._destination_cache[b]
 
     def _lookup(self, ids: Tensor) -> Tensor:
