@@ -70,8 +70,8 @@ def resolve_cuda_graphs(cfg: RunConfig, device: torch.device, world_size: int) -
     if not (t.use_triton and device.type == "cuda"):
         return replace(cfg, "train", cuda_graphs=False)
     if world_size > 1:
-        logger.info("--use-triton without the whole-step CUDA graph: many ranks (not verified on GPUs yet; "
-                    "--cuda-graphs to take it)")  # fmt: skip
+        logger.info("--use-triton without the whole-step CUDA graph: many ranks (not the default there yet; "
+                    "--cuda-graphs takes it)")  # fmt: skip
         return replace(cfg, "train", cuda_graphs=False)
     try:
         return replace(cfg, "train", cuda_graphs=True)
