@@ -325,6 +325,8 @@ class DLRM(nn.Module):
             table-batched embedding with the fused optimizer update, interaction and loss kernels).
         sparse_arch: the embedding tables to use instead of building a SparseArch (the sharded tables of
             dlrm.parallel, same interface); table_rows and vocabularies are then unused.
+        first_order_tables: with `cfg.first_order`, the D = 1 tables of the first-order terms to use (the
+            sharded ones of dlrm.parallel); None: a SparseArch.
     With `cfg.first_order` the logit gains the first-order terms (`first_order`, a FirstOrder on the same
     table sizes and hashing, vocab rows hashed once by `sparse_arch`; None without), built after every
     other module so that a seed initializes the rest as without them.
@@ -338,6 +340,7 @@ class DLRM(nn.Module):
         mlp_kernel: str = "torch",
         sparse_kernel: str = "torch",
         sparse_arch: nn.Module | None = None,
+        first_order_tables: nn.Module | None = None,
     ):
         super().__init__()
         lora = (cfg.lora.rank, cfg.lora.alpha)
@@ -358,7 +361,11 @@ class DLRM(nn.Module):
             hashing = "modulus" if self.sparse_arch.hashing == "modulus" else "index"
             # No bias: the top MLP's logit layer has one.
             self.first_order = FirstOrder(
-                self.sparse_arch.table_rows, hashing, kernel=sparse_kernel, bias=False
+                self.sparse_arch.table_rows,
+                hashing,
+                kernel=sparse_kernel,
+                bias=False,
+                tables=first_order_tables,
             )
         if cfg.lora.rank:
             self.freeze_for_lora(cfg.lora.freeze_embeddings)

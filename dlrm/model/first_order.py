@@ -49,6 +49,8 @@ class FirstOrder(nn.Module):
         vocabularies: for "vocab", F sorted int64 tensors of known ids.
         kernel: "torch" or "triton" (SparseArch).
         bias: whether `dense` has a bias (the DLRM's logit layer has one already).
+        tables: the D = 1 tables to use instead of a new SparseArch (many ranks: this rank's shards,
+            dlrm.parallel.sharded); zeroed like it.
     Raises:
         ValueError: as SparseArch.
     """
@@ -60,9 +62,12 @@ class FirstOrder(nn.Module):
         vocabularies: list[torch.Tensor] | None = None,
         kernel: str = "torch",
         bias: bool = True,
+        tables: nn.Module | None = None,
     ):
         super().__init__()
-        self.tables = SparseArch(1, table_rows, hashing, vocabularies, kernel)
+        self.tables = (
+            tables if tables is not None else SparseArch(1, table_rows, hashing, vocabularies, kernel)
+        )
         self.dense = DenseTerm(bias)
         # Zero: logistic regression's usual start (p = 0.5; the loss is convex, so no symmetry to break), and
         # a DLRM with first-order terms starts as the plain DLRM.

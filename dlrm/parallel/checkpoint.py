@@ -8,7 +8,9 @@ world size and plan of the writer), written by rank 0. The DCP keys, flat:
     model/<name>        every entry of the one-process model's state_dict, by the same names: the
                         dense part (replicated: DCP writes it once) and the tables
                         `sparse_arch.embeddings.<f>.weight` [rows_f, D], each a ShardedTensor whose shards
-                        are the plan's row ranges, written by the ranks that hold them
+                        are the plan's row ranges, written by the ranks that hold them; with
+                        model.first_order, `first_order.tables.embeddings.<f>.weight` [rows_f, 1] the same
+                        way (sharded on the same plan)
     optim/<name>        Adagrad's accumulator ("sum") of each parameter, same names and layout (tables
                         sharded, for both sparse kernels); nothing for SGD
 
@@ -46,9 +48,24 @@ with warnings.catch_warnings():
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 
-def table_key(f: int) -> str:
-    """The one-process state_dict name of table f."""
-    return f"sparse_arch.embeddings.{f}.weight"
+def table_key(f: int, prefix: str = "sparse_arch.") -> str:
+    """The one-process state_dict name of table f of the table set under `prefix`."""
+    return f"{prefix}embeddings.{f}.weight"
+
+
+def _table_sets(model) -> list[tuple[str, Any, str]]:
+    """(state_dict prefix, sharded tables, one-process checkpoint key of their fused optimizer state) of
+    each table set: the embeddings, and a DLRM's first-order tables if it has them."""
+    sets = [("sparse_arch.", model.sparse_arch, "embedding_optimizer_state")]
+    if getattr(model, "first_order", None) is not None:
+        sets.append(("first_order.tables.", model.first_order.tables, "first_order_optimizer_state"))
+    return sets
+
+
+def _is_dense(name: str, prefixes: list[str]) -> bool:
+    """Whether state_dict entry `name` is not a table (the vocabularies count as dense: every rank
+    holds them whole)."""
+    return not any(name.startswith(p) and not name.startswith(f"{p}vocab_") for p in prefixes)
 
 
 def _sharded(plan: ShardingPlan, rank: int, f: int, local: Tensor | None, width: int) -> ShardedTensor:
@@ -72,9 +89,9 @@ def _table_views(tensor: Tensor, arch) -> dict[int, Tensor]:
     return {s.table: view for s, view in zip(arch.local_shards, tensor.split(rows), strict=True)}
 
 
-def _embedding_state(model, optimizer: torch.optim.Optimizer) -> Tensor | None:
-    """The tables' Adagrad accumulators [local rows, D] (either kernel), None for SGD."""
-    arch = model.sparse_arch
+def _embedding_state(arch, optimizer: torch.optim.Optimizer) -> Tensor | None:
+    """The Adagrad accumulators [local rows, D] of the sharded tables `arch` (either kernel), None for
+    SGD."""
     if arch.kernel == "triton":
         return arch.optimizer_state if arch.optimizer_state.numel() else None
     return optimizer.state.get(arch.weights, {}).get("sum")
@@ -83,23 +100,25 @@ def _embedding_state(model, optimizer: torch.optim.Optimizer) -> Tensor | None:
 def _state_dict(model, optimizer: torch.optim.Optimizer, dist_: Dist) -> dict[str, Any]:
     """The flat DCP state of this rank (module docstring): views of the live tensors, so loading fills
     them in place."""
-    arch, plan = model.sparse_arch, model.sparse_arch.plan
-    width = arch.weights.shape[1]
+    sets = _table_sets(model)
     state: dict[str, Any] = {}
     for name, value in model.state_dict(keep_vars=False).items():
-        if not name.startswith("sparse_arch.") or name.startswith("sparse_arch.vocab_"):
+        if _is_dense(name, [prefix for prefix, _, _ in sets]):
             state[f"model/{name}"] = value
     names = {p: n for n, p in model.named_parameters()}
     for p in model.dense_parameters():
         if "sum" in optimizer.state.get(p, {}):
             state[f"optim/{names[p]}"] = optimizer.state[p]["sum"]
-    tables = _table_views(arch.weights.detach(), arch)
-    sums = _embedding_state(model, optimizer)
-    sum_views = _table_views(sums, arch) if sums is not None else {}
-    for f in range(len(plan.table_rows)):
-        state[f"model/{table_key(f)}"] = _sharded(plan, dist_.rank, f, tables.get(f), width)
-        if sums is not None:
-            state[f"optim/{table_key(f)}"] = _sharded(plan, dist_.rank, f, sum_views.get(f), width)
+    for prefix, arch, _ in sets:
+        plan, width = arch.plan, arch.weights.shape[1]
+        tables = _table_views(arch.weights.detach(), arch)
+        sums = _embedding_state(arch, optimizer)
+        sum_views = _table_views(sums, arch) if sums is not None else {}
+        for f in range(len(plan.table_rows)):
+            key = table_key(f, prefix)
+            state[f"model/{key}"] = _sharded(plan, dist_.rank, f, tables.get(f), width)
+            if sums is not None:
+                state[f"optim/{key}"] = _sharded(plan, dist_.rank, f, sum_views.get(f), width)
     return state
 
 
@@ -183,7 +202,8 @@ def load_full(path: Path) -> dict[str, Any]:
     """Read checkpoint directory `path` whole in this process (no process group): a dict like a
     one-process checkpoint (dlrm.checkpoint): "model" (one-process state_dict names), "optimizer" None,
     "optimizer_by_name" ({parameter name: Adagrad sum}), "embedding_optimizer_state" (the tables' sums
-    concatenated, as the one-process "triton" kernel keeps them; None for SGD), and meta.json's fields.
+    concatenated, as the one-process "triton" kernel keeps them; None for SGD), the same of the
+    first-order tables as "first_order_optimizer_state" when there are some, and meta.json's fields.
 
     Raises:
         ValueError: not a sharded checkpoint.
@@ -199,15 +219,15 @@ def load_full(path: Path) -> dict[str, Any]:
         dcp.load(state, storage_reader=reader, no_dist=True)
     model = {k.removeprefix("model/"): v for k, v in state.items() if k.startswith("model/")}
     sums = {k.removeprefix("optim/"): v for k, v in state.items() if k.startswith("optim/")}
-    tables = [table_key(f) for f in range(len(meta["table_rows"]))]
-    embedding = torch.cat([sums[k] for k in tables]) if all(k in sums for k in tables) else None
-    return {
-        **meta,
-        "model": model,
-        "optimizer": None,
-        "optimizer_by_name": sums,
-        "embedding_optimizer_state": embedding,
-    }
+    fused = {}
+    for prefix, key in (
+        ("sparse_arch.", "embedding_optimizer_state"),
+        ("first_order.tables.", "first_order_optimizer_state"),
+    ):
+        tables = [table_key(f, prefix) for f in range(len(meta["table_rows"]))]
+        if all(k in model for k in tables):  # the first-order tables: only where the model has them
+            fused[key] = torch.cat([sums[k] for k in tables]) if all(k in sums for k in tables) else None
+    return {**meta, "model": model, "optimizer": None, "optimizer_by_name": sums, **fused}
 
 
 def load_optimizer_by_name(
@@ -228,31 +248,29 @@ def load_full_into_sharded(checkpoint: dict[str, Any], model, optimizer: torch.o
     Raises:
         ValueError: tables of other sizes.
     """
-    arch = model.sparse_arch
-    if list(checkpoint["table_rows"]) != arch.table_rows:
+    if list(checkpoint["table_rows"]) != model.sparse_arch.table_rows:
         raise ValueError(
-            f"checkpoint tables of {checkpoint['table_rows']} rows, this model has {arch.table_rows}"
+            f"checkpoint tables of {checkpoint['table_rows']} rows, this model has "
+            f"{model.sparse_arch.table_rows}"
         )
     full = checkpoint["model"]
-    dense = {
-        k: v
-        for k, v in full.items()
-        if not k.startswith("sparse_arch.") or k.startswith("sparse_arch.vocab_")
-    }
-    model.load_state_dict(dense, strict=False)
+    sets = _table_sets(model)
+    model.load_state_dict(
+        {k: v for k, v in full.items() if _is_dense(k, [prefix for prefix, _, _ in sets])}, strict=False
+    )
     sums = _optimizer_sums(checkpoint, model)
-    local_sums = _embedding_state(model, optimizer)
     with torch.no_grad():
-        for shard, view in zip(
-            arch.local_shards, arch.weights.split([s.rows for s in arch.local_shards]), strict=True
-        ):
-            rows = slice(shard.row_start, shard.row_start + shard.rows)
-            view.copy_(full[table_key(shard.table)][rows])
-        if local_sums is not None and sums:
-            for shard, view in zip(
-                arch.local_shards, local_sums.split([s.rows for s in arch.local_shards]), strict=True
-            ):
-                view.copy_(sums[table_key(shard.table)][shard.row_start : shard.row_start + shard.rows])
+        for prefix, arch, _ in sets:
+            local_sums = _embedding_state(arch, optimizer)
+            split = [s.rows for s in arch.local_shards]
+            for shard, view in zip(arch.local_shards, arch.weights.split(split), strict=True):
+                view.copy_(
+                    full[table_key(shard.table, prefix)][shard.row_start : shard.row_start + shard.rows]
+                )
+            if local_sums is not None and sums:
+                for shard, view in zip(arch.local_shards, local_sums.split(split), strict=True):
+                    rows = slice(shard.row_start, shard.row_start + shard.rows)
+                    view.copy_(sums[table_key(shard.table, prefix)][rows])
     names = dict(model.named_parameters())
     for name in model_dense_names(model):
         if name in sums and "sum" in optimizer.state.get(names[name], {}):
@@ -273,13 +291,17 @@ def _optimizer_sums(checkpoint: dict[str, Any], model) -> dict[str, Tensor]:
     optimizer_state = checkpoint.get("optimizer") or {}
     if optimizer_state.get("state"):
         # A .pt of one process: torch's optimizer state_dict numbers parameters in group order, dense
-        # parameters first (dlrm.step.make_optimizer), then the "torch" kernel's tables.
-        order = [*model_dense_names(model), *[table_key(f) for f in range(len(checkpoint["table_rows"]))]]
+        # parameters first (dlrm.step.make_optimizer), then the "torch" kernel's tables, table set after
+        # table set.
+        tables = range(len(checkpoint["table_rows"]))
+        order = [*model_dense_names(model)]
+        order += [table_key(f, prefix) for prefix, _, _ in _table_sets(model) for f in tables]
         for index, value in optimizer_state["state"].items():
             if "sum" in value and index < len(order):
                 sums[order[index]] = value["sum"]
-    state = checkpoint.get("embedding_optimizer_state")
-    if state is not None and state.numel():
-        for f, part in enumerate(state.split(list(checkpoint["table_rows"]))):
-            sums[table_key(f)] = part
+    for prefix, _, key in _table_sets(model):
+        state = checkpoint.get(key)
+        if state is not None and state.numel():
+            for f, part in enumerate(state.split(list(checkpoint["table_rows"]))):
+                sums[table_key(f, prefix)] = part
     return sums

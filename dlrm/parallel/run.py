@@ -16,8 +16,8 @@ def check_world(cfg: RunConfig, world_size: int) -> None:
     Raises:
         ValueError: W does not divide data.batch_size, more ranks than tables with row-wise off, or a
             failure setting not supported on many ranks yet (train.on_nonfinite "skip_batch": each rank
-            would decide alone; train.keep_last: the sharded checkpoint is a directory; model.arch "logistic"
-            and model.first_order: the planner shards the DLRM's tables only).
+            would decide alone; train.keep_last: the sharded checkpoint is a directory; model.arch
+            "logistic": the planner shards the DLRM's tables only).
     """
     if cfg.train.on_nonfinite == "skip_batch":
         raise ValueError(
@@ -28,8 +28,6 @@ def check_world(cfg: RunConfig, world_size: int) -> None:
         raise ValueError("train.keep_last: not supported on many ranks yet (sharded checkpoints); use 0")
     if cfg.model.arch != "dlrm":
         raise ValueError(f"model.arch: {cfg.model.arch!r} is not supported on many ranks yet; use one GPU")
-    if cfg.model.first_order:
-        raise ValueError("model.first_order: not supported on many ranks yet (unsharded tables); use false")
     if cfg.data.batch_size % world_size:
         raise ValueError(
             f"data.batch_size: {cfg.data.batch_size} (the global batch) is not divisible by the "

@@ -105,7 +105,8 @@ class ShardedSparseArch(nn.Module):
         plan: the sharding plan (dlrm.parallel.planner); W = plan.world_size.
         rank: this process's rank.
         embedding_dim: D.
-        hashing: "modulus" or "vocab" (vocabularies: F sorted int64 tensors, held by every rank).
+        hashing: "modulus", "vocab" (vocabularies: F sorted int64 tensors, held by every rank) or "index"
+            (rows given: the first-order tables of a vocab model, looked up with the embeddings' rows).
         kernel: "torch" or "triton".
         device: where the shards live.
         seed: base seed of the initialization.
@@ -276,7 +277,19 @@ def build_sharded_model(
     sparse = ShardedSparseArch(
         plan, rank, m.embedding_dim, m.hashing, vocabularies, cfg.sparse_kernel, device, cfg.train.seed
     )
-    model = DLRM(m, mlp_kernel=cfg.mlp_kernel, sparse_kernel=cfg.sparse_kernel, sparse_arch=sparse).to(device)
+    first_order = None
+    if m.first_order:  # D = 1 tables on the same plan; vocab models pass them the embeddings' rows
+        hashing = "modulus" if m.hashing == "modulus" else "index"
+        first_order = ShardedSparseArch(
+            plan, rank, 1, hashing, None, cfg.sparse_kernel, device, cfg.train.seed
+        )
+    model = DLRM(
+        m,
+        mlp_kernel=cfg.mlp_kernel,
+        sparse_kernel=cfg.sparse_kernel,
+        sparse_arch=sparse,
+        first_order_tables=first_order,
+    ).to(device)
     for module in (model.dense_arch, model.interaction_arch, model.over_arch):
         broadcast_from_rank0(module)
     return model, plan
