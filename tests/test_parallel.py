@@ -66,7 +66,9 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 def _assert_same_weights(actual: dict, expected: dict, rtol=RTOL, atol=ATOL) -> None:
     assert actual.keys() == expected.keys()
     for key, value in expected.items():
-        torch.testing.assert_close(actual[key], value, rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            actual[key], value, rtol=rtol, atol=atol, msg=lambda m, key=key: f"{key}: {m}"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
