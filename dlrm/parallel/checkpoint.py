@@ -53,12 +53,18 @@ def table_key(f: int, prefix: str = "sparse_arch.") -> str:
     return f"{prefix}embeddings.{f}.weight"
 
 
+# (state_dict prefix, one-process checkpoint key of the fused optimizer state) of each table set: the
+# embeddings, and a DLRM's first-order tables.
+EMBEDDINGS = ("sparse_arch.", "embedding_optimizer_state")
+FIRST_ORDER = ("first_order.tables.", "first_order_optimizer_state")
+
+
 def _table_sets(model) -> list[tuple[str, Any, str]]:
     """(state_dict prefix, sharded tables, one-process checkpoint key of their fused optimizer state) of
-    each table set: the embeddings, and a DLRM's first-order tables if it has them."""
-    sets = [("sparse_arch.", model.sparse_arch, "embedding_optimizer_state")]
+    each table set of `model`: the embeddings, and a DLRM's first-order tables if it has them."""
+    sets = [(EMBEDDINGS[0], model.sparse_arch, EMBEDDINGS[1])]
     if getattr(model, "first_order", None) is not None:
-        sets.append(("first_order.tables.", model.first_order.tables, "first_order_optimizer_state"))
+        sets.append((FIRST_ORDER[0], model.first_order.tables, FIRST_ORDER[1]))
     return sets
 
 
@@ -220,10 +226,7 @@ def load_full(path: Path) -> dict[str, Any]:
     model = {k.removeprefix("model/"): v for k, v in state.items() if k.startswith("model/")}
     sums = {k.removeprefix("optim/"): v for k, v in state.items() if k.startswith("optim/")}
     fused = {}
-    for prefix, key in (
-        ("sparse_arch.", "embedding_optimizer_state"),
-        ("first_order.tables.", "first_order_optimizer_state"),
-    ):
+    for prefix, key in (EMBEDDINGS, FIRST_ORDER):
         tables = [table_key(f, prefix) for f in range(len(meta["table_rows"]))]
         if all(k in model for k in tables):  # the first-order tables: only where the model has them
             fused[key] = torch.cat([sums[k] for k in tables]) if all(k in sums for k in tables) else None

@@ -154,13 +154,13 @@ class ShardedSparseArch(nn.Module):
         )
         # Only row shards need the range mask; whole tables hold every row.
         self.partial = any(s.rows != self.table_rows[s.table] for s in self.local_shards)
-        # The tables whose rows go to each rank, rank after rank: the ids' send order and, coming back,
-        # the table of each pooled column.
-        self.shards_per_rank = [len(plan.shards_of(q)) for q in range(self.world_size)]
-        send_tables = [s.table for q in range(self.world_size) for s in plan.shards_of(q)]
+        # The tables of each rank's shards (its block of the exchange), rank after rank: the ids' send order
+        # and, coming back, the table of each pooled column.
+        self.blocks = [[s.table for s in plan.shards_of(q)] for q in range(self.world_size)]
+        self.shards_per_rank = [len(tables) for tables in self.blocks]
+        send_tables = [t for tables in self.blocks for t in tables]
         # Every table whole on one rank: table f is column j of rank q's block, columns[f] = (q, j).
         self.table_wise = len(send_tables) == len(self.table_rows)
-        self.blocks = [[s.table for s in plan.shards_of(q)] for q in range(self.world_size)]
         place = {t: (q, j) for q, tables in enumerate(self.blocks) for j, t in enumerate(tables)}
         self.columns = [place[f] for f in range(len(self.table_rows))] if self.table_wise else []
         self.register_buffer("send_tables", as_tensor(send_tables), persistent=False)
