@@ -62,8 +62,8 @@ from torch import Tensor
 from kernels.activations import ACTIVATIONS, act_grad_ref, act_ref
 from kernels.direct import call, eager_function
 from kernels.launch import aligned_width, leading_columns, new_padded, rows_aligned, use_triton, zero_padded
-from kernels.linear_act_backward import check_bwd_inputs, linear_act_bwd
-from kernels.linear_act_forward import SAVES_Y, SAVES_Z, check_inputs, linear_act_fwd
+from kernels.linear_act_backward import check_bwd_inputs, launch_bwd, linear_act_bwd
+from kernels.linear_act_forward import SAVES_Y, SAVES_Z, check_inputs, launch_fwd, linear_act_fwd
 
 __all__ = [
     "ACTIVATIONS",
@@ -153,29 +153,37 @@ def _pads_input(x: Tensor) -> bool:
     return not (x.stride(1) == 1 and rows_aligned(x) and (m <= 1 or x.stride(0) >= k))
 
 
-def _linear_act_impl(
+def _forward(
     x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (y, z, x_padded); z is the pre-activation for gelu_tanh/silu and an empty [0] tensor
-    otherwise; x_padded is x copied into rows padded with zeros to 16 bytes where ``_pads_input(x)`` (the x
-    the GEMMs read, saved for the backward), else an empty [0] tensor (x itself is read and saved).
-
-    (Custom-op outputs may not alias each other or the inputs, so y is not returned twice for relu/sigmoid
-    nor x as x_padded: the autograd glue saves y and x themselves.)
-    """
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The forward's body: (y, z, x_padded); z is the pre-activation for gelu_tanh/silu, else None;
+    x_padded is x copied into rows padded with zeros to 16 bytes where ``_pads_input(x)`` (the x the GEMMs
+    read, saved for the backward), else None (x itself is read and saved)."""
     check_inputs(x, weight, bias, activation)
     k, kp = x.shape[1], aligned_width(x.shape[1], x.dtype)
     # Zero columns, in W too: the forward GEMM runs over all Kp columns, with no mask along K (a mask at
     # K = 367 is not constant over 16 bytes, which keeps Triton from vectorizing the loads of its tiles).
     x_padded = zero_padded(x, kp) if _pads_input(x) else None
-    if use_triton(x) and x_padded is not None:
-        y, saved = linear_act_fwd(x_padded, zero_padded(weight, kp), bias, activation)
-    elif use_triton(x):
-        y, saved = linear_act_fwd(x, weight, bias, activation)
-    else:
+    if not use_triton(x):
         y, saved = _linear_act_fwd_ref(x, weight, bias, activation)
-    z = saved if activation in SAVES_Z else x.new_empty((0,))
-    return y, z, (leading_columns(x_padded, k) if x_padded is not None else x.new_empty((0,)))
+    elif x_padded is not None:
+        y, saved = launch_fwd(x_padded, zero_padded(weight, kp), bias, activation)
+    else:
+        y, saved = launch_fwd(x, weight, bias, activation)
+    z = saved if activation in SAVES_Z else None
+    return y, z, (leading_columns(x_padded, k) if x_padded is not None else None)
+
+
+def _linear_act_impl(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The custom op: ``_forward`` with an empty [0] tensor for each None. (Custom-op outputs may not alias
+    each other or the inputs, so y is not returned twice for relu/sigmoid nor x as x_padded: the autograd
+    glue saves y and x themselves.)"""
+    y, z, x_padded = _forward(x, weight, bias, activation)
+    z = z if z is not None else x.new_empty((0,))
+    x_padded = x_padded if x_padded is not None else x.new_empty((0,))
+    return y, z, x_padded
 
 
 _linear_act_op = torch.library.custom_op("dlrm::linear_act", _linear_act_impl, mutates_args=())
@@ -192,6 +200,25 @@ def _linear_act_fake(
     return x.new_empty(shape), x.new_empty(shape if activation in SAVES_Z else (0,)), x_padded
 
 
+def _backward_body(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    saved: Tensor | None,
+    activation: str,
+    has_bias: bool,
+    needs_dx: bool,
+) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """The backward's body: (dx, dw, db); dx / db are None when needs_dx / has_bias is False. The inputs
+    are the forward's own (saved by ``_setup_context``): the Triton path does not check them again."""
+    if use_triton(x):
+        return launch_bwd(dy, x, weight, saved, activation, has_bias, needs_dx)
+    check_bwd_inputs(dy, x, weight, saved, activation, has_bias)
+    dx, dw, db = _linear_act_bwd_ref(dy, x, weight, saved, activation, has_bias, needs_dx)
+    dx = new_padded(*dx.shape, x).copy_(dx) if needs_dx else None  # the kernels' layout (see the fake)
+    return dx, dw, db
+
+
 def _linear_act_backward_impl(
     dy: Tensor,
     x: Tensor,
@@ -201,13 +228,8 @@ def _linear_act_backward_impl(
     has_bias: bool,
     needs_dx: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (dx, dw, db); dx / db are empty [0] tensors when needs_dx / has_bias is False."""
-    if use_triton(x):
-        dx, dw, db = linear_act_bwd(dy, x, weight, saved, activation, has_bias, needs_dx)
-    else:
-        check_bwd_inputs(dy, x, weight, saved, activation, has_bias)
-        dx, dw, db = _linear_act_bwd_ref(dy, x, weight, saved, activation, has_bias, needs_dx)
-        dx = new_padded(*dx.shape, x).copy_(dx) if needs_dx else None  # the kernels' layout (see the fake)
+    """The backward custom op: ``_backward_body`` with an empty [0] tensor for each None."""
+    dx, dw, db = _backward_body(dy, x, weight, saved, activation, has_bias, needs_dx)
     empty = x.new_empty((0,))
     return (dx if dx is not None else empty), dw, (db if db is not None else empty)
 
@@ -249,15 +271,13 @@ def _backward(backward_fn, ctx, dy: Tensor, _dz: Tensor | None, _dx_padded: Tens
     # internal outputs, which linear_act never exposes (None/zero).
     x, weight, saved = ctx.saved_tensors
     needs_dx = ctx.needs_input_grad[0]  # False for the first layer: its input is data
-    args = (dy, x, weight, saved, ctx.activation, ctx.has_bias, needs_dx)
-    dx, dw, db = backward_fn(*args)
+    dx, dw, db = backward_fn(dy, x, weight, saved, ctx.activation, ctx.has_bias, needs_dx)
     return (dx if needs_dx else None), dw, (db if ctx.has_bias else None), None
 
 
 _linear_act_op.register_autograd(partial(_backward, _linear_act_backward_op), setup_context=_setup_context)
-_linear_act_eager = eager_function(
-    "LinearAct", _linear_act_impl, _setup_context, partial(_backward, _linear_act_backward_impl)
-)
+# Eager calls run the bodies, without the dispatcher and the op's empty placeholders (kernels/direct.py).
+_linear_act_eager = eager_function("LinearAct", _forward, _setup_context, partial(_backward, _backward_body))
 
 
 # --------------------------------------------------------------------------------------------------

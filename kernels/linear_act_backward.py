@@ -37,7 +37,7 @@ from kernels.linear_act_dw import linear_act_dw
 from kernels.linear_act_forward import SAVES_Y, check_inputs
 from kernels.partials import row_programs, sum_partials
 
-__all__ = ["check_bwd_inputs", "linear_act_bwd", "linear_act_dz"]
+__all__ = ["check_bwd_inputs", "launch_bwd", "linear_act_bwd", "linear_act_dz"]
 
 
 # M (the batch) changes between calls: do not specialize on it (a new batch size reuses the compiled kernel).
@@ -147,10 +147,26 @@ def linear_act_bwd(
             "backward method 'triton' computes dW and db only: it needs needs_dx=False, got True"
         )
     if method == "auto":
-        method = "cublas" if needs_dx else _pick_backward(dy, x, weight, saved, activation, has_bias)
+        return launch_bwd(dy, x, weight, saved, activation, has_bias, needs_dx)
     if method == "triton":
         return None, *linear_act_dw(dy, x, saved, activation, has_bias)
     return _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
+
+
+def launch_bwd(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    saved: Tensor | None,
+    activation: str,
+    has_bias: bool,
+    needs_dx: bool,
+) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """``linear_act_bwd`` with method "auto" and without its input checks, for the autograd op, whose
+    backward inputs are its own forward's: host time that every launch from Python pays."""
+    if needs_dx or _pick_backward(dy, x, weight, saved, activation, has_bias) == "cublas":
+        return _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
+    return None, *linear_act_dw(dy, x, saved, activation, has_bias)
 
 
 # The backward implementation chosen per (M bucket, N, K, dtype, GEMM precision, activation, bias), for
@@ -215,6 +231,12 @@ def linear_act_dz(
     return dz, (sum_partials(db_part, dtype) if has_bias else None)
 
 
+def _rows_padded_to(x: Tensor, kp: int) -> bool:
+    """Whether x [M, K]'s rows lie kp apart in a storage that holds all M rows of kp elements."""
+    end = (x.storage_offset() + x.shape[0] * kp) * x.element_size()
+    return x.stride(0) == kp and x.untyped_storage().nbytes() >= end
+
+
 def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx):
     """dz and db partials in one Triton pass over [M, N], then dx = dz @ W and dW = dz^T @ x by cuBLAS."""
     m, k = x.shape
@@ -225,20 +247,21 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
     dz, db = linear_act_dz(dy, saved, activation, has_bias, x.dtype)
     kp = aligned_width(k, x.dtype)
     dx = None
-    if needs_dx:
-        # dz @ W over a contiguous W^T [Kp, N] with zero rows past K: an aligned GEMM into [M, Kp], whose
-        # first K columns are dx, with the reduction dim contiguous in both operands, the only layout that
-        # Hopper's TF32 tensor-core kernels take (H200, B=16384, 512 -> 256 fp32: 34 us over W, 26 us over
-        # W^T with its transpose copy; cuBLAS runs sm80 kernels otherwise).
-        w_t = (weight.new_zeros if kp != k else weight.new_empty)((kp, n))
+    # dz @ W over a contiguous W^T [Kp, N]: the reduction dim contiguous in both operands, the only layout
+    # that Hopper's TF32 tensor-core kernels take (H200, B=16384, 512 -> 256 fp32: 34 us over W, 26 us over
+    # W^T with its transpose copy; cuBLAS runs sm80 kernels otherwise). Where K is not a multiple of 16
+    # bytes, W^T gets zero rows up to Kp: an aligned GEMM into [M, Kp], whose first K columns are dx.
+    if needs_dx and kp == k:
+        dx = torch.mm(dz, weight.t().contiguous().t())
+    elif needs_dx:
+        w_t = weight.new_zeros((kp, n))
         w_t[:k].copy_(weight.t())
         dx = leading_columns(torch.mm(dz, w_t.t()), k)
     # dW [N, K] with K not a multiple of 16 bytes (13 dense features, the 367-wide interaction) makes cuBLAS
     # take its slow align1 kernels (H200, B=65536, 13 -> 512 bf16: 496 us), so when x's rows are padded
     # (the op's copy, the interaction's output) the GEMM reads [M, Kp] in place and the extra columns of dW,
     # products with the padding, are dropped.
-    end = (x.storage_offset() + m * kp) * x.element_size()
-    if x.stride(0) == kp and x.untyped_storage().nbytes() >= end:
+    if kp != k and _rows_padded_to(x, kp):
         dw = torch.mm(dz.t(), x.as_strided((m, kp), (kp, 1)))[:, :k].contiguous()
     else:
         dw = torch.mm(dz.t(), x)
