@@ -32,7 +32,7 @@ from torch import Tensor
 from kernels import launch
 from kernels.activations import act_bwd
 from kernels.gemm_tuning import input_precision, m_bucket
-from kernels.launch import INTERPRETED, aligned_width, leading_columns, new_padded
+from kernels.launch import INTERPRETED, aligned_width, leading_columns, new_padded, rows_contiguous
 from kernels.linear_act_dw import linear_act_dw
 from kernels.linear_act_forward import SAVES_Y, check_inputs
 from kernels.partials import row_programs, sum_partials
@@ -217,8 +217,8 @@ def linear_act_dz(
     forward's y (relu, sigmoid) or z (gelu_tanh, silu), not read for identity. M >= 1. Also the first step
     of other ops' backwards (kernels/lora_linear.py)."""
     m, n = dy.shape
-    dy = dy.contiguous()
-    s = saved.contiguous() if activation != "identity" else dy
+    dy = rows_contiguous(dy)
+    s = rows_contiguous(saved) if activation != "identity" else dy
     dz = launch.empty((m, n), dtype, dy.device)
     block_n = min(128, triton.next_power_of_2(n))
     block_m = max(16, 4096 // block_n)
