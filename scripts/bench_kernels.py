@@ -379,7 +379,8 @@ def run_lora(configs, batches, precisions, ranks, paths, common) -> None:
                                     compile_s=round(t["compile_s"], 2),
                                 ))  # fmt: skip
                     _print_totals(f"{config:<8}{precision:<6}{m:>7}  {r:>4}  ", totals, paths)
-    append_rows(LORA_RESULTS, rows)
+                    append_rows(LORA_RESULTS, rows)  # as it goes: a call's time limit keeps what ran
+                    rows = []
 
 
 def run_attention(batches, precisions, shapes, paths, common) -> None:
