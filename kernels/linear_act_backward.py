@@ -247,11 +247,15 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
     dz, db = linear_act_dz(dy, saved, activation, has_bias, x.dtype)
     kp = aligned_width(k, x.dtype)
     dx = None
-    # dz @ W over a contiguous W^T [Kp, N]: the reduction dim contiguous in both operands, the only layout
-    # that Hopper's TF32 tensor-core kernels take (H200, B=16384, 512 -> 256 fp32: 34 us over W, 26 us over
-    # W^T with its transpose copy; cuBLAS runs sm80 kernels otherwise). Where K is not a multiple of 16
-    # bytes, W^T gets zero rows up to Kp: an aligned GEMM into [M, Kp], whose first K columns are dx.
-    if needs_dx and kp == k:
+    # fp32: dz @ W over a contiguous W^T [Kp, N], the reduction dim contiguous in both operands, the only
+    # layout that Hopper's TF32 tensor-core kernels take (cuBLAS runs sm80 kernels otherwise; H100, graph
+    # replays, transpose copy included: 512 -> 256 29 vs 36 us at B=16384, 87 vs 137 us at 65536). 16-bit
+    # GEMMs take W as it is, faster without the copy (bf16: 0.62-1.01x its time on every kaggle and mlperf
+    # layer). Where K is not a multiple of 16 bytes, W^T gets zero rows up to Kp: an aligned GEMM into
+    # [M, Kp], whose first K columns are dx.
+    if needs_dx and kp == k and x.dtype != torch.float32:
+        dx = torch.mm(dz, weight)
+    elif needs_dx and kp == k:
         dx = torch.mm(dz, weight.t().contiguous().t())
     elif needs_dx:
         w_t = weight.new_zeros((kp, n))
