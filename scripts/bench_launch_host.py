@@ -1,0 +1,123 @@
+"""Host time per call of linear_act launched from Python, and of the pieces it is made of, on a GPU.
+
+    python scripts/bench_launch_host.py [--layer 512,256] [--batch 16384] [--precisions tf32,bf16]
+
+Launched from Python (no CUDA graph), a small layer's forward + backward is bound by host time: what the
+issue's launch bar (<= 1.2x eager's time) measures. Each row is the wall time of 200 calls divided by 200
+(the GPU idles between launches; the median of 7 rounds, after 20 warm-up calls): eager PyTorch's
+Linear+ReLU, linear_act, a no-op autograd.Function (the glue every custom op pays), and each launch or
+allocation linear_act's forward and backward make. Prints the table; ``--output`` also writes it.
+"""
+
+import statistics
+import time
+from pathlib import Path
+
+import click
+import torch
+import torch.nn.functional as F
+
+from kernels.linear_act import linear_act
+from kernels.linear_act_backward import _linear_act_bwd_cublas, linear_act_dz
+from kernels.linear_act_forward import linear_act_fwd
+from kernels.partials import sum_partials
+
+DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
+
+
+def per_call_us(fn, calls: int = 200, rounds: int = 7) -> float:
+    """Median over `rounds` of the wall time of `calls` calls of fn, synchronized once per round, in us."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+class _Noop(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def probe(m: int, k: int, n: int, dtype: torch.dtype) -> dict[str, float]:
+    """{row name: us per call} for one relu layer [M, K] -> [M, N]."""
+    x = torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=True)
+    w = (torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5).requires_grad_()
+    b = torch.randn(n, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=dtype)
+    gx = torch.randn_like(x)
+    y = torch.relu(F.linear(x, w, b)).detach()
+    dz = torch.empty_like(dy)
+    part = torch.randn(128, n, device="cuda")
+    xd, wd, bd = x.detach(), w.detach(), b.detach()
+
+    def fwd_bwd(forward):
+        def run():
+            for t in (x, w, b):
+                t.grad = None
+            forward().backward(dy)
+
+        return run
+
+    def no_grad(forward):
+        def run():
+            with torch.no_grad():
+                forward()
+
+        return run
+
+    def noop():
+        x.grad = None
+        _Noop.apply(x).backward(gx)
+
+    rows = {
+        "eager fwd+bwd": fwd_bwd(lambda: torch.relu(F.linear(x, w, b))),
+        "linear_act fwd+bwd": fwd_bwd(lambda: linear_act(x, w, b, "relu")),
+        "no-op autograd.Function fwd+bwd": noop,
+        "eager fwd (no_grad)": no_grad(lambda: torch.relu(F.linear(x, w, b))),
+        "linear_act fwd (no_grad)": no_grad(lambda: linear_act(x, w, b, "relu")),
+        "linear_act_fwd (the launcher)": lambda: linear_act_fwd(xd, wd, bd, "relu"),
+        "backward body (cuBLAS path)": lambda: _linear_act_bwd_cublas(dy, xd, wd, y, "relu", True, True),
+        "linear_act_dz (dz + bias sum)": lambda: linear_act_dz(dy, y, "relu", True, dtype),
+        "sum_partials": lambda: sum_partials(part, dtype),
+        "torch.mm dz @ W": lambda: torch.mm(dz, wd),
+        "W.t().contiguous()": lambda: wd.t().contiguous(),
+        "torch.empty [M, N]": lambda: torch.empty((m, n), dtype=dtype, device="cuda"),
+    }
+    return {name: per_call_us(fn) for name, fn in rows.items()}
+
+
+@click.command(context_settings={"show_default": True})
+@click.option("--layer", default="512,256", help="K,N of the layer.")
+@click.option("--batch", default=16384, help="Rows M (the batch B).")
+@click.option("--precisions", default="tf32,bf16", help="Comma-separated: tf32, bf16.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), help="Also write the table here.")
+def main(layer, batch, precisions, output):
+    """Print the host time per call of linear_act's fwd+bwd and its pieces, launched from Python."""
+    if not torch.cuda.is_available():
+        raise click.UsageError("needs a CUDA GPU: launch overhead is measured against the GPU driver")
+    k, n = (int(v) for v in layer.split(","))
+    torch.backends.cuda.matmul.allow_tf32 = True
+    device = torch.cuda.get_device_name()
+    lines = [f"{device}, torch {torch.__version__}, M={batch}, {k} -> {n}, relu, us per call"]
+    for precision in precisions.split(","):
+        for name, us in probe(batch, k, n, DTYPES[precision]).items():
+            lines.append(f"{precision:5s} {name:34s} {us:8.1f}")
+            click.echo(lines[-1])
+    if output is not None:
+        output.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
