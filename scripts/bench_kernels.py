@@ -25,6 +25,11 @@ layer (rows in scripts/results/blocks.csv):
 the same layers, per rank of `--lora-ranks` (rows in scripts/results/lora.csv): eager (the PyTorch
 expression), compile of it, triton (kernels.lora_linear).
 
+`--what mlp` times each config's bottom and top MLP whole, as the model runs them (`dlrm.model.mlp.MLP`,
+rows in scripts/results/mlp.csv): eager (kernel "torch"), compile of it, bias_act, and linear_act, whose
+layers run as one autograd node (kernels.linear_act_stack). The bottom MLP's input is data (no gradient),
+the top MLP's is not.
+
 `--what attention` times the attention interaction (`model.interaction` "attention") at each batch, per
 (heads, dim) of `--attention-shapes` (rows in scripts/results/attention.csv), two ways:
     op "attention"    softmax(QK^T / sqrt(d)) V with a key mask on [B, heads, 27, d] (q, k, v views of one
@@ -67,6 +72,7 @@ BLOCK_PATHS = ("eager", "compile", "triton")
 ATTENTION_RESULTS = Path(__file__).parent / "results" / "attention.csv"
 ATTENTION_SHAPES = "2x16,2x32,4x32,8x16"  # heads x dim
 LORA_RESULTS = Path(__file__).parent / "results" / "lora.csv"
+MLP_RESULTS = Path(__file__).parent / "results" / "mlp.csv"
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
 PATHS = ("eager", "compile", "bias_act", "linear_act")
@@ -383,6 +389,61 @@ def run_lora(configs, batches, precisions, ranks, paths, common) -> None:
                     rows = []
 
 
+def mlp_stacks(config: str) -> list[tuple[str, int, tuple[int, ...], str]]:
+    """(name, K, widths, last activation) of the bottom and top MLPs of configs/<config>.json."""
+    model = load_config(CONFIG_DIR / f"{config}.json").model
+    top_in = InteractionArch(model.embedding_dim, model.interaction).out_features
+    return [
+        ("bottom", NUM_DENSE, tuple(model.bottom_mlp), "relu"),
+        ("top", top_in, tuple(model.top_mlp), "identity"),
+    ]
+
+
+def bench_mlp(path: str, m: int, name: str, k: int, widths: tuple[int, ...], last: str, dtype: torch.dtype):
+    """Median ms of one whole MLP on one path (`_time_passes`); its parameters' gradients are cleared
+    before each forward, as an optimizer's zero_grad(set_to_none) does."""
+    from dlrm.model.mlp import MLP
+
+    torch.manual_seed(0)
+    kernel = path if path in ("bias_act", "linear_act") else "torch"
+    mlp = MLP(k, widths, "relu", last, kernel=kernel).to("cuda", dtype)
+    params = list(mlp.parameters())
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + k)
+    sets = []
+    for _ in range(ROTATE):
+        x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g).requires_grad_(name == "top")
+        sets.append((x, *params, torch.randn(m, widths[-1], device="cuda", dtype=dtype, generator=g)))
+    module = mlp
+    if path == "compile":
+        torch._dynamo.reset()
+        module = torch.compile(mlp, dynamic=False)
+    return _time_passes(lambda x, *_: module(x), sets, path == "compile")
+
+
+def run_mlp(configs, batches, precisions, paths, common) -> None:
+    """`--what mlp`: rows to MLP_RESULTS; per (config, precision, batch, MLP) each path's time and ratio."""
+    print(f"\nwhole MLPs, ms (ratio = eager / path), {common['device']}")
+    print(f"{'config':<8}{'prec':<6}{'B':>7}  {'mlp':<8}{'pass':<15}" + "".join(f"{p:>20}" for p in paths))
+    for config in configs:
+        for precision in precisions:
+            for m in batches:
+                for name, k, widths, last in mlp_stacks(config):
+                    times = {p: bench_mlp(p, m, name, k, widths, last, DTYPES[precision]) for p in paths}
+                    rows = [
+                        dict(
+                            common, config=config, mlp=name, layers="-".join(map(str, (k, *widths))), batch=m,
+                            precision=precision, path=path, **{"pass": ps}, ms=round(t[ps], 5),
+                            ratio_vs_eager=round(times[paths[0]][ps] / t[ps], 3),
+                            compile_s=round(t["compile_s"], 2),
+                        )
+                        for path, t in times.items()
+                        for ps in PASSES
+                    ]  # fmt: skip
+                    totals = {(p, ps): times[p][ps] for p in paths for ps in PASSES}
+                    _print_totals(f"{config:<8}{precision:<6}{m:>7}  {name:<8}", totals, paths)
+                    append_rows(MLP_RESULTS, rows)
+
+
 def run_attention(batches, precisions, shapes, paths, common) -> None:
     """`--what attention`: rows to ATTENTION_RESULTS; per (op, precision, batch, shape) times and ratios.
     Each shape's rows are appended as soon as they are timed, so a run cut short keeps what it measured."""
@@ -457,10 +518,11 @@ def _print_summary(summary: list, path_list: list[str], gpu: str) -> None:
 )
 @click.option(
     "--what",
-    type=click.Choice(["layers", "blocks", "attention", "lora"]),
+    type=click.Choice(["layers", "mlp", "blocks", "attention", "lora"]),
     default="layers",
-    help="layers: the linear_act paths (kernels.csv); blocks: the model.mlp_block kernels (blocks.csv); "
-    "attention: the attention interaction (attention.csv); lora: the LoRA layer (lora.csv).",
+    help="layers: the linear_act paths (kernels.csv); mlp: whole MLPs on those paths (mlp.csv); blocks: "
+    "the model.mlp_block kernels (blocks.csv); attention: the attention interaction (attention.csv); lora: "
+    "the LoRA layer (lora.csv).",
 )
 @click.option("--blocks", default=",".join(BLOCKS), help="With --what blocks: comma-separated blocks.")
 @click.option(
@@ -487,6 +549,12 @@ def main(configs, batches, precisions, paths, what, blocks, attention_shapes, lo
         run_lora(
             configs.split(","), [int(b) for b in batches.split(",")], precisions.split(","),
             [int(r) for r in lora_ranks.split(",")], (paths or ",".join(BLOCK_PATHS)).split(","), common,
+        )  # fmt: skip
+        return
+    if what == "mlp":
+        run_mlp(
+            configs.split(","), [int(b) for b in batches.split(",")], precisions.split(","),
+            (paths or ",".join(PATHS)).split(","), common,
         )  # fmt: skip
         return
     if what == "attention":

@@ -7,7 +7,7 @@ the kernel, so the same seed gives the same initial weights and checkpoints move
 - "bias_act": a bias-free `F.linear(x, W)` (cuBLAS) followed by our fused add-bias-activation Triton kernel
   `kernels.bias_act`, forward and backward;
 - "linear_act": the whole layer, GEMM + bias + activation, in our Triton kernel `kernels.linear_act`,
-  forward and backward;
+  forward and backward; the layers run as one autograd node (`kernels.linear_act_stack`);
 - "cuda_bias_act": as "bias_act", with the add-bias-activation in CUDA C++ (`kernels.bias_act_cuda`, built
   on first use; CUDA only).
 
@@ -169,14 +169,19 @@ class MLP(nn.Module):
     def _linear_act(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Layers start.. as Linear + activation, on `kernel`."""
         pairs = list(zip(self.layers, self.activations, strict=True))[start:]
+        if not pairs:  # every layer was a block (the bottom MLP's)
+            return x
         # Kernels import here, not at module load: TRITON_INTERPRET must be decided before they are decorated.
         if self.kernel == "linear_act":
-            from kernels.linear_act import linear_act
+            from kernels.linear_act_stack import linear_act_stack
 
-            for layer, act in pairs:
+            weights, biases = [], []
+            for layer, _ in pairs:
                 x, w, b = _autocast(x, layer)
-                x = linear_act(x, w, b, act)
-            return x
+                weights.append(w)
+                biases.append(b)
+            # One autograd node for the layers: launched from Python, each node's glue is host time.
+            return linear_act_stack(x, weights, biases, [act for _, act in pairs])
         if self.kernel in ("bias_act", "cuda_bias_act"):
             if self.kernel == "bias_act":
                 from kernels.bias_act import bias_act
