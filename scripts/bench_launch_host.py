@@ -6,7 +6,10 @@ Launched from Python (no CUDA graph), a small layer's forward + backward is boun
 issue's launch bar (<= 1.2x eager's time) measures. Each row is the wall time of 200 calls divided by 200
 (the GPU idles between launches; the median of 7 rounds, after 20 warm-up calls): eager PyTorch's
 Linear+ReLU, linear_act, a no-op autograd.Function (the glue every custom op pays), and each launch or
-allocation linear_act's forward and backward make. Prints the table; ``--output`` also writes it.
+allocation linear_act's forward and backward make. Then the kaggle bottom and top MLPs whole, forward +
+backward: eager PyTorch, linear_act called layer by layer, and ``kernels.linear_act_stack`` (the layers as
+one autograd node, as the model runs them), in interleaved rounds (the median of 9, 100 calls each).
+Prints the table; ``--output`` also writes it.
 """
 
 import statistics
@@ -20,9 +23,15 @@ import torch.nn.functional as F
 from kernels.linear_act import linear_act
 from kernels.linear_act_backward import _linear_act_bwd_cublas, linear_act_dz
 from kernels.linear_act_forward import linear_act_fwd
+from kernels.linear_act_stack import linear_act_stack
 from kernels.partials import sum_partials
 
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
+# The kaggle config's MLPs: (name, K, widths, last activation, whether the input takes a gradient).
+KAGGLE_MLPS = (
+    ("bottom", 13, (512, 256, 64, 16), "relu", False),
+    ("top", 367, (512, 256, 1), "identity", True),
+)
 
 
 def per_call_us(fn, calls: int = 200, rounds: int = 7) -> float:
@@ -98,6 +107,54 @@ def probe(m: int, k: int, n: int, dtype: torch.dtype) -> dict[str, float]:
     return {name: per_call_us(fn) for name, fn in rows.items()}
 
 
+def probe_mlp(m: int, k: int, widths: tuple[int, ...], last: str, x_grad: bool, dtype: torch.dtype):
+    """{path: us per forward + backward} of one MLP on three paths, timed in interleaved rounds."""
+    sizes = (k, *widths)
+    weights = [
+        (torch.randn(n, k_in, device="cuda", dtype=dtype) / k_in**0.5).requires_grad_()
+        for k_in, n in zip(sizes[:-1], sizes[1:], strict=True)
+    ]
+    biases = [torch.randn(n, device="cuda", dtype=dtype, requires_grad=True) for n in widths]
+    activations = ["relu"] * (len(widths) - 1) + [last]
+    x = torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=x_grad)
+    dy = torch.randn(m, widths[-1], device="cuda", dtype=dtype)
+    layers = list(zip(weights, biases, activations, strict=True))
+
+    def run(forward):
+        def step():
+            for t in (x, *weights, *biases):
+                t.grad = None
+            forward().backward(dy)
+
+        return step
+
+    def eager():
+        h = x
+        for weight, bias, activation in layers:
+            h = F.linear(h, weight, bias)
+            h = torch.relu(h) if activation == "relu" else h
+        return h
+
+    def layer_by_layer():
+        h = x
+        for weight, bias, activation in layers:
+            h = linear_act(h, weight, bias, activation)
+        return h
+
+    paths = {
+        "eager": run(eager),
+        "linear_act layer by layer": run(layer_by_layer),
+        "linear_act_stack": run(lambda: linear_act_stack(x, weights, biases, activations)),
+    }
+    for step in paths.values():
+        per_call_us(step, calls=20, rounds=1)
+    rounds = {name: [] for name in paths}
+    for _ in range(9):
+        for name, step in paths.items():
+            rounds[name].append(per_call_us(step, calls=100, rounds=1))
+    return {name: statistics.median(times) for name, times in rounds.items()}
+
+
 @click.command(context_settings={"show_default": True})
 @click.option("--layer", default="512,256", help="K,N of the layer.")
 @click.option("--batch", default=16384, help="Rows M (the batch B).")
@@ -115,6 +172,10 @@ def main(layer, batch, precisions, output):
         for name, us in probe(batch, k, n, DTYPES[precision]).items():
             lines.append(f"{precision:5s} {name:34s} {us:8.1f}")
             click.echo(lines[-1])
+        for name, k_in, widths, last, x_grad in KAGGLE_MLPS:
+            for path, us in probe_mlp(batch, k_in, widths, last, x_grad, DTYPES[precision]).items():
+                lines.append(f"{precision:5s} kaggle {name} MLP: {path:27s} {us:8.1f}")
+                click.echo(lines[-1])
     if output is not None:
         output.write_text("\n".join(lines) + "\n")
 
