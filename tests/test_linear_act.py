@@ -555,3 +555,27 @@ def test_int64_offsets_gpu():
     _, dw, db = linear_act_bwd(dy, x, w, saved, "gelu_tanh", True, needs_dx=False, method="triton")
     _assert_norm_close(dw, dw_ref, torch.bfloat16, "dW (triton)")
     _assert_norm_close(db, db_ref, torch.bfloat16, "db (triton)")
+
+
+def test_tuned_kernel_tunes_each_key_once(monkeypatch):
+    """TunedKernel asks the autotuner once per (M bucket, N, K, dtype) and launches the tuned config
+    directly afterwards, with the same result."""
+    kernel = forward_mod._linear_act_fwd_kernel
+    monkeypatch.setattr(kernel, "_options", {})
+    tuned = []
+    run = kernel.autotuner.run
+
+    def counting_run(*args, **kwargs):
+        tuned.append((args[8], args[6], args[7], args[0].dtype))  # M_BUCKET, N, K, x's dtype
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(kernel.autotuner, "run", counting_run)
+    x, w, b, _ = _inputs(40, 24, 16, torch.float32, DEVICE, seed=11)
+    first, _ = linear_act_fwd(x, w, b, "relu")  # tuned (key: bucket 64, N 24, K 16, fp32)
+    again, _ = linear_act_fwd(x, w, b, "relu")  # launched directly
+    linear_act_fwd(x[:33], w, b, "relu")  # the same bucket: launched directly
+    linear_act_fwd(x.bfloat16(), w.bfloat16(), b.bfloat16(), "relu")  # new dtype: tuned
+    linear_act_fwd(x, w[:8], b[:8], "relu")  # new N: tuned
+    assert tuned == [(64, 24, 16, torch.float32), (64, 24, 16, torch.bfloat16), (64, 8, 16, torch.float32)]
+    assert torch.equal(first, again)
+    torch.testing.assert_close(first, linear_act_ref(x, w, b, "relu"), **tol(torch.float32, "gemm"))
