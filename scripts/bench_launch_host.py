@@ -10,8 +10,12 @@ allocation linear_act's forward and backward make. Then the kaggle bottom and to
 backward: eager PyTorch, linear_act called layer by layer, and ``kernels.linear_act_stack`` (the layers as
 one autograd node, as the model runs them), in interleaved rounds (the median of 9, 100 calls each).
 Prints the table; ``--output`` also writes it.
+
+``--cpus 0`` pins the process, and the threads it starts later (autograd's device thread, which runs every
+backward), to the CPUs given: whether the hand-over between threads on different cores is part of the cost.
 """
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -160,14 +164,18 @@ def probe_mlp(m: int, k: int, widths: tuple[int, ...], last: str, x_grad: bool, 
 @click.option("--batch", default=16384, help="Rows M (the batch B).")
 @click.option("--precisions", default="tf32,bf16", help="Comma-separated: tf32, bf16.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), help="Also write the table here.")
-def main(layer, batch, precisions, output):
+@click.option("--cpus", default=None, help="CPU ids to pin the process to, e.g. 0 or 0,1. [default: any]")
+def main(layer, batch, precisions, output, cpus):
     """Print the host time per call of linear_act's fwd+bwd and its pieces, launched from Python."""
     if not torch.cuda.is_available():
         raise click.UsageError("needs a CUDA GPU: launch overhead is measured against the GPU driver")
+    if cpus is not None:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     k, n = (int(v) for v in layer.split(","))
     torch.backends.cuda.matmul.allow_tf32 = True
     device = torch.cuda.get_device_name()
-    lines = [f"{device}, torch {torch.__version__}, M={batch}, {k} -> {n}, relu, us per call"]
+    pinned = f", CPUs {sorted(os.sched_getaffinity(0))}" if cpus is not None else ""
+    lines = [f"{device}, torch {torch.__version__}, M={batch}, {k} -> {n}, relu, us per call{pinned}"]
     for precision in precisions.split(","):
         for name, us in probe(batch, k, n, DTYPES[precision]).items():
             lines.append(f"{precision:5s} {name:34s} {us:8.1f}")
