@@ -80,12 +80,20 @@ ROTATE = 4  # input sets cycled through between repeats
 PASSES = ("launch fwd", "launch fwd+bwd", "graph fwd", "graph fwd+bwd")
 
 
-def mlp_layers(config: str) -> list[tuple[int, int, str]]:
-    """(K, N, activation) of every MLP layer of configs/<config>.json, bottom MLP then top MLP."""
+def mlp_stacks(config: str) -> list[tuple[str, int, tuple[int, ...], str]]:
+    """(name, K, widths, last activation) of the bottom and top MLPs of configs/<config>.json."""
     model = load_config(CONFIG_DIR / f"{config}.json").model
     top_in = InteractionArch(model.embedding_dim, model.interaction).out_features
+    return [
+        ("bottom", NUM_DENSE, tuple(model.bottom_mlp), "relu"),
+        ("top", top_in, tuple(model.top_mlp), "identity"),
+    ]
+
+
+def mlp_layers(config: str) -> list[tuple[int, int, str]]:
+    """(K, N, activation) of every MLP layer of configs/<config>.json, bottom MLP then top MLP."""
     layers = []
-    for k, widths, last in ((NUM_DENSE, model.bottom_mlp, "relu"), (top_in, model.top_mlp, "identity")):
+    for _, k, widths, last in mlp_stacks(config):
         for i, n in enumerate(widths):
             layers.append((k, n, last if i == len(widths) - 1 else "relu"))
             k = n
@@ -387,16 +395,6 @@ def run_lora(configs, batches, precisions, ranks, paths, common) -> None:
                     _print_totals(f"{config:<8}{precision:<6}{m:>7}  {r:>4}  ", totals, paths)
                     append_rows(LORA_RESULTS, rows)  # as it goes: a call's time limit keeps what ran
                     rows = []
-
-
-def mlp_stacks(config: str) -> list[tuple[str, int, tuple[int, ...], str]]:
-    """(name, K, widths, last activation) of the bottom and top MLPs of configs/<config>.json."""
-    model = load_config(CONFIG_DIR / f"{config}.json").model
-    top_in = InteractionArch(model.embedding_dim, model.interaction).out_features
-    return [
-        ("bottom", NUM_DENSE, tuple(model.bottom_mlp), "relu"),
-        ("top", top_in, tuple(model.top_mlp), "identity"),
-    ]
 
 
 def bench_mlp(path: str, m: int, name: str, k: int, widths: tuple[int, ...], last: str, dtype: torch.dtype):

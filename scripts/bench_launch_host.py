@@ -23,6 +23,7 @@ from pathlib import Path
 import click
 import torch
 import torch.nn.functional as F
+from bench_kernels import mlp_stacks
 
 from kernels.linear_act import linear_act
 from kernels.linear_act_backward import _linear_act_bwd_cublas, linear_act_dz
@@ -31,11 +32,6 @@ from kernels.linear_act_stack import linear_act_stack
 from kernels.partials import sum_partials
 
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
-# The kaggle config's MLPs: (name, K, widths, last activation, whether the input takes a gradient).
-KAGGLE_MLPS = (
-    ("bottom", 13, (512, 256, 64, 16), "relu", False),
-    ("top", 367, (512, 256, 1), "identity", True),
-)
 
 
 def per_call_us(fn, calls: int = 200, rounds: int = 7) -> float:
@@ -180,7 +176,8 @@ def main(layer, batch, precisions, output, cpus):
         for name, us in probe(batch, k, n, DTYPES[precision]).items():
             lines.append(f"{precision:5s} {name:34s} {us:8.1f}")
             click.echo(lines[-1])
-        for name, k_in, widths, last, x_grad in KAGGLE_MLPS:
+        for name, k_in, widths, last in mlp_stacks("kaggle"):
+            x_grad = name == "top"  # the bottom MLP's input is data
             for path, us in probe_mlp(batch, k_in, widths, last, x_grad, DTYPES[precision]).items():
                 lines.append(f"{precision:5s} kaggle {name} MLP: {path:27s} {us:8.1f}")
                 click.echo(lines[-1])
