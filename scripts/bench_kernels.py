@@ -40,7 +40,10 @@ the top MLP's is not.
                       residual, relu) over dense [B, 16] and embedded [B, 26, 16]: kernel "torch", compile
                       of it, kernel "triton"
 Precisions: tf32 (fp32 tensors, TF32 matmuls allowed for every path) and bf16. Inputs rotate over several
-buffer sets so the L2 cache does not hold them between repeats.
+buffer sets so the L2 cache does not hold them between repeats. Every path reads a layer's input x in the
+layout the model hands it over (`model_layout`): the top MLP's first layer reads the dot interaction's
+output, [B, 367] in rows 16 bytes apart (368 fp32 values), the bottom MLP's first layer contiguous dense
+features [B, 13]. (Rows before 2026-11-26 fed a contiguous [B, 367] to every path.)
 
 It first measures the two ceilings on this GPU: device-to-device copy bandwidth (bytes read + written) and
 the GEMM rate (8192^3 matmul) per precision, and reports each row's TFLOP/s as a % of that rate. The
@@ -63,6 +66,7 @@ from dlrm.data.schema import NUM_DENSE
 from dlrm.model.dlrm import InteractionArch
 from kernels.activations import act_ref
 from kernels.bias_act import bias_act
+from kernels.launch import aligned_width, leading_columns
 from kernels.linear_act import linear_act
 
 RESULTS = Path(__file__).parent / "results" / "kernels.csv"
@@ -98,6 +102,16 @@ def mlp_layers(config: str) -> list[tuple[int, int, str]]:
             layers.append((k, n, last if i == len(widths) - 1 else "relu"))
             k = n
     return layers
+
+
+def model_layout(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] copied into the layout the model hands a layer of input width K: rows 16 bytes apart when K
+    is the interaction's output width (wider than the NUM_DENSE dense features, and not 16-byte aligned:
+    the dot interaction kernel writes its rows padded, kernels/interaction.py), else x itself."""
+    k = x.shape[1]
+    if k <= NUM_DENSE or aligned_width(k, x.dtype) == k:
+        return x
+    return leading_columns(x.new_zeros((x.shape[0], aligned_width(k, x.dtype))), k).copy_(x)
 
 
 def _median_ms(fn) -> float:
@@ -155,7 +169,7 @@ def bench_layer(path: str, m: int, k: int, n: int, act: str, dtype: torch.dtype)
     g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
     sets = []
     for _ in range(ROTATE):
-        x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        x = model_layout(torch.randn(m, k, device="cuda", dtype=dtype, generator=g)).requires_grad_()
         w = (torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5).requires_grad_()
         b = torch.randn(n, device="cuda", dtype=dtype, generator=g).requires_grad_()
         dy = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
@@ -233,7 +247,7 @@ def bench_block(path: str, block: str, m: int, k: int, n: int, dtype: torch.dtyp
     sets = []
     wide = 2 if block.startswith("gated") else 1
     for _ in range(ROTATE):
-        x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        x = model_layout(torch.randn(m, k, device="cuda", dtype=dtype, generator=g)).requires_grad_()
         w = (torch.randn(wide * n, k, device="cuda", dtype=dtype, generator=g) / k**0.5).requires_grad_()
         b = torch.randn(wide * n, device="cuda", dtype=dtype, generator=g).requires_grad_()
         dy = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
@@ -362,7 +376,7 @@ def bench_lora(path: str, m: int, k: int, n: int, r: int, act: str, dtype: torch
     g = torch.Generator(device="cuda").manual_seed(m * 7 + n + r)
     sets = []
     for _ in range(ROTATE):
-        x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        x = model_layout(torch.randn(m, k, device="cuda", dtype=dtype, generator=g)).requires_grad_()
         w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5  # frozen
         b = torch.randn(n, device="cuda", dtype=dtype, generator=g)  # frozen
         a = (torch.randn(r, k, device="cuda", dtype=dtype, generator=g) / k**0.5).requires_grad_()
@@ -409,7 +423,8 @@ def bench_mlp(path: str, m: int, name: str, k: int, widths: tuple[int, ...], las
     g = torch.Generator(device="cuda").manual_seed(m * 7 + k)
     sets = []
     for _ in range(ROTATE):
-        x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g).requires_grad_(name == "top")
+        x = model_layout(torch.randn(m, k, device="cuda", dtype=dtype, generator=g))
+        x.requires_grad_(name == "top")
         sets.append((x, *params, torch.randn(m, widths[-1], device="cuda", dtype=dtype, generator=g)))
     module = mlp
     if path == "compile":

@@ -8,7 +8,8 @@ issue's launch bar (<= 1.2x eager's time) measures. Each row is the wall time of
 Linear+ReLU, linear_act, a no-op autograd.Function (the glue every custom op pays), and each launch or
 allocation linear_act's forward and backward make. Then the kaggle bottom and top MLPs whole, forward +
 backward: eager PyTorch, linear_act called layer by layer, and ``kernels.linear_act_stack`` (the layers as
-one autograd node, as the model runs them), in interleaved rounds (the median of 9, 100 calls each).
+one autograd node, as the model runs them), in interleaved rounds (the median of 9, 100 calls each), each
+MLP's input in the model's layout (``bench_kernels.model_layout``).
 Prints the table; ``--output`` also writes it.
 
 ``--cpus 0`` pins the process, and the threads it starts later (autograd's device thread, which runs every
@@ -23,7 +24,7 @@ from pathlib import Path
 import click
 import torch
 import torch.nn.functional as F
-from bench_kernels import mlp_stacks
+from bench_kernels import mlp_stacks, model_layout
 
 from kernels.linear_act import linear_act
 from kernels.linear_act_backward import _linear_act_bwd_cublas, linear_act_dz
@@ -116,7 +117,7 @@ def probe_mlp(m: int, k: int, widths: tuple[int, ...], last: str, x_grad: bool, 
     ]
     biases = [torch.randn(n, device="cuda", dtype=dtype, requires_grad=True) for n in widths]
     activations = ["relu"] * (len(widths) - 1) + [last]
-    x = torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=x_grad)
+    x = model_layout(torch.randn(m, k, device="cuda", dtype=dtype)).requires_grad_(x_grad)
     dy = torch.randn(m, widths[-1], device="cuda", dtype=dtype)
     layers = list(zip(weights, biases, activations, strict=True))
 
