@@ -28,8 +28,11 @@ output); the backward kernel re-forms a and b from z.
 Kernels: ``_gated_linear_fwd_kernel`` (one program per [BLOCK_M, BLOCK_N] tile of z, i.e. BLOCK_N / 2
 output features; epilogue adds the bias, stores z, splits the tile into its (a, b) pairs with
 ``tl.split`` and stores y), autotuned like linear_act's GEMMs; ``_gated_linear_dz_kernel`` (dz and the
-bias gradient's fp32 partial sums in one pass over [M, 2N]); cuBLAS then computes dx and dW (dW from x
-copied into rows of 16 bytes when its rows are not, e.g. the 13 dense features: cuBLAS's aligned kernels).
+bias gradient's fp32 partial sums in one pass over [M, 2N]); cuBLAS then computes dx and dW as linear_act's
+backward does (``kernels.linear_act_backward.gemm_grads``: aligned operands for cuBLAS's fast kernels, x
+copied once into rows of 16 bytes when its rows are not, e.g. the 13 dense features; dx comes back in rows
+padded to 16 bytes). The forward reads a copy of W in rows of 16 bytes where K is not a multiple of 16
+bytes (``kernels.launch.aligned_weight``).
 
 It equals the PyTorch expression ``gate(z[:, 0::2], z[:, 1::2])`` with ``z = F.linear(x, W, bias)``,
 computed in fp32 and cast back to x's dtype (``gated_linear_ref``), up to the GEMM precision above.
@@ -52,12 +55,16 @@ from kernels.gemm_tuning import autotuned, input_precision, m_bucket
 from kernels.launch import (
     DTYPES,
     INTERPRETED,
+    aligned_weight,
     aligned_width,
+    leading_columns,
+    new_padded,
     rows_aligned,
     rows_contiguous,
     use_triton,
     zero_padded,
 )
+from kernels.linear_act_backward import gemm_grads
 from kernels.linear_act_forward import _grouped_tile, matmul_tile
 from kernels.partials import row_programs, sum_partials
 
@@ -251,7 +258,7 @@ def gated_linear_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, gate: str) 
     if m == 0:
         return y, z
     x = rows_contiguous(x)
-    weight = weight.contiguous()
+    weight = aligned_weight(weight)
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n2, meta["BLOCK_N"]),)
@@ -277,7 +284,8 @@ def gated_linear_bwd(
         has_bias: whether to return dbias. needs_dx: whether to compute dx (False skips its GEMM).
 
     Returns:
-        (dx [M, K] or None, dW [2N, K], dbias [2N] or None), in x's dtype; dW, dbias zeros when M == 0.
+        (dx [M, K] in rows padded to 16 bytes, or None; dW [2N, K]; dbias [2N] or None), in x's dtype;
+        dW, dbias zeros when M == 0.
 
     Raises:
         ValueError: bad shapes, dtypes, devices or gate.
@@ -293,8 +301,9 @@ def gated_linear_bwd(
             )
     if m == 0:
         db = x.new_zeros(n2) if has_bias else None
-        return (x.new_zeros(m, k) if needs_dx else None), x.new_zeros(n2, k), db
+        return (new_padded(m, k, x).zero_() if needs_dx else None), x.new_zeros(n2, k), db
     dy, z = dy.contiguous(), z.contiguous()
+    x = rows_contiguous(x)
     dz = launch.empty((m, n2), x.dtype, x.device)
     block_n = min(64, triton.next_power_of_2(n2 // 2))
     block_m = max(16, 2048 // block_n)
@@ -304,14 +313,12 @@ def gated_linear_bwd(
         dy, z, dz, db_part, m, n2, dy.stride(0), z.stride(0), dz.stride(0),
         HAS_BIAS=has_bias, GATE=gate, BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
-    dx = torch.mm(dz, weight) if needs_dx else None
-    if rows_aligned(x) and x.stride(1) == 1:
-        dw = torch.mm(dz.t(), x)
-    else:
+    if not rows_aligned(x):
         # cuBLAS takes its slow align1 kernels on rows not 16 bytes apart (K = 13 dense features; H200,
-        # B=65536, bf16: 496 us for linear_act's 13 -> 512 dW): copy x once into zero-padded rows and drop
-        # the padding's columns of dW.
-        dw = torch.mm(dz.t(), zero_padded(x, aligned_width(k, x.dtype)))[:, :k].contiguous()
+        # B=65536, bf16: 496 us for linear_act's 13 -> 512 dW): copy x once into zero-padded rows, which
+        # gemm_grads reads whole, dropping the padding's columns of dW.
+        x = leading_columns(zero_padded(x, aligned_width(k, x.dtype)), k)
+    dx, dw = gemm_grads(dz, x, weight, needs_dx)
     db = sum_partials(db_part, x.dtype) if has_bias else None
     return dx, dw, db
 
@@ -365,7 +372,8 @@ def _gated_linear_bwd_ref(dy, x, weight, z, gate, has_bias, needs_dx):
         da = dy * (F.gelu(b, approximate="tanh") if act == "gelu_tanh" else F.silu(b))
         db = dy * a * act_grad_ref(b, act)
     dz = torch.stack((da, db), dim=2).reshape(z.shape).to(x.dtype).float()  # rounded as the kernel's
-    dx = (dz @ weight.float()).to(x.dtype) if needs_dx else None
+    # dx in the kernels' layout: rows padded to 16 bytes (see the fake).
+    dx = new_padded(*x.shape, x).copy_(dz @ weight.float()) if needs_dx else None
     return dx, (dz.t() @ x.float()).to(x.dtype), (dz.sum(0).to(x.dtype) if has_bias else None)
 
 
@@ -415,7 +423,7 @@ def _gated_linear_backward_fake(
     dy: Tensor, x: Tensor, weight: Tensor, z: Tensor, gate: str, has_bias: bool, needs_dx: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     return (
-        x.new_empty(x.shape if needs_dx else (0,)),
+        x.new_empty_strided(x.shape, (aligned_width(x.shape[1], x.dtype), 1)) if needs_dx else x.new_empty(0),
         weight.new_empty(weight.shape),
         x.new_empty((weight.shape[0],) if has_bias else (0,)),
     )

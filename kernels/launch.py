@@ -69,3 +69,13 @@ def new_padded(m: int, k: int, like: Tensor) -> Tensor:
 def zero_padded(t: Tensor, width: int) -> Tensor:
     """A contiguous copy [R, width] of a 2-D t [R, K] (width >= K) whose columns K..width-1 are zeros."""
     return F.pad(t, (0, width - t.shape[1])).contiguous()
+
+
+def aligned_weight(weight: Tensor) -> Tensor:
+    """A weight [N, K] for a forward GEMM kernel: itself where contiguous and K is a multiple of 16 bytes,
+    else a copy in rows zero-padded to 16 bytes (only its first K columns are read), so the kernel's loads
+    of W can be 16 bytes wide (on rows 367 fp32 apart they can only be 4)."""
+    k = weight.shape[1]
+    if aligned_width(k, weight.dtype) == k:
+        return weight.contiguous()
+    return leading_columns(zero_padded(weight, aligned_width(k, weight.dtype)), k)

@@ -37,7 +37,7 @@ from kernels.linear_act_dw import linear_act_dw
 from kernels.linear_act_forward import SAVES_Y, check_inputs
 from kernels.partials import row_programs, sum_partials
 
-__all__ = ["check_bwd_inputs", "launch_bwd", "linear_act_bwd", "linear_act_dz"]
+__all__ = ["check_bwd_inputs", "gemm_grads", "launch_bwd", "linear_act_bwd", "linear_act_dz"]
 
 
 # M (the batch) changes between calls: do not specialize on it (a new batch size reuses the compiled kernel).
@@ -245,6 +245,17 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
         db = torch.zeros(n, dtype=x.dtype, device=x.device) if has_bias else None
         return (new_padded(m, k, x) if needs_dx else None), x.new_zeros(n, k), db
     dz, db = linear_act_dz(dy, saved, activation, has_bias, x.dtype)
+    dx, dw = gemm_grads(dz, x, weight, needs_dx)
+    return dx, dw, db
+
+
+def gemm_grads(dz: Tensor, x: Tensor, weight: Tensor, needs_dx: bool) -> tuple[Tensor | None, Tensor]:
+    """(dx, dW) of ``z = x @ W^T`` by cuBLAS: dx = dz @ W [M, K] (None unless needs_dx), in rows padded to 16
+    bytes where K is not a multiple of 16 bytes; dW = dz^T @ x [N, K], contiguous. dz [M, N] contiguous,
+    x [M, K] with contiguous rows, W [N, K]; one dtype. Shared by the GEMM ops whose backward is cuBLAS's
+    (linear_act, ln_linear_gelu through it, gated_linear), each with its own dz."""
+    m, k = x.shape
+    n = weight.shape[0]
     kp = aligned_width(k, x.dtype)
     dx = None
     # fp32: dz @ W over a contiguous W^T [Kp, N], the reduction dim contiguous in both operands, the only
@@ -269,4 +280,4 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
         dw = torch.mm(dz.t(), x.as_strided((m, kp), (kp, 1)))[:, :k].contiguous()
     else:
         dw = torch.mm(dz.t(), x)
-    return dx, dw, db
+    return dx, dw

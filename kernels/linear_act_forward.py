@@ -20,7 +20,7 @@ from torch import Tensor
 from kernels import launch
 from kernels.activations import act_fwd, check_activation
 from kernels.gemm_tuning import autotuned, input_precision, m_bucket
-from kernels.launch import DTYPES, INTERPRETED, rows_contiguous
+from kernels.launch import DTYPES, INTERPRETED, aligned_weight, rows_contiguous
 
 __all__ = ["SAVES_Y", "SAVES_Z", "check_inputs", "linear_act_fwd"]
 
@@ -41,6 +41,15 @@ def _grouped_tile(pid, num_pid_a, num_pid_b, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _dot_chunk(acc, a, b, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """acc + a @ b for one reduction chunk (operands cast to fp32 first in the interpreter)."""
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
 def matmul_tile(
     x_ptr, w_ptr, rows, cols, mask_m, mask_n, K, stride_xm, stride_wn,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -48,21 +57,27 @@ def matmul_tile(
 ):  # fmt: skip
     """The [BLOCK_M, BLOCK_N] fp32 tile of x @ W^T at `rows` x `cols` (x [M, K] and W [N, K] with row strides
     stride_xm, stride_wn), reduced over K in BLOCK_K chunks; masked rows, columns and the K tail read 0.
-    Inlined into the forward GEMM kernels (linear_act, gated_linear), which add their own epilogues."""
+    Inlined into the forward GEMM kernels (linear_act, gated_linear), which add their own epilogues.
+
+    The whole chunks load with no mask along K and the tail (K % BLOCK_K columns) in one masked chunk after
+    them: a mask along K is constant over 16 bytes only where K is a multiple of 16, so masking every chunk
+    made the loads of a K = 367 layer (the interaction's output, rows 368 apart) element by element."""
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N] tile of W^T
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = ks < K - k0
-        a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    k_whole = K - K % BLOCK_K
+    for _ in range(0, k_whole, BLOCK_K):
+        a = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+        b = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
+        acc = _dot_chunk(acc, a, b, DOT_FP32, INPUT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if k_whole < K:
+        mask_k = ks < K - k_whole
+        a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = _dot_chunk(acc, a, b, DOT_FP32, INPUT_PRECISION)
     return acc
 
 
@@ -193,7 +208,7 @@ def launch_fwd(
     if m == 0:
         return y, saved
     x = rows_contiguous(x)
-    weight = weight.contiguous()
+    weight = aligned_weight(weight)
     bias = bias.contiguous() if bias is not None else None
 
     def grid(meta):

@@ -21,8 +21,9 @@ from tests.tolerances import tol
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (M, N, K), N output features (the GEMM is 2N wide): ones, primes, non-multiples of the 32-wide
 # interpreter tiles (N = 17: 34 GEMM columns, two tiles, the second partial); rows of 16 bytes (K = 4, 16)
-# and not (K = 1, 5, 13: dW from a padded copy of x).
-SHAPES = [(1, 1, 1), (3, 7, 5), (67, 17, 13), (29, 6, 16)]
+# and not (K = 1, 5, 13, 37: dW from a padded copy of x); K = 37 spans a whole 32-deep reduction chunk and a
+# masked tail.
+SHAPES = [(1, 1, 1), (3, 7, 5), (67, 17, 13), (29, 6, 16), (40, 9, 37)]
 
 
 def _ids(s):
@@ -116,6 +117,25 @@ def test_empty_batch():
 def test_invalid_inputs_raise_value_error(args, match):
     with pytest.raises(ValueError, match=match):
         gated_linear(*args)
+
+
+def test_row_padded_input():
+    """x as a view of a buffer in rows of 16 bytes (the interaction's output) gives the results of a
+    contiguous x, the padding never read into them (it holds NaN here); dx comes back in rows of 16 bytes."""
+    x, w, b, dy = _inputs(40, 9, 37, torch.float32, seed=11)
+    padded = torch.full((40, 40), float("nan"), device=DEVICE)
+    padded[:, :37] = x
+    results = []
+    for x_in in (x, padded[:, :37]):
+        leaves = [t.detach().requires_grad_(True) for t in (x_in, w, b)]  # x_in keeps its strides
+        assert leaves[0].stride(0) == x_in.stride(0)
+        y = gated_linear(*leaves, "geglu")
+        results.append((y, *torch.autograd.grad(y, leaves, dy)))
+    for got, want in zip(results[1], results[0], strict=True):
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    dx = gated_linear_bwd(dy, padded[:, :37], w, gated_linear_fwd(x, w, b, "geglu")[1], "geglu", True)[0]
+    assert dx.stride() == (40, 1)
 
 
 def test_opcheck():
