@@ -49,7 +49,15 @@ from kernels import launch
 from kernels.activations import act_fwd, act_grad_ref
 from kernels.direct import call, eager_function
 from kernels.gemm_tuning import autotuned, input_precision, m_bucket
-from kernels.launch import DTYPES, INTERPRETED, aligned_width, new_padded, rows_contiguous, use_triton
+from kernels.launch import (
+    DTYPES,
+    INTERPRETED,
+    aligned_weight,
+    aligned_width,
+    new_padded,
+    rows_contiguous,
+    use_triton,
+)
 from kernels.linear_act_backward import linear_act_bwd
 from kernels.linear_act_forward import _grouped_tile
 from kernels.partials import row_programs, sum_partials
@@ -106,6 +114,19 @@ def _ln_rows_kernel(
                  mask=mask_m[:, None] & (ks < KP)[None, :])  # fmt: skip
 
 
+@triton.jit
+def _ln_dot_chunk(acc, x, w, gamma, beta, mean, rstd, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """acc + a @ w for one reduction chunk, a = LayerNorm(x) formed from the x chunk [BLOCK_M, BLOCK_K], the
+    row statistics [BLOCK_M, 1] and the chunk's gamma, beta [BLOCK_K]; a rounded to w's dtype for the dot
+    (kept fp32 in the interpreter)."""
+    a = (x.to(tl.float32) - mean) * rstd * gamma.to(tl.float32)[None, :] + beta.to(tl.float32)[None, :]
+    if DOT_FP32:
+        w = w.to(tl.float32)
+    else:
+        a = a.to(w.dtype)
+    return tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
+
+
 # M (the batch) changes between calls: do not specialize on it, so a new batch size reuses the kernel.
 @triton.jit(do_not_specialize=["M"])
 def _ln_linear_gelu_fwd_kernel(
@@ -151,21 +172,24 @@ def _ln_linear_gelu_fwd_kernel(
     x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N] tile of W^T
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = ks < K - k0
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        gamma = tl.load(gamma_ptr + k0 + ks, mask=mask_k, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + k0 + ks, mask=mask_k, other=0.0).to(tl.float32)
-        # LayerNorm on the A operand; columns past K give 0 (gamma = beta = 0 there).
-        a = (x - mean) * rstd * gamma[None, :] + beta[None, :]
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if DOT_FP32:
-            w = w.to(tl.float32)
-        else:
-            a = a.to(w_ptr.dtype.element_ty)
-        acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
+    # Whole chunks with no mask along K, the tail in one masked chunk (why: kernels.linear_act_forward's
+    # matmul_tile).
+    k_whole = K - K % BLOCK_K
+    for k0 in range(0, k_whole, BLOCK_K):
+        x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
+        acc = _ln_dot_chunk(acc, x, w, tl.load(gamma_ptr + k0 + ks), tl.load(beta_ptr + k0 + ks), mean, rstd,
+                            DOT_FP32, INPUT_PRECISION)  # fmt: skip
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if k_whole < K:
+        mask_k = ks < K - k_whole
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        # Columns past K give 0: gamma = beta = 0 there.
+        gamma = tl.load(gamma_ptr + k_whole + ks, mask=mask_k, other=0.0)
+        beta = tl.load(beta_ptr + k_whole + ks, mask=mask_k, other=0.0)
+        acc = _ln_dot_chunk(acc, x, w, gamma, beta, mean, rstd, DOT_FP32, INPUT_PRECISION)
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -298,7 +322,7 @@ def ln_linear_gelu_fwd(
     if m == 0:
         return y, z, mean, rstd
     x = rows_contiguous(x)
-    weight = weight.contiguous()
+    weight = aligned_weight(weight)
     meta = _rows_meta(k)
     _ln_rows_kernel[(triton.cdiv(m, meta["BLOCK_M"]),)](
         x, x, x, mean, rstd, x, m, k, k, eps, x.stride(0), WRITE_STATS=True, WRITE_A=False, **meta
