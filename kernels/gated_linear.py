@@ -51,7 +51,7 @@ from torch import Tensor
 from kernels import launch
 from kernels.activations import act_fwd, act_grad, act_grad_ref, sigmoid
 from kernels.direct import call, eager_function
-from kernels.gemm_tuning import autotuned, input_precision, m_bucket
+from kernels.gemm_tuning import autotuned, even_k, input_precision, m_bucket
 from kernels.launch import (
     DTYPES,
     INTERPRETED,
@@ -131,6 +131,7 @@ def _gated_linear_fwd_kernel(
     GATE: tl.constexpr,
     DOT_FP32: tl.constexpr,  # cast dot operands to fp32 (interpreter only)
     INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "ieee" (torch's allow_tf32)
+    EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no mask along K
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # z columns per tile (even): BLOCK_N / 2 output features
     BLOCK_K: tl.constexpr,  # reduction chunk
@@ -144,7 +145,7 @@ def _gated_linear_fwd_kernel(
     mask_n = cols < N
     acc = matmul_tile(
         x_ptr, w_ptr, rows, cols, mask_m, mask_n, K, stride_xm, stride_wn,
-        DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        DOT_FP32, INPUT_PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
 
     # Epilogue in fp32: bias, z, then the gate over the tile's (a, b) column pairs.
@@ -268,6 +269,7 @@ def gated_linear_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, gate: str) 
         m, n2, k, m_bucket(m),
         x.stride(0), weight.stride(0), z.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, GATE=gate, DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x.dtype),
+        EVEN_K=even_k(k),
     )  # fmt: skip
     return y, z
 

@@ -16,7 +16,7 @@ import triton
 
 from kernels.launch import INTERPRETED
 
-__all__ = ["TunedKernel", "autotuned", "input_precision", "m_bucket"]
+__all__ = ["TunedKernel", "autotuned", "even_k", "input_precision", "m_bucket"]
 
 _KEY = ["M_BUCKET", "N", "K"]
 _M_BUCKET_MIN, _M_BUCKET_MAX = 64, 65536
@@ -42,6 +42,12 @@ _INTERPRETER_SHAPE = (32, 32, 32, 4, 1)
 def m_bucket(m: int) -> int:
     """next_power_of_2(M) clamped to [64, 65536]: the M part of the autotuning key."""
     return min(max(triton.next_power_of_2(m), _M_BUCKET_MIN), _M_BUCKET_MAX)
+
+
+def even_k(k: int) -> bool:
+    """Whether K is a multiple of every config's reduction chunk (BLOCK_K: 32 or 64; 32 in the interpreter),
+    so a GEMM kernel's K loop loads whole chunks with no mask along K (its EVEN_K)."""
+    return k % max(_RED_BY_ELEMENT_SIZE.values()) == 0
 
 
 def input_precision(dtype: torch.dtype) -> str:

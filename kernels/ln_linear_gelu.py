@@ -48,7 +48,7 @@ from torch import Tensor
 from kernels import launch
 from kernels.activations import act_fwd, act_grad_ref
 from kernels.direct import call, eager_function
-from kernels.gemm_tuning import autotuned, input_precision, m_bucket
+from kernels.gemm_tuning import autotuned, even_k, input_precision, m_bucket
 from kernels.launch import (
     DTYPES,
     INTERPRETED,
@@ -154,6 +154,7 @@ def _ln_linear_gelu_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # keep the dot operands in fp32 (interpreter only)
     INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "ieee" (torch's allow_tf32)
+    EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no mask along K
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # reduction chunk
@@ -172,17 +173,17 @@ def _ln_linear_gelu_fwd_kernel(
     x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N] tile of W^T
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Whole chunks with no mask along K, the tail in one masked chunk (why: kernels.linear_act_forward's
-    # matmul_tile).
-    k_whole = K - K % BLOCK_K
+    # Whole chunks with no mask along K, then (unless EVEN_K) the tail in one masked chunk: why in
+    # kernels.linear_act_forward's matmul_tile.
+    k_whole = K if EVEN_K else K - K % BLOCK_K
     for k0 in range(0, k_whole, BLOCK_K):
         x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
         w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
-        acc = _ln_dot_chunk(acc, x, w, tl.load(gamma_ptr + k0 + ks), tl.load(beta_ptr + k0 + ks), mean, rstd,
-                            DOT_FP32, INPUT_PRECISION)  # fmt: skip
+        gamma, beta = tl.load(gamma_ptr + k0 + ks), tl.load(beta_ptr + k0 + ks)
+        acc = _ln_dot_chunk(acc, x, w, gamma, beta, mean, rstd, DOT_FP32, INPUT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if k_whole < K:
+    if not EVEN_K and k_whole < K:
         mask_k = ks < K - k_whole
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
@@ -336,6 +337,7 @@ def ln_linear_gelu_fwd(
         bias.contiguous() if bias is not None else x, y, z,
         m, n, k, m_bucket(m), x.stride(0), weight.stride(0), y.stride(0), z.stride(0),
         HAS_BIAS=bias is not None, DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x.dtype),
+        EVEN_K=even_k(k),
     )  # fmt: skip
     return y, z, mean, rstd
 
