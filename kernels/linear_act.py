@@ -17,8 +17,10 @@ b [N] or None, y [M, N]. Any M >= 0, N >= 1, K >= 1 (e.g. K = 13 dense features,
 The kernels take row strides only, and are fast only on rows 16 bytes apart (cuBLAS falls back to its
 align1 kernels and Triton to narrow loads otherwise): the autograd op copies an x whose rows are not (K = 13
 dense features, a contiguous [B, 367]) once into rows padded with zeros to Kp (16 bytes, ``_pads_input``),
-and W likewise, so the forward GEMM runs over Kp unmasked columns and the backward's dW reads the same
-copy; row-padded inputs (the dot interaction's output, [B, 367] in rows of 368) are read in place. dx
+and W likewise, so the forward GEMM runs over Kp columns (a multiple of 16 bytes: any mask of its K tail is
+constant over 16 bytes) and the backward's dW reads the same copy; row-padded inputs (the dot interaction's
+output, [B, 367] in rows of 368) are read in place, W then copied into rows of 16 bytes
+(``kernels.launch.aligned_weight``) and the K tail masked. dx
 comes back with its rows padded too (cuBLAS writes it as the first K columns of an [M, Kp] GEMM).
 
 Dtypes: x, W and b all fp32, bf16 or fp16 (one dtype); y, dx, dW, db have that dtype.
@@ -256,12 +258,19 @@ def _linear_act_backward_fake(
     )
 
 
+def saved_for_backward(
+    x: Tensor, weight: Tensor, activation: str, y: Tensor, z: Tensor | None, x_padded: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """What the backward reads, from the forward's inputs and outputs: the x its GEMMs read (x_padded where
+    ``_pads_input(x)``, else x itself), W, and y for relu/sigmoid, z for gelu_tanh/silu, None for identity
+    (module docstring)."""
+    act_input = y if activation in SAVES_Y else (z if activation in SAVES_Z else None)
+    return (x_padded if _pads_input(x) else x), weight, act_input
+
+
 def _setup_context(ctx, inputs, output) -> None:
     x, weight, bias, activation = inputs
-    y, z, x_padded = output
-    # Save y for relu/sigmoid, z for gelu_tanh/silu, nothing extra for identity (module docstring).
-    saved = y if activation in SAVES_Y else (z if activation in SAVES_Z else None)
-    ctx.save_for_backward(x_padded if _pads_input(x) else x, weight, saved)
+    ctx.save_for_backward(*saved_for_backward(x, weight, activation, *output))
     ctx.activation = activation
     ctx.has_bias = bias is not None
 

@@ -19,8 +19,7 @@ import torch
 from torch import Tensor
 from torch.compiler import is_compiling
 
-from kernels.linear_act import _backward_body, _forward, _pads_input, linear_act
-from kernels.linear_act_forward import SAVES_Y, SAVES_Z
+from kernels.linear_act import _backward_body, _forward, linear_act, saved_for_backward
 
 __all__ = ["linear_act_stack"]
 
@@ -35,10 +34,7 @@ class _LinearActStack(torch.autograd.Function):
         for i, activation in enumerate(activations):
             weight, bias = params[2 * i], params[2 * i + 1]
             y, z, x_padded = _forward(x, weight, bias, activation)
-            # What linear_act's autograd glue saves: the GEMMs' x (its padded copy where one was made), W,
-            # and y (relu, sigmoid) or z (gelu_tanh, silu) for act'.
-            act_input = y if activation in SAVES_Y else (z if activation in SAVES_Z else None)
-            saved += [x_padded if _pads_input(x) else x, weight, act_input]
+            saved += saved_for_backward(x, weight, activation, y, z, x_padded)  # as linear_act saves
             x = y
         ctx.save_for_backward(*saved)
         ctx.activations = activations
