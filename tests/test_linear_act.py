@@ -231,6 +231,39 @@ def test_unaligned_input_is_padded_once():
         torch.testing.assert_close(g, r, rtol=0, atol=0)
 
 
+def test_aligned_weight():
+    """A weight whose K is not a multiple of 16 bytes comes back as its values in rows of 16 bytes (zeros past
+    K in the storage); an aligned contiguous one as itself."""
+    w = torch.randn(5, 13)
+    aligned = launch.aligned_weight(w)
+    assert aligned.shape == (5, 13) and aligned.stride() == (16, 1)
+    torch.testing.assert_close(aligned, w, rtol=0, atol=0)
+    assert not aligned.as_strided((5, 16), (16, 1))[:, 13:].any()
+    w16 = torch.randn(4, 16, dtype=torch.bfloat16)
+    assert launch.aligned_weight(w16) is w16
+    assert launch.aligned_weight(torch.randn(13, 5, dtype=torch.bfloat16).t()).stride() == (16, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("k", [13, 16])
+def test_gemm_grads(k, dtype):
+    """dx = dz @ W and dW = dz^T @ x, from x in place or in rows padded to 16 bytes (NaN padding, never
+    read into the results); dx in rows of 16 bytes, dW contiguous."""
+    g = torch.Generator().manual_seed(k)
+    dz, x, w = (torch.randn(*shape, generator=g).to(dtype) for shape in ((37, 9), (37, k), (9, k)))
+    kp = launch.aligned_width(k, dtype)
+    padded = torch.full((37, kp), float("nan"), dtype=dtype)
+    padded[:, :k] = x
+    # fp32: a reduction in another order; bf16: the fp32 value rounded once (tests/tolerances.py)
+    tolerance = tol(dtype, "gemm" if dtype == torch.float32 else "fwd")
+    for x_in in (x, padded[:, :k]):
+        dx, dw = backward_mod.gemm_grads(dz, x_in, w, needs_dx=True)
+        assert dx.stride() == (kp, 1) and dw.is_contiguous()
+        torch.testing.assert_close(dx, (dz.float() @ w.float()).to(dtype), **tolerance)
+        torch.testing.assert_close(dw, (dz.float().t() @ x.float()).to(dtype), **tolerance)
+    assert backward_mod.gemm_grads(dz, x, w, needs_dx=False)[0] is None
+
+
 def test_unknown_backward_method():
     x, w, b, dy = _inputs(3, 4, 5, torch.float32, DEVICE)
     with pytest.raises(ValueError, match="unknown backward method 'x'"):
