@@ -50,15 +50,6 @@ def _dot_chunk(acc, a, b, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr)
 
 
 @triton.jit
-def _dot_chunk(acc, a, b, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """acc + a @ b for one reduction chunk (operands cast to fp32 first in the interpreter)."""
-    if DOT_FP32:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-
-
-@triton.jit
 def matmul_tile(
     x_ptr, w_ptr, rows, cols, mask_m, mask_n, K, stride_xm, stride_wn,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
