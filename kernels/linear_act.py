@@ -163,8 +163,8 @@ def _forward(
     read, saved for the backward), else None (x itself is read and saved)."""
     check_inputs(x, weight, bias, activation)
     k, kp = x.shape[1], aligned_width(x.shape[1], x.dtype)
-    # Zero columns, in W too: the forward GEMM runs over all Kp columns, with no mask along K (a mask at
-    # K = 367 is not constant over 16 bytes, which keeps Triton from vectorizing the loads of its tiles).
+    # Zero columns, in W too: the forward GEMM runs over all Kp columns, so any mask of its K tail is constant
+    # over 16 bytes (a mask at K = 367 is not, which keeps Triton from vectorizing the loads of its tiles).
     x_padded = zero_padded(x, kp) if _pads_input(x) else None
     if not use_triton(x):
         y, saved = _linear_act_fwd_ref(x, weight, bias, activation)
