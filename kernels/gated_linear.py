@@ -55,14 +55,13 @@ from kernels.gemm_tuning import autotuned, even_k, input_precision, m_bucket
 from kernels.launch import (
     DTYPES,
     INTERPRETED,
+    aligned_copy,
     aligned_weight,
     aligned_width,
-    leading_columns,
     new_padded,
     rows_aligned,
     rows_contiguous,
     use_triton,
-    zero_padded,
 )
 from kernels.linear_act_backward import gemm_grads
 from kernels.linear_act_forward import _grouped_tile, matmul_tile
@@ -319,7 +318,7 @@ def gated_linear_bwd(
         # cuBLAS takes its slow align1 kernels on rows not 16 bytes apart (K = 13 dense features; H200,
         # B=65536, bf16: 496 us for linear_act's 13 -> 512 dW): copy x once into zero-padded rows, which
         # gemm_grads reads whole, dropping the padding's columns of dW.
-        x = leading_columns(zero_padded(x, aligned_width(k, x.dtype)), k)
+        x = aligned_copy(x)
     dx, dw = gemm_grads(dz, x, weight, needs_dx)
     db = sum_partials(db_part, x.dtype) if has_bias else None
     return dx, dw, db

@@ -71,11 +71,18 @@ def zero_padded(t: Tensor, width: int) -> Tensor:
     return F.pad(t, (0, width - t.shape[1])).contiguous()
 
 
+def aligned_copy(t: Tensor) -> Tensor:
+    """A copy of a 2-D t [R, K] in rows zero-padded to 16 bytes (``aligned_width``), as an [R, K] tensor whose
+    rows lie that far apart: an operand a GEMM reads with wide loads (cuBLAS's aligned kernels, Triton's
+    16-byte loads) whatever K is."""
+    k = t.shape[1]
+    return leading_columns(zero_padded(t, aligned_width(k, t.dtype)), k)
+
+
 def aligned_weight(weight: Tensor) -> Tensor:
     """A weight [N, K] for a forward GEMM kernel: itself where contiguous and K is a multiple of 16 bytes,
-    else a copy in rows zero-padded to 16 bytes (only its first K columns are read), so the kernel's loads
-    of W can be 16 bytes wide (on rows 367 fp32 apart they can only be 4)."""
-    k = weight.shape[1]
-    if aligned_width(k, weight.dtype) == k:
+    else ``aligned_copy`` (only its first K columns are read), so the kernel's loads of W can be 16 bytes
+    wide (on rows 367 fp32 apart they can only be 4)."""
+    if aligned_width(weight.shape[1], weight.dtype) == weight.shape[1]:
         return weight.contiguous()
-    return leading_columns(zero_padded(weight, aligned_width(k, weight.dtype)), k)
+    return aligned_copy(weight)

@@ -37,7 +37,7 @@ from kernels.linear_act_dw import linear_act_dw
 from kernels.linear_act_forward import SAVES_Y, check_inputs
 from kernels.partials import row_programs, sum_partials
 
-__all__ = ["check_bwd_inputs", "gemm_grads", "launch_bwd", "linear_act_bwd", "linear_act_dz"]
+__all__ = ["check_bwd_inputs", "gemm_grads", "grad_input", "launch_bwd", "linear_act_bwd", "linear_act_dz"]
 
 
 # M (the batch) changes between calls: do not specialize on it (a new batch size reuses the compiled kernel).
@@ -250,28 +250,13 @@ def _linear_act_bwd_cublas(dy, x, weight, saved, activation, has_bias, needs_dx)
 
 
 def gemm_grads(dz: Tensor, x: Tensor, weight: Tensor, needs_dx: bool) -> tuple[Tensor | None, Tensor]:
-    """(dx, dW) of ``z = x @ W^T`` by cuBLAS: dx = dz @ W [M, K] (None unless needs_dx), in rows padded to 16
-    bytes where K is not a multiple of 16 bytes; dW = dz^T @ x [N, K], contiguous. dz [M, N] contiguous,
-    x [M, K] with contiguous rows, W [N, K]; one dtype. Shared by the GEMM ops whose backward is cuBLAS's
-    (linear_act, ln_linear_gelu through it, gated_linear), each with its own dz."""
+    """(dx, dW) of ``z = x @ W^T`` by cuBLAS: dx = dz @ W (``grad_input``; None unless needs_dx); dW =
+    dz^T @ x [N, K], contiguous. dz [M, N] contiguous, x [M, K] with contiguous rows, W [N, K]; one dtype.
+    Shared by the GEMM ops whose backward is cuBLAS's (linear_act, ln_linear_gelu through it, gated_linear),
+    each with its own dz."""
     m, k = x.shape
-    n = weight.shape[0]
     kp = aligned_width(k, x.dtype)
-    dx = None
-    # fp32: dz @ W over a contiguous W^T [Kp, N], the reduction dim contiguous in both operands, the only
-    # layout that Hopper's TF32 tensor-core kernels take (cuBLAS runs sm80 kernels otherwise; H100, graph
-    # replays, transpose copy included: 512 -> 256 29 vs 36 us at B=16384, 87 vs 137 us at 65536). 16-bit
-    # GEMMs take W as it is, faster without the copy (bf16: 0.62-1.01x its time on every kaggle and mlperf
-    # layer). Where K is not a multiple of 16 bytes, W^T gets zero rows up to Kp: an aligned GEMM into
-    # [M, Kp], whose first K columns are dx.
-    if needs_dx and kp == k and x.dtype != torch.float32:
-        dx = torch.mm(dz, weight)
-    elif needs_dx and kp == k:
-        dx = torch.mm(dz, weight.t().contiguous().t())
-    elif needs_dx:
-        w_t = weight.new_zeros((kp, n))
-        w_t[:k].copy_(weight.t())
-        dx = leading_columns(torch.mm(dz, w_t.t()), k)
+    dx = grad_input(dz, weight) if needs_dx else None
     # dW [N, K] with K not a multiple of 16 bytes (13 dense features, the 367-wide interaction) makes cuBLAS
     # take its slow align1 kernels (H200, B=65536, 13 -> 512 bf16: 496 us), so when x's rows are padded
     # (the op's copy, the interaction's output) the GEMM reads [M, Kp] in place and the extra columns of dW,
@@ -281,3 +266,23 @@ def gemm_grads(dz: Tensor, x: Tensor, weight: Tensor, needs_dx: bool) -> tuple[T
     else:
         dw = torch.mm(dz.t(), x)
     return dx, dw
+
+
+def grad_input(dz: Tensor, weight: Tensor) -> Tensor:
+    """dx = dz @ W [M, K] by cuBLAS, in rows padded to 16 bytes where K is not a multiple of 16 bytes (a fresh
+    buffer: callers may add to it in place). dz [M, N] contiguous, W [N, K]; one dtype."""
+    n, k = weight.shape
+    kp = aligned_width(k, weight.dtype)
+    # fp32: dz @ W over a contiguous W^T [Kp, N], the reduction dim contiguous in both operands, the only
+    # layout that Hopper's TF32 tensor-core kernels take (cuBLAS runs sm80 kernels otherwise; H100, graph
+    # replays, transpose copy included: 512 -> 256 29 vs 36 us at B=16384, 87 vs 137 us at 65536). 16-bit
+    # GEMMs take W as it is, faster without the copy (bf16: 0.62-1.01x its time on every kaggle and mlperf
+    # layer). Where K is not a multiple of 16 bytes, W^T gets zero rows up to Kp: an aligned GEMM into
+    # [M, Kp], whose first K columns are dx.
+    if kp == k and weight.dtype != torch.float32:
+        return torch.mm(dz, weight)
+    if kp == k:
+        return torch.mm(dz, weight.t().contiguous().t())
+    w_t = weight.new_zeros((kp, n))
+    w_t[:k].copy_(weight.t())
+    return leading_columns(torch.mm(dz, w_t.t()), k)

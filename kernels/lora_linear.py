@@ -23,9 +23,11 @@ when ``torch.backends.cuda.matmul.allow_tf32``), fp32 in the interpreter; u is r
 before its product with B (as the PyTorch expression does); bias and activation in fp32.
 
 Kernels: ``_lora_linear_fwd_kernel``, one program per [BLOCK_M, BLOCK_N] tile of y: the K loop accumulates
-x W^T and x A^T from the same x tiles (A padded to BLOCK_R >= 16 rows with zeros), then adds s u B^T, the
-bias and the activation (the add-multiply-activation epilogue); the programs of the first column tile store
-u. Backward: linear_act's dz pass (``kernels.linear_act_backward.linear_act_dz``), then cuBLAS GEMMs.
+x W^T and x A^T from the same x tiles (A padded to BLOCK_R >= 16 rows with zeros; W and A read from rows of
+16 bytes, whole K chunks unmasked and the tail in one masked chunk, as linear_act's ``matmul_tile``), then
+adds s u B^T, the bias and the activation (the add-multiply-activation epilogue); the programs of the first
+column tile store u. Backward: linear_act's dz pass (``kernels.linear_act_backward.linear_act_dz``), then
+cuBLAS GEMMs; dx comes back in rows padded to 16 bytes (``kernels.launch.new_padded``), as linear_act's.
 
 It equals ``act(F.linear(x, W, b) + s * F.linear(F.linear(x, A), B))`` computed in fp32 and cast back to
 x's dtype (``lora_linear_ref``), up to the GEMM precision above.
@@ -44,9 +46,17 @@ from torch import Tensor
 from kernels import launch
 from kernels.activations import ACTIVATIONS, act_fwd, act_grad_ref, act_ref, check_activation
 from kernels.direct import call, eager_function
-from kernels.gemm_tuning import autotuned, input_precision, m_bucket
-from kernels.launch import DTYPES, INTERPRETED, rows_contiguous, use_triton
-from kernels.linear_act_backward import linear_act_dz
+from kernels.gemm_tuning import autotuned, even_k, input_precision, m_bucket
+from kernels.launch import (
+    DTYPES,
+    INTERPRETED,
+    aligned_weight,
+    aligned_width,
+    new_padded,
+    rows_contiguous,
+    use_triton,
+)
+from kernels.linear_act_backward import grad_input, linear_act_dz
 from kernels.linear_act_forward import SAVES_Y, SAVES_Z, _grouped_tile
 
 __all__ = [
@@ -59,6 +69,18 @@ __all__ = [
 ]
 
 MAX_RANK = 128
+
+
+@triton.jit
+def _lora_dot_chunk(acc, acc_u, x, w, a, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """(acc + x @ w, acc_u + x @ a) for one reduction chunk (operands cast to fp32 in the interpreter)."""
+    if DOT_FP32:
+        x = x.to(tl.float32)
+        w = w.to(tl.float32)
+        a = a.to(tl.float32)
+    acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
+    acc_u = tl.dot(x, a, acc_u, input_precision=INPUT_PRECISION)
+    return acc, acc_u
 
 
 # M (the batch) changes between calls: do not specialize on it, so a new batch size reuses the kernel.
@@ -94,6 +116,7 @@ def _lora_linear_fwd_kernel(
     ACTIVATION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # cast dot operands to fp32 (interpreter only)
     INPUT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no mask along K
     BLOCK_R: tl.constexpr,  # >= R, power of two, >= 16
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -114,20 +137,23 @@ def _lora_linear_fwd_kernel(
     a_ptrs = a_ptr + ranks[None, :] * stride_am + ks[:, None]  # [BLOCK_K, BLOCK_R] tile of A^T
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = ks < K - k0
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        a = tl.load(a_ptrs, mask=mask_k[:, None] & mask_r[None, :], other=0.0)
-        if DOT_FP32:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-            a = a.to(tl.float32)
-        acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
-        acc_u = tl.dot(x, a, acc_u, input_precision=INPUT_PRECISION)
+    # Whole chunks with no mask along K, then (unless EVEN_K) the tail in one masked chunk: why in
+    # kernels.linear_act_forward's matmul_tile.
+    k_whole = K if EVEN_K else K - K % BLOCK_K
+    for _ in range(0, k_whole, BLOCK_K):
+        x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=mask_r[None, :], other=0.0)
+        acc, acc_u = _lora_dot_chunk(acc, acc_u, x, w, a, DOT_FP32, INPUT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
+    if not EVEN_K and k_whole < K:
+        mask_k = ks < K - k_whole
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=mask_k[:, None] & mask_r[None, :], other=0.0)
+        acc, acc_u = _lora_dot_chunk(acc, acc_u, x, w, a, DOT_FP32, INPUT_PRECISION)
 
     # u, rounded to the input dtype (as F.linear(x, A) gives it), then s u B^T.
     u = acc_u.to(u_ptr.dtype.element_ty)
@@ -195,7 +221,7 @@ def lora_linear_fwd(x, weight, bias, lora_a, lora_b, scale: float, activation: s
     if m == 0:
         return y, saved, u
     x = rows_contiguous(x)
-    weight, lora_a, lora_b = weight.contiguous(), lora_a.contiguous(), lora_b.contiguous()
+    weight, lora_a, lora_b = aligned_weight(weight), aligned_weight(lora_a), lora_b.contiguous()
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
@@ -206,7 +232,8 @@ def lora_linear_fwd(x, weight, bias, lora_a, lora_b, scale: float, activation: s
         x.stride(0), weight.stride(0), lora_a.stride(0), lora_b.stride(0), y.stride(0),
         (z if save_z else y).stride(0), u.stride(0),
         HAS_BIAS=bias is not None, SAVE_Z=save_z, ACTIVATION=activation, DOT_FP32=INTERPRETED,
-        INPUT_PRECISION=input_precision(x.dtype), BLOCK_R=max(16, triton.next_power_of_2(r)),
+        INPUT_PRECISION=input_precision(x.dtype), EVEN_K=even_k(k),
+        BLOCK_R=max(16, triton.next_power_of_2(r)),
     )  # fmt: skip
     return y, saved, u
 
@@ -216,12 +243,14 @@ def lora_linear_bwd(dy, x, weight, lora_a, lora_b, saved, u, scale: float, activ
     _check_inputs(x, weight, None, lora_a, lora_b, activation)
     m, k = x.shape
     if m == 0:
-        return (x.new_zeros(m, k) if needs_dx else None), torch.zeros_like(lora_a), torch.zeros_like(lora_b)
+        return (new_padded(m, k, x) if needs_dx else None), torch.zeros_like(lora_a), torch.zeros_like(lora_b)
     dz, _ = linear_act_dz(dy, saved, activation, False, x.dtype)
     db_lora = torch.mm(dz.t(), u).mul_(scale)
     du = torch.mm(dz, lora_b).mul_(scale)
     da = torch.mm(du.t(), x)
-    dx = torch.addmm(torch.mm(dz, weight), du, lora_a) if needs_dx else None
+    # dx in rows padded to 16 bytes, where cuBLAS writes fast (kernels.launch.new_padded), A read from such
+    # rows too.
+    dx = grad_input(dz, weight).addmm_(du, aligned_weight(lora_a)) if needs_dx else None
     return dx, da, db_lora
 
 
@@ -277,7 +306,8 @@ def _lora_linear_bwd_ref(dy, x, weight, lora_a, lora_b, saved, u, scale, activat
     db_lora = scale * (dz.t() @ u.float())
     du = scale * (dz @ lora_b.float())
     da = du.t() @ x.float()
-    dx = (dz @ weight.float() + du @ lora_a.float()).to(x.dtype) if needs_dx else None
+    # dx in the kernels' layout: rows padded to 16 bytes (see the fake).
+    dx = new_padded(*x.shape, x).copy_(dz @ weight.float() + du @ lora_a.float()) if needs_dx else None
     return dx, da.to(x.dtype), db_lora.to(x.dtype)
 
 
@@ -350,7 +380,7 @@ _lora_linear_backward_op = torch.library.custom_op(
 @_lora_linear_backward_op.register_fake
 def _lora_linear_backward_fake(dy, x, weight, lora_a, lora_b, saved, u, scale, activation, needs_dx):
     return (
-        x.new_empty(x.shape if needs_dx else (0,)),
+        x.new_empty_strided(x.shape, (aligned_width(x.shape[1], x.dtype), 1)) if needs_dx else x.new_empty(0),
         lora_a.new_empty(lora_a.shape),
         lora_b.new_empty(lora_b.shape),
     )

@@ -66,7 +66,7 @@ from dlrm.data.schema import NUM_DENSE
 from dlrm.model.dlrm import InteractionArch
 from kernels.activations import act_ref
 from kernels.bias_act import bias_act
-from kernels.launch import aligned_width, leading_columns, zero_padded
+from kernels.launch import aligned_copy, aligned_width
 from kernels.linear_act import linear_act
 
 RESULTS = Path(__file__).parent / "results" / "kernels.csv"
@@ -111,7 +111,7 @@ def model_layout(x: torch.Tensor) -> torch.Tensor:
     k = x.shape[1]
     if k <= NUM_DENSE or aligned_width(k, x.dtype) == k:
         return x
-    return leading_columns(zero_padded(x, aligned_width(k, x.dtype)), k)
+    return aligned_copy(x)
 
 
 def _median_ms(fn) -> float:

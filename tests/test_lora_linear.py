@@ -20,8 +20,9 @@ from tests.test_linear_act import _assert_norm_close
 from tests.tolerances import tol
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# (M, N, K, r): ones, primes, non-multiples of the 32-wide interpreter tiles, a rank past 16 (BLOCK_R 32).
-SHAPES = [(1, 1, 1, 1), (3, 7, 5, 2), (67, 33, 13, 4), (40, 5, 70, 17)]
+# (M, N, K, r): ones, primes, non-multiples of the 32-wide interpreter tiles (K = 70: whole chunks and a
+# tail), K = 64 (EVEN_K: no tail), a rank past 16 (BLOCK_R 32).
+SHAPES = [(1, 1, 1, 1), (3, 7, 5, 2), (67, 33, 13, 4), (40, 5, 70, 17), (37, 9, 64, 3)]
 SCALE = 0.5
 
 
@@ -117,6 +118,17 @@ def test_invalid_inputs_raise_value_error(shapes, match):
     x, w, b, a, b_lora = (torch.randn(*s) for s in shapes)
     with pytest.raises(ValueError, match=match):
         lora_linear(x, w, b, a, b_lora)
+
+
+@pytest.mark.parametrize("k", [13, 16])
+def test_dx_comes_in_rows_of_16_bytes(k):
+    """dx lies in rows padded to 16 bytes (the layout cuBLAS writes fast), as the op's fake says."""
+    x, w, b, a, b_lora, dy = _inputs(9, 5, k, 2, torch.float32, seed=4)
+    x.requires_grad_()
+    (dx,) = torch.autograd.grad(lora_linear(x, w, b, a, b_lora, SCALE, "relu"), [x], dy)
+    assert dx.stride() == (16, 1)
+    fake = lora_mod._lora_linear_backward_fake(dy, x, w, a, b_lora, None, x[:, :2], SCALE, "relu", True)[0]
+    assert fake.stride() == dx.stride()
 
 
 def test_opcheck():
