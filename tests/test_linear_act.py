@@ -166,8 +166,8 @@ def test_auto_backward_with_dx_is_cublas(monkeypatch):
 
 def test_cublas_backward_with_several_row_blocks_per_program(monkeypatch):
     """With few programs along M, each dz program loops over several row blocks and sums them into db."""
-    monkeypatch.setattr(partials, "MAX_PARTIAL_ROWS", 2)
-    _check_backward_method(200, 33, 13, "relu", True, torch.float32, DEVICE, "cublas")
+    monkeypatch.setattr(partials, "MAX_PARTIAL_ROWS", 1)  # 4 programs along M (N = 33: one column tile)
+    _check_backward_method(400, 33, 13, "relu", True, torch.float32, DEVICE, "cublas")
 
 
 @pytest.mark.parametrize(("method", "needs_dx"), [("triton", False), ("cublas", True)])

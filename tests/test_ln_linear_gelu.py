@@ -14,6 +14,7 @@ import torch
 
 import kernels.launch as launch
 import kernels.ln_linear_gelu as ln_mod
+import kernels.partials as partials
 from kernels.ln_linear_gelu import ln_linear_gelu, ln_linear_gelu_bwd, ln_linear_gelu_fwd, ln_linear_gelu_ref
 from tests.test_linear_act import _assert_norm_close
 from tests.tolerances import tol
@@ -65,6 +66,13 @@ def _check(m, n, k, has_bias, dtype, device=DEVICE, needs_dx=True, seed=0):
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)
 def test_fwd_bwd_fp32(shape):
     _check(*shape, True, torch.float32)
+
+
+def test_several_row_blocks_per_program(monkeypatch):
+    """With few programs along M, each LayerNorm-backward program loops over several row blocks and sums them
+    into the dgamma / dbeta partials."""
+    monkeypatch.setattr(partials, "MAX_PARTIAL_ROWS", 1)  # 2 programs; K = 13: 64-row blocks, 4 of them
+    _check(200, 9, 13, True, torch.float32)
 
 
 def test_no_bias_and_no_dx():
