@@ -31,12 +31,9 @@ def check_activation(op: str, activation: str) -> None:
 
 @triton.jit
 def sigmoid(v):
-    """1 / (1 + exp(-v)) for an fp32 tile, without overflow: exp only ever sees -|v|. One division serves
-    both signs (tl.where computes both of its operands): epilogues of the GEMM kernels are bound by these
-    special-function instructions (exp, reciprocal), not by memory."""
+    """1 / (1 + exp(-v)) for an fp32 tile, without overflow: exp only ever sees -|v|."""
     t = tl.exp(-tl.abs(v))
-    r = 1.0 / (1.0 + t)
-    return tl.where(v >= 0.0, r, t * r)
+    return tl.where(v >= 0.0, 1.0 / (1.0 + t), t / (1.0 + t))
 
 
 @triton.jit
