@@ -1,4 +1,4 @@
-"""LayerNorm -> Linear -> GELU(tanh) with the normalization fused into the GEMM, forward and backward:
+"""LayerNorm -> Linear -> GELU(tanh) in two kernels each way, forward and backward:
 ``y = gelu_tanh(layer_norm(x) @ W^T + b)``.
 
 Math (per row i of x; gamma, beta the LayerNorm's affine weight and bias, over the K features)
@@ -18,18 +18,23 @@ to beta). x may have any row stride; its columns must be contiguous (else it is 
 
 Dtypes: x, ln_weight, ln_bias, weight, bias all fp32, bf16 or fp16 (one dtype); y, z and the gradients
 have that dtype; the row statistics are fp32. Compute: LayerNorm statistics and the normalization in
-fp32 on values cast right after load (two passes over the row: mean, then the variance of x - mu); the
-normalized operand goes to ``tl.dot`` in the weight's dtype on the GPU (fp32 as TF32 exactly when
+fp32 on values cast right after load (two passes over the row: mean, then the variance of x - mu); a is
+stored in x's dtype and goes to ``tl.dot`` in it on the GPU (fp32 as TF32 exactly when
 ``torch.backends.cuda.matmul.allow_tf32``), as fp32 in the interpreter; fp32 accumulation; bias and GELU in
 fp32. This is what PyTorch's autocast does too: layer_norm in fp32, its output rounded for the GEMM.
 
-Forward: ``_ln_rows_kernel`` writes mu and rstd ([M] fp32 each: a small first pass over x), then
-``_ln_linear_gelu_fwd_kernel``, a GEMM whose A operand is normalized as it is loaded (a never goes to
-memory), writes z (saved for gelu') and y. Saved for backward: x, gamma, beta, W, z, mu, rstd.
-Backward: ``_ln_rows_kernel`` rewrites a from x and the saved statistics (into rows padded to 16 bytes,
-for cuBLAS's aligned kernels), then linear_act's backward (``kernels/linear_act_backward.py``: a Triton
-pass for dz = dy * gelu' and the bias partials, then cuBLAS for da and dW), then ``_ln_bwd_kernel`` for dx
-and the fp32 partial sums of dgamma and dbeta in one pass over the rows.
+Forward: ``_ln_rows_kernel`` writes mu, rstd ([M] fp32 each) and a (in rows padded to 16 bytes), in one
+pass over x; then linear_act's forward GEMM (``kernels.linear_act_forward.launch_fwd``) computes z = a W^T + b
+and y = gelu_tanh(z) in its epilogue. Saved for backward: x, gamma, W, z, a, mu, rstd. Backward: linear_act's
+backward (``kernels/linear_act_backward.py``: a Triton pass for dz = dy * gelu' and the bias partials, then
+cuBLAS for da and dW, reading a's padded rows), then ``_ln_bwd_kernel`` for dx and the fp32 partial sums of
+dgamma and dbeta in one pass over the rows.
+
+Why a goes to memory rather than being formed in the GEMM's operand loads (the lecture's fusion, which this
+op first used): normalized in registers, the A operand kept the GEMM far below linear_act's on the same
+shape, and the backward had to form a again for dW. H100, M = 16,384, forward alone: bf16 479 -> 1024 192 us
+fused against 121 for linear_act's GEMM on a, 1024 -> 1024 137 against 107; the statistics-and-a pass costs
+about one read of x and one write of a.
 
 It equals ``F.gelu(F.linear(F.layer_norm(x, (K,), gamma, beta, eps), W, b), approximate="tanh")`` computed
 in fp32 and cast back to x's dtype (``ln_linear_gelu_ref``), up to the GEMM precision above.
@@ -46,20 +51,11 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import launch
-from kernels.activations import act_fwd, act_grad_ref
+from kernels.activations import act_grad_ref
 from kernels.direct import call, eager_function
-from kernels.gemm_tuning import autotuned, even_k, input_precision, m_bucket
-from kernels.launch import (
-    DTYPES,
-    INTERPRETED,
-    aligned_weight,
-    aligned_width,
-    new_padded,
-    rows_contiguous,
-    use_triton,
-)
+from kernels.launch import DTYPES, aligned_width, leading_columns, new_padded, rows_contiguous, use_triton
 from kernels.linear_act_backward import linear_act_bwd
-from kernels.linear_act_forward import _grouped_tile
+from kernels.linear_act_forward import launch_fwd
 from kernels.partials import row_programs, sum_partials
 
 __all__ = ["ln_linear_gelu", "ln_linear_gelu_ref", "ln_linear_gelu_fwd", "ln_linear_gelu_bwd"]
@@ -76,11 +72,11 @@ EPS = 1e-5  # nn.LayerNorm's default
 def _ln_rows_kernel(
     # pointers
     x_ptr,  # [M, K] input
-    gamma_ptr,  # [K] LayerNorm weight (read if WRITE_A)
-    beta_ptr,  # [K] LayerNorm bias (read if WRITE_A)
-    mean_ptr,  # [M] fp32 row means (written if WRITE_STATS)
-    rstd_ptr,  # [M] fp32 row 1/std (written if WRITE_STATS)
-    a_ptr,  # [M, KP] output a = xhat * gamma + beta, zeros in columns K..KP-1 (written if WRITE_A)
+    gamma_ptr,  # [K] LayerNorm weight
+    beta_ptr,  # [K] LayerNorm bias
+    mean_ptr,  # [M] fp32 output row means
+    rstd_ptr,  # [M] fp32 output row 1/std
+    a_ptr,  # [M, KP] output a = xhat * gamma + beta, zeros in columns K..KP-1
     # sizes
     M,
     K,
@@ -89,12 +85,10 @@ def _ln_rows_kernel(
     # strides
     stride_xm,
     # meta-parameters
-    WRITE_STATS: tl.constexpr,
-    WRITE_A: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_K: tl.constexpr,  # >= KP, power of two: a whole row per block
 ):
-    """Row statistics of LayerNorm (and optionally its output a), BLOCK_M whole rows per program."""
+    """LayerNorm's row statistics and its output a, BLOCK_M whole rows per program."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     mask_m = rows < M
@@ -103,106 +97,13 @@ def _ln_rows_kernel(
     mean = tl.sum(x, axis=1) / K
     centered = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / K + eps)
-    if WRITE_STATS:
-        tl.store(mean_ptr + rows, mean, mask=mask_m)
-        tl.store(rstd_ptr + rows, rstd, mask=mask_m)
-    if WRITE_A:
-        gamma = tl.load(gamma_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-        a = centered * rstd[:, None] * gamma[None, :] + beta[None, :]  # zero past K: gamma, beta are
-        tl.store(a_ptr + rows[:, None] * KP + ks[None, :], a.to(a_ptr.dtype.element_ty),
-                 mask=mask_m[:, None] & (ks < KP)[None, :])  # fmt: skip
-
-
-@triton.jit
-def _ln_dot_chunk(acc, x, w, gamma, beta, mean, rstd, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """acc + a @ w for one reduction chunk, a = LayerNorm(x) formed from the x chunk [BLOCK_M, BLOCK_K], the
-    row statistics [BLOCK_M, 1] and the chunk's gamma, beta [BLOCK_K]; a rounded to w's dtype for the dot
-    (kept fp32 in the interpreter)."""
-    a = (x.to(tl.float32) - mean) * rstd * gamma.to(tl.float32)[None, :] + beta.to(tl.float32)[None, :]
-    if DOT_FP32:
-        w = w.to(tl.float32)
-    else:
-        a = a.to(w.dtype)
-    return tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
-
-
-# M (the batch) changes between calls: do not specialize on it, so a new batch size reuses the kernel.
-@triton.jit(do_not_specialize=["M"])
-def _ln_linear_gelu_fwd_kernel(
-    # pointers
-    x_ptr,  # [M, K] input, fp32/bf16/fp16
-    mean_ptr,  # [M] fp32 row means
-    rstd_ptr,  # [M] fp32 row 1/std
-    gamma_ptr,  # [K] LayerNorm weight, x's dtype
-    beta_ptr,  # [K] LayerNorm bias, x's dtype
-    w_ptr,  # [N, K] weight, x's dtype
-    b_ptr,  # [N] bias, x's dtype (not read unless HAS_BIAS)
-    y_ptr,  # [M, N] output y = gelu_tanh(z)
-    z_ptr,  # [M, N] output z (saved for the backward)
-    # sizes
-    M,
-    N,
-    K,
-    M_BUCKET,  # autotuning key only
-    # strides (row strides, in elements; the column stride is 1)
-    stride_xm,
-    stride_wn,
-    stride_ym,
-    stride_zm,
-    # meta-parameters
-    HAS_BIAS: tl.constexpr,
-    DOT_FP32: tl.constexpr,  # keep the dot operands in fp32 (interpreter only)
-    INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "ieee" (torch's allow_tf32)
-    EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no mask along K
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # reduction chunk
-    GROUP: tl.constexpr,
-):
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
-    # int64 row offsets: M * K and M * N can pass 2**31.
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    mask_m = rows < M
-    mask_n = cols < N
-    mean = tl.load(mean_ptr + rows, mask=mask_m, other=0.0)[:, None]
-    rstd = tl.load(rstd_ptr + rows, mask=mask_m, other=0.0)[:, None]
-
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N] tile of W^T
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Whole chunks with no mask along K, then (unless EVEN_K) the tail in one masked chunk: why in
-    # kernels.linear_act_forward's matmul_tile.
-    k_whole = K if EVEN_K else K - K % BLOCK_K
-    for k0 in range(0, k_whole, BLOCK_K):
-        x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
-        gamma, beta = tl.load(gamma_ptr + k0 + ks), tl.load(beta_ptr + k0 + ks)
-        acc = _ln_dot_chunk(acc, x, w, gamma, beta, mean, rstd, DOT_FP32, INPUT_PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    if not EVEN_K and k_whole < K:
-        mask_k = ks < K - k_whole
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        # Columns past K give 0: gamma = beta = 0 there.
-        gamma = tl.load(gamma_ptr + k_whole + ks, mask=mask_k, other=0.0)
-        beta = tl.load(beta_ptr + k_whole + ks, mask=mask_k, other=0.0)
-        acc = _ln_dot_chunk(acc, x, w, gamma, beta, mean, rstd, DOT_FP32, INPUT_PRECISION)
-
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    tl.store(z_ptr + rows[:, None] * stride_zm + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
-    y = act_fwd(acc, "gelu_tanh")
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-_ln_linear_gelu_fwd_kernel = autotuned(
-    _ln_linear_gelu_fwd_kernel, ("BLOCK_M", "BLOCK_N", "BLOCK_K"), ("M_BUCKET", "N"), "x_ptr", {"GROUP": 8}
-)
+    tl.store(mean_ptr + rows, mean, mask=mask_m)
+    tl.store(rstd_ptr + rows, rstd, mask=mask_m)
+    gamma = tl.load(gamma_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+    a = centered * rstd[:, None] * gamma[None, :] + beta[None, :]  # zero past K: gamma, beta are
+    tl.store(a_ptr + rows[:, None] * KP + ks[None, :], a.to(a_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & (ks < KP)[None, :])  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -264,8 +165,11 @@ def _ln_bwd_kernel(
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(x: Tensor, ln_weight: Tensor, ln_bias: Tensor, weight: Tensor, bias: Tensor | None) -> None:
-    """Raise ValueError naming the offending values; works on fake tensors too."""
+def _check_inputs(
+    x: Tensor, ln_weight: Tensor, ln_bias: Tensor | None, weight: Tensor, bias: Tensor | None
+) -> None:
+    """Raise ValueError naming the offending values (ln_bias and bias unchecked where None, as the backward
+    passes them); works on fake tensors too."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(
             f"ln_linear_gelu: x must be [M, K] and weight [N, K], got {tuple(x.shape)} and "
@@ -279,11 +183,9 @@ def _check_inputs(x: Tensor, ln_weight: Tensor, ln_bias: Tensor, weight: Tensor,
         )
     if x.dtype not in DTYPES:
         raise ValueError(f"ln_linear_gelu: x dtype must be one of {DTYPES}, got {x.dtype}")
-    named = [
-        ("ln_weight", ln_weight, (k,)),
-        ("ln_bias", ln_bias, (k,)),
-        ("weight", weight, tuple(weight.shape)),
-    ]
+    named = [("ln_weight", ln_weight, (k,)), ("weight", weight, tuple(weight.shape))]
+    if ln_bias is not None:
+        named.append(("ln_bias", ln_bias, (k,)))
     if bias is not None:
         named.append(("bias", bias, (weight.shape[0],)))
     for name, t, shape in named:
@@ -306,61 +208,57 @@ def _rows_meta(width: int) -> dict:
 
 def ln_linear_gelu_fwd(
     x: Tensor, ln_weight: Tensor, ln_bias: Tensor, weight: Tensor, bias: Tensor | None, eps: float = EPS
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Launch the statistics pass and the fused GEMM: (y [M, N], z [M, N], mean [M], rstd [M]) (module
-    docstring); y, z in x's dtype, mean and rstd fp32.
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Launch the LayerNorm pass and the GEMM: (y [M, N], z [M, N], a [M, K], mean [M], rstd [M]) (module
+    docstring); y, z, a in x's dtype (a in rows padded to 16 bytes), mean and rstd fp32.
 
     Raises:
         ValueError: bad shapes, dtypes or devices.
     """
     _check_inputs(x, ln_weight, ln_bias, weight, bias)
     m, k = x.shape
-    n = weight.shape[0]
-    y = launch.empty((m, n), x.dtype, x.device)
-    z = launch.empty((m, n), x.dtype, x.device)
+    kp = aligned_width(k, x.dtype)
+    a = leading_columns(launch.empty((m, kp), x.dtype, x.device), k)
     mean = launch.empty((m,), torch.float32, x.device)
     rstd = launch.empty((m,), torch.float32, x.device)
-    if m == 0:
-        return y, z, mean, rstd
-    x = rows_contiguous(x)
-    weight = aligned_weight(weight)
-    meta = _rows_meta(k)
-    _ln_rows_kernel[(triton.cdiv(m, meta["BLOCK_M"]),)](
-        x, x, x, mean, rstd, x, m, k, k, eps, x.stride(0), WRITE_STATS=True, WRITE_A=False, **meta
-    )
+    if m > 0:
+        x = rows_contiguous(x)
+        meta = _rows_meta(kp)
+        _ln_rows_kernel[(triton.cdiv(m, meta["BLOCK_M"]),)](
+            x, ln_weight.contiguous(), ln_bias.contiguous(), mean, rstd, a, m, k, kp, eps, x.stride(0), **meta
+        )
+    y, z = launch_fwd(a, weight, bias, "gelu_tanh")
+    return y, z, a, mean, rstd
 
-    def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    _ln_linear_gelu_fwd_kernel[grid](
-        x, mean, rstd, ln_weight.contiguous(), ln_bias.contiguous(), weight,
-        bias.contiguous() if bias is not None else x, y, z,
-        m, n, k, m_bucket(m), x.stride(0), weight.stride(0), y.stride(0), z.stride(0),
-        HAS_BIAS=bias is not None, DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x.dtype),
-        EVEN_K=even_k(k),
-    )  # fmt: skip
-    return y, z, mean, rstd
+def _check_saved(x: Tensor, weight: Tensor, dy: Tensor, a: Tensor, mean: Tensor, rstd: Tensor) -> None:
+    """Raise ValueError unless dy [M, N], a [M, K] and mean, rstd [M] fit x [M, K] and W [N, K]."""
+    (m, k), n = x.shape, weight.shape[0]
+    shapes = (tuple(dy.shape), tuple(a.shape), tuple(mean.shape), tuple(rstd.shape))
+    if shapes != ((m, n), (m, k), (m,), (m,)) or a.dtype != x.dtype:
+        raise ValueError(
+            f"ln_linear_gelu: dy must be [{m}, {n}], a [{m}, {k}] ({x.dtype}) and mean, rstd [{m}], got "
+            f"{shapes[0]}, {shapes[1]} ({a.dtype}), {shapes[2]}, {shapes[3]}"
+        )
 
 
 def ln_linear_gelu_bwd(
     dy: Tensor,
     x: Tensor,
     ln_weight: Tensor,
-    ln_bias: Tensor,
     weight: Tensor,
     z: Tensor,
+    a: Tensor,
     mean: Tensor,
     rstd: Tensor,
     has_bias: bool,
     needs_dx: bool = True,
-    eps: float = EPS,
 ) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor | None]:
     """The backward (module docstring).
 
     Args:
-        dy: [M, N] gradient of y; x, ln_weight, ln_bias, weight: the forward's inputs; z, mean, rstd: the
+        dy: [M, N] gradient of y; x, ln_weight, weight: the forward's inputs; z, a, mean, rstd: the
             forward's saved outputs. has_bias: whether to return db. needs_dx: whether to compute dx.
-        eps: the forward's eps (the statistics are recomputed bit for bit when a is rewritten).
 
     Returns:
         (dx [M, K] or None, dgamma [K], dbeta [K], dW [N, K], db [N] or None), in x's dtype.
@@ -368,26 +266,15 @@ def ln_linear_gelu_bwd(
     Raises:
         ValueError: bad shapes, dtypes or devices.
     """
-    _check_inputs(x, ln_weight, ln_bias, weight, None)
+    _check_inputs(x, ln_weight, None, weight, None)
+    _check_saved(x, weight, dy, a, mean, rstd)
     m, k = x.shape
     n = weight.shape[0]
-    if tuple(dy.shape) != (m, n) or tuple(mean.shape) != (m,) or tuple(rstd.shape) != (m,):
-        raise ValueError(
-            f"ln_linear_gelu: dy must be [{m}, {n}] and mean, rstd [{m}], got {tuple(dy.shape)}, "
-            f"{tuple(mean.shape)}, {tuple(rstd.shape)}"
-        )
     if m == 0:
         zeros_k = x.new_zeros(k)
         db = x.new_zeros(n) if has_bias else None
         return (x.new_zeros(m, k) if needs_dx else None), zeros_k, zeros_k.clone(), x.new_zeros(n, k), db
     x = rows_contiguous(x)
-    kp = aligned_width(k, x.dtype)
-    a = new_padded(m, k, x)  # a, rewritten in rows of 16 bytes (zero padding): cuBLAS's aligned dW
-    meta = _rows_meta(kp)
-    _ln_rows_kernel[(triton.cdiv(m, meta["BLOCK_M"]),)](
-        x, ln_weight.contiguous(), ln_bias.contiguous(), mean, rstd, a, m, k, kp, eps, x.stride(0),
-        WRITE_STATS=False, WRITE_A=True, **meta,
-    )  # fmt: skip
     da, dw, db = linear_act_bwd(dy, a, weight, z, "gelu_tanh", has_bias, needs_dx=True, method="cublas")
     meta = _rows_meta(k)
     # One program per SM left the GPU underused; two beat one and four (H100, M = 16384, the whole
@@ -433,13 +320,13 @@ def _ln_linear_gelu_fwd_ref(x, ln_weight, ln_bias, weight, bias, eps):
     rstd = torch.rsqrt(var + eps)
     a = ((xf - mean[:, None]) * rstd[:, None] * ln_weight.float() + ln_bias.float()).to(x.dtype)
     z = F.linear(a.float(), weight.float(), None if bias is None else bias.float())
-    return F.gelu(z, approximate="tanh").to(x.dtype), z.to(x.dtype), mean, rstd
+    a = new_padded(*a.shape, a).copy_(a)  # the kernels' layout (see the fake)
+    return F.gelu(z, approximate="tanh").to(x.dtype), z.to(x.dtype), a, mean, rstd
 
 
-def _ln_linear_gelu_bwd_ref(dy, x, ln_weight, ln_bias, weight, z, mean, rstd, has_bias, needs_dx):
+def _ln_linear_gelu_bwd_ref(dy, x, ln_weight, weight, z, a, mean, rstd, has_bias, needs_dx):
     """``ln_linear_gelu_bwd`` in plain PyTorch (fp32, analytic: autograd does not record in a custom op)."""
     xhat = (x.float() - mean[:, None]) * rstd[:, None]
-    a = (xhat * ln_weight.float() + ln_bias.float()).to(x.dtype).float()
     dz = (dy.float() * act_grad_ref(z.float(), "gelu_tanh")).to(x.dtype).float()
     da = (dz @ weight.float()).to(x.dtype).float()
     dxhat = da * ln_weight.float()
@@ -448,7 +335,7 @@ def _ln_linear_gelu_bwd_ref(dy, x, ln_weight, ln_bias, weight, z, mean, rstd, ha
         dx.to(x.dtype) if needs_dx else None,
         (da * xhat).sum(0).to(x.dtype),
         da.sum(0).to(x.dtype),
-        (dz.t() @ a).to(x.dtype),
+        (dz.t() @ a.float()).to(x.dtype),
         dz.sum(0).to(x.dtype) if has_bias else None,
     )
 
@@ -461,8 +348,8 @@ def _ln_linear_gelu_bwd_ref(dy, x, ln_weight, ln_bias, weight, z, mean, rstd, ha
 
 def _ln_linear_gelu_impl(
     x: Tensor, ln_weight: Tensor, ln_bias: Tensor, weight: Tensor, bias: Tensor | None, eps: float
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (y, z, mean, rstd); the last three are saved for the backward."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (y, z, a, mean, rstd); the last four are saved for the backward."""
     if use_triton(x):
         return ln_linear_gelu_fwd(x, ln_weight, ln_bias, weight, bias, eps)
     _check_inputs(x, ln_weight, ln_bias, weight, bias)
@@ -475,31 +362,32 @@ _ln_linear_gelu_op = torch.library.custom_op("dlrm::ln_linear_gelu", _ln_linear_
 @_ln_linear_gelu_op.register_fake
 def _ln_linear_gelu_fake(x, ln_weight, ln_bias, weight, bias, eps):
     _check_inputs(x, ln_weight, ln_bias, weight, bias)
-    m, n = x.shape[0], weight.shape[0]
+    (m, k), n = x.shape, weight.shape[0]
     stats = x.new_empty((m,), dtype=torch.float32)
-    return x.new_empty((m, n)), x.new_empty((m, n)), stats, stats.clone()
+    a = x.new_empty_strided((m, k), (aligned_width(k, x.dtype), 1))
+    return x.new_empty((m, n)), x.new_empty((m, n)), a, stats, stats.clone()
 
 
 def _ln_linear_gelu_backward_impl(
     dy: Tensor,
     x: Tensor,
     ln_weight: Tensor,
-    ln_bias: Tensor,
     weight: Tensor,
     z: Tensor,
+    a: Tensor,
     mean: Tensor,
     rstd: Tensor,
     has_bias: bool,
     needs_dx: bool,
-    eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dx, dgamma, dbeta, dW, db); dx / db are empty [0] tensors when needs_dx / has_bias is
     False."""
-    args = (dy, x, ln_weight, ln_bias, weight, z, mean, rstd, has_bias, needs_dx)
+    args = (dy, x, ln_weight, weight, z, a, mean, rstd, has_bias, needs_dx)
     if use_triton(x):
-        dx, dgamma, dbeta, dw, db = ln_linear_gelu_bwd(*args, eps=eps)
+        dx, dgamma, dbeta, dw, db = ln_linear_gelu_bwd(*args)
     else:
-        _check_inputs(x, ln_weight, ln_bias, weight, None)
+        _check_inputs(x, ln_weight, None, weight, None)
+        _check_saved(x, weight, dy, a, mean, rstd)
         dx, dgamma, dbeta, dw, db = _ln_linear_gelu_bwd_ref(*args)
     # Distinct empty tensors: custom-op outputs may not alias each other.
     empty = x.new_empty
@@ -512,7 +400,7 @@ _ln_linear_gelu_backward_op = torch.library.custom_op(
 
 
 @_ln_linear_gelu_backward_op.register_fake
-def _ln_linear_gelu_backward_fake(dy, x, ln_weight, ln_bias, weight, z, mean, rstd, has_bias, needs_dx, eps):
+def _ln_linear_gelu_backward_fake(dy, x, ln_weight, weight, z, a, mean, rstd, has_bias, needs_dx):
     k = x.shape[1]
     return (
         x.new_empty(x.shape if needs_dx else (0,)),
@@ -524,20 +412,17 @@ def _ln_linear_gelu_backward_fake(dy, x, ln_weight, ln_bias, weight, z, mean, rs
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, ln_weight, ln_bias, weight, bias, eps = inputs
-    _, z, mean, rstd = output
-    ctx.save_for_backward(x, ln_weight, ln_bias, weight, z, mean, rstd)
+    x, ln_weight, _, weight, bias, _ = inputs
+    _, z, a, mean, rstd = output
+    ctx.save_for_backward(x, ln_weight, weight, z, a, mean, rstd)
     ctx.has_bias = bias is not None
-    ctx.eps = eps
 
 
-def _backward(backward_fn, ctx, dy: Tensor, _dz, _dmean, _drstd):
-    # _dz, _dmean, _drstd: gradients w.r.t. internal outputs, which ln_linear_gelu never exposes.
-    x, ln_weight, ln_bias, weight, z, mean, rstd = ctx.saved_tensors
+def _backward(backward_fn, ctx, dy: Tensor, _dz, _da, _dmean, _drstd):
+    # _dz, _da, _dmean, _drstd: gradients w.r.t. internal outputs, which ln_linear_gelu never exposes.
     needs_dx = ctx.needs_input_grad[0]  # False for the first layer: its input is data
-    dx, dgamma, dbeta, dw, db = backward_fn(
-        dy, x, ln_weight, ln_bias, weight, z, mean, rstd, ctx.has_bias, needs_dx, ctx.eps
-    )
+    # saved: x, ln_weight, weight, z, a, mean, rstd (_setup_context)
+    dx, dgamma, dbeta, dw, db = backward_fn(dy, *ctx.saved_tensors, ctx.has_bias, needs_dx)
     return (dx if needs_dx else None), dgamma, dbeta, dw, (db if ctx.has_bias else None), None
 
 
@@ -562,8 +447,8 @@ def ln_linear_gelu(
     bias: Tensor | None = None,
     eps: float = EPS,
 ) -> Tensor:
-    """Fused ``gelu_tanh(layer_norm(x) @ weight^T + bias)`` (nn.LayerNorm, nn.Linear, GELU tanh) with a fused
-    backward.
+    """``gelu_tanh(layer_norm(x) @ weight^T + bias)`` (nn.LayerNorm, nn.Linear, GELU tanh) in two kernels
+    each way: LayerNorm, then the GEMM with bias and GELU in its epilogue (module docstring).
 
     Differentiable in x and every parameter; works in eager and under ``torch.compile`` (the custom op
     ``torch.ops.dlrm.ln_linear_gelu``, whose backward is ``torch.ops.dlrm.ln_linear_gelu_backward``). Runs
@@ -584,5 +469,5 @@ def ln_linear_gelu(
         ValueError: x or weight not 2-D, K mismatch, N == 0 or K == 0, parameter shapes not [K] / [N],
             unsupported or mismatched dtypes, or tensors on different devices.
     """
-    y, _, _, _ = call(_ln_linear_gelu_op, _ln_linear_gelu_eager, x, ln_weight, ln_bias, weight, bias, eps)
+    y, *_ = call(_ln_linear_gelu_op, _ln_linear_gelu_eager, x, ln_weight, ln_bias, weight, bias, eps)
     return y

@@ -90,21 +90,24 @@ def test_kernels_write_every_element(monkeypatch):
 
 
 def test_statistics_and_saved_tensors():
-    """mean and rstd are LayerNorm's (biased variance, eps inside the root), fp32; z is the pre-GELU."""
-    x, gamma, beta, w, b, _ = _inputs(9, 6, 12, torch.float32)
-    y, z, mean, rstd = ln_linear_gelu_fwd(x, gamma, beta, w, b)
+    """mean and rstd are LayerNorm's (biased variance, eps inside the root), fp32; a is LayerNorm's output, in
+    rows padded to 16 bytes as the op's fake says; z is the pre-GELU."""
+    x, gamma, beta, w, b, _ = _inputs(9, 6, 13, torch.float32)
+    y, z, a, mean, rstd = ln_linear_gelu_fwd(x, gamma, beta, w, b)
     var, mu = torch.var_mean(x, dim=1, unbiased=False)
     torch.testing.assert_close(mean, mu)
     torch.testing.assert_close(rstd, torch.rsqrt(var + 1e-5))
-    a = torch.nn.functional.layer_norm(x, (12,), gamma, beta)
-    torch.testing.assert_close(z, torch.nn.functional.linear(a, w, b), **tol(torch.float32, "gemm"))
+    want_a = torch.nn.functional.layer_norm(x, (13,), gamma, beta)
+    torch.testing.assert_close(a, want_a)
+    assert a.stride() == (16, 1) == ln_mod._ln_linear_gelu_fake(x, gamma, beta, w, b, 1e-5)[2].stride()
+    torch.testing.assert_close(z, torch.nn.functional.linear(want_a, w, b), **tol(torch.float32, "gemm"))
 
 
 def test_empty_batch():
     x, gamma, beta, w, b, dy = _inputs(0, 5, 7, torch.float32)
-    y, z, mean, rstd = ln_linear_gelu_fwd(x, gamma, beta, w, b)
-    assert y.shape == (0, 5) and mean.shape == (0,)
-    dx, dgamma, dbeta, dw, db = ln_linear_gelu_bwd(dy, x, gamma, beta, w, z, mean, rstd, True)
+    y, z, a, mean, rstd = ln_linear_gelu_fwd(x, gamma, beta, w, b)
+    assert y.shape == (0, 5) and a.shape == (0, 7) and mean.shape == (0,)
+    dx, dgamma, dbeta, dw, db = ln_linear_gelu_bwd(dy, x, gamma, w, z, a, mean, rstd, True)
     assert dx.shape == (0, 7) and not dgamma.any() and not dbeta.any() and not dw.any() and not db.any()
 
 

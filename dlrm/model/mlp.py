@@ -15,7 +15,7 @@ the kernel, so the same seed gives the same initial weights and checkpoints move
 - "linear_act" (default): Linear then `activation` (`last_activation` after the last layer), as above;
 - "ln_linear_gelu": LayerNorm (affine, eps 1e-5) -> Linear -> GELU (tanh) (parameters `norms.<i>` and
   `layers.<i>`); with a Triton kernel ("bias_act" or "linear_act") the block runs as
-  `kernels.ln_linear_gelu` (normalization fused into the GEMM);
+  `kernels.ln_linear_gelu` (a LayerNorm pass, then a GEMM with bias and GELU in its epilogue);
 - "gated": one Linear of 2N outputs whose rows interleave the two halves (row 2j gives a_j, row 2j + 1
   gives b_j) and `gate` (config `model.gate`) combining them: "sigmoid_tanh" sigmoid(a) tanh(b),
   "geglu" a gelu_tanh(b), "swiglu" a silu(b); with a Triton kernel, `kernels.gated_linear` (one GEMM, the
