@@ -7,8 +7,9 @@
                = z s(2u))                             act'(z) = s(2u) + 2 z s(2u) (1 - s(2u)) du/dz
     silu       y = z s(z)                             act'(z) = s(z) (1 + z (1 - s(z)))
 
-The Triton functions take and return fp32 tiles; the sigmoid is computed from exp(-|z|), which never
-overflows. The references equal torch.relu / torch.sigmoid / F.gelu(approximate="tanh") / F.silu.
+The Triton functions take and return fp32 tiles. The sigmoid is 1 / (1 + exp(-z)) with the GPU's approximate
+reciprocal (``reciprocal``): exp(-z) may overflow to inf, whose reciprocal is 0. The references equal
+torch.relu / torch.sigmoid / F.gelu(approximate="tanh") / F.silu.
 """
 
 import torch
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from kernels.launch import INTERPRETED
 
 ACTIVATIONS = ("identity", "relu", "sigmoid", "gelu_tanh", "silu")
 
@@ -29,11 +32,29 @@ def check_activation(op: str, activation: str) -> None:
         raise ValueError(f"{op}: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
 
 
+_INTERPRETED = tl.constexpr(INTERPRETED)
+
+
+@triton.jit
+def reciprocal(v):
+    """1 / v for an fp32 tile: on the GPU one ``rcp.approx.ftz.f32`` instruction (max error ~1 ulp; 1 / inf
+    = 0), where ``1.0 / v`` compiles to a longer division sequence. The GELU epilogue of linear_act's forward
+    GEMM (H100, M = 16384, bf16 1024 -> 1024) took 85 us this way, 97 with the former two-division sigmoid;
+    its accuracy against float64 was the same (relative error <= 4e-6 for z >= -6). The interpreter runs no
+    PTX: there it divides."""
+    if _INTERPRETED:
+        r = 1.0 / v
+    else:
+        r = tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=r,r", [v], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return r
+
+
 @triton.jit
 def sigmoid(v):
-    """1 / (1 + exp(-v)) for an fp32 tile, without overflow: exp only ever sees -|v|."""
-    t = tl.exp(-tl.abs(v))
-    return tl.where(v >= 0.0, 1.0 / (1.0 + t), t / (1.0 + t))
+    """1 / (1 + exp(-v)) for an fp32 tile: exp(-v) = inf for v < ~-88 gives 0, and NaN stays NaN."""
+    return reciprocal(1.0 + tl.exp(-v))
 
 
 @triton.jit
