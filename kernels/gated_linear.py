@@ -57,8 +57,8 @@ from kernels.launch import (
     INTERPRETED,
     aligned_copy,
     aligned_weight,
-    aligned_width,
     new_padded,
+    padded_like,
     rows_aligned,
     rows_contiguous,
     use_triton,
@@ -424,7 +424,7 @@ def _gated_linear_backward_fake(
     dy: Tensor, x: Tensor, weight: Tensor, z: Tensor, gate: str, has_bias: bool, needs_dx: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     return (
-        x.new_empty_strided(x.shape, (aligned_width(x.shape[1], x.dtype), 1)) if needs_dx else x.new_empty(0),
+        padded_like(x) if needs_dx else x.new_empty(0),
         weight.new_empty(weight.shape),
         x.new_empty((weight.shape[0],) if has_bias else (0,)),
     )

@@ -66,6 +66,13 @@ def new_padded(m: int, k: int, like: Tensor) -> Tensor:
     return leading_columns(like.new_empty((m, aligned_width(k, like.dtype))), k)
 
 
+def padded_like(t: Tensor) -> Tensor:
+    """An empty [M, K] with t's shape, dtype and device and rows ``aligned_width(K)`` apart: the layout of
+    ``new_padded``'s tensors, for fake (shape-only) implementations, where storage size does not matter."""
+    m, k = t.shape
+    return t.new_empty_strided((m, k), (aligned_width(k, t.dtype), 1))
+
+
 def zero_padded(t: Tensor, width: int) -> Tensor:
     """A contiguous copy [R, width] of a 2-D t [R, K] (width >= K) whose columns K..width-1 are zeros."""
     return F.pad(t, (0, width - t.shape[1])).contiguous()

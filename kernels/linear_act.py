@@ -63,7 +63,15 @@ from torch import Tensor
 
 from kernels.activations import ACTIVATIONS, act_grad_ref, act_ref
 from kernels.direct import call, eager_function
-from kernels.launch import aligned_width, leading_columns, new_padded, rows_aligned, use_triton, zero_padded
+from kernels.launch import (
+    aligned_width,
+    leading_columns,
+    new_padded,
+    padded_like,
+    rows_aligned,
+    use_triton,
+    zero_padded,
+)
 from kernels.linear_act_backward import check_bwd_inputs, launch_bwd, linear_act_bwd
 from kernels.linear_act_forward import SAVES_Y, SAVES_Z, check_inputs, launch_fwd, linear_act_fwd
 
@@ -197,8 +205,7 @@ def _linear_act_fake(
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_inputs(x, weight, bias, activation)
     shape = (x.shape[0], weight.shape[0])
-    kp = aligned_width(x.shape[1], x.dtype)
-    x_padded = x.new_empty_strided(x.shape, (kp, 1)) if _pads_input(x) else x.new_empty(0)
+    x_padded = padded_like(x) if _pads_input(x) else x.new_empty(0)
     return x.new_empty(shape), x.new_empty(shape if activation in SAVES_Z else (0,)), x_padded
 
 
@@ -252,7 +259,7 @@ def _linear_act_backward_fake(
     needs_dx: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return (
-        x.new_empty_strided(x.shape, (aligned_width(x.shape[1], x.dtype), 1)) if needs_dx else x.new_empty(0),
+        padded_like(x) if needs_dx else x.new_empty(0),
         weight.new_empty(weight.shape),
         x.new_empty((weight.shape[0],) if has_bias else (0,)),
     )

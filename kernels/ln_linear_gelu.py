@@ -53,7 +53,15 @@ from torch import Tensor
 from kernels import launch
 from kernels.activations import act_grad_ref
 from kernels.direct import call, eager_function
-from kernels.launch import DTYPES, aligned_width, leading_columns, new_padded, rows_contiguous, use_triton
+from kernels.launch import (
+    DTYPES,
+    aligned_width,
+    leading_columns,
+    new_padded,
+    padded_like,
+    rows_contiguous,
+    use_triton,
+)
 from kernels.linear_act_backward import linear_act_bwd
 from kernels.linear_act_forward import launch_fwd
 from kernels.partials import row_programs, sum_partials
@@ -362,10 +370,9 @@ _ln_linear_gelu_op = torch.library.custom_op("dlrm::ln_linear_gelu", _ln_linear_
 @_ln_linear_gelu_op.register_fake
 def _ln_linear_gelu_fake(x, ln_weight, ln_bias, weight, bias, eps):
     _check_inputs(x, ln_weight, ln_bias, weight, bias)
-    (m, k), n = x.shape, weight.shape[0]
+    m, n = x.shape[0], weight.shape[0]
     stats = x.new_empty((m,), dtype=torch.float32)
-    a = x.new_empty_strided((m, k), (aligned_width(k, x.dtype), 1))
-    return x.new_empty((m, n)), x.new_empty((m, n)), a, stats, stats.clone()
+    return x.new_empty((m, n)), x.new_empty((m, n)), padded_like(x), stats, stats.clone()
 
 
 def _ln_linear_gelu_backward_impl(

@@ -51,13 +51,13 @@ from kernels.launch import (
     DTYPES,
     INTERPRETED,
     aligned_weight,
-    aligned_width,
     new_padded,
+    padded_like,
     rows_contiguous,
     use_triton,
 )
 from kernels.linear_act_backward import grad_input, linear_act_dz
-from kernels.linear_act_forward import SAVES_Y, SAVES_Z, _grouped_tile
+from kernels.linear_act_forward import SAVES_Y, SAVES_Z, _dot_chunk, _grouped_tile
 
 __all__ = [
     "ACTIVATIONS",
@@ -69,18 +69,6 @@ __all__ = [
 ]
 
 MAX_RANK = 128
-
-
-@triton.jit
-def _lora_dot_chunk(acc, acc_u, x, w, a, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """(acc + x @ w, acc_u + x @ a) for one reduction chunk (operands cast to fp32 in the interpreter)."""
-    if DOT_FP32:
-        x = x.to(tl.float32)
-        w = w.to(tl.float32)
-        a = a.to(tl.float32)
-    acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
-    acc_u = tl.dot(x, a, acc_u, input_precision=INPUT_PRECISION)
-    return acc, acc_u
 
 
 # M (the batch) changes between calls: do not specialize on it, so a new batch size reuses the kernel.
@@ -144,7 +132,8 @@ def _lora_linear_fwd_kernel(
         x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
         w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
         a = tl.load(a_ptrs, mask=mask_r[None, :], other=0.0)
-        acc, acc_u = _lora_dot_chunk(acc, acc_u, x, w, a, DOT_FP32, INPUT_PRECISION)
+        acc = _dot_chunk(acc, x, w, DOT_FP32, INPUT_PRECISION)
+        acc_u = _dot_chunk(acc_u, x, a, DOT_FP32, INPUT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
@@ -153,7 +142,8 @@ def _lora_linear_fwd_kernel(
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         a = tl.load(a_ptrs, mask=mask_k[:, None] & mask_r[None, :], other=0.0)
-        acc, acc_u = _lora_dot_chunk(acc, acc_u, x, w, a, DOT_FP32, INPUT_PRECISION)
+        acc = _dot_chunk(acc, x, w, DOT_FP32, INPUT_PRECISION)
+        acc_u = _dot_chunk(acc_u, x, a, DOT_FP32, INPUT_PRECISION)
 
     # u, rounded to the input dtype (as F.linear(x, A) gives it), then s u B^T.
     u = acc_u.to(u_ptr.dtype.element_ty)
@@ -380,7 +370,7 @@ _lora_linear_backward_op = torch.library.custom_op(
 @_lora_linear_backward_op.register_fake
 def _lora_linear_backward_fake(dy, x, weight, lora_a, lora_b, saved, u, scale, activation, needs_dx):
     return (
-        x.new_empty_strided(x.shape, (aligned_width(x.shape[1], x.dtype), 1)) if needs_dx else x.new_empty(0),
+        padded_like(x) if needs_dx else x.new_empty(0),
         lora_a.new_empty(lora_a.shape),
         lora_b.new_empty(lora_b.shape),
     )
