@@ -31,8 +31,8 @@ output features; epilogue adds the bias, stores z, splits the tile into its (a, 
 bias gradient's fp32 partial sums in one pass over [M, 2N]); cuBLAS then computes dx and dW as linear_act's
 backward does (``kernels.linear_act_backward.gemm_grads``: aligned operands for cuBLAS's fast kernels, x
 copied once into rows of 16 bytes when its rows are not, e.g. the 13 dense features; dx comes back in rows
-padded to 16 bytes). The forward reads a copy of W in rows of 16 bytes where K is not a multiple of 16
-bytes (``kernels.launch.aligned_weight``).
+padded to 16 bytes). The forward loads x and W through TMA descriptors (``kernels.launch.tma_descriptor``:
+a copy in rows of 16 bytes where an operand's rows are not).
 
 It equals the PyTorch expression ``gate(z[:, 0::2], z[:, 1::2])`` with ``z = F.linear(x, W, bias)``,
 computed in fp32 and cast back to x's dtype (``gated_linear_ref``), up to the GEMM precision above.
@@ -51,16 +51,16 @@ from torch import Tensor
 from kernels import launch
 from kernels.activations import act_fwd, act_grad, act_grad_ref, sigmoid
 from kernels.direct import call, eager_function
-from kernels.gemm_tuning import autotuned, even_k, input_precision, m_bucket
+from kernels.gemm_tuning import autotuned, input_precision, m_bucket
 from kernels.launch import (
     DTYPES,
     INTERPRETED,
     aligned_copy,
-    aligned_weight,
     new_padded,
     padded_like,
     rows_aligned,
     rows_contiguous,
+    tma_descriptor,
     use_triton,
 )
 from kernels.linear_act_backward import gemm_grads
@@ -109,9 +109,10 @@ def _gate_bwd(dy, a, b, GATE: tl.constexpr):
 # M (the batch) changes between calls: do not specialize on it, so a new batch size reuses the kernel.
 @triton.jit(do_not_specialize=["M"])
 def _gated_linear_fwd_kernel(
+    # operands: TMA descriptors (``kernels.launch.tma_descriptor``)
+    x_desc,  # of x [M, K], fp32/bf16/fp16
+    w_desc,  # of W [N, K] (N = 2 x output features, interleaved a/b rows), x's dtype
     # pointers
-    x_ptr,  # [M, K] input, fp32/bf16/fp16
-    w_ptr,  # [N, K] weight (N = 2 x output features, interleaved a/b rows), x's dtype
     b_ptr,  # [N] bias, x's dtype (not read unless HAS_BIAS)
     z_ptr,  # [M, N] output: the pre-activation z, x's dtype
     y_ptr,  # [M, N / 2] output: gate(a, b), x's dtype
@@ -121,8 +122,6 @@ def _gated_linear_fwd_kernel(
     K,
     M_BUCKET,  # autotuning key only
     # strides (row strides, in elements; the column stride is 1)
-    stride_xm,
-    stride_wn,
     stride_zm,
     stride_ym,
     # meta-parameters
@@ -130,22 +129,21 @@ def _gated_linear_fwd_kernel(
     GATE: tl.constexpr,
     DOT_FP32: tl.constexpr,  # cast dot operands to fp32 (interpreter only)
     INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "ieee" (torch's allow_tf32)
-    EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no mask along K
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # z columns per tile (even): BLOCK_N / 2 output features
     BLOCK_K: tl.constexpr,  # reduction chunk
     GROUP: tl.constexpr,
 ):
     pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
-    # int64 row offsets: M * K and M * N can pass 2**31.
+    acc = matmul_tile(
+        x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K,
+        DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    # int64 row offsets: M * N can pass 2**31.
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = rows < M
     mask_n = cols < N
-    acc = matmul_tile(
-        x_ptr, w_ptr, rows, cols, mask_m, mask_n, K, stride_xm, stride_wn,
-        DOT_FP32, INPUT_PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
 
     # Epilogue in fp32: bias, z, then the gate over the tile's (a, b) column pairs.
     if HAS_BIAS:
@@ -162,7 +160,12 @@ def _gated_linear_fwd_kernel(
 
 
 _gated_linear_fwd_kernel = autotuned(
-    _gated_linear_fwd_kernel, ("BLOCK_M", "BLOCK_N", "BLOCK_K"), ("M_BUCKET", "N"), "x_ptr", {"GROUP": 8}
+    _gated_linear_fwd_kernel,
+    ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
+    ("M_BUCKET", "N"),
+    "z_ptr",
+    {"GROUP": 8},
+    {"x_desc": ("BLOCK_M", "BLOCK_K"), "w_desc": ("BLOCK_N", "BLOCK_K")},
 )
 
 
@@ -257,18 +260,14 @@ def gated_linear_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, gate: str) 
     y = launch.empty((m, n2 // 2), x.dtype, x.device)
     if m == 0:
         return y, z
-    x = rows_contiguous(x)
-    weight = aligned_weight(weight)
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n2, meta["BLOCK_N"]),)
 
     _gated_linear_fwd_kernel[grid](
-        x, weight, bias.contiguous() if bias is not None else x, z, y,
-        m, n2, k, m_bucket(m),
-        x.stride(0), weight.stride(0), z.stride(0), y.stride(0),
+        tma_descriptor(x), tma_descriptor(weight), bias.contiguous() if bias is not None else z, z, y,
+        m, n2, k, m_bucket(m), z.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, GATE=gate, DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x.dtype),
-        EVEN_K=even_k(k),
     )  # fmt: skip
     return y, z
 

@@ -60,14 +60,27 @@ def input_precision(dtype: torch.dtype) -> str:
     return "tf32" if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
-def _configs(names: tuple[str, str, str], extra: dict) -> list[triton.Config]:
+def _set_block_shapes(descriptors: dict[str, tuple[str, str]], args: dict) -> None:
+    """Set each TMA descriptor argument's block shape to the config's tile dims, e.g. x_desc to [BLOCK_M,
+    BLOCK_K]: a descriptor's block shape is part of the kernel's signature and must match the tile it
+    loads."""
+    for name, dims in descriptors.items():
+        args[name].block_shape = [args[d] for d in dims]
+
+
+def _configs(names: tuple[str, str, str], extra: dict, descriptors: dict) -> list[triton.Config]:
+    hook = partial(_set_block_shapes, descriptors) if descriptors else None
     if INTERPRETED:
         a, b, r, warps, stages = _INTERPRETER_SHAPE
-        return [
-            triton.Config({names[0]: a, names[1]: b, names[2]: r, **extra}, num_warps=warps, num_stages=1)
-        ]
+        config = {names[0]: a, names[1]: b, names[2]: r, **extra}
+        return [triton.Config(config, num_warps=warps, num_stages=1, pre_hook=hook)]
     return [
-        triton.Config({names[0]: a, names[1]: b, names[2]: r, **extra}, num_warps=warps, num_stages=stages)
+        triton.Config(
+            {names[0]: a, names[1]: b, names[2]: r, **extra},
+            num_warps=warps,
+            num_stages=stages,
+            pre_hook=hook,
+        )
         for r in _RED_BY_ELEMENT_SIZE.values()
         for a, b, warps, stages in _GPU_SHAPES
     ]
@@ -109,20 +122,22 @@ class TunedKernel:
     forward launcher took 87 us a call where a plain Triton launch took 20). This keeps each key's tuned
     launch options, keyed as the autotuner keys our kernels: (M_BUCKET, N, K) and the operand's dtype (the
     kernels' other tensors share it, or have a dtype of their own that never changes), and launches the
-    jitted kernel with them directly. Used as ``kernel[grid](*args, **constexprs)``, with M_BUCKET, N, K
-    and the operand passed by position.
+    jitted kernel with them directly, setting its TMA descriptors' block shapes to the tuned tiles as the
+    configs' pre-hook does while tuning. Used as ``kernel[grid](*args, **constexprs)``, with M_BUCKET, N, K,
+    the operand and the descriptors passed by position.
 
     Attributes:
         fn: the ``@triton.jit`` kernel.
         autotuner: the ``triton.autotune`` wrapper, which tunes each new key.
     """
 
-    def __init__(self, autotuner, operand: str):
+    def __init__(self, autotuner, operand: str, descriptors: dict[str, tuple[str, str]]):
         self.autotuner = autotuner
         self.fn = autotuner.fn
         names = autotuner.arg_names
         self._key_positions = tuple(names.index(k) for k in _KEY)
         self._operand_position = names.index(operand)
+        self._descriptors = [(names.index(name), dims) for name, dims in descriptors.items()]
         self._options: dict[tuple, dict] = {}
 
     def __getitem__(self, grid):
@@ -136,10 +151,19 @@ class TunedKernel:
             self.autotuner[grid](*args, **kwargs)
             self._options[key] = self.autotuner.best_config.all_kwargs()
             return
+        for position, dims in self._descriptors:
+            args[position].block_shape = [options[d] for d in dims]
         self.fn.run(*args, grid=grid, warmup=False, **kwargs, **options)
 
 
-def autotuned(kernel, names: tuple[str, str, str], dims: tuple[str, str], operand: str, extra: dict):
+def autotuned(
+    kernel,
+    names: tuple[str, str, str],
+    dims: tuple[str, str],
+    operand: str,
+    extra: dict,
+    descriptors: dict[str, tuple[str, str]] | None = None,
+):
     """``triton.autotune`` of `kernel` over the Hopper configs, as a ``TunedKernel``; one fixed config in
     the interpreter (no benchmarking).
 
@@ -147,15 +171,20 @@ def autotuned(kernel, names: tuple[str, str, str], dims: tuple[str, str], operan
         kernel: a ``@triton.jit`` GEMM kernel taking ``M_BUCKET``, ``N`` and ``K``.
         names: its tile constexprs (rows, cols, reduction chunk), e.g. ("BLOCK_M", "BLOCK_N", "BLOCK_K").
         dims: the size arguments that bound the tile rows and cols, for pruning, e.g. ("M_BUCKET", "N").
-        operand: the pointer argument whose element size picks the reduction chunk, e.g. "x_ptr".
+        operand: the tensor argument of the operands' dtype, whose element size picks the reduction chunk
+            and whose dtype is part of the key, e.g. "x_ptr".
         extra: further constexprs every config sets, e.g. {"GROUP": 8}.
+        descriptors: the TMA descriptor arguments (``kernels.launch.tma_descriptor``) and the tile dims of
+            their block shapes, e.g. {"x_desc": ("BLOCK_M", "BLOCK_K")}.
     """
+    descriptors = descriptors or {}
+    configs = _configs(names, extra, descriptors)
     if INTERPRETED:
-        return TunedKernel(triton.autotune(configs=_configs(names, extra), key=_KEY)(kernel), operand)
+        return TunedKernel(triton.autotune(configs=configs, key=_KEY)(kernel), operand, descriptors)
     autotuner = triton.autotune(
-        configs=_configs(names, extra),
+        configs=configs,
         key=_KEY,
         prune_configs_by={"early_config_prune": _pruner(names, dims, operand)},
         do_bench=_quick_bench,
     )(kernel)
-    return TunedKernel(autotuner, operand)
+    return TunedKernel(autotuner, operand, descriptors)

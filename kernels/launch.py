@@ -5,6 +5,7 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # Triton reads TRITON_INTERPRET when triton is imported and kernels are decorated, so a later change of the
 # variable does not change how the kernels run.
@@ -93,3 +94,15 @@ def aligned_weight(weight: Tensor) -> Tensor:
     if aligned_width(weight.shape[1], weight.dtype) == weight.shape[1]:
         return weight.contiguous()
     return aligned_copy(weight)
+
+
+def tma_descriptor(t: Tensor) -> TensorDescriptor:
+    """A TMA descriptor (Hopper's tensor memory accelerator) of a 2-D t [R, C], through which a GEMM kernel
+    loads [rows, cols] blocks: rows and columns past t's end read 0, so no mask is needed, nor a masked K
+    tail. The hardware wants the columns contiguous, the rows and the base 16 bytes apart: t itself where it
+    is so, else ``aligned_copy(t)``. Its block shape is a placeholder that the GEMM's tuning sets to the
+    launched config's tiles (``kernels.gemm_tuning``)."""
+    aligned = t.stride(1) == 1 and rows_aligned(t) and t.data_ptr() % ALIGN_BYTES == 0
+    if not aligned or (t.shape[0] > 1 and t.stride(0) < t.shape[1]):
+        t = aligned_copy(t)
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [16, 16])

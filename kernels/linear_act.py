@@ -15,13 +15,12 @@ Math (nn.Linear layout: W is [N, K], one row per output feature)
 Shapes (glossary letters of a GEMM): x [M, K] (M rows, e.g. the batch B; K input features), W [N, K],
 b [N] or None, y [M, N]. Any M >= 0, N >= 1, K >= 1 (e.g. K = 13 dense features, N = 1 logit, M = 1).
 The kernels take row strides only, and are fast only on rows 16 bytes apart (cuBLAS falls back to its
-align1 kernels and Triton to narrow loads otherwise): the autograd op copies an x whose rows are not (K = 13
-dense features, a contiguous [B, 367]) once into rows padded with zeros to Kp (16 bytes, ``_pads_input``),
-and W likewise, so the forward GEMM runs over Kp columns (a multiple of 16 bytes: any mask of its K tail is
-constant over 16 bytes) and the backward's dW reads the same copy; row-padded inputs (the dot interaction's
-output, [B, 367] in rows of 368) are read in place, W then copied into rows of 16 bytes
-(``kernels.launch.aligned_weight``) and the K tail masked. dx
-comes back with its rows padded too (cuBLAS writes it as the first K columns of an [M, Kp] GEMM).
+align1 kernels otherwise; the forward GEMM loads through TMA descriptors, which need them): the autograd op
+copies an x whose rows are not (K = 13 dense features, a contiguous [B, 367]) once into rows padded with
+zeros to Kp (16 bytes, ``_pads_input``), which the forward GEMM and the backward's dW both read; row-padded
+inputs (the dot interaction's output, [B, 367] in rows of 368) are read in place; W is copied into rows of
+16 bytes where K is not a multiple of 16 bytes (``kernels.launch.tma_descriptor``). dx comes back with its
+rows padded too (cuBLAS writes it as the first K columns of an [M, Kp] GEMM).
 
 Dtypes: x, W and b all fp32, bf16 or fp16 (one dtype); y, dx, dW, db have that dtype.
 Compute dtype: fp32 accumulation everywhere. The GEMM operands go to ``tl.dot`` in their own dtype on the
@@ -64,13 +63,11 @@ from torch import Tensor
 from kernels.activations import ACTIVATIONS, act_grad_ref, act_ref
 from kernels.direct import call, eager_function
 from kernels.launch import (
-    aligned_width,
-    leading_columns,
+    aligned_copy,
     new_padded,
     padded_like,
     rows_aligned,
     use_triton,
-    zero_padded,
 )
 from kernels.linear_act_backward import check_bwd_inputs, launch_bwd, linear_act_bwd
 from kernels.linear_act_forward import SAVES_Y, SAVES_Z, check_inputs, launch_fwd, linear_act_fwd
@@ -170,18 +167,13 @@ def _forward(
     x_padded is x copied into rows padded with zeros to 16 bytes where ``_pads_input(x)`` (the x the GEMMs
     read, saved for the backward), else None (x itself is read and saved)."""
     check_inputs(x, weight, bias, activation)
-    k, kp = x.shape[1], aligned_width(x.shape[1], x.dtype)
-    # Zero columns, in W too: the forward GEMM runs over all Kp columns, so any mask of its K tail is constant
-    # over 16 bytes (a mask at K = 367 is not, which keeps Triton from vectorizing the loads of its tiles).
-    x_padded = zero_padded(x, kp) if _pads_input(x) else None
-    if not use_triton(x):
-        y, saved = _linear_act_fwd_ref(x, weight, bias, activation)
-    elif x_padded is not None:
-        y, saved = launch_fwd(x_padded, zero_padded(weight, kp), bias, activation)
+    x_padded = aligned_copy(x) if _pads_input(x) else None
+    if use_triton(x):
+        y, saved = launch_fwd(x_padded if x_padded is not None else x, weight, bias, activation)
     else:
-        y, saved = launch_fwd(x, weight, bias, activation)
+        y, saved = _linear_act_fwd_ref(x, weight, bias, activation)
     z = saved if activation in SAVES_Z else None
-    return y, z, (leading_columns(x_padded, k) if x_padded is not None else None)
+    return y, z, x_padded
 
 
 def _linear_act_impl(

@@ -3,8 +3,9 @@
 
 ``_linear_act_fwd_kernel``: one program per [BLOCK_M, BLOCK_N] tile of y, taken in groups of GROUP tile rows
 (``_grouped_tile``: the programs running together share W tiles in L2), reducing over K in BLOCK_K chunks
-with fp32 accumulation; the epilogue adds the bias, stores z when the backward needs it (``SAVE_Z``) and
-stores y = act(z). Tiles are autotuned per (M bucket, N, K) (``kernels.gemm_tuning``).
+loaded through TMA descriptors (``matmul_tile``) with fp32 accumulation; the epilogue adds the bias, stores
+z when the backward needs it (``SAVE_Z``) and stores y = act(z). Tiles are autotuned per (M bucket, N, K)
+(``kernels.gemm_tuning``).
 
 The launcher ``linear_act_fwd`` validates the op's inputs (``check_inputs``, also used by the autograd op
 and the backward) and returns what the backward needs besides x and W: nothing for identity, y for relu and
@@ -19,8 +20,8 @@ from torch import Tensor
 
 from kernels import launch
 from kernels.activations import act_fwd, check_activation
-from kernels.gemm_tuning import autotuned, even_k, input_precision, m_bucket
-from kernels.launch import DTYPES, INTERPRETED, aligned_weight, rows_contiguous
+from kernels.gemm_tuning import autotuned, input_precision, m_bucket
+from kernels.launch import DTYPES, INTERPRETED, tma_descriptor
 
 __all__ = ["SAVES_Y", "SAVES_Z", "check_inputs", "linear_act_fwd"]
 
@@ -51,36 +52,26 @@ def _dot_chunk(acc, a, b, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr)
 
 @triton.jit
 def matmul_tile(
-    x_ptr, w_ptr, rows, cols, mask_m, mask_n, K, stride_xm, stride_wn,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+    x_desc, w_desc, off_m, off_n, K,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """The [BLOCK_M, BLOCK_N] fp32 tile of x @ W^T at `rows` x `cols` (x [M, K] and W [N, K] with row strides
-    stride_xm, stride_wn), reduced over K in BLOCK_K chunks; masked rows, columns and the K tail read 0.
-    Inlined into the forward GEMM kernels (linear_act, gated_linear), which add their own epilogues.
+    """The [BLOCK_M, BLOCK_N] fp32 tile of x @ W^T whose first row is off_m and first column off_n, reduced
+    over K in BLOCK_K chunks loaded through TMA descriptors (x_desc of x [M, K] in [BLOCK_M, BLOCK_K] blocks,
+    w_desc of W [N, K] in [BLOCK_N, BLOCK_K] blocks; ``kernels.launch.tma_descriptor``): rows, columns and
+    the K tail past the tensors' ends read 0, with no mask. Inlined into the forward GEMM kernels
+    (linear_act, gated_linear), which add their own epilogues.
 
-    Whole chunks load with no mask along K. EVEN_K (K a multiple of BLOCK_K, ``kernels.gemm_tuning.even_k``):
-    that is every chunk. Else the K % BLOCK_K tail follows in one masked chunk, rather than a mask along K
-    on every chunk, which, K not being a multiple of 16, keeps the loads from being 16 bytes wide. H100,
-    M = 16384, 367 -> 512, the best of four tile configs: 44 against 71 us (fp32), 38 against 56 (bf16);
-    where K is a multiple of BLOCK_K that tail code, though never run, slowed the loop (bf16 512 -> 512: 36
-    against 27 us), hence EVEN_K."""
-    ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N] tile of W^T
+    Pointer loads needed a mask on the K tail where K is not a multiple of BLOCK_K, and even as one masked
+    chunk after the loop it cost: H100, M = 16384, the best of three tile configs, bf16 367 -> 512 73.6
+    against 16.6 us through descriptors, 479 -> 1024 166.6 against 38.9; where K is a multiple of BLOCK_K,
+    1024 -> 1024 bf16 63.4 against 60.3, fp32 122.4 against 115.8. Descriptors made on the host beat those
+    made in the kernel (16.6 against 20.1, 60.3 against 66.5)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_whole = K if EVEN_K else K - K % BLOCK_K
-    for _ in range(0, k_whole, BLOCK_K):
-        a = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-        b = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
-        acc = _dot_chunk(acc, a, b, DOT_FP32, INPUT_PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    if not EVEN_K and k_whole < K:
-        mask_k = ks < K - k_whole
-        a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = _dot_chunk(acc, a, b, DOT_FP32, INPUT_PRECISION)
+    for k in range(0, K, BLOCK_K):
+        a = x_desc.load([off_m, k])
+        b = w_desc.load([off_n, k])
+        acc = _dot_chunk(acc, a, b.T, DOT_FP32, INPUT_PRECISION)
     return acc
 
 
@@ -88,9 +79,10 @@ def matmul_tile(
 # batch size reuses the compiled kernel. M_BUCKET only feeds the autotuning key (a power of two >= 64).
 @triton.jit(do_not_specialize=["M"])
 def _linear_act_fwd_kernel(
+    # operands: TMA descriptors (``kernels.launch.tma_descriptor``)
+    x_desc,  # of x [M, K], fp32/bf16/fp16
+    w_desc,  # of W [N, K], x's dtype
     # pointers
-    x_ptr,  # [M, K] input, fp32/bf16/fp16
-    w_ptr,  # [N, K] weight, x's dtype
     b_ptr,  # [N] bias, x's dtype (not read unless HAS_BIAS)
     y_ptr,  # [M, N] output y = act(z), x's dtype
     z_ptr,  # [M, N] output z = x @ W^T + b, x's dtype (not written unless SAVE_Z)
@@ -100,8 +92,6 @@ def _linear_act_fwd_kernel(
     K,
     M_BUCKET,  # autotuning key only
     # strides (row strides, in elements; the column stride is 1)
-    stride_xm,
-    stride_wn,
     stride_ym,
     stride_zm,
     # meta-parameters
@@ -110,27 +100,24 @@ def _linear_act_fwd_kernel(
     ACTIVATION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # cast dot operands to fp32 (interpreter only)
     INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "ieee" (torch's allow_tf32)
-    EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no mask along K
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # reduction chunk
     GROUP: tl.constexpr,
 ):
     pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
-    # int64 row offsets: M * K and M * N can pass 2**31.
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = rows < M
-    mask_n = cols < N
     acc = matmul_tile(
-        x_ptr, w_ptr, rows, cols, mask_m, mask_n, K, stride_xm, stride_wn,
-        DOT_FP32, INPUT_PRECISION, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+        x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K,
+        DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
 
-    # Epilogue: bias, (z), activation, in fp32.
+    # Epilogue: bias, (z), activation, in fp32. int64 row offsets: M * N can pass 2**31.
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols < N
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
+    mask = (rows < M)[:, None] & mask_n[None, :]
     if SAVE_Z:
         tl.store(z_ptr + rows[:, None] * stride_zm + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
     y = act_fwd(acc, ACTIVATION)
@@ -138,7 +125,12 @@ def _linear_act_fwd_kernel(
 
 
 _linear_act_fwd_kernel = autotuned(
-    _linear_act_fwd_kernel, ("BLOCK_M", "BLOCK_N", "BLOCK_K"), ("M_BUCKET", "N"), "x_ptr", {"GROUP": 8}
+    _linear_act_fwd_kernel,
+    ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
+    ("M_BUCKET", "N"),
+    "y_ptr",
+    {"GROUP": 8},
+    {"x_desc": ("BLOCK_M", "BLOCK_K"), "w_desc": ("BLOCK_N", "BLOCK_K")},
 )
 
 
@@ -211,18 +203,15 @@ def launch_fwd(
     saved = z if save_z else (y if activation in SAVES_Y else None)
     if m == 0:
         return y, saved
-    x = rows_contiguous(x)
-    weight = aligned_weight(weight)
     bias = bias.contiguous() if bias is not None else None
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
     _linear_act_fwd_kernel[grid](
-        x, weight, bias if bias is not None else x, y, z if save_z else y,
-        m, n, k, m_bucket(m),
-        x.stride(0), weight.stride(0), y.stride(0), (z if save_z else y).stride(0),
+        tma_descriptor(x), tma_descriptor(weight), bias if bias is not None else y, y, z if save_z else y,
+        m, n, k, m_bucket(m), y.stride(0), (z if save_z else y).stride(0),
         HAS_BIAS=bias is not None, SAVE_Z=save_z, ACTIVATION=activation,
-        DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x.dtype), EVEN_K=even_k(k),
+        DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x.dtype),
     )  # fmt: skip
     return y, saved

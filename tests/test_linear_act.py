@@ -599,7 +599,7 @@ def test_tuned_kernel_tunes_each_key_once(monkeypatch):
     run = kernel.autotuner.run
 
     def counting_run(*args, **kwargs):
-        tuned.append((args[8], args[6], args[7], args[0].dtype))  # M_BUCKET, N, K, x's dtype
+        tuned.append((args[8], args[6], args[7], args[3].dtype))  # M_BUCKET, N, K, y's dtype (x's)
         return run(*args, **kwargs)
 
     monkeypatch.setattr(kernel.autotuner, "run", counting_run)
