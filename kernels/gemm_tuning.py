@@ -26,8 +26,8 @@ _M_BUCKET_MIN, _M_BUCKET_MAX = 64, 65536
 # 128x256 tiles with 3 stages need ~144 KiB either way, under Hopper's 227 KiB); _pruner keeps the set of the
 # operand's element size. 128x128 with 3 stages (96 KiB) fits two CTAs per SM, so one CTA's epilogue runs
 # under the other's main loop: H100, M = 16384, linear_act's forward with a GELU epilogue, bf16 1024 -> 1024
-# 96.9 us against 107.2 for the best other config (1024 -> 512 52.8 vs 55.5, 512 -> 256 18.9 vs 20.9); with a
-# masked K tail (479 -> 1024) it is 3x slower, and the autotuner keeps it where it wins.
+# 96.9 us against 107.2 for the best other config (1024 -> 512 52.8 vs 55.5, 512 -> 256 18.9 vs 20.9; measured
+# with pointer loads, before TMA descriptors). The autotuner keeps it where it wins.
 _GPU_SHAPES = [
     (128, 256, 8, 3),
     (256, 128, 8, 3),
