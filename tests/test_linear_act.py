@@ -244,6 +244,23 @@ def test_aligned_weight():
     assert launch.aligned_weight(torch.randn(13, 5, dtype=torch.bfloat16).t()).stride() == (16, 1)
 
 
+def test_tma_descriptor():
+    """A tensor whose rows and base lie 16 bytes apart is described in place (a row-padded view too); one
+    whose rows do not (K = 13 fp32) or whose base does not (a view one element in) through a copy of its
+    values in rows of 16 bytes; the shape is the tensor's, whatever its row stride."""
+    x = torch.randn(7, 16)
+    d = launch.tma_descriptor(x)
+    assert d.base is x and d.shape == [7, 16] and d.strides == [16, 1]
+    padded = launch.aligned_copy(torch.randn(7, 13))
+    d = launch.tma_descriptor(padded)
+    assert d.base is padded and d.shape == [7, 13] and d.strides == [16, 1]
+    for t in (torch.randn(7, 13), torch.randn(7, 16)[:, 1:], torch.randn(13, 7).t()):
+        d = launch.tma_descriptor(t)
+        assert d.base is not t and d.base.data_ptr() % 16 == 0 and d.shape == list(t.shape)
+        assert d.strides == [launch.aligned_width(t.shape[1], t.dtype), 1]
+        torch.testing.assert_close(d.base, t, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("k", [13, 16])
 def test_gemm_grads(k, dtype):
