@@ -24,7 +24,8 @@ before its product with B (as the PyTorch expression does); bias and activation 
 
 Kernels: ``_lora_linear_fwd_kernel``, one program per [BLOCK_M, BLOCK_N] tile of y: the K loop accumulates
 x W^T and x A^T from the same x tiles (A padded to BLOCK_R >= 16 rows with zeros; W and A read from rows of
-16 bytes, whole K chunks unmasked and the tail in one masked chunk, as linear_act's ``matmul_tile``), then
+16 bytes, whole K chunks unmasked and the tail in one masked chunk; pointer loads, where linear_act's
+``matmul_tile`` now loads through TMA descriptors), then
 adds s u B^T, the bias and the activation (the add-multiply-activation epilogue); the programs of the first
 column tile store u. Backward: linear_act's dz pass (``kernels.linear_act_backward.linear_act_dz``), then
 cuBLAS GEMMs; dx comes back in rows padded to 16 bytes (``kernels.launch.new_padded``), as linear_act's.
@@ -125,8 +126,8 @@ def _lora_linear_fwd_kernel(
     a_ptrs = a_ptr + ranks[None, :] * stride_am + ks[:, None]  # [BLOCK_K, BLOCK_R] tile of A^T
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    # Whole chunks with no mask along K, then (unless EVEN_K) the tail in one masked chunk: why in
-    # kernels.linear_act_forward's matmul_tile.
+    # Whole chunks with no mask along K, then (unless EVEN_K) the tail in one masked chunk: a mask on every
+    # chunk kept the loads from being 16 bytes wide (kernels.linear_act_forward's matmul_tile).
     k_whole = K if EVEN_K else K - K % BLOCK_K
     for _ in range(0, k_whole, BLOCK_K):
         x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
