@@ -64,7 +64,7 @@ from kernels.launch import (
     use_triton,
 )
 from kernels.linear_act_backward import gemm_grads
-from kernels.linear_act_forward import _grouped_tile, matmul_tile
+from kernels.linear_act_forward import MATMUL_TILE_DESCRIPTORS, _grouped_tile, matmul_tile
 from kernels.partials import row_programs, sum_partials
 
 __all__ = ["GATES", "gated_linear", "gated_linear_ref", "gated_linear_fwd", "gated_linear_bwd"]
@@ -165,7 +165,7 @@ _gated_linear_fwd_kernel = autotuned(
     ("M_BUCKET", "N"),
     "z_ptr",
     {"GROUP": 8},
-    {"x_desc": ("BLOCK_M", "BLOCK_K"), "w_desc": ("BLOCK_N", "BLOCK_K")},
+    MATMUL_TILE_DESCRIPTORS,
 )
 
 

@@ -23,7 +23,7 @@ from kernels.activations import act_fwd, check_activation
 from kernels.gemm_tuning import autotuned, input_precision, m_bucket
 from kernels.launch import DTYPES, INTERPRETED, tma_descriptor
 
-__all__ = ["SAVES_Y", "SAVES_Z", "check_inputs", "linear_act_fwd"]
+__all__ = ["MATMUL_TILE_DESCRIPTORS", "SAVES_Y", "SAVES_Z", "check_inputs", "linear_act_fwd", "matmul_tile"]
 
 SAVES_Y = ("relu", "sigmoid")  # act' is a function of y = act(z)
 SAVES_Z = ("gelu_tanh", "silu")  # act' needs z
@@ -48,6 +48,11 @@ def _dot_chunk(acc, a, b, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr)
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+# The descriptor arguments of a kernel built on ``matmul_tile`` and the tile dims of their block shapes, which
+# must match its loads (``kernels.gemm_tuning.autotuned`` sets them per config).
+MATMUL_TILE_DESCRIPTORS = {"x_desc": ("BLOCK_M", "BLOCK_K"), "w_desc": ("BLOCK_N", "BLOCK_K")}
 
 
 @triton.jit
@@ -130,7 +135,7 @@ _linear_act_fwd_kernel = autotuned(
     ("M_BUCKET", "N"),
     "y_ptr",
     {"GROUP": 8},
-    {"x_desc": ("BLOCK_M", "BLOCK_K"), "w_desc": ("BLOCK_N", "BLOCK_K")},
+    MATMUL_TILE_DESCRIPTORS,
 )
 
 
