@@ -37,13 +37,15 @@ def rows_aligned(t: Tensor) -> bool:
     return t.stride(0) * t.element_size() % ALIGN_BYTES == 0
 
 
+def has_contiguous_rows(t: Tensor) -> bool:
+    """Whether a 2-D t's rows are contiguous: column stride 1, any row stride >= width (e.g. a view of a
+    row-padded buffer such as the dot interaction's output)."""
+    return t.stride(-1) == 1 and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1])
+
+
 def rows_contiguous(t: Tensor) -> Tensor:
-    """A 2-D t itself if its rows are contiguous (column stride 1, any row stride >= width, e.g. a view of a
-    row-padded buffer such as the dot interaction's output), else a contiguous copy (e.g. of an expanded
-    gradient)."""
-    if t.stride(-1) == 1 and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1]):
-        return t
-    return t.contiguous()
+    """A 2-D t itself if ``has_contiguous_rows(t)``, else a contiguous copy (e.g. of an expanded gradient)."""
+    return t if has_contiguous_rows(t) else t.contiguous()
 
 
 def leading_columns(buffer: Tensor, k: int) -> Tensor:
@@ -102,7 +104,6 @@ def tma_descriptor(t: Tensor) -> TensorDescriptor:
     tail. The hardware wants the columns contiguous, the rows and the base 16 bytes apart: t itself where it
     is so, else ``aligned_copy(t)``. Its block shape is a placeholder that the GEMM's tuning sets to the
     launched config's tiles (``kernels.gemm_tuning``)."""
-    aligned = t.stride(1) == 1 and rows_aligned(t) and t.data_ptr() % ALIGN_BYTES == 0
-    if not aligned or (t.shape[0] > 1 and t.stride(0) < t.shape[1]):
+    if not (has_contiguous_rows(t) and rows_aligned(t) and t.data_ptr() % ALIGN_BYTES == 0):
         t = aligned_copy(t)
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [16, 16])

@@ -64,6 +64,7 @@ from kernels.activations import ACTIVATIONS, act_grad_ref, act_ref
 from kernels.direct import call, eager_function
 from kernels.launch import (
     aligned_copy,
+    has_contiguous_rows,
     new_padded,
     padded_like,
     rows_aligned,
@@ -156,8 +157,7 @@ def _linear_act_bwd_ref(
 def _pads_input(x: Tensor) -> bool:
     """Whether the autograd op copies x into row-padded rows for its GEMMs: its rows are not contiguous or
     not 16 bytes apart."""
-    m, k = x.shape
-    return not (x.stride(1) == 1 and rows_aligned(x) and (m <= 1 or x.stride(0) >= k))
+    return not (has_contiguous_rows(x) and rows_aligned(x))
 
 
 def _forward(
