@@ -373,7 +373,7 @@ def _gated_linear_bwd_ref(dy, x, weight, z, gate, has_bias, needs_dx):
         db = dy * a * act_grad_ref(b, act)
     dz = torch.stack((da, db), dim=2).reshape(z.shape).to(x.dtype).float()  # rounded as the kernel's
     # dx in the kernels' layout: rows padded to 16 bytes (see the fake).
-    dx = new_padded(*x.shape, x).copy_(dz @ weight.float()) if needs_dx else None
+    dx = aligned_copy((dz @ weight.float()).to(x.dtype)) if needs_dx else None
     return dx, (dz.t() @ x.float()).to(x.dtype), (dz.sum(0).to(x.dtype) if has_bias else None)
 
 

@@ -65,7 +65,6 @@ from kernels.direct import call, eager_function
 from kernels.launch import (
     aligned_copy,
     has_contiguous_rows,
-    new_padded,
     padded_like,
     rows_aligned,
     use_triton,
@@ -216,7 +215,7 @@ def _backward_body(
         return launch_bwd(dy, x, weight, saved, activation, has_bias, needs_dx)
     check_bwd_inputs(dy, x, weight, saved, activation, has_bias)
     dx, dw, db = _linear_act_bwd_ref(dy, x, weight, saved, activation, has_bias, needs_dx)
-    dx = new_padded(*dx.shape, x).copy_(dx) if needs_dx else None  # the kernels' layout (see the fake)
+    dx = aligned_copy(dx) if needs_dx else None  # the kernels' layout (see the fake)
     return dx, dw, db
 
 

@@ -55,9 +55,9 @@ from kernels.activations import act_grad_ref
 from kernels.direct import call, eager_function
 from kernels.launch import (
     DTYPES,
+    aligned_copy,
     aligned_width,
     leading_columns,
-    new_padded,
     padded_like,
     rows_contiguous,
     use_triton,
@@ -328,7 +328,7 @@ def _ln_linear_gelu_fwd_ref(x, ln_weight, ln_bias, weight, bias, eps):
     rstd = torch.rsqrt(var + eps)
     a = ((xf - mean[:, None]) * rstd[:, None] * ln_weight.float() + ln_bias.float()).to(x.dtype)
     z = F.linear(a.float(), weight.float(), None if bias is None else bias.float())
-    a = new_padded(*a.shape, a).copy_(a)  # the kernels' layout (see the fake)
+    a = aligned_copy(a)  # the kernels' layout (see the fake)
     return F.gelu(z, approximate="tanh").to(x.dtype), z.to(x.dtype), a, mean, rstd
 
 

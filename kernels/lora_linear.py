@@ -51,6 +51,7 @@ from kernels.gemm_tuning import autotuned, even_k, input_precision, m_bucket
 from kernels.launch import (
     DTYPES,
     INTERPRETED,
+    aligned_copy,
     aligned_weight,
     new_padded,
     padded_like,
@@ -298,7 +299,7 @@ def _lora_linear_bwd_ref(dy, x, weight, lora_a, lora_b, saved, u, scale, activat
     du = scale * (dz @ lora_b.float())
     da = du.t() @ x.float()
     # dx in the kernels' layout: rows padded to 16 bytes (see the fake).
-    dx = new_padded(*x.shape, x).copy_(dz @ weight.float() + du @ lora_a.float()) if needs_dx else None
+    dx = aligned_copy((dz @ weight.float() + du @ lora_a.float()).to(x.dtype)) if needs_dx else None
     return dx, da.to(x.dtype), db_lora.to(x.dtype)
 
 
