@@ -1,5 +1,7 @@
 """`python -m dlrm.evaluate`: AUC, logloss and normalized entropy of a checkpoint on a data split, as JSON.
-The checkpoint is a one-process .pt or the sharded directory of a torchrun run, read whole here."""
+The checkpoint is a one-process .pt or the sharded directory of a torchrun run, read whole here. By default
+it scores with the run's kernels, precision and eval batch size (dlrm.scoring), so the test split gives the
+numbers the run reported."""
 
 import json
 from pathlib import Path
@@ -15,7 +17,7 @@ from dlrm.data.dataset import BatchLoader, open_split
 from dlrm.data.splits import check_data_dir
 from dlrm.errors import cli_errors
 from dlrm.metrics import evaluate
-from dlrm.model import model_from_checkpoint
+from dlrm.scoring import backend_option, precision_option, resolve_scoring, scoring_model
 from dlrm.step import resolve_device
 
 
@@ -29,14 +31,21 @@ from dlrm.step import resolve_device
     help="Preprocessed data directory (with metadata.json).",
 )
 @split_option
-@click.option("--batch-size", type=click.IntRange(min=1), default=4096, help="Rows per forward pass.")
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Rows per forward pass [default: the run's data.eval_batch_size].",
+)
+@backend_option
+@precision_option
 @device_option
 @click.option(
     "--quiet",
     is_flag=True,
     help="Print the JSON only: no progress bar (shown when stdout is a terminal) and no log lines.",
 )
-def main(checkpoint_path, data_dir, split, batch_size, device, quiet):
+def main(checkpoint_path, data_dir, split, batch_size, backend, precision, device, quiet):
     """Print {"auc", "logloss", "ne", "samples"} of a checkpoint on DATA/SPLIT as JSON."""
     mode = progress.configure("quiet" if quiet else "auto")
     with cli_errors():
@@ -44,10 +53,11 @@ def main(checkpoint_path, data_dir, split, batch_size, device, quiet):
         state = load_checkpoint(checkpoint_path)
         cfg = from_dict(state["config"])
         dev = resolve_device(device)
-        model = model_from_checkpoint(cfg.model, state["table_rows"], state["model"]).to(dev)
-        loader = BatchLoader(open_split(data_dir, split), batch_size, device=dev)
+        scoring = resolve_scoring(cfg, backend, precision)
+        model = scoring_model(cfg, state["table_rows"], state["model"], scoring, dev)
+        loader = BatchLoader(open_split(data_dir, split), batch_size or cfg.data.eval_batch_size, device=dev)
         with torch.no_grad():
-            result = evaluate(model, progress.eval_batches(mode, loader, split), dev)
+            result = evaluate(model, progress.eval_batches(mode, loader, split), dev, scoring.precision)
     click.echo(json.dumps({"checkpoint": str(checkpoint_path), "split": split, **result}))
 
 

@@ -20,7 +20,8 @@ place once complete.
 
 Streaming in bounded memory: text is read `--block-size` lines at a time, parquet one record batch of at
 most `--block-size` rows at a time, and scored `--batch-size` rows at a time; nothing grows with the input.
-Any backend's checkpoint works (the weights are saved in one layout); scoring runs the eager model.
+Any backend's checkpoint works (the weights are saved in one layout); scoring runs the run's kernels and
+precision by default (`--backend`, `--precision`: dlrm.scoring).
 """
 
 import re
@@ -45,21 +46,27 @@ from dlrm.data.schema import RAW_COLUMNS
 from dlrm.data.splits import check_data_dir
 from dlrm.data.text import LineReader, PreprocessError, TextBlock
 from dlrm.errors import cli_errors
-from dlrm.model import DLRM, model_from_checkpoint
+from dlrm.metrics import forward_logits
+from dlrm.model import Model
+from dlrm.scoring import Scoring, backend_option, precision_option, resolve_scoring, scoring_model
 from dlrm.step import resolve_device
 
 DEFAULT_BLOCK_SIZE = 1 << 16
 
 
-def load_model(checkpoint: Path, device: torch.device) -> DLRM:
-    """The eval-mode eager DLRM of a training checkpoint (of any backend), on `device`.
+def load_model(
+    checkpoint: Path, device: torch.device, backend: str = "eager", precision: str = "fp32"
+) -> tuple[Model, Scoring]:
+    """The eval-mode model of a training checkpoint (of any backend) on `device`, with the kernels and
+    precision that `backend` and `precision` name for its run (dlrm.scoring), and that scoring.
 
     Raises:
         ValueError: the file is missing or not a DLRM checkpoint.
     """
     state = load_checkpoint(checkpoint)
     cfg = from_dict(state["config"])
-    return model_from_checkpoint(cfg.model, state["table_rows"], state["model"]).to(device).eval()
+    scoring = resolve_scoring(cfg, backend, precision)
+    return scoring_model(cfg, state["table_rows"], state["model"], scoring, device), scoring
 
 
 def input_blocks(source: Path, split: str, block_size: int) -> Iterator[tuple[Batch, bool]]:
@@ -129,16 +136,17 @@ def _with_label_field(block: TextBlock) -> TextBlock:
 
 @torch.no_grad()
 def predict(
-    model: DLRM,
+    model: Model,
     blocks: Iterator[tuple[Batch, bool]],
     output: Path,
     batch_size: int,
     device: torch.device,
     mode: str = "log",
+    precision: str = "fp32",
 ) -> dict:
-    """Score every row of `blocks` with `model` and write `output` (parquet, see the module docstring);
-    returns {"rows", "mean_ctr", "output"}. `output` appears only when complete. `mode` (dlrm.progress):
-    "bar" counts the rows on a progress bar."""
+    """Score every row of `blocks` with `model` in `precision` (dlrm.metrics.forward_logits) and write
+    `output` (parquet, see the module docstring); returns {"rows", "mean_ctr", "output"}. `output` appears
+    only when complete. `mode` (dlrm.progress): "bar" counts the rows on a progress bar."""
     writer = None
     rows = 0
     ctr_sum = 0.0
@@ -148,7 +156,7 @@ def predict(
             for block, labeled in blocks:
                 for start in range(0, len(block.label), batch_size):
                     batch = Batch(*(t[start : start + batch_size] for t in block)).to(device)
-                    logits = model(batch.dense, batch.sparse).float()
+                    logits = forward_logits(model, precision, batch.dense, batch.sparse)
                     ctr = torch.sigmoid(logits)
                     n = len(logits)
                     columns = {
@@ -197,19 +205,23 @@ def predict(
     default=DEFAULT_BLOCK_SIZE,
     help="Lines (or parquet rows) read at once; memory grows with it, not with the input.",
 )
+@backend_option
+@precision_option
 @device_option
 @click.option(
     "--quiet", is_flag=True, help="No progress bar (shown when stdout is a terminal) and no log lines."
 )
-def main(checkpoint_path, input_path, output, split, batch_size, block_size, device, quiet):
+def main(
+    checkpoint_path, input_path, output, split, batch_size, block_size, backend, precision, device, quiet
+):
     """Write the click-through rate of every row of INPUT under a checkpoint to OUTPUT (parquet)."""
     mode = progress.configure("quiet" if quiet else "auto")
     with cli_errors():
         dev = resolve_device(device)
-        model = load_model(checkpoint_path, dev)
-        logger.info("scoring {} with {} on {}", input_path, checkpoint_path, dev)
+        model, scoring = load_model(checkpoint_path, dev, backend, precision)
+        logger.info("scoring {} with {} on {} ({})", input_path, checkpoint_path, dev, scoring)
         blocks = input_blocks(input_path, split, block_size)
-        result = predict(model, blocks, output, batch_size, dev, mode)
+        result = predict(model, blocks, output, batch_size, dev, mode, scoring.precision)
     logger.info("{} rows, mean ctr {:.4f}, written to {}", result["rows"], result["mean_ctr"], output)
 
 

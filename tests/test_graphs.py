@@ -15,6 +15,7 @@ from dlrm.graphs import GraphedForward, GraphedTrainStep
 from dlrm.lr_schedule import LearningRates
 from dlrm.metrics import evaluate, forward_logits
 from dlrm.model import DLRM
+from dlrm.model.tables import build_vocabularies
 from dlrm.step import make_optimizer, resolve_cuda_graphs, train_step
 
 SMALL = ModelConfig(embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1), max_rows=100)
@@ -281,3 +282,34 @@ def test_graphed_evaluation_matches_launched_evaluation(precision):
         for key in ("auc", "logloss", "ne", "samples"):
             assert replayed[key] == pytest.approx(launched[key], rel=1e-6, abs=1e-7), key
     assert set(graphed.captured) == {64}
+
+
+def _tensor_addresses(model: torch.nn.Module) -> dict[str, int]:
+    """Every parameter's and buffer's (non-persistent ones too) storage address, by name."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return {name: tensor.data_ptr() for name, tensor in named}
+
+
+@pytest.mark.parametrize("sparse_kernel", ["torch", "triton"])
+def test_loading_weights_keeps_every_tensor_a_graph_reads_where_it_was(sparse_kernel):
+    """A captured graph (training step, evaluation forward) reads the model's tensors by address, so loading
+    the best weights before the test evaluation must write into them: every parameter and buffer keeps its
+    address, the vocabulary lookup included (rebuilt after the load), and holds the loaded values."""
+    cfg = ModelConfig(**{**SMALL.__dict__, "hashing": "vocab", "first_order": True})
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(-1, 60, (40, NUM_SPARSE), generator=g)
+    models = []
+    for seed, offset in ((0, 0), (1, 1000)):  # other weights and other vocabularies of the same sizes
+        torch.manual_seed(seed)
+        vocabularies = build_vocabularies(ids + offset, 100)
+        models.append(DLRM(cfg, vocabularies=vocabularies, sparse_kernel=sparse_kernel).eval())
+    live, best = models
+    addresses = _tensor_addresses(live)
+    assert {"sparse_arch.vocab_keys", "sparse_arch.vocab_starts"} <= set(addresses)
+    live.load_state_dict(best.state_dict())
+    assert _tensor_addresses(live) == addresses
+    loaded = {**dict(live.named_parameters()), **dict(live.named_buffers())}
+    for name, tensor in [*best.named_parameters(), *best.named_buffers()]:
+        assert torch.equal(loaded[name], tensor), name
+    probe = ids[:9] + 1000  # ids of `best`'s vocabularies: rows that `live`'s old lookup would not find
+    assert torch.equal(live.sparse_arch.hash_ids(probe), best.sparse_arch.hash_ids(probe))

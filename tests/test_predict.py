@@ -145,5 +145,5 @@ def test_triton_checkpoint_scores_like_its_model(tmp_path):
     dense, sparse = torch.rand(5, 13), torch.randint(-1, 1000, (5, 26))
     with torch.no_grad():
         expected = model(dense, sparse)
-        got = predict_cli.load_model(tmp_path / "best.pt", torch.device("cpu"))(dense, sparse)
+        got = predict_cli.load_model(tmp_path / "best.pt", torch.device("cpu"))[0](dense, sparse)
     torch.testing.assert_close(got, expected)

@@ -33,3 +33,25 @@ def test_model_layout(monkeypatch):
         assert torch.equal(padded, x)
     for x in (torch.randn(5, 13), torch.randn(5, 512)):
         assert model_layout(x) is x
+
+
+def test_rows_of_a_device_copy_name_its_commit_only_when_its_files_are_that_commit(monkeypatch, tmp_path):
+    """A copy without .git is trusted to be GIT_SHA only when SOURCE_HASH (computed beside the commit)
+    equals the copy's own hash; one changed byte, or no hash given, marks the rows."""
+    import shutil
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from results_csv import commit, source_files, source_hash
+
+    for path in source_files(REPO):
+        target = tmp_path / path.relative_to(REPO)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+    monkeypatch.setenv("GIT_SHA", "abc1234")
+    monkeypatch.delenv("SOURCE_HASH", raising=False)
+    assert commit(tmp_path) == "abc1234+unverified"
+    monkeypatch.setenv("SOURCE_HASH", source_hash(REPO))
+    assert commit(tmp_path) == "abc1234"
+    config = tmp_path / "configs" / "tiny.json"
+    config.write_text(config.read_text() + " ")
+    assert commit(tmp_path) == "abc1234+dirty"

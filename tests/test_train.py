@@ -147,6 +147,40 @@ def test_selection_reads_val_only_and_test_reports_the_selected_weights(criteo_s
     assert _scalars(run, "test/ne") == [(4, pytest.approx(metrics["test_ne"]))]
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_evaluate_of_best_pt_reproduces_the_runs_test_numbers(
+    criteo_sample, tmp_path, monkeypatch, use_triton, precision
+):
+    """main.json's model (vocab hashing, first-order terms) with best.pt from an earlier step than the last
+    (val scripted to peak at step 4), a partial last eval batch, in each precision, eager and under
+    --use-triton (on a GPU: the whole-step and evaluation CUDA graphs, which must read the loaded best
+    weights): the run's test numbers equal `dlrm.evaluate` of best.pt, which scores in the run's kernels
+    and precision by default."""
+    scripted = iter([(0.60, 0.50), (0.80, 0.40), (0.70, 0.45), (0.65, 0.47)])  # (auc, logloss): best at 4
+    real = selection.evaluate_split
+
+    def scripted_val(run, loader, split):
+        result = real(run, loader, split)
+        if split != "val":
+            return result
+        auc, logloss = next(scripted)
+        return {**result, "auc": auc, "logloss": logloss}
+
+    monkeypatch.setattr(selection, "evaluate_split", scripted_val)
+    cfg = _tiny(criteo_sample, max_steps=8, eval_interval=2, patience=2, log_interval=2)
+    cfg = replace(cfg, "model", hashing="vocab", min_frequency=2, first_order=True)
+    cfg = replace(cfg, "data", eval_batch_size=384)  # 1,000 test rows: 384 + 384 + a partial 232
+    cfg = replace(cfg, "train", use_triton=use_triton, precision=precision)
+    cfg = dataclasses.replace(cfg, profiler=dataclasses.replace(cfg.profiler, enabled=False))
+    run = tmp_path / "run"
+    metrics = train_cli.train(cfg, run)
+    assert metrics["best_step"] == 4 and metrics["steps"] == 8
+    result = _evaluate(run / "checkpoints" / "best.pt", criteo_sample)
+    for key in AUC_NE:
+        assert result[key] == pytest.approx(metrics[f"test_{key}"], abs=1e-6), key
+
+
 def test_a_run_resumed_elsewhere_reports_test_of_the_best_it_resumed_with(
     criteo_sample, tmp_path, monkeypatch
 ):

@@ -104,10 +104,18 @@ def register_vocabularies(module: torch.nn.Module, vocabularies: list[torch.Tens
 def index_vocabularies(module: torch.nn.Module) -> None:
     """(Re)build `module`'s vocabulary lookup, non-persistent buffers `vocab_keys`, `vocab_starts`,
     `vocab_sizes`, `vocab_bases` (`vocabulary_index`), from its `vocab_<f>` buffers: after a load that wrote
-    them in place (a distributed checkpoint), call it."""
+    them in place (a distributed checkpoint), call it.
+
+    A rebuilt lookup of the same shapes is written into the existing buffers: a CUDA graph captured earlier
+    (the training step, the evaluation forward) reads them by address, so a new tensor would leave it
+    reading freed memory. Only a lookup of other shapes (other vocabularies) gets new buffers."""
     index = vocabulary_index([getattr(module, f"vocab_{f}") for f in range(NUM_SPARSE)])
     for name, tensor in index.items():
-        module.register_buffer(f"vocab_{name}", tensor, persistent=False)
+        current = getattr(module, f"vocab_{name}", None)
+        if current is not None and current.shape == tensor.shape and current.device == tensor.device:
+            current.copy_(tensor)
+        else:
+            module.register_buffer(f"vocab_{name}", tensor, persistent=False)
 
 
 def _index_loaded_vocabularies(module: torch.nn.Module, incompatible_keys) -> None:
