@@ -6,8 +6,8 @@ A claim is a number written with a unit of measurement: `x` right after the numb
 after a space or not: `us`, `ms`, `samples/s`, `rows/s`, `GB/s`, `TB/s`, `TFLOP/s`, `%`; numbers joined by
 `-`, `/` or `to` before the unit (`1.3-2.2x`, `0.74 / 0.07 ms`) are claims each; `M`, `k` or `G` after a
 number scales it (`25.5M samples/s`). So is a decimal with three or more digits after the point (`0.7364`)
-on a line that names AUC, logloss or NE. Not claims: anything inside backticks or code blocks (commands,
-config values, file names), numbers with other units (sizes, seconds, counts), and the block that
+on a line that names AUC, logloss or NE. Not claims: anything inside backticks, fenced code blocks or
+indented code blocks (commands, config values, file names), numbers with other units (sizes, seconds, counts), and the block that
 scripts/readme_table.py generates (between its marker comments, built from the rows themselves).
 
 A claim is backed when some current row (scripts/results_rows.py: measured on the code that is here now)
@@ -58,16 +58,20 @@ def _claim(path: str, line: int, text: str) -> Claim:
 
 def _prose(text: str) -> list[tuple[int, str]]:
     """(line number, text) of the lines outside code blocks and the generated block, inline code blanked."""
-    lines, fenced, generated = [], False, False
+    lines, fenced, generated, indented, previous = [], False, False, False, ""
     for number, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
+        # An indented code block starts with an indented line after a blank one (a list item's indented
+        # continuation lines are prose) and goes on while lines stay indented or blank.
+        indented = line.startswith("    ") and (indented or not previous.strip()) or (indented and not stripped)
+        previous = line
         if stripped.startswith("```"):
             fenced = not fenced
         elif stripped == BEGIN:
             generated = True
         elif stripped == END:
             generated = False
-        elif not (fenced or generated or line.startswith("    ")):
+        elif not (fenced or generated or indented):
             lines.append((number, re.sub(r"`[^`]*`", "``", line)))
     return lines
 
