@@ -7,8 +7,9 @@ after a space or not: `us`, `ms`, `samples/s`, `rows/s`, `GB/s`, `TB/s`, `TFLOP/
 `-`, `/` or `to` before the unit (`1.3-2.2x`, `0.74 / 0.07 ms`) are claims each; `M`, `k` or `G` after a
 number scales it (`25.5M samples/s`). So is a decimal with three or more digits after the point (`0.7364`)
 on a line that names AUC, logloss or NE. Not claims: anything inside backticks, fenced code blocks or
-indented code blocks (commands, config values, file names), numbers with other units (sizes, seconds, counts), and the block that
-scripts/readme_table.py generates (between its marker comments, built from the rows themselves).
+indented code blocks (commands, config values, file names), numbers with other units (sizes, seconds,
+counts), and the block that scripts/readme_table.py generates (between its marker comments, built from
+the rows themselves).
 
 A claim is backed when some current row (scripts/results_rows.py: measured on the code that is here now)
 holds a cell equal to it at the precision it is written with (`25.5M` matches 25,526,303; `4.5%` matches
@@ -63,7 +64,8 @@ def _prose(text: str) -> list[tuple[int, str]]:
         stripped = line.strip()
         # An indented code block starts with an indented line after a blank one (a list item's indented
         # continuation lines are prose) and goes on while lines stay indented or blank.
-        indented = line.startswith("    ") and (indented or not previous.strip()) or (indented and not stripped)
+        starts = line.startswith("    ") and (indented or not previous.strip())
+        indented = starts or (indented and not stripped)
         previous = line
         if stripped.startswith("```"):
             fenced = not fenced
@@ -89,7 +91,7 @@ def find_claims(path: str, text: str) -> list[Claim]:
 
 
 class RowIndex:
-    """The numeric cells of `rows`, sorted by value (in each of `CELL_SCALES`), to find a claim's rows fast."""
+    """The numeric cells of `rows`, sorted by value (in each of `CELL_SCALES`): a claim's rows, fast."""
 
     def __init__(self, rows: list[Row]):
         self.rows = rows
@@ -138,7 +140,7 @@ def main(list_all: bool) -> None:
                 click.echo(f"{claim.path}:{claim.line}: {claim.text}: {row.key}")
     if unbacked:
         click.echo(
-            f"{unbacked} claim(s) without a current row: measure them again (scripts/bench_*.py) or remove them",
+            f"{unbacked} claim(s) without a current row: measure again (scripts/bench_*.py) or remove them",
             err=True,
         )
         sys.exit(1)

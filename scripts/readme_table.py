@@ -35,6 +35,11 @@ def _millions(value: str) -> str:
     return f"{float(value) / 1e6:.2f}M"
 
 
+def _ratio(ours: Row, base: Row | None) -> str:
+    """samples/s of `ours` over `base`'s, as `1.23x`; empty without a base."""
+    return f"{float(ours.cells['samples_per_s']) / float(base.cells['samples_per_s']):.2f}x" if base else ""
+
+
 def _current(row: Row) -> str:
     return "no" if is_current(row) else "yes"
 
@@ -78,11 +83,11 @@ def step_table(rows: list[Row]) -> list[str]:
         same = _same_run(rows, ours)
         name = next((n for n in BASELINES if n in same), None)
         base = same[name] if name else None
-        ratio = f"{float(ours.cells['samples_per_s']) / float(base.cells['samples_per_s']):.2f}x" if base else ""
+        base_rate = _millions(base.cells["samples_per_s"]) if base else ""
         body.append(
             [config, precision, f"{int(batch):,}", _millions(ours.cells["samples_per_s"]),
-             BASELINES[name] if name else "none in this run", _millions(base.cells["samples_per_s"]) if base else "",
-             ratio, ours.cells["device"], ours.cells["git_sha"], _current(ours), ours.key]
+             BASELINES[name] if name else "none in this run", base_rate, _ratio(ours, base),
+             ours.cells["device"], ours.cells["git_sha"], _current(ours), ours.key]
         )  # fmt: skip
     header = ["config", "precision", "batch", "ours samples/s", "baseline", "baseline samples/s", "ratio",
               "machine", "commit", "code changed since", "row"]  # fmt: skip
@@ -107,10 +112,11 @@ def scaling_table(rows: list[Row]) -> list[str]:
             and (r.cells["device"], r.cells["git_sha"]) == (ours.cells["device"], ours.cells["git_sha"])
         ]
         base = before[-1] if before else None
+        base_rate = _millions(base.cells["samples_per_s"]) if base else ""
+        scaling = f"{float(ours.cells['scaling_vs_1gpu']):.2f}x"
         body.append(
-            [config, precision, f"{int(batch):,}", world, _millions(ours.cells["samples_per_s"]),
-             _millions(base.cells["samples_per_s"]) if base else "", f"{float(ours.cells['scaling_vs_1gpu']):.2f}x",
-             ours.cells["device"], ours.cells["git_sha"], _current(ours), ours.key]
+            [config, precision, f"{int(batch):,}", world, _millions(ours.cells["samples_per_s"]), base_rate,
+             scaling, ours.cells["device"], ours.cells["git_sha"], _current(ours), ours.key]
         )  # fmt: skip
     header = ["config", "precision", "batch per GPU", "GPUs", "samples/s", "1 GPU samples/s", "scaling",
               "machine", "commit", "code changed since", "row"]  # fmt: skip
@@ -124,11 +130,10 @@ def sample_table(rows: list[Row]) -> list[str]:
     body = []
     for backend, ours in newest.items():
         eager = next((r for r in rows if _run(r) == _run(ours) and r.cells["backend"] == "eager"), None)
-        ratio = f"{float(ours.cells['samples_per_s']) / float(eager.cells['samples_per_s']):.2f}x" if eager else ""
         body.append(
             [backend, ours.cells["config"], ours.cells["batch"], f"{float(ours.cells['val_auc']):.4f}",
-             f"{float(ours.cells['test_auc']):.4f}", f"{float(ours.cells['samples_per_s']):,.0f}", ratio,
-             ours.cells["device"], ours.cells["git_sha"], _current(ours), ours.key]
+             f"{float(ours.cells['test_auc']):.4f}", f"{float(ours.cells['samples_per_s']):,.0f}",
+             _ratio(ours, eager), ours.cells["device"], ours.cells["git_sha"], _current(ours), ours.key]
         )  # fmt: skip
     header = ["backend", "config", "batch", "val AUC", "test AUC", "samples/s", "vs eager (same run)",
               "machine", "commit", "code changed since", "row"]  # fmt: skip
@@ -179,7 +184,7 @@ def block(rows: list[Row]) -> str:
         "",
         *sample_table(rows),
         "",
-        "Quality on the shipped sample over seeds (`scripts/quality.py --windows whole --report test`, eager):",
+        "Quality on the shipped sample over seeds (`scripts/quality.py --windows whole --report test`):",
         "",
         *quality_table(rows),
         END,
@@ -206,7 +211,7 @@ def main(check: bool) -> None:
         raise click.ClickException(str(err)) from err
     if check:
         if new != text:
-            click.echo("README.md: the results block is out of date: run python scripts/readme_table.py", err=True)
+            click.echo("README.md: the results block is out of date: run scripts/readme_table.py", err=True)
             sys.exit(1)
         return
     README.write_text(new)

@@ -25,7 +25,7 @@ __all__ = [
 
 SELECT, REPORT = "val", "test"  # the split that selects the weights, the split that reports them
 SPLITS = ("train", SELECT, REPORT)
-DEFAULT_HELD_OUT = 0.1  # val and test fraction each when none is given (0.2 held out, as before)
+DEFAULT_HELD_OUT = 0.1  # val and test fraction each when none is given (0.2 held out in all)
 
 
 def held_out_fractions(
