@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kernels.activations import ACTIVATIONS, act_grad_ref, act_ref, check_activation
+from kernels.activations import ACTIVATIONS, act_ref, check_activation
 from kernels.direct import call, eager_function
 from kernels.launch import DTYPES
 from kernels.partials import sum_partials
@@ -422,11 +422,6 @@ def bias_act_cuda_bwd(dy: Tensor, x: Tensor, b: Tensor, activation: str) -> tupl
 def bias_act_cuda_ref(x: Tensor, bias: Tensor, activation: str) -> Tensor:
     """Reference ``act(x + bias)`` in plain PyTorch, fp32 math, cast back to x's dtype (``bias_act_ref``)."""
     return act_ref(x.float() + bias.float(), activation).to(x.dtype)
-
-
-def _bias_act_cuda_bwd_ref(dy: Tensor, x: Tensor, b: Tensor, activation: str) -> tuple[Tensor, Tensor]:
-    dz = dy.float() * act_grad_ref(x.float() + b.float(), activation)
-    return dz.to(x.dtype), dz.sum(dim=0).to(b.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
