@@ -5,7 +5,7 @@ its file measures (`MEASURES`) has not changed since that commit. A change is an
 non-Python file, or a Python file whose syntax tree differs once docstrings are dropped (comments are not
 in the tree), so rewording a comment or a docstring keeps a measurement current and any code change ends it.
 The comparison is against the working tree, so uncommitted code counts too. Rows without a `git_sha`, or
-whose commit this repository does not hold, are never current.
+whose commit this repository does not hold (a shallow clone, a copy without git), are never current.
 """
 
 import ast
@@ -101,7 +101,7 @@ def commit_is_current(commit: str, paths: tuple[str, ...]) -> bool:
         return False
     try:
         full = _git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}").strip()
-    except subprocess.CalledProcessError:
+    except (subprocess.CalledProcessError, OSError):  # not a commit here, or no repository or git at all
         return False
     changed = _git("diff", "--name-only", full, "--", *paths).split()
     untracked = _git("ls-files", "--others", "--exclude-standard", "--", *paths).split()
