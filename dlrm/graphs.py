@@ -137,9 +137,9 @@ class GraphedForward:
     size: the first call of a size runs it on a side stream (kernels compiled and tuned), the second
     captures it, and later calls copy the batch into the graph's inputs and replay.
 
-    Why: launched from Python, evaluation is bound by host time, not by the GPU (H100, kaggle model under
-    --use-triton bf16, 13 batches of 65,536: 32.5 ms of host time against 8.8 ms of GPU time). Evaluation
-    pads its last batch to the batch size (dlrm.metrics.evaluate), so a split needs one graph.
+    Why: launched from Python, evaluation is bound by host time, not by the GPU (the custom ops' launches
+    take several times the kernels' GPU time). Evaluation pads its last batch to the batch size
+    (dlrm.metrics.evaluate), so a split needs one graph.
 
     The graph reads the model's parameters where they are; training updates them in place (SGD, the
     fused embedding update, load_state_dict), so a replay always sees the current weights. Each graph

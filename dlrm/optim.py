@@ -3,7 +3,7 @@
     p <- p - lr * scale * (g + weight_decay * p)        (torch.optim.SGD with momentum 0, dampening 0)
 
 `lr` and `weight_decay` are each param group's numbers, as in torch.optim.SGD (the config's values:
-checkpoints save them and `--resume` compares them as before); `scale` is `SGD.lr_scale`, a 0-d fp32
+checkpoints save them and `--resume` compares them with the config's); `scale` is `SGD.lr_scale`, a 0-d fp32
 tensor on the parameters' device that the learning-rate schedule writes in place between steps
 (dlrm.lr_schedule). The step reads it on the device, so a step captured once in a CUDA graph
 (dlrm.graphs) applies the scale of each replay, and no step waits for the host.

@@ -47,8 +47,8 @@ _STEP_PREFIX = "ProfilerStep"  # "ProfilerStep*" in events(), "ProfilerStep#<n>"
 
 def data_range(profiler) -> contextlib.AbstractContextManager:
     """The training loop's "data" range (fetching the next batch), as the profiler plugin recognizes it,
-    while `profiler` (make_profiler's) is in its window; outside it a no-op: the two ranges cost 10-20 us
-    of host time a step (2-core dev CPU), spent for nothing where nothing records them."""
+    while `profiler` (make_profiler's) is in its window; outside it a no-op: the two ranges cost host time
+    every step, spent for nothing where nothing records them."""
     if profiler.current_action == ProfilerAction.NONE:
         return contextlib.nullcontext()
     return _data_ranges()
@@ -61,8 +61,8 @@ def _data_ranges() -> Iterator[None]:
 
 
 def graph_replay_range() -> contextlib.AbstractContextManager:
-    """The GRAPH_REPLAY range while a profiler records, else a no-op: a range costs ~5 us of host time per
-    replay (2-core dev CPU), spent for nothing outside a profiled window."""
+    """The GRAPH_REPLAY range while a profiler records, else a no-op: a range costs host time per replay,
+    spent for nothing outside a profiled window."""
     return record_function(GRAPH_REPLAY) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
@@ -110,7 +110,7 @@ def make_profiler(
 
 class _OneWindowProfiler(profile):
     """torch.profiler.profile whose `step()` stops once its one window has been recorded: torch's would go
-    on opening a "ProfilerStep#" range every step of the run (10-20 us of host time each, for nothing).
+    on opening a "ProfilerStep#" range every step of the run (host time each step, for nothing).
     `step()` returns the seconds that `on_trace_ready` took in it (writing the trace: about a second for a
     window of a large model), so that the loop keeps them out of its throughput."""
 

@@ -1,5 +1,5 @@
 """Fused add-bias + activation in CUDA C++, forward and backward: ``y = act(x + b)``, the same op as
-``kernels/bias_act.py`` (the Triton kernel), written as the lecture's CUDA C++ version to compare with it.
+``kernels/bias_act.py`` (the Triton kernel), written by hand in CUDA C++ to compare with it.
 
 Math (as kernels/bias_act.py; act and act' in ``kernels/activations.py``)
     z  = x + b                 (b broadcast over rows)
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kernels.activations import ACTIVATIONS, act_grad_ref, act_ref, check_activation
+from kernels.activations import ACTIVATIONS, act_ref, check_activation
 from kernels.direct import call, eager_function
 from kernels.launch import DTYPES
 from kernels.partials import sum_partials
@@ -142,8 +142,8 @@ __global__ void bias_act_bwd_kernel(const T* __restrict__ dy, const T* __restric
 // 16-byte vector (when N % V == 0 and the three pointers are 16-byte aligned; else the kernel above): one
 // warp spans 32 vectors of a row, the block's kVecRowWarps warps take every kVecRowWarps-th row of its rows,
 // and it sums their column sums in shared memory (fixed order) into its one row of partials.
-// Why: with a 2-byte load per thread and array the scalar kernel moved 77% of the H100's copy bandwidth
-// (M=65536, N=512 bf16), Triton's vectorized one 88%; four times as many blocks did not help (75%).
+// Why: a 2-byte load per thread leaves most of the copy bandwidth unused whatever the block count; 16-byte
+// vectors per thread are what the Triton kernel's loads compile to.
 constexpr int kVecRowWarps = 8;
 
 template <typename T, int ACT>
@@ -315,15 +315,14 @@ void bias_act_cuda_bwd(torch::Tensor dy, torch::Tensor x, torch::Tensor b, torch
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _MODULE = None
 _NAME = "dlrm_bias_act_cuda"
-# A build takes about a minute (H100 machine, 16 cores); a lock older than this was left by a stopped one.
+# A build takes a minute or so; a lock older than this was left by a stopped one.
 STALE_LOCK_S = 600
 
 
 def _remove_stale_lock() -> None:
     """torch holds `<build directory>/lock` while it builds the extension, and a process that finds the file
     waits until it is gone, without end: a build stopped midway (Ctrl-C, a time limit) leaves it, and every
-    later process hangs (an H100 benchmark waited there until its 300 s limit). A lock older than
-    STALE_LOCK_S is removed, with a warning."""
+    later process hangs. A lock older than STALE_LOCK_S is removed, with a warning."""
     from torch.utils.cpp_extension import _get_build_directory
 
     lock = Path(_get_build_directory(_NAME, verbose=False)) / "lock"
@@ -423,11 +422,6 @@ def bias_act_cuda_bwd(dy: Tensor, x: Tensor, b: Tensor, activation: str) -> tupl
 def bias_act_cuda_ref(x: Tensor, bias: Tensor, activation: str) -> Tensor:
     """Reference ``act(x + bias)`` in plain PyTorch, fp32 math, cast back to x's dtype (``bias_act_ref``)."""
     return act_ref(x.float() + bias.float(), activation).to(x.dtype)
-
-
-def _bias_act_cuda_bwd_ref(dy: Tensor, x: Tensor, b: Tensor, activation: str) -> tuple[Tensor, Tensor]:
-    dz = dy.float() * act_grad_ref(x.float() + b.float(), activation)
-    return dz.to(x.dtype), dz.sum(dim=0).to(b.dtype)
 
 
 # --------------------------------------------------------------------------------------------------

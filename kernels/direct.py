@@ -3,12 +3,10 @@
 Each op is a ``torch.library.custom_op`` (forward and backward ops, ``register_fake``, ``register_autograd``)
 so that torch.compile and torch.export see an opaque op with a shape function. Called eagerly, that path
 costs host time the kernels do not: the dispatcher, the op's Python wrapper with its aliasing checks, and
-the autograd glue built around it, in the forward and again in the backward. On the 2-core dev CPU a
-linear_act fwd+bwd of x [64, 32] (the plain-PyTorch fallback, no Triton) took 136-143 us through the ops
-and 83-87 us with the same Python bodies called directly (eager PyTorch's two ops: 40 us). Launched from
-Python without a CUDA graph, that host time is the step's time (issue 13: on an H100's host, a kaggle
-512 -> 256 layer's linear_act fwd+bwd took 1377 us through the ops; this way 886-920 us, eager PyTorch's
-309-437 us in the same runs: most of the rest is the backward's Python body on autograd's device thread).
+the autograd glue built around it, in the forward and again in the backward. Launched from Python without
+a CUDA graph, that host time is the step's time; calling the same Python bodies directly skips the
+dispatcher and the wrapper (what remains is mostly the backward's Python body on autograd's device
+thread; `scripts/bench_launch_host.py` measures it).
 
 So an op's public function calls ``call(op, eager_fn, ...)``: the custom op while torch.compile or
 torch.export traces, else ``eager_fn``, an autograd.Function (``eager_function``) running the same Python

@@ -314,9 +314,8 @@ def gated_linear_bwd(
         HAS_BIAS=has_bias, GATE=gate, BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
     if not rows_aligned(x):
-        # cuBLAS takes its slow align1 kernels on rows not 16 bytes apart (K = 13 dense features; H200,
-        # B=65536, bf16: 496 us for linear_act's 13 -> 512 dW): copy x once into zero-padded rows, which
-        # gemm_grads reads whole, dropping the padding's columns of dW.
+        # cuBLAS takes its slow align1 kernels on rows not 16 bytes apart (K = 13 dense features): copy x
+        # once into zero-padded rows, which gemm_grads reads whole, dropping the padding's columns of dW.
         x = aligned_copy(x)
     dx, dw = gemm_grads(dz, x, weight, needs_dx)
     db = sum_partials(db_part, x.dtype) if has_bias else None

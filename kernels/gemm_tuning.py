@@ -25,9 +25,8 @@ _M_BUCKET_MIN, _M_BUCKET_MAX = 64, 65536
 # 16-bit operands use a 64-deep reduction chunk, fp32 a 32-deep one (same bytes per stage in shared memory:
 # 128x256 tiles with 3 stages need ~144 KiB either way, under Hopper's 227 KiB); _pruner keeps the set of the
 # operand's element size. 128x128 with 3 stages (96 KiB) fits two CTAs per SM, so one CTA's epilogue runs
-# under the other's main loop: H100, M = 16384, linear_act's forward with a GELU epilogue, bf16 1024 -> 1024
-# 96.9 us against 107.2 for the best other config (1024 -> 512 52.8 vs 55.5, 512 -> 256 18.9 vs 20.9; measured
-# with pointer loads, before TMA descriptors). The autotuner keeps it where it wins.
+# under the other's main loop, which pays off for epilogues with an activation (GELU) on wide layers. The
+# autotuner keeps it where it wins.
 _GPU_SHAPES = [
     (128, 256, 8, 3),
     (256, 128, 8, 3),
@@ -38,8 +37,8 @@ _GPU_SHAPES = [
     (64, 64, 4, 4),
 ]
 _RED_BY_ELEMENT_SIZE = {2: 64, 4: 32}
-# The interpreter runs ~5 ms per program and takes one config: 32-wide tiles, so the tests' small shapes still
-# span several tiles (and partial ones) in every dimension.
+# The interpreter pays a fixed cost per program and takes one config: 32-wide tiles, so the tests' small
+# shapes still span several tiles (and partial ones) in every dimension.
 _INTERPRETER_SHAPE = (32, 32, 32, 4, 1)
 
 
@@ -118,10 +117,9 @@ class TunedKernel:
     """A ``triton.autotune``'d kernel whose launches skip the autotuner once their key has been tuned.
 
     The autotuner finds a launch's config by building dicts of every argument and their dtypes, per call:
-    host time that launches from Python pay (an H100 host, kaggle 512 -> 256 tf32 at B=16384: linear_act's
-    forward launcher took 87 us a call where a plain Triton launch took 20). This keeps each key's tuned
-    launch options, keyed as the autotuner keys our kernels: (M_BUCKET, N, K) and the operand's dtype (the
-    kernels' other tensors share it, or have a dtype of their own that never changes), and launches the
+    host time that launches from Python pay, several times a plain Triton launch's. This keeps each key's
+    tuned launch options, keyed as the autotuner keys our kernels: (M_BUCKET, N, K) and the operand's dtype
+    (the kernels' other tensors share it, or have a dtype of their own that never changes), and launches the
     jitted kernel with them directly, setting its TMA descriptors' block shapes to the tuned tiles as the
     configs' pre-hook does while tuning. Used as ``kernel[grid](*args, **constexprs)``, with M_BUCKET, N, K,
     the operand and the descriptors passed by position.

@@ -20,8 +20,7 @@ the triangle, no concat, and no [B, F+1, F+1] intermediate. Backward saves the i
 The output width is not padded (the top MLP's first layer and its checkpoints stay as in eager), but its
 rows are: out is [B, W] with rows 16 bytes apart (367 fp32 values in rows of 368), so the cuBLAS
 GEMMs of the top MLP's first layer that read it (dW) and write its gradient run their aligned kernels
-(H200, B=16384, 367->512 fp32: 73-75 us each unaligned, 39-48 us aligned). The backward takes dout with any
-row stride.
+rather than the slow align1 ones. The backward takes dout with any row stride.
 The PyTorch reference is `dot_interaction_ref`.
 """
 
@@ -165,11 +164,11 @@ def _meta(f: int, d: int, dtype: torch.dtype, backward: bool) -> dict:
     """Launch settings. The dot's precision on a GPU: for fp32 inputs "tf32x3" (three TF32 tensor-core
     products, about fp32's accuracy, much faster than "ieee" FMA dots); for bf16/fp16 inputs one "tf32"
     product, which is exact there (their significands fit TF32's 11 bits) at a third of the work. The
-    interpreter computes "ieee" fp32 dots anyway. Warps and samples per program as measured fastest on an
-    H200 at B=65536 (F=26): one sample's tiles are small (32 x D), so the forward runs on one or two warps
-    and 16-bit inputs gain from 4 samples per program (D=128 bf16: 1.74 ms -> 0.28 ms; D=16 fp32: 185 us
-    -> 95 us); the backward, whose [32, D] fp32 result needs more registers, takes one sample per program
-    and four warps past D=32 (D=128 bf16: 0.39 ms; with 1 warp and 4 samples it was 1.7 ms)."""
+    interpreter computes "ieee" fp32 dots anyway. Warps and samples per program are the fastest found at
+    the Kaggle shapes (F=26, large B): one sample's tiles are small (32 x D), so the forward runs on one or
+    two warps and 16-bit inputs gain from 4 samples per program; the backward, whose [32, D] fp32 result
+    needs more registers, takes one sample per program and four warps past D=32 (one warp with 4 samples
+    per program spills there)."""
     sixteen_bit = dtype != torch.float32
     meta = {
         "BLOCK_T": max(16, triton.next_power_of_2(f + 1)),

@@ -65,7 +65,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> T
 def new_padded(m: int, k: int, like: Tensor) -> Tensor:
     """[M, K] in `like`'s dtype and device with rows Kp = ``aligned_width(K)`` apart, over a fresh [M, Kp]
     buffer (``leading_columns``; padding not initialized): rows as a GEMM writes them fast even for odd K
-    (H200, M=16384, N=512, fp32: dx = dz @ W took 73 us into K=367 rows, 39 us into K=368)."""
+    (cuBLAS's aligned kernels need rows 16 bytes apart)."""
     return leading_columns(like.new_empty((m, aligned_width(k, like.dtype))), k)
 
 

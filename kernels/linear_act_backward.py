@@ -6,18 +6,13 @@ dz`` (math, shapes and dtypes in ``kernels/linear_act.py``), and the choice betw
   "triton" (dW and db only): the Triton dW GEMM of ``kernels/linear_act_dw.py``, dz formed in registers, so
       no [M, N] pass for dz.
 
-Which one runs was measured on an H100 (torch 2.11, triton 3.6; CUDA-graph replays of each backward alone,
-every layer of the kaggle and mlperf configs, B = 16384 and 65536, tf32 and bf16;
+Which one runs (CUDA-graph replays of each backward alone over the kaggle and mlperf layers are in
 scripts/results/linear_act_backward.csv):
-  - dx needed (every layer but the first): always "cublas", not timed. A Triton dx GEMM with dz fused into
-    its loads (since removed), with the dW kernel, took 1.15-4.0x cuBLAS's time (tf32 1.3-4.0x, bf16
-    1.15-3.5x) on every layer but two bf16 ones at B = 65536, 256 -> 64 and 256 -> 128, where it took 0.908x
-    and 0.938x (6.6 and 6.0 us saved): too little to keep a dx GEMM kernel for.
+  - dx needed (every layer but the first): always "cublas", not timed: a Triton dx GEMM with dz fused into
+    its loads is slower than cuBLAS's on nearly every layer, and not enough faster on the rest to keep.
   - no dx (the first layer, whose input is data: K = 13 dense features): the faster of the two, timed as
-    graph replays the first time a shape is seen on the GPU (``_pick_backward``). On 13 -> 512 Triton took
-    0.70x cuBLAS's time in tf32 at B = 16384 (46 vs 67 us) and 0.61x at B = 65536 (133 vs 218 us); in bf16
-    1.23x (65 vs 53 us) and 1.0x (165 vs 165 us). Those runs passed x as a contiguous [B, 13] (rows 13
-    apart); through the op the backward reads x's 16-byte-row copy, where cuBLAS's dW runs aligned: the
+    graph replays the first time a shape is seen on the GPU (``_pick_backward``); which one wins depends on
+    the precision and the batch. The backward reads x's 16-byte-row copy, as the op hands it over, so the
     timed choice sees the op's real inputs.
 """
 
@@ -198,8 +193,8 @@ def _pick_backward(dy, x, weight, saved, activation, has_bias) -> str:
 
 def _graph_time(fn) -> float:
     """Median ms of `fn()` replayed as a CUDA graph: the GPU time a graph-captured step pays. Timed as
-    launched from Python instead, host overhead decided the choice for small layers, differently run to
-    run (H200, B=16384: 256 -> 1 tf32 backward 32 us or 59 us)."""
+    launched from Python instead, host overhead would decide the choice for small layers, differently run to
+    run."""
     fn()  # autotuning and lazy initialization, outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -223,9 +218,9 @@ def linear_act_dz(
     block_n = min(128, triton.next_power_of_2(n))
     block_m = max(16, 4096 // block_n)
     col_tiles = triton.cdiv(n, block_n)
-    # About 4 * MAX_PARTIAL_ROWS programs in all: H100, M = 16384, gelu_tanh with bias, dz and the partials'
-    # sum, fp32 / bf16: N = 256 28.5 / 12.3 us with 256 programs along M against 38.6 / 13.6 with 128;
-    # N = 512 (4 column tiles) fastest with 128, N = 64 with 256 or more.
+    # About 4 * MAX_PARTIAL_ROWS programs in all, the fastest count for dz and the partials' sum over the
+    # layer widths of the shipped configs: narrow layers want more programs along M, N = 512 (4 column
+    # tiles) fewer.
     grid = (row_programs(m, block_m, max(1, 4 // col_tiles)), col_tiles)
     db_part = launch.empty((grid[0], n), torch.float32, dy.device) if has_bias else dz
     _linear_act_dz_kernel[grid](
@@ -262,7 +257,7 @@ def gemm_grads(dz: Tensor, x: Tensor, weight: Tensor, needs_dx: bool) -> tuple[T
     kp = aligned_width(k, x.dtype)
     dx = grad_input(dz, weight) if needs_dx else None
     # dW [N, K] with K not a multiple of 16 bytes (13 dense features, the 367-wide interaction) makes cuBLAS
-    # take its slow align1 kernels (H200, B=65536, 13 -> 512 bf16: 496 us), so when x's rows are padded
+    # take its slow align1 kernels, so when x's rows are padded
     # (the op's copy, the interaction's output) the GEMM reads [M, Kp] in place and the extra columns of dW,
     # products with the padding, are dropped.
     if kp != k and _rows_padded_to(x, kp):
@@ -278,10 +273,9 @@ def grad_input(dz: Tensor, weight: Tensor) -> Tensor:
     n, k = weight.shape
     kp = aligned_width(k, weight.dtype)
     # fp32: dz @ W over a contiguous W^T [Kp, N], the reduction dim contiguous in both operands, the only
-    # layout that Hopper's TF32 tensor-core kernels take (cuBLAS runs sm80 kernels otherwise; H100, graph
-    # replays, transpose copy included: 512 -> 256 29 vs 36 us at B=16384, 87 vs 137 us at 65536). 16-bit
-    # GEMMs take W as it is, faster without the copy (bf16: 0.62-1.01x its time on every kaggle and mlperf
-    # layer). Where K is not a multiple of 16 bytes, W^T gets zero rows up to Kp: an aligned GEMM into
+    # layout that Hopper's TF32 tensor-core kernels take (cuBLAS runs slower sm80 kernels otherwise, even
+    # counting the transpose copy). 16-bit GEMMs take W as it is, faster without the copy. Where K is not a
+    # multiple of 16 bytes, W^T gets zero rows up to Kp: an aligned GEMM into
     # [M, Kp], whose first K columns are dx.
     if kp == k and weight.dtype != torch.float32:
         return torch.mm(dz, weight)

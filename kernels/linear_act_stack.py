@@ -1,8 +1,8 @@
 """A stack of linear_act layers (an MLP) as one autograd node: ``x_{i+1} = act_i(x_i @ W_i^T + b_i)``.
 
 Launched from Python (no CUDA graph), a layer's forward and backward cost host time the kernels do not:
-each autograd.Function pays its glue (an H100 host: a no-op Function's forward + backward 63-66 us, a
-third of eager Linear+ReLU's whole forward + backward, 169-174 us; ``scripts/bench_launch_host.py``).
+each autograd.Function pays its glue, a sizeable share of eager Linear+ReLU's whole forward + backward
+(``scripts/bench_launch_host.py`` measures both).
 This runs every layer's forward (``kernels.linear_act``'s body: the same kernels, the same saved tensors)
 inside one Function, and every layer's backward, last to first, inside its backward, so an MLP pays the
 glue once. The result and the gradients are those of the layers called one by one (the same kernels in

@@ -30,11 +30,9 @@ backward (``kernels/linear_act_backward.py``: a Triton pass for dz = dy * gelu' 
 cuBLAS for da and dW, reading a's padded rows), then ``_ln_bwd_kernel`` for dx and the fp32 partial sums of
 dgamma and dbeta in one pass over the rows.
 
-Why a goes to memory rather than being formed in the GEMM's operand loads (the lecture's fusion, which this
-op first used): normalized in registers, the A operand kept the GEMM far below linear_act's on the same
-shape, and the backward had to form a again for dW. H100, M = 16,384, forward alone: bf16 479 -> 1024 192 us
-fused against 121 for linear_act's GEMM on a, 1024 -> 1024 137 against 107; the statistics-and-a pass costs
-about one read of x and one write of a.
+Why a goes to memory rather than being formed in the GEMM's operand loads: normalized in registers, the A
+operand keeps the GEMM far below linear_act's on the same shape, and the backward would have to form a
+again for dW; the statistics-and-a pass costs about one read of x and one write of a.
 
 It equals ``F.gelu(F.linear(F.layer_norm(x, (K,), gamma, beta, eps), W, b), approximate="tanh")`` computed
 in fp32 and cast back to x's dtype (``ln_linear_gelu_ref``), up to the GEMM precision above.
@@ -285,9 +283,8 @@ def ln_linear_gelu_bwd(
     x = rows_contiguous(x)
     da, dw, db = linear_act_bwd(dy, a, weight, z, "gelu_tanh", has_bias, needs_dx=True, method="cublas")
     meta = _rows_meta(k)
-    # One program per SM left the GPU underused; two beat one and four (H100, M = 16384, the whole
-    # backward: 512 -> 256 fp32 153 us against 170 with 128 programs and 161 with 512; 367 -> 512 221
-    # against 260 and 231; bf16 512 -> 256 97 against 113 and 105).
+    # One program per SM leaves the GPU underused; two per SM beat one and four on the shipped configs'
+    # layers (fp32 and bf16).
     programs = row_programs(m, meta["BLOCK_M"], 2)
     dx = launch.empty((m, k), x.dtype, x.device) if needs_dx else None
     dgamma_part = launch.empty((programs, k), torch.float32, x.device)

@@ -22,13 +22,13 @@ saved in it too. Compute: fp32 accumulation; dot operands in their own dtype on 
 when ``torch.backends.cuda.matmul.allow_tf32``), fp32 in the interpreter; u is rounded to the input dtype
 before its product with B (as the PyTorch expression does); bias and activation in fp32.
 
-Kernels: ``_lora_linear_fwd_kernel``, one program per [BLOCK_M, BLOCK_N] tile of y: the K loop accumulates
-x W^T and x A^T from the same x tiles (A padded to BLOCK_R >= 16 rows with zeros; W and A read from rows of
-16 bytes, whole K chunks unmasked and the tail in one masked chunk; pointer loads, where linear_act's
-``matmul_tile`` now loads through TMA descriptors), then
-adds s u B^T, the bias and the activation (the add-multiply-activation epilogue); the programs of the first
-column tile store u. Backward: linear_act's dz pass (``kernels.linear_act_backward.linear_act_dz``), then
-cuBLAS GEMMs; dx comes back in rows padded to 16 bytes (``kernels.launch.new_padded``), as linear_act's.
+Kernels: ``_lora_linear_fwd_kernel``, one program per [BLOCK_M, BLOCK_N] tile of y: the K loop accumulates x
+W^T and x A^T from the same x tiles (A padded to BLOCK_R >= 16 rows with zeros; W and A read from rows of 16
+bytes, whole K chunks unmasked and the tail in one masked chunk; pointer loads, where linear_act's
+``matmul_tile`` loads through TMA descriptors), then adds s u B^T, the bias and the activation (the
+add-multiply-activation epilogue); the programs of the first column tile store u. Backward: linear_act's dz
+pass (``kernels.linear_act_backward.linear_act_dz``), then cuBLAS GEMMs; dx comes back in rows padded to 16
+bytes (``kernels.launch.new_padded``), as linear_act's.
 
 It equals ``act(F.linear(x, W, b) + s * F.linear(F.linear(x, A), B))`` computed in fp32 and cast back to
 x's dtype (``lora_linear_ref``), up to the GEMM precision above.

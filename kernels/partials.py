@@ -2,10 +2,9 @@
 
 Our backward kernels leave column sums (the bias gradient) and split-M weight gradients as fp32 partials
 [P, ...], one row per program, so no element is written by two programs (no atomics, the same result run
-to run). ``torch.sum(dim=0)`` on such a short, wide tensor picks a slow reduction on the GPU (H200, a
-[512, 256] fp32 partial: 19.6 us, longer than the GEMMs of a 512->256 layer at B=16384); this kernel
-reads it once, one program per 32 columns. A loop over many partial rows is latency-bound (a [2048, 1024]
-partial took ~30 us), hence ``MAX_PARTIAL_ROWS`` for the kernels that write them.
+to run). ``torch.sum(dim=0)`` on such a short, wide tensor picks a slow reduction on the GPU, which can
+take longer than the layer's GEMMs; this kernel reads it once, one program per 32 columns. A loop over
+many partial rows is latency-bound, hence ``MAX_PARTIAL_ROWS`` for the kernels that write them.
 
 Shapes: part [P, ...] fp32 (contiguous), P >= 1; out part.shape[1:] in ``dtype``. Summation in fp32, rows
 in order 0..P-1 (blocks of BLOCK_P rows summed then added), so the result does not depend on the run.
@@ -34,8 +33,8 @@ def row_programs(m: int, block_m: int, scale: int = 1) -> int:
     """Programs along M for a row-block loop over M rows: min(row blocks, scale * MAX_PARTIAL_ROWS), >= 1.
 
     A kernel whose grid has few programs across (a whole row per program, or few column tiles) takes a
-    scale > 1, so its grid still fills the GPU; the partials it leaves grow with it (H100, fp32: summing
-    [P, N] takes 1.9 us at P = 128, 2.5 at 256, 4.0 at 512, whatever N up to 1024)."""
+    scale > 1, so its grid still fills the GPU; the partials it leaves grow with it, and so does the time
+    to sum them."""
     return max(1, min(triton.cdiv(m, block_m), scale * MAX_PARTIAL_ROWS))
 
 

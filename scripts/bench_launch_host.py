@@ -3,7 +3,7 @@
     python scripts/bench_launch_host.py [--layer 512,256] [--batch 16384] [--precisions tf32,bf16]
 
 Launched from Python (no CUDA graph), a small layer's forward + backward is bound by host time: what the
-issue's launch bar (<= 1.2x eager's time) measures. Each row is the wall time of 200 calls divided by 200
+launch bar (<= 1.2x eager's time) measures. Each row is the wall time of 200 calls divided by 200
 (the GPU idles between launches; the median of 7 rounds, after 20 warm-up calls): eager PyTorch's
 Linear+ReLU, linear_act, a no-op autograd.Function (the glue every custom op pays), and each launch or
 allocation linear_act's forward and backward make. Then the kaggle bottom and top MLPs whole, forward +

@@ -15,8 +15,8 @@ of its train split (80% of the rows) per mode:
 A mode's epoch is timed by the wall clock from the first `next` to the last batch on the device
 (synchronized), after one untimed warm-up epoch (page cache, allocator, CUDA context); the median of
 `--repeats` epochs is reported, as samples/s and as a ratio to memory's in the same invocation. On CUDA the
-fastest training-step rate of scripts/results/train.csv on the same GPU is shown next to it (issue 6's
-targets: gpu_resident >= 2x that rate, streaming >= 3M samples/s on 16 cores). Rows go to
+fastest training-step rate of scripts/results/train.csv on the same GPU is shown next to it (the targets:
+gpu_resident >= 2x that rate, streaming >= 3M samples/s on 16 cores). Rows go to
 scripts/results/loader.csv. Loading the split into memory (memory, gpu_resident) is reported apart
 (setup_s), as is the streaming loader's footer scan.
 """

@@ -9,7 +9,7 @@ own process so that peak RSS is that process's own:
     gzip -dc  gzip -dc FILE > /dev/null: the floor of reading the file once
     ours      python -m dlrm.data.preprocess --input FILE --output-dir DIR [--workers N] [--block-size B]
               (TSV.gz -> parquet + metadata), the whole process: start-up, imports and exit included
-    pandas    pandas.read_csv of the same file, then int(x, 16) per category cell (the lecture's approach),
+    pandas    pandas.read_csv of the same file, then int(x, 16) per category cell (the plain pandas way),
               on the first --baseline-rows rows only: it is slow; its rows/s is what is compared
 `gzip -dc` and ours run alternately --repeats times each (so that both see the same load from other
 processes on the machine) and the medians are reported, and the fastest runs (those least slowed down by

@@ -3,9 +3,9 @@
     python scripts/bench_sharded_parts.py [--batch 65536]
 
 1. Placing the vectors received from 2 ranks into embedded [b, F, D] (F = 26 tables, 13 from each rank),
-   forward and backward: index_add over the (sample, table) rows (its backward is an index_select), the
-   way dlrm.parallel.sharded did it for every plan, against ToTableOrder (table-wise plans now); kaggle
-   (D=16, fp32) and mlperf (D=128, bf16) shapes.
+   forward and backward: index_add over the (sample, table) rows (its backward is an index_select, what
+   dlrm.parallel.sharded runs for plans with row-wise tables), against ToTableOrder (what it runs when every
+   table is whole); kaggle (D=16, fp32) and mlperf (D=128, bf16) shapes.
 2. Each rank's lookups, forward and backward with SGD fused (our Triton kernel, W*b ids per table, uniform
    over the table), for the Kaggle tables on 2 ranks placed by bytes alone and by the planner (bytes and
    lookups).

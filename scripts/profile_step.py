@@ -76,8 +76,8 @@ def profile_steps(
     optimizer: str = "sgd",
 ) -> profile:
     """The CUDA activity of `steps` steps, after bench_train's warm-up (JIT, autotuning, graph capture) and
-    the profiler's own (its first steps record with gaps of its start-up: H100, 10 bare kaggle steps
-    recorded from the profiler's start were 31% idle). Arguments as bench_train.build's."""
+    the profiler's own (its first steps record with gaps of its start-up, which would count as idle GPU
+    time). Arguments as bench_train.build's."""
     model, optimizer, step, pool, _ = build(
         config, backend, batch, max_rows, precision, ids, dist, cardinalities, optimizer
     )

@@ -1,10 +1,12 @@
 """Tests of the GPU-resident loader (dlrm.data.resident), on the CPU device (and on CUDA where present)."""
 
+import copy
+
 import pytest
 import torch
 
 from dlrm.data.dataset import BatchLoader, ParquetDataset
-from dlrm.data.resident import ResidentLoader
+from dlrm.data.resident import ResidentLoader, row_bytes
 from tests.test_streaming import ROWS, write_id_files
 
 
@@ -46,6 +48,15 @@ def test_drop_last_and_bad_batch_size(dataset):
     assert len(ids) == 90 and len(ids.unique()) == 90
     with pytest.raises(ValueError, match="batch_size must be at least 1, got 0"):
         ResidentLoader(dataset, batch_size=0)
+
+
+def test_row_bytes_counts_the_tensors_as_held_and_the_permutation(dataset):
+    """The module's documented cost: dense 13 x float32, sparse 26 x int64, label float32 (264 bytes), plus
+    8 for the row's int64 entry in the epoch's permutation; a narrower dtype counts its own size."""
+    assert row_bytes(dataset) == 13 * 4 + 26 * 8 + 4 + 8
+    narrow = copy.copy(dataset)  # a shallow copy: the fixture is shared
+    narrow.sparse = narrow.sparse.to(torch.int32)
+    assert row_bytes(narrow) == 13 * 4 + 26 * 4 + 4 + 8
 
 
 @pytest.mark.gpu

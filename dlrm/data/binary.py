@@ -41,7 +41,6 @@ COLUMNS = {
     "dense.bin": ("float32", NUM_DENSE),
     "sparse.bin": ("int32", NUM_SPARSE),
 }
-ROW_BYTES = sum(np.dtype(dtype).itemsize * width for dtype, width in COLUMNS.values())
 _ID_LIMIT = 2**32
 
 

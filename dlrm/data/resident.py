@@ -14,13 +14,22 @@ The split costs N * 264 bytes of device memory (dense 13 x 4, sparse 26 x 8, lab
 permutation; use the streaming loader (dlrm.data.streaming) for splits that do not fit.
 """
 
+import math
+
 import torch
 from torch import Tensor
 
 from dlrm.data.dataset import BatchLoader, ParquetDataset
 
-# Bytes per row on the device: the row's tensors and its entry in the epoch's permutation.
-_ROW_BYTES = 13 * 4 + 26 * 8 + 4 + 8
+# Bytes per row of the epoch's permutation (int64), on the device beside the split's tensors.
+_PERMUTATION_BYTES = 8
+
+
+def row_bytes(dataset: ParquetDataset) -> int:
+    """Device bytes per row of `dataset` once resident: its dense, sparse and label values as they are
+    held (264 for float32 dense, int64 sparse, float32 labels) plus the permutation's entry."""
+    tensors = (dataset.dense, dataset.sparse, dataset.label)
+    return sum(t.element_size() * math.prod(t.shape[1:]) for t in tensors) + _PERMUTATION_BYTES
 
 
 class ResidentLoader(BatchLoader):
@@ -56,7 +65,7 @@ class ResidentLoader(BatchLoader):
         device = torch.device(device)
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            needed = dataset.num_rows * _ROW_BYTES
+            needed = dataset.num_rows * row_bytes(dataset)
             if needed > free:
                 raise ValueError(
                     f"the split ({dataset.num_rows} rows, {needed / 2**30:.1f} GiB) does not fit in the "

@@ -42,7 +42,7 @@ def _pandas():
 
 def sorted_unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """([k] the distinct values of [n] int64 `values`, ascending; [k] int64 occurrences of each). numpy's
-    vectorized sort makes this 2-3x faster than hashing (pandas.unique) on blocks of Criteo ids."""
+    vectorized sort is faster than hashing (pandas.unique) on blocks of Criteo ids, and needs no pandas."""
     ordered = np.sort(values)
     first = np.empty(len(ordered), dtype=bool)
     first[:1] = True

@@ -434,7 +434,7 @@ class _TsvWriter:
 
     def __init__(self, path: Path, compress: bool) -> None:
         self._raw = path.open("wb")
-        # Level 1: the default level 6 compresses about 3x slower than the rows are generated.
+        # Level 1: the default level 6 compresses several times slower than the rows are generated.
         self._file = (
             gzip.GzipFile(fileobj=self._raw, mode="wb", compresslevel=1, mtime=0) if compress else self._raw
         )

@@ -176,7 +176,7 @@ class LineReader:
 
 
 def _count_newlines(data: bytes, start: int = 0, end: int | None = None) -> int:
-    """Newlines in `data[start:end]`; numpy's vectorized compare counts them ~3x faster than bytes.count."""
+    """Newlines in `data[start:end]`; numpy's vectorized compare counts them faster than bytes.count."""
     return int(np.count_nonzero(np.frombuffer(data, dtype=np.uint8)[start:end] == 10))
 
 

@@ -13,9 +13,8 @@ different ranks. A rank's load counts what it stores and what it looks up: its s
 its share of all shards (every shard looks up the whole global batch's ids of its table, so lookups go
 with shard counts). A shard fits on a rank whose bytes stay within an even share plus the largest shard,
 the bound greedy-by-bytes keeps, so memory is never worse than that. Bytes alone put 23 of the 26 Kaggle
-tables on one of 2 ranks (the other 3 are as large as all 23): that rank's lookups took 0.92 ms against
-the other's 0.07 ms per step (H200, B=65536 per rank, our Triton kernel), and the other rank waited in
-the exchange.
+tables on one of 2 ranks (the other 3 are as large as all 23): that rank's lookups take many times the
+other's, and the other rank waits in the exchange.
 """
 
 from __future__ import annotations

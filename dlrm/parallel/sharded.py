@@ -61,8 +61,8 @@ class ToTableOrder(torch.autograd.Function):
     `blocks[q]`; `columns[f]` = (q, j): table f is column j of block q (blocks[q][j] = f). Forward and
     backward are one strided copy per table (torch.stack of column views): elementwise kernels. A row
     gather (index_add's backward index_select, or torch.gather over an index expanded along D) runs CUDA's
-    vectorized_gather_kernel, which gives every D-value row a thread block: 1.3 ms per direction for the
-    1.7M rows of the 2-GPU kaggle step on H200s (torch 2.11), a quarter of that step.
+    vectorized_gather_kernel, which gives every D-value row a thread block: slow for the millions of short
+    rows of a large batch (a large share of the 2-GPU kaggle step).
     """
 
     @staticmethod

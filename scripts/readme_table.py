@@ -1,0 +1,221 @@
+"""Write README.md's "what it achieves now" tables from scripts/results rows.
+
+    python scripts/readme_table.py [--check]
+
+Rewrites the block between `<!-- results:begin -->` and `<!-- results:end -->` in README.md; `--check`
+writes nothing and exits 1 when the block differs from what the rows give (CI runs it through
+tests/test_claims.py). Every table row names its machine, commit, config and batch, the baseline measured in
+the same run, and whether the code it measured has changed since (scripts/results_rows.py's rule).
+
+- Training step (results/train.csv, one GPU): per (config, precision, batch), the newest run with a
+  `triton+graphs` row; its baseline is that run's `torch-graphed` row (the strongest plain-PyTorch step),
+  else its `eager` row. Many GPUs: per (config, precision, batch per GPU, GPUs), the newest row; its
+  baseline is the one-GPU row of the same commit and machine written just before it.
+- The shipped sample (results/backends-val-test.csv): the newest run of each backend of main.json, against
+  that run's `eager` row.
+- Quality over seeds (results/quality.csv, the whole sample): per config, the newest commit's seeds, mean
+  and standard deviation of test AUC and NE, against `logistic.json`'s seeds of the same commit where that
+  commit has them.
+"""
+
+import statistics
+import sys
+from pathlib import Path
+
+import click
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_claims import BEGIN, END  # noqa: E402
+from results_rows import REPO, Row, is_current, read_rows  # noqa: E402
+
+README = REPO / "README.md"
+
+
+def _millions(value: str) -> str:
+    return f"{float(value) / 1e6:.2f}M"
+
+
+def _ratio(ours: Row, base: Row | None) -> str:
+    """samples/s of `ours` over `base`'s, as `1.23x`; empty without a base."""
+    return f"{float(ours.cells['samples_per_s']) / float(base.cells['samples_per_s']):.2f}x" if base else ""
+
+
+def _current(row: Row) -> str:
+    return "no" if is_current(row) else "yes"
+
+
+def _table(header: list[str], body: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return lines + ["| " + " | ".join(cells) + " |" for cells in body]
+
+
+def _run(row: Row) -> tuple[str, str, str]:
+    return row.cells["date"], row.cells["device"], row.cells["git_sha"]
+
+
+BASELINES = {"torch-graphed": "torch-graphed (one CUDA graph)", "eager": "eager (launched from Python)"}
+
+
+def _same_run(rows: list[Row], ours: Row) -> dict[str, Row]:
+    """The rows of `ours`'s invocation (same date, machine, commit) at its config, precision and batch."""
+    key = (ours.cells["config"], ours.cells["precision"], ours.cells["batch"])
+    return {
+        r.cells["backend"]: r
+        for r in rows
+        if _run(r) == _run(ours) and (r.cells["config"], r.cells["precision"], r.cells["batch"]) == key
+    }
+
+
+def step_table(rows: list[Row]) -> list[str]:
+    """One GPU: triton+graphs samples/s per (config, precision, batch) against the same run's baseline, from
+    the newest run that measured a baseline (else the newest run)."""
+    rows = [r for r in rows if r.file == "train.csv" and r.cells.get("world_size", "1") in ("", "1")]
+    newest: dict[tuple[str, str, str], Row] = {}
+    for row in rows:
+        if row.cells["backend"] != "triton+graphs":
+            continue
+        key = (row.cells["config"], row.cells["precision"], row.cells["batch"])
+        has_base = any(name in _same_run(rows, row) for name in BASELINES)
+        if has_base or key not in newest or not any(n in _same_run(rows, newest[key]) for n in BASELINES):
+            newest[key] = row
+    body = []
+    for (config, precision, batch), ours in sorted(newest.items(), key=lambda kv: (kv[0][:2], int(kv[0][2]))):
+        same = _same_run(rows, ours)
+        name = next((n for n in BASELINES if n in same), None)
+        base = same[name] if name else None
+        base_rate = _millions(base.cells["samples_per_s"]) if base else ""
+        body.append(
+            [config, precision, f"{int(batch):,}", _millions(ours.cells["samples_per_s"]),
+             BASELINES[name] if name else "none in this run", base_rate, _ratio(ours, base),
+             ours.cells["device"], ours.cells["git_sha"], _current(ours), ours.key]
+        )  # fmt: skip
+    header = ["config", "precision", "batch", "ours samples/s", "baseline", "baseline samples/s", "ratio",
+              "machine", "commit", "code changed since", "row"]  # fmt: skip
+    return _table(header, body)
+
+
+def scaling_table(rows: list[Row]) -> list[str]:
+    """Many GPUs: the newest row per (config, precision, batch per GPU, GPUs) against its one-GPU row."""
+    rows = [r for r in rows if r.file == "train.csv" and r.cells.get("backend") == "triton+graphs"]
+    newest: dict[tuple[str, str, str, str], tuple[int, Row]] = {}
+    for position, row in enumerate(rows):
+        if row.cells.get("world_size", "1") not in ("", "1"):
+            key = (row.cells["config"], row.cells["precision"], row.cells["batch"], row.cells["world_size"])
+            newest[key] = (position, row)
+    body = []
+    for (config, precision, batch, world), (position, ours) in sorted(newest.items()):
+        before = [
+            r
+            for r in rows[:position]
+            if r.cells.get("world_size", "1") in ("", "1")
+            and (r.cells["config"], r.cells["precision"], r.cells["batch"]) == (config, precision, batch)
+            and (r.cells["device"], r.cells["git_sha"]) == (ours.cells["device"], ours.cells["git_sha"])
+        ]
+        base = before[-1] if before else None
+        base_rate = _millions(base.cells["samples_per_s"]) if base else ""
+        scaling = f"{float(ours.cells['scaling_vs_1gpu']):.2f}x"
+        body.append(
+            [config, precision, f"{int(batch):,}", world, _millions(ours.cells["samples_per_s"]), base_rate,
+             scaling, ours.cells["device"], ours.cells["git_sha"], _current(ours), ours.key]
+        )  # fmt: skip
+    header = ["config", "precision", "batch per GPU", "GPUs", "samples/s", "1 GPU samples/s", "scaling",
+              "machine", "commit", "code changed since", "row"]  # fmt: skip
+    return _table(header, body)
+
+
+def sample_table(rows: list[Row]) -> list[str]:
+    """main.json on the shipped sample: each backend's newest run against that run's eager row."""
+    rows = [r for r in rows if r.file == "backends-val-test.csv"]
+    newest = {r.cells["backend"]: r for r in rows}
+    body = []
+    for backend, ours in newest.items():
+        eager = next((r for r in rows if _run(r) == _run(ours) and r.cells["backend"] == "eager"), None)
+        body.append(
+            [backend, ours.cells["config"], ours.cells["batch"], f"{float(ours.cells['val_auc']):.4f}",
+             f"{float(ours.cells['test_auc']):.4f}", f"{float(ours.cells['samples_per_s']):,.0f}",
+             _ratio(ours, eager), ours.cells["device"], ours.cells["git_sha"], _current(ours), ours.key]
+        )  # fmt: skip
+    header = ["backend", "config", "batch", "val AUC", "test AUC", "samples/s", "vs eager (same run)",
+              "machine", "commit", "code changed since", "row"]  # fmt: skip
+    return _table(header, body)
+
+
+def _mean_sd(values: list[float]) -> str:
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.4f} +- {sd:.4f}"
+
+
+def quality_table(rows: list[Row]) -> list[str]:
+    """Test AUC and NE over seeds per config (the newest commit), with logistic.json of the same commit."""
+    rows = [r for r in rows if r.file == "quality.csv" and r.cells.get("window") == "whole"]
+    newest = {r.cells["config"]: r.cells["git_sha"] for r in rows}
+    body = []
+    for config, sha in newest.items():
+        runs = [r for r in rows if r.cells["config"] == config and r.cells["git_sha"] == sha]
+        floor = [r for r in rows if r.cells["config"].endswith("logistic.json") and r.cells["git_sha"] == sha]
+        auc = _mean_sd([float(r.cells["test_auc"]) for r in runs])
+        ne = _mean_sd([float(r.cells["test_ne"]) for r in runs])
+        floor_auc = _mean_sd([float(r.cells["test_auc"]) for r in floor]) if floor else "none at this commit"
+        seeds = ",".join(r.cells["seed"] for r in runs)
+        body.append(
+            [config, seeds, auc, ne, floor_auc, runs[0].cells["device"], sha, _current(runs[0]),
+             f"{runs[0].key}-{runs[-1].line}"]
+        )  # fmt: skip
+    header = ["config", "seeds", "test AUC", "test NE", "logistic floor test AUC (same commit)", "machine",
+              "commit", "code changed since", "rows"]  # fmt: skip
+    return _table(header, body)
+
+
+def block(rows: list[Row]) -> str:
+    """The generated block, markers included."""
+    parts = [
+        BEGIN,
+        "<!-- written by scripts/readme_table.py from scripts/results/*.csv: edit those, not this -->",
+        "",
+        "Training step, one GPU (`scripts/bench_train.py`, GPU-resident random batches, Kaggle tables):",
+        "",
+        *step_table(rows),
+        "",
+        "Training step, many GPUs (the same script with `--nproc`; scaling = samples/s over one GPU's):",
+        "",
+        *scaling_table(rows),
+        "",
+        "configs/main.json on the shipped sample, per backend (`scripts/compare_backends.py`, seed 0):",
+        "",
+        *sample_table(rows),
+        "",
+        "Quality on the shipped sample over seeds (`scripts/quality.py --windows whole --report test`):",
+        "",
+        *quality_table(rows),
+        END,
+    ]
+    return "\n".join(parts)
+
+
+def rewrite(text: str, rows: list[Row]) -> str:
+    """`text` with its block between the markers replaced. Raises ValueError without both markers."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"README.md: expected the markers {BEGIN} and {END}, in that order")
+    return text[:start] + block(rows) + text[end + len(END) :]
+
+
+@click.command()
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 if README.md's block is out of date.")
+def main(check: bool) -> None:
+    """Rewrite README.md's results block from scripts/results/*.csv."""
+    text = README.read_text()
+    try:
+        new = rewrite(text, read_rows())
+    except ValueError as err:
+        raise click.ClickException(str(err)) from err
+    if check:
+        if new != text:
+            click.echo("README.md: the results block is out of date: run scripts/readme_table.py", err=True)
+            sys.exit(1)
+        return
+    README.write_text(new)
+
+
+if __name__ == "__main__":
+    main()

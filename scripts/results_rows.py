@@ -1,0 +1,113 @@
+"""The rows of scripts/results/*.csv, and whether each is current: measured on the code that is here now.
+
+The rule for "current": a row is current when its `git_sha` names a commit of this repository and the code
+its file measures (`MEASURES`) has not changed since that commit. A change is any difference in a
+non-Python file, or a Python file whose syntax tree differs once docstrings are dropped (comments are not
+in the tree), so rewording a comment or a docstring keeps a measurement current and any code change ends it.
+The comparison is against the working tree, so uncommitted code counts too. Rows without a `git_sha`, or
+whose commit this repository does not hold (a shallow clone, a copy without git), are never current.
+"""
+
+import ast
+import csv
+import subprocess
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "scripts" / "results"
+
+# The code each results file measures (paths relative to the repository root). A file not listed here
+# measures the whole application.
+WHOLE = ("dlrm", "kernels")
+MEASURES: dict[str, tuple[str, ...]] = {
+    "preprocess.csv": ("dlrm/data",),
+    "loader.csv": ("dlrm/data",),
+    "kernels.csv": ("kernels",),
+    "blocks.csv": ("kernels",),
+    "lora.csv": ("kernels",),
+    "mlp.csv": ("kernels",),
+    "sparse.csv": ("kernels",),
+    "linear_act_backward.csv": ("kernels",),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One CSV row: its file's name, its 1-based line in that file, and its cells as read (strings)."""
+
+    file: str
+    line: int
+    cells: dict[str, str]
+
+    @property
+    def key(self) -> str:
+        """How docs name the row: file and line (`train.csv:57`)."""
+        return f"{self.file}:{self.line}"
+
+
+def read_rows(results: Path = RESULTS) -> list[Row]:
+    """Every row of every `*.csv` under `results`, in file order."""
+    rows = []
+    for path in sorted(results.glob("*.csv")):
+        with path.open(newline="") as f:
+            for line, cells in enumerate(csv.DictReader(f), start=2):
+                rows.append(Row(path.name, line, cells))
+    return rows
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+
+def code_tree(source: str) -> str:
+    """`source`'s syntax tree without docstrings (no comments, no line numbers), as comparable text.
+    Raises SyntaxError for text that is not Python."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def _same_code(commit: str, path: str) -> bool:
+    """Whether `path` holds the same code at `commit` as in the working tree (see the module's rule)."""
+    here = REPO / path
+    try:
+        then = _git("show", f"{commit}:{path}")
+    except subprocess.CalledProcessError:
+        return False  # added since
+    if not here.exists() or not path.endswith(".py"):
+        return False  # removed since, or a non-Python file that differs
+    try:
+        return code_tree(then) == code_tree(here.read_text())
+    except SyntaxError:
+        return False
+
+
+@cache
+def commit_is_current(commit: str, paths: tuple[str, ...]) -> bool:
+    """Whether the code under `paths` is unchanged (by the module's rule) since `commit`; False when this
+    repository does not hold `commit`."""
+    if not commit:
+        return False
+    try:
+        full = _git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}").strip()
+    except (subprocess.CalledProcessError, OSError):  # not a commit here, or no repository or git at all
+        return False
+    changed = _git("diff", "--name-only", full, "--", *paths).split()
+    untracked = _git("ls-files", "--others", "--exclude-standard", "--", *paths).split()
+    return not untracked and all(_same_code(full, path) for path in changed)
+
+
+def is_current(row: Row) -> bool:
+    """Whether `row` was measured on the code that is here now."""
+    return commit_is_current(row.cells.get("git_sha", ""), MEASURES.get(row.file, WHOLE))

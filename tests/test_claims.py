@@ -1,0 +1,98 @@
+"""The numbers in README.md and docs/: every measured one backed by a current results row
+(scripts/check_claims.py), and README's results block as scripts/readme_table.py writes it. Both read the
+repository's git history (a row is current when the code it measured is unchanged since its commit)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+@pytest.fixture
+def scripts(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import check_claims
+    import results_rows
+
+    return check_claims, results_rows
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / script), *args], capture_output=True, text=True, cwd=REPO
+    )
+
+
+def test_every_number_in_the_docs_has_a_current_row():
+    result = _run("check_claims.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_readme_results_block_is_generated_from_the_rows():
+    result = _run("readme_table.py", "--check")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_claims_are_numbers_with_units_outside_code(scripts):
+    check_claims, _ = scripts
+    text = "\n".join(
+        [
+            "ours 25.5M samples/s, 1.3-2.2x the baseline, 0.74 / 0.07 ms, 4.5% idle, 3.1 TB/s",  # 1
+            "a `1.9x` in backticks, 10 minutes, 157 B/row, 4 x 157 MB, lr 0.3",  # 2
+            "",
+            "    python bench.py --ratio 2.5x",  # 4: an indented code block
+            "- a list item",
+            "    whose continuation says 7.5x",  # 6: prose
+            "test AUC 0.7364 and NE 0.934, seed 0.12",  # 7
+            "```",
+            "3.5x in a fence",
+            "```",
+            check_claims.BEGIN,
+            "| 9.9x | generated |",
+            check_claims.END,
+        ]
+    )
+    found = [(c.line, c.text) for c in check_claims.find_claims("doc.md", text)]
+    assert found == [
+        (1, "25.5M"), (1, "1.3"), (1, "2.2"), (1, "0.74"), (1, "0.07"), (1, "4.5"), (1, "3.1"),
+        (6, "7.5"), (7, "0.7364"), (7, "0.934"),
+    ]  # fmt: skip
+    claim = check_claims.find_claims("doc.md", "25.5M samples/s")[0]
+    assert claim.value == 25.5e6 and claim.tolerance == pytest.approx(0.05e6)
+
+
+def test_a_claim_is_backed_only_by_a_current_row_that_holds_it(scripts, monkeypatch):
+    check_claims, results_rows = scripts
+    rows = [
+        results_rows.Row("train.csv", 2, {"git_sha": "old", "samples_per_s": "25526303", "idle": "0.0451"}),
+        results_rows.Row("train.csv", 3, {"git_sha": "new", "samples_per_s": "13402744"}),
+    ]
+    monkeypatch.setattr(check_claims, "is_current", lambda row: row.cells["git_sha"] == "new")
+    index = check_claims.RowIndex(rows)
+
+    def backing(text):
+        return index.backing_row(check_claims.find_claims("doc.md", text)[0])
+
+    assert backing("13.4M samples/s") is rows[1]
+    assert backing("13.5M samples/s") is None  # not in any row at its written precision
+    assert backing("25.5M samples/s") is None  # in a row of code that has changed since
+    monkeypatch.setattr(check_claims, "is_current", lambda row: True)
+    assert backing("25.5M samples/s") is rows[0]
+    assert backing("4.5% idle") is rows[0]  # a share held as a fraction
+
+
+def test_code_tree_ignores_comments_and_docstrings_only(scripts):
+    _, results_rows = scripts
+    code = 'def f(x):\n    """Twice x."""\n    return 2 * x  # fast\n'
+    reworded = 'def f(x):\n    """x doubled, as measured."""\n    # why: one multiply\n    return 2 * x\n'
+    changed = 'def f(x):\n    """Twice x."""\n    return x + x\n'
+    assert results_rows.code_tree(code) == results_rows.code_tree(reworded)
+    assert results_rows.code_tree(code) != results_rows.code_tree(changed)
+
+
+def test_a_commit_this_repository_lacks_is_never_current(scripts):
+    _, results_rows = scripts
+    assert not results_rows.commit_is_current("0000000", ("kernels",))
+    assert not results_rows.commit_is_current("", ("kernels",))
