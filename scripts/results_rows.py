@@ -108,6 +108,15 @@ def commit_is_current(commit: str, paths: tuple[str, ...]) -> bool:
     return not untracked and all(_same_code(full, path) for path in changed)
 
 
+def history_available() -> bool:
+    """Whether this is a git repository with its whole history (not a shallow clone): what `is_current`
+    needs to tell a current row from an old one."""
+    try:
+        return _git("rev-parse", "--is-shallow-repository").strip() == "false"
+    except (subprocess.CalledProcessError, OSError):
+        return False
+
+
 def is_current(row: Row) -> bool:
     """Whether `row` was measured on the code that is here now."""
     return commit_is_current(row.cells.get("git_sha", ""), MEASURES.get(row.file, WHOLE))
