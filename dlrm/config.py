@@ -150,9 +150,9 @@ class TrainConfig:
     then fused bias + activation), or "cuda_bias_act" (bias_act's CUDA C++ twin, built with nvcc on first
     use; CUDA only).
     Both flags may be set. `cuda_graphs` captures the whole training step once as a CUDA graph and
-    replays it, and evaluations replay the forward as a graph too (dlrm.graphs); true needs `use_triton`
-    and optimizer "sgd", whose steps have no host sync.
-    null (the default) takes it wherever it works: `use_triton` on a CUDA device, one process, SGD,
+    replays it, and evaluations replay the forward as a graph too (dlrm.graphs); true needs `use_triton`,
+    whose steps have no host sync (either optimizer).
+    null (the default) takes it wherever it works: `use_triton` on a CUDA device, one process,
     compile_mode "default" (dlrm.step.resolve_cuda_graphs; the log says why when it cannot); false: never.
     `precision` of the training step's MLPs and interaction: "fp32", "tf32" (fp32 tensors, TF32 tensor-core
     matmuls) or "bf16" (autocast to bf16; fp32 master weights, embedding tables, loss and evaluation).
@@ -431,11 +431,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _require(t.device in DEVICES, "train.device", f"one of {DEVICES}", t.device)
     _require(t.precision in PRECISIONS, "train.precision", f"one of {PRECISIONS}", t.precision)
     _require(t.compile_mode in COMPILE_MODES, "train.compile_mode", f"one of {COMPILE_MODES}", t.compile_mode)
-    # The eager embeddings' sparse gradients and torch.optim.Adagrad's step count sync with the host,
-    # which a CUDA graph cannot capture.
+    # The eager embeddings' sparse gradients are coalesced with a host sync: no CUDA graph can capture it.
     if t.cuda_graphs:
         _require(t.use_triton, "train.use_triton", "true with train.cuda_graphs (--use-triton)", t.use_triton)
-        _require(t.optimizer == "sgd", "train.optimizer", "'sgd' with train.cuda_graphs", t.optimizer)
         # Inductor's own CUDA graphs cannot be recorded inside the whole-step capture.
         mode = t.compile_mode
         _require(mode == "default", "train.compile_mode", "'default' with train.cuda_graphs", mode)

@@ -8,12 +8,12 @@ copies the next batch into the graph's static input buffers.
 
 What can be captured: every op of the step must run without a host sync and with fixed shapes. That holds
 for the `--use-triton` model (the table-batched embedding applies its optimizer update inside backward,
-with no data-dependent shapes) and SGD for the dense parameters; it does not hold for the eager
-embeddings (sparse gradients are coalesced with a host sync) nor for torch.optim.Adagrad (its step count
-is read on the host), so the config requires `use_triton` and optimizer "sgd".
+with no data-dependent shapes) and dlrm.optim's SGD and Adagrad for the dense parameters (foreach ops, the
+lr scale a device tensor); it does not hold for the eager embeddings (sparse gradients are coalesced with a
+host sync), so the config requires `use_triton`.
 
 Every number that changes during a run lives in a device tensor that the captured kernels read, never in a
-kernel argument: the learning rates (the embedding kernel's `sparse_arch.lr`, the dense SGD's
+kernel argument: the learning rates (the embedding kernel's `sparse_arch.lr`, the dense optimizer's
 `lr_scale`), which train.lr_schedule writes in place (`fill_`) between steps on the current stream, before
 the replay that uses them (dlrm.lr_schedule).
 
@@ -66,7 +66,7 @@ class GraphedTrainStep:
 
     Args:
         model: the DLRM on a CUDA device (its embeddings updated in backward: sparse_kernel "triton").
-        optimizer: the dense parameters' dlrm.optim.SGD.
+        optimizer: the dense parameters' dlrm.optim.SGD or Adagrad.
         step_fn: the step to capture, `step_fn(model, optimizer, batch) -> loss` (dlrm.step.train_step).
         warmup: steps run uncaptured (on a side stream) before the first capture.
     Calling it as `step(model, optimizer, batch)` runs one training step and returns the loss, a 0-d device
@@ -141,7 +141,7 @@ class GraphedForward:
     take several times the kernels' GPU time). Evaluation pads its last batch to the batch size
     (dlrm.metrics.evaluate), so a split needs one graph.
 
-    The graph reads the model's parameters where they are; training updates them in place (SGD, the
+    The graph reads the model's parameters where they are; training updates them in place (the optimizer, the
     fused embedding update, load_state_dict), so a replay always sees the current weights. Each graph
     keeps the forward's activations of its batch size in a memory pool of its own for the run.
 

@@ -19,14 +19,14 @@ floors a decayed lr at 1e-7.
 The factor is a function of the step count alone, which checkpoints hold, so `--resume` goes on with the
 exact rates. `LearningRates.set` writes base * factor where the step reads it: device tensors written in
 place (`fill_`, a kernel on the current stream, ordered before the step or graph replay that follows) for
-the dense SGD (`dlrm.optim.SGD.lr_scale`) and the "triton" tables' fused update (each table set's `lr`),
-and the float param-group lr of torch.optim.Adagrad, which is never captured in a graph.
+the dense optimizer (`dlrm.optim`'s SGD or Adagrad, `lr_scale`) and the "triton" tables' fused update
+(each table set's `lr`).
 """
 
 import torch
 
 from dlrm.config import LrScheduleConfig, TrainConfig
-from dlrm.optim import SGD
+from dlrm.optim import ScaledLrOptimizer
 
 
 def lr_factor(schedule: LrScheduleConfig, step: int) -> float:
@@ -49,18 +49,17 @@ class LearningRates:
         train: the run's train config: `lr_schedule`, `lr` (the dense parameters) and `embedding_lr` (the
             tables; null means `lr`).
         optimizer: the dense optimizer from dlrm.step.make_optimizer, as built (its groups' "lr" are the base
-            rates): dlrm.optim.SGD or torch.optim.Adagrad.
+            rates): dlrm.optim's SGD or Adagrad.
         tables: the model's table sets (`model.table_archs()`: the embeddings, the first-order tables); with
             kernel "triton" each one's `lr` tensor is its fused update's rate.
     `set(step)` writes only when the factor changes: never for the default constant schedule.
     """
 
-    def __init__(self, train: TrainConfig, optimizer: torch.optim.Optimizer, tables: list[torch.nn.Module]):
+    def __init__(self, train: TrainConfig, optimizer: ScaledLrOptimizer, tables: list[torch.nn.Module]):
         self.schedule, self.optimizer = train.lr_schedule, optimizer
         self.fused_tables = [arch for arch in tables if arch.kernel == "triton"]
         self.base_lr = train.lr
         self.base_embedding_lr = train.embedding_lr or train.lr
-        self.group_lrs = [group["lr"] for group in optimizer.param_groups]
         self.factor = 1.0  # what make_optimizer set up
 
     @property
@@ -75,10 +74,6 @@ class LearningRates:
         if factor == self.factor:
             return
         self.factor = factor
-        if isinstance(self.optimizer, SGD):
-            self.optimizer.lr_scale.fill_(factor)
-        else:
-            for group, base in zip(self.optimizer.param_groups, self.group_lrs, strict=True):
-                group["lr"] = base * factor
+        self.optimizer.lr_scale.fill_(factor)
         for arch in self.fused_tables:
             arch.lr.fill_(self.base_embedding_lr * factor)

@@ -1,12 +1,21 @@
-"""Plain SGD for the dense parameters whose learning rate is scaled by a device tensor, read at each step.
+"""The dense parameters' optimizers, SGD and Adagrad, whose learning rate is scaled by a device tensor read at
+each step, so that a step captured once in a CUDA graph follows the lr schedule and never waits for the host.
 
-    p <- p - lr * scale * (g + weight_decay * p)        (torch.optim.SGD with momentum 0, dampening 0)
+    SGD:      p <- p - lr * scale * g                          (torch.optim.SGD, momentum 0, dampening 0)
+    Adagrad:  s <- s + g * g;  p <- p - lr * scale * g / (sqrt(s) + eps)
+                                                   (torch.optim.Adagrad with lr_decay 0; Duchi et al. 2011)
+
+with g the gradient plus weight_decay * p for dense gradients (as torch.optim does) and s Adagrad's
+accumulator ("sum", starting at `initial_accumulator_value`).
 
 `lr` and `weight_decay` are each param group's numbers, as in torch.optim.SGD (the config's values:
 checkpoints save them and `--resume` compares them with the config's); `scale` is `SGD.lr_scale`, a 0-d fp32
 tensor on the parameters' device that the learning-rate schedule writes in place between steps
 (dlrm.lr_schedule). The step reads it on the device, so a step captured once in a CUDA graph
 (dlrm.graphs) applies the scale of each replay, and no step waits for the host.
+
+Why not torch.optim.Adagrad: its step count lives on the host (or as a tensor read with `.item()`), which a
+graph capture cannot hold; with lr_decay 0 the count changes nothing, so this Adagrad keeps none.
 
 Why not torch.optim.SGD with a Tensor lr (read in torch 2.13's torch/optim/sgd.py; the GPU machines run
 2.11): its default CUDA path (`_multi_tensor_sgd`, foreach) ends in
@@ -22,7 +31,35 @@ stays a Python number.
 import torch
 
 
-class SGD(torch.optim.Optimizer):
+class ScaledLrOptimizer(torch.optim.Optimizer):
+    """A torch.optim.Optimizer with `lr_scale`, a 0-d fp32 tensor (1.0 at first) on the parameters' device
+    that multiplies every group's `lr` at each step. Write it in place (`lr_scale.fill_(x)`), never rebind
+    it: a captured step holds this tensor. It is not in `state_dict()`: the schedule sets it from the step
+    count, which checkpoints hold.
+
+    Raises:
+        ValueError: parameters on more than one device.
+    """
+
+    def __init__(self, params, defaults: dict):
+        super().__init__(params, defaults)
+        devices = {p.device for group in self.param_groups for p in group["params"]}
+        if len(devices) > 1:
+            raise ValueError(
+                f"{type(self).__name__}: parameters on several devices {sorted(map(str, devices))}"
+            )
+        device = devices.pop() if devices else torch.device("cpu")
+        self.lr_scale = torch.ones((), dtype=torch.float32, device=device)
+
+    @staticmethod
+    def _check(lr: float, weight_decay: float, name: str) -> None:
+        if not lr > 0:
+            raise ValueError(f"{name}: lr must be > 0, got {lr}")
+        if not weight_decay >= 0:
+            raise ValueError(f"{name}: weight_decay must be >= 0, got {weight_decay}")
+
+
+class SGD(ScaledLrOptimizer):
     """SGD without momentum whose step multiplies each group's `lr` by the device tensor `lr_scale`.
 
     Args:
@@ -31,29 +68,18 @@ class SGD(torch.optim.Optimizer):
         weight_decay: L2 penalty of groups that do not set one (>= 0), added to the gradient as in
             torch.optim.SGD; not applied to sparse gradients (dlrm.step.make_optimizer gives the eager
             embedding tables, the only sparse ones, weight decay 0).
-    `lr_scale` ([] fp32, 1.0 at first) lives on the parameters' device; write it in place
-    (`lr_scale.fill_(x)`), never rebind it: a captured step holds this tensor. It is not in `state_dict()`:
-    the schedule sets it from the step count, which checkpoints hold.
 
     Raises:
         ValueError: lr <= 0 or weight_decay < 0, or parameters on more than one device.
     """
 
     def __init__(self, params, lr: float, weight_decay: float = 0.0):
-        if not lr > 0:
-            raise ValueError(f"SGD: lr must be > 0, got {lr}")
-        if not weight_decay >= 0:
-            raise ValueError(f"SGD: weight_decay must be >= 0, got {weight_decay}")
+        self._check(lr, weight_decay, "SGD")
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
-        devices = {p.device for group in self.param_groups for p in group["params"]}
-        if len(devices) > 1:
-            raise ValueError(f"SGD: parameters on several devices {sorted(map(str, devices))}")
-        device = devices.pop() if devices else torch.device("cpu")
-        self.lr_scale = torch.ones((), dtype=torch.float32, device=device)
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every parameter with a gradient (see the class docstring), without a host sync;
+        """One update of every parameter with a gradient (see the module docstring), without a host sync;
         returns `closure()` when given (torch.optim's convention), else None."""
         loss = None
         if closure is not None:
@@ -71,3 +97,75 @@ class SGD(torch.optim.Optimizer):
                 if p.grad.is_sparse:  # foreach ops take no sparse tensors
                     p.add_(p.grad.mul(self.lr_scale), alpha=-group["lr"])
         return loss
+
+
+class Adagrad(ScaledLrOptimizer):
+    """Adagrad (torch.optim.Adagrad's update with lr_decay 0) whose step multiplies each group's `lr` by the
+    device tensor `lr_scale`; its state per parameter is the accumulator "sum" (torch.optim.Adagrad's
+    name, so checkpoints of either load), allocated here so that a captured step finds it in place.
+
+    Args:
+        params: parameters or param groups (dicts with "params" and optionally "lr", "weight_decay").
+        lr: learning rate of groups that do not set one (> 0).
+        eps: added to sqrt(sum) in the denominator (torch.optim.Adagrad's default 1e-10).
+        initial_accumulator_value: the accumulators' start (>= 0).
+        weight_decay: L2 penalty of groups that do not set one (>= 0), added to dense gradients.
+
+    Raises:
+        ValueError: lr <= 0, weight_decay < 0, eps < 0 or initial_accumulator_value < 0, or parameters on
+            more than one device.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float,
+        eps: float = 1e-10,
+        initial_accumulator_value: float = 0.0,
+        weight_decay: float = 0.0,
+    ):
+        self._check(lr, weight_decay, "Adagrad")
+        if not (eps >= 0 and initial_accumulator_value >= 0):
+            got = f"{eps}, {initial_accumulator_value}"
+            raise ValueError(f"Adagrad: eps and initial_accumulator_value must be >= 0, got {got}")
+        super().__init__(params, {"lr": lr, "eps": eps, "weight_decay": weight_decay})
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["sum"] = torch.full_like(p, initial_accumulator_value)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter with a gradient (see the module docstring), without a host sync for
+        dense gradients; returns `closure()` when given, else None. Sparse gradients (the eager tables) are
+        coalesced first, a host sync, as in torch.optim.Adagrad."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            dense = [p for p in params if not p.grad.is_sparse]
+            if dense:
+                grads = [p.grad for p in dense]
+                if group["weight_decay"]:
+                    grads = torch._foreach_add(grads, dense, alpha=group["weight_decay"])
+                sums = [self.state[p]["sum"] for p in dense]
+                torch._foreach_addcmul_(sums, grads, grads)
+                std = torch._foreach_sqrt(sums)
+                torch._foreach_add_(std, group["eps"])
+                steps = torch._foreach_div(grads, std)
+                torch._foreach_add_(dense, torch._foreach_mul(steps, self.lr_scale), alpha=-group["lr"])
+            for p in params:
+                if p.grad.is_sparse:
+                    self._sparse_step(p, group)
+        return loss
+
+    def _sparse_step(self, p: torch.Tensor, group: dict) -> None:
+        """torch.optim.Adagrad's sparse update: only the rows the gradient touches, their sum and weight."""
+        grad = p.grad.coalesce()
+        indices, values = grad._indices(), grad._values()
+        state_sum = self.state[p]["sum"]
+        state_sum.add_(torch.sparse_coo_tensor(indices, values.pow(2), grad.shape))
+        std = state_sum.sparse_mask(grad)._values().sqrt_().add_(group["eps"])
+        step = torch.sparse_coo_tensor(indices, values / std * self.lr_scale, grad.shape)
+        p.add_(step, alpha=-group["lr"])

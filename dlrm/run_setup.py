@@ -20,7 +20,7 @@ from dlrm.data.resident import ResidentLoader
 from dlrm.data.schema import NUM_SPARSE
 from dlrm.data.splits import REPORT, SELECT, require_val_test
 from dlrm.graphs import GraphedForward
-from dlrm.lr_schedule import LearningRates, lr_factor
+from dlrm.lr_schedule import LearningRates
 from dlrm.metrics import forward_logits
 from dlrm.model import Model, build_model
 from dlrm.model.tables import resolve_table_rows
@@ -241,13 +241,10 @@ def load_resumable(
         for key, tensor in fused_optimizer_states(model).items():
             if tensor is not None and state.get(key) is not None:
                 tensor.copy_(state[key])
-    # torch.optim.Adagrad's groups hold the scheduled rate of the checkpoint's step (dlrm.lr_schedule), the
-    # base rate times the factor: compare base rates. (dlrm.optim.SGD's hold the base rate.)
-    scheduled = isinstance(optimizer, torch.optim.Adagrad) and state["step"] > 0
-    factor = lr_factor(cfg.train.lr_schedule, state["step"]) if scheduled else 1.0
+    # The groups hold base rates (the schedule scales them through the optimizer's lr_scale).
     for group, values in zip(optimizer.param_groups, ours, strict=True):
         for key, value in values.items():
-            held = group[key] / factor if key == "lr" and factor else group[key]
+            held = group[key]
             if not math.isclose(held, value, rel_tol=1e-9):
                 logger.info("resuming with the config's {} {} (the checkpoint had {:.6g})", key, value, held)
             group[key] = value

@@ -24,7 +24,7 @@ from dlrm.config import RunConfig, replace
 from dlrm.data.dataset import Batch
 from dlrm.graphs import GraphedTrainStep
 from dlrm.model import DLRM, Model
-from dlrm.optim import SGD
+from dlrm.optim import SGD, Adagrad
 
 StepFn = Callable[[Model, torch.optim.Optimizer, Batch], torch.Tensor]
 
@@ -81,8 +81,8 @@ def resolve_cuda_graphs(cfg: RunConfig, device: torch.device, world_size: int) -
 
 
 def make_optimizer(model: Model, cfg: RunConfig) -> torch.optim.Optimizer:
-    """SGD (dlrm.optim.SGD: torch.optim.SGD's update with its lr scaled by a device tensor, so a schedule
-    reaches a CUDA-graphed step) or torch.optim.Adagrad, with two parameter groups: the MLPs (weight decay)
+    """dlrm.optim.SGD or dlrm.optim.Adagrad (torch.optim's updates with the lr scaled by a device tensor, so
+    a schedule reaches a CUDA-graphed step), with two parameter groups: the MLPs (weight decay)
     and the embedding tables, the first-order tables among them (sparse gradients, `embedding_lr`, no weight
     decay: decaying every row each step would make the update dense). With the "triton" sparse kernel the
     tables are not in the optimizer: the same update (lr `embedding_lr`, held in each table set's device
@@ -97,7 +97,7 @@ def make_optimizer(model: Model, cfg: RunConfig) -> torch.optim.Optimizer:
         groups.append({"params": model.embedding_parameters(), "lr": embedding_lr, "weight_decay": 0.0})
     if t.optimizer == "sgd":
         return SGD(groups, lr=t.lr)
-    return torch.optim.Adagrad(groups, lr=t.lr)
+    return Adagrad(groups, lr=t.lr)
 
 
 def compile_dense_part(model: Model, mode: str = "default") -> None:
@@ -139,7 +139,6 @@ class NonFiniteGuard:
     - MLPs: their gradients are zeroed by torch.where before `optimizer.step()`; SGD and Adagrad then leave
       the weights as they were. With weight decay the decay term would still move them, so the weights and
       optimizer state of the dense parameters are also restored by torch.where after the step.
-      (torch.optim.Adagrad's step count still advances; it scales the lr only through lr_decay, unused.)
 
     `ok` is the last step's verdict, a 0-d bool device tensor.
     """

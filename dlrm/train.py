@@ -55,8 +55,8 @@ from dlrm.loop import train
 @click.option(
     "--cuda-graphs/--no-cuda-graphs",
     default=None,
-    help="Capture the whole training step once as a CUDA graph and replay it (needs --use-triton, SGD, GPU). "
-    "Default (train.cuda_graphs null): on wherever it works, i.e. --use-triton on one GPU with SGD; the log "
+    help="Capture the whole training step once as a CUDA graph and replay it (needs --use-triton and a GPU). "
+    "Default (train.cuda_graphs null): on wherever it works, i.e. --use-triton on one GPU; the log "
     "says why when it cannot.",
 )
 @click.option(

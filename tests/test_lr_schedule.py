@@ -151,11 +151,13 @@ def test_set_writes_the_device_tensors_only_when_the_factor_changes():
     assert (constant.optimizer.lr_scale._version, constant.fused_tables[0].lr._version) == versions
 
 
-def test_adagrad_and_eager_tables_get_float_group_rates():
-    """torch.optim.Adagrad (never graphed) and the eager tables' group: the groups' float "lr"."""
+def test_adagrad_and_eager_tables_get_the_scale_and_keep_base_group_rates():
+    """dlrm.optim.Adagrad with the eager tables' group: the factor goes to `lr_scale`, which both groups'
+    updates read; the groups keep their base rates (what checkpoints save and --resume compares)."""
     model, optimizer, lrs = _model_and_optimizer("adagrad", "torch")
     lrs.set(2)
-    assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([0.1 * 2 / W, 0.05 * 2 / W])
+    assert optimizer.lr_scale.item() == pytest.approx(2 / W)
+    assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([0.1, 0.05])
 
 
 @pytest.mark.parametrize("through_ops", [False, True], ids=["eager", "custom_ops"])

@@ -1,10 +1,11 @@
-"""Tests for dlrm/optim.py: the dense SGD whose lr is scaled by a device tensor, read without a host sync."""
+"""Tests for dlrm/optim.py: the dense SGD and Adagrad whose lr is scaled by a device tensor, read without a
+host sync."""
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dlrm.optim import SGD
+from dlrm.optim import SGD, Adagrad
 
 
 class AtenOps(TorchDispatchMode):
@@ -95,3 +96,56 @@ def test_bad_arguments():
         SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
     with pytest.raises(ValueError, match="weight_decay must be >= 0"):
         SGD([torch.zeros(1, requires_grad=True)], lr=0.1, weight_decay=-1.0)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("initial", [0.0, 0.1])
+def test_adagrad_at_scale_one_is_torch_adagrad(weight_decay, initial):
+    """Three steps of fresh gradients (dense and sparse, a row hit twice): the weights and accumulators of
+    torch.optim.Adagrad (lr_decay 0), to fp32 rounding: ours divides then scales where torch's addcdiv
+    fuses the two, so results may differ in the last bit of a step."""
+    ours, theirs = _params(), _params()
+    kwargs = {"lr": 0.1, "eps": 1e-8, "initial_accumulator_value": initial}
+    a = Adagrad(_groups(*ours, weight_decay), **kwargs)
+    b = torch.optim.Adagrad(_groups(*theirs, weight_decay), **kwargs)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        a.step()
+        b.step()
+        for x, y in zip([*ours[0], ours[1]], [*theirs[0], theirs[1]], strict=True):
+            fresh = torch.randn(x.shape, generator=g)
+            x.grad = fresh.to_sparse() if x.grad.is_sparse else fresh
+            y.grad = x.grad.clone()
+    for x, y in zip([*ours[0], ours[1]], [*theirs[0], theirs[1]], strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a.state[x]["sum"], b.state[y]["sum"], rtol=1e-6, atol=0)
+        assert not torch.equal(a.state[x]["sum"], torch.full_like(x, initial))
+
+
+def test_adagrad_reads_lr_scale_without_a_host_read():
+    """Scale 0 leaves the weights (the accumulators still grow, as the gradients arrived); 0.25 moves them a
+    quarter of what 1 does from the same state; no device value is read on the host for dense gradients."""
+    dense, _ = _params()
+    start = [p.detach().clone() for p in dense]
+    deltas = {}
+    for scale in (0.0, 0.25, 1.0):
+        with torch.no_grad():
+            for p, s in zip(dense, start, strict=True):
+                p.copy_(s)
+        optimizer = Adagrad([{"params": dense, "lr": 0.1, "weight_decay": 0.01}], lr=0.1)
+        optimizer.lr_scale.fill_(scale)
+        with AtenOps() as ops:
+            optimizer.step()
+        assert not ops.host_reads
+        deltas[scale] = [p.detach() - s for p, s in zip(dense, start, strict=True)]
+        assert all(optimizer.state[p]["sum"].abs().max() > 0 for p in dense)
+    for d0, d25, d1 in zip(deltas[0.0], deltas[0.25], deltas[1.0], strict=True):
+        assert torch.equal(d0, torch.zeros_like(d0)) and d1.abs().max() > 0
+        torch.testing.assert_close(d25, 0.25 * d1, rtol=1e-5, atol=1e-7)
+
+
+def test_adagrad_bad_arguments():
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        Adagrad([torch.zeros(1, requires_grad=True)], lr=0.0)
+    with pytest.raises(ValueError, match="initial_accumulator_value must be >= 0"):
+        Adagrad([torch.zeros(1, requires_grad=True)], lr=0.1, initial_accumulator_value=-1.0)
