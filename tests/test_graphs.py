@@ -197,12 +197,12 @@ def _cuda_batches(n: int) -> list[Batch]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("compiled", "optimizer"), [(False, "sgd"), (True, "sgd"), (False, "adagrad")])
-def test_graphed_steps_match_plain_steps(compiled, optimizer):
+@pytest.mark.parametrize(("compiled", "algorithm"), [(False, "sgd"), (True, "sgd"), (False, "adagrad")])
+def test_graphed_steps_match_plain_steps(compiled, algorithm):
     """Replayed steps train as plain ones: losses, weights, and Adagrad's accumulators (dense and fused)."""
     from dlrm.step import compile_dense_part
 
-    cfg = RunConfig(model=SMALL, train=TrainConfig(use_triton=True, lr=0.1, optimizer=optimizer))
+    cfg = RunConfig(model=SMALL, train=TrainConfig(use_triton=True, lr=0.1, optimizer=algorithm))
     batches = _cuda_batches(8)
     # A partial batch runs uncaptured, the next one of its size is captured and replayed, and so are the
     # full batches around them.
@@ -220,7 +220,7 @@ def test_graphed_steps_match_plain_steps(compiled, optimizer):
         step = GraphedTrainStep(model, optimizer, train_step) if graphed else train_step
         losses = [step(model, optimizer, b).item() for b in batches]
         sums = [optimizer.state[p]["sum"] for p in model.dense_parameters() if "sum" in optimizer.state[p]]
-        assert len(sums) == (len(list(model.dense_parameters())) if optimizer == "adagrad" else 0)
+        assert len(sums) == (len(list(model.dense_parameters())) if algorithm == "adagrad" else 0)
         state = {**model.state_dict(), "embedding_state": model.sparse_arch.optimizer_state.clone()}
         runs[graphed] = (losses, state | {f"sum{i}": s.clone() for i, s in enumerate(sums)})
         if graphed:
