@@ -62,41 +62,45 @@ def _run(row: Row) -> tuple[str, str, str]:
 BASELINES = {"torch-graphed": "torch-graphed (one CUDA graph)", "eager": "eager (launched from Python)"}
 
 
+def _setting(row: Row) -> tuple[str, str, str, str]:
+    """(config, precision, optimizer, batch) of a train.csv row (rows before the optimizer column: SGD)."""
+    cells = row.cells
+    return cells["config"], cells["precision"], cells.get("optimizer") or "sgd", cells["batch"]
+
+
 def _same_run(rows: list[Row], ours: Row) -> dict[str, Row]:
-    """The rows of `ours`'s invocation (same date, machine, commit) at its config, precision and batch."""
-    key = (ours.cells["config"], ours.cells["precision"], ours.cells["batch"])
-    return {
-        r.cells["backend"]: r
-        for r in rows
-        if _run(r) == _run(ours) and (r.cells["config"], r.cells["precision"], r.cells["batch"]) == key
-    }
+    """The rows of `ours`'s invocation (same date, machine, commit) at its config, precision, optimizer and
+    batch."""
+    return {r.cells["backend"]: r for r in rows if _run(r) == _run(ours) and _setting(r) == _setting(ours)}
 
 
 def step_table(rows: list[Row]) -> list[str]:
-    """One GPU: triton+graphs samples/s per (config, precision, batch) against the same run's baseline, from
-    the newest run that measured a baseline (else the newest run)."""
+    """One GPU: triton+graphs samples/s per (config, precision, optimizer, batch) against the same run's
+    baseline, from the newest run that measured a baseline (else the newest run)."""
     rows = [r for r in rows if r.file == "train.csv" and r.cells.get("world_size", "1") in ("", "1")]
-    newest: dict[tuple[str, str, str], Row] = {}
+    newest: dict[tuple[str, str, str, str], Row] = {}
     for row in rows:
         if row.cells["backend"] != "triton+graphs":
             continue
-        key = (row.cells["config"], row.cells["precision"], row.cells["batch"])
+        key = _setting(row)
         has_base = any(name in _same_run(rows, row) for name in BASELINES)
         if has_base or key not in newest or not any(n in _same_run(rows, newest[key]) for n in BASELINES):
             newest[key] = row
     body = []
-    for (config, precision, batch), ours in sorted(newest.items(), key=lambda kv: (kv[0][:2], int(kv[0][2]))):
+    for (config, precision, optimizer, batch), ours in sorted(
+        newest.items(), key=lambda kv: (kv[0][:3], int(kv[0][3]))
+    ):
         same = _same_run(rows, ours)
         name = next((n for n in BASELINES if n in same), None)
         base = same[name] if name else None
         base_rate = _millions(base.cells["samples_per_s"]) if base else ""
         body.append(
-            [config, precision, f"{int(batch):,}", _millions(ours.cells["samples_per_s"]),
+            [config, precision, optimizer, f"{int(batch):,}", _millions(ours.cells["samples_per_s"]),
              BASELINES[name] if name else "none in this run", base_rate, _ratio(ours, base),
              ours.cells["device"], ours.cells["git_sha"], _current(ours), ours.key]
         )  # fmt: skip
-    header = ["config", "precision", "batch", "ours samples/s", "baseline", "baseline samples/s", "ratio",
-              "machine", "commit", "code changed since", "row"]  # fmt: skip
+    header = ["config", "precision", "optimizer", "batch", "ours samples/s", "baseline", "baseline samples/s",
+              "ratio", "machine", "commit", "code changed since", "row"]  # fmt: skip
     return _table(header, body)
 
 
