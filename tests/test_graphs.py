@@ -47,7 +47,8 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
             False,
             "train.compile_mode: expected 'default' with train.cuda_graphs",
         ),
-        ({"use_triton": True}, CUDA, 2, False, "many ranks"),
+        ({"use_triton": True}, CUDA, 2, True, None),
+        ({"use_triton": True, "optimizer": "adagrad"}, CUDA, 4, True, None),
         ({"use_triton": True, "cuda_graphs": False}, CUDA, 1, False, None),
     ],
 )
