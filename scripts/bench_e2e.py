@@ -11,10 +11,12 @@ the data path included (first step and evaluations excluded, as the training log
 evaluation's time and the samples/s of the later ones, the peak host RSS of the training process, and the
 GPU's idle share in the profiled window (1 - the union of kernel and copy intervals over the window's
 span). The same invocation also times the bare training step on GPU-resident random batches whose ids have
-the synthetic data's skew (scripts/bench_train.py --ids zipf, backend triton+graphs) and reports each run's
-ratio to it and to the gpu_resident run, and profiles 10 such bare steps for their GPU idle share: the gaps
-between the kernels of a replayed graph, which no data path can remove (`step_gpu_idle_share`; what a run's
-share has above it is what its loop and data path leave idle). Rows go to scripts/results/e2e.csv.
+the synthetic data's skew (scripts/bench_train.py --ids zipf; backend triton+graphs for the runs with
+graphs, triton for those without: like with like) and reports each run's ratio to it and to the
+gpu_resident run of the same graph setting (whatever the loaders' order), and profiles 10 such bare steps
+for their GPU idle share: the gaps between the kernels of a replayed graph, which no data path can remove
+(`step_gpu_idle_share`; what a run's share has above it is what its loop and data path leave idle).
+Rows go to scripts/results/e2e.csv.
 """
 
 import json
@@ -33,6 +35,8 @@ from results_csv import append_rows, provenance
 from dlrm.config import load_config
 
 RESULTS = Path(__file__).parent / "results" / "e2e.csv"
+# The bare step each train run is compared with: graph replays with graph replays, launches with launches.
+BARE_STEP = {"on": "triton+graphs", "off": "triton"}
 REPO = Path(__file__).parents[1]
 
 
@@ -127,32 +131,29 @@ def main(config, rows, data, batch, precision, loaders, graphs, steps):
     ensure_data(data, rows)
     # The bare step on random batches with the data's id skew (dlrm.data.synthetic's Zipf ranks), so that
     # the ratios compare the same embedding traffic: uniform ids have no hot rows.
-    step = bench(config, "triton+graphs", batch, 50, None, precision, ids="zipf")
+    steps_by_graph = {
+        graph: bench(config, BARE_STEP[graph], batch, 50, None, precision, ids="zipf")["samples_per_s"]
+        for graph in graphs.split(",")
+    }
     step_idle = step_idle_share(config, batch, precision)
     print(
-        f"bare step (triton+graphs, resident random batches, Zipf ids): {step['samples_per_s']:,} samples/s, "
-        f"GPU idle {step_idle:.1%} (the gaps between the replayed graph's kernels)",
+        f"bare step (resident random batches, Zipf ids): {steps_by_graph} samples/s by graphs on/off, "
+        f"GPU idle {step_idle:.1%} with graphs (the gaps between the replayed graph's kernels)",
         flush=True,
     )
     common = provenance(torch.cuda.get_device_name()) | {"cpus": os.cpu_count(), "config": config}
-    common |= {
-        "rows": rows,
-        "batch": batch,
-        "precision": precision,
-        "step_samples_per_s": step["samples_per_s"],
-    }
-    out, resident = [], {}
+    common |= {"rows": rows, "batch": batch, "precision": precision}
+    out = []
     for graph in graphs.split(","):
         for loader in loaders.split(","):
             m = train_run(config, data, loader, graph == "on", batch, precision, steps)
-            resident.setdefault(graph, m["samples_per_s"] if loader == "gpu_resident" else None)
+            step = steps_by_graph[graph]
             later_evals = m["evals"] - 1
             later_s = m["eval_s"] - m["first_eval_s"]
             row = {
-                **common, "loader": loader, "cuda_graphs": graph, "steps": m["steps"],
-                "samples_per_s": round(m["samples_per_s"]),
-                "vs_step": round(m["samples_per_s"] / step["samples_per_s"], 3),
-                "vs_gpu_resident": round(m["samples_per_s"] / resident[graph], 3) if resident[graph] else "",
+                **common, "step_samples_per_s": step, "loader": loader, "cuda_graphs": graph,
+                "steps": m["steps"], "samples_per_s": round(m["samples_per_s"]),
+                "vs_step": round(m["samples_per_s"] / step, 3), "vs_gpu_resident": "",
                 "gpu_idle_share": round(m["gpu_idle_share"], 4),
                 "step_gpu_idle_share": round(step_idle, 4),
                 "first_eval_s": round(m["first_eval_s"], 2),
@@ -161,14 +162,18 @@ def main(config, rows, data, batch, precision, loaders, graphs, steps):
                 "first_step_s": round(m["first_step_s"], 1),
             }  # fmt: skip
             out.append(row)
-            print(
-                f"{loader:<13} graphs {graph:<4} {row['samples_per_s']:>12,} samples/s  "
-                f"{row['vs_step']:.3f}x step  {row['vs_gpu_resident'] or float('nan'):.3f}x resident  "
-                f"GPU idle {row['gpu_idle_share']:.1%}  "
-                f"first eval {row['first_eval_s']} s, then {row['eval_samples_per_s'] or 0:,} samples/s  "
-                f"RSS {row['peak_rss_gib']} GiB",
-                flush=True,
-            )
+    resident = {r["cuda_graphs"]: r["samples_per_s"] for r in out if r["loader"] == "gpu_resident"}
+    for row in out:
+        if row["cuda_graphs"] in resident:
+            row["vs_gpu_resident"] = round(row["samples_per_s"] / resident[row["cuda_graphs"]], 3)
+        print(
+            f"{row['loader']:<13} graphs {row['cuda_graphs']:<4} {row['samples_per_s']:>12,} samples/s  "
+            f"{row['vs_step']:.3f}x step  {row['vs_gpu_resident'] or float('nan'):.3f}x resident  "
+            f"GPU idle {row['gpu_idle_share']:.1%}  "
+            f"first eval {row['first_eval_s']} s, then {row['eval_samples_per_s'] or 0:,} samples/s  "
+            f"RSS {row['peak_rss_gib']} GiB",
+            flush=True,
+        )
     append_rows(RESULTS, out)
 
 
