@@ -11,7 +11,7 @@ import torch
 from loguru import logger
 from torch.utils.tensorboard import SummaryWriter
 
-from dlrm import parallel
+from dlrm import atomic, parallel
 from dlrm.checkpoint import load_checkpoint
 from dlrm.config import RunConfig
 from dlrm.data.dataset import BatchLoader, ParquetDataset, load_metadata, open_split, split_paths
@@ -117,11 +117,11 @@ def set_up(
         state.last_checkpoint_step = state.step
     config_json = json.dumps(cfg.to_dict(), indent=2)
     if dist.is_main:
-        (run_dir / "config.json").write_text(config_json)
+        atomic.write_text(run_dir / "config.json", config_json)
     if dist.enabled:
         logger.info("{} ranks; embedding tables:\n{}", dist.world_size, plan.describe())
         if dist.is_main:
-            (run_dir / "sharding_plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
+            atomic.write_text(run_dir / "sharding_plan.json", json.dumps(plan.to_dict(), indent=2))
     logger.info(
         "run {} | backend {} | device {} | train {} rows, val {} rows | {} params",
         run_dir,
