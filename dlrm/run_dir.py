@@ -50,9 +50,9 @@ def check_run_dir(cfg: RunConfig, output_dir: Path | None, resume: Path | None, 
         or any(output_dir.glob("events.out.tfevents.*"))
     )
     if holds_run and resume is None and not overwrite:
-        raise ValueError(
-            f"{output_dir} holds a run; use --resume {output_dir / 'checkpoints' / 'last.pt'} or --overwrite"
-        )
+        sharded = (output_dir / "checkpoints" / "last").is_dir()  # a torchrun job's
+        last = output_dir / "checkpoints" / ("last" if sharded else "last.pt")
+        raise ValueError(f"{output_dir} holds a run; use --resume {last} or --overwrite")
     if overwrite and resume is not None and output_dir.resolve() in resume.resolve().parents:
         raise ValueError(f"--overwrite would delete {resume}, the checkpoint --resume reads")
     if overwrite and resume is None:

@@ -148,7 +148,7 @@ def set_up(
         val_loader,
         run_dir,
         writer,
-        StopSignals(),
+        StopSignals(announce=dist.is_main),
         lrs,
         dist=dist,
     )
