@@ -25,12 +25,14 @@ def replacing(path: Path, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path in `path`'s directory (the same filesystem, so the rename is atomic) for the
     block to write; rename it over `path` when the block completes, remove it and re-raise when the block
     raises or is interrupted. `suffix` ends the temporary name, for writers that check it (torch.export
-    and AOTInductor want ".pt2"). Creates `path`'s directory.
+    and AOTInductor want ".pt2"). Creates `path`'s directory (removed again, where empty, when the block
+    raises).
 
     Raises:
         DiskFull: the block (or the rename) failed for want of space or on a read-only file system.
     """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{suffix}")
+    created = [p for p in path.parents if not p.exists()]  # innermost first
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         yield tmp
@@ -38,6 +40,9 @@ def replacing(path: Path, suffix: str = "") -> Iterator[Path]:
     except BaseException as err:
         with suppress(OSError):  # (no temporary, or no directory for it)
             tmp.unlink(missing_ok=True)
+        for directory in created:  # nothing left of the write: the directories made for it go too
+            with suppress(OSError):  # (not made, or no longer empty)
+                directory.rmdir()
         full = disk_full(err, path)
         if full is not None:
             raise full from None

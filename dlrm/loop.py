@@ -320,6 +320,7 @@ def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None 
         "step_ms_min": min(per_rank) if None not in per_rank else None,
         "step_ms_max": max(per_rank) if None not in per_rank else None,
         "stopped": None if stopped is None else type(stopped).__name__,
+        "nonfinite_step": state.nonfinite_step,
     }
     metrics = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
     if run.dist.is_main:

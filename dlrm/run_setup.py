@@ -98,6 +98,7 @@ def set_up(
             setattr(state, key, value)
     if resume is not None:
         state.best_checkpoint = resume.parent / ("best" if resume.is_dir() else "best.pt")
+        check_not_stopped_early(resume, state, t.patience)
     reduce_grads = parallel.grad_averager(model.dense_parameters(), dist.world_size) if dist.enabled else None
     step_fn = build_step(model, optimizer, cfg, device, reduce_grads)
     train_loader = make_train_loader(
@@ -177,6 +178,17 @@ def make_eval_loader(eval_set: ParquetDataset, batch_size: int, device: torch.de
         except ValueError as err:
             logger.info("eval split stays in host memory: {}", err)
     return BatchLoader(eval_set, batch_size, device=device)
+
+
+def check_not_stopped_early(resume: Path, state: RunState, patience: int | None) -> None:
+    """Raise ValueError when checkpoint `resume` is of a run that early stopping ended (its evaluations
+    since the best reached train.patience): it is done, and going on would train past its own stop."""
+    if patience is not None and state.evals_since_best >= patience:
+        raise ValueError(
+            f"{resume}: this run is done: early stopping ended it at step {state.step} (no better val AUC in "
+            f"{patience} evaluations; best at step {(state.best or {}).get('step')}); its result is "
+            "metrics.json and checkpoints/best.pt. To train on, raise train.patience"
+        )
 
 
 def check_rows(data_dir: Path, metadata: dict, split: str, rows: int) -> None:
