@@ -68,7 +68,7 @@ def disk_full(err: BaseException, path: Path | None) -> DiskFull | None:
             return DiskFull(
                 err.errno, f"{err.strerror or os.strerror(err.errno)} ({free_space(path)})", str(path)
             )
-        err = err.__cause__ or err.__context__
+        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
     return None
 
 

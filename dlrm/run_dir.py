@@ -121,15 +121,21 @@ def make_run_dir(run_dir: Path, clear: bool) -> None:
 
 
 def remove_stale_temporaries(run_dir: Path) -> None:
-    """Remove the temporaries of dlrm.atomic (.<name>.tmp-<pid>...) in `run_dir` and its checkpoints/
-    whose process is gone: a run killed while writing leaves them (a checkpoint's: as big as it)."""
-    for directory in (run_dir, run_dir / "checkpoints"):
+    """Remove what a run killed while writing left in `run_dir` (a checkpoint's temporary is as big as
+    it): dlrm.atomic's temporaries (.<name>.tmp-<pid>...) whose process is gone, here and in checkpoints/;
+    a sharded checkpoint's .last.tmp / .best.tmp / .old directories; the profiler's <trace>.tmp."""
+    checkpoints = run_dir / "checkpoints"
+    stale = [p for p in run_dir.glob("*.pt.trace.json.tmp") if p.is_file()]
+    for directory in (run_dir, checkpoints):
         for path in directory.glob(".*.tmp-*") if directory.is_dir() else ():
             pid = re.search(r"\.tmp-(\d+)", path.name)
-            if pid is None or _alive(int(pid.group(1))) or not path.is_file():
-                continue
-            logger.info("removing {}, left by a run that was stopped while writing it", path)
-            path.unlink(missing_ok=True)
+            if pid is not None and not _alive(int(pid.group(1))) and path.is_file():
+                stale.append(path)
+    if checkpoints.is_dir():  # (only rank 0 runs this, before any rank writes a checkpoint)
+        stale += [p for p in checkpoints.glob(".*") if re.fullmatch(r"\.(last|best)\.(tmp|old)", p.name)]
+    for path in stale:
+        logger.info("removing {}, left by a run that was stopped while writing it", path)
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:

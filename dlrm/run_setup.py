@@ -113,7 +113,8 @@ def set_up(
         train_loader.load_state_dict(checkpoint["loader"])
     val_loader = make_split_loader(val_set, cfg, device, dist)
 
-    make_run_dir(run_dir, overwrite and resume is None and dist.is_main)
+    if dist.is_main:  # the other ranks write only their checkpoint shards and traces, later
+        make_run_dir(run_dir, overwrite and resume is None)
     if resume is not None and resume.resolve() == (run_dir / "checkpoints" / "last.pt").resolve():
         state.last_checkpoint_step = state.step
     config_json = json.dumps(cfg.to_dict(), indent=2)

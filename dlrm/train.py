@@ -74,7 +74,10 @@ from dlrm.loop import train
     "unless --resume or --overwrite.",
 )
 @click.option(
-    "--overwrite", is_flag=True, help="Delete what the run directory holds (an earlier run) before starting."
+    "--overwrite",
+    is_flag=True,
+    help="Delete the earlier run in the run directory before starting; refused for a directory that is not "
+    "a run's (.dlrm-run), holds other files, or is the working directory or one above it.",
 )
 @click.option(
     "--resume",

@@ -91,11 +91,15 @@ def test_stale_temporaries_of_a_killed_run_are_removed_at_start(config, tmp_path
     dead = 2**22 + 1  # above the default pid_max: no such process
     stale = run / "checkpoints" / f".last.pt.tmp-{dead}"
     stale.write_bytes(b"half a checkpoint")
+    (run / "checkpoints" / ".last.tmp").mkdir()  # a sharded checkpoint's, half written
+    (run / "checkpoints" / ".last.tmp" / "__0_0.distcp").write_bytes(b"half")
+    (run / "host_1.123.pt.trace.json.tmp").write_text('{"traceEvents": [')  # the profiler's own
     live = run / f".metrics.json.tmp-{os.getppid()}"  # a live process's write in progress: kept
     live.write_text("{")
     code, output = _cli(train_cli.main, ["--config", config, "--resume", run / "checkpoints" / "last.pt"])
     assert code == 0, output
     assert not stale.exists() and live.exists()
+    assert not (run / "checkpoints" / ".last.tmp").exists() and not list(run.glob("*.tmp"))
 
 
 # ---------------------------------------------------------------------------------------------------------
