@@ -2,7 +2,7 @@
 --overwrite) once it has, and files written into it whole (a temporary name renamed into place).
 
 A run writes MARKER first: --overwrite deletes only a directory that has it, holding nothing but what a
-run writes (`run_entry`), and never the working directory or one above it."""
+run writes (`check_overwritable`), and never the working directory or one above it."""
 
 import json
 import os
