@@ -47,7 +47,9 @@ test: $(STAMP)
 
 # Several pytest workers share the GPU: the tests are small and mostly wait on compilation (Triton JIT, nvcc).
 GPU_WORKERS ?= 6
+# Without a GPU every gpu test would skip and the target pass: refuse instead.
 test-gpu: $(STAMP)
+	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: no CUDA GPU here (torch.cuda.is_available() is False); the gpu tests would all skip')"
 	$(PY) -m pytest -m gpu -n $(GPU_WORKERS)
 
 $(BROWSER_STAMP): $(STAMP)

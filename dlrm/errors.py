@@ -7,6 +7,8 @@
 
 - `RunStopped` and its kinds below: its message, its `exit_code` (3 non-finite loss, 128 + signal number).
 - ValueError, FileNotFoundError (bad config, data, checkpoint; the message names the file or key): 2.
+- No space left, quota exceeded or read-only file system, however wrapped (dlrm.atomic.DiskFull): `PATH:
+  reason (N MiB free on DIR)`, 2.
 - Any other OSError on a user-given path (a directory for a file, permission, read-only file system):
   `PATH: reason`, 2.
 - torch.OutOfMemoryError that the loop did not report itself (it adds batch size, table bytes, free
@@ -22,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import click
+
+from dlrm.atomic import disk_full
 
 EXIT_BAD_INPUT = 2
 EXIT_NONFINITE = 3
@@ -73,6 +77,9 @@ def one_line(err: BaseException) -> tuple[str, int] | None:
     if torch is not None and isinstance(err, torch.OutOfMemoryError):
         first = str(err).strip().splitlines()[0] if str(err).strip() else "out of memory"
         return f"out of memory: {first}", EXIT_BAD_INPUT
+    full = disk_full(err, None)
+    if full is not None:  # (torch.save and the like raise a RuntimeError after the OSError)
+        return os_error_line(full), EXIT_BAD_INPUT
     if isinstance(err, FileNotFoundError) and err.filename is None:
         return str(err), EXIT_BAD_INPUT  # our own "no such file" messages, already naming the path
     if isinstance(err, OSError):

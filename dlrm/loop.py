@@ -146,11 +146,11 @@ def after_step(run: Run, state: RunState, interval: Interval, epoch: int) -> boo
     stop = False
     if t.eval_interval and state.step % t.eval_interval == 0:
         stop = evaluate_and_select(run, state, interval)
-    signalled, timed = run.signals.received is not None, checkpoint_due_by_time(run.cfg, state)
-    if run.dist.enabled:
-        signalled, timed = ranks.any_rank([signalled, timed]) if at_log_line else (False, False)
-    if signalled:
-        stop_on_signal(run, state, interval)
+    signum, timed = run.signals.received or 0, checkpoint_due_by_time(run.cfg, state)
+    if run.dist.enabled:  # the signal of any rank (torchrun forwards it to all; a kill may reach one)
+        signum, timed = ranks.max_over_ranks([signum, timed]) if at_log_line else (0, False)
+    if signum:
+        stop_on_signal(run, state, interval, signum)
     if timed or checkpoint_due_by_steps(run.cfg, state):
         save_last(run, state, interval)
     return stop
@@ -266,12 +266,12 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
     interval.read, interval.loss_sum, interval.finite = 0, 0.0, 0
 
 
-def stop_on_signal(run: Run, state: RunState, interval: Interval) -> None:
-    """A stop signal came: write last.pt (a finite state only), flush TensorBoard, raise Interrupted."""
+def stop_on_signal(run: Run, state: RunState, interval: Interval, signum: int) -> None:
+    """Signal `signum` came (to this rank or another): write last.pt (a finite state only; many ranks: the
+    sharded checkpoints/last), flush TensorBoard, raise Interrupted."""
     save_last(run, state, interval)
     run.writer.flush()
-    signum = run.signals.received
-    checkpoint = run.run_dir / "checkpoints" / "last.pt"
+    checkpoint = run.run_dir / "checkpoints" / ("last" if run.dist.enabled else "last.pt")
     raise Interrupted(
         f"stopped by {signal.Signals(signum).name} after step {state.step}; {checkpoint} written",
         exit_code=128 + signum,
@@ -320,6 +320,7 @@ def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None 
         "step_ms_min": min(per_rank) if None not in per_rank else None,
         "step_ms_max": max(per_rank) if None not in per_rank else None,
         "stopped": None if stopped is None else type(stopped).__name__,
+        "nonfinite_step": state.nonfinite_step,
     }
     metrics = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
     if run.dist.is_main:

@@ -37,6 +37,7 @@ def note_losses(run: Run, state: RunState, losses: list[float], first_step: int)
             state.skipped_batches += 1
             logger.warning("step {}: loss {}, batch skipped (train.on_nonfinite skip_batch)", step, loss)
         else:
+            state.nonfinite_step = step
             raise nonfinite_stop(run, state, f"step {step}: the training loss is {loss}")
 
 

@@ -40,7 +40,7 @@ from dlrm import atomic, progress
 from dlrm.checkpoint import load_checkpoint
 from dlrm.cli_options import checkpoint_option, device_option, split_option
 from dlrm.config import from_dict
-from dlrm.data.dataset import Batch, columns_of, decode_table, split_files, split_paths
+from dlrm.data.dataset import Batch, columns_of, decode_table, parquet_errors, split_files, split_paths
 from dlrm.data.parse import parse_block
 from dlrm.data.schema import RAW_COLUMNS
 from dlrm.data.splits import check_data_dir
@@ -93,8 +93,9 @@ def input_blocks(source: Path, split: str, block_size: int) -> Iterator[tuple[Ba
 def _parquet_blocks(files: list[Path], block_size: int) -> Iterator[tuple[Batch, bool]]:
     for path in files:
         columns = columns_of(path)
-        for record_batch in pq.ParquetFile(path).iter_batches(batch_size=block_size, columns=columns):
-            yield decode_table(pa.Table.from_batches([record_batch]), columns, path), True
+        with parquet_errors(path):  # (decode_table's ValueErrors, naming the file already, pass through)
+            for record_batch in pq.ParquetFile(path).iter_batches(batch_size=block_size, columns=columns):
+                yield decode_table(pa.Table.from_batches([record_batch]), columns, path), True
 
 
 _FIELD_COUNT = re.compile(rf"expected {len(RAW_COLUMNS)} tab-separated fields, got (\d+)")

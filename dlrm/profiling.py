@@ -145,22 +145,37 @@ def _on_trace_ready(run_dir: Path, writer, first_step: int, worker_name: str | N
 def export_trace(prof: profile, run_dir: Path, worker_name: str | None = None) -> Path:
     """Write the trace as `torch.profiler.tensorboard_trace_handler` names it
     (<worker>.<ns>.pt.trace.json, worker `<host>_<pid>` by default, which the TensorBoard plugin lists),
-    with the data-loading range marked as the plugin expects."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with the data-loading range marked as the plugin expects; whole or not at all (dlrm.atomic).
+
+    Raises:
+        DiskFull: no space left (or a read-only file system) for the trace; nothing of it is left behind.
+        OSError: the profiler wrote no trace (it logs why on stderr and raises nothing itself).
+    """
     worker = worker_name or f"{socket.gethostname()}_{os.getpid()}"
     path = run_dir / f"{worker}.{time.time_ns()}.pt.trace.json"
-    prof.export_chrome_trace(str(path))
-    try:
-        trace = json.loads(path.read_text())
-    except ValueError as err:  # leave the trace as the profiler wrote it
-        logger.warning(
-            "{}: not plain JSON ({}); data loading is not marked for the TensorBoard plugin", path, err
-        )
-        return path
-    for event in trace.get("traceEvents", []):
-        if event.get("name") == DATA_LOADER_RANGE and event.get("cat") == "user_annotation":
-            event["cat"] = "cpu_op"
-    atomic.write_text(path, json.dumps(trace))
+    with atomic.replacing(path) as tmp:
+        # The profiler writes <name>.tmp and renames it to <name>; on a failed write it logs an error,
+        # leaves <name>.tmp and returns.
+        try:
+            prof.export_chrome_trace(str(tmp))
+        finally:
+            tmp.with_name(f"{tmp.name}.tmp").unlink(missing_ok=True)
+        if not tmp.is_file():
+            free = atomic.free_space(path)
+            raise OSError(
+                0, f"the profiler could not write its trace (its error is above; {free})", str(path)
+            )
+        try:
+            trace = json.loads(tmp.read_text())
+        except ValueError as err:  # leave the trace as the profiler wrote it
+            logger.warning(
+                "{}: not plain JSON ({}); data loading is not marked for the TensorBoard plugin", path, err
+            )
+            return path
+        for event in trace.get("traceEvents", []):
+            if event.get("name") == DATA_LOADER_RANGE and event.get("cat") == "user_annotation":
+                event["cat"] = "cpu_op"
+        tmp.write_text(json.dumps(trace))
     return path
 
 

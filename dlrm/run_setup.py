@@ -11,7 +11,7 @@ import torch
 from loguru import logger
 from torch.utils.tensorboard import SummaryWriter
 
-from dlrm import parallel
+from dlrm import atomic, parallel
 from dlrm.checkpoint import load_checkpoint
 from dlrm.config import RunConfig
 from dlrm.data.dataset import BatchLoader, ParquetDataset, load_metadata, open_split, split_paths
@@ -98,6 +98,7 @@ def set_up(
             setattr(state, key, value)
     if resume is not None:
         state.best_checkpoint = resume.parent / ("best" if resume.is_dir() else "best.pt")
+        check_not_stopped_early(resume, state, t.patience)
     reduce_grads = parallel.grad_averager(model.dense_parameters(), dist.world_size) if dist.enabled else None
     step_fn = build_step(model, optimizer, cfg, device, reduce_grads)
     train_loader = make_train_loader(
@@ -112,16 +113,17 @@ def set_up(
         train_loader.load_state_dict(checkpoint["loader"])
     val_loader = make_split_loader(val_set, cfg, device, dist)
 
-    make_run_dir(run_dir, overwrite and resume is None and dist.is_main)
+    if dist.is_main:  # the other ranks write only their checkpoint shards and traces, later
+        make_run_dir(run_dir, overwrite and resume is None)
     if resume is not None and resume.resolve() == (run_dir / "checkpoints" / "last.pt").resolve():
         state.last_checkpoint_step = state.step
     config_json = json.dumps(cfg.to_dict(), indent=2)
     if dist.is_main:
-        (run_dir / "config.json").write_text(config_json)
+        atomic.write_text(run_dir / "config.json", config_json)
     if dist.enabled:
         logger.info("{} ranks; embedding tables:\n{}", dist.world_size, plan.describe())
         if dist.is_main:
-            (run_dir / "sharding_plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
+            atomic.write_text(run_dir / "sharding_plan.json", json.dumps(plan.to_dict(), indent=2))
     logger.info(
         "run {} | backend {} | device {} | train {} rows, val {} rows | {} params",
         run_dir,
@@ -148,7 +150,7 @@ def set_up(
         val_loader,
         run_dir,
         writer,
-        StopSignals(),
+        StopSignals(announce=dist.is_main),
         lrs,
         dist=dist,
     )
@@ -177,6 +179,17 @@ def make_eval_loader(eval_set: ParquetDataset, batch_size: int, device: torch.de
         except ValueError as err:
             logger.info("eval split stays in host memory: {}", err)
     return BatchLoader(eval_set, batch_size, device=device)
+
+
+def check_not_stopped_early(resume: Path, state: RunState, patience: int | None) -> None:
+    """Raise ValueError when checkpoint `resume` is of a run that early stopping ended (its evaluations
+    since the best reached train.patience): it is done, and going on would train past its own stop."""
+    if patience is not None and state.evals_since_best >= patience:
+        raise ValueError(
+            f"{resume}: this run is done: early stopping ended it at step {state.step} (no better val AUC in "
+            f"{patience} evaluations; best at step {(state.best or {}).get('step')}); its result is "
+            "metrics.json and checkpoints/best.pt. To train on, raise train.patience"
+        )
 
 
 def check_rows(data_dir: Path, metadata: dict, split: str, rows: int) -> None:

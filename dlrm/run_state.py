@@ -35,8 +35,9 @@ class RunState:
     before the first finite one. evals_since_best: for early stopping. skipped_batches: steps whose
     non-finite loss was skipped (train.on_nonfinite "skip_batch"). last_finite_loss: (step, loss) of the
     last finite step loss read. train_loss: the last log line's mean loss (None before one). The rest are
-    this process's: throughput sums, the last evaluation, when last.pt was written, where best's weights
-    are.
+    this process's: the step whose loss stopped the run as non-finite (nonfinite_step; the losses are read
+    at log lines, so the run has done a few steps more), throughput sums, the last evaluation, when
+    last.pt was written, where best's weights are.
     """
 
     step: int = 0
@@ -46,6 +47,7 @@ class RunState:
     skipped_batches: int = 0
     last_finite_loss: tuple[int, float] | None = None
     train_loss: float | None = None
+    nonfinite_step: int | None = None
     last_eval: dict | None = None
     last_eval_step: int | None = None
     first_step_s: float | None = None  # this process's first step, compilation included

@@ -8,12 +8,14 @@ from typing import Any
 
 class StopSignals:
     """SIGINT / SIGTERM handlers while a run trains (main thread only): the first signal asks the loop to
-    stop after the current step (`received`: its number); a second one stops at once (KeyboardInterrupt).
-    The previous handlers come back on exit."""
+    stop after the current step (`received`: its number), saying so on stderr when `announce` (rank 0 of
+    a torchrun job: the signal reaches every rank); a second one stops at once (KeyboardInterrupt). The
+    previous handlers come back on exit."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = True) -> None:
+        self.announce = announce
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
@@ -30,8 +32,9 @@ class StopSignals:
         if self.received is not None:
             raise KeyboardInterrupt
         self.received = signum
+        if not self.announce:
+            return
         # Not the logger: it is not re-entrant, and the signal may come while it writes. os.write is.
         name = signal.Signals(signum).name
-        os.write(
-            2, f"{name} received: stopping after this step, writing last.pt (again: stop at once)\n".encode()
-        )
+        notice = f"{name} received: stopping after this step, writing a checkpoint (again: stop at once)\n"
+        os.write(2, notice.encode())

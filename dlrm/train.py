@@ -7,6 +7,7 @@ Watch it with `make tensorboard` (or `.venv/bin/tensorboard --logdir runs`).
 Many GPUs: `torchrun --nproc-per-node N -m dlrm.train --config C [flags]` (dlrm.parallel; README "Many GPUs").
 """
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import click
 
 from dlrm import parallel, progress
 from dlrm.config import TRITON_MLP_KERNELS, load_config, replace
-from dlrm.errors import RunStopped, cli_errors
+from dlrm.errors import Interrupted, RunStopped, cli_errors
 from dlrm.loop import train
 
 
@@ -73,7 +74,10 @@ from dlrm.loop import train
     "unless --resume or --overwrite.",
 )
 @click.option(
-    "--overwrite", is_flag=True, help="Delete what the run directory holds (an earlier run) before starting."
+    "--overwrite",
+    is_flag=True,
+    help="Delete the earlier run in the run directory before starting; refused for a directory that is not "
+    "a run's (.dlrm-run), holds other files, or is the working directory or one above it.",
 )
 @click.option(
     "--resume",
@@ -142,6 +146,8 @@ def main(
             if err.checkpoint is not None:
                 command = resume_command(click.get_current_context(), err.checkpoint)
                 err.args = (f"{err}; go on with: {command}",)
+            if isinstance(err, Interrupted) and parallel.is_distributed():
+                stop_every_rank(err)
             raise
         except Exception as err:
             if parallel.is_distributed():
@@ -157,10 +163,30 @@ def report(message: str, code: int) -> None:
     parallel.exit_now(code)
 
 
+def stop_every_rank(err: Interrupted) -> None:
+    """A signal stopped a torchrun job: every rank stopped at the same step and wrote its part of the
+    checkpoint, so all leave the process group together (no rank is aborted), rank 0 prints the one line,
+    and every rank exits 128 + the signal number. Never returns."""
+    rank, _, _ = parallel.world_from_env()
+    parallel.shutdown()
+    if rank == 0:
+        click.echo(f"error: {err}", err=True)
+    # Everything is written and closed; the interpreter's own shutdown takes seconds after gloo's.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(err.exit_code)
+
+
 def resume_command(ctx: click.Context, checkpoint: Path) -> str:
     """The command line that goes on from `checkpoint`: this one's options (as parsed), without
-    --output-dir, --overwrite and --resume, plus `--resume checkpoint`."""
+    --output-dir, --overwrite and --resume, plus `--resume checkpoint`; under torchrun, a torchrun of as
+    many processes (a sharded checkpoint also resumes on any other number, or in one process)."""
     args = [sys.executable, "-m", "dlrm.train"]
+    _, world_size, _ = parallel.world_from_env()
+    if world_size > 1:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        nodes = ["--nnodes", str(world_size // per_node)] if per_node != world_size else []
+        args = ["torchrun", *nodes, "--nproc-per-node", str(per_node), "-m", "dlrm.train"]
     for param in ctx.command.params:
         value = ctx.params.get(param.name)
         if param.name in ("output_dir", "overwrite", "resume") or value is None:

@@ -311,12 +311,16 @@ def _pread_into(file: tuple[int, Path], array: np.ndarray, offset: int) -> None:
 
     Raises:
         ValueError: the file ends early (it shrank since open_binary checked its size).
+        OSError: the read failed (e.g. an I/O error of the disk), naming the file and the byte offset.
     """
     fd, path = file
     view = memoryview(array.reshape(-1).view(np.uint8))
     done = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as err:
+            raise OSError(err.errno, f"{err.strerror} reading at byte {offset + done}", str(path)) from None
         if n == 0:
             raise ValueError(f"{path}: ends before byte {offset + len(view)}: truncated since it was opened")
         done += n

@@ -21,6 +21,7 @@ are shared with the GPU-resident (dlrm.data.resident) and streaming (dlrm.data.s
 import copy
 import math
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -121,7 +122,23 @@ class ParquetDataset:
 
 def _read_file(path: Path) -> Batch:
     columns = columns_of(path)
-    return decode_table(pq.read_table(path, columns=columns), columns, path)
+    with parquet_errors(path):
+        table = pq.read_table(path, columns=columns)
+    return decode_table(table, columns, path)
+
+
+@contextmanager
+def parquet_errors(path: Path, where: str = "") -> Iterator[None]:
+    """Turn pyarrow's errors while reading parquet file `path` (a truncated or damaged file: "Parquet
+    magic bytes not found in footer", a bad page) into a ValueError naming the file (and `where` in it,
+    e.g. ": row group 3")."""
+    try:
+        yield
+    except (OSError, pa.ArrowException) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(
+            f"{path}{where}: not a readable parquet file ({reason}): damaged or cut short; preprocess again"
+        ) from None
 
 
 def split_files(source: Path | str | Sequence[Path | str]) -> list[Path]:
@@ -152,7 +169,8 @@ def columns_of(path: Path) -> list[str]:
     """
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such parquet file")
-    schema = pq.read_schema(path)
+    with parquet_errors(path):
+        schema = pq.read_schema(path)
     names = set(schema.names)
     missing_per_layout = [[c for c in (lab, *den, *spa) if c not in names] for lab, den, spa in _LAYOUTS]
     # Name the columns missing from the layout the file comes closest to.

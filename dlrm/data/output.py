@@ -53,11 +53,19 @@ def load_metadata(data_dir: Path | str) -> dict:
     """The metadata.json written by `preprocess` into `data_dir`.
 
     Raises:
-        FileNotFoundError: `data_dir` holds no metadata.json.
+        FileNotFoundError: `data_dir` holds no metadata.json (the message names the directory it looked in,
+            and says to preprocess a raw Criteo file given instead of a directory).
     """
-    path = Path(data_dir) / METADATA_FILE
+    data_dir = Path(data_dir)
+    path = data_dir / METADATA_FILE
+    if data_dir.is_file():
+        raise FileNotFoundError(
+            f"{data_dir}: a raw file, not a preprocessed data directory: preprocess it with python -m "
+            f"dlrm.data.preprocess --input {data_dir} --output-dir DIR, then give DIR"
+        )
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: run python -m dlrm.data.preprocess first")
+        where = "" if data_dir.is_absolute() else f" (looked in {data_dir.absolute()})"
+        raise FileNotFoundError(f"{path} not found{where}: run python -m dlrm.data.preprocess first")
     return json.loads(path.read_text())
 
 

@@ -42,12 +42,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
-from dlrm.data.dataset import Batch, columns_of, decode_table, split_files
+from dlrm.data.dataset import Batch, columns_of, decode_table, parquet_errors, split_files
 from dlrm.data.position import EpochPosition, Piece, rank_pieces
 from dlrm.data.prefetch import prefetch_to_device
 
@@ -233,7 +232,8 @@ class StreamingLoader(EpochPosition):
         self.units: list[_Unit] = []
         first = 0
         for i, path in enumerate(self.files):
-            metadata = pq.ParquetFile(path).metadata
+            with parquet_errors(path):
+                metadata = pq.ParquetFile(path).metadata
             for g in range(metadata.num_row_groups):
                 rows = metadata.row_group(g).num_rows
                 if rows:
@@ -281,10 +281,8 @@ class StreamingLoader(EpochPosition):
         u = self.units[unit]
         path = self.files[u.file]
         columns = self._columns[u.file]
-        try:
+        with parquet_errors(path, f": row group {u.row_group}"):
             table = pq.ParquetFile(path).read_row_group(u.row_group, columns=columns)
-        except (OSError, pa.ArrowException) as err:
-            raise ValueError(f"{path}: row group {u.row_group}: {err}") from err
         return decode_table(table, columns, path)
 
     def _keys(self, piece: Piece, epoch: int) -> Tensor:

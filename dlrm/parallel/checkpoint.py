@@ -3,7 +3,8 @@ layout, so that a checkpoint written by N ranks loads on M ranks (any plan) and 
 
 A checkpoint is a directory (e.g. runs/<run>/checkpoints/last/): DCP's files (one per rank, plus .metadata)
 and meta.json (config, table_rows, step, best evaluation, early-stopping count, loader position,
-world size and plan of the writer), written by rank 0. The DCP keys, flat:
+world size and plan of the writer, and "sha256": the hash of each of DCP's files, checked before a load),
+written by rank 0. The DCP keys, flat:
 
     model/<name>        every entry of the one-process model's state_dict, by the same names: the
                         dense part (replicated: DCP writes it once) and the tables
@@ -21,6 +22,7 @@ DCP reads each shard's rows from whichever files hold them (resharding). One pro
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -145,7 +147,8 @@ def save_sharded(path: Path, model, optimizer: torch.optim.Optimizer, dist_: Dis
         dcp.save(_state_dict(model, optimizer, dist_), checkpoint_id=tmp)
     if dist_.is_main:
         plan = model.sparse_arch.plan
-        meta = {**meta, "world_size": dist_.world_size, "plan": plan.to_dict()}
+        sha256 = {f.name: file_sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}
+        meta = {**meta, "world_size": dist_.world_size, "plan": plan.to_dict(), "sha256": sha256}
         (tmp / META).write_text(json.dumps(meta, indent=2))
         old = path.with_name(f".{path.name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -169,14 +172,43 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+def file_sha256(path: Path) -> str:
+    """The sha256 of file `path`'s bytes, hex."""
+    sha256 = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            sha256.update(chunk)
+    return sha256.hexdigest()
+
+
+def verify_files(path: Path, meta: dict) -> None:
+    """Check DCP's files of checkpoint directory `path` against meta.json's "sha256" (none there: a
+    checkpoint written before they carried one, not checked). Reads every file whole.
+
+    Raises:
+        ValueError: a file is missing or its bytes changed since it was written, naming it.
+    """
+    for name, expected in meta.get("sha256", {}).items():
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"{file}: missing from the sharded checkpoint {path}")
+        if file_sha256(file) != expected:
+            raise ValueError(
+                f"{file}: checksum mismatch: the file changed after it was written (a bad disk, copy or "
+                "edit); the checkpoint's weights cannot be trusted: use another checkpoint or retrain"
+            )
+
+
 def load_sharded(path: Path, model, optimizer: torch.optim.Optimizer, dist_: Dist) -> dict:
     """Load checkpoint directory `path` (written by any number of ranks) into this rank's model and
     optimizer, resharding the tables to this run's plan; returns meta.json. A collective.
 
     Raises:
-        ValueError: not a sharded checkpoint, or a model of other table sizes / optimizer.
+        ValueError: not a sharded checkpoint, a file of it changed since it was written (`verify_files`),
+            or a model of other table sizes / optimizer.
     """
     meta = read_meta(path)
+    verify_files(path, meta)
     if meta["table_rows"] != model.sparse_arch.table_rows:
         raise ValueError(
             f"{path}: tables of {meta['table_rows']} rows, this model has {model.sparse_arch.table_rows}"
@@ -212,9 +244,10 @@ def load_full(path: Path) -> dict[str, Any]:
     first-order tables as "first_order_optimizer_state" when there are some, and meta.json's fields.
 
     Raises:
-        ValueError: not a sharded checkpoint.
+        ValueError: not a sharded checkpoint, or a file of it changed since it was written (`verify_files`).
     """
     meta = read_meta(path)
+    verify_files(path, meta)
     reader = dcp.FileSystemReader(path)
     state: dict[str, Any] = {}
     for key, md in reader.read_metadata().state_dict_metadata.items():

@@ -54,12 +54,13 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     return total / dist.get_world_size()
 
 
-def any_rank(flags: list[bool]) -> list[bool]:
-    """Each flag true on every rank when it is true on any (one all_reduce MAX of len(flags) values)."""
+def max_over_ranks(values: list[int]) -> list[int]:
+    """Each value's maximum over the ranks, on every rank (one all_reduce MAX of len(values) values): a
+    flag true on any rank, the signal that any rank received."""
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    values = torch.tensor(flags, dtype=torch.int32, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in values.tolist()]
+    tensor = torch.tensor(values, dtype=torch.int32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
 
 
 def gather_floats(value: float) -> list[float]:

@@ -1,0 +1,84 @@
+"""Nothing lost under torchrun (2 gloo processes on the CPU, started as torchrun starts them): a stop
+signal gives one line from rank 0 with the torchrun command that resumes, exit 128 + the signal from every
+rank; a sharded checkpoint is refused when changed, and `--resume .../last.pt` points at `last/`."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dlrm import evaluate as evaluate_cli
+from dlrm import train as train_cli
+from tests.conftest import REPO
+from tests.test_faults import TINY, _cli, _one_error_line
+from tests.test_parallel import _free_port
+
+
+def _start_ranks(config: Path, run: Path) -> list[subprocess.Popen]:
+    port, procs = _free_port(), []
+    for rank in range(2):
+        env = {
+            **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+            "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        }  # fmt: skip
+        args = [sys.executable, "-m", "dlrm.train", "--config", str(config), "--output-dir", str(run)]
+        procs.append(subprocess.Popen(args, env=env, cwd=REPO, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+@pytest.mark.parametrize(
+    ("signum", "to"),
+    [(signal.SIGTERM, (0, 1)), (signal.SIGINT, (1,))],
+    ids=["sigterm-to-every-rank", "sigint-to-rank-1"],  # torchrun forwards it; a kill reaches one
+)
+def test_a_signal_stops_every_rank_with_one_line_and_the_torchrun_resume_command(
+    criteo_sample, tmp_path, signum, to
+):
+    config = tmp_path / "c.json"
+    raw = json.loads(TINY.read_text())
+    raw["data"].update(path=str(criteo_sample), batch_size=240)
+    raw["train"].update(max_steps=None, epochs=50, log_interval=1, eval_interval=None, device="cpu")
+    raw["profiler"]["enabled"] = False
+    config.write_text(json.dumps(raw))
+    run = tmp_path / "run"
+    procs = _start_ranks(config, run)
+    lines = []
+    for line in procs[0].stderr:
+        lines.append(line)
+        if re.search(r"step 3 \|", line):
+            break
+    else:
+        pytest.fail("".join(lines))
+    for rank in to:
+        procs[rank].send_signal(signum)
+    err0, err1 = procs[0].stderr.read(), procs[1].communicate(timeout=120)[1]
+    assert [p.wait(timeout=120) for p in procs] == [128 + signum] * 2, err0 + err1
+    line = _one_error_line(err0)
+    step = int(re.search(r"after step (\d+)", line).group(1))
+    last = run / "checkpoints" / "last"
+    assert f"stopped by {signal.Signals(signum).name} after step {step}; {last} written" in line
+    assert line.endswith(
+        f"go on with: torchrun --nproc-per-node 2 -m dlrm.train --config {config} --resume {last}"
+    )
+    assert "error" not in err1 and "received" not in err1 and "Traceback" not in err0 + err1, err1
+    meta = json.loads((last / "meta.json").read_text())
+    assert meta["step"] == step and set(meta["sha256"]) == {p.name for p in last.iterdir()} - {"meta.json"}
+
+    # --resume last.pt of this sharded run points at last/
+    code, output = _cli(train_cli.main, ["--config", config, "--resume", run / "checkpoints" / "last.pt"])
+    assert code == 2 and _one_error_line(output).endswith(
+        f"is the sharded checkpoint of this torchrun run: --resume {last}"
+    )
+    # a changed shard is refused with one line naming it, by every reader
+    shard = next(p for p in sorted(last.iterdir()) if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    code, output = _cli(evaluate_cli.main, ["--checkpoint", last, "--data", criteo_sample])
+    assert code == 2 and _one_error_line(output).startswith(f"error: {shard}: checksum mismatch")
