@@ -93,8 +93,8 @@ def _curve(data_dir, run_dir, steps: int = 24, **train) -> tuple[list[float], di
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "sgd"])
 def test_logistic_config_trains_alike_on_every_backend(criteo_sample, tmp_path, optimizer):
-    """The loss falls, and eager, Inductor and our Triton kernels (the fused D = 1 table update) give the
-    same loss curve and eval AUC; the checkpoint of any backend rebuilds the eager model."""
+    """The model learns (val AUC), and eager, Inductor and our Triton kernels (the fused D = 1 table update)
+    give the same loss curve and eval AUC; the checkpoint of any backend rebuilds the eager model."""
     backends = {"eager": {}, "compile": {"use_torch_compile": True}, "triton": {"use_triton": True}}
     lr = {"adagrad": 0.05, "sgd": 0.5}[optimizer]
     runs = {
@@ -103,7 +103,9 @@ def test_logistic_config_trains_alike_on_every_backend(criteo_sample, tmp_path, 
     }
     curve = runs["eager"][0]
     assert len(curve) == 24  # steps 1..24
-    assert np.mean(curve[-5:]) < np.mean(curve[:5])
+    # The model starts at the train click rate (AUC 0.5: one prediction for every row), and per-batch losses
+    # of ~7 clicks in 256 rows are too noisy to fall visibly in 24 steps: what was learned shows in val AUC.
+    assert runs["eager"][1]["val_auc"] > 0.6
     for name in ("compile", "triton"):
         torch.testing.assert_close(runs[name][0], curve, rtol=1e-4, atol=1e-5, msg=name)
         assert runs[name][1]["val_auc"] == pytest.approx(runs["eager"][1]["val_auc"], abs=1e-4)
