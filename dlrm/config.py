@@ -24,6 +24,7 @@ PRECISIONS = ("fp32", "tf32", "bf16")
 COMPILE_MODES = ("default", "reduce-overhead")
 TRITON_MLP_KERNELS = ("linear_act", "bias_act", "cuda_bias_act")
 ON_NONFINITE = ("stop", "skip_batch")
+SELECT_ON = ("logloss", "auc")
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,10 @@ class TrainConfig:
     `embedding_lr` defaults to `lr`; `lr_schedule` scales both over the steps (warm-up and decay,
     LrScheduleConfig; constant by default). `eval_interval` (steps) of null evaluates at each epoch's end
     only.
-    `patience`: stop after this many evaluations without a better eval AUC (null: never stop early).
+    `select_on`: the val metric that picks checkpoints/best.pt and that early stopping follows: "logloss"
+    (lower is better; the default) or "auc" (higher is better). AUC ranks rows and is blind to calibration,
+    so a model that predicts twice the click rate can win on it; logloss scores the probabilities.
+    `patience`: stop after this many evaluations without a better `select_on` (null: never stop early).
     `use_torch_compile` compiles the dense part with Inductor, in `compile_mode` "default" or
     "reduce-overhead" (Inductor also captures the compiled part as CUDA graphs). `use_triton` runs the
     model on our Triton kernels: table-batched embeddings whose backward applies the optimizer (SGD or
@@ -172,6 +176,7 @@ class TrainConfig:
     max_steps: int | None = None
     log_interval: int = 50
     eval_interval: int | None = None
+    select_on: str = "logloss"
     patience: int | None = None
     seed: int = 0
     device: str = "auto"
@@ -423,6 +428,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         if value is not None:
             _require(value > 0, key, "a positive integer or null", value)
     _require(t.log_interval > 0, "train.log_interval", "a positive integer", t.log_interval)
+    _require(t.select_on in SELECT_ON, "train.select_on", f"one of {SELECT_ON}", t.select_on)
     _require(t.on_nonfinite in ON_NONFINITE, "train.on_nonfinite", f"one of {ON_NONFINITE}", t.on_nonfinite)
     if t.checkpoint_every_s is not None:
         ok = 0 < t.checkpoint_every_s < math.inf

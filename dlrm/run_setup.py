@@ -23,6 +23,7 @@ from dlrm.graphs import GraphedForward
 from dlrm.lr_schedule import LearningRates
 from dlrm.metrics import forward_logits
 from dlrm.model import Model, build_model
+from dlrm.model.dlrm import log_odds
 from dlrm.model.tables import resolve_table_rows
 from dlrm.out_of_memory import check_tables_fit
 from dlrm.parallel import checkpoint as sharded_checkpoint
@@ -89,6 +90,10 @@ def set_up(
         if cfg.model.hashing == "modulus":  # sizes known before building (vocab: from the train ids)
             check_tables_fit(cfg, resolve_table_rows(cfg.model, metadata), device)
         model = build_model(cfg.model, metadata, train_ids, **kernels).to(device)
+    if cfg.model.lora.base is None:  # a fine-tuned model starts as its base, whose bias was learned
+        rate = train_positive_rate(data_dir, metadata, train_set)
+        model.start_at_base_rate(rate)
+        logger.info("the logit starts at the train click rate {:.4f} (bias {:.4f})", rate, log_odds(rate))
     optimizer = make_optimizer(model, cfg)
     lrs = LearningRates(t, optimizer, model.table_archs())  # the base rates: make_optimizer's, the config's
     state = RunState()
@@ -186,10 +191,26 @@ def check_not_stopped_early(resume: Path, state: RunState, patience: int | None)
     since the best reached train.patience): it is done, and going on would train past its own stop."""
     if patience is not None and state.evals_since_best >= patience:
         raise ValueError(
-            f"{resume}: this run is done: early stopping ended it at step {state.step} (no better val AUC in "
-            f"{patience} evaluations; best at step {(state.best or {}).get('step')}); its result is "
-            "metrics.json and checkpoints/best.pt. To train on, raise train.patience"
+            f"{resume}: this run is done: early stopping ended it at step {state.step} (no better val "
+            f"evaluation in {patience} evaluations; best at step {(state.best or {}).get('step')}); its "
+            "result is metrics.json and checkpoints/best.pt. To train on, raise train.patience"
         )
+
+
+def train_positive_rate(data_dir: Path, metadata: dict, train_set: ParquetDataset | None) -> float:
+    """The click rate of the train split: the mean of its labels when the run holds them (every loader but
+    "streaming" and "binary"), else metadata.json's positive_rate.train, which preprocessing counted from
+    the same labels (all of them: under torchrun every rank gets the rate of the whole split). Raises
+    ValueError when neither is there, or the split holds one class only."""
+    if train_set is not None:
+        rate = train_set.label.double().mean().item()
+    else:
+        rate = metadata.get("positive_rate", {}).get("train")
+        if rate is None:
+            raise ValueError(f"{data_dir}/metadata.json: no positive_rate.train (preprocess the data again)")
+    if not 0.0 < rate < 1.0:
+        raise ValueError(f"{data_dir}: the train split's click rate is {rate}; it needs clicks and others")
+    return rate
 
 
 def check_rows(data_dir: Path, metadata: dict, split: str, rows: int) -> None:

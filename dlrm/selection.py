@@ -1,6 +1,7 @@
 """Evaluation and model selection (the protocol of dlrm.data.splits): during training the val split is
-scored, the best val evaluation kept as checkpoints/best.pt, and early stopping counts evaluations since
-it; when the run ends, best.pt's weights are scored once on the test split."""
+scored, the best val evaluation (by train.select_on: logloss or AUC) kept as checkpoints/best.pt, and
+early stopping counts evaluations since it; when the run ends, best.pt's weights are scored once on the
+test split."""
 
 import math
 import time
@@ -58,7 +59,7 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     finite = all(math.isfinite(result[key]) for key in ("auc", "logloss", "ne")) and weights_finite(run.model)
     if not finite:
         logger.warning("step {}: the evaluation is not finite; not a candidate for best.pt", state.step)
-    if finite and (state.best is None or result["auc"] > state.best["auc"]):
+    if finite and (state.best is None or better(result, state.best, run.cfg.train.select_on)):
         state.best, state.evals_since_best = {**result, "step": state.step}, 0
         save_run_checkpoint(run, state, "best.pt")
         state.best_checkpoint = best_checkpoint_path(run)
@@ -67,9 +68,17 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     interval.start += time.perf_counter() - eval_start
     patience = run.cfg.train.patience
     if patience is not None and state.evals_since_best >= patience:
-        logger.info("early stop: no better val AUC in {} evaluations", patience)
+        logger.info("early stop: no better val {} in {} evaluations", run.cfg.train.select_on, patience)
         return True
     return False
+
+
+def better(result: dict[str, float], best: dict[str, float], select_on: str) -> bool:
+    """Whether evaluation `result` beats `best` on `select_on` (train.select_on): a lower "logloss" or a
+    higher "auc". Ties keep the earlier weights."""
+    if select_on == "logloss":
+        return result["logloss"] < best["logloss"]
+    return result["auc"] > best["auc"]
 
 
 def evaluate_selected(run: Run, state: RunState) -> dict | None:

@@ -157,24 +157,41 @@ def _mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.4f} +- {sd:.4f}"
 
 
+def _latest_seeds(runs: list[Row]) -> list[Row]:
+    """The newest run of each seed among `runs` (in file order), back to the first seed that repeats."""
+    picked: dict[str, Row] = {}
+    for row in reversed(runs):
+        if row.cells["seed"] in picked:
+            break
+        picked[row.cells["seed"]] = row
+    return sorted(picked.values(), key=lambda r: r.line)
+
+
 def quality_table(rows: list[Row]) -> list[str]:
-    """Test AUC and NE over seeds per config (the newest commit), with logistic.json of the same commit."""
-    rows = [r for r in rows if r.file == "quality.csv" and r.cells.get("window") == "whole"]
-    newest = {r.cells["config"]: r.cells["git_sha"] for r in rows}
+    """Test AUC and NE over seeds per dataset (the `window` column: a window of the sample or a data
+    directory) and config, the newest run of each seed, beside scikit-learn's val-tuned L2 logistic
+    regression on the same data (`scripts/quality.py --sklearn`) where measured."""
+    rows = [r for r in rows if r.file == "quality.csv" and r.cells.get("window")]
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for row in rows:
+        groups.setdefault((row.cells["window"], row.cells["config"]), []).append(row)
     body = []
-    for config, sha in newest.items():
-        runs = [r for r in rows if r.cells["config"] == config and r.cells["git_sha"] == sha]
-        floor = [r for r in rows if r.cells["config"].endswith("logistic.json") and r.cells["git_sha"] == sha]
-        auc = _mean_sd([float(r.cells["test_auc"]) for r in runs])
-        ne = _mean_sd([float(r.cells["test_ne"]) for r in runs])
-        floor_auc = _mean_sd([float(r.cells["test_auc"]) for r in floor]) if floor else "none at this commit"
-        seeds = ",".join(r.cells["seed"] for r in runs)
+    for (window, config), group in groups.items():
+        if config == "sklearn_l2":
+            continue
+        runs = _latest_seeds(group)
+        reference = _latest_seeds(groups.get((window, "sklearn_l2"), []))
+        ref_auc = _mean_sd([float(r.cells["test_auc"]) for r in reference]) if reference else "not measured"
+        commits = list(dict.fromkeys(r.cells["git_sha"] for r in runs))  # in file order
         body.append(
-            [config, seeds, auc, ne, floor_auc, runs[0].cells["device"], sha, _current(runs[0]),
-             f"{runs[0].key}-{runs[-1].line}"]
+            [window, config, ",".join(r.cells["seed"] for r in runs),
+             _mean_sd([float(r.cells["test_auc"]) for r in runs]),
+             _mean_sd([float(r.cells["test_ne"]) for r in runs]), ref_auc, runs[0].cells["device"],
+             " ".join(commits), "yes" if any(_current(r) == "yes" for r in runs) else "no",
+             f"{runs[0].key}-{runs[-1].line}" if len(runs) > 1 else runs[0].key]
         )  # fmt: skip
-    header = ["config", "seeds", "test AUC", "test NE", "logistic floor test AUC (same commit)", "machine",
-              "commit", "code changed since", "rows"]  # fmt: skip
+    header = ["data", "config", "seeds", "test AUC", "test NE", "L2 LR test AUC (same data)", "machine",
+              "commits", "code changed since", "rows"]  # fmt: skip
     return _table(header, body)
 
 
@@ -196,7 +213,8 @@ def block(rows: list[Row]) -> str:
         "",
         *sample_table(rows),
         "",
-        "Quality on the shipped sample over seeds (`scripts/quality.py --windows whole --report test`):",
+        "Quality over seeds (`scripts/quality.py --report test`; data: a window of the shipped sample or a "
+        "`--data` directory):",
         "",
         *quality_table(rows),
         END,

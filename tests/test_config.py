@@ -59,6 +59,7 @@ def test_main_config_is_the_fb_dlrm_kaggle_architecture():
         ({"model": {"table_rows": [10, 10]}}, "model.table_rows"),
         ({"train": {"lr": "fast"}}, "train.lr: expected a number"),
         ({"train": {"optimizer": "adam"}}, "train.optimizer"),
+        ({"train": {"select_on": "ne"}}, r"train.select_on: expected one of \('logloss', 'auc'\), got 'ne'"),
         ({"train": {"epochs": 1.5}}, "train.epochs: expected an integer"),
         ({"data": {"shuffle": "yes"}}, "data.shuffle: expected true or false"),
         ({"data": []}, "data: expected a JSON object"),

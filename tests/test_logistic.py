@@ -93,8 +93,8 @@ def _curve(data_dir, run_dir, steps: int = 24, **train) -> tuple[list[float], di
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "sgd"])
 def test_logistic_config_trains_alike_on_every_backend(criteo_sample, tmp_path, optimizer):
-    """The loss falls, and eager, Inductor and our Triton kernels (the fused D = 1 table update) give the
-    same loss curve and eval AUC; the checkpoint of any backend rebuilds the eager model."""
+    """The model learns (val AUC), and eager, Inductor and our Triton kernels (the fused D = 1 table update)
+    give the same loss curve and eval AUC; the checkpoint of any backend rebuilds the eager model."""
     backends = {"eager": {}, "compile": {"use_torch_compile": True}, "triton": {"use_triton": True}}
     lr = {"adagrad": 0.05, "sgd": 0.5}[optimizer]
     runs = {
@@ -103,7 +103,9 @@ def test_logistic_config_trains_alike_on_every_backend(criteo_sample, tmp_path, 
     }
     curve = runs["eager"][0]
     assert len(curve) == 24  # steps 1..24
-    assert np.mean(curve[-5:]) < np.mean(curve[:5])
+    # The model starts at the train click rate (AUC 0.5: one prediction for every row), and per-batch losses
+    # of ~7 clicks in 256 rows are too noisy to fall visibly in 24 steps: what was learned shows in val AUC.
+    assert runs["eager"][1]["val_auc"] > 0.6
     for name in ("compile", "triton"):
         torch.testing.assert_close(runs[name][0], curve, rtol=1e-4, atol=1e-5, msg=name)
         assert runs[name][1]["val_auc"] == pytest.approx(runs["eager"][1]["val_auc"], abs=1e-4)
@@ -116,3 +118,23 @@ def test_logistic_config_trains_alike_on_every_backend(criteo_sample, tmp_path, 
     model = model_from_checkpoint(cfg.model, state["table_rows"], state["model"])
     assert isinstance(model, LogisticRegression)
     assert json.loads((tmp_path / "triton" / "config.json").read_text())["model"]["arch"] == "logistic"
+
+
+def test_logistic_config_matches_scikit_learn_tuned_on_val(criteo_sample, tmp_path, monkeypatch):
+    """configs/logistic.json as shipped, trained by the loop on the shipped sample (seed 0, best.pt chosen
+    on val), against scikit-learn's L2 LogisticRegression on the same features (log1p dense counts and a
+    one-hot of each feature's row in the config's tables) with C chosen on val (scripts/quality.py's
+    reference): test AUCs within 0.005."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import quality
+
+    reference = quality.sklearn_logistic(criteo_sample)
+    cfg = load_config(CONFIG)
+    cfg = dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, path=str(criteo_sample)),
+        profiler=dataclasses.replace(cfg.profiler, enabled=False),
+    )
+    metrics = train_cli.train(replace(cfg, "train", device="cpu"), tmp_path / "run", progress="quiet")
+    assert 0.6 < reference["test_auc"]  # the sample has signal to find
+    assert metrics["test_auc"] == pytest.approx(reference["test_auc"], abs=0.005), reference

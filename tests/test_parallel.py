@@ -317,7 +317,7 @@ def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_pa
     jobs2.append((train, (streaming, tmp_path / "streaming-bf16-2", None)))
     resident = replace(_config(criteo_sample, max_steps=2), "data", loader="gpu_resident")
     jobs2.append((train, (resident, tmp_path / "resident-2", None)))
-    selecting = _config(criteo_sample, max_steps=4, eval_interval=1)
+    selecting = _config(criteo_sample, max_steps=4, eval_interval=1, select_on="auc")
     jobs2.append((_train_with_scripted_val, (selecting, tmp_path / "selecting-2")))
     _spawn(2, jobs2)
     _spawn(3, jobs3)

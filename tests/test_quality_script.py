@@ -1,5 +1,7 @@
 """scripts/quality.py: its windows, overrides and summary (the training is dlrm.loop's, tested there)."""
 
+import math
+
 import click
 import pytest
 
@@ -53,3 +55,26 @@ def test_summary_gives_mean_and_spread_per_setting_and_window(quality):
     ]
     table = quality.summary(rows, ("val",))
     assert "| a | w | 3 | 0.7200 +- 0.0200 | 0.1000 +- 0.0000 | none |" in table
+
+
+def test_paired_compares_each_seed_with_the_baseline_run_of_the_same_seed(quality):
+    rows = [
+        {"label": "logistic", "window": "w", "seed": s, "test_auc": 0.70, "test_ne": 0.95} for s in (0, 1)
+    ]
+    rows += [
+        {"label": "main", "window": "w", "seed": 0, "test_auc": 0.72, "test_ne": 0.94},
+        {"label": "main", "window": "w", "seed": 1, "test_auc": 0.69, "test_ne": 0.93},
+    ]
+    # AUC differences +0.02 and -0.01, NE differences -0.01 and -0.02
+    assert "| main | w | 2 | +0.0050 +- 0.0212 | -0.0150 +- 0.0071 | 1/2 | 2/2 |" in quality.paired(
+        rows, "logistic", "test"
+    )
+    # A baseline of one seed (scikit-learn's fit) is every seed's.
+    single = [{"label": "sklearn_l2", "window": "w", "seed": 0, "test_auc": 0.71, "test_ne": 0.96}]
+    table = quality.paired(single + rows[2:], "sklearn_l2", "test")
+    assert "| main | w | 2 | -0.0050 +- 0.0212 | -0.0250 +- 0.0071 | 1/2 | 2/2 |" in table
+
+
+def test_base_loss_is_the_entropy_of_the_click_rate(quality):
+    assert quality.base_loss(0.5) == pytest.approx(math.log(2))
+    assert quality.base_loss(0.25) == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))

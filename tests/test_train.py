@@ -19,6 +19,8 @@ from dlrm import selection
 from dlrm import train as train_cli
 from dlrm.config import load_config, replace
 from dlrm.data.binary import write_binary
+from dlrm.data.dataset import open_split
+from dlrm.run_setup import set_up
 from tests.conftest import REPO
 
 TINY = REPO / "configs" / "tiny.json"
@@ -114,34 +116,49 @@ def _scalars(run_dir, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars(tag)]
 
 
-def test_selection_reads_val_only_and_test_reports_the_selected_weights(criteo_sample, tmp_path, monkeypatch):
-    """Val AUCs scripted to peak at step 4 (evaluations every 2 steps, patience 2: early stop at step 8),
-    while the weights go on changing: best_step, best.pt and val_* follow val alone; test is read once, at
-    the end, and test_* are the real test metrics of best.pt's weights (step 4), not of the last ones."""
-    scripted, calls = iter([0.60, 0.80, 0.70, 0.65]), []
+# Val metrics scripted per train.select_on: the selected one is best at step 4 (the second evaluation),
+# the other at step 2, so a selection on the wrong metric picks another step.
+SCRIPTED_VAL = {
+    "auc": {"auc": [0.60, 0.80, 0.70, 0.65], "logloss": [0.10, 0.20, 0.30, 0.40]},
+    "logloss": {"auc": [0.80, 0.60, 0.70, 0.65], "logloss": [0.50, 0.30, 0.40, 0.45]},
+}
+
+
+@pytest.mark.parametrize("select_on", ["logloss", "auc"])
+def test_selection_reads_val_only_and_test_reports_the_selected_weights(
+    criteo_sample, tmp_path, monkeypatch, select_on
+):
+    """Val `select_on` (train.select_on) scripted to be best at step 4 (evaluations every 2 steps, patience
+    2: early stop at step 8), the other metric at step 2, while the weights go on changing: best_step,
+    best.pt and val_* follow val's `select_on` alone; test is read once, at the end, and test_* are the real
+    test metrics of best.pt's weights (step 4), not of the last ones."""
+    scripted = {key: iter(values) for key, values in SCRIPTED_VAL[select_on].items()}
+    calls = []
     real = selection.evaluate_split
 
     def scripted_val(run, loader, split):
         calls.append(split)
         result = real(run, loader, split)
-        return {**result, "auc": next(scripted)} if split == "val" else result
+        return {**result, **{k: next(v) for k, v in scripted.items()}} if split == "val" else result
 
     monkeypatch.setattr(selection, "evaluate_split", scripted_val)
     run = tmp_path / "run"
-    cfg = _tiny(criteo_sample, max_steps=12, eval_interval=2, patience=2, log_interval=2)
+    cfg = _tiny(criteo_sample, max_steps=12, eval_interval=2, patience=2, log_interval=2, select_on=select_on)
     metrics = train_cli.train(
         dataclasses.replace(cfg, profiler=dataclasses.replace(cfg.profiler, enabled=False)), run
     )
     assert calls == ["val"] * 4 + ["test"]
     assert metrics["steps"] == 8 and metrics["stopped"] is None  # early stopping, 4 short of max_steps
-    assert metrics["best_step"] == 4 and metrics["val_auc"] == 0.80 and metrics["last_val_auc"] == 0.65
+    expected = SCRIPTED_VAL[select_on]
+    assert metrics["best_step"] == 4 and metrics[f"val_{select_on}"] == expected[select_on][1]
+    assert metrics["last_val_auc"] == expected["auc"][3]
     assert torch.load(run / "checkpoints" / "best.pt", weights_only=True)["step"] == 4
 
     selected = _evaluate(run / "checkpoints" / "best.pt", criteo_sample)
     last = _evaluate(run / "checkpoints" / "last.pt", criteo_sample)
     for key in AUC_NE:
         assert metrics[f"test_{key}"] == pytest.approx(selected[key], abs=1e-6), key
-    assert abs(last["logloss"] - selected["logloss"]) > 1e-4  # the last weights would report otherwise
+    assert abs(last["auc"] - selected["auc"]) > 1e-3, (last, selected)  # the last weights report otherwise
     assert [step for step, _ in _scalars(run, "val/auc")] == [2, 4, 6, 8]
     assert _scalars(run, "test/auc") == [(4, pytest.approx(metrics["test_auc"]))]
     assert _scalars(run, "test/ne") == [(4, pytest.approx(metrics["test_ne"]))]
@@ -191,7 +208,7 @@ def test_a_run_resumed_elsewhere_reports_test_of_the_best_it_resumed_with(
 
     def worse_val(run, loader, split):  # every later val evaluation worse than the first run's best
         result = real(run, loader, split)
-        return {**result, "auc": 0.01} if split == "val" else result
+        return {**result, "auc": 0.01, "logloss": 100.0} if split == "val" else result
 
     monkeypatch.setattr(selection, "evaluate_split", worse_val)
     resume = tmp_path / "first" / "checkpoints" / "last.pt"
@@ -480,3 +497,26 @@ def test_the_first_step_of_a_new_batch_size_is_timed_apart(criteo_sample, tmp_pa
     # step's time, so the machine's load cannot decide it.
     assert metrics["step_ms_max"] < 1_000_000 / 7, metrics["step_ms_max"]
     assert sum("first of batch size 2000" in line for line in lines) == 1
+
+
+@pytest.mark.parametrize(
+    ("config", "loader"), [("main.json", "memory"), ("logistic.json", "memory"), ("tiny.json", "streaming")]
+)
+def test_a_fresh_model_predicts_the_train_click_rate(criteo_sample, tmp_path, config, loader):
+    """Before the first step every train row's prediction is the train split's click rate (the logit
+    layer's bias at its log-odds), from the labels held in memory or, for a loader that streams them,
+    from metadata.json; the bias is a weight of the model, so checkpoints carry it."""
+    cfg = load_config(REPO / "configs" / config)
+    cfg = dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(cfg.data, path=str(criteo_sample), loader=loader),
+        profiler=dataclasses.replace(cfg.profiler, enabled=False),
+    )
+    run, _ = set_up(cfg, tmp_path / "run", None)
+    run.writer.close()
+    train = open_split(criteo_sample, "train")
+    with torch.no_grad():
+        p = torch.sigmoid(run.model(train.dense.to(run.device), train.sparse.to(run.device))).double().cpu()
+    ctr = train.label.double().mean().item()
+    assert 0.0 < ctr < 0.5  # the shipped sample: a few percent
+    assert p.mean().item() == pytest.approx(ctr, rel=1e-5) and p.std().item() < 1e-6

@@ -15,6 +15,7 @@ The model returns logits; the sigmoid is applied once, in evaluation/prediction.
 """
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -387,6 +388,17 @@ class DLRM(nn.Module):
             )
             return logit + self.first_order(dense, ids)  # fp32 (under bf16 autocast the MLP's logit is bf16)
 
+    def start_at_base_rate(self, positive_rate: float) -> None:
+        """Make the fresh model predict `positive_rate` (a click rate in (0, 1)) for every row: the logit
+        layer's bias at its log-odds and its weights at zero (the first-order terms start at zero already).
+        Training then starts at the base-rate loss instead of the loss of random logits around 0 (p = 0.5,
+        far from a click rate of a few percent); the hidden layers get gradients from the second step on,
+        once the logit layer's weights have moved. Raises ValueError as `log_odds`."""
+        logit_layer = self.over_arch.mlp.layers[-1]
+        with torch.no_grad():
+            logit_layer.weight.zero_()
+            logit_layer.bias.fill_(log_odds(positive_rate))
+
     def dense_modules(self) -> list[nn.Module]:
         """The modules of the dense parameters, which `--use-torch-compile` compiles (dlrm.step)."""
         modules = [self.dense_arch, self.interaction_arch, self.over_arch]
@@ -430,6 +442,14 @@ def embedding_parameters(table_archs: list[nn.Module]) -> list[nn.Parameter]:
         if arch.kernel != "triton" and not getattr(arch, "frozen", False)
         for p in arch.parameters()
     ]
+
+
+def log_odds(positive_rate: float) -> float:
+    """log(p / (1 - p)), the logit whose sigmoid is p. Raises ValueError unless 0 < p < 1 (a split of one
+    class has no finite log-odds, and nothing to rank)."""
+    if not 0.0 < positive_rate < 1.0:
+        raise ValueError(f"expected a click rate in (0, 1), got {positive_rate} (labels of one class only?)")
+    return math.log(positive_rate / (1.0 - positive_rate))
 
 
 def bce_loss(logits: torch.Tensor, labels: torch.Tensor, kernel: str) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from dlrm.model.dlrm import SparseArch, bce_loss, embedding_parameters
+from dlrm.model.dlrm import SparseArch, bce_loss, embedding_parameters, log_odds
 from dlrm.model.first_order import FirstOrder
 
 
@@ -51,6 +51,13 @@ class LogisticRegression(nn.Module):
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         with record_function("first_order"):
             return self.first_order(dense, sparse)
+
+    def start_at_base_rate(self, positive_rate: float) -> None:
+        """Make the fresh model predict `positive_rate` (a click rate in (0, 1)) for every row: the bias at
+        its log-odds (every weight is zero at the start), the intercept a fit converges to first. Raises
+        ValueError as dlrm.model.dlrm.log_odds."""
+        with torch.no_grad():
+            self.first_order.dense.bias.fill_(log_odds(positive_rate))
 
     def dense_modules(self) -> list[nn.Module]:
         """The dense layer, which `--use-torch-compile` compiles (the lookups stay eager, as DLRM's)."""
