@@ -9,8 +9,9 @@ Two mutants, each in two scopes:
     scope "triton" only runs with --use-triton, so eager, the reference of the comparisons, still learns
 
 Run as a script, it runs the tests below (or those given after `--`, with pytest's own arguments) once
-unmutated and once per mutant and scope, in subprocesses, and prints one line per test and run: every test
-must pass unmutated and fail under every mutant. Exit status 1 when one does not.
+unmutated and once per mutant and scope, in subprocesses, and prints one line per test: every test must
+pass unmutated and fail under every mutant (exit status 1 when one does not), then the assertion that
+failed under each mutant. Tests skipped here (the GPU ones without a GPU) are left out of the table.
 
     python -m tests.mutants [-- PYTEST_ARGS...]
 
@@ -75,20 +76,20 @@ def apply(mutant: str, scope: str) -> None:
         kernels.embedding.embedding_lookup = frozen_lookup
 
 
-def _run(tests: list[str], mutant: str | None, scope: str) -> dict[str, str]:
-    """pytest of `tests` in a subprocess under the mutant: test id -> PASSED / FAILED / SKIPPED / ERROR."""
+def _run(tests: list[str], mutant: str | None, scope: str) -> tuple[dict[str, tuple[str, str]], str]:
+    """pytest of `tests` in a subprocess under the mutant: (test id -> (PASSED / FAILED / ERROR, the failure's
+    first line), pytest's closing summary line). Skipped tests (GPU ones without a GPU) are not listed."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("DLRM_MUTANT")}
+    env["COLUMNS"] = "400"  # the summary's failure reasons are cut to the terminal's width
     if mutant:
         env |= {"DLRM_MUTANT": mutant, "DLRM_MUTANT_SCOPE": scope}
     command = [sys.executable, "-m", "pytest", "-p", "tests.mutants", "-rA", "-q", "-p", "no:cacheprovider"]
     result = subprocess.run([*command, *tests], capture_output=True, text=True, env=env)
-    outcomes = dict(
-        (test, outcome)
-        for outcome, test in re.findall(r"^(PASSED|FAILED|SKIPPED|ERROR) (\S+)", result.stdout, re.M)
-    )
-    if not outcomes:
+    found = re.findall(r"^(PASSED|FAILED|ERROR) (\S+)(?: - (.*))?$", result.stdout, re.M)
+    if not found:
         raise SystemExit(f"pytest ran no test:\n{result.stdout}\n{result.stderr}")
-    return outcomes
+    summary = result.stdout.strip().splitlines()[-1].strip("= ")
+    return {test: (outcome, why) for outcome, test, why in found}, summary
 
 
 def main(argv: list[str]) -> int:
@@ -97,18 +98,21 @@ def main(argv: list[str]) -> int:
     results, wrong = {}, 0
     for mutant, scope in runs:
         start = time.perf_counter()
-        results[mutant, scope] = _run(tests, mutant, scope)
+        results[mutant, scope], summary = _run(tests, mutant, scope)
         seconds = time.perf_counter() - start
-        print(f"ran {mutant or 'unmutated'} (scope {scope}) in {seconds:.0f} s", flush=True)
-    print(f"{'test':<100} " + " ".join(f"{m or 'unmutated'}/{s}" for m, s in runs))
+        print(f"{mutant or 'unmutated'} (scope {scope}): {summary}; {seconds:.0f} s", flush=True)
+    names = [f"{m}/{s}" if m else "unmutated" for m, s in runs]
+    print("\n" + " ".join(f"{name:<20}" for name in names) + " test")
     for test in results[None, "-"]:
-        row = [results[run].get(test, "MISSING") for run in runs]
-        expected = ["PASSED"] + ["FAILED"] * (len(runs) - 1)
-        skipped = all(outcome == "SKIPPED" for outcome in row)
-        ok = skipped or row == expected
-        wrong += not ok
-        print(f"{test:<100} {' '.join(row)}{'' if ok else '   <- not caught'}")
-    print(f"{wrong} test(s) passed a mutant or failed unmutated" if wrong else "all caught every mutant")
+        row = [results[run].get(test, ("MISSING", ""))[0] for run in runs]
+        caught = row == ["PASSED"] + ["FAILED"] * (len(runs) - 1)
+        wrong += not caught
+        print(" ".join(f"{outcome:<20}" for outcome in row) + f" {test}{'' if caught else '  <- NOT CAUGHT'}")
+    print("\nwhat failed under each mutant (the first line of the assertion):")
+    for run, name in zip(runs[1:], names[1:], strict=True):
+        for test, (outcome, why) in results[run].items():
+            print(f"  {name:<20} {outcome} {test.split('::')[-1]}: {why[:150]}")
+    print(f"\n{wrong} test(s) passed a mutant or failed unmutated" if wrong else "\nall caught every mutant")
     return 1 if wrong else 0
 
 
