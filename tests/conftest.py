@@ -48,3 +48,20 @@ def criteo_sample(tmp_path_factory):
     out = tmp_path_factory.mktemp("criteo") / "sample"
     preprocess([SAMPLE_TSV], out, eval_fraction=0.2)
     return out
+
+
+@pytest.fixture
+def initial_weights(monkeypatch) -> list[dict[str, torch.Tensor]]:
+    """Each training run's weights as its optimizer is built, before its first step, in the order the runs
+    start: fp32 CPU copies of the floating-point state_dict entries, keyed as in a checkpoint."""
+    from dlrm import run_setup
+
+    kept, make_optimizer = [], run_setup.make_optimizer
+
+    def keep(model, cfg):
+        state = model.state_dict()
+        kept.append({k: v.detach().float().cpu().clone() for k, v in state.items() if v.is_floating_point()})
+        return make_optimizer(model, cfg)
+
+    monkeypatch.setattr(run_setup, "make_optimizer", keep)
+    return kept

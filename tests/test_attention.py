@@ -173,16 +173,11 @@ def test_torch_compile_fullgraph():
 def test_fwd_bwd_half(dtype):
     """bf16/fp16 through the kernels (values cast to fp32 right after load, in the interpreter too)."""
     _check(3, 2, 27, 16, dtype, seed=6)
+    for shape in SHAPES:
+        _check(*shape, dtype)
 
 
 # ----------------------------------------------------------------------------------------------- GPU
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_half_gpu(dtype):
-    for shape in SHAPES:
-        _check(*shape, dtype)
 
 
 @pytest.mark.gpu

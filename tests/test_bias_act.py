@@ -1,8 +1,8 @@
 """Tests for kernels/bias_act.py: fused y = act(x + b), forward and backward.
 
 On CPU (no CUDA) conftest sets TRITON_INTERPRET=1, so the fp32 tests run the Triton kernels in the
-interpreter; on a GPU machine the same tests run them on DEVICE = "cuda". bf16/fp16 and the DLRM-shape
-tests are GPU-only.
+interpreter; on a GPU machine the same tests run them on DEVICE = "cuda". bf16/fp16 run in the interpreter
+too (the kernels compute in fp32 from right after the load); the DLRM-shape tests are GPU-only.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tests.tolerances import tol
 # Where the Triton kernels run: the GPU when there is one, else the CPU interpreter (see conftest).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(1, 1), (3, 7), (127, 65), (130, 513), (257, 16)]
-GPU_DTYPES = [torch.bfloat16, torch.float16]
+HALF_DTYPES = [torch.bfloat16, torch.float16]
 
 
 def _inputs(m: int, n: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
@@ -60,6 +60,13 @@ def _check_fwd_bwd(m: int, n: int, activation: str, dtype: torch.dtype, device: 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_fwd_bwd_fp32(shape, activation):
     _check_fwd_bwd(*shape, activation, torch.float32, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_fwd_bwd_half(shape, activation, dtype):
+    _check_fwd_bwd(*shape, activation, dtype, DEVICE)
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu_tanh"])
@@ -236,14 +243,6 @@ def test_torch_compile_fullgraph():
 
 
 # ----------------------------------------------------------------------------------------------- GPU
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_fwd_bwd_half_gpu(shape, activation, dtype):
-    _check_fwd_bwd(*shape, activation, dtype, "cuda")
 
 
 @pytest.mark.gpu

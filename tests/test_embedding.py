@@ -339,6 +339,26 @@ def test_skewed_ids_update_within_summation_error(optimizer):
     _check_update_against_exact([3, 4, 10, 1000, 5000], 512, 16, optimizer, DEVICE)
 
 
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_bf16_weights(optimizer):
+    """bf16 weights (fp32 state): the update is computed in fp32 and rounded once, like the reference (in the
+    interpreter too: the kernel casts to fp32 right after the load)."""
+    rows = [5, 1000, 3]
+    weights, offsets, r = _tables(rows, 16, dtype=torch.bfloat16, device=DEVICE)
+    ids = _ids(300, rows, device=DEVICE)
+    w = weights.clone().requires_grad_()
+    state = optimizer_state(w, optimizer)
+    out = embedding_lookup(w, state, offsets, r, ids, "modulus", optimizer, _lr(0.1))
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, embedding_lookup_ref(weights, offsets, r, ids, "modulus")[0])
+    grad = torch.randn(out.shape, device=DEVICE).to(torch.bfloat16)  # what autograd hands a bf16 output
+    out.backward(grad)
+    expected_state = optimizer_state(weights, optimizer)
+    embedding_update_ref(weights, expected_state, (ids + 1) % r + offsets, grad, optimizer, _lr(0.1), 1e-10)
+    # Both sides round the fp32 update once to bf16 (only the fp32 summation order differs): <= 1 ulp.
+    torch.testing.assert_close(w.detach(), weights, rtol=1.6e-2, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 
 
@@ -351,23 +371,3 @@ def test_kaggle_cardinalities_on_gpu(d, optimizer):
     g^2, of a hot row whose thousands of terms cancel to |g| ~ 0.3 is off by ~2 |g| u n sigma, past
     rtol 1e-3 in 1 of 6 orders simulated on CPU; and the reference's copies took 70 GB at D = 128.)"""
     _check_update_against_exact(KAGGLE_ROWS, 16384, d, optimizer, "cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_bf16_weights_on_gpu(optimizer):
-    """bf16 weights (fp32 state): the update is computed in fp32 and rounded once, like the reference."""
-    rows = [5, 1000, 3]
-    weights, offsets, r = _tables(rows, 16, dtype=torch.bfloat16, device="cuda")
-    ids = _ids(300, rows, device="cuda")
-    w = weights.clone().requires_grad_()
-    state = optimizer_state(w, optimizer)
-    out = embedding_lookup(w, state, offsets, r, ids, "modulus", optimizer, _lr(0.1))
-    assert out.dtype == torch.bfloat16
-    assert torch.equal(out, embedding_lookup_ref(weights, offsets, r, ids, "modulus")[0])
-    grad = torch.randn(out.shape, device="cuda").to(torch.bfloat16)  # what autograd hands a bf16 output
-    out.backward(grad)
-    expected_state = optimizer_state(weights, optimizer)
-    embedding_update_ref(weights, expected_state, (ids + 1) % r + offsets, grad, optimizer, _lr(0.1), 1e-10)
-    # Both sides round the fp32 update once to bf16 (only the fp32 summation order differs): <= 1 ulp.
-    torch.testing.assert_close(w.detach(), weights, rtol=1.6e-2, atol=1e-5)

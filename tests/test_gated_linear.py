@@ -177,12 +177,18 @@ def test_fwd_bwd_half(gate, dtype):
 DLRM_LAYERS = [(13, 512), (512, 256), (256, 64), (64, 16), (367, 512), (479, 1024), (1024, 512)]
 
 
-@pytest.mark.gpu
+# In the interpreter (127, 65, 13); on the GPU also (300, 129, 257), which takes minutes in the interpreter,
+# and (1, 1, 1), whose bf16 swiglu dW (one element) is 1.66% off the fp32 reference in the interpreter, past
+# the bf16 bound of 1.6% + atol.
+@pytest.mark.parametrize(
+    "shape",
+    [(127, 65, 13), *(pytest.param(s, marks=pytest.mark.gpu) for s in [(1, 1, 1), (300, 129, 257)])],
+    ids=_ids,
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("gate", GATES)
-def test_half_gpu(gate, dtype):
-    for shape in [(1, 1, 1), (127, 65, 13), (300, 129, 257)]:
-        _check(*shape, gate, True, dtype)
+def test_half(gate, dtype, shape):
+    _check(*shape, gate, True, dtype)
 
 
 @pytest.mark.gpu

@@ -6,7 +6,8 @@ where the GEMMs are plain fp32 and compare elementwise with the fp32 reference's
 GPU machine the same tests run on DEVICE = "cuda", where fp32 GEMMs use TF32: there (and for bf16/fp16
 anywhere) values are checked as a relative norm, and the backward against PyTorch's own activation
 backward applied to the tensor the forward saved (so relu's kink, where TF32 rounding can flip the sign of
-z, does not count as an error of the backward kernels). DLRM-shape tests are GPU-only.
+z, does not count as an error of the backward kernels). bf16/fp16 run in the interpreter too; DLRM-shape
+tests are GPU-only.
 """
 
 from __future__ import annotations
@@ -499,6 +500,15 @@ def test_torch_compile_fullgraph():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activations_half(activation, has_bias, dtype):
+    """bf16/fp16 through the kernels (values cast to fp32 right after load, in the interpreter too)."""
+    for shape in SHAPES:
+        _check_fwd_bwd(*shape, activation, has_bias, dtype, DEVICE)
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 
 # (K, N) of every layer of the DLRM MLPs (bottom then top), deduplicated across the two configs.
@@ -506,15 +516,6 @@ KAGGLE_LAYERS = [(13, 512), (512, 256), (256, 64), (64, 16), (367, 512), (512, 2
 MLPERF_LAYERS = [(13, 512), (512, 256), (256, 128), (479, 1024), (1024, 1024), (1024, 512), (512, 256)]
 MLPERF_LAYERS += [(256, 1)]
 DLRM_LAYERS = sorted(set(KAGGLE_LAYERS + MLPERF_LAYERS))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_activations_half_gpu(activation, has_bias, dtype):
-    for shape in SHAPES:
-        _check_fwd_bwd(*shape, activation, has_bias, dtype, "cuda")
 
 
 @pytest.mark.gpu

@@ -161,11 +161,13 @@ def test_fwd_bwd_half(dtype):
 DLRM_LAYERS = [(13, 512), (512, 256), (256, 64), (64, 16), (367, 512), (479, 1024), (1024, 512)]
 
 
-@pytest.mark.gpu
+# (300, 129, 257) takes minutes in the interpreter: on the GPU only.
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 1), (127, 65, 13), pytest.param((300, 129, 257), marks=pytest.mark.gpu)], ids=_ids
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_half_gpu(dtype):
-    for shape in [(1, 1, 1), (127, 65, 13), (300, 129, 257)]:
-        _check(*shape, True, dtype)
+def test_half(dtype, shape):
+    _check(*shape, True, dtype)
 
 
 @pytest.mark.gpu

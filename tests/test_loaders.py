@@ -24,8 +24,16 @@ def test_every_loader_reads_the_whole_train_split(criteo_sample, loader, kind):
     train_loader = make_train_loader(cfg, criteo_sample, seed=3, device=torch.device("cpu"))
     assert isinstance(train_loader, kind)
     assert train_loader.num_rows == len(train_loader) * 1000 == 8000
-    labels = sorted(torch.cat([b.label for b in train_loader]).tolist())
-    assert labels == sorted(open_split(criteo_sample, "train").label.tolist())
+    # Every row once: the multisets of whole rows (dense, ids, label) are equal, so a loader that repeats a
+    # row and drops another fails (sorted labels alone cannot tell: most rows share a label).
+    read = _rows(*(torch.cat(parts) for parts in zip(*train_loader, strict=True)))
+    split = open_split(criteo_sample, "train")
+    assert len(read) == 8000 and read == _rows(split.dense, split.sparse, split.label)
+
+
+def _rows(dense: torch.Tensor, sparse: torch.Tensor, label: torch.Tensor) -> list[tuple]:
+    """The rows [n] as sorted tuples of (13 dense floats, 26 ids, label): a multiset to compare."""
+    return sorted(zip(map(tuple, dense.tolist()), map(tuple, sparse.tolist()), label.tolist(), strict=True))
 
 
 def test_streaming_run_saves_the_loader_position(criteo_sample, tmp_path):

@@ -1,5 +1,5 @@
 """Tests of the planted model's own numbers on synthetic data (dlrm.data.oracle, metadata.json "oracle"):
-they equal a direct computation on the written rows with dlrm.metrics, a model other than the planted one
+they equal a direct computation on the written rows with scikit-learn, a model other than the planted one
 scores worse, and the binned AUC keeps within its stated bound."""
 
 import json
@@ -10,12 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from loguru import logger
+from scipy.special import expit
+from sklearn.metrics import log_loss, roc_auc_score
 
 from dlrm.data.oracle import BINS, OracleMetrics, SplitOracle, histogram_auc
 from dlrm.data.output import load_metadata
 from dlrm.data.schema import DENSE_COLUMNS, SPARSE_COLUMNS
 from dlrm.data.synthetic import SyntheticConfig, planted_logit, preset_cardinalities, write_parquet, write_tsv
-from dlrm.metrics import auc, normalized_entropy
+from dlrm.metrics import auc
 
 SMALL = SyntheticConfig(preset_cardinalities("kaggle", max_cardinality=200), seed=11)
 
@@ -30,12 +32,18 @@ def read_split(data_dir, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def direct(logits: torch.Tensor, labels: torch.Tensor) -> dict:
-    """The metrics of dlrm.metrics on all rows at once."""
-    logloss = F.binary_cross_entropy_with_logits(logits.double(), labels.double()).item()
+    """The metrics of all rows at once by scikit-learn, independent of dlrm.metrics (which the oracle uses):
+    roc_auc_score, log_loss of the float64 probabilities [P(0), P(1)], and NE as that over log_loss of the
+    constant positive rate (the entropy H(p)). Raises AssertionError where scikit-learn would clip a
+    probability (below float64's eps: a logit past -36 for its label), which would change the loss."""
+    x, y = logits.double().numpy(), labels.long().numpy()
+    probabilities = np.stack([expit(-x), expit(x)], axis=1)
+    assert probabilities.min() > np.finfo(np.float64).eps
+    logloss = log_loss(y, probabilities)
     return {
-        "auc": auc(logits, labels),
+        "auc": roc_auc_score(y, x),
         "logloss": logloss,
-        "ne": normalized_entropy(logloss, labels.double().mean().item()),
+        "ne": logloss / log_loss(y, np.full(len(y), y.mean())),
     }
 
 

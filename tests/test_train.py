@@ -38,6 +38,46 @@ def _losses(run_dir) -> list[float]:
     return [e.value for e in events.Scalars("train/loss")]
 
 
+def _updates(initial: dict[str, torch.Tensor], run_dir) -> dict[str, torch.Tensor]:
+    """A run's update of its embedding tables ("tables") and of its other weights ("mlps": the MLPs, the
+    interaction's, the first-order dense layer's): last.pt's weights minus the initial ones, one fp32 vector
+    each."""
+    final = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    parts = {"tables": [], "mlps": []}
+    for key, value in initial.items():
+        part = "tables" if ".embeddings." in key else "mlps"
+        parts[part].append((final[key].float().cpu() - value).flatten())
+    return {part: torch.cat(deltas) for part, deltas in parts.items()}
+
+
+# `assert_updates_agree`'s rtol for runs of tens of steps on the GPU, per precision. A part that does not
+# learn is off by 1.0, 10x the loosest. bf16: unit roundoff u = 2**-9; each path rounds activations and
+# gradients to bf16 in other places (lookup, each layer, the interaction; forward and backward), ~20 roundings
+# of u each along a step, which 30-50 SGD steps carry on (6 steps on the CPU: 7e-3 of the update's norm, 3.6
+# u): 0.1. tf32: u = 2**-11 for the GEMM operands, 4x less: 2.5e-2. fp32: sums in other orders only
+# (~sqrt(n) * 2**-24 each; 6e-7 in 6 CPU steps), 50 steps: 1e-3.
+UPDATE_RTOL = {"bf16": 0.1, "tf32": 2.5e-2, "fp32": 1e-3}
+
+
+def assert_updates_agree(initial: list[dict[str, torch.Tensor]], run_dirs: list, rtol: float) -> None:
+    """Runs started in the order of `run_dirs` (the first the reference): all start from the same weights,
+    the reference's tables and MLPs both moved, and every other run's update of each (`_updates`) equals the
+    reference's within `rtol` of the reference's norm. This sees what a loss curve may not: a part that does
+    not learn in every run moves by exactly 0; one that does not learn in one run differs from the
+    reference's update by its whole norm (relative difference 1)."""
+    assert len(initial) == len(run_dirs)
+    for weights in initial[1:]:
+        for key, value in weights.items():
+            torch.testing.assert_close(value, initial[0][key], rtol=0, atol=0, msg=key)
+    reference = _updates(initial[0], run_dirs[0])
+    for part, update in reference.items():
+        assert update.norm() > 0, f"{run_dirs[0].name}: its {part} did not change"
+    for weights, run_dir in zip(initial[1:], run_dirs[1:], strict=True):
+        for part, update in _updates(weights, run_dir).items():
+            error = ((update - reference[part]).norm() / reference[part].norm()).item()
+            assert error <= rtol, f"{run_dir.name}: {part} update {error:.2e} off {run_dirs[0].name}'s"
+
+
 def test_tiny_run_writes_events_trace_checkpoints_and_metrics(criteo_sample, tmp_path):
     run = tmp_path / "run"
     metrics = train_cli.train(_tiny(criteo_sample), run)
@@ -276,20 +316,22 @@ def _loss_curves(
     return curves
 
 
-def test_backends_give_the_same_loss_curve(criteo_sample, tmp_path):
-    curves = _loss_curves(
-        criteo_sample,
-        tmp_path,
-        {
-            "eager": {},
-            "compile": {"use_torch_compile": True},
-            "triton": {"use_triton": True},
-            "triton_bias_act": {"use_triton": True, "triton_mlp_kernel": "bias_act"},
-        },
-    )
+def test_backends_give_the_same_loss_curve(criteo_sample, tmp_path, initial_weights):
+    runs = {
+        "eager": {},
+        "compile": {"use_torch_compile": True},
+        "triton": {"use_triton": True},
+        "triton_bias_act": {"use_triton": True, "triton_mlp_kernel": "bias_act"},
+    }
+    curves = _loss_curves(criteo_sample, tmp_path, runs)
     assert len(curves["eager"]) == 6  # steps 1..6: step 1 (compile) is timed apart, its loss is logged
+    # fp32 on every path, sums in other orders: a sum of n terms is off by ~sqrt(n) * 2**-24 relative (n <=
+    # 256 rows, ~1e-6), and 6 steps keep the weights that close (seen 6e-7 of the update's norm): 1e-5 of
+    # the update's norm, 1e-5 of the loss (~0.5). A part that does not learn on one path is off by its whole
+    # update (1.0); the loss curve alone moves less than that (see `assert_updates_agree`).
     for name in ("compile", "triton", "triton_bias_act"):
-        torch.testing.assert_close(curves[name], curves["eager"], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(curves[name], curves["eager"], rtol=1e-5, atol=1e-5, msg=name)
+    assert_updates_agree(initial_weights, [tmp_path / name for name in runs], rtol=1e-5)
 
 
 def test_adagrad_and_vocab_hashing_train(criteo_sample, tmp_path):
@@ -366,30 +408,33 @@ def test_bf16_precision_trains(criteo_sample, tmp_path):
 
 
 @pytest.mark.gpu
-def test_triton_bf16_and_cuda_graphs_follow_eager(criteo_sample, tmp_path):
+def test_triton_bf16_and_cuda_graphs_follow_eager(criteo_sample, tmp_path, initial_weights):
     """bf16 autocast through our kernels, and the graph-captured step, give eager bf16's loss curve;
     `--use-triton` alone (train.cuda_graphs null) takes the graph."""
-    curves = _loss_curves(
-        criteo_sample,
-        tmp_path,
-        {
-            "eager": {"precision": "bf16"},
-            "triton": {"use_triton": True, "cuda_graphs": False, "precision": "bf16"},
-            "triton_graphs": {"use_triton": True, "cuda_graphs": True, "precision": "bf16"},
-            "triton_default": {"use_triton": True, "precision": "bf16"},
-        },
-    )
+    runs = {
+        "eager": {"precision": "bf16"},
+        "triton": {"use_triton": True, "cuda_graphs": False, "precision": "bf16"},
+        "triton_graphs": {"use_triton": True, "cuda_graphs": True, "precision": "bf16"},
+        "triton_default": {"use_triton": True, "precision": "bf16"},
+    }
+    curves = _loss_curves(criteo_sample, tmp_path, runs)
     resolved = json.loads((tmp_path / "triton_default" / "config.json").read_text())["train"]
     assert resolved["cuda_graphs"] is True
-    # bf16 rounds the MLP activations (8 bits of mantissa) in different places on each path.
+    # bf16 rounds the activations (unit roundoff 2**-9) in different places on each path: a logit through
+    # ~8 such roundings is off by up to 8 * 2**-9 = 1.6e-2 of itself, and the loss (slope <= 1 in the logit)
+    # by as much of the logits' size: rtol 2e-2, atol 1e-3 for losses near 0. Frozen tables move 6 steps'
+    # loss by less than that: the updates are compared too.
     for name in ("triton", "triton_graphs", "triton_default"):
         torch.testing.assert_close(curves[name], curves["eager"], rtol=2e-2, atol=1e-3, msg=name)
+    assert_updates_agree(initial_weights, [tmp_path / name for name in runs], UPDATE_RTOL["bf16"])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("loader", ["memory", "gpu_resident", "streaming", "binary"])
-def test_every_loader_trains_with_cuda_graphs_like_eager(criteo_sample, tmp_path, loader, precision):
+def test_every_loader_trains_with_cuda_graphs_like_eager(
+    criteo_sample, tmp_path, initial_weights, loader, precision
+):
     """50 steps (an epoch end with its evaluation inside) per loader: our kernels with and without the
     whole-step CUDA graph, and (fp32) Inductor's reduce-overhead graphs, follow eager's loss curve on the
     same batches. The streaming loader prefetches on its thread meanwhile (issue 12's capture crash)."""
@@ -405,11 +450,13 @@ def test_every_loader_trains_with_cuda_graphs_like_eager(criteo_sample, tmp_path
     data = {"loader": loader, "shuffle_buffer": 1000, "prefetch": 4}
     curves = _loss_curves(criteo_sample, tmp_path, runs, steps=50, data=data)
     assert len(curves["eager"]) == 50  # every step, the first and the partial batch's timed apart too
-    # bf16 rounds the MLP activations (8 bits of mantissa) in different places on each path; in fp32 the
-    # kernels' summation orders differ, which 50 SGD steps amplify past the 6-step test's 1e-4.
+    # bf16: as test_triton_bf16_and_cuda_graphs_follow_eager (~8 roundings of 2**-9 along a logit). fp32:
+    # the kernels' summation orders differ (~sqrt(n) * 2**-24 per sum), which 50 SGD steps amplify past the
+    # 6-step test's 1e-5. The updates are compared too (a frozen part moves the curve less than this).
     rtol, atol = (2e-2, 1e-3) if precision == "bf16" else (1e-3, 1e-4)
     for name in runs.keys() - {"eager"}:
         torch.testing.assert_close(curves[name], curves["eager"], rtol=rtol, atol=atol, msg=name)
+    assert_updates_agree(initial_weights, [tmp_path / name for name in runs], UPDATE_RTOL[precision])
 
 
 def test_triton_adagrad_checkpoint_keeps_the_embedding_state(criteo_sample, tmp_path):
