@@ -17,7 +17,7 @@ from dlrm.data.dataset import BatchLoader, open_split
 from dlrm.data.splits import check_data_dir
 from dlrm.errors import cli_errors
 from dlrm.metrics import evaluate
-from dlrm.scoring import backend_option, precision_option, resolve_scoring, scoring_model
+from dlrm.scoring import resolve_scoring, scoring_model, scoring_options
 from dlrm.step import resolve_device
 
 
@@ -37,8 +37,7 @@ from dlrm.step import resolve_device
     default=None,
     help="Rows per forward pass [default: the run's data.eval_batch_size].",
 )
-@backend_option
-@precision_option
+@scoring_options
 @device_option
 @click.option(
     "--quiet",

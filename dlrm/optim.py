@@ -51,6 +51,35 @@ class ScaledLrOptimizer(torch.optim.Optimizer):
         device = devices.pop() if devices else torch.device("cpu")
         self.lr_scale = torch.ones((), dtype=torch.float32, device=device)
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter with a gradient (see the module docstring), without a host sync for
+        dense gradients; returns `closure()` when given (torch.optim's convention), else None."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            dense = [p for p in params if not p.grad.is_sparse]
+            if dense:
+                grads = [p.grad for p in dense]
+                if group["weight_decay"]:
+                    grads = torch._foreach_add(grads, dense, alpha=group["weight_decay"])
+                self._dense_step(group, dense, grads)
+            for p in params:
+                if p.grad.is_sparse:  # foreach ops take no sparse tensors
+                    self._sparse_step(group, p)
+        return loss
+
+    def _dense_step(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Update `params` from their dense `grads` (weight decay included)."""
+        raise NotImplementedError
+
+    def _sparse_step(self, group: dict, p: torch.Tensor) -> None:
+        """Update `p` from its sparse gradient (no weight decay)."""
+        raise NotImplementedError
+
     @staticmethod
     def _check(lr: float, weight_decay: float, name: str) -> None:
         if not lr > 0:
@@ -77,26 +106,11 @@ class SGD(ScaledLrOptimizer):
         self._check(lr, weight_decay, "SGD")
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter with a gradient (see the module docstring), without a host sync;
-        returns `closure()` when given (torch.optim's convention), else None."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            dense = [p for p in params if not p.grad.is_sparse]
-            grads = [p.grad for p in dense]
-            if dense:
-                if group["weight_decay"]:
-                    grads = torch._foreach_add(grads, dense, alpha=group["weight_decay"])
-                torch._foreach_add_(dense, torch._foreach_mul(grads, self.lr_scale), alpha=-group["lr"])
-            for p in params:
-                if p.grad.is_sparse:  # foreach ops take no sparse tensors
-                    p.add_(p.grad.mul(self.lr_scale), alpha=-group["lr"])
-        return loss
+    def _dense_step(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        torch._foreach_add_(params, torch._foreach_mul(grads, self.lr_scale), alpha=-group["lr"])
+
+    def _sparse_step(self, group: dict, p: torch.Tensor) -> None:
+        p.add_(p.grad.mul(self.lr_scale), alpha=-group["lr"])
 
 
 class Adagrad(ScaledLrOptimizer):
@@ -133,35 +147,17 @@ class Adagrad(ScaledLrOptimizer):
             for p in group["params"]:
                 self.state[p]["sum"] = torch.full_like(p, initial_accumulator_value)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter with a gradient (see the module docstring), without a host sync for
-        dense gradients; returns `closure()` when given, else None. Sparse gradients (the eager tables) are
-        coalesced first, a host sync, as in torch.optim.Adagrad."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            dense = [p for p in params if not p.grad.is_sparse]
-            if dense:
-                grads = [p.grad for p in dense]
-                if group["weight_decay"]:
-                    grads = torch._foreach_add(grads, dense, alpha=group["weight_decay"])
-                sums = [self.state[p]["sum"] for p in dense]
-                torch._foreach_addcmul_(sums, grads, grads)
-                std = torch._foreach_sqrt(sums)
-                torch._foreach_add_(std, group["eps"])
-                steps = torch._foreach_div(grads, std)
-                torch._foreach_add_(dense, torch._foreach_mul(steps, self.lr_scale), alpha=-group["lr"])
-            for p in params:
-                if p.grad.is_sparse:
-                    self._sparse_step(p, group)
-        return loss
+    def _dense_step(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        sums = [self.state[p]["sum"] for p in params]
+        torch._foreach_addcmul_(sums, grads, grads)
+        std = torch._foreach_sqrt(sums)
+        torch._foreach_add_(std, group["eps"])
+        steps = torch._foreach_div(grads, std)
+        torch._foreach_add_(params, torch._foreach_mul(steps, self.lr_scale), alpha=-group["lr"])
 
-    def _sparse_step(self, p: torch.Tensor, group: dict) -> None:
-        """torch.optim.Adagrad's sparse update: only the rows the gradient touches, their sum and weight."""
+    def _sparse_step(self, group: dict, p: torch.Tensor) -> None:
+        """torch.optim.Adagrad's sparse update: only the rows the gradient touches, their sum and weight; the
+        gradient is coalesced first, a host sync (the eager tables only, never in a graph)."""
         grad = p.grad.coalesce()
         indices, values = grad._indices(), grad._values()
         state_sum = self.state[p]["sum"]

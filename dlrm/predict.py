@@ -48,7 +48,7 @@ from dlrm.data.text import LineReader, PreprocessError, TextBlock
 from dlrm.errors import cli_errors
 from dlrm.metrics import forward_logits
 from dlrm.model import Model
-from dlrm.scoring import Scoring, backend_option, precision_option, resolve_scoring, scoring_model
+from dlrm.scoring import Scoring, resolve_scoring, scoring_model, scoring_options
 from dlrm.step import resolve_device
 
 DEFAULT_BLOCK_SIZE = 1 << 16
@@ -206,8 +206,7 @@ def predict(
     default=DEFAULT_BLOCK_SIZE,
     help="Lines (or parquet rows) read at once; memory grows with it, not with the input.",
 )
-@backend_option
-@precision_option
+@scoring_options
 @device_option
 @click.option(
     "--quiet", is_flag=True, help="No progress bar (shown when stdout is a terminal) and no log lines."

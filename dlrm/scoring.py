@@ -35,6 +35,11 @@ precision_option = click.option(
 )
 
 
+def scoring_options(command):
+    """`--backend` and `--precision` (click options) for a command that scores a checkpoint."""
+    return backend_option(precision_option(command))
+
+
 @dataclass(frozen=True)
 class Scoring:
     """How a checkpoint is scored: the model's `mlp_kernel` and `sparse_kernel` (dlrm.model) and the
