@@ -14,14 +14,14 @@ of its train split (80% of the rows) per mode:
     streaming_sync  StreamingLoader without the thread (prefetch 0): the same work in the consumer
 A mode's epoch is timed by the wall clock from the first `next` to the last batch on the device
 (synchronized), after one untimed warm-up epoch (page cache, allocator, CUDA context); the median of
-`--repeats` epochs is reported, as samples/s and as a ratio to memory's in the same invocation. On CUDA the
-fastest training-step rate of scripts/results/train.csv on the same GPU is shown next to it (the targets:
-gpu_resident >= 2x that rate, streaming >= 3M samples/s on 16 cores). Rows go to
-scripts/results/loader.csv. Loading the split into memory (memory, gpu_resident) is reported apart
-(setup_s), as is the streaming loader's footer scan.
+`--repeats` epochs is reported, as samples/s and as a ratio to memory's in the same invocation. On CUDA
+the bare training step of the same batch is timed in the same invocation (scripts/bench_train.py's
+triton+graphs on GPU-resident random batches of `--config` in `--precision`, ids with the synthetic data's
+skew) and each loader's rate is given as a ratio to it, `vs_step` (the targets: gpu_resident >= 2x the
+step, streaming >= 3M samples/s on 16 cores). Rows go to scripts/results/loader_step.csv. Loading the split
+into memory (memory, gpu_resident) is reported apart (setup_s), as is the streaming loader's footer scan.
 """
 
-import csv
 import statistics
 import tempfile
 import time
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import click
 import torch
+from bench_train import bench as bench_step
 from results_csv import append_rows, provenance
 
 from dlrm.config import LOADERS, DataConfig
@@ -36,8 +37,7 @@ from dlrm.data.dataset import open_split
 from dlrm.data.loaders import make_train_loader
 from dlrm.data.synthetic import SyntheticConfig, write_parquet
 
-RESULTS = Path(__file__).parent / "results" / "loader.csv"
-TRAIN_RESULTS = Path(__file__).parent / "results" / "train.csv"
+RESULTS = Path(__file__).parent / "results" / "loader_step.csv"
 # Bench modes: the config's loaders, plus streaming without its prefetch thread.
 MODES = (*LOADERS, "streaming_sync")
 ROW_GROUP_ROWS = 1 << 16
@@ -50,15 +50,6 @@ def synthetic_dir(rows: int, data_dir: Path | None) -> Path:
         print(f"writing {rows:,} synthetic rows to {path} ...", flush=True)
         write_parquet(SyntheticConfig(), rows, path, block_size=ROW_GROUP_ROWS, overwrite=True)
     return path
-
-
-def fastest_step(device_name: str) -> int | None:
-    """The highest samples/s of scripts/results/train.csv on `device_name`, if any."""
-    if not TRAIN_RESULTS.is_file():
-        return None
-    with TRAIN_RESULTS.open(newline="") as f:
-        rates = [int(r["samples_per_s"]) for r in csv.DictReader(f) if r["device"] == device_name]
-    return max(rates, default=None)
 
 
 def time_epochs(loader, device: torch.device, repeats: int) -> list[float]:
@@ -120,8 +111,12 @@ def bench(mode: str, data_dir: Path, batch: int, device: torch.device, args: dic
 @click.option("--shuffle-buffer", type=click.IntRange(min=0), default=1_000_000, help="Streaming: rows.")
 @click.option("--prefetch", type=click.IntRange(min=1), default=8, help="Streaming: batches read ahead.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, help="Timed epochs per measurement.")
-def main(rows, data_dir, device, batches, modes, shuffle_buffer, prefetch, repeats):
-    """Time each loader mode alone; append rows to scripts/results/loader.csv."""
+@click.option("--config", default="kaggle", help="CUDA: configs/<name>.json of the bare step compared with.")
+@click.option(
+    "--precision", type=click.Choice(["fp32", "tf32", "bf16"]), default="bf16", help="CUDA: its precision."
+)
+def main(rows, data_dir, device, batches, modes, shuffle_buffer, prefetch, repeats, config, precision):
+    """Time each loader mode alone; append rows to scripts/results/loader_step.csv."""
     modes = modes.split(",")
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
@@ -134,18 +129,25 @@ def main(rows, data_dir, device, batches, modes, shuffle_buffer, prefetch, repea
     start = time.perf_counter()
     train_set = open_split(data_dir, "train") if {"memory", "gpu_resident"} & set(modes) else None
     load_s = time.perf_counter() - start
-    step_rate = fastest_step(device_name) if device == "cuda" else None
     common = provenance(device_name) | {"cpu_threads": torch.get_num_threads(), "load_s": round(load_s, 2)}
+    common |= {"step_config": config if device == "cuda" else "", "step_precision": precision}
     args = {"shuffle_buffer": shuffle_buffer, "prefetch": prefetch, "repeats": repeats}
     results = []
     for batch in (int(b) for b in batches.split(",")):
+        step_rate = None
+        if device == "cuda":  # the step of this batch, in this invocation (ids skewed as the data's)
+            step_rate = bench_step(config, "triton+graphs", batch, 50, None, precision, ids="zipf")[
+                "samples_per_s"
+            ]
         memory = None
         for mode in modes:
             r = bench(mode, data_dir, batch, dev, args, train_set)
             memory = r["samples_per_s"] if mode == "memory" else memory
             ratio = round(r["samples_per_s"] / memory, 3) if memory else None
             vs_step = round(r["samples_per_s"] / step_rate, 3) if step_rate else None
-            results.append({**common, **r, "vs_memory": ratio, "fastest_step": step_rate, "vs_step": vs_step})
+            results.append(
+                {**common, **r, "vs_memory": ratio, "step_samples_per_s": step_rate, "vs_step": vs_step}
+            )
             print(
                 f"{mode:<16}B={batch:<7}{r['samples_per_s']:>14,} samples/s  epoch {r['epoch_s']:>8.3f} s  "
                 f"vs memory {ratio or float('nan'):>6.2f}x  vs step {vs_step or float('nan'):>6.2f}x  "
