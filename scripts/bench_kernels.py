@@ -34,7 +34,9 @@ the top MLP's is not.
 (heads, dim) of `--attention-shapes` (rows in scripts/results/attention.csv), two ways:
     op "attention"    softmax(QK^T / sqrt(d)) V with a key mask on [B, heads, 27, d] (q, k, v views of one
                       [B, 27, 3, heads, d] projection, as the model makes them; ~20% of keys masked):
-                      eager F.scaled_dot_product_attention(attn_mask=bool), compile of it, triton
+                      eager F.scaled_dot_product_attention(attn_mask=bool), compile of it, compile-ops
+                      (torch.compile of the plain ops: matmul, masked_fill, softmax, matmul: what Inductor
+                      fuses on its own, the baseline our kernel must beat), triton
                       kernels.attention.masked_attention
     op "interaction"  the whole InteractionArch (model.attention.layers layers: projections, attention,
                       residual, relu) over dense [B, 16] and embedded [B, 26, 16]: kernel "torch", compile
@@ -80,6 +82,7 @@ MLP_RESULTS = Path(__file__).parent / "results" / "mlp.csv"
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
 PATHS = ("eager", "compile", "bias_act", "linear_act")
+ATTENTION_PATHS = ("eager", "compile", "compile-ops", "triton")
 ROTATE = 4  # input sets cycled through between repeats
 PASSES = ("launch fwd", "launch fwd+bwd", "graph fwd", "graph fwd+bwd")
 
@@ -314,6 +317,14 @@ def _attention_inputs(m: int, heads: int, dim: int, dtype: torch.dtype, g: torch
     return qkv, valid
 
 
+def plain_attention(q, k, v, valid):
+    """softmax(q k^T / sqrt(d)) v over [B, heads, 27, d] with keys where `valid` [B, 27] is False masked
+    out, in plain ops (the softmax in fp32, as SDPA computes it)."""
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
+
+
 def bench_attention(path: str, op: str, m: int, heads: int, dim: int, dtype: torch.dtype) -> dict[str, float]:
     """Median ms of the attention op or the whole attention interaction on one path (module docstring)."""
     from dlrm.config import AttentionConfig
@@ -331,6 +342,9 @@ def bench_attention(path: str, op: str, m: int, heads: int, dim: int, dtype: tor
 
         if path == "triton":
             fn = lambda qkv, valid: masked_attention(*split(qkv), valid)  # noqa: E731
+        elif path == "compile-ops":
+            torch._dynamo.reset()
+            fn = torch.compile(lambda qkv, valid: plain_attention(*split(qkv), valid), dynamic=False)
         else:
 
             def fn(qkv, valid):
@@ -339,7 +353,7 @@ def bench_attention(path: str, op: str, m: int, heads: int, dim: int, dtype: tor
             if path == "compile":
                 torch._dynamo.reset()
                 fn = torch.compile(fn, dynamic=False)
-        return _time_passes(fn, sets, path == "compile")
+        return _time_passes(fn, sets, path.startswith("compile"))
     d = 16
     cfg = AttentionConfig(heads=heads, layers=2, dim=dim)
     arch = InteractionArch(d, "attention", kernel="triton" if path == "triton" else "torch", attention=cfg)
@@ -462,21 +476,26 @@ def run_attention(batches, precisions, shapes, paths, common) -> None:
     """`--what attention`: rows to ATTENTION_RESULTS; per (op, precision, batch, shape) times and ratios.
     Each shape's rows are appended as soon as they are timed, so a run cut short keeps what it measured."""
     print(f"\nattention interaction, ms (ratio = eager / path), {common['device']}")
-    print(f"{'op':<13}{'prec':<6}{'B':>7}  {'HxD':<7}{'pass':<15}" + "".join(f"{p:>20}" for p in paths))
     for op in ("attention", "interaction"):
+        # compile-ops is a baseline of the attention op alone (the interaction's eager module is compiled
+        # by "compile").
+        op_paths = [p for p in paths if op == "attention" or p != "compile-ops"]
+        print(
+            f"{'op':<13}{'prec':<6}{'B':>7}  {'HxD':<7}{'pass':<15}" + "".join(f"{p:>20}" for p in op_paths)
+        )
         for precision in precisions:
             for m in batches:
                 for shape in shapes:
                     heads, dim = (int(v) for v in shape.split("x"))
-                    times = {p: bench_attention(p, op, m, heads, dim, DTYPES[precision]) for p in paths}
+                    times = {p: bench_attention(p, op, m, heads, dim, DTYPES[precision]) for p in op_paths}
                     rows = []
                     for ps in PASSES:
-                        base = times[paths[0]][ps]
+                        base = times[op_paths[0]][ps]
                         cells = "".join(
-                            f"{times[p][ps]:>10.4f} ({base / times[p][ps]:>5.2f}x)" for p in paths
+                            f"{times[p][ps]:>10.4f} ({base / times[p][ps]:>5.2f}x)" for p in op_paths
                         )
                         print(f"{op:<13}{precision:<6}{m:>7}  {shape:<7}{ps:<15}{cells}")
-                        for path in paths:
+                        for path in op_paths:
                             rows.append(dict(
                                 common, op=op, heads=heads, dim=dim, seq=27, batch=m, precision=precision,
                                 path=path, **{"pass": ps}, ms=round(times[path][ps], 5),
@@ -574,7 +593,7 @@ def main(configs, batches, precisions, paths, what, blocks, attention_shapes, lo
     if what == "attention":
         run_attention(
             [int(b) for b in batches.split(",")], precisions.split(","), attention_shapes.split(","),
-            (paths or ",".join(BLOCK_PATHS)).split(","), common,
+            (paths or ",".join(ATTENTION_PATHS)).split(","), common,
         )  # fmt: skip
         return
     rows, summary = [], []
