@@ -129,7 +129,11 @@ def test_backends_agree_on_every_option(small_sample, tmp_path, initial_weights,
     # steps, their update by its whole norm (1.0): `assert_updates_agree` sees them.
     for name in runs.keys() - {"eager"}:
         torch.testing.assert_close(curves[name], curves["eager"], rtol=1e-5, atol=1e-5, msg=name)
-    assert_updates_agree(initial_weights, [tmp_path / name for name in runs], rtol=1e-5)
+    # The updates' tolerance is wider than the curves': the logit layer starts at zero weights (the base
+    # rate), so the tables get no gradient in the first step and small ones after, and the same absolute
+    # rounding is a larger share of a small update (measured up to 2e-4 of its norm, attention; 5e-5,
+    # swiglu). 1e-3 still sees a frozen part, off by 1.0.
+    assert_updates_agree(initial_weights, [tmp_path / name for name in runs], rtol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["main_ln", "main_gated", "main_attention"])

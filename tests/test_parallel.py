@@ -373,7 +373,9 @@ def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_pa
     last = CliRunner().invoke(
         evaluate_cli.main, ["--checkpoint", str(run / "checkpoints" / "last"), "--data", str(criteo_sample)]
     )
-    assert abs(json.loads(last.output.splitlines()[-1])["logloss"] - metrics["test_logloss"]) > 1e-4
+    # Other weights than best's: off by more than the 1e-6 that the equalities above allow (the model starts
+    # at the base rate, so 2 more steps of the tiny config move the logloss by a few 1e-6 only).
+    assert abs(json.loads(last.output.splitlines()[-1])["logloss"] - metrics["test_logloss"]) > 1e-6
     events = EventAccumulator(str(run))
     events.Reload()
     assert [e.step for e in events.Scalars("test/auc")] == [2]
