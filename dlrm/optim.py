@@ -9,9 +9,9 @@ with g the gradient plus weight_decay * p for dense gradients (as torch.optim do
 accumulator ("sum", starting at `initial_accumulator_value`).
 
 `lr` and `weight_decay` are each param group's numbers, as in torch.optim.SGD (the config's values:
-checkpoints save them and `--resume` compares them with the config's); `scale` is `SGD.lr_scale`, a 0-d fp32
-tensor on the parameters' device that the learning-rate schedule writes in place between steps
-(dlrm.lr_schedule). The step reads it on the device, so a step captured once in a CUDA graph
+checkpoints save them and `--resume` compares them with the config's); `scale` is the optimizer's
+`lr_scale`, a 0-d fp32 tensor on the parameters' device that the learning-rate schedule writes in place
+between steps (dlrm.lr_schedule). The step reads it on the device, so a step captured once in a CUDA graph
 (dlrm.graphs) applies the scale of each replay, and no step waits for the host.
 
 Why not torch.optim.Adagrad: its step count lives on the host (or as a tensor read with `.item()`), which a

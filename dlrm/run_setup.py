@@ -60,7 +60,7 @@ def set_up(
     if world_size > 1:  # config / world-size mismatches: one-line errors before the process group
         ranks.check_world(cfg, world_size)
     dist, device = parallel.init_distributed(t.device, cfg.parallel.timeout_s)  # single process: no-op
-    cfg = resolve_cuda_graphs(cfg, device, dist.world_size)
+    cfg = resolve_cuda_graphs(cfg, device)
     t = cfg.train
     run_dir = output_dir if output_dir or resume is None else resume.parent.parent
     if dist.is_main:

@@ -58,12 +58,12 @@ def set_precision(precision: str) -> None:
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
 
 
-def resolve_cuda_graphs(cfg: RunConfig, device: torch.device, world_size: int) -> RunConfig:
+def resolve_cuda_graphs(cfg: RunConfig, device: torch.device) -> RunConfig:
     """`cfg` with `train.cuda_graphs` decided: null (the default) becomes true for `use_triton` on a CUDA
     device where the whole-step graph works, else false, with one log line saying why when `use_triton` on
     CUDA runs without it (launched from Python, our custom ops cost more host time than they save).
     "Works" is what dlrm.config accepts for `cuda_graphs` true (its rules, one place), on one GPU or many
-    (`world_size` ranks: the exchanges and the dense all-reduce are captured in the graph too).
+    ranks alike (there the exchanges and the dense all-reduce are captured in the graph too).
     True or false stay as given (true is validated by dlrm.config)."""
     t = cfg.train
     if t.cuda_graphs is not None:
