@@ -22,6 +22,7 @@ GATES = ("sigmoid_tanh", "geglu", "swiglu")
 OPTIMIZERS = ("sgd", "adagrad")
 PRECISIONS = ("fp32", "tf32", "bf16")
 COMPILE_MODES = ("default", "reduce-overhead")
+EXCHANGE_DTYPES = ("auto", "fp32", "bf16")
 TRITON_MLP_KERNELS = ("linear_act", "bias_act", "cuda_bias_act")
 ON_NONFINITE = ("stop", "skip_batch")
 SELECT_ON = ("logloss", "auc")
@@ -208,13 +209,19 @@ class ParallelConfig:
 
     `row_wise`: split tables larger than `row_wise_bytes` (bytes of weights + optimizer state; null: the
     total over the world size, an even share per rank) over several ranks by rows; false places every table
-    whole on one rank (table-wise), which needs no more ranks than tables. `timeout_s`: how long a
+    whole on one rank (table-wise), which needs no more ranks than tables. `data_parallel_rows`: tables of
+    at most this many rows are replicated on every rank (data parallel); null: the planner's cost model
+    (tables whose gradient all-reduce moves fewer bytes than their exchange); 0: none. `exchange_dtype`:
+    "auto" (the lookup's dtype), "fp32" or "bf16", the embedding vectors' and gradients' dtype on the wire.
+    `timeout_s`: how long a
     collective may wait before the process group fails it, and how long a rank may go without a heartbeat
     before the others end the run (env DLRM_TIMEOUT_S overrides it).
     """
 
     row_wise: bool = True
     row_wise_bytes: int | None = None
+    data_parallel_rows: int | None = None
+    exchange_dtype: str = "auto"
     timeout_s: float = 300.0
 
 
@@ -460,6 +467,11 @@ def validate(cfg: RunConfig) -> RunConfig:
             "a positive integer or null",
             par.row_wise_bytes,
         )
+    if par.data_parallel_rows is not None:
+        rows = par.data_parallel_rows
+        _require(rows >= 0, "parallel.data_parallel_rows", "an integer >= 0 or null", rows)
+    exchange = par.exchange_dtype
+    _require(exchange in EXCHANGE_DTYPES, "parallel.exchange_dtype", f"one of {EXCHANGE_DTYPES}", exchange)
     _require(par.timeout_s > 0, "parallel.timeout_s", "a positive number (seconds)", par.timeout_s)
     return cfg
 

@@ -435,12 +435,15 @@ class DLRM(nn.Module):
 
 
 def embedding_parameters(table_archs: list[nn.Module]) -> list[nn.Parameter]:
-    """The parameters of the tables that a torch optimizer updates: not frozen, not kernel "triton"."""
+    """The parameters of the tables that a torch optimizer updates: not frozen; of kernel "triton" tables
+    only the replicated ones of a sharded model (dense gradients: `replicated_parameters`)."""
     return [
         p
         for arch in table_archs
-        if arch.kernel != "triton" and not getattr(arch, "frozen", False)
-        for p in arch.parameters()
+        if not getattr(arch, "frozen", False)
+        for p in (
+            arch.parameters() if arch.kernel != "triton" else getattr(arch, "replicated_parameters", list)()
+        )
     ]
 
 
