@@ -39,6 +39,7 @@ from torch.profiler import record_function
 from dlrm.model.dlrm import SPARSE_KERNELS, SparseArch
 from dlrm.model.tables import register_vocabularies
 from dlrm.parallel.planner import ShardingPlan
+from kernels.embedding import embedding_lookup, embedding_update, optimizer_state
 
 
 class AllToAll(torch.autograd.Function):
@@ -90,6 +91,29 @@ class ToTableOrder(torch.autograd.Function):
         replicated = blocks[-1]
         grad_local = torch.stack([grad[:, f] for f in replicated], dim=1) if replicated else None
         return grad_back, grad_local, None, None, None, None
+
+
+class ReplicatedLookup(torch.autograd.Function):
+    """weights [R_r, D] fp32 (the replicated tables, batched), index [b, n_r] int64 rows of it -> vectors
+    [b, n_r, D]; backward gives the dense gradient [R_r, D] fp32, each row's summed gradient, by the
+    embedding kernel's SGD update with lr -1 into zeros: one kernel of atomic adds, where torch's embedding
+    backward sorts the b n_r indices (several times slower at the batches a GPU runs)."""
+
+    @staticmethod
+    def forward(ctx, weights: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.shape = weights.shape
+        return F.embedding(index, weights)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        grad_weights = grad.new_zeros(ctx.shape, dtype=torch.float32)
+        minus_one = torch.full((), -1.0, device=grad.device)
+        embedding_update(
+            grad_weights, optimizer_state(grad_weights, "sgd"), index, grad, "sgd", minus_one, 0.0
+        )
+        return grad_weights, None
 
 
 def exchange(x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
@@ -255,7 +279,7 @@ class ShardedSparseArch(nn.Module):
         if self.replicated_weights is None:
             return self.weights.new_zeros(rows.shape[0], 0, self.weights.shape[1])
         local = rows.index_select(1, self.replicated_tables) + self.replicated_offsets
-        return F.embedding(local, self.replicated_weights)
+        return ReplicatedLookup.apply(self.replicated_weights, local)
 
     def _destinations(self, b: int) -> Tensor:
         """[b * S] int64: the row of [b * F] (sample i, table f -> i * F + f) of each vector received from
@@ -277,8 +301,6 @@ class ShardedSparseArch(nn.Module):
         if local.shape[1] == 0:  # a rank without shards still takes part in the exchange, both ways
             return self.weights.new_zeros(local.shape[0], 0, d).requires_grad_(torch.is_grad_enabled())
         if self.kernel == "triton":
-            from kernels.embedding import embedding_lookup
-
             if self.optimizer is None and torch.is_grad_enabled():
                 raise ValueError(
                     "ShardedSparseArch(kernel='triton'): call configure_optimizer before training"
