@@ -39,7 +39,8 @@ from torch.profiler import record_function
 from dlrm.model.dlrm import SPARSE_KERNELS, SparseArch
 from dlrm.model.tables import register_vocabularies
 from dlrm.parallel.planner import ShardingPlan
-from kernels.embedding import embedding_lookup, embedding_update, optimizer_state
+from kernels.embedding import embedding_lookup, embedding_lookup_fwd, embedding_update, optimizer_state
+from kernels.launch import use_triton
 
 
 class AllToAll(torch.autograd.Function):
@@ -94,16 +95,23 @@ class ToTableOrder(torch.autograd.Function):
 
 
 class ReplicatedLookup(torch.autograd.Function):
-    """weights [R_r, D] fp32 (the replicated tables, batched), index [b, n_r] int64 rows of it -> vectors
-    [b, n_r, D]; backward gives the dense gradient [R_r, D] fp32, each row's summed gradient, by the
-    embedding kernel's SGD update with lr -1 into zeros: one kernel of atomic adds, where torch's embedding
-    backward sorts the b n_r indices (several times slower at the batches a GPU runs)."""
+    """The replicated tables' lookup: weights [R_r, D] fp32 (table-batched, table j from row offsets[j] of
+    rows[j]), rows [b, n_r] int64 within each table -> vectors [b, n_r, D] fp32; backward gives the dense
+    gradient [R_r, D] fp32, each row's summed gradient. On a GPU both are the embedding kernels: the lookup,
+    and the SGD update with lr -1 into zeros (one kernel of atomic adds). torch's embedding is several times
+    slower there at the batches a GPU runs: its forward gathers D-value rows one thread block each, its
+    backward sorts the b n_r indices."""
 
     @staticmethod
-    def forward(ctx, weights: Tensor, index: Tensor) -> Tensor:
+    def forward(ctx, weights: Tensor, offsets: Tensor, table_rows: Tensor, rows: Tensor) -> Tensor:
+        if use_triton(weights):
+            out, index = embedding_lookup_fwd(weights, offsets, table_rows, rows, "index")
+        else:
+            index = rows + offsets
+            out = F.embedding(index, weights)
         ctx.save_for_backward(index)
         ctx.shape = weights.shape
-        return F.embedding(index, weights)
+        return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -113,7 +121,7 @@ class ReplicatedLookup(torch.autograd.Function):
         embedding_update(
             grad_weights, optimizer_state(grad_weights, "sgd"), index, grad, "sgd", minus_one, 0.0
         )
-        return grad_weights, None
+        return grad_weights, None, None, None
 
 
 def exchange(x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
@@ -203,6 +211,7 @@ class ShardedSparseArch(nn.Module):
         self.register_buffer(
             "replicated_offsets", as_tensor([0, *replicated_rows[:-1]]).cumsum(0), persistent=False
         )
+        self.register_buffer("replicated_rows", as_tensor(replicated_rows), persistent=False)
         self.register_buffer("offsets", as_tensor([0, *shard_rows[:-1]]).cumsum(0), persistent=False)
         self.register_buffer("shard_rows", as_tensor(shard_rows), persistent=False)
         self.register_buffer(
@@ -278,8 +287,10 @@ class ShardedSparseArch(nn.Module):
         gradient); [b, 0, D] without replicated tables."""
         if self.replicated_weights is None:
             return self.weights.new_zeros(rows.shape[0], 0, self.weights.shape[1])
-        local = rows.index_select(1, self.replicated_tables) + self.replicated_offsets
-        return ReplicatedLookup.apply(self.replicated_weights, local)
+        local = rows.index_select(1, self.replicated_tables)
+        return ReplicatedLookup.apply(
+            self.replicated_weights, self.replicated_offsets, self.replicated_rows, local
+        )
 
     def _destinations(self, b: int) -> Tensor:
         """[b * S] int64: the row of [b * F] (sample i, table f -> i * F + f) of each vector received from
