@@ -4,6 +4,8 @@ from pathlib import Path
 
 import click
 
+from dlrm.choices import DEVICES, SPLITS
+
 checkpoint_option = click.option(
     "--checkpoint",
     "checkpoint_path",
@@ -16,7 +18,7 @@ checkpoint_option = click.option(
 # The splits of a preprocessed data directory (dlrm.data.splits); test, the reported one, by default.
 split_option = click.option(
     "--split",
-    type=click.Choice(["train", "val", "test"]),
+    type=click.Choice(SPLITS),
     default="test",
     help="Split of a preprocessed data directory: test (what a run reports), val (what selected best.pt), "
     "or train.",
@@ -24,7 +26,7 @@ split_option = click.option(
 
 device_option = click.option(
     "--device",
-    type=click.Choice(["auto", "cpu", "cuda"]),
+    type=click.Choice(DEVICES),
     default="auto",
     help="Where the model runs (auto: cuda when available).",
 )

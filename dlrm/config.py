@@ -12,19 +12,21 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-DEVICES = ("auto", "cpu", "cuda")
-ARCHS = ("dlrm", "logistic")
-HASHINGS = ("modulus", "vocab")
-LOADERS = ("memory", "gpu_resident", "streaming", "binary")
-INTERACTIONS = ("dot", "cat", "attention")
-MLP_BLOCKS = ("linear_act", "ln_linear_gelu", "gated")
-GATES = ("sigmoid_tanh", "geglu", "swiglu")
-OPTIMIZERS = ("sgd", "adagrad")
-PRECISIONS = ("fp32", "tf32", "bf16")
-COMPILE_MODES = ("default", "reduce-overhead")
-TRITON_MLP_KERNELS = ("linear_act", "bias_act", "cuda_bias_act")
-ON_NONFINITE = ("stop", "skip_batch")
-SELECT_ON = ("logloss", "auc")
+from dlrm.choices import (
+    ARCHS,
+    COMPILE_MODES,
+    DEVICES,
+    GATES,
+    HASHINGS,
+    INTERACTIONS,
+    LOADERS,
+    MLP_BLOCKS,
+    ON_NONFINITE,
+    OPTIMIZERS,
+    PRECISIONS,
+    SELECT_ON,
+    TRITON_MLP_KERNELS,
+)
 
 
 @dataclass(frozen=True)
@@ -242,12 +244,12 @@ class RunConfig:
 
     @property
     def mlp_kernel(self) -> str:
-        """How the model's MLP layers run (dlrm.model.mlp.MLP_KERNELS)."""
+        """How the model's MLP layers run (dlrm.choices.MLP_KERNELS)."""
         return self.train.triton_mlp_kernel if self.train.use_triton else "torch"
 
     @property
     def sparse_kernel(self) -> str:
-        """How the embeddings, interaction and loss run (dlrm.model.dlrm.SPARSE_KERNELS)."""
+        """How the embeddings, interaction and loss run (dlrm.choices.SPARSE_KERNELS)."""
         return "triton" if self.train.use_triton else "torch"
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import click
 
 from dlrm.checkpoint import load_checkpoint, save_checkpoint
+from dlrm.choices import DEVICES
 from dlrm.config import LoraConfig, RunConfig, from_dict, load_config, replace
 from dlrm.errors import cli_errors
 from dlrm.model import model_from_checkpoint
@@ -109,7 +110,7 @@ def merge_checkpoint(checkpoint: Path, output: Path) -> dict:
 )
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Overrides train.max_steps.")
 @click.option("--use-triton", is_flag=True, help="Our Triton kernels (the fused LoRA layer among them).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None)
+@click.option("--device", type=click.Choice(DEVICES), default=None)
 def main(
     checkpoint, config_path, lora_rank, lora_alpha, freeze_embeddings, merge, output, output_dir, max_steps,
     use_triton, device,

@@ -15,7 +15,8 @@ from pathlib import Path
 import click
 
 from dlrm import parallel, progress
-from dlrm.config import TRITON_MLP_KERNELS, load_config, replace
+from dlrm.choices import COMPILE_MODES, DEVICES, PRECISIONS, TRITON_MLP_KERNELS
+from dlrm.config import load_config, replace
 from dlrm.errors import Interrupted, RunStopped, cli_errors
 from dlrm.loop import train
 
@@ -33,7 +34,7 @@ from dlrm.loop import train
 )
 @click.option(
     "--compile-mode",
-    type=click.Choice(["default", "reduce-overhead"]),
+    type=click.Choice(COMPILE_MODES),
     default=None,
     help="With --use-torch-compile: torch.compile's mode; reduce-overhead adds Inductor's CUDA graphs. "
     "Overrides train.compile_mode.",
@@ -62,7 +63,7 @@ from dlrm.loop import train
 )
 @click.option(
     "--precision",
-    type=click.Choice(["fp32", "tf32", "bf16"]),
+    type=click.Choice(PRECISIONS),
     default=None,
     help="Overrides train.precision: fp32, tf32 (TF32 matmuls) or bf16 (autocast MLPs and interaction).",
 )
@@ -89,7 +90,7 @@ from dlrm.loop import train
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after N training steps.")
 @click.option(
     "--device",
-    type=click.Choice(["auto", "cpu", "cuda"]),
+    type=click.Choice(DEVICES),
     default=None,
     help="Overrides train.device from the config.",
 )
