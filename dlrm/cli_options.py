@@ -30,3 +30,15 @@ device_option = click.option(
     default="auto",
     help="Where the model runs (auto: cuda when available).",
 )
+
+# Any config key from the command line (dlrm.config.apply_overrides), after the config file; a command's
+# own flags (--use-triton, --max-steps, ...) are applied after these.
+set_option = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Set any config key, e.g. --set train.lr=0.05 --set model.embedding_dim=32 (the dotted key of a "
+    "config file; VALUE is read as JSON, else as a string). Repeatable; applied after the config file, "
+    "before the other flags, and validated as the file is.",
+)
