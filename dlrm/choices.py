@@ -20,7 +20,7 @@ MLP_BLOCKS = ("linear_act", "ln_linear_gelu", "gated")  # model.mlp_block
 GATES = ("sigmoid_tanh", "geglu", "swiglu")  # model.gate
 
 # train
-OPTIMIZERS = ("sgd", "adagrad")  # train.optimizer
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")  # train.optimizer
 DEVICES = ("auto", "cpu", "cuda")  # train.device, --device
 PRECISIONS = ("fp32", "tf32", "bf16")  # train.precision, --precision
 COMPILE_MODES = ("default", "reduce-overhead")  # train.compile_mode

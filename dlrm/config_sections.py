@@ -124,6 +124,9 @@ class LrScheduleConfig:
 class TrainConfig:
     """Optimization and loop settings.
 
+    `optimizer`: "sgd", "adagrad" or "rowwise_adagrad" (Adagrad with one accumulator per embedding-table
+    row, the mean of the squared gradient over its D values, as FBGEMM / TorchRec's EXACT_ROWWISE_ADAGRAD:
+    the tables' optimizer state is [rows] instead of [rows, D]; the MLPs take plain Adagrad). dlrm.optim.
     `embedding_lr` defaults to `lr`; `lr_schedule` scales both over the steps (warm-up and decay,
     LrScheduleConfig; constant by default). `eval_interval` (steps) of null evaluates at each epoch's end
     only.
@@ -133,14 +136,14 @@ class TrainConfig:
     `patience`: stop after this many evaluations without a better `select_on` (null: never stop early).
     `use_torch_compile` compiles the dense part with Inductor, in `compile_mode` "default" or
     "reduce-overhead" (Inductor also captures the compiled part as CUDA graphs). `use_triton` runs the
-    model on our Triton kernels: table-batched embeddings whose backward applies the optimizer (SGD or
-    Adagrad) to the touched rows, the dot interaction, the loss, and the MLP layers, which
+    model on our Triton kernels: table-batched embeddings whose backward applies the optimizer (any of
+    the three) to the touched rows, the dot interaction, the loss, and the MLP layers, which
     `triton_mlp_kernel` picks: "linear_act" (GEMM + bias + activation fused) or "bias_act" (cuBLAS GEMM,
     then fused bias + activation), or "cuda_bias_act" (bias_act's CUDA C++ twin, built with nvcc on first
     use; CUDA only).
     Both flags may be set. `cuda_graphs` captures the whole training step once as a CUDA graph and
     replays it, and evaluations replay the forward as a graph too (dlrm.graphs); true needs `use_triton`,
-    whose steps have no host sync (either optimizer).
+    whose steps have no host sync (any optimizer).
     null (the default) takes it wherever it works: `use_triton` on CUDA devices (one or many ranks),
     compile_mode "default" (dlrm.step.resolve_cuda_graphs; the log says why when it cannot); false: never.
     `precision` of the training step's MLPs and interaction: "fp32", "tf32" (fp32 tensors, TF32 tensor-core

@@ -1,10 +1,13 @@
 """Tests for dlrm/optim.py: the dense SGD and Adagrad whose lr is scaled by a device tensor, read without a
 host sync."""
 
+import math
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dlrm.data.schema import NUM_SPARSE
 from dlrm.optim import SGD, Adagrad
 
 
@@ -149,3 +152,72 @@ def test_adagrad_bad_arguments():
         Adagrad([torch.zeros(1, requires_grad=True)], lr=0.0)
     with pytest.raises(ValueError, match="initial_accumulator_value must be >= 0"):
         Adagrad([torch.zeros(1, requires_grad=True)], lr=0.1, initial_accumulator_value=-1.0)
+
+
+def _rowwise_reference(table, sums, updates, lr, eps):
+    """Row-wise Adagrad written out row by row: for each touched row r with summed gradient g [D],
+    s_r += sum(g^2) / D, then w_r -= lr * g / (sqrt(s_r) + eps)."""
+    for r, g in updates.items():
+        sums[r] += sum(float(v) ** 2 for v in g) / len(g)
+        table[r] -= lr * g / (math.sqrt(sums[r]) + eps)
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse-grad", "dense-grad"])
+def test_rowwise_adagrad_is_the_row_by_row_reference(sparse):
+    """Three steps of fresh gradients on a [11, 4] table (rows hit twice in a step, rows never hit): the
+    weights and the [11] accumulators of the written-out update. The sums differ only in fp32 order."""
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(11, 4, generator=g).requires_grad_()
+    expected, sums = table.detach().double().clone(), [0.1] * 11
+    lr, eps = 0.05, 1e-3
+    optimizer = Adagrad([{"params": [table], "rowwise": True}], lr=lr, eps=eps, initial_accumulator_value=0.1)
+    optimizer.lr_scale.fill_(0.5)
+    for step in range(3):
+        rows = torch.tensor([0, 3, 3, 10, step])  # row 3 twice; rows 1, 5.. never
+        values = torch.randn(5, 4, generator=g)
+        grad = torch.sparse_coo_tensor(rows[None], values, (11, 4))
+        table.grad = grad if sparse else grad.to_dense()
+        optimizer.step()
+        updates = {}
+        for r, v in zip(rows.tolist(), values.double(), strict=True):
+            updates[r] = updates.get(r, 0) + v
+        _rowwise_reference(expected, sums, updates, lr * 0.5, eps)
+    assert optimizer.state[table]["sum"].shape == (11,)
+    torch.testing.assert_close(
+        optimizer.state[table]["sum"].double(), torch.tensor(sums, dtype=torch.float64), rtol=1e-6, atol=0
+    )
+    torch.testing.assert_close(table.detach().double(), expected, rtol=1e-6, atol=1e-7)
+    assert torch.equal(table.detach()[1], expected[1].float())  # never touched: unchanged
+
+
+def test_rowwise_adagrad_takes_tables_only():
+    with pytest.raises(ValueError, match=r"rowwise group takes \[rows, D\] tables, got \[3\]"):
+        Adagrad([{"params": [torch.zeros(3, requires_grad=True)], "rowwise": True}], lr=0.1)
+
+
+def test_rowwise_adagrad_agrees_with_the_triton_tables():
+    """The "triton" tables (kernels/embedding.py's fused update, the interpreter on a CPU) and the "torch"
+    tables with make_optimizer's row-wise group: same start, same ids and upstream gradients, three steps:
+    the same weights and per-row accumulators, to fp32 summation order."""
+    from dlrm.model.dlrm import SparseArch
+
+    rows, dim, lr = [7] * NUM_SPARSE, 4, 0.05
+    torch.manual_seed(0)
+    triton = SparseArch(dim, rows, kernel="triton")
+    torch.manual_seed(0)
+    eager = SparseArch(dim, rows, kernel="torch")
+    triton.configure_optimizer("rowwise_adagrad", lr)
+    optimizer = Adagrad([{"params": list(eager.parameters()), "rowwise": True}], lr=lr)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(-1, 20, (5, NUM_SPARSE), generator=g)  # repeats and missing (-1) ids
+        upstream = torch.randn(5, NUM_SPARSE, dim, generator=g)
+        (triton(ids) * upstream).sum().backward()
+        (eager(ids) * upstream).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    sums = torch.cat([optimizer.state[table.weight]["sum"] for table in eager.embeddings])
+    assert sums.shape == triton.optimizer_state.shape == (sum(rows),) and sums.abs().sum() > 0
+    torch.testing.assert_close(triton.optimizer_state, sums, rtol=1e-6, atol=1e-9)
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(triton.state_dict()[key], value, rtol=1e-6, atol=1e-7, msg=key)
