@@ -221,3 +221,61 @@ def test_rowwise_adagrad_agrees_with_the_triton_tables():
     torch.testing.assert_close(triton.optimizer_state, sums, rtol=1e-6, atol=1e-9)
     for key, value in eager.state_dict().items():
         torch.testing.assert_close(triton.state_dict()[key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_rowwise_adagrad_reaches_both_table_kernels():
+    """make_optimizer with train.optimizer "rowwise_adagrad": the "triton" tables (the DLRM's and the
+    first-order ones) get the kernel's row-wise update with [rows] state; the "torch" tables a row-wise
+    group; the MLPs plain Adagrad."""
+    from dlrm.config import RunConfig, replace
+    from dlrm.model import make_model
+    from dlrm.step import make_optimizer
+
+    cfg = replace(replace(RunConfig(), "model", first_order=True), "train", optimizer="rowwise_adagrad")
+    rows = [5] * NUM_SPARSE
+    triton = make_model(cfg.model, table_rows=rows, sparse_kernel="triton")
+    optimizer = make_optimizer(triton, cfg)
+    for tables in triton.table_archs():
+        assert tables.optimizer[0] == "rowwise_adagrad" and tables.optimizer_state.shape == (sum(rows),)
+    assert [g["rowwise"] for g in optimizer.param_groups] == [False]
+    eager = make_model(cfg.model, table_rows=rows)
+    optimizer = make_optimizer(eager, cfg)
+    assert [g["rowwise"] for g in optimizer.param_groups] == [False, True]
+    tables = optimizer.param_groups[1]["params"]
+    assert len(tables) == 2 * NUM_SPARSE and all(optimizer.state[p]["sum"].shape == (5,) for p in tables)
+
+
+def test_rowwise_adagrad_trains_and_resumes(criteo_sample, tmp_path):
+    """tiny.json with --set train.optimizer=rowwise_adagrad through the CLI: the checkpoint holds one
+    accumulator per table row, and a run resumes from it."""
+    from click.testing import CliRunner
+
+    from dlrm import train as train_cli
+    from tests.test_train import TINY, _losses
+
+    def run(*flags):
+        args = ["--config", str(TINY), "--set", f"data.path={criteo_sample}", "--set", "train.log_interval=1",
+                "--set", "train.optimizer=rowwise_adagrad", "--set", "profiler.enabled=false",
+                "--device", "cpu", "--output-dir", str(tmp_path / "run"), *flags]  # fmt: skip
+        result = CliRunner().invoke(train_cli.main, args)
+        assert result.exit_code == 0, result.output
+        return _losses(tmp_path / "run")
+
+    assert len(run("--max-steps", "3")) == 3
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    optimizer = torch.load(last, weights_only=True)["optimizer"]
+    tables = optimizer["param_groups"][1]
+    assert tables["rowwise"] and len(tables["params"]) == NUM_SPARSE
+    sums = [optimizer["state"][i]["sum"] for i in tables["params"]]
+    assert all(s.dim() == 1 for s in sums) and sum(s.abs().sum() for s in sums) > 0
+    assert len(run("--max-steps", "5", "--resume", str(last))) == 5
+
+
+def test_rowwise_adagrad_is_refused_on_many_ranks():
+    from dlrm.config import RunConfig, replace
+    from dlrm.parallel.run import check_world
+
+    cfg = replace(RunConfig(), "train", optimizer="rowwise_adagrad")
+    with pytest.raises(ValueError, match='^train.optimizer: "rowwise_adagrad" is not supported on many'):
+        check_world(cfg, 2)
+    check_world(replace(cfg, "train", optimizer="adagrad"), 2)
