@@ -22,12 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from dlrm.choices import HASHINGS, INTERACTIONS, SPARSE_KERNELS
 from dlrm.config import AttentionConfig, ModelConfig
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model.mlp import MLP
 from dlrm.model.tables import register_vocabularies, vocabulary_rows
 
-SPARSE_KERNELS = ("torch", "triton")
+# The config's hashings and "index": ids that are rows already (SparseArch's docstring).
+_HASHINGS = (*HASHINGS, "index")
 
 
 class DenseArch(nn.Module):
@@ -97,8 +99,8 @@ class SparseArch(nn.Module):
                 raise ValueError(f"hashing 'vocab' needs {NUM_SPARSE} vocabularies")
             table_rows = [len(v) + 1 for v in vocabularies]
             register_vocabularies(self, vocabularies)
-        elif hashing not in ("modulus", "index"):
-            raise ValueError(f"unknown hashing {hashing!r}: expected 'modulus', 'vocab' or 'index'")
+        elif hashing not in _HASHINGS:
+            raise ValueError(f"unknown hashing {hashing!r}: expected one of {_HASHINGS}")
         if table_rows is None or len(table_rows) != NUM_SPARSE:
             raise ValueError(f"expected {NUM_SPARSE} table sizes, got {table_rows!r}")
         self.hashing = hashing
@@ -233,8 +235,8 @@ class InteractionArch(nn.Module):
         if kernel not in SPARSE_KERNELS:
             raise ValueError(f"unknown interaction kernel {kernel!r}: expected one of {SPARSE_KERNELS}")
         self.kernel = kernel
-        if interaction not in ("dot", "cat", "attention"):
-            raise ValueError(f"unknown interaction {interaction!r}: expected 'dot', 'cat' or 'attention'")
+        if interaction not in INTERACTIONS:
+            raise ValueError(f"unknown interaction {interaction!r}: expected one of {INTERACTIONS}")
         self.interaction = interaction
         n = num_sparse + 1
         li, lj = torch.tril_indices(n, n, offset=-1)
