@@ -16,7 +16,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ARCHS = ("dlrm", "logistic")
 HASHINGS = ("modulus", "vocab")
 LOADERS = ("memory", "gpu_resident", "streaming", "binary")
-INTERACTIONS = ("dot", "cat", "attention")
+INTERACTIONS = ("dot", "cat", "attention", "dcn")
 MLP_BLOCKS = ("linear_act", "ln_linear_gelu", "gated")
 GATES = ("sigmoid_tanh", "geglu", "swiglu")
 OPTIMIZERS = ("sgd", "adagrad")
@@ -65,6 +65,15 @@ class AttentionConfig:
 
 
 @dataclass(frozen=True)
+class DcnConfig:
+    """The "dcn" interaction (DCNv2's low-rank cross network): `layers` cross layers of rank `low_rank`
+    over the (F + 1) D features (dlrm.model.dcn)."""
+
+    layers: int = 3
+    low_rank: int = 512
+
+
+@dataclass(frozen=True)
 class LoraConfig:
     """Low-rank adapters on every MLP layer (`python -m dlrm.finetune`): rank 0 is off. With `rank` r > 0
     each layer is act(x W^T + (alpha / r) (x A^T) B^T + b) with W, b (and every other dense weight) frozen
@@ -85,7 +94,7 @@ class ModelConfig:
     `arch`: "dlrm" (dlrm.model.dlrm.DLRM) or "logistic" (dlrm.model.logistic: logit = bias + a linear layer
     over the dense features + one weight per table row of each sparse feature, on the same tables and
     hashing; no embeddings, MLPs or interaction, so the keys that shape those, `embedding_dim`, `bottom_mlp`,
-    `top_mlp`, `interaction`, `mlp_block`, `gate`, `attention` and `lora`, must keep their defaults).
+    `top_mlp`, `interaction`, `mlp_block`, `gate`, `attention`, `dcn` and `lora`, must keep their defaults).
     `first_order`: add those first-order ("wide") terms to the DLRM logit (dlrm.model.first_order); they
     start at zero, so the model starts as the plain DLRM. A "logistic" model is those terms alone, with or
     without the key. Neither runs on many ranks yet (dlrm.parallel.run.check_world refuses them).
@@ -101,7 +110,9 @@ class ModelConfig:
     read by "gated" only). See dlrm.model.mlp.
     `interaction`: "dot" (FB-DLRM's pairwise dot products), "cat" (concatenation) or "attention"
     (AutoInt-style self-attention over the feature vectors, shaped by `attention`: {heads, layers, dim};
-    missing categorical values are masked out as keys). See dlrm.model.dlrm.InteractionArch.
+    missing categorical values are masked out as keys) or "dcn" (DCNv2's low-rank cross network over the
+    concatenated F + 1 vectors, shaped by `dcn`: {layers, low_rank}; dlrm.model.dcn). See
+    dlrm.model.dlrm.InteractionArch.
     `embedding_dim`: D, the columns of every embedding table. `lora`: low-rank adapters on the MLP layers
     (LoraConfig; `python -m dlrm.finetune`).
     """
@@ -119,6 +130,7 @@ class ModelConfig:
     mlp_block: str = "linear_act"
     gate: str = "sigmoid_tanh"
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    dcn: DcnConfig = field(default_factory=DcnConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -326,6 +338,7 @@ _DLRM_ONLY = (
     "mlp_block",
     "gate",
     "attention",
+    "dcn",
     "lora",
 )
 
@@ -382,6 +395,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _require(a.heads > 0, "model.attention.heads", "a positive integer", a.heads)
     _require(a.layers > 0, "model.attention.layers", "a positive integer", a.layers)
     _require(0 < a.dim <= 256, "model.attention.dim", "an integer in 1..256 (features per head)", a.dim)
+    _require(m.dcn.layers > 0, "model.dcn.layers", "a positive integer", m.dcn.layers)
+    _require(m.dcn.low_rank > 0, "model.dcn.low_rank", "a positive integer", m.dcn.low_rank)
     lora = m.lora
     _require(0 <= lora.rank <= 128, "model.lora.rank", "an integer in 0..128 (0: no adapters)", lora.rank)
     if lora.alpha is not None:
