@@ -152,8 +152,9 @@ class TrainConfig:
     """Optimization and loop settings.
 
     `embedding_lr` defaults to `lr`; `lr_schedule` scales both over the steps (warm-up and decay,
-    LrScheduleConfig; constant by default). `eval_interval` (steps) of null evaluates at each epoch's end
-    only.
+    LrScheduleConfig; constant by default). `adagrad_eps`: Adagrad's eps, added to sqrt(sum) in the
+    denominator, for the dense weights and the tables alike (the accumulators start at 0).
+    `eval_interval` (steps) of null evaluates at each epoch's end only.
     `select_on`: the val metric that picks checkpoints/best.pt and that early stopping follows: "logloss"
     (lower is better; the default) or "auc" (higher is better). AUC ranks rows and is blind to calibration,
     so a model that predicts twice the click rate can win on it; logloss scores the probabilities.
@@ -182,6 +183,7 @@ class TrainConfig:
     optimizer: str = "sgd"
     lr: float = 0.1
     embedding_lr: float | None = None
+    adagrad_eps: float = 1e-10
     lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)
     weight_decay: float = 0.0
     epochs: int = 1
@@ -431,6 +433,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     if t.embedding_lr is not None:
         ok = 0 < t.embedding_lr < math.inf
         _require(ok, "train.embedding_lr", "a positive finite number or null", t.embedding_lr)
+    _require(0 <= t.adagrad_eps < math.inf, "train.adagrad_eps", "a finite number >= 0", t.adagrad_eps)
     validate_lr_schedule(t.lr_schedule)
     _require(0 <= t.weight_decay < math.inf, "train.weight_decay", "a finite number >= 0", t.weight_decay)
     _require(t.epochs > 0, "train.epochs", "a positive integer", t.epochs)

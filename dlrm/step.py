@@ -83,18 +83,18 @@ def make_optimizer(model: Model, cfg: RunConfig) -> torch.optim.Optimizer:
     and the embedding tables, the first-order tables among them (sparse gradients, `embedding_lr`, no weight
     decay: decaying every row each step would make the update dense). With the "triton" sparse kernel the
     tables are not in the optimizer: the same update (lr `embedding_lr`, held in each table set's device
-    tensor `lr`, Adagrad's default eps) is fused into the embedding kernel's backward."""
+    tensor `lr`, `adagrad_eps`) is fused into the embedding kernel's backward."""
     t = cfg.train
     embedding_lr = t.embedding_lr or t.lr
     groups = [{"params": model.dense_parameters(), "lr": t.lr, "weight_decay": t.weight_decay}]
     if model.sparse_arch.kernel == "triton":
         for tables in model.table_archs():
-            tables.configure_optimizer(t.optimizer, embedding_lr)
+            tables.configure_optimizer(t.optimizer, embedding_lr, t.adagrad_eps)
     else:
         groups.append({"params": model.embedding_parameters(), "lr": embedding_lr, "weight_decay": 0.0})
     if t.optimizer == "sgd":
         return SGD(groups, lr=t.lr)
-    return Adagrad(groups, lr=t.lr)
+    return Adagrad(groups, lr=t.lr, eps=t.adagrad_eps)
 
 
 def compile_dense_part(model: Model, mode: str = "default") -> None:
