@@ -8,11 +8,12 @@ import math
 import pytest
 import torch
 
-from dlrm.config import DcnConfig, ModelConfig
+from dlrm.config import DcnConfig, ModelConfig, load_config
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model import DLRM, model_from_checkpoint
 from dlrm.model.dcn import LowRankCrossNet
 from dlrm.model.dlrm import InteractionArch
+from tests.conftest import REPO
 from tests.test_model_options import _curves, small_sample  # noqa: F401 (small_sample: a fixture)
 from tests.test_train import assert_updates_agree
 
@@ -164,3 +165,18 @@ def _cross_update(initial: dict[str, torch.Tensor], run_dir) -> torch.Tensor:
     """last.pt's cross-network weights minus the initial ones, one fp32 vector."""
     final = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
     return torch.cat([(final[k].float() - v).flatten() for k, v in initial.items() if ".cross." in k])
+
+
+def test_dlrm_dcnv2_config_is_mlperf_s():
+    """configs/dlrm_dcnv2.json loads and is MLPerf's DLRM-DCNv2: D = 128, bottom 512-256-128, 3 cross layers
+    of rank 512 over 3456 features, top 1024-1024-512-256-1, the Criteo 1TB tables capped at 40M rows
+    (204.2M rows in all), Adagrad lr 0.004 eps 1e-8 at a constant rate, global batch 65536."""
+    cfg = load_config(REPO / "configs" / "dlrm_dcnv2.json")
+    m, t = cfg.model, cfg.train
+    assert (m.embedding_dim, m.bottom_mlp, m.top_mlp) == (128, (512, 256, 128), (1024, 1024, 512, 256, 1))
+    assert (m.interaction, m.dcn) == ("dcn", DcnConfig(layers=3, low_rank=512))
+    assert max(m.table_rows) == m.max_rows == 40_000_000 and sum(m.table_rows) == 204_184_588
+    assert (t.optimizer, t.lr, t.adagrad_eps, t.embedding_lr) == ("adagrad", 0.004, 1e-8, None)
+    assert t.lr_schedule.warmup_steps == 0 and t.lr_schedule.decay_start_step is None
+    assert cfg.data.batch_size == 65536
+    assert InteractionArch(m.embedding_dim, m.interaction, dcn=m.dcn).out_features == 3456
