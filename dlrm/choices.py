@@ -15,7 +15,7 @@ SPLITS = ("train", "val", "test")  # the splits of a preprocessed data directory
 # model
 ARCHS = ("dlrm", "logistic")  # model.arch
 HASHINGS = ("modulus", "vocab")  # model.hashing
-INTERACTIONS = ("dot", "cat", "attention")  # model.interaction
+INTERACTIONS = ("dot", "cat", "attention", "dcn")  # model.interaction
 MLP_BLOCKS = ("linear_act", "ln_linear_gelu", "gated")  # model.mlp_block
 GATES = ("sigmoid_tanh", "geglu", "swiglu")  # model.gate
 

@@ -36,6 +36,7 @@ from dlrm.choices import (
 from dlrm.config_sections import (
     AttentionConfig,
     DataConfig,
+    DcnConfig,
     LoraConfig,
     LrScheduleConfig,
     ModelConfig,
@@ -48,6 +49,7 @@ from dlrm.config_sections import (
 __all__ = [  # the sections are importable from here too, beside what loads them
     "AttentionConfig",
     "DataConfig",
+    "DcnConfig",
     "LoraConfig",
     "LrScheduleConfig",
     "ModelConfig",
@@ -137,6 +139,7 @@ _DLRM_ONLY = (
     "mlp_block",
     "gate",
     "attention",
+    "dcn",
     "lora",
 )
 
@@ -193,6 +196,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _require(a.heads > 0, "model.attention.heads", "a positive integer", a.heads)
     _require(a.layers > 0, "model.attention.layers", "a positive integer", a.layers)
     _require(0 < a.dim <= 256, "model.attention.dim", "an integer in 1..256 (features per head)", a.dim)
+    _require(m.dcn.layers > 0, "model.dcn.layers", "a positive integer", m.dcn.layers)
+    _require(m.dcn.low_rank > 0, "model.dcn.low_rank", "a positive integer", m.dcn.low_rank)
     lora = m.lora
     _require(0 <= lora.rank <= 128, "model.lora.rank", "an integer in 0..128 (0: no adapters)", lora.rank)
     if lora.alpha is not None:
@@ -227,6 +232,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     if t.embedding_lr is not None:
         ok = 0 < t.embedding_lr < math.inf
         _require(ok, "train.embedding_lr", "a positive finite number or null", t.embedding_lr)
+    _require(0 <= t.adagrad_eps < math.inf, "train.adagrad_eps", "a finite number >= 0", t.adagrad_eps)
     validate_lr_schedule(t.lr_schedule)
     _require(0 <= t.weight_decay < math.inf, "train.weight_decay", "a finite number >= 0", t.weight_decay)
     _require(t.epochs > 0, "train.epochs", "a positive integer", t.epochs)

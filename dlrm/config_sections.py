@@ -50,6 +50,15 @@ class AttentionConfig:
 
 
 @dataclass(frozen=True)
+class DcnConfig:
+    """The "dcn" interaction (DCNv2's low-rank cross network): `layers` cross layers of rank `low_rank`
+    over the (F + 1) D features (dlrm.model.dcn)."""
+
+    layers: int = 3
+    low_rank: int = 512
+
+
+@dataclass(frozen=True)
 class LoraConfig:
     """Low-rank adapters on every MLP layer (`python -m dlrm.finetune`): rank 0 is off. With `rank` r > 0
     each layer is act(x W^T + (alpha / r) (x A^T) B^T + b) with W, b (and every other dense weight) frozen
@@ -70,7 +79,7 @@ class ModelConfig:
     `arch`: "dlrm" (dlrm.model.dlrm.DLRM) or "logistic" (dlrm.model.logistic: logit = bias + a linear layer
     over the dense features + one weight per table row of each sparse feature, on the same tables and
     hashing; no embeddings, MLPs or interaction, so the keys that shape those, `embedding_dim`, `bottom_mlp`,
-    `top_mlp`, `interaction`, `mlp_block`, `gate`, `attention` and `lora`, must keep their defaults).
+    `top_mlp`, `interaction`, `mlp_block`, `gate`, `attention`, `dcn` and `lora`, must keep their defaults).
     `first_order`: add those first-order ("wide") terms to the DLRM logit (dlrm.model.first_order); they
     start at zero, so the model starts as the plain DLRM. A "logistic" model is those terms alone, with or
     without the key. Neither runs on many ranks yet (dlrm.parallel.run.check_world refuses them).
@@ -86,7 +95,9 @@ class ModelConfig:
     read by "gated" only). See dlrm.model.mlp.
     `interaction`: "dot" (FB-DLRM's pairwise dot products), "cat" (concatenation) or "attention"
     (AutoInt-style self-attention over the feature vectors, shaped by `attention`: {heads, layers, dim};
-    missing categorical values are masked out as keys). See dlrm.model.dlrm.InteractionArch.
+    missing categorical values are masked out as keys) or "dcn" (DCNv2's low-rank cross network over the
+    concatenated F + 1 vectors, shaped by `dcn`: {layers, low_rank}; dlrm.model.dcn). See
+    dlrm.model.dlrm.InteractionArch.
     `embedding_dim`: D, the columns of every embedding table. `lora`: low-rank adapters on the MLP layers
     (LoraConfig; `python -m dlrm.finetune`).
     """
@@ -104,6 +115,7 @@ class ModelConfig:
     mlp_block: str = "linear_act"
     gate: str = "sigmoid_tanh"
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    dcn: DcnConfig = field(default_factory=DcnConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -128,8 +140,9 @@ class TrainConfig:
     row, the mean of the squared gradient over its D values, as FBGEMM / TorchRec's EXACT_ROWWISE_ADAGRAD:
     the tables' optimizer state is [rows] instead of [rows, D]; the MLPs take plain Adagrad). dlrm.optim.
     `embedding_lr` defaults to `lr`; `lr_schedule` scales both over the steps (warm-up and decay,
-    LrScheduleConfig; constant by default). `eval_interval` (steps) of null evaluates at each epoch's end
-    only.
+    LrScheduleConfig; constant by default). `adagrad_eps`: Adagrad's eps, added to sqrt(sum) in the
+    denominator, for the dense weights and the tables alike (the accumulators start at 0).
+    `eval_interval` (steps) of null evaluates at each epoch's end only.
     `select_on`: the val metric that picks checkpoints/best.pt and that early stopping follows: "logloss"
     (lower is better; the default) or "auc" (higher is better). AUC ranks rows and is blind to calibration,
     so a model that predicts twice the click rate can win on it; logloss scores the probabilities.
@@ -158,6 +171,7 @@ class TrainConfig:
     optimizer: str = "sgd"
     lr: float = 0.1
     embedding_lr: float | None = None
+    adagrad_eps: float = 1e-10
     lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)
     weight_decay: float = 0.0
     epochs: int = 1

@@ -40,8 +40,10 @@ def test_main_config_is_the_fb_dlrm_kaggle_architecture():
         ({"model": {"gate": "glu"}}, r"model.gate: expected one of \('sigmoid_tanh', 'geglu', 'swiglu'\)"),
         (
             {"model": {"interaction": "self"}},
-            r"model.interaction: expected one of \('dot', 'cat', 'attention'\)",
+            r"model.interaction: expected one of \('dot', 'cat', 'attention', 'dcn'\)",
         ),
+        ({"model": {"dcn": {"low_rank": 0}}}, "model.dcn.low_rank: expected a positive integer"),
+        ({"model": {"dcn": {"layers": 0}}}, "model.dcn.layers: expected a positive integer"),
         ({"model": {"attention": {"head": 2}}}, "model.attention.head: unknown key"),
         ({"model": {"attention": {"dim": 0}}}, r"model.attention.dim: expected an integer in 1..256"),
         ({"model": {"attention": {"layers": 0}}}, "model.attention.layers: expected a positive integer"),

@@ -279,3 +279,22 @@ def test_rowwise_adagrad_is_refused_on_many_ranks():
     with pytest.raises(ValueError, match='^train.optimizer: "rowwise_adagrad" is not supported on many'):
         check_world(cfg, 2)
     check_world(replace(cfg, "train", optimizer="adagrad"), 2)
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["eager", "triton"])
+def test_train_adagrad_eps_reaches_both_updates(use_triton):
+    """`train.adagrad_eps` is the eps of the dense Adagrad and of the tables' update (torch optimizer group
+    or the embedding kernel's fused update)."""
+    from dlrm.config import RunConfig, replace
+    from dlrm.data.schema import NUM_SPARSE
+    from dlrm.model import DLRM
+    from dlrm.step import make_optimizer
+
+    cfg = replace(RunConfig(), "train", optimizer="adagrad", adagrad_eps=1e-8, use_triton=use_triton)
+    model = DLRM(cfg.model, table_rows=[5] * NUM_SPARSE, sparse_kernel=cfg.sparse_kernel)
+    optimizer = make_optimizer(model, cfg)
+    assert all(group["eps"] == 1e-8 for group in optimizer.param_groups)
+    if use_triton:
+        assert model.sparse_arch.optimizer == ("adagrad", 1e-8)
+    else:
+        assert len(optimizer.param_groups) == 2  # the tables' group

@@ -9,8 +9,9 @@ Glossary letters, used across the project:
     M, N, K  GEMM sizes: [M, K] @ [K, N]
 
 Forward: dense[B, N_dense] -> DenseArch -> [B, D]; sparse[B, F] raw ids -> hashing -> SparseArch -> [B, F, D];
-InteractionArch -> [B, D + F(F+1)/2] ("dot"), [B, (F+1) D] ("cat") or [B, (F+1) heads dim] ("attention");
-OverArch -> logit[B]; with `model.first_order`, + the first-order terms [B] (dlrm.model.first_order).
+InteractionArch -> [B, D + F(F+1)/2] ("dot"), [B, (F+1) D] ("cat", "dcn") or [B, (F+1) heads dim]
+("attention"); OverArch -> logit[B]; with `model.first_order`, + the first-order terms [B]
+(dlrm.model.first_order).
 The model returns logits; the sigmoid is applied once, in evaluation/prediction.
 """
 
@@ -23,8 +24,9 @@ from torch import nn
 from torch.profiler import record_function
 
 from dlrm.choices import HASHINGS, INTERACTIONS, SPARSE_KERNELS
-from dlrm.config import AttentionConfig, ModelConfig
+from dlrm.config import AttentionConfig, DcnConfig, ModelConfig
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
+from dlrm.model.dcn import LowRankCrossNet
 from dlrm.model.mlp import MLP
 from dlrm.model.tables import register_vocabularies, vocabulary_rows
 
@@ -218,6 +220,9 @@ class InteractionArch(nn.Module):
     no vector attends to the embedding row that missing ids hash to (its query still attends to the valid
     keys, and its output still goes to the top MLP); the dense vector is always valid, so every softmax has
     a key. The mask needs the raw ids (`forward`'s `sparse`); without them every key is valid.
+    "dcn" (DCNv2, MLPerf's DLRM-DCNv2): `dcn.layers` low-rank cross layers (rank `dcn.low_rank`, parameters
+    `cross.*`) over x0 = [dense | embeddings flattened], [B, (F + 1) D] in and out (dlrm.model.dcn; "triton"
+    runs each layer as our fused cross-layer kernel, `kernels.cross`).
     `kernel` "triton" runs "dot" as our one-kernel interaction (`kernels.interaction`) and "attention"'s
     softmax(QK^T)V as our fused attention kernel (`kernels.attention`), forward and backward; "torch" runs
     F.scaled_dot_product_attention with the boolean key mask.
@@ -230,6 +235,7 @@ class InteractionArch(nn.Module):
         num_sparse: int = NUM_SPARSE,
         kernel: str = "torch",
         attention: AttentionConfig | None = None,
+        dcn: DcnConfig | None = None,
     ):
         super().__init__()
         if kernel not in SPARSE_KERNELS:
@@ -244,8 +250,10 @@ class InteractionArch(nn.Module):
         self.register_buffer("lj", lj, persistent=False)
         if interaction == "dot":
             self.out_features = embedding_dim + n * (n - 1) // 2
-        elif interaction == "cat":
+        elif interaction in ("cat", "dcn"):
             self.out_features = n * embedding_dim
+            if interaction == "dcn":
+                self.cross = LowRankCrossNet(self.out_features, dcn or DcnConfig(), kernel)
         else:
             attention = attention or AttentionConfig()
             self.heads, self.head_dim = attention.heads, attention.dim
@@ -264,6 +272,8 @@ class InteractionArch(nn.Module):
         mask) -> [B, out_features]."""
         if self.interaction == "cat":
             return torch.cat([dense, embedded.flatten(1)], dim=1)
+        if self.interaction == "dcn":  # one dtype: under bf16 autocast the tables give fp32
+            return self.cross(torch.cat([dense, embedded.to(dense.dtype).flatten(1)], dim=1))
         if self.interaction == "attention":
             return self._attention(dense, embedded, sparse)
         if self.kernel == "triton":
@@ -352,7 +362,7 @@ class DLRM(nn.Module):
             sparse_arch = SparseArch(cfg.embedding_dim, table_rows, cfg.hashing, vocabularies, sparse_kernel)
         self.sparse_arch = sparse_arch
         self.interaction_arch = InteractionArch(
-            cfg.embedding_dim, cfg.interaction, kernel=sparse_kernel, attention=cfg.attention
+            cfg.embedding_dim, cfg.interaction, kernel=sparse_kernel, attention=cfg.attention, dcn=cfg.dcn
         )
         self.over_arch = OverArch(
             self.interaction_arch.out_features, cfg.top_mlp, mlp_kernel, cfg.mlp_block, cfg.gate, lora
