@@ -96,13 +96,14 @@ def test_table_wise_plan_places_every_table_once_balanced(world_size):
 
 
 def test_received_vectors_go_to_table_order_both_ways():
-    """ToTableOrder (table-wise plans) puts each rank's [b, n_q, D] block, and the replicated tables' local
-    block, where index_add over the (sample, table) rows puts them, and its backward is that map's adjoint
-    (gradcheck)."""
-    b, d, blocks = 5, 3, [[2, 0], [], [1, 3], [4]]  # rank 1 holds no table; table 4 is replicated
-    place = {t: (q, j) for q, tables in enumerate(blocks) for j, t in enumerate(tables)}
-    columns = [place[f] for f in range(5)]
-    back = torch.randn(b * 4 * d, dtype=torch.float64, requires_grad=True)
+    """ToTableOrder puts each rank's [b, n_q, D] block, and the replicated tables' local block, where
+    index_add over the (sample, table) rows puts them (a table split by rows: the sum of its shards'
+    columns), and its backward is that map's adjoint (gradcheck)."""
+    b, d, blocks = 5, 3, [[2, 0], [], [1, 3, 0], [4]]  # rank 1 holds no table; 0 split; 4 replicated
+    columns = [
+        [(q, j) for q, tables in enumerate(blocks) for j, t in enumerate(tables) if t == f] for f in range(5)
+    ]
+    back = torch.randn(b * 5 * d, dtype=torch.float64, requires_grad=True)
     local = torch.randn(b, 1, d, dtype=torch.float64, requires_grad=True)
     samples = torch.arange(b).unsqueeze(1) * 5
     rows = torch.cat([(samples + torch.tensor(tables)).reshape(-1) for tables in blocks if tables])

@@ -16,10 +16,9 @@ Forward on each rank, for its b samples' raw ids [b, F] int64:
    A row shard [start, start + rows) looks up row - start where 0 <= row - start < rows and gives zeros
    (and, through the zero gradient, no update) elsewhere: exactly one shard of a table gives a row's vector.
 4. pooled all_to_all back: [W*b, n, D] as it is (rank r's rows are a contiguous block) -> from each rank
-   q a [b, n_q, D] block (split sizes b * n_q * D), put in the (sample, table) rows of embedded [b, F, D]:
-   one strided copy per table when every table is whole on one rank (ToTableOrder), else summed by one
-   index_add (a table's row shards: one non-zero term per element, so exact). The replicated tables'
-   columns join there.
+   q a [b, n_q, D] block (split sizes b * n_q * D), put in table order in embedded [b, F, D] with the
+   replicated tables' local columns (ToTableOrder: one strided copy per table; a table split by rows is the
+   sum of its shards' columns, one non-zero term per element, so exact).
 The vectors cross in `exchange_dtype` (the lookup's dtype by default; "bf16" halves the bytes of an fp32
 run, forward vectors and backward gradients, at bf16's rounding of each vector).
 Backward reverses 4 (all_to_all of the gradients, scaled by 1/W: each rank's loss is a mean over its b
@@ -62,16 +61,16 @@ class AllToAll(torch.autograd.Function):
 
 
 class ToTableOrder(torch.autograd.Function):
-    """The vectors received from the ranks, and the replicated tables' local ones -> embedded [b, F, D],
-    when every model-parallel table is whole on one rank.
+    """The vectors received from the ranks, and the replicated tables' local ones -> embedded [b, F, D].
 
     `back` is flat: from each rank q a [b, n_q, D] block, rank after rank, whose n_q columns are the tables
     `blocks[q]`; `local` [b, n_r, D] holds the replicated tables' columns (`blocks[W]`, W = the ranks);
-    `columns[f]` = (q, j): table f is column j of block q (blocks[q][j] = f). Forward and backward are one
-    strided copy per table (torch.stack of column views): elementwise kernels. A row gather (index_add's
-    backward index_select, or torch.gather over an index expanded along D) runs CUDA's
-    vectorized_gather_kernel, which gives every D-value row a thread block: slow for the millions of short
-    rows of a large batch.
+    `columns[f]` lists the (q, j) where table f is column j of block q (blocks[q][j] = f): one place for a
+    whole table, k for a table split by rows over k ranks, whose columns are summed (each holds zeros where
+    its shard lacks the row). Forward and backward are strided copies per table (torch.stack of column
+    views): elementwise kernels. A row gather (index_add's backward index_select, or torch.gather over an
+    index expanded along D) runs CUDA's vectorized_gather_kernel, which gives every D-value row a thread
+    block: slow for the millions of short rows of a large batch.
     """
 
     @staticmethod
@@ -79,7 +78,11 @@ class ToTableOrder(torch.autograd.Function):
         ctx.b, ctx.d, ctx.blocks = b, d, blocks
         sizes = [b * len(tables) * d for tables in blocks[:-1]]
         views = [x.view(b, -1, d) if x.numel() else None for x in back.split(sizes)] + [local]
-        return torch.stack([views[q][:, j] for q, j in columns], dim=1)
+        out = torch.stack([views[q][:, j] for (q, j), *_ in columns], dim=1)
+        for f, (_, *more) in enumerate(columns):
+            for q, j in more:
+                out[:, f] += views[q][:, j]
+        return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -224,17 +227,16 @@ class ShardedSparseArch(nn.Module):
         self.blocks = [[s.table for s in plan.shards_of(q)] for q in range(self.world_size)]
         self.shards_per_rank = [len(tables) for tables in self.blocks]
         send_tables = [t for tables in self.blocks for t in tables]
-        # Every model-parallel table whole on one rank: table f is column j of rank q's block (the replicated
-        # tables: of the local block W), columns[f] = (q, j).
-        self.table_wise = len(send_tables) + len(self.replicated) == len(self.table_rows)
-        blocks = [*self.blocks, self.replicated]
-        place = {t: (q, j) for q, tables in enumerate(blocks) for j, t in enumerate(tables)}
-        self.columns = [place[f] for f in range(len(self.table_rows))] if self.table_wise else []
+        # Table f is column j of rank q's block for each (q, j) in columns[f] (the replicated tables: of the
+        # local block W).
+        self.columns: list[list[tuple[int, int]]] = [[] for _ in self.table_rows]
+        for q, tables in enumerate([*self.blocks, self.replicated]):
+            for j, t in enumerate(tables):
+                self.columns[t].append((q, j))
         self.register_buffer("send_tables", as_tensor(send_tables), persistent=False)
         self.register_buffer("optimizer_state", torch.zeros(0, device=device), persistent=False)
         self.register_buffer("lr", torch.zeros((), device=device), persistent=False)
         self.optimizer: tuple[str, float] | None = None  # (optimizer, eps)
-        self._destination_cache: dict[int, Tensor] = {}
 
     def configure_optimizer(self, optimizer: str, lr: float, eps: float = 1e-10) -> None:
         """For kernel "triton": the update its backward applies (see SparseArch.configure_optimizer).
@@ -274,13 +276,7 @@ class ShardedSparseArch(nn.Module):
                 1.0 / world,
             ).to(b_dtype)  # from each rank q, [b, n_q, D]
         local = self._lookup_replicated(rows).to(b_dtype)  # [b, n_r, D]
-        if self.table_wise:
-            return ToTableOrder.apply(back, local, b, d, self.columns, [*self.blocks, self.replicated])
-        # Row shards: each received vector added to its (sample, table) row of [b * F, D] (one non-zero
-        # term per element, so exact).
-        embedded = back.new_zeros(b * len(self.table_rows), d)
-        embedded = embedded.index_add(0, self._destinations(b), back.view(-1, d)).view(b, -1, d)
-        return embedded.index_copy(1, self.replicated_tables, local) if self.replicated else embedded
+        return ToTableOrder.apply(back, local, b, d, self.columns, [*self.blocks, self.replicated])
 
     def _lookup_replicated(self, rows: Tensor) -> Tensor:
         """Rows [b, F] of the full tables -> the replicated tables' vectors [b, n_r, D] fp32 (dense
@@ -291,15 +287,6 @@ class ShardedSparseArch(nn.Module):
         return ReplicatedLookup.apply(
             self.replicated_weights, self.replicated_offsets, self.replicated_rows, local
         )
-
-    def _destinations(self, b: int) -> Tensor:
-        """[b * S] int64: the row of [b * F] (sample i, table f -> i * F + f) of each vector received from
-        the ranks, in the order they arrive (rank q's [b, n_q] block after block). Cached per b."""
-        if b not in self._destination_cache:
-            samples = torch.arange(b, device=self.send_tables.device).unsqueeze(1) * len(self.table_rows)
-            blocks = self.send_tables.split(self.shards_per_rank)
-            self._destination_cache[b] = torch.cat([(samples + tables).reshape(-1) for tables in blocks])
-        return self._destination_cache[b]
 
     def _lookup(self, ids: Tensor) -> Tensor:
         """Table rows [N, n] (N = W*b) -> vectors [N, n, D]; zeros where a row lies outside its shard."""
