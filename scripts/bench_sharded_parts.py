@@ -3,9 +3,9 @@
     python scripts/bench_sharded_parts.py [--batch 65536]
 
 1. Placing the vectors received from 2 ranks into embedded [b, F, D] (F = 26 tables, 13 from each rank),
-   forward and backward: index_add over the (sample, table) rows (its backward is an index_select, what
-   dlrm.parallel.sharded runs for plans with row-wise tables), against ToTableOrder (what it runs when every
-   table is whole); kaggle (D=16, fp32) and mlperf (D=128, bf16) shapes.
+   forward and backward: index_add over the (sample, table) rows (its backward is an index_select),
+   against ToTableOrder (strided copies, what dlrm.parallel.sharded runs); kaggle (D=16, fp32) and mlperf
+   (D=128, bf16) shapes.
 2. Each rank's lookups, forward and backward with SGD fused (our Triton kernel, W*b ids per table, uniform
    over the table), for the Kaggle tables on 2 ranks placed by bytes alone and by the planner (bytes and
    lookups).
@@ -54,22 +54,23 @@ def timed(fn, label: str, iters: int = 20) -> None:
 def placement(b: int, d: int, dtype: torch.dtype) -> None:
     """Part 1 at one shape."""
     tables = len(KAGGLE_CARDINALITIES)
-    blocks = [list(range(0, tables, 2)), list(range(1, tables, 2))]
+    blocks = [list(range(0, tables, 2)), list(range(1, tables, 2)), []]  # no replicated tables
     place = {t: (q, j) for q, ts in enumerate(blocks) for j, t in enumerate(ts)}
-    columns = [place[f] for f in range(tables)]
+    columns = [[place[f]] for f in range(tables)]
+    no_local = torch.empty(b, 0, d, device="cuda", dtype=dtype)
     back = torch.randn(b * tables * d, device="cuda", dtype=dtype, requires_grad=True)
     grad = torch.randn(b, tables, d, device="cuda", dtype=dtype)
     samples = torch.arange(b, device="cuda").unsqueeze(1) * tables
-    rows = torch.cat([(samples + torch.tensor(ts, device="cuda")).reshape(-1) for ts in blocks])
+    rows = torch.cat([(samples + torch.tensor(ts, device="cuda")).reshape(-1) for ts in blocks if ts])
 
     def index_add():
         back.new_zeros(b * tables, d).index_add(0, rows, back.view(-1, d)).view(b, tables, d).backward(grad)
 
     def to_table_order():
-        ToTableOrder.apply(back, b, d, columns, blocks).backward(grad)
+        ToTableOrder.apply(back, no_local, b, d, columns, blocks).backward(grad)
 
     expected = back.new_zeros(b * tables, d).index_add(0, rows, back.view(-1, d)).view(b, tables, d)
-    if not torch.equal(ToTableOrder.apply(back, b, d, columns, blocks), expected):
+    if not torch.equal(ToTableOrder.apply(back, no_local, b, d, columns, blocks), expected):
         raise RuntimeError("ToTableOrder differs from index_add")
     timed(index_add, f"placement D={d} {str(dtype)[6:]} index_add")
     timed(to_table_order, f"placement D={d} {str(dtype)[6:]} ToTableOrder")

@@ -9,8 +9,9 @@ the same run, and whether the code it measured has changed since (scripts/result
 
 - Training step (results/train.csv, one GPU): per (config, precision, batch), the newest run with a
   `triton+graphs` row; its baseline is that run's `torch-graphed` row (the strongest plain-PyTorch step),
-  else its `eager` row. Many GPUs: per (config, precision, batch per GPU, GPUs), the newest row; its
-  baseline is the one-GPU row of the same commit and machine written just before it.
+  else its `eager` row. Many GPUs: per (config, precision, batch per GPU, GPUs), the newest row of the
+  config's own sharding; its baseline is the one-GPU row of the same commit and machine written just
+  before it.
 - The shipped sample (results/backends-val-test.csv): the newest run of each backend of main.json, against
   that run's `eager` row.
 - Quality over seeds (results/quality.csv, the whole sample): per config, the newest commit's seeds, mean
@@ -107,8 +108,15 @@ def step_table(rows: list[Row]) -> list[str]:
 
 
 def scaling_table(rows: list[Row]) -> list[str]:
-    """Many GPUs: the newest row per (config, precision, batch per GPU, GPUs) against its one-GPU row."""
-    rows = [r for r in rows if r.file == "train.csv" and r.cells.get("backend") == "triton+graphs"]
+    """Many GPUs: the newest row per (config, precision, batch per GPU, GPUs) with the config's own sharding
+    (not a `--shardings` variant, which bench_train names in the data column) against its one-GPU row."""
+    rows = [
+        r
+        for r in rows
+        if r.file == "train.csv"
+        and r.cells.get("backend") == "triton+graphs"
+        and ", sharding " not in r.cells.get("data", "")
+    ]
     newest: dict[tuple[str, str, str, str], tuple[int, Row]] = {}
     for position, row in enumerate(rows):
         if row.cells.get("world_size", "1") not in ("", "1"):
