@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.compiler import is_compiling
 
-__all__ = ["Op", "define_op", "eager_function"]
+__all__ = ["Op", "define_op"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Op:
         return self.eager(*args)
 
 
-def eager_function(name: str, impl: Callable, setup_context: Callable, backward: Callable) -> Callable:
+def _eager_function(name: str, impl: Callable, setup_context: Callable, backward: Callable) -> Callable:
     """The ``apply`` of an autograd.Function named `name` whose forward is ``impl(*inputs)`` followed by
     ``setup_context(ctx, inputs, output)`` and whose backward is ``backward(ctx, *grads)``: the custom op's
     Python body and the two functions its ``register_autograd`` took. Gradients of outputs nothing used
@@ -81,18 +81,19 @@ def _no_optional_tensors(annotation):
 def _custom_op(name: str, body: Callable, mutates_args: tuple[str, ...]):
     """``body`` as the custom op ``dlrm::<name>``, each None it returns in a tuple replaced by a distinct
     empty [0] tensor (custom-op outputs alias nothing); the schema comes from body's annotations."""
-    params = inspect.signature(body).parameters.values()
-    like_at = next(i for i, p in enumerate(params) if "Tensor" in str(p.annotation))  # first tensor argument
-
-    @wraps(body)
-    def impl(*args):
-        out = body(*args)
-        if not isinstance(out, tuple):
-            return out
-        return tuple(args[like_at].new_empty((0,)) if t is None else t for t in out)
-
     hints = typing.get_type_hints(body)
     params = [p.replace(annotation=hints[p.name]) for p in inspect.signature(body).parameters.values()]
+    # The first tensor argument, whose dtype and device the empty tensors take.
+    like_at, like = next((i, p.name) for i, p in enumerate(params) if "Tensor" in str(p.annotation))
+
+    @wraps(body)
+    def impl(*args, **kwargs):
+        out = body(*args, **kwargs)
+        if not isinstance(out, tuple):
+            return out
+        empty = (args[like_at] if like_at < len(args) else kwargs[like]).new_empty
+        return tuple(empty((0,)) if t is None else t for t in out)
+
     impl.__signature__ = inspect.Signature(params, return_annotation=_no_optional_tensors(hints["return"]))
     del impl.__wrapped__  # the signature is impl's own, not body's
     return torch.library.custom_op(f"dlrm::{name}", impl, mutates_args=mutates_args)
@@ -132,16 +133,14 @@ def define_op(
     """
     op = _custom_op(name, forward, ())
     op.register_fake(forward_fake)
-    backward_op = None
-    if backward is not None:
-        backward_op = _custom_op(backward_name or f"{name}_backward", backward, backward_mutates)
-        backward_op.register_fake(backward_fake)
     if backward is None:
         op.register_autograd(gradients, setup_context=setup_context)
     else:
+        backward_op = _custom_op(backward_name or f"{name}_backward", backward, backward_mutates)
+        backward_op.register_fake(backward_fake)
         op.register_autograd(partial(gradients, backward_op), setup_context=setup_context)
     if eager is None:
         camel = "".join(part.title() for part in name.split("_"))
         eager_gradients = gradients if backward is None else partial(gradients, backward)
-        eager = eager_function(camel, forward, setup_context, eager_gradients)
+        eager = _eager_function(camel, forward, setup_context, eager_gradients)
     return Op(op, eager)
