@@ -27,8 +27,8 @@ expression), compile of it, triton (kernels.lora_linear).
 
 `--what mlp` times each config's bottom and top MLP whole, as the model runs them (`dlrm.model.mlp.MLP`,
 rows in scripts/results/mlp.csv): eager (kernel "torch"), compile of it, bias_act, and linear_act, whose
-layers run as one autograd node (kernels.linear_act.linear_act_stack). The bottom MLP's input is data (no gradient),
-the top MLP's is not.
+layers run as one autograd node (kernels.linear_act.linear_act_stack). The bottom MLP's input is data (no
+gradient), the top MLP's is not.
 
 `--what attention` times the attention interaction (`model.interaction` "attention") at each batch, per
 (heads, dim) of `--attention-shapes` (rows in scripts/results/attention.csv), two ways:

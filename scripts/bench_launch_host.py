@@ -7,9 +7,9 @@ launch bar (<= 1.2x eager's time) measures. Each row is the wall time of 200 cal
 (the GPU idles between launches; the median of 7 rounds, after 20 warm-up calls): eager PyTorch's
 Linear+ReLU, linear_act, a no-op autograd.Function (the glue every custom op pays), and each launch or
 allocation linear_act's forward and backward make. Then the kaggle bottom and top MLPs whole, forward +
-backward: eager PyTorch, linear_act called layer by layer, and ``kernels.linear_act.linear_act_stack`` (the layers as
-one autograd node, as the model runs them), in interleaved rounds (the median of 9, 100 calls each), each
-MLP's input in the model's layout (``bench_kernels.model_layout``).
+backward: eager PyTorch, linear_act called layer by layer, and ``kernels.linear_act.linear_act_stack`` (the
+layers as one autograd node, as the model runs them), in interleaved rounds (the median of 9, 100 calls
+each), each MLP's input in the model's layout (``bench_kernels.model_layout``).
 Prints the table; ``--output`` also writes it.
 
 ``--cpus 0`` pins the process, and the threads it starts later (autograd's device thread, which runs every
