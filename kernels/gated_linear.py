@@ -393,15 +393,12 @@ def _gated_linear_fake(x: Tensor, weight: Tensor, bias: Tensor | None, gate: str
 
 def _gated_linear_backward_impl(
     dy: Tensor, x: Tensor, weight: Tensor, z: Tensor, gate: str, has_bias: bool, needs_dx: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (dx, dW, dbias); dx / dbias are empty [0] tensors when needs_dx / has_bias is False."""
+) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """Returns (dx, dW, dbias); dx / dbias are None when needs_dx / has_bias is False."""
     if use_triton(x):
-        dx, dw, db = gated_linear_bwd(dy, x, weight, z, gate, has_bias, needs_dx)
-    else:
-        _check_inputs(x, weight, None, gate)
-        dx, dw, db = _gated_linear_bwd_ref(dy, x, weight, z, gate, has_bias, needs_dx)
-    # Distinct empty tensors: custom-op outputs may not alias each other.
-    return (dx if dx is not None else x.new_empty((0,))), dw, (db if db is not None else x.new_empty((0,)))
+        return gated_linear_bwd(dy, x, weight, z, gate, has_bias, needs_dx)
+    _check_inputs(x, weight, None, gate)
+    return _gated_linear_bwd_ref(dy, x, weight, z, gate, has_bias, needs_dx)
 
 
 def _gated_linear_backward_fake(

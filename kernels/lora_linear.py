@@ -308,15 +308,15 @@ def _lora_linear_impl(
     lora_b: Tensor,
     scale: float,
     activation: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (y, z, u); z is the pre-activation for gelu_tanh/silu and an empty [0] tensor otherwise (y is
-    saved for relu/sigmoid; outputs may not alias each other)."""
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Returns (y, z, u); z is the pre-activation for gelu_tanh/silu, else None (y is saved for relu/sigmoid;
+    the custom op's outputs may not alias each other)."""
     if use_triton(x):
         y, saved, u = lora_linear_fwd(x, weight, bias, lora_a, lora_b, scale, activation)
     else:
         _check_inputs(x, weight, bias, lora_a, lora_b, activation)
         y, saved, u = _lora_linear_fwd_ref(x, weight, bias, lora_a, lora_b, scale, activation)
-    return y, (saved if activation in SAVES_Z else x.new_empty((0,))), u
+    return y, (saved if activation in SAVES_Z else None), u
 
 
 def _lora_linear_fake(x, weight, bias, lora_a, lora_b, scale, activation):
@@ -340,15 +340,13 @@ def _lora_linear_backward_impl(
     scale: float,
     activation: str,
     needs_dx: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (dx, dA, dB); dx is an empty [0] tensor when needs_dx is False."""
+) -> tuple[Tensor | None, Tensor, Tensor]:
+    """Returns (dx, dA, dB); dx is None when needs_dx is False."""
     args = (dy, x, weight, lora_a, lora_b, saved, u, scale, activation, needs_dx)
     if use_triton(x):
-        dx, da, db = lora_linear_bwd(*args)
-    else:
-        _check_inputs(x, weight, None, lora_a, lora_b, activation)
-        dx, da, db = _lora_linear_bwd_ref(*args)
-    return (dx if dx is not None else x.new_empty((0,))), da, db
+        return lora_linear_bwd(*args)
+    _check_inputs(x, weight, None, lora_a, lora_b, activation)
+    return _lora_linear_bwd_ref(*args)
 
 
 def _lora_linear_backward_fake(dy, x, weight, lora_a, lora_b, saved, u, scale, activation, needs_dx):
