@@ -39,15 +39,13 @@ def _bce_fwd_kernel(
     # pointers
     logits_ptr,  # [B]
     labels_ptr,  # [B]
-    loss_ptr,  # 0-d fp32, accumulated into with atomics
-    dlogits_ptr,  # [B], logits' dtype (unused without WRITE_GRAD)
+    loss_ptr,  # 0-d fp32, stored by one program or added into by several
+    dlogits_ptr,  # [B], logits' dtype
     # sizes
     B,
-    # scale of the loss and the gradient: 1/B for the mean, 1 for the sum
-    scale,
+    scale,  # of the loss and the gradient: 1/B, for the mean
     # meta-parameters
-    WRITE_GRAD: tl.constexpr,
-    ACCUMULATE: tl.constexpr,  # atomically add into loss_ptr (several programs, or a running total)
+    ACCUMULATE: tl.constexpr,  # atomically add into loss_ptr (several programs)
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -60,8 +58,7 @@ def _bce_fwd_kernel(
         tl.atomic_add(loss_ptr, total)
     else:
         tl.store(loss_ptr, total)
-    if WRITE_GRAD:
-        tl.store(dlogits_ptr + i, ((sigmoid(x) - y) * scale).to(dlogits_ptr.dtype.element_ty), mask=mask)
+    tl.store(dlogits_ptr + i, ((sigmoid(x) - y) * scale).to(dlogits_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_inputs(logits: Tensor, labels: Tensor) -> None:
@@ -77,21 +74,6 @@ def _check_inputs(logits: Tensor, labels: Tensor) -> None:
         raise ValueError(f"logits on {logits.device} but labels on {labels.device}")
 
 
-def _launch(logits: Tensor, labels: Tensor, loss: Tensor, dlogits: Tensor | None, scale: float) -> None:
-    """One program per _BLOCK samples, or a single program for the whole batch up to _SINGLE_BLOCK samples,
-    which then stores the loss rather than adding to it (`loss` needs no zeroing: one launch less)."""
-    b = logits.shape[0]
-    if b == 0:
-        return
-    block = min(max(16, triton.next_power_of_2(b)), _SINGLE_BLOCK) if b <= _SINGLE_BLOCK else _BLOCK
-    grid = triton.cdiv(b, block)
-    _bce_fwd_kernel[(grid,)](
-        logits, labels, loss, dlogits if dlogits is not None else logits, b, scale,
-        WRITE_GRAD=dlogits is not None, ACCUMULATE=grid > 1, BLOCK=block,
-        num_warps=16 if block > 4096 else 4,
-    )  # fmt: skip
-
-
 def bce_with_logits_fwd(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     """Launch the kernel: (mean loss, 0-d fp32; dloss/dlogits [B]). See `bce_with_logits`."""
     _check_inputs(logits, labels)
@@ -103,7 +85,16 @@ def bce_with_logits_fwd(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]
     else:
         loss = torch.empty((), dtype=torch.float32, device=logits.device)
     dlogits = torch.empty_like(logits)
-    _launch(logits, labels, loss, dlogits, 1.0 / max(b, 1))
+    if b == 0:
+        return loss, dlogits
+    # One program per _BLOCK samples, or a single program for the whole batch up to _SINGLE_BLOCK samples,
+    # which then stores the loss rather than adding to it (`loss` needs no zeroing: one launch less).
+    block = min(max(16, triton.next_power_of_2(b)), _SINGLE_BLOCK) if b <= _SINGLE_BLOCK else _BLOCK
+    grid = triton.cdiv(b, block)
+    _bce_fwd_kernel[(grid,)](
+        logits, labels, loss, dlogits, b, 1.0 / b,
+        ACCUMULATE=grid > 1, BLOCK=block, num_warps=16 if block > 4096 else 4,
+    )  # fmt: skip
     return loss, dlogits
 
 
