@@ -1,5 +1,5 @@
-"""Tests for kernels/linear_act.py (and its kernels in kernels/linear_act_{forward,backward,dw}.py): fused
-y = act(x @ W^T + b), forward and backward.
+"""Tests for kernels/linear_act.py (and the GEMM pieces it uses in kernels/gemm/): fused y = act(x @ W^T + b),
+forward and backward.
 
 On CPU (no CUDA) conftest sets TRITON_INTERPRET=1, so the tests run the Triton kernels in the interpreter,
 where the GEMMs are plain fp32 and compare elementwise with the fp32 reference's autograd gradients. On a
