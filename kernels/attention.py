@@ -30,16 +30,15 @@ It equals ``F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, Non
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.direct import call, eager_function
-from kernels.gemm_tuning import input_precision
+from kernels.gemm.tuning import input_precision
 from kernels.launch import DTYPES, INTERPRETED, use_triton
+from kernels.op import define_op
 
 __all__ = ["masked_attention", "masked_attention_ref", "masked_attention_fwd", "masked_attention_bwd"]
 
@@ -339,7 +338,7 @@ def _masked_attention_bwd_ref(do, q, k, v, o, lse, valid):
 
 # --------------------------------------------------------------------------------------------------
 # Autograd glue: custom ops, so the op works under torch.compile (no tracing into Triton); eager calls
-# run the same bodies and formulas without the dispatcher (kernels/direct.py)
+# run the same bodies and formulas without the dispatcher (kernels/op.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -356,10 +355,6 @@ def _bshd_fake(q: Tensor) -> Tensor:
     return q.new_empty_strided((b, h, s, d), (s * h * d, d, h * d, 1))
 
 
-_attention_op = torch.library.custom_op("dlrm::masked_attention", _attention_impl, mutates_args=())
-
-
-@_attention_op.register_fake
 def _attention_fake(q, k, v, valid):
     _check_inputs(q, k, v, valid)
     return _bshd_fake(q), q.new_empty(q.shape[:3], dtype=torch.float32)
@@ -374,12 +369,6 @@ def _attention_backward_impl(
     return _masked_attention_bwd_ref(do, q, k, v, o, lse, valid)
 
 
-_attention_backward_op = torch.library.custom_op(
-    "dlrm::masked_attention_backward", _attention_backward_impl, mutates_args=()
-)
-
-
-@_attention_backward_op.register_fake
 def _attention_backward_fake(do, q, k, v, o, lse, valid):
     return _bshd_fake(q), _bshd_fake(q), _bshd_fake(q)
 
@@ -397,10 +386,10 @@ def _backward(backward_fn, ctx, do: Tensor, _dlse: Tensor | None):
     return dq, dk, dv, None
 
 
-_attention_op.register_autograd(partial(_backward, _attention_backward_op), setup_context=_setup_context)
-_attention_eager = eager_function(
-    "MaskedAttention", _attention_impl, _setup_context, partial(_backward, _attention_backward_impl)
-)
+_masked_attention = define_op(
+    "masked_attention", _attention_impl, _attention_fake, _setup_context, _backward,
+    _attention_backward_impl, _attention_backward_fake,
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -427,5 +416,5 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
     Raises:
         ValueError: shapes that differ or are out of range, dtypes, a valid mask not [B, S] bool, devices.
     """
-    o, _ = call(_attention_op, _attention_eager, q, k, v, valid)
+    o, _ = _masked_attention(q, k, v, valid)
     return o

@@ -24,7 +24,7 @@ shape and dtype; b is tiny). For relu and identity it is still correct, just not
 
 The bias gradient is reduced inside the backward kernel: each of P <= ``MAX_PARTIAL_ROWS`` programs along
 M loops over every P-th block of BLOCK_M rows, sums its dz into an fp32 partial per column and writes it
-to a [P, N] fp32 buffer; the launcher then sums those partials with ``kernels.partials.sum_partials``.
+to a [P, N] fp32 buffer; the launcher then sums those partials with ``kernels.gemm.partials.sum_partials``.
 No atomics, so db is deterministic run to run.
 
 It equals the PyTorch expression ``act(x + b)`` computed in fp32 and cast back to x's dtype (see
@@ -34,17 +34,15 @@ It equals the PyTorch expression ``act(x + b)`` computed in fp32 and cast back t
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from kernels.activations import ACTIVATIONS, act_fwd, act_grad, act_grad_ref, act_ref, check_activation
-from kernels.direct import call, eager_function
+from kernels.gemm.partials import row_programs, sum_partials
 from kernels.launch import DTYPES, INTERPRETED, use_triton
-from kernels.partials import row_programs, sum_partials
+from kernels.op import define_op
 
 __all__ = [
     "ACTIVATIONS",
@@ -311,7 +309,7 @@ def _bias_act_bwd_ref(dy: Tensor, x: Tensor, b: Tensor, activation: str) -> tupl
 
 # --------------------------------------------------------------------------------------------------
 # Autograd glue: custom ops, so the op works under torch.compile (no tracing into Triton); eager calls
-# run the same bodies and formulas without the dispatcher (kernels/direct.py)
+# run the same bodies and formulas without the dispatcher (kernels/op.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -322,10 +320,6 @@ def _bias_act_impl(x: Tensor, bias: Tensor, activation: str) -> Tensor:
     return bias_act_ref(x, bias, activation)
 
 
-_bias_act_op = torch.library.custom_op("dlrm::bias_act", _bias_act_impl, mutates_args=())
-
-
-@_bias_act_op.register_fake
 def _bias_act_fake(x: Tensor, bias: Tensor, activation: str) -> Tensor:
     _check_inputs(x, bias, activation)
     return x.new_empty(x.shape)
@@ -339,12 +333,6 @@ def _bias_act_backward_impl(dy: Tensor, x: Tensor, bias: Tensor, activation: str
     return _bias_act_bwd_ref(dy, x, bias, activation)
 
 
-_bias_act_backward_op = torch.library.custom_op(
-    "dlrm::bias_act_backward", _bias_act_backward_impl, mutates_args=()
-)
-
-
-@_bias_act_backward_op.register_fake
 def _bias_act_backward_fake(dy: Tensor, x: Tensor, bias: Tensor, activation: str) -> tuple[Tensor, Tensor]:
     return x.new_empty(x.shape), bias.new_empty(bias.shape)
 
@@ -362,10 +350,10 @@ def _backward(backward_fn, ctx, dy: Tensor):
     return dx, db, None
 
 
-_bias_act_op.register_autograd(partial(_backward, _bias_act_backward_op), setup_context=_setup_context)
-_bias_act_eager = eager_function(
-    "BiasAct", _bias_act_impl, _setup_context, partial(_backward, _bias_act_backward_impl)
-)
+_bias_act = define_op(
+    "bias_act", _bias_act_impl, _bias_act_fake, _setup_context, _backward, _bias_act_backward_impl,
+    _bias_act_backward_fake,
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -394,4 +382,4 @@ def bias_act(x: Tensor, bias: Tensor, activation: str = "relu") -> Tensor:
         ValueError: x not 2-D or with N == 0, bias shape not [N], unknown activation, unsupported dtype,
             x/bias dtype mismatch, or x/bias on different devices (the message names the values).
     """
-    return call(_bias_act_op, _bias_act_eager, x, bias, activation)
+    return _bias_act(x, bias, activation)

@@ -18,7 +18,7 @@ any row stride (a row-padded view is read in place); its columns must be contigu
 
 Dtypes: x, weight and bias all fp32, bf16 or fp16 (one dtype); y, z, dx, dW, dbias have that dtype.
 Compute dtype: fp32 accumulation; operands go to ``tl.dot`` in their own dtype on the GPU (fp32 as TF32
-exactly when ``torch.backends.cuda.matmul.allow_tf32``, like cuBLAS; see ``kernels/gemm_tuning.py``) and as
+exactly when ``torch.backends.cuda.matmul.allow_tf32``, like cuBLAS; see ``kernels/gemm/tuning.py``) and as
 fp32 in the CPU interpreter. Bias and gate in fp32 on values cast right after load; z and dz are rounded
 to the input dtype (dz before the backward GEMMs, as PyTorch does).
 
@@ -29,18 +29,16 @@ Kernels: ``_gated_linear_fwd_kernel`` (one program per [BLOCK_M, BLOCK_N] tile o
 output features; epilogue adds the bias, stores z, splits the tile into its (a, b) pairs with
 ``tl.split`` and stores y), autotuned like linear_act's GEMMs; ``_gated_linear_dz_kernel`` (dz and the
 bias gradient's fp32 partial sums in one pass over [M, 2N]); cuBLAS then computes dx and dW as linear_act's
-backward does (``kernels.linear_act_backward.gemm_grads``: aligned operands for cuBLAS's fast kernels, x
+backward does (``kernels.gemm.grads.gemm_grads``: aligned operands for cuBLAS's fast kernels, x
 copied once into rows of 16 bytes when its rows are not, e.g. the 13 dense features; dx comes back in rows
-padded to 16 bytes). The forward loads x and W through TMA descriptors (``kernels.launch.tma_descriptor``:
-a copy in rows of 16 bytes where an operand's rows are not).
+padded to 16 bytes). The forward loads x and W through TMA descriptors
+(``kernels.gemm.layout.tma_descriptor``: a copy in rows of 16 bytes where an operand's rows are not).
 
 It equals the PyTorch expression ``gate(z[:, 0::2], z[:, 1::2])`` with ``z = F.linear(x, W, bias)``,
 computed in fp32 and cast back to x's dtype (``gated_linear_ref``), up to the GEMM precision above.
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -50,22 +48,20 @@ from torch import Tensor
 
 from kernels import launch
 from kernels.activations import act_fwd, act_grad, act_grad_ref, sigmoid
-from kernels.direct import call, eager_function
-from kernels.gemm_tuning import autotuned, input_precision, m_bucket
-from kernels.launch import (
-    DTYPES,
-    INTERPRETED,
+from kernels.gemm.grads import gemm_grads
+from kernels.gemm.layout import (
     aligned_copy,
     new_padded,
     padded_like,
     rows_aligned,
     rows_contiguous,
     tma_descriptor,
-    use_triton,
 )
-from kernels.linear_act_backward import gemm_grads
-from kernels.linear_act_forward import MATMUL_TILE_DESCRIPTORS, _grouped_tile, matmul_tile
-from kernels.partials import row_programs, sum_partials
+from kernels.gemm.partials import row_programs, sum_partials
+from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_tile, matmul_tile
+from kernels.gemm.tuning import autotuned, input_precision, m_bucket
+from kernels.launch import DTYPES, INTERPRETED, use_triton
+from kernels.op import define_op
 
 __all__ = ["GATES", "gated_linear", "gated_linear_ref", "gated_linear_fwd", "gated_linear_bwd"]
 
@@ -109,7 +105,7 @@ def _gate_bwd(dy, a, b, GATE: tl.constexpr):
 # M (the batch) changes between calls: do not specialize on it, so a new batch size reuses the kernel.
 @triton.jit(do_not_specialize=["M"])
 def _gated_linear_fwd_kernel(
-    # operands: TMA descriptors (``kernels.launch.tma_descriptor``)
+    # operands: TMA descriptors (``kernels.gemm.layout.tma_descriptor``)
     x_desc,  # of x [M, K], fp32/bf16/fp16
     w_desc,  # of W [N, K] (N = 2 x output features, interleaved a/b rows), x's dtype
     # pointers
@@ -134,7 +130,7 @@ def _gated_linear_fwd_kernel(
     BLOCK_K: tl.constexpr,  # reduction chunk
     GROUP: tl.constexpr,
 ):
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
     acc = matmul_tile(
         x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K,
         DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -378,7 +374,7 @@ def _gated_linear_bwd_ref(dy, x, weight, z, gate, has_bias, needs_dx):
 
 # --------------------------------------------------------------------------------------------------
 # Autograd glue: custom ops, so the op works under torch.compile (no tracing into Triton); eager calls
-# run the same bodies and formulas without the dispatcher (kernels/direct.py)
+# run the same bodies and formulas without the dispatcher (kernels/op.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -390,10 +386,6 @@ def _gated_linear_impl(x: Tensor, weight: Tensor, bias: Tensor | None, gate: str
     return _gated_linear_fwd_ref(x, weight, bias, gate)
 
 
-_gated_linear_op = torch.library.custom_op("dlrm::gated_linear", _gated_linear_impl, mutates_args=())
-
-
-@_gated_linear_op.register_fake
 def _gated_linear_fake(x: Tensor, weight: Tensor, bias: Tensor | None, gate: str) -> tuple[Tensor, Tensor]:
     _check_inputs(x, weight, bias, gate)
     return x.new_empty((x.shape[0], weight.shape[0] // 2)), x.new_empty((x.shape[0], weight.shape[0]))
@@ -401,23 +393,14 @@ def _gated_linear_fake(x: Tensor, weight: Tensor, bias: Tensor | None, gate: str
 
 def _gated_linear_backward_impl(
     dy: Tensor, x: Tensor, weight: Tensor, z: Tensor, gate: str, has_bias: bool, needs_dx: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (dx, dW, dbias); dx / dbias are empty [0] tensors when needs_dx / has_bias is False."""
+) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """Returns (dx, dW, dbias); dx / dbias are None when needs_dx / has_bias is False."""
     if use_triton(x):
-        dx, dw, db = gated_linear_bwd(dy, x, weight, z, gate, has_bias, needs_dx)
-    else:
-        _check_inputs(x, weight, None, gate)
-        dx, dw, db = _gated_linear_bwd_ref(dy, x, weight, z, gate, has_bias, needs_dx)
-    # Distinct empty tensors: custom-op outputs may not alias each other.
-    return (dx if dx is not None else x.new_empty((0,))), dw, (db if db is not None else x.new_empty((0,)))
+        return gated_linear_bwd(dy, x, weight, z, gate, has_bias, needs_dx)
+    _check_inputs(x, weight, None, gate)
+    return _gated_linear_bwd_ref(dy, x, weight, z, gate, has_bias, needs_dx)
 
 
-_gated_linear_backward_op = torch.library.custom_op(
-    "dlrm::gated_linear_backward", _gated_linear_backward_impl, mutates_args=()
-)
-
-
-@_gated_linear_backward_op.register_fake
 def _gated_linear_backward_fake(
     dy: Tensor, x: Tensor, weight: Tensor, z: Tensor, gate: str, has_bias: bool, needs_dx: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -443,12 +426,10 @@ def _backward(backward_fn, ctx, dy: Tensor, _dz: Tensor | None):
     return (dx if needs_dx else None), dw, (db if ctx.has_bias else None), None
 
 
-_gated_linear_op.register_autograd(
-    partial(_backward, _gated_linear_backward_op), setup_context=_setup_context
-)
-_gated_linear_eager = eager_function(
-    "GatedLinear", _gated_linear_impl, _setup_context, partial(_backward, _gated_linear_backward_impl)
-)
+_gated_linear = define_op(
+    "gated_linear", _gated_linear_impl, _gated_linear_fake, _setup_context, _backward,
+    _gated_linear_backward_impl, _gated_linear_backward_fake,
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -478,5 +459,5 @@ def gated_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, gate: st
         ValueError: x or weight not 2-D, K mismatch, an odd or zero weight height, bias shape not [2N],
             unknown gate, unsupported or mismatched dtypes, or tensors on different devices.
     """
-    y, _ = call(_gated_linear_op, _gated_linear_eager, x, weight, bias, gate)
+    y, _ = _gated_linear(x, weight, bias, gate)
     return y

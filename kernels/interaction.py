@@ -26,15 +26,14 @@ The PyTorch reference is `dot_interaction_ref`.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.direct import call, eager_function
-from kernels.launch import DTYPES, INTERPRETED, aligned_width, leading_columns, rows_contiguous, use_triton
+from kernels.gemm.layout import aligned_width, leading_columns, rows_contiguous
+from kernels.launch import DTYPES, INTERPRETED, use_triton
+from kernels.op import define_op
 
 __all__ = ["dot_interaction", "dot_interaction_ref", "interaction_width"]
 
@@ -241,7 +240,7 @@ def _dot_interaction_bwd_ref(dout: Tensor, dense: Tensor, embedded: Tensor) -> t
 
 
 # --------------------------------------------------------------------------------------------------
-# Autograd glue: custom ops for torch.compile; eager calls skip the dispatcher (kernels/direct.py)
+# Autograd glue: custom ops for torch.compile; eager calls skip the dispatcher (kernels/op.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -254,10 +253,6 @@ def _interaction_impl(dense: Tensor, embedded: Tensor) -> Tensor:
     return out.copy_(dot_interaction_ref(dense, embedded))  # the kernel's layout
 
 
-_interaction_op = torch.library.custom_op("dlrm::dot_interaction", _interaction_impl, mutates_args=())
-
-
-@_interaction_op.register_fake
 def _interaction_fake(dense: Tensor, embedded: Tensor) -> Tensor:
     b, f, d = embedded.shape
     w = interaction_width(f, d)
@@ -270,12 +265,6 @@ def _interaction_backward_impl(dout: Tensor, dense: Tensor, embedded: Tensor) ->
     return _dot_interaction_bwd_ref(dout, dense, embedded)
 
 
-_interaction_backward_op = torch.library.custom_op(
-    "dlrm::dot_interaction_backward", _interaction_backward_impl, mutates_args=()
-)
-
-
-@_interaction_backward_op.register_fake
 def _interaction_backward_fake(dout: Tensor, dense: Tensor, embedded: Tensor) -> tuple[Tensor, Tensor]:
     return torch.empty_like(dense), torch.empty_like(embedded)
 
@@ -289,10 +278,10 @@ def _backward(backward_fn, ctx, dout: Tensor):
     return backward_fn(dout, dense, embedded)
 
 
-_interaction_op.register_autograd(partial(_backward, _interaction_backward_op), setup_context=_setup_context)
-_interaction_eager = eager_function(
-    "DotInteraction", _interaction_impl, _setup_context, partial(_backward, _interaction_backward_impl)
-)
+_dot_interaction = define_op(
+    "dot_interaction", _interaction_impl, _interaction_fake, _setup_context, _backward,
+    _interaction_backward_impl, _interaction_backward_fake,
+)  # fmt: skip
 
 
 def dot_interaction(dense: Tensor, embedded: Tensor) -> Tensor:
@@ -309,4 +298,4 @@ def dot_interaction(dense: Tensor, embedded: Tensor) -> Tensor:
     Raises:
         ValueError: shapes, dtypes or devices that do not match (the message names them).
     """
-    return call(_interaction_op, _interaction_eager, dense, embedded)
+    return _dot_interaction(dense, embedded)

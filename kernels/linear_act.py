@@ -12,42 +12,29 @@ Math (nn.Linear layout: W is [N, K], one row per output feature)
     ``kernels/activations.py``); relu' and sigmoid' are taken from the output y (relu' = [y > 0],
     sigmoid' = y (1 - y)), gelu_tanh' and silu' from the pre-activation z.
 
-Shapes (glossary letters of a GEMM): x [M, K] (M rows, e.g. the batch B; K input features), W [N, K],
-b [N] or None, y [M, N]. Any M >= 0, N >= 1, K >= 1 (e.g. K = 13 dense features, N = 1 logit, M = 1).
-The kernels take row strides only, and are fast only on rows 16 bytes apart (cuBLAS falls back to its
-align1 kernels otherwise; the forward GEMM loads through TMA descriptors, which need them): the autograd op
-copies an x whose rows are not (K = 13 dense features, a contiguous [B, 367]) once into rows padded with
-zeros to Kp (16 bytes, ``_pads_input``), which the forward GEMM and the backward's dW both read; row-padded
-inputs (the dot interaction's output, [B, 367] in rows of 368) are read in place; W is copied into rows of
-16 bytes where K is not a multiple of 16 bytes (``kernels.launch.tma_descriptor``). dx comes back with its
-rows padded too (cuBLAS writes it as the first K columns of an [M, Kp] GEMM).
+Shapes (GEMM letters): x [M, K] (M rows, e.g. the batch B), W [N, K], b [N] or None, y [M, N]; any
+M >= 0, N >= 1, K >= 1. The GEMMs are fast only on rows 16 bytes apart (cuBLAS's aligned kernels, TMA
+descriptors): an x whose rows are not (K = 13 dense features) is copied once into zero-padded rows
+(``_pads_input``), which the forward GEMM and the backward's dW both read; row-padded inputs (the dot
+interaction's output) are read in place; dx comes back in rows padded to 16 bytes too.
 
-Dtypes: x, W and b all fp32, bf16 or fp16 (one dtype); y, dx, dW, db have that dtype.
-Compute dtype: fp32 accumulation everywhere. The GEMM operands go to ``tl.dot`` in their own dtype on the
-GPU: bf16/fp16 tensor cores; fp32 follows ``torch.backends.cuda.matmul.allow_tf32`` like cuBLAS does:
-IEEE fp32 products when it is False (PyTorch's default), TF32 tensor cores (10-bit mantissa operands, fp32
-accumulate: a relative error of ~1e-3 per product) when it is True. In the CPU interpreter the operands
-are cast to fp32 first (``DOT_FP32``: its bf16 ``dot`` is wrong), so there the GEMM is plain fp32.
-Bias, activation and act' run in fp32 on values cast right after load; dz is rounded to the input dtype
-before the backward GEMMs (as PyTorch does).
+Dtypes: x, W and b one of fp32, bf16, fp16; y, dx, dW, db the same. fp32 accumulation; the GEMM operands
+go to ``tl.dot`` in their own dtype (fp32 as TF32 exactly when PyTorch's matmuls may:
+``kernels.gemm.tuning.input_precision``; plain fp32 in the CPU interpreter, ``DOT_FP32``). Bias, activation
+and act' in fp32 on values cast right after load; dz is rounded to x's dtype before the backward GEMMs.
 
-What the forward saves for backward (besides the inputs x and W):
-    identity            nothing (act' = 1)
-    relu, sigmoid       the output y: relu' = (y > 0), sigmoid' = y (1 - y); no extra tensor is written
-    gelu_tanh, silu     the pre-activation z, written by the forward kernel as a second [M, N] output
-                        (``SAVE_Z``), since act' cannot be taken from y
+Saved for backward besides x and W: nothing for identity; y for relu and sigmoid (``SAVES_Y``); the
+pre-activation z, a second output of the forward kernel (``SAVE_Z``), for gelu_tanh and silu (``SAVES_Z``).
 
-Backward (``linear_act_bwd``, ``kernels/linear_act_backward.py``): a Triton pass writes dz = dy * act' and
-the bias gradient's partial sums, then cuBLAS computes dx = dz @ W and dW = dz^T @ x. A layer whose input
-needs no gradient (the first: K = 13 dense features) may instead take a Triton dW GEMM with dz formed in
-registers (``kernels/linear_act_dw.py``), where that is timed faster for its shape; the measurements behind
-this choice are in ``kernels/linear_act_backward.py``.
-
-Files: this one holds the op (the custom ops and their autograd glue, ``linear_act``) and its plain-PyTorch
-reference; ``kernels/linear_act_forward.py`` the forward kernel and ``linear_act_fwd``;
-``kernels/linear_act_backward.py`` the dz kernel, ``linear_act_bwd`` and the choice of backward;
-``kernels/linear_act_dw.py`` the Triton dW kernel; ``kernels/gemm_tuning.py`` the autotuning of both GEMM
-kernels.
+Kernel: ``_linear_act_fwd_kernel``, one program per [BLOCK_M, BLOCK_N] tile of y in grouped order, reducing
+over K through TMA descriptors (``kernels.gemm.tiles``), autotuned per (M bucket, N, K)
+(``kernels.gemm.tuning``); its epilogue adds the bias, stores z if saved and y = act(z).
+Backward (``linear_act_bwd``): dz = dy * act' and db in one Triton pass, then cuBLAS's dx and dW
+(``kernels.gemm.grads.act_grads``); without dx (the first layer), the Triton dW GEMM with dz in registers
+where it is timed faster (``kernels.gemm.dw``).
+Autograd: under torch.compile each layer is the custom op ``dlrm::linear_act``; eager calls run the same
+bodies in one autograd.Function for a whole stack of layers (``linear_act_stack``, an MLP; ``linear_act``
+is a stack of one), so an MLP launched from Python pays the autograd glue once.
 
 It equals the PyTorch expression ``act(F.linear(x, W, b))`` computed in fp32 and cast back to x's dtype
 (see ``linear_act_ref``), up to the GEMM precision above.
@@ -55,53 +42,249 @@ It equals the PyTorch expression ``act(F.linear(x, W, b))`` computed in fp32 and
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
+from torch.compiler import is_compiling
 
-from kernels.activations import ACTIVATIONS, act_grad_ref, act_ref
-from kernels.direct import call, eager_function
-from kernels.launch import (
+from kernels import launch
+from kernels.activations import ACTIVATIONS, act_fwd, act_ref, check_activation
+from kernels.gemm.checks import check_like, check_linear
+from kernels.gemm.dw import act_dw, fastest_dw
+from kernels.gemm.grads import act_grads, act_grads_ref
+from kernels.gemm.layout import (
     aligned_copy,
     has_contiguous_rows,
     padded_like,
     rows_aligned,
-    use_triton,
+    tma_descriptor,
 )
-from kernels.linear_act_backward import check_bwd_inputs, launch_bwd, linear_act_bwd
-from kernels.linear_act_forward import SAVES_Y, SAVES_Z, check_inputs, launch_fwd, linear_act_fwd
+from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_tile, matmul_tile
+from kernels.gemm.tuning import autotuned, input_precision, m_bucket
+from kernels.launch import INTERPRETED, use_triton
+from kernels.op import define_op
 
 __all__ = [
     "ACTIVATIONS",
+    "SAVES_Y",
+    "SAVES_Z",
+    "launch_fwd",
     "linear_act",
-    "linear_act_ref",
-    "linear_act_fwd",
     "linear_act_bwd",
+    "linear_act_fwd",
+    "linear_act_ref",
+    "linear_act_stack",
 ]
 
-
-# --------------------------------------------------------------------------------------------------
-# Reference (plain PyTorch, fp32) and CPU fallback
-# --------------------------------------------------------------------------------------------------
+SAVES_Y = ("relu", "sigmoid")  # act' is a function of y = act(z)
+SAVES_Z = ("gelu_tanh", "silu")  # act' needs z
 
 
-def linear_act_ref(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
-    """Reference ``act(F.linear(x, weight, bias))`` in plain PyTorch: fp32 math, cast back to x's dtype.
+# -- Kernel ------------------------------------------------------------------------------------------
 
-    Differentiable by autograd (used by the tests for the reference gradients).
+
+# M (the batch) changes between calls: do not specialize on it (value 1 / divisibility by 16), so a new
+# batch size reuses the compiled kernel. M_BUCKET only feeds the autotuning key (a power of two >= 64).
+@triton.jit(do_not_specialize=["M"])
+def _linear_act_fwd_kernel(
+    # operands: TMA descriptors (``kernels.gemm.layout.tma_descriptor``)
+    x_desc,  # of x [M, K], fp32/bf16/fp16
+    w_desc,  # of W [N, K], x's dtype
+    # pointers
+    b_ptr,  # [N] bias, x's dtype (not read unless HAS_BIAS)
+    y_ptr,  # [M, N] output y = act(z), x's dtype
+    z_ptr,  # [M, N] output z = x @ W^T + b, x's dtype (not written unless SAVE_Z)
+    # sizes
+    M,
+    N,
+    K,
+    M_BUCKET,  # autotuning key only
+    # strides (row strides, in elements; the column stride is 1)
+    stride_ym,
+    stride_zm,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr,
+    SAVE_Z: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # cast dot operands to fp32 (interpreter only)
+    INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "ieee" (torch's allow_tf32)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # reduction chunk
+    GROUP: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    acc = matmul_tile(
+        x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K,
+        DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+
+    # Epilogue: bias, (z), activation, in fp32. int64 row offsets: M * N can pass 2**31.
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols < N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    mask = (rows < M)[:, None] & mask_n[None, :]
+    if SAVE_Z:
+        tl.store(z_ptr + rows[:, None] * stride_zm + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
+    y = act_fwd(acc, ACTIVATION)
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+_linear_act_fwd_kernel = autotuned(
+    _linear_act_fwd_kernel,
+    ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
+    ("M_BUCKET", "N"),
+    "y_ptr",
+    {"GROUP": 8},
+    MATMUL_TILE_DESCRIPTORS,
+)
+
+
+# -- Launchers ---------------------------------------------------------------------------------------
+
+
+def _check_inputs(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> None:
+    check_activation("linear_act", activation)
+    check_linear("linear_act", x, weight, bias)
+
+
+def _check_bwd_inputs(
+    dy: Tensor, x: Tensor, weight: Tensor, saved: Tensor | None, activation: str, has_bias: bool
+) -> None:
+    _check_inputs(x, weight, None, activation)
+    if not isinstance(has_bias, bool):
+        raise ValueError(f"linear_act: has_bias must be a bool, got {has_bias!r}")
+    shape = (x.shape[0], weight.shape[0])
+    check_like("linear_act", "dy", dy, shape, x)
+    if activation != "identity":
+        what = "y" if activation in SAVES_Y else "z"
+        check_like("linear_act", f"saved (the forward's {what} for {activation!r})", saved, shape, x)
+
+
+def linear_act_fwd(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
+) -> tuple[Tensor, Tensor | None]:
+    """Launch ``_linear_act_fwd_kernel``: ``y = act(x @ weight^T + bias)``.
 
     Args:
-        x: [M, K] float tensor.
-        weight: [N, K] float tensor.
-        bias: [N] float tensor or None.
+        x: [M, K] fp32/bf16/fp16.
+        weight: [N, K], x's dtype and device.
+        bias: [N], x's dtype and device, or None.
         activation: one of ``ACTIVATIONS``.
 
     Returns:
-        [M, N] tensor of x's dtype.
+        (y, saved): y [M, N] in x's dtype; saved is what ``linear_act_bwd`` needs: None for identity, y
+        itself for relu and sigmoid, the pre-activation z [M, N] (x's dtype) for gelu_tanh and silu.
 
     Raises:
-        ValueError: unknown activation.
+        ValueError: bad shapes, dtypes, devices or activation.
+    """
+    _check_inputs(x, weight, bias, activation)
+    return launch_fwd(x, weight, bias, activation)
+
+
+def launch_fwd(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
+) -> tuple[Tensor, Tensor | None]:
+    """``linear_act_fwd`` without its input checks, for callers that made them (the autograd op): host time
+    that every launch from Python pays."""
+    m, k = x.shape
+    n = weight.shape[0]
+    save_z = activation in SAVES_Z
+    y = launch.empty((m, n), x.dtype, x.device)
+    z = launch.empty((m, n), x.dtype, x.device) if save_z else None
+    saved = z if save_z else (y if activation in SAVES_Y else None)
+    if m == 0:
+        return y, saved
+    bias = bias.contiguous() if bias is not None else None
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    _linear_act_fwd_kernel[grid](
+        tma_descriptor(x), tma_descriptor(weight), bias if bias is not None else y, y, z if save_z else y,
+        m, n, k, m_bucket(m), y.stride(0), (z if save_z else y).stride(0),
+        HAS_BIAS=bias is not None, SAVE_Z=save_z, ACTIVATION=activation,
+        DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x.dtype),
+    )  # fmt: skip
+    return y, saved
+
+
+def linear_act_bwd(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    saved: Tensor | None,
+    activation: str,
+    has_bias: bool,
+    needs_dx: bool = True,
+    method: str = "auto",
+) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """The backward: ``dz = dy * act'``, ``dx = dz @ W``, ``dW = dz^T @ x``, ``db`` (module docstring).
+
+    Args:
+        dy: [M, N] gradient of y, x's dtype and device.
+        x: [M, K] saved forward input, fp32/bf16/fp16.
+        weight: [N, K] saved weight, x's dtype and device.
+        saved: the second output of ``linear_act_fwd`` (None or ignored for identity; y for relu and
+            sigmoid; z for gelu_tanh and silu): [M, N], x's dtype and device.
+        activation: one of ``ACTIVATIONS``, as in the forward.
+        has_bias: whether to return db (the forward had a bias).
+        needs_dx: whether to compute dx; False skips its GEMM (e.g. the first layer, whose input needs
+            no gradient).
+        method: "cublas" (a Triton dz + db kernel, then cuBLAS GEMMs), "triton" (dW and db by the Triton
+            dW kernel with dz fused into its loads; only with needs_dx=False) or "auto": "cublas" when dx
+            is needed, else the faster of the two for this shape, timed once per (M bucket, N, K, dtype,
+            GEMM precision, activation, bias) on the GPU and remembered; "triton" in the interpreter.
+
+    Returns:
+        (dx, dw, db): dx [M, K] (None unless needs_dx; rows padded to 16 bytes, as ``new_padded`` makes
+        them), dw [N, K], db [N] (None unless has_bias), all in x's dtype; dw and db are zeros when M == 0.
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices or activation, a missing ``saved``, an unknown method, or
+            method "triton" with needs_dx.
+    """
+    _check_bwd_inputs(dy, x, weight, saved, activation, has_bias)
+    if method not in ("auto", "triton", "cublas"):
+        raise ValueError(f"unknown backward method {method!r}: expected 'auto', 'triton' or 'cublas'")
+    if method == "triton" and needs_dx:
+        raise ValueError(
+            "backward method 'triton' computes dW and db only: it needs needs_dx=False, got True"
+        )
+    if method == "auto":
+        return launch_bwd(dy, x, weight, saved, activation, has_bias, needs_dx)
+    if method == "triton":
+        return None, *act_dw(dy, x, saved, activation, has_bias)
+    return act_grads(dy, x, weight, saved, activation, has_bias, needs_dx)
+
+
+def launch_bwd(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    saved: Tensor | None,
+    activation: str,
+    has_bias: bool,
+    needs_dx: bool,
+) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """``linear_act_bwd`` with method "auto" and without its input checks, for the autograd op, whose
+    backward inputs are its own forward's: host time that every launch from Python pays."""
+    if needs_dx or fastest_dw(dy, x, weight, saved, activation, has_bias) == "cublas":
+        return act_grads(dy, x, weight, saved, activation, has_bias, needs_dx)
+    return None, *act_dw(dy, x, saved, activation, has_bias)
+
+
+# -- Reference (plain PyTorch, fp32) and CPU fallback ------------------------------------------------
+
+
+def linear_act_ref(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    """Reference ``act(F.linear(x, weight, bias))`` in plain PyTorch: fp32 math, cast back to x's dtype;
+    differentiable by autograd (the tests' reference gradients). x [M, K], weight [N, K], bias [N] or None,
+    activation one of ``ACTIVATIONS``; returns [M, N] in x's dtype. Raises ValueError: unknown activation.
     """
     z = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return act_ref(z, activation).to(x.dtype)
@@ -118,39 +301,7 @@ def _linear_act_fwd_ref(
     return y, (y if activation in SAVES_Y else None)
 
 
-def _linear_act_bwd_ref(
-    dy: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    saved: Tensor | None,
-    activation: str,
-    has_bias: bool,
-    needs_dx: bool,
-) -> tuple[Tensor | None, Tensor, Tensor | None]:
-    """``linear_act_bwd`` in plain PyTorch (fp32 math): the CPU fallback of the backward op.
-
-    Analytic, not torch.autograd.grad: inside a custom op's implementation autograd does not record.
-    """
-    dy = dy.float()
-    s = saved.float() if saved is not None else None
-    if activation == "identity":
-        dz = dy
-    elif activation == "relu":
-        dz = torch.where(s > 0, dy, 0.0)
-    elif activation == "sigmoid":
-        dz = dy * s * (1.0 - s)
-    else:  # gelu_tanh, silu: s is z
-        dz = dy * act_grad_ref(s, activation)
-    dx = (dz @ weight.float()).to(x.dtype) if needs_dx else None
-    dw = (dz.t() @ x.float()).to(x.dtype)
-    db = dz.sum(dim=0).to(x.dtype) if has_bias else None
-    return dx, dw, db
-
-
-# --------------------------------------------------------------------------------------------------
-# Autograd glue: custom ops, so the op works under torch.compile (no tracing into Triton); eager calls
-# run the same bodies and formulas without the dispatcher (kernels/direct.py)
-# --------------------------------------------------------------------------------------------------
+# -- Autograd: the custom ops (torch.compile) and the layer stack (eager), over the same bodies ------
 
 
 def _pads_input(x: Tensor) -> bool:
@@ -165,7 +316,7 @@ def _forward(
     """The forward's body: (y, z, x_padded); z is the pre-activation for gelu_tanh/silu, else None;
     x_padded is x copied into rows padded with zeros to 16 bytes where ``_pads_input(x)`` (the x the GEMMs
     read, saved for the backward), else None (x itself is read and saved)."""
-    check_inputs(x, weight, bias, activation)
+    _check_inputs(x, weight, bias, activation)
     x_padded = aligned_copy(x) if _pads_input(x) else None
     if use_triton(x):
         y, saved = launch_fwd(x_padded if x_padded is not None else x, weight, bias, activation)
@@ -175,26 +326,8 @@ def _forward(
     return y, z, x_padded
 
 
-def _linear_act_impl(
-    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The custom op: ``_forward`` with an empty [0] tensor for each None. (Custom-op outputs may not alias
-    each other or the inputs, so y is not returned twice for relu/sigmoid nor x as x_padded: the autograd
-    glue saves y and x themselves.)"""
-    y, z, x_padded = _forward(x, weight, bias, activation)
-    z = z if z is not None else x.new_empty((0,))
-    x_padded = x_padded if x_padded is not None else x.new_empty((0,))
-    return y, z, x_padded
-
-
-_linear_act_op = torch.library.custom_op("dlrm::linear_act", _linear_act_impl, mutates_args=())
-
-
-@_linear_act_op.register_fake
-def _linear_act_fake(
-    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    check_inputs(x, weight, bias, activation)
+def _forward_fake(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> tuple[Tensor, ...]:
+    _check_inputs(x, weight, bias, activation)
     shape = (x.shape[0], weight.shape[0])
     x_padded = padded_like(x) if _pads_input(x) else x.new_empty(0)
     return x.new_empty(shape), x.new_empty(shape if activation in SAVES_Z else (0,)), x_padded
@@ -213,42 +346,13 @@ def _backward_body(
     are the forward's own (saved by ``_setup_context``): the Triton path does not check them again."""
     if use_triton(x):
         return launch_bwd(dy, x, weight, saved, activation, has_bias, needs_dx)
-    check_bwd_inputs(dy, x, weight, saved, activation, has_bias)
-    dx, dw, db = _linear_act_bwd_ref(dy, x, weight, saved, activation, has_bias, needs_dx)
+    _check_bwd_inputs(dy, x, weight, saved, activation, has_bias)
+    dx, dw, db = act_grads_ref(dy, x, weight, saved, activation, has_bias, needs_dx)
     dx = aligned_copy(dx) if needs_dx else None  # the kernels' layout (see the fake)
     return dx, dw, db
 
 
-def _linear_act_backward_impl(
-    dy: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    saved: Tensor | None,
-    activation: str,
-    has_bias: bool,
-    needs_dx: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward custom op: ``_backward_body`` with an empty [0] tensor for each None."""
-    dx, dw, db = _backward_body(dy, x, weight, saved, activation, has_bias, needs_dx)
-    empty = x.new_empty((0,))
-    return (dx if dx is not None else empty), dw, (db if db is not None else empty)
-
-
-_linear_act_backward_op = torch.library.custom_op(
-    "dlrm::linear_act_backward", _linear_act_backward_impl, mutates_args=()
-)
-
-
-@_linear_act_backward_op.register_fake
-def _linear_act_backward_fake(
-    dy: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    saved: Tensor | None,
-    activation: str,
-    has_bias: bool,
-    needs_dx: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _backward_fake(dy, x, weight, saved, activation, has_bias, needs_dx) -> tuple[Tensor, ...]:
     return (
         padded_like(x) if needs_dx else x.new_empty(0),
         weight.new_empty(weight.shape),
@@ -256,7 +360,7 @@ def _linear_act_backward_fake(
     )
 
 
-def saved_for_backward(
+def _saved_for_backward(
     x: Tensor, weight: Tensor, activation: str, y: Tensor, z: Tensor | None, x_padded: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """What the backward reads, from the forward's inputs and outputs: the x its GEMMs read (x_padded where
@@ -268,28 +372,66 @@ def saved_for_backward(
 
 def _setup_context(ctx, inputs, output) -> None:
     x, weight, bias, activation = inputs
-    ctx.save_for_backward(*saved_for_backward(x, weight, activation, *output))
+    ctx.save_for_backward(*_saved_for_backward(x, weight, activation, *output))
     ctx.activation = activation
     ctx.has_bias = bias is not None
 
 
-def _backward(backward_fn, ctx, dy: Tensor, _dz: Tensor | None, _dx_padded: Tensor | None):
-    # backward_fn: the backward op, or its body on the eager path. _dz, _dx_padded: gradients w.r.t. the
-    # internal outputs, which linear_act never exposes (None/zero).
+def _gradients(backward_fn, ctx, dy: Tensor, _dz: Tensor | None, _dx_padded: Tensor | None):
+    # _dz, _dx_padded: gradients w.r.t. the internal outputs, which linear_act never exposes (None/zero).
     x, weight, saved = ctx.saved_tensors
     needs_dx = ctx.needs_input_grad[0]  # False for the first layer: its input is data
     dx, dw, db = backward_fn(dy, x, weight, saved, ctx.activation, ctx.has_bias, needs_dx)
     return (dx if needs_dx else None), dw, (db if ctx.has_bias else None), None
 
 
-_linear_act_op.register_autograd(partial(_backward, _linear_act_backward_op), setup_context=_setup_context)
-# Eager calls run the bodies, without the dispatcher and the op's empty placeholders (kernels/direct.py).
-_linear_act_eager = eager_function("LinearAct", _forward, _setup_context, partial(_backward, _backward_body))
+class _LinearActStack(torch.autograd.Function):
+    """Inputs: x, the activations (a tuple of str), then W_0, b_0, W_1, b_1, ... (b_i may be None)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, activations: tuple[str, ...], *params: Tensor | None) -> Tensor:
+        ctx.set_materialize_grads(False)
+        saved = []
+        for i, activation in enumerate(activations):
+            weight, bias = params[2 * i], params[2 * i + 1]
+            y, z, x_padded = _forward(x, weight, bias, activation)
+            saved += _saved_for_backward(x, weight, activation, y, z, x_padded)  # as linear_act saves
+            x = y
+        ctx.save_for_backward(*saved)
+        ctx.activations = activations
+        ctx.has_bias = tuple(params[2 * i + 1] is not None for i in range(len(activations)))
+        return x
+
+    @staticmethod
+    def backward(ctx, dy: Tensor | None):
+        n_layers = len(ctx.activations)
+        grads: list[Tensor | None] = [None] * (2 * n_layers)
+        if dy is None:
+            return None, None, *grads
+        saved = ctx.saved_tensors
+        for i in reversed(range(n_layers)):
+            x, weight, act_input = saved[3 * i : 3 * i + 3]
+            needs_dx = i > 0 or ctx.needs_input_grad[0]  # layer 0's input is often data
+            dy, grads[2 * i], grads[2 * i + 1] = _backward_body(
+                dy, x, weight, act_input, ctx.activations[i], ctx.has_bias[i], needs_dx
+            )
+        return (dy if ctx.needs_input_grad[0] else None), None, *grads
 
 
-# --------------------------------------------------------------------------------------------------
-# Public API
-# --------------------------------------------------------------------------------------------------
+def _one_layer(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str):
+    """The eager path of one layer: a stack of one, with the op's outputs (z and x_padded are internal)."""
+    return _LinearActStack.apply(x, (activation,), weight, bias), None, None
+
+
+# Under torch.compile each layer is the custom op dlrm::linear_act (its backward dlrm::linear_act_backward);
+# eager calls run the same bodies in _LinearActStack, one autograd node for all the layers.
+_linear_act = define_op(
+    "linear_act", _forward, _forward_fake, _setup_context, _gradients, _backward_body, _backward_fake,
+    eager=_one_layer,
+)  # fmt: skip
+
+
+# -- Public API --------------------------------------------------------------------------------------
 
 
 def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str = "relu") -> Tensor:
@@ -297,7 +439,7 @@ def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation
 
     Equals ``act(F.linear(x, weight, bias))``. Differentiable in x, weight and bias; works in eager and
     under ``torch.compile``, which sees the custom op ``torch.ops.dlrm.linear_act`` (its backward the
-    custom op ``torch.ops.dlrm.linear_act_backward``; eager calls skip the dispatcher, kernels/direct.py).
+    custom op ``torch.ops.dlrm.linear_act_backward``; eager calls skip the dispatcher, kernels/op.py).
     Runs the Triton kernels on CUDA tensors (and on CPU
     under ``TRITON_INTERPRET=1``), else falls back to plain PyTorch (``linear_act_ref``'s math).
 
@@ -318,5 +460,35 @@ def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation
             activation, unsupported dtype, dtype mismatch, or tensors on different devices (the message
             names the values).
     """
-    y, _, _ = call(_linear_act_op, _linear_act_eager, x, weight, bias, activation)
-    return y
+    return _linear_act(x, weight, bias, activation)[0]
+
+
+def linear_act_stack(
+    x: Tensor, weights: list[Tensor], biases: list[Tensor | None], activations: list[str]
+) -> Tensor:
+    """``linear_act`` applied layer after layer (module docstring): one autograd node for the stack.
+
+    Args:
+        x: [M, K_0] tensor, fp32, bf16 or fp16.
+        weights: per layer [N_i, K_i] (nn.Linear layout), x's dtype and device, K_{i+1} = N_i.
+        biases: per layer [N_i] or None.
+        activations: per layer one of ``kernels.linear_act.ACTIVATIONS``.
+
+    Returns:
+        [M, N_last] tensor of x's dtype, equal to the layer-by-layer ``linear_act`` result.
+
+    Raises:
+        ValueError: the three lists differ in length or are empty; or a layer's inputs are bad (as
+            ``linear_act`` raises them, naming the values).
+    """
+    if not (len(weights) == len(biases) == len(activations) > 0):
+        raise ValueError(
+            f"linear_act_stack: need as many weights, biases and activations, at least one each, got "
+            f"{len(weights)}, {len(biases)} and {len(activations)}"
+        )
+    if is_compiling():
+        for weight, bias, activation in zip(weights, biases, activations, strict=True):
+            x = _linear_act.op(x, weight, bias, activation)[0]
+        return x
+    params = [p for pair in zip(weights, biases, strict=True) for p in pair]
+    return _LinearActStack.apply(x, tuple(activations), *params)

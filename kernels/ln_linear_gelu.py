@@ -24,9 +24,9 @@ stored in x's dtype and goes to ``tl.dot`` in it on the GPU (fp32 as TF32 exactl
 fp32. This is what PyTorch's autocast does too: layer_norm in fp32, its output rounded for the GEMM.
 
 Forward: ``_ln_rows_kernel`` writes mu, rstd ([M] fp32 each) and a (in rows padded to 16 bytes), in one
-pass over x; then linear_act's forward GEMM (``kernels.linear_act_forward.launch_fwd``) computes z = a W^T + b
+pass over x; then linear_act's forward GEMM (``kernels.linear_act.launch_fwd``) computes z = a W^T + b
 and y = gelu_tanh(z) in its epilogue. Saved for backward: x, gamma, W, z, a, mu, rstd. Backward: linear_act's
-backward (``kernels/linear_act_backward.py``: a Triton pass for dz = dy * gelu' and the bias partials, then
+backward (``kernels.linear_act.linear_act_bwd``: a Triton pass for dz = dy * gelu' and the bias partials, then
 cuBLAS for da and dW, reading a's padded rows), then ``_ln_bwd_kernel`` for dx and the fp32 partial sums of
 dgamma and dbeta in one pass over the rows.
 
@@ -40,8 +40,6 @@ in fp32 and cast back to x's dtype (``ln_linear_gelu_ref``), up to the GEMM prec
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -50,19 +48,11 @@ from torch import Tensor
 
 from kernels import launch
 from kernels.activations import act_grad_ref
-from kernels.direct import call, eager_function
-from kernels.launch import (
-    DTYPES,
-    aligned_copy,
-    aligned_width,
-    leading_columns,
-    padded_like,
-    rows_contiguous,
-    use_triton,
-)
-from kernels.linear_act_backward import linear_act_bwd
-from kernels.linear_act_forward import launch_fwd
-from kernels.partials import row_programs, sum_partials
+from kernels.gemm.layout import aligned_copy, aligned_width, leading_columns, padded_like, rows_contiguous
+from kernels.gemm.partials import row_programs, sum_partials
+from kernels.launch import DTYPES, use_triton
+from kernels.linear_act import launch_fwd, linear_act_bwd
+from kernels.op import define_op
 
 __all__ = ["ln_linear_gelu", "ln_linear_gelu_ref", "ln_linear_gelu_fwd", "ln_linear_gelu_bwd"]
 
@@ -347,7 +337,7 @@ def _ln_linear_gelu_bwd_ref(dy, x, ln_weight, weight, z, a, mean, rstd, has_bias
 
 # --------------------------------------------------------------------------------------------------
 # Autograd glue: custom ops, so the op works under torch.compile (no tracing into Triton); eager calls
-# run the same bodies and formulas without the dispatcher (kernels/direct.py)
+# run the same bodies and formulas without the dispatcher (kernels/op.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -361,10 +351,6 @@ def _ln_linear_gelu_impl(
     return _ln_linear_gelu_fwd_ref(x, ln_weight, ln_bias, weight, bias, eps)
 
 
-_ln_linear_gelu_op = torch.library.custom_op("dlrm::ln_linear_gelu", _ln_linear_gelu_impl, mutates_args=())
-
-
-@_ln_linear_gelu_op.register_fake
 def _ln_linear_gelu_fake(x, ln_weight, ln_bias, weight, bias, eps):
     _check_inputs(x, ln_weight, ln_bias, weight, bias)
     m, n = x.shape[0], weight.shape[0]
@@ -398,12 +384,6 @@ def _ln_linear_gelu_backward_impl(
     return (dx if dx is not None else empty((0,))), dgamma, dbeta, dw, (db if db is not None else empty((0,)))
 
 
-_ln_linear_gelu_backward_op = torch.library.custom_op(
-    "dlrm::ln_linear_gelu_backward", _ln_linear_gelu_backward_impl, mutates_args=()
-)
-
-
-@_ln_linear_gelu_backward_op.register_fake
 def _ln_linear_gelu_backward_fake(dy, x, ln_weight, weight, z, a, mean, rstd, has_bias, needs_dx):
     k = x.shape[1]
     return (
@@ -430,12 +410,10 @@ def _backward(backward_fn, ctx, dy: Tensor, _dz, _da, _dmean, _drstd):
     return (dx if needs_dx else None), dgamma, dbeta, dw, (db if ctx.has_bias else None), None
 
 
-_ln_linear_gelu_op.register_autograd(
-    partial(_backward, _ln_linear_gelu_backward_op), setup_context=_setup_context
-)
-_ln_linear_gelu_eager = eager_function(
-    "LnLinearGelu", _ln_linear_gelu_impl, _setup_context, partial(_backward, _ln_linear_gelu_backward_impl)
-)
+_ln_linear_gelu = define_op(
+    "ln_linear_gelu", _ln_linear_gelu_impl, _ln_linear_gelu_fake, _setup_context, _backward,
+    _ln_linear_gelu_backward_impl, _ln_linear_gelu_backward_fake,
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -473,5 +451,5 @@ def ln_linear_gelu(
         ValueError: x or weight not 2-D, K mismatch, N == 0 or K == 0, parameter shapes not [K] / [N],
             unsupported or mismatched dtypes, or tensors on different devices.
     """
-    y, *_ = call(_ln_linear_gelu_op, _ln_linear_gelu_eager, x, ln_weight, ln_bias, weight, bias, eps)
+    y, *_ = _ln_linear_gelu(x, ln_weight, ln_bias, weight, bias, eps)
     return y

@@ -27,16 +27,14 @@ W^T and x A^T from the same x tiles (A padded to BLOCK_R >= 16 rows with zeros; 
 bytes, whole K chunks unmasked and the tail in one masked chunk; pointer loads, where linear_act's
 ``matmul_tile`` loads through TMA descriptors), then adds s u B^T, the bias and the activation (the
 add-multiply-activation epilogue); the programs of the first column tile store u. Backward: linear_act's dz
-pass (``kernels.linear_act_backward.linear_act_dz``), then cuBLAS GEMMs; dx comes back in rows padded to 16
-bytes (``kernels.launch.new_padded``), as linear_act's.
+pass (``kernels.gemm.grads.act_dz``), then cuBLAS GEMMs; dx comes back in rows padded to 16
+bytes (``kernels.gemm.layout.new_padded``), as linear_act's.
 
 It equals ``act(F.linear(x, W, b) + s * F.linear(F.linear(x, A), B))`` computed in fp32 and cast back to
 x's dtype (``lora_linear_ref``), up to the GEMM precision above.
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -46,20 +44,13 @@ from torch import Tensor
 
 from kernels import launch
 from kernels.activations import ACTIVATIONS, act_fwd, act_grad_ref, act_ref, check_activation
-from kernels.direct import call, eager_function
-from kernels.gemm_tuning import autotuned, even_k, input_precision, m_bucket
-from kernels.launch import (
-    DTYPES,
-    INTERPRETED,
-    aligned_copy,
-    aligned_weight,
-    new_padded,
-    padded_like,
-    rows_contiguous,
-    use_triton,
-)
-from kernels.linear_act_backward import grad_input, linear_act_dz
-from kernels.linear_act_forward import SAVES_Y, SAVES_Z, _dot_chunk, _grouped_tile
+from kernels.gemm.grads import act_dz, grad_input
+from kernels.gemm.layout import aligned_copy, aligned_weight, new_padded, padded_like, rows_contiguous
+from kernels.gemm.tiles import dot_chunk, grouped_tile
+from kernels.gemm.tuning import autotuned, even_k, input_precision, m_bucket
+from kernels.launch import DTYPES, INTERPRETED, use_triton
+from kernels.linear_act import SAVES_Y, SAVES_Z
+from kernels.op import define_op
 
 __all__ = [
     "ACTIVATIONS",
@@ -113,7 +104,7 @@ def _lora_linear_fwd_kernel(
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
@@ -128,14 +119,14 @@ def _lora_linear_fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     # Whole chunks with no mask along K, then (unless EVEN_K) the tail in one masked chunk: a mask on every
-    # chunk kept the loads from being 16 bytes wide (kernels.linear_act_forward's matmul_tile).
+    # chunk kept the loads from being 16 bytes wide (kernels.gemm.tiles.matmul_tile).
     k_whole = K if EVEN_K else K - K % BLOCK_K
     for _ in range(0, k_whole, BLOCK_K):
         x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
         w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
         a = tl.load(a_ptrs, mask=mask_r[None, :], other=0.0)
-        acc = _dot_chunk(acc, x, w, DOT_FP32, INPUT_PRECISION)
-        acc_u = _dot_chunk(acc_u, x, a, DOT_FP32, INPUT_PRECISION)
+        acc = dot_chunk(acc, x, w, DOT_FP32, INPUT_PRECISION)
+        acc_u = dot_chunk(acc_u, x, a, DOT_FP32, INPUT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
@@ -144,8 +135,8 @@ def _lora_linear_fwd_kernel(
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         a = tl.load(a_ptrs, mask=mask_k[:, None] & mask_r[None, :], other=0.0)
-        acc = _dot_chunk(acc, x, w, DOT_FP32, INPUT_PRECISION)
-        acc_u = _dot_chunk(acc_u, x, a, DOT_FP32, INPUT_PRECISION)
+        acc = dot_chunk(acc, x, w, DOT_FP32, INPUT_PRECISION)
+        acc_u = dot_chunk(acc_u, x, a, DOT_FP32, INPUT_PRECISION)
 
     # u, rounded to the input dtype (as F.linear(x, A) gives it), then s u B^T.
     u = acc_u.to(u_ptr.dtype.element_ty)
@@ -236,12 +227,12 @@ def lora_linear_bwd(dy, x, weight, lora_a, lora_b, saved, u, scale: float, activ
     m, k = x.shape
     if m == 0:
         return (new_padded(m, k, x) if needs_dx else None), torch.zeros_like(lora_a), torch.zeros_like(lora_b)
-    dz, _ = linear_act_dz(dy, saved, activation, False, x.dtype)
+    dz, _ = act_dz(dy, saved, activation, False, x.dtype)
     db_lora = torch.mm(dz.t(), u).mul_(scale)
     du = torch.mm(dz, lora_b).mul_(scale)
     da = torch.mm(du.t(), x)
-    # dx in rows padded to 16 bytes, where cuBLAS writes fast (kernels.launch.new_padded), A read from such
-    # rows too.
+    # dx in rows padded to 16 bytes, where cuBLAS writes fast (kernels.gemm.layout.new_padded), A read from
+    # such rows too.
     dx = grad_input(dz, weight).addmm_(du, aligned_weight(lora_a)) if needs_dx else None
     return dx, da, db_lora
 
@@ -305,7 +296,7 @@ def _lora_linear_bwd_ref(dy, x, weight, lora_a, lora_b, saved, u, scale, activat
 
 # --------------------------------------------------------------------------------------------------
 # Autograd glue: custom ops, so the op works under torch.compile; eager calls run the same bodies and
-# formulas without the dispatcher (kernels/direct.py)
+# formulas without the dispatcher (kernels/op.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -317,21 +308,17 @@ def _lora_linear_impl(
     lora_b: Tensor,
     scale: float,
     activation: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (y, z, u); z is the pre-activation for gelu_tanh/silu and an empty [0] tensor otherwise (y is
-    saved for relu/sigmoid; outputs may not alias each other)."""
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Returns (y, z, u); z is the pre-activation for gelu_tanh/silu, else None (y is saved for relu/sigmoid;
+    the custom op's outputs may not alias each other)."""
     if use_triton(x):
         y, saved, u = lora_linear_fwd(x, weight, bias, lora_a, lora_b, scale, activation)
     else:
         _check_inputs(x, weight, bias, lora_a, lora_b, activation)
         y, saved, u = _lora_linear_fwd_ref(x, weight, bias, lora_a, lora_b, scale, activation)
-    return y, (saved if activation in SAVES_Z else x.new_empty((0,))), u
+    return y, (saved if activation in SAVES_Z else None), u
 
 
-_lora_linear_op = torch.library.custom_op("dlrm::lora_linear", _lora_linear_impl, mutates_args=())
-
-
-@_lora_linear_op.register_fake
 def _lora_linear_fake(x, weight, bias, lora_a, lora_b, scale, activation):
     _check_inputs(x, weight, bias, lora_a, lora_b, activation)
     m, n = x.shape[0], weight.shape[0]
@@ -353,23 +340,15 @@ def _lora_linear_backward_impl(
     scale: float,
     activation: str,
     needs_dx: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (dx, dA, dB); dx is an empty [0] tensor when needs_dx is False."""
+) -> tuple[Tensor | None, Tensor, Tensor]:
+    """Returns (dx, dA, dB); dx is None when needs_dx is False."""
     args = (dy, x, weight, lora_a, lora_b, saved, u, scale, activation, needs_dx)
     if use_triton(x):
-        dx, da, db = lora_linear_bwd(*args)
-    else:
-        _check_inputs(x, weight, None, lora_a, lora_b, activation)
-        dx, da, db = _lora_linear_bwd_ref(*args)
-    return (dx if dx is not None else x.new_empty((0,))), da, db
+        return lora_linear_bwd(*args)
+    _check_inputs(x, weight, None, lora_a, lora_b, activation)
+    return _lora_linear_bwd_ref(*args)
 
 
-_lora_linear_backward_op = torch.library.custom_op(
-    "dlrm::lora_linear_backward", _lora_linear_backward_impl, mutates_args=()
-)
-
-
-@_lora_linear_backward_op.register_fake
 def _lora_linear_backward_fake(dy, x, weight, lora_a, lora_b, saved, u, scale, activation, needs_dx):
     return (
         padded_like(x) if needs_dx else x.new_empty(0),
@@ -395,10 +374,10 @@ def _backward(backward_fn, ctx, dy: Tensor, _dz, _du):
     return (dx if needs_dx else None), None, None, da, db, None, None
 
 
-_lora_linear_op.register_autograd(partial(_backward, _lora_linear_backward_op), setup_context=_setup_context)
-_lora_linear_eager = eager_function(
-    "LoraLinear", _lora_linear_impl, _setup_context, partial(_backward, _lora_linear_backward_impl)
-)
+_lora_linear = define_op(
+    "lora_linear", _lora_linear_impl, _lora_linear_fake, _setup_context, _backward,
+    _lora_linear_backward_impl, _lora_linear_backward_fake,
+)  # fmt: skip
 
 
 def lora_linear(
@@ -429,7 +408,5 @@ def lora_linear(
     Raises:
         ValueError: shapes, rank, dtypes, devices or activation that do not fit (the message names them).
     """
-    y, _, _ = call(
-        _lora_linear_op, _lora_linear_eager, x, weight, bias, lora_a, lora_b, float(scale), activation
-    )
+    y, _, _ = _lora_linear(x, weight, bias, lora_a, lora_b, float(scale), activation)
     return y

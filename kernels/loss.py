@@ -4,8 +4,7 @@ Math (x the logit, y the 0/1 label, B samples)
     loss_i = max(x, 0) - x y + log(1 + exp(-|x|))      (the numerically stable form, no overflow)
     loss   = (1/B) sum_i loss_i
     dloss/dx_i = (sigmoid(x_i) - y_i) / B
-This is torch.nn.functional.binary_cross_entropy_with_logits (reduction "mean", and "sum" for the
-evaluation accumulator).
+This is torch.nn.functional.binary_cross_entropy_with_logits (reduction "mean").
 
 Shapes and dtypes: logits [B] fp32/bf16/fp16, labels [B] float (0/1); loss a 0-d fp32 tensor, the
 gradient [B] in the logits' dtype. Compute: fp32.
@@ -14,8 +13,6 @@ only scales it by the incoming gradient of the loss. Up to 4096 samples one prog
 batch and stores the result (one launch, nothing to zero first); past that each program adds its partial
 sum to a zeroed 0-d result with one fp32 atomic add (one program streaming a large batch alone is slower
 than several programs plus the zeroing). No second reduction pass, no host sync.
-`bce_with_logits_accumulate_` adds sum_i loss_i into a running fp32 total in place: evaluation can sum
-the loss over many batches on the device and read it once.
 The PyTorch reference is `bce_with_logits_ref`.
 """
 
@@ -28,10 +25,10 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.activations import sigmoid
-from kernels.direct import call, eager_function
 from kernels.launch import DTYPES, use_triton
+from kernels.op import define_op
 
-__all__ = ["bce_with_logits", "bce_with_logits_accumulate_", "bce_with_logits_ref"]
+__all__ = ["bce_with_logits", "bce_with_logits_ref"]
 
 _BLOCK = 1024
 _SINGLE_BLOCK = 4096  # up to this batch one program does it all: no atomics, no zeroed output
@@ -42,15 +39,13 @@ def _bce_fwd_kernel(
     # pointers
     logits_ptr,  # [B]
     labels_ptr,  # [B]
-    loss_ptr,  # 0-d fp32, accumulated into with atomics
-    dlogits_ptr,  # [B], logits' dtype (unused without WRITE_GRAD)
+    loss_ptr,  # 0-d fp32, stored by one program or added into by several
+    dlogits_ptr,  # [B], logits' dtype
     # sizes
     B,
-    # scale of the loss and the gradient: 1/B for the mean, 1 for the sum
-    scale,
+    scale,  # of the loss and the gradient: 1/B, for the mean
     # meta-parameters
-    WRITE_GRAD: tl.constexpr,
-    ACCUMULATE: tl.constexpr,  # atomically add into loss_ptr (several programs, or a running total)
+    ACCUMULATE: tl.constexpr,  # atomically add into loss_ptr (several programs)
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -63,8 +58,7 @@ def _bce_fwd_kernel(
         tl.atomic_add(loss_ptr, total)
     else:
         tl.store(loss_ptr, total)
-    if WRITE_GRAD:
-        tl.store(dlogits_ptr + i, ((sigmoid(x) - y) * scale).to(dlogits_ptr.dtype.element_ty), mask=mask)
+    tl.store(dlogits_ptr + i, ((sigmoid(x) - y) * scale).to(dlogits_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_inputs(logits: Tensor, labels: Tensor) -> None:
@@ -80,23 +74,6 @@ def _check_inputs(logits: Tensor, labels: Tensor) -> None:
         raise ValueError(f"logits on {logits.device} but labels on {labels.device}")
 
 
-def _launch(
-    logits: Tensor, labels: Tensor, loss: Tensor, dlogits: Tensor | None, scale: float, accumulate: bool
-) -> None:
-    """One program per _BLOCK samples, or a single program for the whole batch up to _SINGLE_BLOCK samples,
-    which then stores the loss rather than adding to it (`loss` needs no zeroing: one launch less)."""
-    b = logits.shape[0]
-    if b == 0:
-        return
-    block = min(max(16, triton.next_power_of_2(b)), _SINGLE_BLOCK) if b <= _SINGLE_BLOCK else _BLOCK
-    grid = triton.cdiv(b, block)
-    _bce_fwd_kernel[(grid,)](
-        logits, labels, loss, dlogits if dlogits is not None else logits, b, scale,
-        WRITE_GRAD=dlogits is not None, ACCUMULATE=accumulate or grid > 1, BLOCK=block,
-        num_warps=16 if block > 4096 else 4,
-    )  # fmt: skip
-
-
 def bce_with_logits_fwd(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     """Launch the kernel: (mean loss, 0-d fp32; dloss/dlogits [B]). See `bce_with_logits`."""
     _check_inputs(logits, labels)
@@ -108,7 +85,16 @@ def bce_with_logits_fwd(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]
     else:
         loss = torch.empty((), dtype=torch.float32, device=logits.device)
     dlogits = torch.empty_like(logits)
-    _launch(logits, labels, loss, dlogits, 1.0 / max(b, 1), accumulate=False)
+    if b == 0:
+        return loss, dlogits
+    # One program per _BLOCK samples, or a single program for the whole batch up to _SINGLE_BLOCK samples,
+    # which then stores the loss rather than adding to it (`loss` needs no zeroing: one launch less).
+    block = min(max(16, triton.next_power_of_2(b)), _SINGLE_BLOCK) if b <= _SINGLE_BLOCK else _BLOCK
+    grid = triton.cdiv(b, block)
+    _bce_fwd_kernel[(grid,)](
+        logits, labels, loss, dlogits, b, 1.0 / b,
+        ACCUMULATE=grid > 1, BLOCK=block, num_warps=16 if block > 4096 else 4,
+    )  # fmt: skip
     return loss, dlogits
 
 
@@ -118,7 +104,7 @@ def bce_with_logits_ref(logits: Tensor, labels: Tensor, reduction: str = "mean")
 
 
 # --------------------------------------------------------------------------------------------------
-# Autograd glue: custom ops for torch.compile; eager calls skip the dispatcher (kernels/direct.py)
+# Autograd glue: custom ops for torch.compile; eager calls skip the dispatcher (kernels/op.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -131,10 +117,6 @@ def _bce_impl(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     return bce_with_logits_ref(x, labels), grad.to(logits.dtype)
 
 
-_bce_op = torch.library.custom_op("dlrm::bce_with_logits", _bce_impl, mutates_args=())
-
-
-@_bce_op.register_fake
 def _bce_fake(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     return logits.new_empty((), dtype=torch.float32), torch.empty_like(logits)
 
@@ -150,25 +132,7 @@ def _backward(ctx, grad_loss: Tensor, _grad_dlogits):
     return dlogits * grad_loss.to(dlogits.dtype), None
 
 
-_bce_op.register_autograd(_backward, setup_context=_setup_context)
-_bce_eager = eager_function("BceWithLogits", _bce_impl, _setup_context, _backward)
-
-
-def _bce_accumulate_impl(logits: Tensor, labels: Tensor, total: Tensor) -> None:
-    if use_triton(logits):
-        _launch(logits.contiguous(), labels.contiguous(), total, None, 1.0, accumulate=True)
-    else:
-        total += bce_with_logits_ref(logits, labels, reduction="sum")
-
-
-_bce_accumulate_op = torch.library.custom_op(
-    "dlrm::bce_with_logits_accumulate_", _bce_accumulate_impl, mutates_args=("total",)
-)
-
-
-@_bce_accumulate_op.register_fake
-def _bce_accumulate_fake(logits: Tensor, labels: Tensor, total: Tensor) -> None:
-    return None
+_bce_with_logits = define_op("bce_with_logits", _bce_impl, _bce_fake, _setup_context, _backward)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,22 +152,5 @@ def bce_with_logits(logits: Tensor, labels: Tensor) -> Tensor:
     Raises:
         ValueError: shapes, dtypes or devices that do not match (the message names them).
     """
-    loss, _ = call(_bce_op, _bce_eager, logits, labels)
+    loss, _ = _bce_with_logits(logits, labels)
     return loss
-
-
-def bce_with_logits_accumulate_(logits: Tensor, labels: Tensor, total: Tensor) -> None:
-    """Add the summed BCE-with-logits of a batch to `total` in place (no host sync, no autograd).
-
-    Args:
-        logits: [B] fp32/bf16/fp16; labels: [B] float 0/1.
-        total: 0-d fp32 running sum on the same device, updated in place.
-    Raises:
-        ValueError: shapes, dtypes or devices that do not match, or `total` not a 0-d fp32 tensor.
-    """
-    _check_inputs(logits, labels)
-    if total.shape != () or total.dtype != torch.float32 or total.device != logits.device:
-        raise ValueError(
-            f"total must be a 0-d fp32 tensor on {logits.device}, got {total.dtype} {list(total.shape)}"
-        )
-    call(_bce_accumulate_op, _bce_accumulate_impl, logits, labels, total)

@@ -27,8 +27,8 @@ expression), compile of it, triton (kernels.lora_linear).
 
 `--what mlp` times each config's bottom and top MLP whole, as the model runs them (`dlrm.model.mlp.MLP`,
 rows in scripts/results/mlp.csv): eager (kernel "torch"), compile of it, bias_act, and linear_act, whose
-layers run as one autograd node (kernels.linear_act_stack). The bottom MLP's input is data (no gradient),
-the top MLP's is not.
+layers run as one autograd node (kernels.linear_act.linear_act_stack). The bottom MLP's input is data (no
+gradient), the top MLP's is not.
 
 `--what attention` times the attention interaction (`model.interaction` "attention") at each batch, per
 (heads, dim) of `--attention-shapes` (rows in scripts/results/attention.csv), two ways:
@@ -68,7 +68,7 @@ from dlrm.data.schema import NUM_DENSE
 from dlrm.model.dlrm import InteractionArch
 from kernels.activations import act_ref
 from kernels.bias_act import bias_act
-from kernels.launch import aligned_copy, aligned_width
+from kernels.gemm.layout import aligned_copy, aligned_width
 from kernels.linear_act import linear_act
 
 RESULTS = Path(__file__).parent / "results" / "kernels.csv"
@@ -140,7 +140,7 @@ def _layer_fns(path: str, act: str):
     if path == "bias_act":
         return (lambda x, w, b: bias_act(F.linear(x, w), b, act)), 0.0
     if path == "cuda_bias_act":
-        from kernels.bias_act_cuda import bias_act_cuda
+        from kernels.cuda.bias_act import bias_act_cuda
 
         return (lambda x, w, b: bias_act_cuda(F.linear(x, w), b, act)), 0.0
     if path == "linear_act":
@@ -512,8 +512,8 @@ def bench_bias_act_bandwidth(
     reads x, b and writes y; backward reads dy, x, b and writes dx. Timed as CUDA-graph replays (GPU time,
     what a graph-captured step pays), like the layers' "graph" passes."""
     if kernel == "cuda":
-        from kernels.bias_act_cuda import bias_act_cuda_bwd as bias_act_bwd
-        from kernels.bias_act_cuda import bias_act_cuda_fwd as bias_act_fwd
+        from kernels.cuda.bias_act import bias_act_cuda_bwd as bias_act_bwd
+        from kernels.cuda.bias_act import bias_act_cuda_fwd as bias_act_fwd
     else:
         from kernels.bias_act import bias_act_bwd, bias_act_fwd
 

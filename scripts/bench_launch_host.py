@@ -7,9 +7,9 @@ launch bar (<= 1.2x eager's time) measures. Each row is the wall time of 200 cal
 (the GPU idles between launches; the median of 7 rounds, after 20 warm-up calls): eager PyTorch's
 Linear+ReLU, linear_act, a no-op autograd.Function (the glue every custom op pays), and each launch or
 allocation linear_act's forward and backward make. Then the kaggle bottom and top MLPs whole, forward +
-backward: eager PyTorch, linear_act called layer by layer, and ``kernels.linear_act_stack`` (the layers as
-one autograd node, as the model runs them), in interleaved rounds (the median of 9, 100 calls each), each
-MLP's input in the model's layout (``bench_kernels.model_layout``).
+backward: eager PyTorch, linear_act called layer by layer, and ``kernels.linear_act.linear_act_stack`` (the
+layers as one autograd node, as the model runs them), in interleaved rounds (the median of 9, 100 calls
+each), each MLP's input in the model's layout (``bench_kernels.model_layout``).
 Prints the table; ``--output`` also writes it.
 
 ``--cpus 0`` pins the process, and the threads it starts later (autograd's device thread, which runs every
@@ -26,11 +26,9 @@ import torch
 import torch.nn.functional as F
 from bench_kernels import mlp_stacks, model_layout
 
-from kernels.linear_act import linear_act
-from kernels.linear_act_backward import _linear_act_bwd_cublas, linear_act_dz
-from kernels.linear_act_forward import linear_act_fwd
-from kernels.linear_act_stack import linear_act_stack
-from kernels.partials import sum_partials
+from kernels.gemm.grads import act_dz, act_grads
+from kernels.gemm.partials import sum_partials
+from kernels.linear_act import linear_act, linear_act_fwd, linear_act_stack
 
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
 
@@ -98,8 +96,8 @@ def probe(m: int, k: int, n: int, dtype: torch.dtype) -> dict[str, float]:
         "eager fwd (no_grad)": no_grad(lambda: torch.relu(F.linear(x, w, b))),
         "linear_act fwd (no_grad)": no_grad(lambda: linear_act(x, w, b, "relu")),
         "linear_act_fwd (the launcher)": lambda: linear_act_fwd(xd, wd, bd, "relu"),
-        "backward body (cuBLAS path)": lambda: _linear_act_bwd_cublas(dy, xd, wd, y, "relu", True, True),
-        "linear_act_dz (dz + bias sum)": lambda: linear_act_dz(dy, y, "relu", True, dtype),
+        "backward body (cuBLAS path)": lambda: act_grads(dy, xd, wd, y, "relu", True, True),
+        "act_dz (dz + bias sum)": lambda: act_dz(dy, y, "relu", True, dtype),
         "sum_partials": lambda: sum_partials(part, dtype),
         "torch.mm dz @ W": lambda: torch.mm(dz, wd),
         "W.t().contiguous()": lambda: wd.t().contiguous(),

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.bias_act as bias_act_mod
-import kernels.partials as partials
+import kernels.gemm.partials as partials
 from kernels.bias_act import ACTIVATIONS, bias_act, bias_act_bwd, bias_act_fwd, bias_act_ref
 from tests.tolerances import tol
 

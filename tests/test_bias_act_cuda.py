@@ -1,4 +1,4 @@
-"""Tests for kernels/bias_act_cuda.py: y = act(x + b) in CUDA C++, forward and backward.
+"""Tests for kernels/cuda/bias_act.py: y = act(x + b) in CUDA C++, forward and backward.
 
 The kernel needs a CUDA GPU and nvcc; on CPU these tests check the one-line errors and, where nvcc is on the
 PATH, that the device code compiles. The numerical tests are GPU-only (`gpu` marker).
@@ -12,9 +12,9 @@ import subprocess
 import pytest
 import torch
 
-import kernels.bias_act_cuda as cuda_mod
+import kernels.cuda.bias_act as cuda_mod
 from kernels.activations import ACTIVATIONS
-from kernels.bias_act_cuda import bias_act_cuda, bias_act_cuda_bwd, bias_act_cuda_ref
+from kernels.cuda.bias_act import bias_act_cuda, bias_act_cuda_bwd, bias_act_cuda_ref
 from tests.tolerances import tol
 
 # N a multiple of 16 bytes' elements takes the vectorized backward (4099x512, 5x16 with lanes past N), the

@@ -1,4 +1,4 @@
-"""Eager calls of our ops skip the dispatcher (kernels/direct.py) and give what the custom ops give."""
+"""Eager calls of our ops skip the dispatcher (kernels/op.py) and give what the custom ops give."""
 
 import pytest
 import torch
@@ -7,6 +7,7 @@ from kernels import (
     attention,
     bias_act,
     embedding,
+    embedding_update,
     gated_linear,
     interaction,
     linear_act,
@@ -28,41 +29,41 @@ def _cases():
 
     x, w, b = t(M, K), t(N, K) / K**0.5, t(N)
     return {
-        "linear_act": (linear_act.linear_act, linear_act._linear_act_op, (x, w, b, "gelu_tanh"), (0, 1, 2)),
-        "bias_act": (bias_act.bias_act, bias_act._bias_act_op, (t(M, N), b, "silu"), (0, 1)),
+        "linear_act": (linear_act.linear_act, torch.ops.dlrm.linear_act, (x, w, b, "gelu_tanh"), (0, 1, 2)),
+        "bias_act": (bias_act.bias_act, torch.ops.dlrm.bias_act, (t(M, N), b, "silu"), (0, 1)),
         "ln_linear_gelu": (
             ln_linear_gelu.ln_linear_gelu,
-            ln_linear_gelu._ln_linear_gelu_op,
+            torch.ops.dlrm.ln_linear_gelu,
             (x, 1 + t(K) / 10, t(K) / 10, w, b, 1e-5),
             (0, 1, 2, 3, 4),
         ),
         "gated_linear": (
             gated_linear.gated_linear,
-            gated_linear._gated_linear_op,
+            torch.ops.dlrm.gated_linear,
             (x, t(2 * N, K) / K**0.5, t(2 * N), "geglu"),
             (0, 1, 2),
         ),
         "lora_linear": (
             lora_linear.lora_linear,
-            lora_linear._lora_linear_op,
+            torch.ops.dlrm.lora_linear,
             (x, w, b, t(R, K) / K**0.5, t(N, R) / R**0.5, 0.5, "relu"),
             (0, 3, 4),  # W and b stay frozen under LoRA: the op gives no gradient for them
         ),
         "dot_interaction": (
             interaction.dot_interaction,
-            interaction._interaction_op,
+            torch.ops.dlrm.dot_interaction,
             (t(M, 8), t(M, 5, 8)),
             (0, 1),
         ),
         "masked_attention": (
             attention.masked_attention,
-            attention._attention_op,
+            torch.ops.dlrm.masked_attention,
             (t(3, 2, 6, 8), t(3, 2, 6, 8), t(3, 2, 6, 8), torch.rand(3, 6, generator=g) < 0.7),
             (0, 1, 2),
         ),
         "bce_with_logits": (
             loss.bce_with_logits,
-            loss._bce_op,
+            torch.ops.dlrm.bce_with_logits,
             (t(M), (torch.rand(M, generator=g) < 0.3).float()),
             (0,),
         ),
@@ -118,7 +119,7 @@ def test_the_embedding_lookup_updates_the_tables_alike_without_the_dispatcher():
 
     def run(lookup):
         w = weights.clone().requires_grad_(True)
-        state = embedding.optimizer_state(w, "adagrad")
+        state = embedding_update.optimizer_state(w, "adagrad")
         out = lookup(w, state, offsets, rows, ids, "modulus", "adagrad", lr, 1e-10, w.dtype)
         out = out[0] if isinstance(out, tuple) else out
         out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
@@ -128,7 +129,7 @@ def test_the_embedding_lookup_updates_the_tables_alike_without_the_dispatcher():
         eager = run(embedding.embedding_lookup)
     called = {e.name for e in prof.events() if e.name.startswith("dlrm::")}
     assert called == set(), called
-    through_ops = run(embedding._lookup_op)
+    through_ops = run(torch.ops.dlrm.embedding_lookup)
     assert not torch.equal(eager[1], weights)  # the backward did update the tables
     for got, expected in zip(eager, through_ops, strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)

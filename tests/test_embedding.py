@@ -11,14 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.embedding import (
-    OPTIMIZERS,
-    embedding_lookup,
-    embedding_lookup_ref,
-    embedding_update,
-    embedding_update_ref,
-    optimizer_state,
-)
+from kernels.embedding import embedding_lookup, embedding_lookup_ref
+from kernels.embedding_update import OPTIMIZERS, embedding_update, embedding_update_ref, optimizer_state
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KAGGLE_ROWS = [

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dlrm.model.dlrm import InteractionArch
+from kernels.gemm.layout import aligned_width
 from kernels.interaction import dot_interaction, dot_interaction_ref, interaction_width
-from kernels.launch import aligned_width
 from tests.tolerances import tol
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,5 +1,5 @@
-"""Tests for kernels/linear_act.py (and its kernels in kernels/linear_act_{forward,backward,dw}.py): fused
-y = act(x @ W^T + b), forward and backward.
+"""Tests for kernels/linear_act.py (and the GEMM pieces it uses in kernels/gemm/): fused y = act(x @ W^T + b),
+forward and backward.
 
 On CPU (no CUDA) conftest sets TRITON_INTERPRET=1, so the tests run the Triton kernels in the interpreter,
 where the GEMMs are plain fp32 and compare elementwise with the fp32 reference's autograd gradients. On a
@@ -19,15 +19,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.gemm_tuning as gemm_tuning
+import kernels.gemm.dw as dw_mod
+import kernels.gemm.grads as grads_mod
+import kernels.gemm.layout as layout
+import kernels.gemm.partials as partials
+import kernels.gemm.tuning as gemm_tuning
 import kernels.launch as launch
 import kernels.linear_act as linear_act_mod
-import kernels.linear_act_backward as backward_mod
-import kernels.linear_act_dw as dw_mod
-import kernels.linear_act_forward as forward_mod
-import kernels.partials as partials
-from kernels.linear_act import ACTIVATIONS, linear_act, linear_act_bwd, linear_act_fwd, linear_act_ref
-from kernels.linear_act_backward import launch_bwd
+from kernels.linear_act import (
+    ACTIVATIONS,
+    launch_bwd,
+    linear_act,
+    linear_act_bwd,
+    linear_act_fwd,
+    linear_act_ref,
+)
 from tests.tolerances import tol
 
 # Where the Triton kernels run: the GPU when there is one, else the CPU interpreter (see conftest).
@@ -158,8 +164,8 @@ def test_auto_backward_with_dx_is_cublas(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("not the cuBLAS backward")
 
-    monkeypatch.setattr(backward_mod, "_pick_backward", fail)
-    monkeypatch.setattr(backward_mod, "linear_act_dw", fail)
+    monkeypatch.setattr(linear_act_mod, "fastest_dw", fail)
+    monkeypatch.setattr(linear_act_mod, "act_dw", fail)
     got = linear_act_bwd(dy, x, w, saved, "silu", True)
     for g, r in zip(got, want, strict=True):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
@@ -236,13 +242,13 @@ def test_aligned_weight():
     """A weight whose K is not a multiple of 16 bytes comes back as its values in rows of 16 bytes (zeros past
     K in the storage); an aligned contiguous one as itself."""
     w = torch.randn(5, 13)
-    aligned = launch.aligned_weight(w)
+    aligned = layout.aligned_weight(w)
     assert aligned.shape == (5, 13) and aligned.stride() == (16, 1)
     torch.testing.assert_close(aligned, w, rtol=0, atol=0)
     assert not aligned.as_strided((5, 16), (16, 1))[:, 13:].any()
     w16 = torch.randn(4, 16, dtype=torch.bfloat16)
-    assert launch.aligned_weight(w16) is w16
-    assert launch.aligned_weight(torch.randn(13, 5, dtype=torch.bfloat16).t()).stride() == (16, 1)
+    assert layout.aligned_weight(w16) is w16
+    assert layout.aligned_weight(torch.randn(13, 5, dtype=torch.bfloat16).t()).stride() == (16, 1)
 
 
 def test_tma_descriptor():
@@ -250,15 +256,15 @@ def test_tma_descriptor():
     whose rows do not (K = 13 fp32) or whose base does not (a view one element in) through a copy of its
     values in rows of 16 bytes; the shape is the tensor's, whatever its row stride."""
     x = torch.randn(7, 16)
-    d = launch.tma_descriptor(x)
+    d = layout.tma_descriptor(x)
     assert d.base is x and d.shape == [7, 16] and d.strides == [16, 1]
-    padded = launch.aligned_copy(torch.randn(7, 13))
-    d = launch.tma_descriptor(padded)
+    padded = layout.aligned_copy(torch.randn(7, 13))
+    d = layout.tma_descriptor(padded)
     assert d.base is padded and d.shape == [7, 13] and d.strides == [16, 1]
     for t in (torch.randn(7, 13), torch.randn(7, 16)[:, 1:], torch.randn(13, 7).t()):
-        d = launch.tma_descriptor(t)
+        d = layout.tma_descriptor(t)
         assert d.base is not t and d.base.data_ptr() % 16 == 0 and d.shape == list(t.shape)
-        assert d.strides == [launch.aligned_width(t.shape[1], t.dtype), 1]
+        assert d.strides == [layout.aligned_width(t.shape[1], t.dtype), 1]
         torch.testing.assert_close(d.base, t, rtol=0, atol=0)
 
 
@@ -269,17 +275,17 @@ def test_gemm_grads(k, dtype):
     read into the results); dx in rows of 16 bytes, dW contiguous."""
     g = torch.Generator().manual_seed(k)
     dz, x, w = (torch.randn(*shape, generator=g).to(dtype) for shape in ((37, 9), (37, k), (9, k)))
-    kp = launch.aligned_width(k, dtype)
+    kp = layout.aligned_width(k, dtype)
     padded = torch.full((37, kp), float("nan"), dtype=dtype)
     padded[:, :k] = x
     # fp32: a reduction in another order; bf16: the fp32 value rounded once (tests/tolerances.py)
     tolerance = tol(dtype, "gemm" if dtype == torch.float32 else "fwd")
     for x_in in (x, padded[:, :k]):
-        dx, dw = backward_mod.gemm_grads(dz, x_in, w, needs_dx=True)
+        dx, dw = grads_mod.gemm_grads(dz, x_in, w, needs_dx=True)
         assert dx.stride() == (kp, 1) and dw.is_contiguous()
         torch.testing.assert_close(dx, (dz.float() @ w.float()).to(dtype), **tolerance)
         torch.testing.assert_close(dw, (dz.float().t() @ x.float()).to(dtype), **tolerance)
-    assert backward_mod.gemm_grads(dz, x, w, needs_dx=False)[0] is None
+    assert grads_mod.gemm_grads(dz, x, w, needs_dx=False)[0] is None
 
 
 def test_unknown_backward_method():
@@ -550,9 +556,9 @@ def test_dlrm_shapes_tf32_gpu(monkeypatch, layer):
 @pytest.mark.gpu
 def test_new_batch_size_does_not_recompile_gpu():
     kernels = [
-        forward_mod._linear_act_fwd_kernel.fn,
-        backward_mod._linear_act_dz_kernel,
-        dw_mod._linear_act_bwd_dw_kernel.fn,
+        linear_act_mod._linear_act_fwd_kernel.fn,
+        grads_mod._act_dz_kernel,
+        dw_mod._act_dw_kernel.fn,
     ]
     if not all(hasattr(k, "device_caches") for k in kernels):
         pytest.skip("this Triton has no JITFunction.device_caches")
@@ -611,7 +617,7 @@ def test_int64_offsets_gpu():
 def test_tuned_kernel_tunes_each_key_once(monkeypatch):
     """TunedKernel asks the autotuner once per (M bucket, N, K, dtype) and launches the tuned config
     directly afterwards, with the same result."""
-    kernel = forward_mod._linear_act_fwd_kernel
+    kernel = linear_act_mod._linear_act_fwd_kernel
     monkeypatch.setattr(kernel, "_options", {})
     tuned = []
     run = kernel.autotuner.run

@@ -7,8 +7,7 @@ outputs and gradients are compared for equality, not within a tolerance.
 import pytest
 import torch
 
-from kernels.linear_act import linear_act
-from kernels.linear_act_stack import linear_act_stack
+from kernels.linear_act import linear_act, linear_act_stack
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
+import kernels.gemm.partials as partials
 import kernels.launch as launch
 import kernels.ln_linear_gelu as ln_mod
-import kernels.partials as partials
 from kernels.ln_linear_gelu import ln_linear_gelu, ln_linear_gelu_bwd, ln_linear_gelu_fwd, ln_linear_gelu_ref
 from tests.test_linear_act import _assert_norm_close
 from tests.tolerances import tol

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.loss import bce_with_logits, bce_with_logits_accumulate_
+from kernels.loss import bce_with_logits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -44,24 +44,10 @@ def test_gradient_scales_with_the_incoming_gradient():
     torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-8)
 
 
-def test_accumulate_sums_over_batches():
-    total = torch.zeros((), device=DEVICE)
-    expected = 0.0
-    for seed in range(3):
-        logits, labels = _inputs(777, seed=seed)
-        bce_with_logits_accumulate_(logits, labels, total)
-        expected += F.binary_cross_entropy_with_logits(
-            logits.double(), labels.double(), reduction="sum"
-        ).item()
-    assert total.item() == pytest.approx(expected, rel=1e-5)
-
-
 def test_empty_batch_is_nan_and_errors():
     assert math.isnan(bce_with_logits(torch.zeros(0, device=DEVICE), torch.zeros(0, device=DEVICE)).item())
     with pytest.raises(ValueError, match=r"must both be \[B\]"):
         bce_with_logits(torch.zeros(3), torch.zeros(4))
-    with pytest.raises(ValueError, match="0-d fp32"):
-        bce_with_logits_accumulate_(torch.zeros(3), torch.zeros(3), torch.zeros(1))
 
 
 @pytest.mark.parametrize("b", [128, 65536])

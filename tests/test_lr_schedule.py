@@ -18,7 +18,7 @@ from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.lr_schedule import LearningRates, lr_factor
 from dlrm.model import DLRM, make_model
 from dlrm.step import make_optimizer, train_step
-from kernels import direct
+from kernels import op
 from tests.conftest import REPO
 
 W, S, N = 8, 20, 10  # warmup_steps, decay_start_step, decay_steps
@@ -165,10 +165,10 @@ def test_the_captured_step_reads_the_lr_tensors(monkeypatch, through_ops):
     """What GraphedTrainStep captures (train_step on the "triton" model and dlrm.optim.SGD), recorded op by
     op: the rates enter as the tensors LearningRates writes (the embedding ops and the dense update take
     them), never as Python numbers, and nothing is read back to the host. Eager calls of our kernels skip
-    the dispatcher (kernels/direct.py); through the custom ops, which get the same arguments, the
+    the dispatcher (kernels/op.py); through the custom ops, which get the same arguments, the
     dispatcher records that the embedding ops take the lr tensor itself."""
     if through_ops:
-        monkeypatch.setattr(direct, "is_compiling", lambda: True)
+        monkeypatch.setattr(op, "is_compiling", lambda: True)
     model, optimizer, lrs = _model_and_optimizer()
     train_step(model, optimizer, _batch(0))  # first call: Triton JIT, lazy state
     lrs.set(3)  # factor 3/8: dense lr 0.0375, embedding lr 0.01875

@@ -1,11 +1,11 @@
-"""Tests for kernels/partials.py: the sum of per-program partials over their leading axis."""
+"""Tests for kernels/gemm/partials.py: the sum of per-program partials over their leading axis."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.partials import sum_partials
+from kernels.gemm.partials import sum_partials
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -146,7 +146,7 @@ class SparseArch(nn.Module):
             raise ValueError(
                 "configure_optimizer is for kernel 'triton'; give kernel 'torch' tables to a torch optimizer"
             )
-        from kernels.embedding import optimizer_state
+        from kernels.embedding_update import optimizer_state
 
         self.optimizer_state = optimizer_state(self.weights.detach(), optimizer)
         self.lr = torch.full((), lr, dtype=torch.float32, device=self.weights.device)

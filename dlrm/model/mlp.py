@@ -7,8 +7,8 @@ the kernel, so the same seed gives the same initial weights and checkpoints move
 - "bias_act": a bias-free `F.linear(x, W)` (cuBLAS) followed by our fused add-bias-activation Triton kernel
   `kernels.bias_act`, forward and backward;
 - "linear_act": the whole layer, GEMM + bias + activation, in our Triton kernel `kernels.linear_act`,
-  forward and backward; the layers run as one autograd node (`kernels.linear_act_stack`);
-- "cuda_bias_act": as "bias_act", with the add-bias-activation in CUDA C++ (`kernels.bias_act_cuda`, built
+  forward and backward; the layers run as one autograd node (`kernels.linear_act.linear_act_stack`);
+- "cuda_bias_act": as "bias_act", with the add-bias-activation in CUDA C++ (`kernels.cuda.bias_act`, built
   on first use; CUDA only).
 
 `block` (config `model.mlp_block`) picks what a layer is:
@@ -172,7 +172,7 @@ class MLP(nn.Module):
             return x
         # Kernels import here, not at module load: TRITON_INTERPRET must be decided before they are decorated.
         if self.kernel == "linear_act":
-            from kernels.linear_act_stack import linear_act_stack
+            from kernels.linear_act import linear_act_stack
 
             weights, biases = [], []
             for layer, _ in pairs:
@@ -185,7 +185,7 @@ class MLP(nn.Module):
             if self.kernel == "bias_act":
                 from kernels.bias_act import bias_act
             else:
-                from kernels.bias_act_cuda import bias_act_cuda as bias_act
+                from kernels.cuda.bias_act import bias_act_cuda as bias_act
 
             for layer, act in pairs:
                 x, w, b = _autocast(x, layer)

@@ -1,14 +1,23 @@
-"""The Triton dW GEMM of linear_act's backward, dz formed in registers: ``dW = dz^T @ x``, ``db = sum over
-rows of dz``, dz = dy * act' (math, shapes and dtypes in ``kernels/linear_act.py``). No dx: it serves the
-layers whose input needs no gradient, where it saves the cuBLAS backward's [M, N] dz pass
-(``kernels/linear_act_backward.py`` times the two and says when it wins).
+"""dW and db of ``y = act(x @ W^T + b)`` for a layer whose input needs no gradient (no dx): the Triton dW
+GEMM with dz = dy * act' formed in registers (``act_dw``), which saves the cuBLAS backward's [M, N] dz pass
+(``kernels.gemm.grads.act_grads``), and the choice of the faster of the two (``fastest_dw``).
 
-``_linear_act_bwd_dw_kernel``: one program per ([BLOCK_N, BLOCK_K] tile of dW, chunk of rows), reducing over
+Which one runs in linear_act's backward (CUDA-graph replays of each backward alone over the kaggle and
+mlperf layers are in scripts/results/linear_act_backward.csv):
+  - dx needed (every layer but the first): always cuBLAS, not timed: a Triton dx GEMM with dz fused into
+    its loads is slower than cuBLAS's on nearly every layer, and not enough faster on the rest to keep.
+  - no dx (the first layer, whose input is data: K = 13 dense features): the faster of the two, timed as
+    graph replays the first time a shape is seen on the GPU (``fastest_dw``); which one wins depends on
+    the precision and the batch. The backward reads x's 16-byte-row copy, as the op hands it over, so the
+    timed choice sees the op's real inputs.
+
+``_act_dw_kernel``: one program per ([BLOCK_N, BLOCK_K] tile of dW, chunk of rows), reducing over
 M: it loads dy and the saved y/z tiles [BLOCK_M, BLOCK_N], forms dz in registers (``act_bwd``), rounds it to
 the input dtype and dots dz^T with an x tile; the programs of the first K tile also sum dz over rows for db.
 Split-M: DLRM layers are small (N * K of a few thousand) while M (the batch) is large, so the rows are cut
 into ``splits`` chunks (``_dw_rows_per_split``); each program writes its fp32 partials to [splits, N, K]
-and [splits, N] buffers, and the launcher sums them over the split axis (``kernels.partials.sum_partials``).
+and [splits, N] buffers, and the launcher sums them over the split axis
+(``kernels.gemm.partials.sum_partials``).
 No atomics: every partial element is written by exactly one program, so autotuning re-runs are harmless and
 the result is the same run to run (for a given autotuned config).
 """
@@ -22,17 +31,19 @@ from torch import Tensor
 
 from kernels import launch
 from kernels.activations import act_bwd
-from kernels.gemm_tuning import autotuned, input_precision, m_bucket
-from kernels.launch import INTERPRETED, rows_contiguous
-from kernels.partials import sum_partials
+from kernels.gemm.grads import act_grads
+from kernels.gemm.layout import rows_contiguous
+from kernels.gemm.partials import sum_partials
+from kernels.gemm.tuning import autotuned, graph_time, input_precision, m_bucket
+from kernels.launch import INTERPRETED
 
-__all__ = ["linear_act_dw"]
+__all__ = ["act_dw", "fastest_dw"]
 
 
 # M (the batch) and ROWS_PER_SPLIT, which follows it, change between calls: do not specialize on them, so a
 # new batch size reuses the compiled kernel. M_BUCKET only feeds the autotuning key.
 @triton.jit(do_not_specialize=["M", "ROWS_PER_SPLIT"])
-def _linear_act_bwd_dw_kernel(
+def _act_dw_kernel(
     # pointers
     dy_ptr,  # [M, N] upstream gradient, x's dtype
     s_ptr,  # [M, N] saved y (relu, sigmoid) or z (gelu_tanh, silu); not read for identity
@@ -109,9 +120,7 @@ def _linear_act_bwd_dw_kernel(
         tl.store(db_part_ptr + pid_s.to(tl.int64) * stride_dbs + cols, db_acc, mask=mask_n & (pid_k == 0))
 
 
-_linear_act_bwd_dw_kernel = autotuned(
-    _linear_act_bwd_dw_kernel, ("BLOCK_N", "BLOCK_K", "BLOCK_M"), ("N", "K"), "x_ptr", {}
-)
+_act_dw_kernel = autotuned(_act_dw_kernel, ("BLOCK_N", "BLOCK_K", "BLOCK_M"), ("N", "K"), "x_ptr", {})
 
 
 # Split-M for dW: aim for about two waves of programs on an H100/H200 (132 SMs), but give each split at
@@ -129,11 +138,11 @@ def _dw_rows_per_split(m: int, n: int, k: int) -> int:
     return triton.cdiv(triton.cdiv(m, splits), _DW_ROW_ALIGN) * _DW_ROW_ALIGN
 
 
-def linear_act_dw(
+def act_dw(
     dy: Tensor, x: Tensor, saved: Tensor | None, activation: str, has_bias: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """Launch ``_linear_act_bwd_dw_kernel`` and sum its partials: (dW, db) of linear_act (module docstring).
-    Called by ``linear_act_bwd``, which checks the arguments.
+    """Launch ``_act_dw_kernel`` and sum its partials: (dW, db) (module docstring).
+    Its callers check the arguments.
 
     Args:
         dy: [M, N] gradient of y, x's dtype and device.
@@ -162,7 +171,7 @@ def linear_act_dw(
     def grid_dw(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(k, meta["BLOCK_K"]), splits)
 
-    _linear_act_bwd_dw_kernel[grid_dw](
+    _act_dw_kernel[grid_dw](
         dy, s, x, dw_part, db_part,
         m, n, k, m_bucket(m), rows_per_split,
         dy.stride(0), s.stride(0), x.stride(0), dw_part.stride(0), dw_part.stride(1), db_part.stride(0),
@@ -172,3 +181,32 @@ def linear_act_dw(
     dw = sum_partials(dw_part, x.dtype)
     db = sum_partials(db_part, x.dtype) if has_bias else None
     return dw, db
+
+
+# The backward implementation chosen per (M bucket, N, K, dtype, GEMM precision, activation, bias), for
+# layers whose dx is not needed.
+_BACKWARD_CHOICE: dict[tuple, str] = {}
+
+
+def fastest_dw(
+    dy: Tensor, x: Tensor, weight: Tensor, saved: Tensor | None, activation: str, has_bias: bool
+) -> str:
+    """The faster dW + db backward for this shape (no dx): both are timed (median of CUDA-event timings) the
+    first time a shape is seen. "triton" saves the [M, N] dz pass; cuBLAS's GEMM may still win (module
+    docstring). Inside a CUDA graph
+    capture nothing can be timed: an unseen shape then takes "triton". The interpreter times nothing either
+    and takes "triton", so the CPU tests run the dW kernel through the autograd op too."""
+    if INTERPRETED:
+        return "triton"
+    key = (m_bucket(x.shape[0]), weight.shape[0], x.shape[1], x.dtype, input_precision(x.dtype), activation,
+           has_bias)  # fmt: skip
+    if key not in _BACKWARD_CHOICE:
+        if torch.cuda.is_current_stream_capturing():
+            return "triton"
+        candidates = {
+            "triton": lambda: act_dw(dy, x, saved, activation, has_bias),
+            "cublas": lambda: act_grads(dy, x, weight, saved, activation, has_bias, False),
+        }
+        times = {name: graph_time(fn) for name, fn in candidates.items()}
+        _BACKWARD_CHOICE[key] = min(times, key=times.get)
+    return _BACKWARD_CHOICE[key]

@@ -16,7 +16,7 @@ import triton
 
 from kernels.launch import INTERPRETED
 
-__all__ = ["TunedKernel", "autotuned", "even_k", "input_precision", "m_bucket"]
+__all__ = ["TunedKernel", "autotuned", "even_k", "graph_time", "input_precision", "m_bucket"]
 
 _KEY = ["M_BUCKET", "N", "K"]
 _M_BUCKET_MIN, _M_BUCKET_MAX = 64, 65536
@@ -172,8 +172,8 @@ def autotuned(
         operand: the tensor argument of the operands' dtype, whose element size picks the reduction chunk
             and whose dtype is part of the key, e.g. "x_ptr".
         extra: further constexprs every config sets, e.g. {"GROUP": 8}.
-        descriptors: the TMA descriptor arguments (``kernels.launch.tma_descriptor``) and the tile dims of
-            their block shapes, e.g. {"x_desc": ("BLOCK_M", "BLOCK_K")}.
+        descriptors: the TMA descriptor arguments (``kernels.gemm.layout.tma_descriptor``) and the tile
+            dims of their block shapes, e.g. {"x_desc": ("BLOCK_M", "BLOCK_K")}.
     """
     descriptors = descriptors or {}
     configs = _configs(names, extra, descriptors)
@@ -186,3 +186,18 @@ def autotuned(
         do_bench=_quick_bench,
     )(kernel)
     return TunedKernel(autotuner, operand, descriptors)
+
+
+def graph_time(fn) -> float:
+    """Median ms of `fn()` replayed as a CUDA graph: the GPU time a graph-captured step pays, to choose
+    between implementations. Timed as launched from Python instead, host overhead would decide the choice
+    for small layers, differently run to run."""
+    from triton.testing import do_bench
+
+    fn()  # autotuning and lazy initialization, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = do_bench(graph.replay, warmup=10, rep=40, return_mode="median")
+    del graph
+    return ms

@@ -14,7 +14,7 @@ Backward saves the inputs x and b and recomputes z, like the Triton kernel.
 Kernels (``DEVICE_SOURCE``): one thread per column, a block of 256 columns by `rows` rows (>= 32; the
 backward at most 256 blocks along M), the thread walking down its column (loads and stores coalesced along
 the row; the bias loaded once per thread); the backward sums its column's dz in a register and writes one
-fp32 partial per (row block, column), which ``kernels.partials.sum_partials`` reduces: no atomics, db the
+fp32 partial per (row block, column), which ``kernels.gemm.partials.sum_partials`` reduces: no atomics, db the
 same run to run. Where N is a multiple of 16 bytes' elements and the rows 16-byte aligned, the backward
 moves 16-byte vectors instead (V columns per thread, 8 warps per block on interleaved rows, their sums
 added in shared memory into the block's one row of partials). Launched on PyTorch's current stream
@@ -32,16 +32,15 @@ from __future__ import annotations
 
 import time
 import warnings
-from functools import partial
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from kernels.activations import ACTIVATIONS, act_ref, check_activation
-from kernels.direct import call, eager_function
+from kernels.gemm.partials import sum_partials
 from kernels.launch import DTYPES
-from kernels.partials import sum_partials
+from kernels.op import define_op
 
 __all__ = ["bias_act_cuda", "bias_act_cuda_ref", "bias_act_cuda_fwd", "bias_act_cuda_bwd", "DEVICE_SOURCE"]
 
@@ -426,7 +425,7 @@ def bias_act_cuda_ref(x: Tensor, bias: Tensor, activation: str) -> Tensor:
 
 # --------------------------------------------------------------------------------------------------
 # Autograd glue: custom ops (torch.compile; CUDA-graph capturable); eager calls skip the dispatcher
-# (kernels/direct.py)
+# (kernels/op.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -434,10 +433,6 @@ def _bias_act_cuda_impl(x: Tensor, bias: Tensor, activation: str) -> Tensor:
     return bias_act_cuda_fwd(x, bias, activation)
 
 
-_bias_act_cuda_op = torch.library.custom_op("dlrm::bias_act_cuda", _bias_act_cuda_impl, mutates_args=())
-
-
-@_bias_act_cuda_op.register_fake
 def _bias_act_cuda_fake(x: Tensor, bias: Tensor, activation: str) -> Tensor:
     _check_inputs(x, bias, activation)
     return x.new_empty(x.shape)
@@ -449,12 +444,6 @@ def _bias_act_cuda_backward_impl(
     return bias_act_cuda_bwd(dy, x, bias, activation)
 
 
-_bias_act_cuda_backward_op = torch.library.custom_op(
-    "dlrm::bias_act_cuda_backward", _bias_act_cuda_backward_impl, mutates_args=()
-)
-
-
-@_bias_act_cuda_backward_op.register_fake
 def _bias_act_cuda_backward_fake(
     dy: Tensor, x: Tensor, bias: Tensor, activation: str
 ) -> tuple[Tensor, Tensor]:
@@ -473,12 +462,10 @@ def _backward(backward_fn, ctx, dy: Tensor):
     return dx, db, None
 
 
-_bias_act_cuda_op.register_autograd(
-    partial(_backward, _bias_act_cuda_backward_op), setup_context=_setup_context
-)
-_bias_act_cuda_eager = eager_function(
-    "BiasActCuda", _bias_act_cuda_impl, _setup_context, partial(_backward, _bias_act_cuda_backward_impl)
-)
+_bias_act_cuda = define_op(
+    "bias_act_cuda", _bias_act_cuda_impl, _bias_act_cuda_fake, _setup_context, _backward,
+    _bias_act_cuda_backward_impl, _bias_act_cuda_backward_fake,
+)  # fmt: skip
 
 
 def bias_act_cuda(x: Tensor, bias: Tensor, activation: str = "relu") -> Tensor:
@@ -500,4 +487,4 @@ def bias_act_cuda(x: Tensor, bias: Tensor, activation: str = "relu") -> Tensor:
         ValueError: bad shapes, dtypes or activation, tensors not on a CUDA device, or no nvcc to build the
             kernel (one line saying so).
     """
-    return call(_bias_act_cuda_op, _bias_act_cuda_eager, x, bias, activation)
+    return _bias_act_cuda(x, bias, activation)

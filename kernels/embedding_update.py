@@ -1,0 +1,262 @@
+"""The optimizer update of table-batched embeddings, applied by the lookup's backward (``kernels.embedding``)
+to the rows a batch touched, in place, without a table-sized gradient.
+
+Math (letters of dlrm/model/dlrm.py: D embedding dim, R total rows; index [B, F] the rows the lookup read)
+    g_r = sum of dout[b, f, :] over the (b, f) with index[b, f] = r   (repeated ids summed)
+    "sgd"              w_r -= lr * g_r
+    "adagrad"          s_r += g_r^2 (elementwise, state [R, D]);     w_r -= lr * g_r / (sqrt(s_r) + eps)
+    "rowwise_adagrad"  s_r += mean(g_r^2) (one value per row, [R]);  w_r -= lr * g_r / (sqrt(s_r) + eps)
+    "sgd" and "adagrad" are torch.optim.SGD / torch.optim.Adagrad (lr_decay 0, initial accumulator 0) on
+    sparse gradients; "rowwise_adagrad" is FBGEMM/TorchRec's EXACT_ROWWISE_ADAGRAD. Only touched rows change.
+
+Dtypes: weights fp32 or bf16 (updates computed in fp32, rounded once); state fp32 ([R, D] for adagrad, [R]
+for rowwise_adagrad, empty for sgd); the gradient of any float dtype; lr a one-element fp32 tensor that
+the kernels load (a schedule writes it in place between steps; CUDA-graph replays read the current value).
+
+How the update runs:
+- "sgd" with fp32 weights: one kernel, atomic adds of -lr * dout straight into the touched rows. Atomic adds
+  sum repeated ids exactly (up to fp32 summation order), as SGD needs nothing but the sum.
+- otherwise (adagrad, rowwise_adagrad, bf16 weights): the non-linear update needs each row's full sum
+  first. The B*F indices are sorted (torch.sort); sorted positions with the same row form a segment; one
+  kernel sums dout into a [B*F, D] fp32 buffer by segment (atomics into distinct slots per segment), a second
+  updates each distinct row once from its segment's sum. Memory is O(B F D), never O(R D).
+Fixed shapes throughout (no torch.unique, no host sync), so a step can be captured in a CUDA graph.
+The PyTorch reference is ``embedding_update_ref``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.launch import use_triton
+
+__all__ = [
+    "OPTIMIZERS",
+    "block_sizes",
+    "check_lr",
+    "embedding_update",
+    "embedding_update_ref",
+    "optimizer_state",
+]
+
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+
+
+# -- Kernels -----------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["N"])
+def _embedding_sgd_kernel(
+    # pointers
+    index_ptr,  # [N] int64 global rows (N = B * F lookups)
+    grad_ptr,  # [N, D] dout, any float dtype
+    weights_ptr,  # [R, D] fp32, updated in place
+    lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
+    # sizes
+    N,
+    D,
+    # meta-parameters
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask_n = n < N
+    d = tl.arange(0, BLOCK_D)
+    mask = mask_n[:, None] & (d < D)[None, :]
+    index = tl.load(index_ptr + n, mask=mask_n, other=0)
+    grad = tl.load(grad_ptr + n[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    lr = tl.load(lr_ptr).to(tl.float32)
+    tl.atomic_add(weights_ptr + index[:, None] * D + d[None, :], -lr * grad, mask=mask)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _embedding_segment_sum_kernel(
+    # pointers
+    order_ptr,  # [N] int64: lookup at each sorted position (argsort of the indices)
+    segment_ptr,  # [N] int64: segment (distinct row, in sorted order) of each sorted position
+    grad_ptr,  # [N, D] dout, any float dtype
+    sums_ptr,  # [N, D] fp32 zeros: one slot per segment, the first n_segments used
+    # sizes
+    N,
+    D,
+    # meta-parameters
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    p = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask_p = p < N
+    d = tl.arange(0, BLOCK_D)
+    mask = mask_p[:, None] & (d < D)[None, :]
+    lookup = tl.load(order_ptr + p, mask=mask_p, other=0)
+    segment = tl.load(segment_ptr + p, mask=mask_p, other=0)
+    grad = tl.load(grad_ptr + lookup[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.atomic_add(sums_ptr + segment[:, None] * D + d[None, :], grad, mask=mask)
+
+
+@triton.jit(do_not_specialize=["N", "eps"])
+def _embedding_segment_update_kernel(
+    # pointers
+    sorted_ptr,  # [N] int64 sorted global rows
+    segment_ptr,  # [N] int64 segment of each sorted position
+    sums_ptr,  # [N, D] fp32 gradient sum of each segment
+    weights_ptr,  # [R, D] fp32/bf16, updated in place
+    state_ptr,  # adagrad: [R, D] fp32; rowwise_adagrad: [R] fp32; sgd: unused
+    lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
+    # sizes
+    N,
+    D,
+    # optimizer
+    eps,
+    # meta-parameters
+    OPTIMIZER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    p = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    valid = p < N
+    row = tl.load(sorted_ptr + p, mask=valid, other=-1)
+    previous = tl.load(sorted_ptr + p - 1, mask=(p > 0) & valid, other=-1)
+    # The first sorted position of each distinct row applies that row's update; the others do nothing.
+    head = valid & (row != previous)
+    # 1-D loads are masked by `valid`, not by the data-dependent `head`: Triton 3.6 fails to compile a
+    # load masked by `head` here (TritonGPURemoveLayoutConversions), and reading more is harmless.
+    segment = tl.load(segment_ptr + p, mask=valid, other=0)
+    d = tl.arange(0, BLOCK_D)
+    mask = head[:, None] & (d < D)[None, :]
+    grad = tl.load(sums_ptr + segment[:, None] * D + d[None, :], mask=mask, other=0.0)
+    w_ptrs = weights_ptr + row[:, None] * D + d[None, :]
+    weights = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+    lr = tl.load(lr_ptr).to(tl.float32)
+    if OPTIMIZER == "sgd":
+        step = lr * grad
+    elif OPTIMIZER == "adagrad":
+        s_ptrs = state_ptr + row[:, None] * D + d[None, :]
+        state = tl.load(s_ptrs, mask=mask, other=0.0) + grad * grad
+        tl.store(s_ptrs, state, mask=mask)
+        step = lr * grad / (tl.sqrt(state) + eps)
+    else:
+        state = tl.load(state_ptr + row, mask=valid, other=0.0) + tl.sum(grad * grad, axis=1) / D
+        tl.store(state_ptr + row, state, mask=head)
+        step = lr * grad / (tl.sqrt(state)[:, None] + eps)
+    tl.store(w_ptrs, (weights - step).to(weights_ptr.dtype.element_ty), mask=mask)
+
+
+# -- Launchers ---------------------------------------------------------------------------------------
+
+
+def block_sizes(d: int, n: int) -> tuple[int, int]:
+    """(BLOCK_D, rows per program) of the embedding kernels for width d and n rows: D padded to a power of
+    two, about 4096 elements per program, at least 16 rows (fewer only where n is smaller)."""
+    block_d = triton.next_power_of_2(d)
+    return block_d, min(max(16, 4096 // block_d), triton.next_power_of_2(n))
+
+
+def optimizer_state(weights: Tensor, optimizer: str) -> Tensor:
+    """Fresh (zero) optimizer state for `weights` [R, D]: [R, D] fp32 for "adagrad", [R] fp32 for
+    "rowwise_adagrad", an empty tensor for "sgd"."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown embedding optimizer {optimizer!r}: expected one of {OPTIMIZERS}")
+    shape = {"sgd": (0,), "adagrad": tuple(weights.shape), "rowwise_adagrad": (weights.shape[0],)}[optimizer]
+    return torch.zeros(shape, dtype=torch.float32, device=weights.device)
+
+
+def check_lr(lr: Tensor, weights: Tensor) -> None:
+    ok = isinstance(lr, Tensor) and lr.numel() == 1 and lr.dtype == torch.float32
+    if not ok or lr.device != weights.device:
+        got = f"{lr.dtype} {list(lr.shape)} on {lr.device}" if isinstance(lr, Tensor) else repr(lr)
+        raise ValueError(f"lr must be a one-element fp32 tensor on {weights.device}, got {got}")
+
+
+def _check_update(weights: Tensor, state: Tensor, index: Tensor, grad: Tensor, optimizer: str) -> None:
+    if optimizer == "adagrad" and tuple(state.shape) != tuple(weights.shape):
+        raise ValueError(f"adagrad state must be {list(weights.shape)}, got {list(state.shape)}")
+    if optimizer == "rowwise_adagrad" and tuple(state.shape) != (weights.shape[0],):
+        raise ValueError(f"rowwise_adagrad state must be [{weights.shape[0]}], got {list(state.shape)}")
+    if optimizer != "sgd" and (state.dtype != torch.float32 or not state.is_contiguous()):
+        raise ValueError(f"optimizer state must be contiguous fp32, got {state.dtype}")
+    if index.dtype != torch.int64 or grad.shape != (*index.shape, weights.shape[1]):
+        raise ValueError(
+            f"grad {list(grad.shape)} must be index {list(index.shape)} + [D={weights.shape[1]}], "
+            f"index int64 (got {index.dtype})"
+        )
+
+
+def embedding_update(
+    weights: Tensor, state: Tensor, index: Tensor, grad: Tensor, optimizer: str, lr: Tensor, eps: float
+) -> None:
+    """Apply one optimizer step to the rows of `weights` (and `state`) that `index` touched, in place.
+
+    Args:
+        weights: [R, D] fp32/bf16 table-batched weights (contiguous), updated in place.
+        state: optimizer state from `optimizer_state` (fp32), updated in place.
+        index: [B, F] (or any shape) int64 global rows looked up, as returned by the lookup.
+        grad: index.shape + [D], gradient of the looked-up vectors (any float dtype).
+        optimizer: "sgd", "adagrad" or "rowwise_adagrad" (module docstring).
+        lr: learning rate, a one-element fp32 tensor on weights' device ([] or [1]), read by the kernel
+            (no host sync; its value at launch, or at each replay of a captured graph, is the one used).
+        eps: Adagrad's epsilon (unused by sgd).
+    Raises:
+        ValueError: unknown optimizer, or shapes/dtypes/devices that do not match (message names them).
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown embedding optimizer {optimizer!r}: expected one of {OPTIMIZERS}")
+    _check_update(weights, state, index, grad, optimizer)
+    check_lr(lr, weights)
+    if not use_triton(weights):
+        embedding_update_ref(weights, state, index, grad, optimizer, lr, eps)
+        return
+    index = index.reshape(-1)
+    grad = grad.reshape(index.numel(), -1).contiguous()
+    n, d = grad.shape
+    if n == 0:
+        return
+    block_d, block_n = block_sizes(d, n)
+    grid = (triton.cdiv(n, block_n),)
+    if optimizer == "sgd" and weights.dtype == torch.float32:
+        _embedding_sgd_kernel[grid](index, grad, weights, lr, n, d, BLOCK_N=block_n, BLOCK_D=block_d)
+        return
+    sorted_rows, order = torch.sort(index)
+    # Segment of each sorted position: the number of row changes before it.
+    changes = torch.ne(sorted_rows[1:], sorted_rows[:-1])
+    segment = torch.zeros_like(sorted_rows)
+    torch.cumsum(changes, dim=0, out=segment[1:])
+    sums = torch.zeros(n, d, dtype=torch.float32, device=grad.device)
+    _embedding_segment_sum_kernel[grid](order, segment, grad, sums, n, d, BLOCK_N=block_n, BLOCK_D=block_d)
+    _embedding_segment_update_kernel[grid](
+        sorted_rows,
+        segment,
+        sums,
+        weights,
+        state,
+        lr,
+        n,
+        d,
+        eps,
+        OPTIMIZER=optimizer,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+    )
+
+
+def embedding_update_ref(
+    weights: Tensor, state: Tensor, index: Tensor, grad: Tensor, optimizer: str, lr: Tensor, eps: float
+) -> None:
+    """PyTorch update of the touched rows, in place: sums repeated rows, then the module docstring's step.
+    `lr`: a one-element fp32 tensor (as `embedding_update`)."""
+    d = weights.shape[1]
+    lr = lr.reshape(())  # [] or [1] -> [], broadcast against the [rows, D] sums
+    rows, inverse = torch.unique(index.reshape(-1), return_inverse=True)
+    g = torch.zeros(len(rows), d, dtype=torch.float32, device=weights.device)
+    g.index_add_(0, inverse, grad.reshape(-1, d).float())
+    if optimizer == "sgd":
+        step = lr * g
+    elif optimizer == "adagrad":
+        state[rows] += g * g
+        step = lr * g / (state[rows].sqrt() + eps)
+    else:
+        state[rows] += (g * g).mean(dim=1)
+        step = lr * g / (state[rows].sqrt()[:, None] + eps)
+    weights[rows] = (weights[rows].float() - step).to(weights.dtype)

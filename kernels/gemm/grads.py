@@ -1,0 +1,185 @@
+"""The backward of a GEMM with an activation epilogue, ``y = act(x @ W^T + b)``: ``dz = dy * act'`` and the
+bias gradient in one Triton pass over [M, N] (``act_dz``), then ``dx = dz @ W`` and ``dW = dz^T @ x`` by
+cuBLAS on operands laid out for its fast kernels (``gemm_grads``, ``grad_input``). act' is taken from the
+forward's saved y (relu, sigmoid) or z (gelu_tanh, silu), as ``kernels.activations.act_bwd`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels import launch
+from kernels.activations import act_bwd, act_grad_ref
+from kernels.gemm.layout import aligned_width, leading_columns, new_padded, rows_contiguous
+from kernels.gemm.partials import row_programs, sum_partials
+
+__all__ = ["act_dz", "act_grads", "act_grads_ref", "gemm_grads", "grad_input"]
+
+
+# M (the batch) changes between calls: do not specialize on it (a new batch size reuses the compiled kernel).
+@triton.jit(do_not_specialize=["M"])
+def _act_dz_kernel(
+    # pointers
+    dy_ptr,  # [M, N] gradient of y
+    s_ptr,  # [M, N] saved y (relu, sigmoid) or z (gelu_tanh, silu); dy for identity (not read)
+    dz_ptr,  # [M, N] output dz, x's dtype
+    db_part_ptr,  # [P, N] fp32 partial column sums of dz (HAS_BIAS), P programs along M
+    # sizes
+    M,
+    N,
+    # strides (rows; the column stride is 1)
+    stride_dym,
+    stride_sm,
+    stride_dzm,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """dz = dy * act'(.) and the bias gradient's partial sums: the prologue of the cuBLAS backward of
+    linear_act and lora_linear. Program (p, c) loops over row blocks p, p + P, ... (P programs along M) and
+    writes its column sums to row p of the partials (summed over the tile's rows once, after the loop:
+    no cross-warp reduction per row block)."""
+    pid_m = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for block in range(pid_m, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if ACTIVATION == "identity":
+            dz = dy
+        else:
+            s_ptrs = s_ptr + rows[:, None] * stride_sm + cols[None, :]
+            dz = act_bwd(dy, tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32), ACTIVATION)
+        dz_ptrs = dz_ptr + rows[:, None] * stride_dzm + cols[None, :]
+        tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            db_acc += tl.where(mask, dz, 0.0)
+    if HAS_BIAS:
+        tl.store(db_part_ptr + pid_m * N + cols, tl.sum(db_acc, axis=0), mask=cols < N)
+
+
+def act_dz(
+    dy: Tensor, saved: Tensor | None, activation: str, has_bias: bool, dtype: torch.dtype
+) -> tuple[Tensor, Tensor | None]:
+    """dz = dy * act' [M, N] (rounded to `dtype`) and, with has_bias, db = its column sums [N] (`dtype`), in
+    one Triton pass over [M, N] (``_act_dz_kernel``) and a sum of its fp32 partials; `saved` is the
+    forward's y (relu, sigmoid) or z (gelu_tanh, silu), not read for identity. M >= 1. Also the first step
+    of other ops' backwards (kernels/lora_linear.py)."""
+    m, n = dy.shape
+    dy = rows_contiguous(dy)
+    s = rows_contiguous(saved) if activation != "identity" else dy
+    dz = launch.empty((m, n), dtype, dy.device)
+    block_n = min(128, triton.next_power_of_2(n))
+    block_m = max(16, 4096 // block_n)
+    col_tiles = triton.cdiv(n, block_n)
+    # About 4 * MAX_PARTIAL_ROWS programs in all, the fastest count for dz and the partials' sum over the
+    # layer widths of the shipped configs: narrow layers want more programs along M, N = 512 (4 column
+    # tiles) fewer.
+    grid = (row_programs(m, block_m, max(1, 4 // col_tiles)), col_tiles)
+    db_part = launch.empty((grid[0], n), torch.float32, dy.device) if has_bias else dz
+    _act_dz_kernel[grid](
+        dy, s, dz, db_part, m, n, dy.stride(0), s.stride(0), dz.stride(0),
+        HAS_BIAS=has_bias, ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    return dz, (sum_partials(db_part, dtype) if has_bias else None)
+
+
+def _rows_padded_to(x: Tensor, kp: int) -> bool:
+    """Whether x [M, K]'s rows lie kp apart in a storage that holds all M rows of kp elements."""
+    end = (x.storage_offset() + x.shape[0] * kp) * x.element_size()
+    return x.stride(0) == kp and x.untyped_storage().nbytes() >= end
+
+
+def gemm_grads(dz: Tensor, x: Tensor, weight: Tensor, needs_dx: bool) -> tuple[Tensor | None, Tensor]:
+    """(dx, dW) of ``z = x @ W^T`` by cuBLAS: dx = dz @ W (``grad_input``; None unless needs_dx); dW =
+    dz^T @ x [N, K], contiguous. dz [M, N] contiguous, x [M, K] with contiguous rows, W [N, K]; one dtype.
+    Shared by the GEMM ops whose backward is cuBLAS's (linear_act, ln_linear_gelu through it, gated_linear),
+    each with its own dz."""
+    m, k = x.shape
+    kp = aligned_width(k, x.dtype)
+    dx = grad_input(dz, weight) if needs_dx else None
+    # dW [N, K] with K not a multiple of 16 bytes (13 dense features, the 367-wide interaction) makes cuBLAS
+    # take its slow align1 kernels, so when x's rows are padded
+    # (the op's copy, the interaction's output) the GEMM reads [M, Kp] in place and the extra columns of dW,
+    # products with the padding, are dropped.
+    if kp != k and _rows_padded_to(x, kp):
+        dw = torch.mm(dz.t(), x.as_strided((m, kp), (kp, 1)))[:, :k].contiguous()
+    else:
+        dw = torch.mm(dz.t(), x)
+    return dx, dw
+
+
+def grad_input(dz: Tensor, weight: Tensor) -> Tensor:
+    """dx = dz @ W [M, K] by cuBLAS, in rows padded to 16 bytes where K is not a multiple of 16 bytes (a fresh
+    buffer: callers may add to it in place). dz [M, N] contiguous, W [N, K]; one dtype."""
+    n, k = weight.shape
+    kp = aligned_width(k, weight.dtype)
+    # fp32: dz @ W over a contiguous W^T [Kp, N], the reduction dim contiguous in both operands, the only
+    # layout that Hopper's TF32 tensor-core kernels take (cuBLAS runs slower sm80 kernels otherwise, even
+    # counting the transpose copy). 16-bit GEMMs take W as it is, faster without the copy. Where K is not a
+    # multiple of 16 bytes, W^T gets zero rows up to Kp: an aligned GEMM into
+    # [M, Kp], whose first K columns are dx.
+    if kp == k and weight.dtype != torch.float32:
+        return torch.mm(dz, weight)
+    if kp == k:
+        return torch.mm(dz, weight.t().contiguous().t())
+    w_t = weight.new_zeros((kp, n))
+    w_t[:k].copy_(weight.t())
+    return leading_columns(torch.mm(dz, w_t.t()), k)
+
+
+def act_grads(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    saved: Tensor | None,
+    activation: str,
+    has_bias: bool,
+    needs_dx: bool,
+) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """(dx, dW, db) of ``y = act(x @ W^T + b)``: dz and db partials in one Triton pass over [M, N]
+    (``act_dz``), then dx = dz @ W and dW = dz^T @ x by cuBLAS (``gemm_grads``). dy, saved [M, N]; x [M, K]
+    with contiguous rows; W [N, K]; one dtype. dx is None unless needs_dx (rows padded to 16 bytes), db None
+    unless has_bias; dW and db are zeros when M == 0."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m == 0:
+        db = torch.zeros(n, dtype=x.dtype, device=x.device) if has_bias else None
+        return (new_padded(m, k, x) if needs_dx else None), x.new_zeros(n, k), db
+    dz, db = act_dz(dy, saved, activation, has_bias, x.dtype)
+    dx, dw = gemm_grads(dz, x, weight, needs_dx)
+    return dx, dw, db
+
+
+def act_grads_ref(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    saved: Tensor | None,
+    activation: str,
+    has_bias: bool,
+    needs_dx: bool,
+) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """``act_grads`` in plain PyTorch (fp32 math; dx in rows as the GEMM gives them, not padded): the CPU
+    fallback of the ops' backward. Analytic, not torch.autograd.grad: autograd does not record inside a
+    custom op's implementation."""
+    dy = dy.float()
+    s = saved.float() if saved is not None else None
+    if activation == "identity":
+        dz = dy
+    elif activation == "relu":
+        dz = torch.where(s > 0, dy, 0.0)
+    elif activation == "sigmoid":
+        dz = dy * s * (1.0 - s)
+    else:  # gelu_tanh, silu: s is z
+        dz = dy * act_grad_ref(s, activation)
+    dx = (dz @ weight.float()).to(x.dtype) if needs_dx else None
+    dw = (dz.t() @ x.float()).to(x.dtype)
+    db = dz.sum(dim=0).to(x.dtype) if has_bias else None
+    return dx, dw, db
