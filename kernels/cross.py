@@ -7,7 +7,7 @@ Math (nn.Linear layout: V [r, N], U [N, r]; * elementwise, b broadcast over rows
 Backward, with g = dL/dx_{l+1} [M, N]:
     dz   = g * x0                         [M, N]   one Triton GEMM recomputing z = h @ U^T, with these three
     dx0  = g * (z + b)                    [M, N]   in its epilogue
-    db   = sum over rows of dz            [N]      (fp32 partials per 32 rows, summed by kernels.partials)
+    db   = sum over rows of dz            [N]      (fp32 partials per 32 rows, kernels.gemm.partials)
     dh   = dz @ U                         [M, r]   cuBLAS
     dU   = dz^T @ h                       [N, r]   cuBLAS
     dV   = dh^T @ x_l                     [r, N]   cuBLAS
@@ -35,19 +35,18 @@ back to x0's dtype (``cross_layer_ref``), up to the GEMM precision above.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from kernels import launch
-from kernels.direct import call, eager_function
-from kernels.gemm_tuning import autotuned, input_precision, m_bucket
-from kernels.launch import DTYPES, INTERPRETED, rows_contiguous, tma_descriptor, use_triton
-from kernels.linear_act_forward import matmul_tile
-from kernels.partials import sum_partials
+from kernels.gemm.layout import rows_contiguous, tma_descriptor
+from kernels.gemm.partials import sum_partials
+from kernels.gemm.tiles import matmul_tile
+from kernels.gemm.tuning import autotuned, input_precision, m_bucket
+from kernels.launch import DTYPES, INTERPRETED, use_triton
+from kernels.op import define_op
 
 __all__ = ["cross_layer", "cross_layer_ref", "cross_layer_fwd", "cross_layer_bwd"]
 
@@ -334,7 +333,7 @@ def _bwd_ref(
 
 # --------------------------------------------------------------------------------------------------
 # Autograd glue: custom ops, so the layer works under torch.compile and inside CUDA graphs; eager calls run
-# the same bodies without the dispatcher (kernels/direct.py)
+# the same bodies without the dispatcher (kernels/op.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -344,10 +343,6 @@ def _forward(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[T
     return launch_fwd(x0, xl, v, u, b) if use_triton(x0) else _fwd_ref(x0, xl, v, u, b)
 
 
-_cross_op = torch.library.custom_op("dlrm::cross_layer", _forward, mutates_args=())
-
-
-@_cross_op.register_fake
 def _cross_fake(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     check_inputs(x0, xl, v, u, b)
     return x0.new_empty(x0.shape), x0.new_empty((x0.shape[0], v.shape[0]))
@@ -362,10 +357,6 @@ def _backward_body(
     return _bwd_ref(g, x0, xl, v, u, b, h)
 
 
-_cross_backward_op = torch.library.custom_op("dlrm::cross_layer_backward", _backward_body, mutates_args=())
-
-
-@_cross_backward_op.register_fake
 def _cross_backward_fake(
     g: Tensor, x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor, h: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -376,14 +367,15 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs, output[1])
 
 
-def _backward(backward_fn, ctx, g: Tensor | None, _dh: Tensor | None):
+def _gradients(backward_fn, ctx, g: Tensor | None, _dh: Tensor | None):
     # backward_fn: the backward op, or its body on the eager path. _dh: the gradient of the internal output
     # h, which cross_layer never exposes (None).
     return backward_fn(g, *ctx.saved_tensors)
 
 
-_cross_op.register_autograd(partial(_backward, _cross_backward_op), setup_context=_setup_context)
-_cross_eager = eager_function("CrossLayer", _forward, _setup_context, partial(_backward, _backward_body))
+_cross = define_op(
+    "cross_layer", _forward, _cross_fake, _setup_context, _gradients, _backward_body, _cross_backward_fake
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -414,5 +406,5 @@ def cross_layer(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> Tens
         ValueError: a tensor of the wrong rank or shape, an unsupported dtype, mixed dtypes or devices (the
             message names the values).
     """
-    out, _ = call(_cross_op, _cross_eager, x0, xl, v, u, b)
+    out, _ = _cross(x0, xl, v, u, b)
     return out

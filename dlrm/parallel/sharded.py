@@ -38,7 +38,8 @@ from torch.profiler import record_function
 from dlrm.model.dlrm import SPARSE_KERNELS, SparseArch
 from dlrm.model.tables import register_vocabularies
 from dlrm.parallel.planner import ShardingPlan
-from kernels.embedding import embedding_lookup, embedding_lookup_fwd, embedding_update, optimizer_state
+from kernels.embedding import embedding_lookup, embedding_lookup_fwd
+from kernels.embedding_update import embedding_update, optimizer_state
 from kernels.launch import use_triton
 
 
