@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from dlrm.data.bags import DISTRIBUTIONS, check_sizes, is_one_hot
+
 DEVICES = ("auto", "cpu", "cuda")
 ARCHS = ("dlrm", "logistic")
 HASHINGS = ("modulus", "vocab")
@@ -25,6 +27,17 @@ COMPILE_MODES = ("default", "reduce-overhead")
 TRITON_MLP_KERNELS = ("linear_act", "bias_act", "cuda_bias_act")
 ON_NONFINITE = ("stop", "skip_batch")
 SELECT_ON = ("logloss", "auc")
+POOLINGS = ("sum", "mean")
+
+
+@dataclass(frozen=True)
+class MultiHotConfig:
+    """Bags made on the fly from one-hot data (dlrm.data.bags): `distribution` "uniform" or "pareto" of
+    the drawn ids (null: none made; the data's own bags, if any, are read), `seed` of the draws. The
+    sizes are `model.multi_hot_sizes`."""
+
+    distribution: str | None = None
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,6 +65,7 @@ class DataConfig:
     loader: str = "memory"
     shuffle_buffer: int = 1_000_000
     prefetch: int = 4
+    multi_hot: MultiHotConfig = field(default_factory=MultiHotConfig)
 
 
 @dataclass(frozen=True)
@@ -120,6 +134,8 @@ class ModelConfig:
     gate: str = "sigmoid_tanh"
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    multi_hot_sizes: tuple[int, ...] | None = None
+    pooling: str = "sum"
 
 
 @dataclass(frozen=True)
@@ -404,6 +420,7 @@ def validate(cfg: RunConfig) -> RunConfig:
             "26 positive integers or null",
             m.table_rows,
         )
+    _check_multi_hot(cfg)
     _require(m.max_rows >= 2, "model.max_rows", "an integer >= 2", m.max_rows)
     _require(
         m.min_frequency >= 1, "model.min_frequency", "an integer >= 1 (train occurrences)", m.min_frequency
@@ -462,6 +479,33 @@ def validate(cfg: RunConfig) -> RunConfig:
         )
     _require(par.timeout_s > 0, "parallel.timeout_s", "a positive number (seconds)", par.timeout_s)
     return cfg
+
+
+def _check_multi_hot(cfg: RunConfig) -> None:
+    """model.multi_hot_sizes, model.pooling and data.multi_hot (dlrm.data.bags). Raises ValueError naming
+    the key."""
+    m, bags = cfg.model, cfg.data.multi_hot
+    _require(m.pooling in POOLINGS, "model.pooling", f"one of {POOLINGS}", m.pooling)
+    if m.multi_hot_sizes is not None:
+        check_sizes(m.multi_hot_sizes, "model.multi_hot_sizes")
+    if bags.distribution is not None:
+        expected = f"null or one of {DISTRIBUTIONS}"
+        _require(
+            bags.distribution in DISTRIBUTIONS, "data.multi_hot.distribution", expected, bags.distribution
+        )
+        expected = "bag sizes above 1 with data.multi_hot (the bags it makes)"
+        _require(not is_one_hot(m.multi_hot_sizes), "model.multi_hot_sizes", expected, m.multi_hot_sizes)
+    if is_one_hot(m.multi_hot_sizes):
+        return
+    # What reads one id per feature: the vocabularies, the first-order tables, the attention key mask.
+    for key, value, default in (
+        ("model.arch", m.arch, "dlrm"),
+        ("model.hashing", m.hashing, "modulus"),
+        ("model.first_order", m.first_order, False),
+    ):
+        _require(value == default, key, f"{default!r} with model.multi_hot_sizes (bags)", value)
+    expected = "'dot' or 'cat' with model.multi_hot_sizes (bags)"
+    _require(m.interaction != "attention", "model.interaction", expected, m.interaction)
 
 
 def validate_lr_schedule(schedule: LrScheduleConfig) -> None:

@@ -192,6 +192,8 @@ class StreamingLoader(EpochPosition):
         shuffle_buffer: rows of the shuffle buffer (0: rows shuffled within their row group only).
         rank, world_size: this process's part of the rows (see the module docstring).
         device: where batches are delivered; for CUDA they are pinned and copied non-blocking.
+        bags: makes each batch's bags from its one-hot ids on `device` (data.multi_hot,
+            dlrm.data.bags.BagMaker); None: the ids as read.
         prefetch: batches a background thread reads and decodes ahead (0: no thread; the reading happens
             in the consumer's `next`).
     Position: `state_dict`, `load_state_dict`, `set_epoch`, `len` (dlrm.data.position.EpochPosition).
@@ -216,6 +218,7 @@ class StreamingLoader(EpochPosition):
         world_size: int = 1,
         device: torch.device | str = "cpu",
         prefetch: int = 0,
+        bags: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         for name, value, low in (
             ("batch_size", batch_size, 1),
@@ -246,6 +249,7 @@ class StreamingLoader(EpochPosition):
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         self.prefetch = prefetch
+        self.bags = bags
         self._reset_position()
 
     def __iter__(self) -> Iterator[Batch]:
@@ -259,7 +263,7 @@ class StreamingLoader(EpochPosition):
         try:
             for batch in source:
                 self._consumed += 1
-                yield batch
+                yield batch if self.bags is None else batch._replace(sparse=self.bags(batch.sparse))
         finally:
             source.close()
 
