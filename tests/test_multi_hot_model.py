@@ -3,16 +3,20 @@ in the interpreter, torch.compile of the dense part), and a whole run with bags 
 same on all three."""
 
 import dataclasses
+import json
 import math
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from dlrm import evaluate as evaluate_cli
 from dlrm import train as train_cli
-from dlrm.config import MultiHotConfig, replace
+from dlrm.config import MultiHotConfig, load_config, replace
 from dlrm.data.bags import MLPERF_SIZES
 from dlrm.data.schema import NUM_SPARSE
 from dlrm.model.dlrm import SparseArch
+from tests.conftest import REPO
 from tests.test_model_options import small_sample  # noqa: F401 - a fixture
 from tests.test_train import _losses, _tiny, assert_updates_agree
 
@@ -108,3 +112,18 @@ def test_three_backends_agree_on_a_multi_hot_run(small_sample, tmp_path, initial
         torch.testing.assert_close(curves[name], curves["eager"], rtol=1e-5, atol=1e-5, msg=name)
     # 1e-3 of each update's norm, as tests/test_model_options.py (small first updates of the tables).
     assert_updates_agree(initial_weights, [tmp_path / name for name in runs], rtol=1e-3)
+
+
+def test_main_multi_hot_config_trains_and_evaluates_on_the_sample(criteo_sample, tmp_path):
+    """configs/main_multi_hot.json: MLPerf's bags made on the fly from the one-hot sample; 4 steps train,
+    and dlrm.evaluate rebuilds the model and makes the same bags for the test split."""
+    cfg = load_config(REPO / "configs" / "main_multi_hot.json")
+    assert cfg.model.multi_hot_sizes == MLPERF_SIZES and cfg.data.multi_hot.distribution == "pareto"
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(criteo_sample)))
+    cfg = dataclasses.replace(cfg, profiler=dataclasses.replace(cfg.profiler, enabled=False))
+    metrics = train_cli.train(replace(cfg, "train", max_steps=4, epochs=1), tmp_path / "run")
+    assert math.isfinite(metrics["train_loss"]) and 0.0 < metrics["test_auc"] < 1.0
+    checkpoint = str(tmp_path / "run" / "checkpoints" / "last.pt")
+    result = CliRunner().invoke(evaluate_cli.main, ["--checkpoint", checkpoint, "--data", str(criteo_sample)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["samples"] == 1000  # the test split

@@ -52,6 +52,17 @@ def check_sizes(sizes: Sequence[int], key: str = "multi_hot_sizes") -> tuple[int
     return sizes
 
 
+def parse_sizes(text: str, key: str = "--sizes") -> tuple[int, ...]:
+    """`text`, "mlperf" or 26 comma-separated ints, as bag sizes. Raises ValueError naming `key`."""
+    if text == "mlperf":
+        return MLPERF_SIZES
+    try:
+        sizes = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{key}: expected 'mlperf' or 26 comma-separated integers, got {text!r}") from None
+    return check_sizes(sizes, key)
+
+
 def is_one_hot(sizes: Sequence[int] | None) -> bool:
     """True when `sizes` is None or all ones: no bags, the one-hot layout."""
     return sizes is None or all(k == 1 for k in sizes)
@@ -74,15 +85,15 @@ def column_features(sizes: Sequence[int], device: torch.device | str = "cpu") ->
 
 
 def _logical_shift(x: Tensor, bits: int) -> Tensor:
-    """x >> bits on the 64 bits of int64 `x` as unsigned (torch's >> is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
+    """x >> bits on the 64 bits of int64 `x` as unsigned (torch's >> is arithmetic): a new tensor."""
+    return (x >> bits).bitwise_and_((1 << (64 - bits)) - 1)
 
 
 def _mix(x: Tensor) -> Tensor:
-    """splitmix64's finalizer on int64 bits (wrapping arithmetic)."""
-    x = (x ^ _logical_shift(x, 30)) * _MIX1
-    x = (x ^ _logical_shift(x, 27)) * _MIX2
-    return x ^ _logical_shift(x, 31)
+    """splitmix64's finalizer on int64 bits (wrapping arithmetic), in place on `x`."""
+    x.bitwise_xor_(_logical_shift(x, 30)).mul_(_MIX1)
+    x.bitwise_xor_(_logical_shift(x, 27)).mul_(_MIX2)
+    return x.bitwise_xor_(_logical_shift(x, 31))
 
 
 def extra_ids(ids: Tensor, feature: int, count: int, num_ids: int, distribution: str, seed: int) -> Tensor:
@@ -92,10 +103,10 @@ def extra_ids(ids: Tensor, feature: int, count: int, num_ids: int, distribution:
     key = (seed * NUM_SPARSE + feature) * 1024  # slots < 1024: bags of up to 1024 ids
     h = _mix(ids[:, None] * _GOLDEN + (key + slots) * _MIX2)
     if distribution == "uniform":
-        return (h & _MASK63) % num_ids
-    m = _logical_shift(h, 49) + 1  # uniform in [1, 2^15]
-    lomax = (1 << 60) // (m * m * m * m) - 1
-    return lomax % num_ids
+        return h.bitwise_and_(_MASK63).remainder_(num_ids)
+    m = _logical_shift(h, 49).add_(1)  # uniform in [1, 2^15]
+    m4 = m.square_().square_()
+    return torch.floor_divide(1 << 60, m4).sub_(1).remainder_(num_ids)
 
 
 def make_bags(

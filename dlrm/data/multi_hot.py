@@ -24,21 +24,10 @@ import torch
 from tqdm import tqdm
 
 from dlrm.data.bag_source import data_bag_sizes
-from dlrm.data.bags import DISTRIBUTIONS, MLPERF_SIZES, check_sizes, id_ranges, is_one_hot, make_bags
+from dlrm.data.bags import DISTRIBUTIONS, id_ranges, is_one_hot, make_bags, parse_sizes
 from dlrm.data.dataset import columns_of, decode_table, parquet_errors
 from dlrm.data.output import load_metadata, move_into_place
 from dlrm.errors import cli_errors
-
-
-def parse_sizes(text: str) -> tuple[int, ...]:
-    """ "mlperf" or 26 comma-separated ints -> bag sizes. Raises ValueError naming --sizes."""
-    if text == "mlperf":
-        return MLPERF_SIZES
-    try:
-        sizes = [int(s) for s in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--sizes: expected 'mlperf' or 26 comma-separated integers, got {text!r}") from None
-    return check_sizes(sizes, "--sizes")
 
 
 def add_bags(table: pa.Table, columns: list[str], bags: torch.Tensor, sizes: tuple[int, ...]) -> pa.Table:

@@ -4,6 +4,7 @@
     python -m dlrm.data.synthetic --rows 1000000 --output-dir data/synthetic    # as dlrm.data.preprocess
         [--cardinalities kaggle|terabyte] [--max-cardinality N] [--ctr 0.1] [--seed 0] [--block-size 65536]
         [--val-fraction 0.1 --test-fraction 0.1 | --eval-fraction 0.2] [--rows-per-file 1000000] [--overwrite]
+        [--multi-hot mlperf|K1,...,K26 [--multi-hot-distribution pareto|uniform]]   # with --output-dir
 
 `--output` writes raw Criteo lines (label, I1..I13, C1..C26; tab-separated, no header; gzip when the name
 ends with .gz) that `python -m dlrm.data.preprocess` reads unchanged. `--output-dir` writes what
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import click
 
+from dlrm.data.bags import DISTRIBUTIONS, parse_sizes
 from dlrm.data.synthetic_output import write_parquet, write_tsv
 from dlrm.data.synthetic_rows import (
     CARDINALITY_PRESETS,
@@ -96,6 +98,20 @@ from dlrm.errors import cli_errors
     show_default=True,
     help="With --output-dir: rows per shard.",
 )
+@click.option(
+    "--multi-hot",
+    "multi_hot",
+    default=None,
+    help="With --output-dir: bags of ids per feature, sizes 'mlperf' or 26 comma-separated ints, and a "
+    "planted model over the bags (dlrm.data.synthetic_rows).",
+)
+@click.option(
+    "--multi-hot-distribution",
+    type=click.Choice(DISTRIBUTIONS),
+    default="pareto",
+    show_default=True,
+    help="Law of the bags' drawn ids (dlrm.data.bags).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output of an earlier run.")
 def main(
     rows: int,
@@ -110,6 +126,8 @@ def main(
     seed: int,
     block_size: int,
     rows_per_file: int,
+    multi_hot: str | None,
+    multi_hot_distribution: str,
     overwrite: bool,
 ) -> None:
     """Generate Criteo-shaped synthetic click logs with a planted, learnable click model.
@@ -120,7 +138,9 @@ def main(
     with cli_errors():  # SyntheticError (a ValueError) and OSError on the output path: one line, exit 2
         if (output is None) == (output_dir is None):
             raise SyntheticError("give exactly one of --output FILE.tsv[.gz] and --output-dir DIR")
-        config = SyntheticConfig(preset_cardinalities(preset, max_cardinality), seed, ctr)
+        bag_sizes = None if multi_hot is None else parse_sizes(multi_hot, "--multi-hot")
+        cardinalities = preset_cardinalities(preset, max_cardinality)
+        config = SyntheticConfig(cardinalities, seed, ctr, bag_sizes, multi_hot_distribution)
         given = {
             "--val-fraction": val_fraction,
             "--test-fraction": test_fraction,

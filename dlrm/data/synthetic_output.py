@@ -21,7 +21,7 @@ from dlrm.data.oracle import describe as describe_oracle
 from dlrm.data.output import METADATA_FILE, SplitWriter, build_metadata, move_into_place
 from dlrm.data.parse import OUTPUT_SCHEMA
 from dlrm.data.pipeline import split_starts
-from dlrm.data.schema import MISSING_CATEGORY, NUM_DENSE, NUM_SPARSE, RAW_COLUMNS
+from dlrm.data.schema import MISSING_CATEGORY, NUM_DENSE, NUM_SPARSE, RAW_COLUMNS, SPARSE_COLUMNS
 from dlrm.data.splits import held_out_fractions
 from dlrm.data.synthetic_rows import (
     CARDINALITY_PRESETS,
@@ -74,12 +74,26 @@ def _array_from_buffers(dtype: pa.DataType, n: int, present: np.ndarray, buffers
     return pa.Array.from_buffers(dtype, n, [validity, *buffers], null_count=nulls)
 
 
-def to_record_batch(rows: Rows) -> pa.RecordBatch:
-    """The rows in preprocess's OUTPUT_SCHEMA: what preprocess makes of their raw lines."""
+def to_record_batch(rows: Rows, bag_sizes: tuple[int, ...] | None = None) -> pa.RecordBatch:
+    """The rows in preprocess's OUTPUT_SCHEMA: what preprocess makes of their raw lines; with `bag_sizes`
+    each C column is followed by its bag's C_1 .. C_(k-1) (int64, dlrm.data.bags' parquet layout)."""
     arrays = [pa.array(rows.label.astype(np.float32))]
     arrays += [pa.array(rows.dense[:, j].astype(np.float32)) for j in range(NUM_DENSE)]
-    arrays += [pa.array(np.ascontiguousarray(rows.sparse[:, c])) for c in range(NUM_SPARSE)]
-    return pa.RecordBatch.from_arrays(arrays, schema=OUTPUT_SCHEMA)
+    if bag_sizes is None:
+        arrays += [pa.array(np.ascontiguousarray(rows.sparse[:, c])) for c in range(NUM_SPARSE)]
+        return pa.RecordBatch.from_arrays(arrays, schema=OUTPUT_SCHEMA)
+    arrays += [pa.array(np.ascontiguousarray(rows.sparse[:, s])) for s in range(rows.sparse.shape[1])]
+    return pa.RecordBatch.from_arrays(arrays, schema=record_schema(bag_sizes))
+
+
+def record_schema(bag_sizes: tuple[int, ...] | None) -> pa.Schema:
+    """OUTPUT_SCHEMA, with each C column followed by C_1 .. C_(k-1) (int64) for `bag_sizes`."""
+    if bag_sizes is None:
+        return OUTPUT_SCHEMA
+    fields = list(OUTPUT_SCHEMA)[: 1 + NUM_DENSE]
+    for column, k in zip(SPARSE_COLUMNS, bag_sizes, strict=True):
+        fields += [pa.field(f"{column}_{j}" if j else column, pa.int64()) for j in range(k)]
+    return pa.schema(fields)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -159,6 +173,10 @@ def write_tsv(
     """
     path = Path(path)
     _check_counts(rows, block_size)
+    if config.bag_sizes is not None:
+        raise SyntheticError(
+            "--multi-hot: only with --output-dir (a raw Criteo line holds one id per feature)"
+        )
     _check_output(path, overwrite, is_dir=False)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     started = time.perf_counter()
@@ -232,7 +250,13 @@ def write_parquet(
     try:
         tmp_dir.mkdir()
         writers = {
-            name: SplitWriter(tmp_dir, name, rows_per_file, collect_feature_stats=name == "train")
+            name: SplitWriter(
+                tmp_dir,
+                name,
+                rows_per_file,
+                collect_feature_stats=name == "train",
+                schema=record_schema(config.bag_sizes),
+            )
             for name, _ in starts
         }
         ends = [start for _, start in starts[1:]] + [rows]
@@ -241,7 +265,7 @@ def write_parquet(
             for start, block in zip(
                 range(0, rows, block_size), iter_blocks(config, rows, block_size), strict=True
             ):
-                batch = to_record_batch(block)
+                batch = to_record_batch(block, config.bag_sizes)
                 for (name, first), last in zip(starts, ends, strict=True):  # this block's rows of each split
                     lo, hi = max(first, start) - start, min(last, start + block.num_rows) - start
                     if hi > lo:
@@ -257,6 +281,13 @@ def write_parquet(
             "test_fraction": fractions[1],
             "oracle": oracle.result(),
         }
+        if config.bag_sizes is not None:  # read by the loaders (dlrm.data.bag_source)
+            bags = {
+                "sizes": list(config.bag_sizes),
+                "distribution": config.bag_distribution,
+                "seed": config.seed,
+            }
+            metadata["multi_hot"] = bags
         (tmp_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
         move_into_place(tmp_dir, output_dir)
     except BaseException:
@@ -276,7 +307,9 @@ def _check_counts(rows: int, block_size: int) -> None:
 def _describe(config: SyntheticConfig, rows: int) -> str:
     preset = next((name for name, ks in CARDINALITY_PRESETS.items() if ks == config.cardinalities), None)
     cards = preset or ",".join(map(str, config.cardinalities))
-    return f"synthetic:rows={rows},seed={config.seed},ctr={config.ctr},cardinalities={cards}"
+    bags = "" if config.bag_sizes is None else f",multi_hot={','.join(map(str, config.bag_sizes))}"
+    bags += "" if config.bag_sizes is None else f",distribution={config.bag_distribution}"
+    return f"synthetic:rows={rows},seed={config.seed},ctr={config.ctr},cardinalities={cards}{bags}"
 
 
 def _progress(rows: int) -> tqdm:

@@ -19,6 +19,13 @@ What a row holds (row r of seed s is the same whatever the block size; see "Dete
   per configuration (bisection on 32k calibration rows of their own random stream) so that the mean
   click probability is `ctr` (default 0.1, between Criteo Terabyte's ~3% and Kaggle's ~26%).
 
+Multi-hot (`bag_sizes`, `--multi-hot`): each sparse feature holds a bag of k_f ids, the one-hot id above
+followed by k_f - 1 ids drawn as dlrm.data.bags.make_bags draws them (`bag_distribution`, seeded by `seed`,
+from [0, K_f + 1)), in the [n, S] layout of dlrm.data.bags. The planted model then reads the whole bag:
+w_c(bag) = the mean of w_c over the bag's ids (the mean keeps the logit's scale, so the same bias range and
+AUCs; a model pooling by sum learns it as well, up to a scale), so the planted model's AUC (the oracle)
+still bounds what a model of the bags can reach.
+
 Determinism: rows are generated in fixed chunks of _CHUNK_ROWS rows, chunk i from its own generator
 SeedSequence(seed, spawn_key=(0, i)); blocks of `--block-size` rows are cut from those chunks, so the
 output depends on (seed, cardinalities, ctr, rows) only. Memory is bounded by the block size (plus one
@@ -37,7 +44,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
+from dlrm.data.bags import DISTRIBUTIONS, bag_starts, check_sizes, is_one_hot, make_bags
 from dlrm.data.schema import MISSING_CATEGORY, NUM_DENSE, NUM_SPARSE, SPARSE_COLUMNS
 
 KAGGLE_CARDINALITIES = (
@@ -92,6 +101,8 @@ class SyntheticConfig:
         cardinalities: distinct ids per sparse column C1..C26 (26 ints >= 1).
         seed: non-negative seed of every random stream.
         ctr: mean click probability of the planted model, in (0, 1).
+        bag_sizes: F bag sizes (module docstring, "Multi-hot"); None (or all ones): one id per feature.
+        bag_distribution: "uniform" or "pareto", the law of the bags' drawn ids.
     Raises:
         SyntheticError: a bad value.
     """
@@ -99,6 +110,8 @@ class SyntheticConfig:
     cardinalities: tuple[int, ...] = KAGGLE_CARDINALITIES
     seed: int = 0
     ctr: float = DEFAULT_CTR
+    bag_sizes: tuple[int, ...] | None = None
+    bag_distribution: str = "pareto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cardinalities", tuple(int(k) for k in self.cardinalities))
@@ -112,6 +125,16 @@ class SyntheticConfig:
             raise SyntheticError(f"seed must be non-negative, got {self.seed}")
         if not 0.0 < self.ctr < 1.0:
             raise SyntheticError(f"ctr must be in (0, 1), got {self.ctr}")
+        if self.bag_distribution not in DISTRIBUTIONS:
+            raise SyntheticError(
+                f"bag distribution must be one of {DISTRIBUTIONS}, got {self.bag_distribution!r}"
+            )
+        if self.bag_sizes is not None:
+            try:
+                sizes = check_sizes(self.bag_sizes, "--multi-hot")
+            except ValueError as err:
+                raise SyntheticError(str(err)) from None
+            object.__setattr__(self, "bag_sizes", None if is_one_hot(sizes) else sizes)
 
 
 def preset_cardinalities(preset: str, max_cardinality: int | None = None) -> tuple[int, ...]:
@@ -132,7 +155,8 @@ class Rows(NamedTuple):
     label: [n] int8, 0 or 1.
     dense: [n, 13] int64 counts; 0 where missing.
     dense_missing: [n, 13] bool.
-    sparse: [n, 26] int64 ids in [0, 2**32), MISSING_CATEGORY (-1) where missing.
+    sparse: [n, 26] int64 ids in [0, 2**32), MISSING_CATEGORY (-1) where missing; with bags [n, S], the
+        bags' layout of dlrm.data.bags.
     logit: [n] float64 logit of the planted model, which the label was drawn from (not written; it gives
         the oracle numbers, dlrm.data.oracle).
     """
@@ -212,12 +236,23 @@ def planted_weights(seed: int, columns: Sequence[int] | np.ndarray, ids: np.ndar
 
 
 def planted_logit(config: SyntheticConfig, dense: np.ndarray, sparse: np.ndarray) -> np.ndarray:
-    """[n] float64 logit of the planted model for [n, 13] counts (0 = missing) and [n, 26] ids."""
-    return planted_bias(config) + _logit_without_bias(config.seed, dense, sparse)
+    """[n] float64 logit of the planted model for [n, 13] counts (0 = missing) and [n, 26] ids (with
+    `config.bag_sizes`: [n, S] bags, each planted column's term the mean over its bag)."""
+    return planted_bias(config) + _logit_without_bias(config, dense, sparse)
 
 
-def _logit_without_bias(seed: int, dense: np.ndarray, sparse: np.ndarray) -> np.ndarray:
-    sparse_term = planted_weights(seed, _PLANTED_INDEX, sparse[:, _PLANTED_INDEX]).sum(axis=1)
+def _logit_without_bias(config: SyntheticConfig, dense: np.ndarray, sparse: np.ndarray) -> np.ndarray:
+    seed, sizes = config.seed, config.bag_sizes
+    if sizes is None:
+        sparse_term = planted_weights(seed, _PLANTED_INDEX, sparse[:, _PLANTED_INDEX]).sum(axis=1)
+    else:
+        starts = bag_starts(sizes)
+        sparse_term = sum(
+            planted_weights(seed, np.full(sizes[c], c), sparse[:, starts[c] : starts[c] + sizes[c]]).mean(
+                axis=1
+            )
+            for c in _PLANTED_INDEX
+        )
     dense_term = (np.log1p(np.maximum(dense, 0)) - DENSE_LOG_MEAN) @ _dense_weights(seed)
     return sparse_term + dense_term
 
@@ -234,9 +269,11 @@ def power_law_ranks(u: np.ndarray, cardinalities) -> np.ndarray:
 
 
 def _features(
-    rng: np.random.Generator, n: int, cardinalities: tuple[int, ...], seed: int
+    rng: np.random.Generator, n: int, config: SyntheticConfig
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dense [n, 13] int64 with 0 where missing, dense_missing [n, 13] bool, sparse [n, 26] int64)."""
+    """(dense [n, 13] int64 with 0 where missing, dense_missing [n, 13] bool, sparse [n, 26] int64 or
+    with bags [n, S])."""
+    cardinalities, seed = config.cardinalities, config.seed
     ranks = power_law_ranks(rng.random((n, NUM_SPARSE)), cardinalities)
     keys = _column_keys(seed)
     sparse = _ids_of_ranks(ranks, keys[0], keys[1])
@@ -249,6 +286,10 @@ def _features(
     dense[:, 1] = np.where(negative, -rng.geometric(0.7, n), dense[:, 1])
     dense_missing = rng.random((n, NUM_DENSE)) < DENSE_MISSING_RATE
     dense[dense_missing] = 0
+    if config.bag_sizes is not None:
+        ranges = [k + 1 for k in cardinalities]
+        bags = make_bags(torch.from_numpy(sparse), config.bag_sizes, ranges, config.bag_distribution, seed)
+        sparse = bags.numpy()
     return dense, dense_missing, sparse
 
 
@@ -256,8 +297,8 @@ def _features(
 def planted_bias(config: SyntheticConfig) -> float:
     """The bias that makes the mean click probability `config.ctr` on calibration rows (own stream)."""
     rng = _stream(config.seed, _CALIBRATION_STREAM)
-    dense, _, sparse = _features(rng, _CALIBRATION_ROWS, config.cardinalities, config.seed)
-    base = _logit_without_bias(config.seed, dense, sparse)
+    dense, _, sparse = _features(rng, _CALIBRATION_ROWS, config)
+    base = _logit_without_bias(config, dense, sparse)
     low, high = -40.0, 40.0
     for _ in range(60):
         mid = 0.5 * (low + high)
@@ -275,7 +316,7 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 def _chunk(config: SyntheticConfig, index: int) -> Rows:
     """Rows [index * _CHUNK_ROWS, (index + 1) * _CHUNK_ROWS), from the chunk's own random stream."""
     rng = _stream(config.seed, _ROWS_STREAM, index)
-    dense, dense_missing, sparse = _features(rng, _CHUNK_ROWS, config.cardinalities, config.seed)
+    dense, dense_missing, sparse = _features(rng, _CHUNK_ROWS, config)
     logit = planted_logit(config, dense, sparse)
     label = (rng.random(_CHUNK_ROWS) < _sigmoid(logit)).astype(np.int8)
     return Rows(label, dense, dense_missing, sparse, logit)
