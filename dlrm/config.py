@@ -54,7 +54,8 @@ class DataConfig:
     The eval split is always read by "memory". `shuffle_buffer`: for "streaming" the rows mixed across row
     groups (0: rows shuffled within their row group only); for "binary" the rows of a window, read and
     shuffled together (rounded down to a multiple of the batch). `prefetch` ("streaming" only): batches
-    read ahead by a background thread (0: read in the training loop).
+    read ahead by a background thread (0: read in the training loop). `multi_hot`: bags of
+    `model.multi_hot_sizes` made on the fly from one-hot data by every loader (MultiHotConfig).
     """
 
     path: str = "data/criteo_sample"
@@ -118,6 +119,10 @@ class ModelConfig:
     missing categorical values are masked out as keys). See dlrm.model.dlrm.InteractionArch.
     `embedding_dim`: D, the columns of every embedding table. `lora`: low-rank adapters on the MLP layers
     (LoraConfig; `python -m dlrm.finetune`).
+    `multi_hot_sizes`: bag size of each sparse feature (26 ints >= 1; null or all ones: one id per feature),
+    each bag pooled in its table by `pooling`, "sum" or "mean" (dlrm.model.pooling); the data holds the
+    bags (`python -m dlrm.data.multi_hot`) or `data.multi_hot` makes them. Bags need `hashing` "modulus",
+    no `first_order` and the "dot" or "cat" interaction.
     """
 
     arch: str = "dlrm"

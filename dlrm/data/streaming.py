@@ -49,6 +49,7 @@ from torch import Tensor
 from dlrm.data.dataset import Batch, columns_of, decode_table, parquet_errors, split_files
 from dlrm.data.position import EpochPosition, Piece, rank_pieces
 from dlrm.data.prefetch import prefetch_to_device
+from dlrm.data.schema import NUM_DENSE
 
 # Domain tags of the random streams, so that no two draws of an epoch share a seed.
 _UNIT_ORDER, _UNIT_ROWS, _BUFFER = 0, 1, 2
@@ -257,7 +258,8 @@ class StreamingLoader(EpochPosition):
         readahead = _READERS if self.prefetch else 0
         batches = _EpochStream(self, self.epoch, self._read, readahead).batches(start)
         if self.prefetch:
-            source = prefetch_to_device(batches, self.device, self.prefetch, self.batch_size)
+            width = len(self._columns[0]) - 1 - NUM_DENSE  # ids a row: F, or S for multi-hot files
+            source = prefetch_to_device(batches, self.device, self.prefetch, self.batch_size, width)
         else:
             source = _to_device(batches, self.device)
         try:
