@@ -117,7 +117,7 @@ def make_bags(
 
     Args:
         sparse: [n, F] int64 raw ids (-1 = missing, whose bag is drawn like any id's).
-        sizes: F bag sizes k_f >= 1 (at most 1025).
+        sizes: F bag sizes k_f >= 1 (at most 1024).
         num_ids: F ranges n_f >= 1 of the drawn ids.
         distribution: "uniform" or "pareto".
         seed: any int; the bags are a function of (seed, feature, id, slot).
@@ -129,8 +129,8 @@ def make_bags(
         raise ValueError(f"unknown bag distribution {distribution!r}: expected one of {DISTRIBUTIONS}")
     if len(num_ids) != NUM_SPARSE or min(num_ids) < 1:
         raise ValueError(f"expected {NUM_SPARSE} id ranges >= 1, got {list(num_ids)}")
-    if max(sizes) > 1025:
-        raise ValueError(f"bag sizes must be at most 1025, got {max(sizes)}")
+    if max(sizes) > 1024:
+        raise ValueError(f"bag sizes must be at most 1024, got {max(sizes)}")
     if sparse.ndim != 2 or sparse.shape[1] != NUM_SPARSE or sparse.dtype != torch.int64:
         raise ValueError(
             f"expected one-hot ids [n, {NUM_SPARSE}] int64, got {sparse.dtype} {list(sparse.shape)}"
