@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlrm.data.bags import bag_starts, check_sizes
-from kernels.embedding_bag import embedding_bag_lookup
 
 POOLINGS = ("sum", "mean")
 
@@ -70,6 +69,10 @@ class BagPooling(nn.Module):
         """Kernel "triton": raw ids [B, S] -> pooled [B, F, D] by `kernels.embedding_bag` on `arch`'s
         table-batched weights, optimizer state and lr (SparseArch.configure_optimizer); under autocast in
         the autocast dtype (rounded by the kernel as it stores)."""
+        # Imported here, not with the module: importing triton must wait until dlrm.step has switched the
+        # interpreter on for CPU runs (TRITON_INTERPRET is read once, when triton is first imported).
+        from kernels.embedding_bag import embedding_bag_lookup
+
         if arch.optimizer is None and torch.is_grad_enabled() and not arch.frozen:
             raise ValueError(
                 "SparseArch(kernel='triton') updates its tables in backward: call configure_optimizer "
