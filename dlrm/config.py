@@ -1,276 +1,72 @@
-"""Run configuration: frozen dataclasses loaded from JSON with validation.
+"""Run configuration: load a JSON config file, apply command-line overrides, validate.
 
-A config file is one JSON object with the sections `data`, `model`, `train`, `profiler` and `parallel`
-(each optional, each defaulting to the values below) and a top-level `name`. Unknown keys and bad values
-raise ValueError naming the key, e.g. `model.embedding_dim: expected a positive int, got 0`.
+    cfg = load_config("configs/tiny.json")                       # RunConfig (dlrm.config_sections)
+    cfg = apply_overrides(cfg, ["train.lr=0.05", "model.embedding_dim=32"])      # `--set KEY=VALUE`
+
+A config file is one JSON object with a top-level `name` and the sections `data`, `model`, `train`,
+`profiler` and `parallel` (each optional, each defaulting to the dataclasses' values). Unknown keys and bad
+values raise ValueError naming the key, e.g. `model.embedding_dim: expected a positive integer, got 0`; the
+same checks judge a config file, a `--set` override and a config built in Python (`validate`).
 """
 
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from dlrm.data.bags import DISTRIBUTIONS, check_sizes, is_one_hot
+from dlrm.choices import (
+    ARCHS,
+    BAG_DISTRIBUTIONS,
+    COMPILE_MODES,
+    DEVICES,
+    EXCHANGE_DTYPES,
+    GATES,
+    HASHINGS,
+    INTERACTIONS,
+    LOADERS,
+    MLP_BLOCKS,
+    ON_NONFINITE,
+    OPTIMIZERS,
+    POOLINGS,
+    PRECISIONS,
+    SELECT_ON,
+    TRITON_MLP_KERNELS,
+)
+from dlrm.config_sections import (
+    AttentionConfig,
+    DataConfig,
+    DcnConfig,
+    LoraConfig,
+    LrScheduleConfig,
+    ModelConfig,
+    MultiHotConfig,
+    ParallelConfig,
+    ProfilerConfig,
+    RunConfig,
+    TrainConfig,
+)
 
-DEVICES = ("auto", "cpu", "cuda")
-ARCHS = ("dlrm", "logistic")
-HASHINGS = ("modulus", "vocab")
-LOADERS = ("memory", "gpu_resident", "streaming", "binary")
-INTERACTIONS = ("dot", "cat", "attention")
-MLP_BLOCKS = ("linear_act", "ln_linear_gelu", "gated")
-GATES = ("sigmoid_tanh", "geglu", "swiglu")
-OPTIMIZERS = ("sgd", "adagrad")
-PRECISIONS = ("fp32", "tf32", "bf16")
-COMPILE_MODES = ("default", "reduce-overhead")
-TRITON_MLP_KERNELS = ("linear_act", "bias_act", "cuda_bias_act")
-ON_NONFINITE = ("stop", "skip_batch")
-SELECT_ON = ("logloss", "auc")
-POOLINGS = ("sum", "mean")
-
-
-@dataclass(frozen=True)
-class MultiHotConfig:
-    """Bags made on the fly from one-hot data (dlrm.data.bags): `distribution` "uniform" or "pareto" of
-    the drawn ids (null: none made; the data's own bags, if any, are read), `seed` of the draws. The
-    sizes are `model.multi_hot_sizes`."""
-
-    distribution: str | None = None
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where the preprocessed data lives and how it is batched.
-
-    `path` is a directory written by `python -m dlrm.data.preprocess` (train/, eval/, metadata.json);
-    a relative path is resolved against the working directory.
-    `loader` reads the train split: "memory" (host tensors, a pinned copy per batch; dlrm.data.dataset),
-    "gpu_resident" (the whole split in device memory, batches gathered on the device; dlrm.data.resident)
-    "streaming" (parquet row groups read as needed, for splits larger than memory; dlrm.data.streaming)
-    or "binary" (the fixed-width files of `python -m dlrm.data.binary`, read in windows into pinned memory
-    and shuffled on the GPU: splits larger than memory at the step's speed; dlrm.data.binary_loader).
-    The eval split is always read by "memory". `shuffle_buffer`: for "streaming" the rows mixed across row
-    groups (0: rows shuffled within their row group only); for "binary" the rows of a window, read and
-    shuffled together (rounded down to a multiple of the batch). `prefetch` ("streaming" only): batches
-    read ahead by a background thread (0: read in the training loop). `multi_hot`: bags of
-    `model.multi_hot_sizes` made on the fly from one-hot data by every loader (MultiHotConfig).
-    """
-
-    path: str = "data/criteo_sample"
-    batch_size: int = 128
-    eval_batch_size: int = 4096
-    shuffle: bool = True
-    drop_last: bool = False
-    loader: str = "memory"
-    shuffle_buffer: int = 1_000_000
-    prefetch: int = 4
-    multi_hot: MultiHotConfig = field(default_factory=MultiHotConfig)
-
-
-@dataclass(frozen=True)
-class AttentionConfig:
-    """The "attention" interaction (AutoInt): `layers` layers of multi-head self-attention over the F + 1
-    feature vectors, `heads` heads of `dim` features each (dlrm.model.dlrm.InteractionArch)."""
-
-    heads: int = 2
-    layers: int = 2
-    dim: int = 16
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """Low-rank adapters on every MLP layer (`python -m dlrm.finetune`): rank 0 is off. With `rank` r > 0
-    each layer is act(x W^T + (alpha / r) (x A^T) B^T + b) with W, b (and every other dense weight) frozen
-    and A [r, K], B [N, r] trained (B starts at zero: the model starts as its base). `alpha` null means r
-    (scale 1). `base`: the checkpoint whose weights (and table layout) the model starts from.
-    `freeze_embeddings`: keep the embedding tables fixed too. Only with `mlp_block` "linear_act"."""
-
-    rank: int = 0
-    alpha: float | None = None
-    base: str | None = None
-    freeze_embeddings: bool = False
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The model: DLRM (FB-DLRM Kaggle defaults) or its baseline floor, hashed logistic regression.
-
-    `arch`: "dlrm" (dlrm.model.dlrm.DLRM) or "logistic" (dlrm.model.logistic: logit = bias + a linear layer
-    over the dense features + one weight per table row of each sparse feature, on the same tables and
-    hashing; no embeddings, MLPs or interaction, so the keys that shape those, `embedding_dim`, `bottom_mlp`,
-    `top_mlp`, `interaction`, `mlp_block`, `gate`, `attention` and `lora`, must keep their defaults).
-    `first_order`: add those first-order ("wide") terms to the DLRM logit (dlrm.model.first_order); they
-    start at zero, so the model starts as the plain DLRM. A "logistic" model is those terms alone, with or
-    without the key. Neither runs on many ranks yet (dlrm.parallel.run.check_world refuses them).
-    `bottom_mlp` and `top_mlp` list layer widths without the input width: the bottom MLP reads the 13 dense
-    features, the top MLP reads the interaction output. The bottom MLP's last width must equal
-    `embedding_dim` and the top MLP's last width must be 1 (the logit).
-    `table_rows`: rows per embedding table (26 ints); null takes each table's train cardinality + 1 from
-    metadata.json. Either way rows are capped by `max_rows`. `hashing`: `modulus` maps a raw id x to
-    (x + 1) % rows; `vocab` maps train ids exactly and unseen ids to one shared out-of-vocabulary row.
-    `mlp_block`: what each layer of the bottom and top MLPs is (the logit layer stays a plain Linear):
-    "linear_act" (Linear + ReLU), "ln_linear_gelu" (LayerNorm -> Linear -> GELU tanh) or "gated" (one
-    Linear of twice the width, halves combined by `gate`: "sigmoid_tanh", "geglu" or "swiglu"; `gate` is
-    read by "gated" only). See dlrm.model.mlp.
-    `interaction`: "dot" (FB-DLRM's pairwise dot products), "cat" (concatenation) or "attention"
-    (AutoInt-style self-attention over the feature vectors, shaped by `attention`: {heads, layers, dim};
-    missing categorical values are masked out as keys). See dlrm.model.dlrm.InteractionArch.
-    `embedding_dim`: D, the columns of every embedding table. `lora`: low-rank adapters on the MLP layers
-    (LoraConfig; `python -m dlrm.finetune`).
-    `multi_hot_sizes`: bag size of each sparse feature (26 ints >= 1; null or all ones: one id per feature),
-    each bag pooled in its table by `pooling`, "sum" or "mean" (dlrm.model.pooling); the data holds the
-    bags (`python -m dlrm.data.multi_hot`) or `data.multi_hot` makes them. Bags need `hashing` "modulus",
-    no `first_order` and the "dot" or "cat" interaction.
-    """
-
-    arch: str = "dlrm"
-    first_order: bool = False
-    embedding_dim: int = 16
-    bottom_mlp: tuple[int, ...] = (512, 256, 64, 16)
-    top_mlp: tuple[int, ...] = (512, 256, 1)
-    interaction: str = "dot"
-    hashing: str = "modulus"
-    table_rows: tuple[int, ...] | None = None
-    max_rows: int = 10_000_000
-    min_frequency: int = 1
-    mlp_block: str = "linear_act"
-    gate: str = "sigmoid_tanh"
-    attention: AttentionConfig = field(default_factory=AttentionConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    multi_hot_sizes: tuple[int, ...] | None = None
-    pooling: str = "sum"
-
-
-@dataclass(frozen=True)
-class LrScheduleConfig:
-    """MLPerf DLRM's learning-rate schedule (dlrm.lr_schedule), a factor on `lr` and `embedding_lr` alike:
-    linear warm-up from 0 over `warmup_steps` steps, constant, then a polynomial decay of power 2 over
-    `decay_steps` steps from step `decay_start_step` down to 0 (0 from then on). The defaults (0, null, 0)
-    keep the lr constant. `decay_start_step` (null: no decay) needs `decay_steps` > 0 and must not come
-    before the warm-up's end. Works under `cuda_graphs`: the rates are device tensors the step reads."""
-
-    warmup_steps: int = 0
-    decay_start_step: int | None = None
-    decay_steps: int = 0
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Optimization and loop settings.
-
-    `embedding_lr` defaults to `lr`; `lr_schedule` scales both over the steps (warm-up and decay,
-    LrScheduleConfig; constant by default). `eval_interval` (steps) of null evaluates at each epoch's end
-    only.
-    `select_on`: the val metric that picks checkpoints/best.pt and that early stopping follows: "logloss"
-    (lower is better; the default) or "auc" (higher is better). AUC ranks rows and is blind to calibration,
-    so a model that predicts twice the click rate can win on it; logloss scores the probabilities.
-    `patience`: stop after this many evaluations without a better `select_on` (null: never stop early).
-    `use_torch_compile` compiles the dense part with Inductor, in `compile_mode` "default" or
-    "reduce-overhead" (Inductor also captures the compiled part as CUDA graphs). `use_triton` runs the
-    model on our Triton kernels: table-batched embeddings whose backward applies the optimizer (SGD or
-    Adagrad) to the touched rows, the dot interaction, the loss, and the MLP layers, which
-    `triton_mlp_kernel` picks: "linear_act" (GEMM + bias + activation fused) or "bias_act" (cuBLAS GEMM,
-    then fused bias + activation), or "cuda_bias_act" (bias_act's CUDA C++ twin, built with nvcc on first
-    use; CUDA only).
-    Both flags may be set. `cuda_graphs` captures the whole training step once as a CUDA graph and
-    replays it, and evaluations replay the forward as a graph too (dlrm.graphs); true needs `use_triton`,
-    whose steps have no host sync (either optimizer).
-    null (the default) takes it wherever it works: `use_triton` on a CUDA device, one process,
-    compile_mode "default" (dlrm.step.resolve_cuda_graphs; the log says why when it cannot); false: never.
-    `precision` of the training step's MLPs and interaction: "fp32", "tf32" (fp32 tensors, TF32 tensor-core
-    matmuls) or "bf16" (autocast to bf16; fp32 master weights, embedding tables, loss and evaluation).
-    `on_nonfinite`: what a NaN or infinite training loss does: "stop" the run (exit 3; last.pt stays the
-    last finite state) or "skip_batch" (the step's update is not applied, on the device; counted).
-    Checkpoints/last.pt is written every `checkpoint_interval` steps (null: not by steps) and every
-    `checkpoint_every_s` seconds of wall time (null: not by time), at a step's end; `keep_last` older ones
-    are kept beside it as checkpoints/step-<N>.pt (0: only last.pt).
-    """
-
-    optimizer: str = "sgd"
-    lr: float = 0.1
-    embedding_lr: float | None = None
-    lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)
-    weight_decay: float = 0.0
-    epochs: int = 1
-    max_steps: int | None = None
-    log_interval: int = 50
-    eval_interval: int | None = None
-    select_on: str = "logloss"
-    patience: int | None = None
-    seed: int = 0
-    device: str = "auto"
-    use_torch_compile: bool = False
-    compile_mode: str = "default"
-    use_triton: bool = False
-    triton_mlp_kernel: str = "linear_act"
-    cuda_graphs: bool | None = None
-    precision: str = "fp32"
-    on_nonfinite: str = "stop"
-    checkpoint_interval: int | None = None
-    checkpoint_every_s: float | None = 600.0
-    keep_last: int = 0
-
-
-@dataclass(frozen=True)
-class ProfilerConfig:
-    """torch.profiler schedule: skip `wait` steps, warm up `warmup`, record `active` (one cycle)."""
-
-    enabled: bool = True
-    wait: int = 5
-    warmup: int = 2
-    active: int = 3
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Many processes (`torchrun`, dlrm.parallel); ignored in a single process.
-
-    `row_wise`: split tables larger than `row_wise_bytes` (bytes of weights + optimizer state; null: the
-    total over the world size, an even share per rank) over several ranks by rows; false places every table
-    whole on one rank (table-wise), which needs no more ranks than tables. `timeout_s`: how long a
-    collective may wait before the process group fails it, and how long a rank may go without a heartbeat
-    before the others end the run (env DLRM_TIMEOUT_S overrides it).
-    """
-
-    row_wise: bool = True
-    row_wise_bytes: int | None = None
-    timeout_s: float = 300.0
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    name: str = "dlrm"
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @property
-    def backend(self) -> str:
-        """Backend name: eager, compile, triton or triton+compile."""
-        parts = [
-            name
-            for name, on in (("triton", self.train.use_triton), ("compile", self.train.use_torch_compile))
-            if on
-        ]
-        return "+".join(parts) or "eager"
-
-    @property
-    def mlp_kernel(self) -> str:
-        """How the model's MLP layers run (dlrm.model.mlp.MLP_KERNELS)."""
-        return self.train.triton_mlp_kernel if self.train.use_triton else "torch"
-
-    @property
-    def sparse_kernel(self) -> str:
-        """How the embeddings, interaction and loss run (dlrm.model.dlrm.SPARSE_KERNELS)."""
-        return "triton" if self.train.use_triton else "torch"
-
+__all__ = [  # the sections are importable from here too, beside what loads them
+    "AttentionConfig",
+    "DataConfig",
+    "DcnConfig",
+    "LoraConfig",
+    "LrScheduleConfig",
+    "ModelConfig",
+    "MultiHotConfig",
+    "ParallelConfig",
+    "ProfilerConfig",
+    "RunConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "from_dict",
+    "load_config",
+    "replace",
+    "validate",
+]
 
 _SECTIONS = {
     "data": DataConfig,
@@ -347,6 +143,7 @@ _DLRM_ONLY = (
     "mlp_block",
     "gate",
     "attention",
+    "dcn",
     "lora",
 )
 
@@ -369,6 +166,36 @@ def _check_logistic(cfg: RunConfig) -> None:
     # The first-order terms run outside autocast (dlrm.model.first_order): bf16 would change nothing.
     expected = "'fp32' or 'tf32' with model.arch 'logistic' (its terms are computed in fp32)"
     _require(cfg.train.precision != "bf16", "train.precision", expected, cfg.train.precision)
+
+
+def _check_multi_hot(cfg: RunConfig) -> None:
+    """model.multi_hot_sizes, model.pooling and data.multi_hot (dlrm.data.bags). Raises ValueError naming
+    the key."""
+    m, made = cfg.model, cfg.data.multi_hot
+    _require(m.pooling in POOLINGS, "model.pooling", f"one of {POOLINGS}", m.pooling)
+    sizes = m.multi_hot_sizes
+    if sizes is not None:
+        ok = len(sizes) == 26 and all(k >= 1 for k in sizes)
+        _require(ok, "model.multi_hot_sizes", "26 integers >= 1 (bag sizes of C1..C26) or null", sizes)
+    one_hot = sizes is None or all(k == 1 for k in sizes)
+    if made.distribution is not None:
+        expected = f"null or one of {BAG_DISTRIBUTIONS}"
+        _require(
+            made.distribution in BAG_DISTRIBUTIONS, "data.multi_hot.distribution", expected, made.distribution
+        )
+        expected = "bag sizes above 1 with data.multi_hot (the bags it makes)"
+        _require(not one_hot, "model.multi_hot_sizes", expected, sizes)
+    if one_hot:
+        return
+    # What reads one id per feature: the vocabularies, the first-order tables, the attention key mask.
+    for key, value, default in (
+        ("model.arch", m.arch, "dlrm"),
+        ("model.hashing", m.hashing, "modulus"),
+        ("model.first_order", m.first_order, False),
+    ):
+        _require(value == default, key, f"{default!r} with model.multi_hot_sizes (bags)", value)
+    expected = "'dot', 'cat' or 'dcn' with model.multi_hot_sizes (bags)"
+    _require(m.interaction != "attention", "model.interaction", expected, m.interaction)
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -403,6 +230,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _require(a.heads > 0, "model.attention.heads", "a positive integer", a.heads)
     _require(a.layers > 0, "model.attention.layers", "a positive integer", a.layers)
     _require(0 < a.dim <= 256, "model.attention.dim", "an integer in 1..256 (features per head)", a.dim)
+    _require(m.dcn.layers > 0, "model.dcn.layers", "a positive integer", m.dcn.layers)
+    _require(m.dcn.low_rank > 0, "model.dcn.low_rank", "a positive integer", m.dcn.low_rank)
     lora = m.lora
     _require(0 <= lora.rank <= 128, "model.lora.rank", "an integer in 0..128 (0: no adapters)", lora.rank)
     if lora.alpha is not None:
@@ -438,6 +267,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     if t.embedding_lr is not None:
         ok = 0 < t.embedding_lr < math.inf
         _require(ok, "train.embedding_lr", "a positive finite number or null", t.embedding_lr)
+    _require(0 <= t.adagrad_eps < math.inf, "train.adagrad_eps", "a finite number >= 0", t.adagrad_eps)
     validate_lr_schedule(t.lr_schedule)
     _require(0 <= t.weight_decay < math.inf, "train.weight_decay", "a finite number >= 0", t.weight_decay)
     _require(t.epochs > 0, "train.epochs", "a positive integer", t.epochs)
@@ -482,35 +312,13 @@ def validate(cfg: RunConfig) -> RunConfig:
             "a positive integer or null",
             par.row_wise_bytes,
         )
+    if par.data_parallel_rows is not None:
+        rows = par.data_parallel_rows
+        _require(rows >= 0, "parallel.data_parallel_rows", "an integer >= 0 or null", rows)
+    exchange = par.exchange_dtype
+    _require(exchange in EXCHANGE_DTYPES, "parallel.exchange_dtype", f"one of {EXCHANGE_DTYPES}", exchange)
     _require(par.timeout_s > 0, "parallel.timeout_s", "a positive number (seconds)", par.timeout_s)
     return cfg
-
-
-def _check_multi_hot(cfg: RunConfig) -> None:
-    """model.multi_hot_sizes, model.pooling and data.multi_hot (dlrm.data.bags). Raises ValueError naming
-    the key."""
-    m, bags = cfg.model, cfg.data.multi_hot
-    _require(m.pooling in POOLINGS, "model.pooling", f"one of {POOLINGS}", m.pooling)
-    if m.multi_hot_sizes is not None:
-        check_sizes(m.multi_hot_sizes, "model.multi_hot_sizes")
-    if bags.distribution is not None:
-        expected = f"null or one of {DISTRIBUTIONS}"
-        _require(
-            bags.distribution in DISTRIBUTIONS, "data.multi_hot.distribution", expected, bags.distribution
-        )
-        expected = "bag sizes above 1 with data.multi_hot (the bags it makes)"
-        _require(not is_one_hot(m.multi_hot_sizes), "model.multi_hot_sizes", expected, m.multi_hot_sizes)
-    if is_one_hot(m.multi_hot_sizes):
-        return
-    # What reads one id per feature: the vocabularies, the first-order tables, the attention key mask.
-    for key, value, default in (
-        ("model.arch", m.arch, "dlrm"),
-        ("model.hashing", m.hashing, "modulus"),
-        ("model.first_order", m.first_order, False),
-    ):
-        _require(value == default, key, f"{default!r} with model.multi_hot_sizes (bags)", value)
-    expected = "'dot' or 'cat' with model.multi_hot_sizes (bags)"
-    _require(m.interaction != "attention", "model.interaction", expected, m.interaction)
 
 
 def validate_lr_schedule(schedule: LrScheduleConfig) -> None:
@@ -559,3 +367,53 @@ def replace(cfg: RunConfig, section: str, **changes: Any) -> RunConfig:
     return validate(
         dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
     )
+
+
+def apply_overrides(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
+    """`cfg` with each "KEY=VALUE" of `overrides` set in order (`--set KEY=VALUE`), then validated as a
+    config file is.
+
+    KEY is the dotted path of any config key (`train.lr`, `model.attention.heads`, `name`). VALUE is read as
+    JSON (`0.05`, `true`, `null`, `[512, 256, 32]`) and else taken as a plain string (`adagrad`); a JSON
+    object for a section (`model.attention={"heads": 4}`) sets the keys it names and keeps the others.
+
+    Raises:
+        ValueError: one line naming the override and the key: no "=", an unknown key, or a value that the
+            key (or a key that depends on it) does not take, with what was expected.
+    """
+    raw = cfg.to_dict()
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item}: expected KEY=VALUE with a dotted config key, e.g. train.lr=0.05")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        node, cls, parts = raw, RunConfig, key.split(".")
+        for depth, part in enumerate(parts):
+            known = {f.name: f.type for f in fields(cls)}
+            if part not in known:
+                where = ".".join(parts[:depth]) or "the config"
+                raise ValueError(f"--set {item}: {key}: unknown key ({where} has {', '.join(known)})")
+            if depth == len(parts) - 1:
+                node[part] = _merge(node[part], value)
+            elif not dataclasses.is_dataclass(known[part]):
+                section = ".".join(parts[: depth + 1])
+                raise ValueError(f"--set {item}: {key}: unknown key ({section} is a value, not a section)")
+            else:
+                node, cls = node[part], known[part]
+    try:
+        return from_dict(raw)
+    except ValueError as err:
+        # The override that the error's key names, else every override (the error names its key).
+        bad = str(err).partition(":")[0]
+        named = [item for item in overrides if bad.startswith(item.partition("=")[0])]
+        raise ValueError(f"--set {' --set '.join(named[-1:] or overrides)}: {err}") from None
+
+
+def _merge(old: Any, new: Any) -> Any:
+    """`new`, or for two objects (a section) `old` with the keys of `new` set, recursively."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {**old, **{k: _merge(old.get(k), v) for k, v in new.items()}}
+    return new

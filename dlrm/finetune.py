@@ -2,7 +2,8 @@
 fine-tuned model's adapters into its weights.
 
     python -m dlrm.finetune --checkpoint RUN/checkpoints/best.pt [--config C] --lora-rank r [--lora-alpha a]
-        [--freeze-embeddings] [--output-dir DIR] [--max-steps N] [--use-triton] [--device D]
+        [--freeze-embeddings] [--set KEY=VALUE ...] [--output-dir DIR] [--max-steps N] [--use-triton]
+        [--device D]
     python -m dlrm.finetune --checkpoint FINETUNED/checkpoints/best.pt --merge --output merged.pt
 
 Fine-tuning trains the run config C (default: the checkpoint's own) with `model.lora` set: the model starts
@@ -17,12 +18,15 @@ the adapted layers run on the fused kernel `kernels/lora_linear.py`.
 """
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
 
 from dlrm.checkpoint import load_checkpoint, save_checkpoint
-from dlrm.config import LoraConfig, RunConfig, from_dict, load_config, replace
+from dlrm.choices import DEVICES
+from dlrm.cli_options import set_option
+from dlrm.config import LoraConfig, RunConfig, apply_overrides, from_dict, load_config, replace
 from dlrm.errors import cli_errors
 from dlrm.model import model_from_checkpoint
 
@@ -33,12 +37,14 @@ def finetune_config(
     rank: int,
     alpha: float | None = None,
     freeze_embeddings: bool = False,
+    overrides: Sequence[str] = (),
 ) -> RunConfig:
-    """The run config of a fine-tuning run: `config` (default: the checkpoint's) with `model.lora` set.
+    """The run config of a fine-tuning run: `config` (default: the checkpoint's) with the `overrides`
+    ("KEY=VALUE", dlrm.config.apply_overrides) and `model.lora` set.
 
     Raises:
         ValueError: a checkpoint that is missing, has adapters already, or whose model the config's differs
-            from (naming the key).
+            from (naming the key); a bad override.
     """
     state = load_checkpoint(checkpoint)
     theirs = from_dict(state["config"]).model
@@ -46,7 +52,7 @@ def finetune_config(
         raise ValueError(
             f"{checkpoint}: has adapters already (model.lora.rank {theirs.lora.rank}): --merge it first"
         )
-    cfg = config or from_dict(state["config"])
+    cfg = apply_overrides(config or from_dict(state["config"]), overrides)
     for key in (f.name for f in dataclasses.fields(theirs)):
         if key != "lora" and getattr(cfg.model, key) != getattr(theirs, key):
             raise ValueError(
@@ -97,6 +103,7 @@ def merge_checkpoint(checkpoint: Path, output: Path) -> dict:
 )
 @click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
               help="Run config of the fine-tuning (data, train); default: the checkpoint's.")  # fmt: skip
+@set_option
 @click.option("--lora-rank", type=click.IntRange(1, 128), default=None, help="Adapter rank r.")
 @click.option("--lora-alpha", type=float, default=None, help="Scale numerator: adapters add (alpha / r) B A.")
 @click.option("--freeze-embeddings", is_flag=True, help="Keep the embedding tables fixed too.")
@@ -108,15 +115,21 @@ def merge_checkpoint(checkpoint: Path, output: Path) -> dict:
     "--output-dir", type=click.Path(path_type=Path), default=None, help="The fine-tuning run's dir."
 )
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Overrides train.max_steps.")
-@click.option("--use-triton", is_flag=True, help="Our Triton kernels (the fused LoRA layer among them).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None)
+@click.option(
+    "--use-triton/--no-use-triton",
+    default=None,
+    help="Our Triton kernels (the fused LoRA layer among them) [default: the config's].",
+)
+@click.option("--device", type=click.Choice(DEVICES), default=None)
 def main(
-    checkpoint, config_path, lora_rank, lora_alpha, freeze_embeddings, merge, output, output_dir, max_steps,
-    use_triton, device,
+    checkpoint, config_path, overrides, lora_rank, lora_alpha, freeze_embeddings, merge, output, output_dir,
+    max_steps, use_triton, device,
 ):  # fmt: skip
     """Fine-tune CHECKPOINT with LoRA adapters, or (--merge) fold a fine-tuned checkpoint's adapters in."""
     with cli_errors():  # bad input: one line, exit 2 (dlrm/errors.py)
         if merge:
+            if overrides:
+                raise ValueError("--set: not with --merge (it writes the fine-tuned run's own config)")
             if output is None:
                 raise ValueError("--merge needs --output FILE")
             merge_checkpoint(checkpoint, output)
@@ -125,9 +138,9 @@ def main(
         if lora_rank is None:
             raise ValueError("--lora-rank is required to fine-tune (or give --merge)")
         config = load_config(config_path) if config_path is not None else None
-        cfg = finetune_config(checkpoint, config, lora_rank, lora_alpha, freeze_embeddings)
-        overrides = {"max_steps": max_steps, "device": device, "use_triton": use_triton or None}
-        cfg = replace(cfg, "train", **{k: v for k, v in overrides.items() if v is not None})
+        cfg = finetune_config(checkpoint, config, lora_rank, lora_alpha, freeze_embeddings, overrides)
+        flags = {"max_steps": max_steps, "device": device, "use_triton": use_triton}
+        cfg = replace(cfg, "train", **{k: v for k, v in flags.items() if v is not None})
         from dlrm.loop import train
 
         train(cfg, output_dir)

@@ -4,9 +4,14 @@ each step, so that a step captured once in a CUDA graph follows the lr schedule 
     SGD:      p <- p - lr * scale * g                          (torch.optim.SGD, momentum 0, dampening 0)
     Adagrad:  s <- s + g * g;  p <- p - lr * scale * g / (sqrt(s) + eps)
                                                    (torch.optim.Adagrad with lr_decay 0; Duchi et al. 2011)
+    row-wise Adagrad (a param group with "rowwise": True; embedding tables [rows, D]):
+              s_r <- s_r + mean(g_r * g_r);  p_r <- p_r - lr * scale * g_r / (sqrt(s_r) + eps)
+                                                   (FBGEMM / TorchRec's EXACT_ROWWISE_ADAGRAD: one
+                                                    accumulator per row, s [rows], the mean over D)
 
 with g the gradient plus weight_decay * p for dense gradients (as torch.optim does) and s Adagrad's
-accumulator ("sum", starting at `initial_accumulator_value`).
+accumulator ("sum", starting at `initial_accumulator_value`). The row-wise update is the one that
+kernels/embedding.py fuses into the "triton" tables' backward for train.optimizer "rowwise_adagrad".
 
 `lr` and `weight_decay` are each param group's numbers, as in torch.optim.SGD (the config's values:
 checkpoints save them and `--resume` compares them with the config's); `scale` is the optimizer's
@@ -116,18 +121,21 @@ class SGD(ScaledLrOptimizer):
 class Adagrad(ScaledLrOptimizer):
     """Adagrad (torch.optim.Adagrad's update with lr_decay 0) whose step multiplies each group's `lr` by the
     device tensor `lr_scale`; its state per parameter is the accumulator "sum" (torch.optim.Adagrad's
-    name, so checkpoints of either load), allocated here so that a captured step finds it in place.
+    name, so checkpoints of either load), allocated here so that a captured step finds it in place. A group
+    with "rowwise" True takes the row-wise update (module docstring): its parameters are [rows, D] tables
+    and their "sum" is [rows].
 
     Args:
-        params: parameters or param groups (dicts with "params" and optionally "lr", "weight_decay").
+        params: parameters or param groups (dicts with "params" and optionally "lr", "weight_decay",
+            "rowwise").
         lr: learning rate of groups that do not set one (> 0).
         eps: added to sqrt(sum) in the denominator (torch.optim.Adagrad's default 1e-10).
         initial_accumulator_value: the accumulators' start (>= 0).
         weight_decay: L2 penalty of groups that do not set one (>= 0), added to dense gradients.
 
     Raises:
-        ValueError: lr <= 0, weight_decay < 0, eps < 0 or initial_accumulator_value < 0, or parameters on
-            more than one device.
+        ValueError: lr <= 0, weight_decay < 0, eps < 0 or initial_accumulator_value < 0, a "rowwise" group
+            with a parameter that is not 2-D, or parameters on more than one device.
     """
 
     def __init__(
@@ -142,12 +150,21 @@ class Adagrad(ScaledLrOptimizer):
         if not (eps >= 0 and initial_accumulator_value >= 0):
             got = f"{eps}, {initial_accumulator_value}"
             raise ValueError(f"Adagrad: eps and initial_accumulator_value must be >= 0, got {got}")
-        super().__init__(params, {"lr": lr, "eps": eps, "weight_decay": weight_decay})
+        super().__init__(params, {"lr": lr, "eps": eps, "weight_decay": weight_decay, "rowwise": False})
         for group in self.param_groups:
             for p in group["params"]:
-                self.state[p]["sum"] = torch.full_like(p, initial_accumulator_value)
+                if group["rowwise"] and p.dim() != 2:
+                    raise ValueError(f"Adagrad: a rowwise group takes [rows, D] tables, got {list(p.shape)}")
+                shape = p.shape[:1] if group["rowwise"] else p.shape
+                self.state[p]["sum"] = torch.full(
+                    shape, initial_accumulator_value, dtype=p.dtype, device=p.device
+                )
 
     def _dense_step(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        if group.get("rowwise"):  # .get: checkpoints written before the key load without it
+            for p, grad in zip(params, grads, strict=True):
+                self._rowwise_step(group, p, torch.arange(p.shape[0], device=p.device), grad)
+            return
         sums = [self.state[p]["sum"] for p in params]
         torch._foreach_addcmul_(sums, grads, grads)
         std = torch._foreach_sqrt(sums)
@@ -160,8 +177,19 @@ class Adagrad(ScaledLrOptimizer):
         gradient is coalesced first, a host sync (the eager tables only, never in a graph)."""
         grad = p.grad.coalesce()
         indices, values = grad._indices(), grad._values()
+        if group.get("rowwise"):
+            self._rowwise_step(group, p, indices[0], values)
+            return
         state_sum = self.state[p]["sum"]
         state_sum.add_(torch.sparse_coo_tensor(indices, values.pow(2), grad.shape))
         std = state_sum.sparse_mask(grad)._values().sqrt_().add_(group["eps"])
         step = torch.sparse_coo_tensor(indices, values / std * self.lr_scale, grad.shape)
         p.add_(step, alpha=-group["lr"])
+
+    def _rowwise_step(self, group: dict, p: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        """The row-wise update of rows `rows` [n] (distinct) of table `p` [R, D] from their gradient
+        `grad` [n, D]."""
+        state_sum = self.state[p]["sum"]
+        state_sum.index_add_(0, rows, grad.pow(2).mean(dim=1))
+        std = state_sum.index_select(0, rows).sqrt_().add_(group["eps"])
+        p.index_add_(0, rows, grad / std[:, None] * self.lr_scale, alpha=-group["lr"])

@@ -42,10 +42,11 @@ def out_of_memory(cfg: RunConfig, err: torch.OutOfMemoryError, when: str) -> Out
 
 def table_bytes(cfg: RunConfig, rows: int) -> tuple[int, int, int]:
     """(D, fp32 weight bytes, optimizer state bytes) of `rows` table rows: D is 1 for `logistic` (a weight per
-    row); Adagrad keeps one accumulator per weight, SGD none."""
+    row); Adagrad keeps one accumulator per weight, row-wise Adagrad one per row, SGD none."""
     dim = 1 if cfg.model.arch == "logistic" else cfg.model.embedding_dim
     weights = rows * dim * 4
-    return dim, weights, weights if cfg.train.optimizer == "adagrad" else 0
+    state = {"sgd": 0, "adagrad": weights, "rowwise_adagrad": rows * 4}[cfg.train.optimizer]
+    return dim, weights, state
 
 
 def _gib(n: float) -> str:

@@ -106,7 +106,9 @@ def set_up(
     if resume is not None:
         state.best_checkpoint = resume.parent / ("best" if resume.is_dir() else "best.pt")
         check_not_stopped_early(resume, state, t.patience)
-    reduce_grads = parallel.grad_averager(model.dense_parameters(), dist.world_size) if dist.enabled else None
+    reduce_grads = (
+        parallel.grad_averager(parallel.averaged_parameters(model), dist.world_size) if dist.enabled else None
+    )
     step_fn = build_step(model, optimizer, cfg, device, reduce_grads)
     train_loader = make_train_loader(
         cfg.data, data_dir, t.seed, device, train_set, dist.rank, dist.world_size, loader_bags(cfg, data_dir)
@@ -128,9 +130,10 @@ def set_up(
     if dist.is_main:
         atomic.write_text(run_dir / "config.json", config_json)
     if dist.enabled:
-        logger.info("{} ranks; embedding tables:\n{}", dist.world_size, plan.describe())
+        per_rank = cfg.data.batch_size // dist.world_size
+        logger.info("{} ranks; embedding tables:\n{}", dist.world_size, plan.describe(per_rank))
         if dist.is_main:
-            atomic.write_text(run_dir / "sharding_plan.json", json.dumps(plan.to_dict(), indent=2))
+            atomic.write_text(run_dir / "sharding_plan.json", json.dumps(plan.to_dict(per_rank), indent=2))
     logger.info(
         "run {} | backend {} | device {} | train {} rows, val {} rows | {} params",
         run_dir,
@@ -162,7 +165,7 @@ def set_up(
         dist=dist,
     )
     run.progress = TrainProgress(progress, t.max_steps or t.epochs * len(train_loader), state.step)
-    if t.cuda_graphs and not dist.enabled:  # many ranks evaluate through dlrm.parallel.evaluation
+    if t.cuda_graphs:
         run.eval_forward = GraphedForward(functools.partial(forward_logits, model, t.precision))
     return run, state
 

@@ -13,12 +13,11 @@ from dataclasses import dataclass
 import click
 import torch
 
+from dlrm.choices import SCORING_BACKENDS as BACKENDS
+from dlrm.choices import SCORING_PRECISIONS as PRECISIONS
 from dlrm.config import RunConfig, replace
 from dlrm.model import Model, model_from_checkpoint
 from dlrm.step import set_precision, use_interpreter_on_cpu
-
-BACKENDS = ("run", "eager", "triton")
-PRECISIONS = ("run", "fp32", "tf32", "bf16")
 
 backend_option = click.option(
     "--backend",

@@ -26,7 +26,7 @@ def evaluate_split(run: Run, loader: BatchLoader | ShardedEvalSplit, split: str)
     (`make_split_loader`). Many ranks: every rank must call it (collectives); each scores its part and
     all get the metrics of the whole split. Raises ValueError as dlrm.metrics.evaluate."""
     if run.dist.enabled:
-        return evaluate_sharded(run.model, loader, run.device)
+        return evaluate_sharded(run.model, loader, run.device, run.cfg.train.precision, run.eval_forward)
     batches = run.progress.eval_batches(loader, split)
     return evaluate(run.model, batches, run.device, run.cfg.train.precision, run.eval_forward)
 

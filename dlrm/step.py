@@ -81,20 +81,23 @@ def make_optimizer(model: Model, cfg: RunConfig) -> torch.optim.Optimizer:
     """dlrm.optim.SGD or dlrm.optim.Adagrad (torch.optim's updates with the lr scaled by a device tensor, so
     a schedule reaches a CUDA-graphed step), with two parameter groups: the MLPs (weight decay)
     and the embedding tables, the first-order tables among them (sparse gradients, `embedding_lr`, no weight
-    decay: decaying every row each step would make the update dense). With the "triton" sparse kernel the
-    tables are not in the optimizer: the same update (lr `embedding_lr`, held in each table set's device
-    tensor `lr`, Adagrad's default eps) is fused into the embedding kernel's backward."""
+    decay: decaying every row each step would make the update dense). "rowwise_adagrad" is Adagrad whose
+    table group is row-wise (one accumulator per row; the MLPs keep the elementwise update). With the
+    "triton" sparse kernel the tables are not in the optimizer: the same update (lr `embedding_lr`, held in
+    each table set's device tensor `lr`, `adagrad_eps`) is fused into the embedding kernel's backward; only
+    a sharded model's replicated tables (dense gradients, all-reduced) are, with `embedding_lr`."""
     t = cfg.train
     embedding_lr = t.embedding_lr or t.lr
     groups = [{"params": model.dense_parameters(), "lr": t.lr, "weight_decay": t.weight_decay}]
     if model.sparse_arch.kernel == "triton":
         for tables in model.table_archs():
-            tables.configure_optimizer(t.optimizer, embedding_lr)
-    else:
-        groups.append({"params": model.embedding_parameters(), "lr": embedding_lr, "weight_decay": 0.0})
+            tables.configure_optimizer(t.optimizer, embedding_lr, t.adagrad_eps)
+    if tables := model.embedding_parameters():  # "triton": a sharded model's replicated tables, if any
+        group = {"params": tables, "lr": embedding_lr, "weight_decay": 0.0}
+        groups.append({**group, "rowwise": True} if t.optimizer == "rowwise_adagrad" else group)
     if t.optimizer == "sgd":
         return SGD(groups, lr=t.lr)
-    return Adagrad(groups, lr=t.lr)
+    return Adagrad(groups, lr=t.lr, eps=t.adagrad_eps)
 
 
 def compile_dense_part(model: Model, mode: str = "default") -> None:

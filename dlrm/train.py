@@ -15,7 +15,9 @@ from pathlib import Path
 import click
 
 from dlrm import parallel, progress
-from dlrm.config import TRITON_MLP_KERNELS, load_config, replace
+from dlrm.choices import COMPILE_MODES, DEVICES, PRECISIONS, TRITON_MLP_KERNELS
+from dlrm.cli_options import set_option
+from dlrm.config import apply_overrides, load_config, replace
 from dlrm.errors import Interrupted, RunStopped, cli_errors
 from dlrm.loop import train
 
@@ -28,22 +30,26 @@ from dlrm.loop import train
     required=True,
     help="JSON run config (see configs/).",
 )
+@set_option
 @click.option(
-    "--use-torch-compile", is_flag=True, help="Compile the MLPs and interaction with torch.compile."
+    "--use-torch-compile/--no-use-torch-compile",
+    default=None,
+    help="Compile the MLPs and interaction with torch.compile. Overrides train.use_torch_compile "
+    "[default: the config's].",
 )
 @click.option(
     "--compile-mode",
-    type=click.Choice(["default", "reduce-overhead"]),
+    type=click.Choice(COMPILE_MODES),
     default=None,
     help="With --use-torch-compile: torch.compile's mode; reduce-overhead adds Inductor's CUDA graphs. "
     "Overrides train.compile_mode.",
 )
 @click.option(
-    "--use-triton",
-    is_flag=True,
+    "--use-triton/--no-use-triton",
+    default=None,
     help="The model on our Triton kernels, forward and backward: embeddings with the optimizer fused into "
     "backward, interaction, loss, MLP layers. On CPU they run in the Triton interpreter: correct but slow, "
-    "meant for tests.",
+    "meant for tests. Overrides train.use_triton [default: the config's].",
 )
 @click.option(
     "--triton-mlp-kernel",
@@ -62,7 +68,7 @@ from dlrm.loop import train
 )
 @click.option(
     "--precision",
-    type=click.Choice(["fp32", "tf32", "bf16"]),
+    type=click.Choice(PRECISIONS),
     default=None,
     help="Overrides train.precision: fp32, tf32 (TF32 matmuls) or bf16 (autocast MLPs and interaction).",
 )
@@ -89,7 +95,7 @@ from dlrm.loop import train
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after N training steps.")
 @click.option(
     "--device",
-    type=click.Choice(["auto", "cpu", "cuda"]),
+    type=click.Choice(DEVICES),
     default=None,
     help="Overrides train.device from the config.",
 )
@@ -103,6 +109,7 @@ from dlrm.loop import train
 )
 def main(
     config_path,
+    overrides,
     use_torch_compile,
     compile_mode,
     use_triton,
@@ -124,13 +131,12 @@ def main(
     """
     mode = progress.configure("quiet" if quiet else "auto")
     with cli_errors(report):
-        cfg = load_config(config_path)
-        overrides = {
-            "use_torch_compile": use_torch_compile or cfg.train.use_torch_compile,
-            "use_triton": use_triton or cfg.train.use_triton,
-            "cuda_graphs": cfg.train.cuda_graphs if cuda_graphs is None else cuda_graphs,
-        }
+        cfg = apply_overrides(load_config(config_path), overrides)
+        flags = {}
         for key, value in (
+            ("use_torch_compile", use_torch_compile),
+            ("use_triton", use_triton),
+            ("cuda_graphs", cuda_graphs),
             ("compile_mode", compile_mode),
             ("triton_mlp_kernel", triton_mlp_kernel),
             ("precision", precision),
@@ -139,9 +145,9 @@ def main(
             ("seed", seed),
         ):
             if value is not None:
-                overrides[key] = value
+                flags[key] = value
         try:
-            train(replace(cfg, "train", **overrides), output_dir, resume, overwrite=overwrite, progress=mode)
+            train(replace(cfg, "train", **flags), output_dir, resume, overwrite=overwrite, progress=mode)
         except RunStopped as err:
             if err.checkpoint is not None:
                 command = resume_command(click.get_current_context(), err.checkpoint)
@@ -193,6 +199,9 @@ def resume_command(ctx: click.Context, checkpoint: Path) -> str:
             continue
         if value is False:  # an unset flag, or the off side of a pair such as --no-cuda-graphs
             args += param.secondary_opts[:1]
+            continue
+        if param.multiple:  # --set KEY=VALUE, each as given
+            args += [arg for item in value for arg in (param.opts[0], item)]
             continue
         args += [param.opts[0]] if getattr(param, "is_flag", False) else [param.opts[0], str(value)]
     return shlex.join([*args, "--resume", str(checkpoint)])

@@ -32,7 +32,8 @@ import torch
 from bench_train import bench as bench_step
 from results_csv import append_rows, provenance
 
-from dlrm.config import LOADERS, DataConfig
+from dlrm.choices import LOADERS
+from dlrm.config import DataConfig
 from dlrm.data.dataset import open_split
 from dlrm.data.loaders import make_train_loader
 from dlrm.data.synthetic_output import write_parquet

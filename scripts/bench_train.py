@@ -86,6 +86,13 @@ FLAGS = {
     "triton_bias_act+graphs": {"use_triton": True, "triton_mlp_kernel": "bias_act", "cuda_graphs": True},
 }
 POOL = 8  # distinct batches cycled through
+# Sharding variants on many GPUs (parallel settings): the config's (the planner's data-parallel tables, the
+# lookup's dtype on the wire); every table model parallel; the exchange in bf16.
+SHARDINGS = {
+    "auto": {},
+    "model_parallel": {"data_parallel_rows": 0},
+    "bf16_exchange": {"exchange_dtype": "bf16"},
+}
 IDS = ("uniform", "zipf")
 _SCATTER = 2654435761  # Knuth's multiplicative hash constant: spreads consecutive ranks over a table
 
@@ -118,12 +125,13 @@ def build(
     dist=parallel.SINGLE,
     cardinalities: str = "kaggle",
     optimizer: str = "sgd",
+    sharding: str = "auto",
 ):
     """(model, optimizer, step, pool, table_rows) for configs/<config>.json with `backend` and `optimizer`
     (train.optimizer): the step is `step(model, optimizer, batch) -> loss` (graph-captured for "+graphs"
     backends), pool the batches (`ids`: one of IDS) over tables of the `cardinalities` preset.
-    With several ranks (`dist`) the tables are sharded (created on each rank's GPU) and `batch` is the
-    batch of each rank."""
+    With several ranks (`dist`) the tables are sharded (created on each rank's GPU) as the `sharding`
+    variant (SHARDINGS) says, and `batch` is the batch of each rank."""
     flags = {"precision": precision, "optimizer": optimizer, **FLAGS[backend]}
     cfg = replace(load_config(CONFIG_DIR / f"{config}.json"), "train", **flags)
     set_precision(precision)
@@ -138,10 +146,12 @@ def build(
         return model, None, step, random_batches(batch, table_rows, generator, ids), table_rows
     if dist.enabled:
         cfg = replace(cfg, "model", table_rows=tuple(table_rows), max_rows=cap)
+        cfg = replace(cfg, "data", batch_size=batch * dist.world_size)
+        cfg = replace(cfg, "parallel", **SHARDINGS[sharding])
         no_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64)
         device = torch.device("cuda", torch.cuda.current_device())
         model, _ = build_sharded_model(cfg, {}, no_ids, dist.rank, dist.world_size, device)
-        reduce_grads = parallel.grad_averager(model.dense_parameters(), dist.world_size)
+        reduce_grads = parallel.grad_averager(parallel.averaged_parameters(model), dist.world_size)
     else:
         model = DLRM(cfg.model, table_rows=table_rows, **kernels).cuda()
     optimizer = make_optimizer(model, cfg)
@@ -200,12 +210,13 @@ def bench(
     ids: str = "uniform",
     cardinalities: str = "kaggle",
     optimizer: str = "sgd",
+    sharding: str = "auto",
 ) -> dict:
     """Train `steps` timed steps of configs/<config>.json with `backend` and `optimizer` at batch size
     `batch` (per rank), on random batches whose sparse ids are `ids` (one of IDS) over tables of the
-    `cardinalities` preset."""
+    `cardinalities` preset (many ranks: sharded as `sharding` says)."""
     model, optimizer, step, pool, table_rows = build(
-        config, backend, batch, max_rows, precision, ids, dist, cardinalities, optimizer
+        config, backend, batch, max_rows, precision, ids, dist, cardinalities, optimizer, sharding
     )
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
@@ -276,11 +287,21 @@ def bench(
     help="Table sizes: the Criteo Kaggle or 1TB cardinalities (capped by max_rows).",
 )
 @click.option("--optimizer", type=click.Choice(["sgd", "adagrad"]), default="sgd", help="train.optimizer.")
-def main(configs, batches, backends, steps, max_rows, precisions, ids, nproc, cardinalities, optimizer):
+@click.option(
+    "--shardings",
+    default="auto",
+    help=f"Comma-separated sharding variants on many GPUs, one of {', '.join(SHARDINGS)} each: the "
+    "config's parallel settings, every table model parallel, or the exchange in bf16.",
+)
+def main(
+    configs, batches, backends, steps, max_rows, precisions, ids, nproc, cardinalities, optimizer, shardings
+):
     """Time the DLRM training step per config, backend and batch; append rows to scripts/results/train.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_train.py needs a CUDA GPU")
     counts = [int(n) for n in nproc.split(",")]
+    if unknown := set(shardings.split(",")) - set(SHARDINGS):
+        raise click.UsageError(f"--shardings: unknown {sorted(unknown)}; expected some of {list(SHARDINGS)}")
     if counts != [1] and "WORLD_SIZE" not in os.environ:
         append_rows(RESULTS, with_scaling(launch_each(counts)))
         return
@@ -290,23 +311,35 @@ def main(configs, batches, backends, steps, max_rows, precisions, ids, nproc, ca
     data += ", terabyte cardinalities" if cardinalities == "terabyte" else ""
     common |= {"data": data, "optimizer": optimizer}
     rows = []
+    variants = shardings.split(",") if dist.enabled else ["auto"]  # one GPU: nothing to shard
     for config, precision in itertools.product(configs.split(","), precisions.split(",")):
-        for batch in (int(b) for b in batches.split(",")):
+        for batch, sharding in itertools.product((int(b) for b in batches.split(",")), variants):
             eager = baseline = None
             for backend in backends.split(","):
                 r = bench(
-                    config, backend, batch, steps, max_rows, precision, dist, ids, cardinalities, optimizer
-                )
+                    config, backend, batch, steps, max_rows, precision, dist, ids, cardinalities, optimizer,
+                    sharding,
+                )  # fmt: skip
                 eager = r["samples_per_s"] if backend == "eager" else eager
                 baseline = r["samples_per_s"] if backend == BASELINE else baseline
                 # ratio_vs_eager only for launched backends: a graph replay against launches would measure
                 # the launch overhead; graphed backends are compared with the graphed baseline.
                 ratio = round(r["samples_per_s"] / eager, 3) if eager and not graphed(backend) else None
                 vs_baseline = r["samples_per_s"] / baseline if baseline and graphed(backend) else float("nan")
-                rows.append({**common, "precision": precision, **r, "ratio_vs_eager": ratio})
+                variant = "" if sharding == "auto" else f", sharding {sharding}"
+                rows.append(
+                    {
+                        **common,
+                        "data": common["data"] + variant,
+                        "precision": precision,
+                        **r,
+                        "ratio_vs_eager": ratio,
+                    }
+                )
                 if dist.is_main:
                     print(
                         f"{config:<8}{precision:<6}{backend:<23}W={dist.world_size} B={batch:<7}"
+                        f"{sharding:<15}"
                         f"{r['ms_per_step']:>9.3f} ms/step {r['samples_per_s']:>12,} samples/s  "
                         f"vs eager (launched) {ratio or float('nan'):>5.2f}x  "
                         f"vs {BASELINE} (graphed) {vs_baseline:>5.2f}x  "

@@ -23,7 +23,8 @@ from loguru import logger
 from results_csv import append_rows, provenance
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from dlrm.config import PRECISIONS, load_config, replace
+from dlrm.choices import PRECISIONS
+from dlrm.config import load_config, replace
 from dlrm.loop import train
 from dlrm.step import resolve_device
 

@@ -2,7 +2,7 @@
 
     python scripts/profile_step.py [--config kaggle] [--backend triton+graphs] [--batch 16384] \
         [--precision tf32] [--steps 10] [--max-rows N] [--ids uniform|zipf] [--trace-dir DIR] \
-        [--cardinalities kaggle|terabyte] [--optimizer sgd|adagrad]
+        [--cardinalities kaggle|terabyte] [--optimizer sgd|adagrad] [--sharding auto|model_parallel|...]
 
 Builds the model, optimizer and GPU-resident random batches exactly as scripts/bench_train.py does, runs
 the warm-up steps there (autotuning, the CUDA graph capture for "+graphs" backends), then records `--steps`
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import click
 import torch
-from bench_train import FLAGS, IDS, POOL, build
+from bench_train import FLAGS, IDS, POOL, SHARDINGS, build
 from results_csv import provenance
 from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -74,12 +74,13 @@ def profile_steps(
     dist=parallel.SINGLE,
     cardinalities: str = "kaggle",
     optimizer: str = "sgd",
+    sharding: str = "auto",
 ) -> profile:
     """The CUDA activity of `steps` steps, after bench_train's warm-up (JIT, autotuning, graph capture) and
     the profiler's own (its first steps record with gaps of its start-up, which would count as idle GPU
     time). Arguments as bench_train.build's."""
     model, optimizer, step, pool, _ = build(
-        config, backend, batch, max_rows, precision, ids, dist, cardinalities, optimizer
+        config, backend, batch, max_rows, precision, ids, dist, cardinalities, optimizer, sharding
     )
     for i in range(2 * POOL):
         step(model, optimizer, pool[i % POOL])
@@ -105,21 +106,25 @@ def profile_steps(
 @click.option("--trace-dir", type=click.Path(path_type=Path), default=None)
 @click.option("--cardinalities", type=click.Choice(list(CARDINALITY_PRESETS)), default="kaggle")
 @click.option("--optimizer", type=click.Choice(["sgd", "adagrad"]), default="sgd")
-def main(config, backend, batch, precision, steps, max_rows, ids, trace_dir, cardinalities, optimizer):
+@click.option("--sharding", type=click.Choice(list(SHARDINGS)), default="auto", help="Under torchrun.")
+def main(
+    config, backend, batch, precision, steps, max_rows, ids, trace_dir, cardinalities, optimizer, sharding
+):
     """Profile the training step on this GPU (or each rank's, under torchrun) and print its kernels by
     time."""
     if not torch.cuda.is_available():
         raise click.UsageError("profile_step.py needs a CUDA GPU")
     dist, _ = parallel.init_distributed("cuda", 600.0)  # one process without torchrun
     prof = profile_steps(
-        config, backend, batch, precision, steps, max_rows, ids, dist, cardinalities, optimizer
+        config, backend, batch, precision, steps, max_rows, ids, dist, cardinalities, optimizer, sharding
     )
     rows = kernel_table(prof, steps)
     total = sum(r[2] for r in rows)
     info = provenance(torch.cuda.get_device_name())
     lines = [
         f"# python scripts/profile_step.py --config {config} --backend {backend} --batch {batch} "
-        f"--precision {precision} --ids {ids} --cardinalities {cardinalities} --optimizer {optimizer}: "
+        f"--precision {precision} --ids {ids} --cardinalities {cardinalities} --optimizer {optimizer} "
+        f"--sharding {sharding}: "
         f"rank {dist.rank} of {dist.world_size}, {info['device']}, torch {info['torch']}, "
         f"triton {info['triton']}, git {info['git_sha']}",
         f"# kernel time per step {total:.1f} us "
@@ -136,6 +141,7 @@ def main(config, backend, batch, precision, steps, max_rows, ids, trace_dir, car
     print(text)
     suffix = ("_zipf" if ids == "zipf" else "") + ("_terabyte" if cardinalities == "terabyte" else "")
     suffix += f"_{optimizer}" if optimizer != "sgd" else ""
+    suffix += f"_{sharding}" if dist.enabled and sharding != "auto" else ""
     suffix += f"_rank{dist.rank}of{dist.world_size}" if dist.enabled else ""
     out = RESULTS / f"profile_{config}_{backend.replace('+', '_')}_{batch}{suffix}.txt"
     out.write_text(text)

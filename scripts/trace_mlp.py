@@ -14,10 +14,10 @@ import click
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from dlrm.choices import MLP_KERNELS
 from dlrm.config import load_config
 from dlrm.data.schema import NUM_DENSE
 from dlrm.model.dlrm import DenseArch
-from dlrm.model.mlp import MLP_KERNELS
 
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from dlrm.config import LrScheduleConfig, RunConfig, from_dict, load_config
+from dlrm.config import LrScheduleConfig, RunConfig, apply_overrides, from_dict, load_config
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.json"))
 
@@ -40,8 +40,10 @@ def test_main_config_is_the_fb_dlrm_kaggle_architecture():
         ({"model": {"gate": "glu"}}, r"model.gate: expected one of \('sigmoid_tanh', 'geglu', 'swiglu'\)"),
         (
             {"model": {"interaction": "self"}},
-            r"model.interaction: expected one of \('dot', 'cat', 'attention'\)",
+            r"model.interaction: expected one of \('dot', 'cat', 'attention', 'dcn'\)",
         ),
+        ({"model": {"dcn": {"low_rank": 0}}}, "model.dcn.low_rank: expected a positive integer"),
+        ({"model": {"dcn": {"layers": 0}}}, "model.dcn.layers: expected a positive integer"),
         ({"model": {"attention": {"head": 2}}}, "model.attention.head: unknown key"),
         ({"model": {"attention": {"dim": 0}}}, r"model.attention.dim: expected an integer in 1..256"),
         ({"model": {"attention": {"layers": 0}}}, "model.attention.layers: expected a positive integer"),
@@ -172,3 +174,52 @@ def test_min_frequency_needs_vocab_hashing():
     with pytest.raises(ValueError, match="model.min_frequency: expected an integer >= 1"):
         from_dict({"model": {"hashing": "vocab", "min_frequency": 0}})
     assert from_dict({"model": {"hashing": "vocab", "min_frequency": 3}}).model.min_frequency == 3
+
+
+def test_overrides_set_dotted_keys_as_json_or_strings():
+    cfg = apply_overrides(
+        RunConfig(),
+        [
+            "train.lr=0.05",
+            "train.optimizer=adagrad",  # not JSON: a plain string
+            "model.embedding_dim=32",
+            "model.bottom_mlp=[64, 32]",
+            "train.max_steps=null",
+            "train.cuda_graphs=false",
+            'model.attention={"heads": 4}',  # an object sets the keys it names and keeps the others
+            "name=other",
+        ],
+    )
+    assert (cfg.train.lr, cfg.train.optimizer, cfg.train.max_steps, cfg.train.cuda_graphs) == (
+        0.05,
+        "adagrad",
+        None,
+        False,
+    )
+    assert (cfg.model.embedding_dim, cfg.model.bottom_mlp, cfg.name) == (32, (64, 32), "other")
+    assert (cfg.model.attention.heads, cfg.model.attention.dim) == (4, RunConfig().model.attention.dim)
+    assert apply_overrides(cfg, ["train.lr=0.2", "train.lr=0.3"]).train.lr == 0.3  # in order
+    assert apply_overrides(cfg, []) == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.lr"], r"--set train.lr: expected KEY=VALUE"),
+        (["train.rate=1"], r"--set train.rate=1: train.rate: unknown key \(train has optimizer, lr, "),
+        (["trian.lr=1"], r"--set trian.lr=1: trian.lr: unknown key \(the config has name, data, "),
+        (["train.lr.x=1"], r"--set train.lr.x=1: train.lr.x: unknown key \(train.lr is a value"),
+        (["train.lr=fast"], r"^--set train.lr=fast: train.lr: expected a number, got 'fast'$"),
+        (["train.optimizer=adam"], r"^--set train.optimizer=adam: train.optimizer: expected one of"),
+        # A key the overrides do not name: all of them are named (any may be the one to change).
+        (
+            ["train.lr=0.2", "model.embedding_dim=32"],
+            r"^--set train.lr=0.2 --set model.embedding_dim=32: model.bottom_mlp: expected a last width",
+        ),
+        (["data.batch_size=0"], r"^--set data.batch_size=0: data.batch_size: expected a positive integer"),
+    ],
+)  # fmt: skip
+def test_bad_overrides_name_the_override_and_the_key(overrides, message):
+    with pytest.raises(ValueError, match=message) as err:
+        apply_overrides(RunConfig(), overrides)
+    assert "\n" not in str(err.value)

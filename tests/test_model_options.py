@@ -12,11 +12,12 @@ import torch
 
 from dlrm import evaluate as evaluate_cli
 from dlrm import train as train_cli
+from dlrm.choices import GATES
 from dlrm.config import AttentionConfig, ModelConfig, load_config, replace
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model import DLRM, model_from_checkpoint
 from dlrm.model.dlrm import InteractionArch
-from dlrm.model.mlp import GATES, MLP
+from dlrm.model.mlp import MLP
 from tests.conftest import REPO, SAMPLE_TSV
 from tests.test_train import UPDATE_RTOL, _losses, _tiny, assert_updates_agree
 

@@ -1,10 +1,13 @@
 """Tests for dlrm/optim.py: the dense SGD and Adagrad whose lr is scaled by a device tensor, read without a
 host sync."""
 
+import math
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dlrm.data.schema import NUM_SPARSE
 from dlrm.optim import SGD, Adagrad
 
 
@@ -149,3 +152,149 @@ def test_adagrad_bad_arguments():
         Adagrad([torch.zeros(1, requires_grad=True)], lr=0.0)
     with pytest.raises(ValueError, match="initial_accumulator_value must be >= 0"):
         Adagrad([torch.zeros(1, requires_grad=True)], lr=0.1, initial_accumulator_value=-1.0)
+
+
+def _rowwise_reference(table, sums, updates, lr, eps):
+    """Row-wise Adagrad written out row by row: for each touched row r with summed gradient g [D],
+    s_r += sum(g^2) / D, then w_r -= lr * g / (sqrt(s_r) + eps)."""
+    for r, g in updates.items():
+        sums[r] += sum(float(v) ** 2 for v in g) / len(g)
+        table[r] -= lr * g / (math.sqrt(sums[r]) + eps)
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse-grad", "dense-grad"])
+def test_rowwise_adagrad_is_the_row_by_row_reference(sparse):
+    """Three steps of fresh gradients on a [11, 4] table (rows hit twice in a step, rows never hit): the
+    weights and the [11] accumulators of the written-out update. The sums differ only in fp32 order."""
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(11, 4, generator=g).requires_grad_()
+    expected, sums = table.detach().double().clone(), [0.1] * 11
+    lr, eps = 0.05, 1e-3
+    optimizer = Adagrad([{"params": [table], "rowwise": True}], lr=lr, eps=eps, initial_accumulator_value=0.1)
+    optimizer.lr_scale.fill_(0.5)
+    for step in range(3):
+        rows = torch.tensor([0, 3, 3, 10, step])  # row 3 twice; rows 1, 5.. never
+        values = torch.randn(5, 4, generator=g)
+        grad = torch.sparse_coo_tensor(rows[None], values, (11, 4))
+        table.grad = grad if sparse else grad.to_dense()
+        optimizer.step()
+        updates = {}
+        for r, v in zip(rows.tolist(), values.double(), strict=True):
+            updates[r] = updates.get(r, 0) + v
+        _rowwise_reference(expected, sums, updates, lr * 0.5, eps)
+    assert optimizer.state[table]["sum"].shape == (11,)
+    torch.testing.assert_close(
+        optimizer.state[table]["sum"].double(), torch.tensor(sums, dtype=torch.float64), rtol=1e-6, atol=0
+    )
+    torch.testing.assert_close(table.detach().double(), expected, rtol=1e-6, atol=1e-7)
+    assert torch.equal(table.detach()[1], expected[1].float())  # never touched: unchanged
+
+
+def test_rowwise_adagrad_takes_tables_only():
+    with pytest.raises(ValueError, match=r"rowwise group takes \[rows, D\] tables, got \[3\]"):
+        Adagrad([{"params": [torch.zeros(3, requires_grad=True)], "rowwise": True}], lr=0.1)
+
+
+def test_rowwise_adagrad_agrees_with_the_triton_tables():
+    """The "triton" tables (kernels/embedding.py's fused update, the interpreter on a CPU) and the "torch"
+    tables with make_optimizer's row-wise group: same start, same ids and upstream gradients, three steps:
+    the same weights and per-row accumulators, to fp32 summation order."""
+    from dlrm.model.dlrm import SparseArch
+
+    rows, dim, lr = [7] * NUM_SPARSE, 4, 0.05
+    torch.manual_seed(0)
+    triton = SparseArch(dim, rows, kernel="triton")
+    torch.manual_seed(0)
+    eager = SparseArch(dim, rows, kernel="torch")
+    triton.configure_optimizer("rowwise_adagrad", lr)
+    optimizer = Adagrad([{"params": list(eager.parameters()), "rowwise": True}], lr=lr)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(-1, 20, (5, NUM_SPARSE), generator=g)  # repeats and missing (-1) ids
+        upstream = torch.randn(5, NUM_SPARSE, dim, generator=g)
+        (triton(ids) * upstream).sum().backward()
+        (eager(ids) * upstream).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    sums = torch.cat([optimizer.state[table.weight]["sum"] for table in eager.embeddings])
+    assert sums.shape == triton.optimizer_state.shape == (sum(rows),) and sums.abs().sum() > 0
+    torch.testing.assert_close(triton.optimizer_state, sums, rtol=1e-6, atol=1e-9)
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(triton.state_dict()[key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_rowwise_adagrad_reaches_both_table_kernels():
+    """make_optimizer with train.optimizer "rowwise_adagrad": the "triton" tables (the DLRM's and the
+    first-order ones) get the kernel's row-wise update with [rows] state; the "torch" tables a row-wise
+    group; the MLPs plain Adagrad."""
+    from dlrm.config import RunConfig, replace
+    from dlrm.model import make_model
+    from dlrm.step import make_optimizer
+
+    cfg = replace(replace(RunConfig(), "model", first_order=True), "train", optimizer="rowwise_adagrad")
+    rows = [5] * NUM_SPARSE
+    triton = make_model(cfg.model, table_rows=rows, sparse_kernel="triton")
+    optimizer = make_optimizer(triton, cfg)
+    for tables in triton.table_archs():
+        assert tables.optimizer[0] == "rowwise_adagrad" and tables.optimizer_state.shape == (sum(rows),)
+    assert [g["rowwise"] for g in optimizer.param_groups] == [False]
+    eager = make_model(cfg.model, table_rows=rows)
+    optimizer = make_optimizer(eager, cfg)
+    assert [g["rowwise"] for g in optimizer.param_groups] == [False, True]
+    tables = optimizer.param_groups[1]["params"]
+    assert len(tables) == 2 * NUM_SPARSE and all(optimizer.state[p]["sum"].shape == (5,) for p in tables)
+
+
+def test_rowwise_adagrad_trains_and_resumes(criteo_sample, tmp_path):
+    """tiny.json with --set train.optimizer=rowwise_adagrad through the CLI: the checkpoint holds one
+    accumulator per table row, and a run resumes from it."""
+    from click.testing import CliRunner
+
+    from dlrm import train as train_cli
+    from tests.test_train import TINY, _losses
+
+    def run(*flags):
+        args = ["--config", str(TINY), "--set", f"data.path={criteo_sample}", "--set", "train.log_interval=1",
+                "--set", "train.optimizer=rowwise_adagrad", "--set", "profiler.enabled=false",
+                "--device", "cpu", "--output-dir", str(tmp_path / "run"), *flags]  # fmt: skip
+        result = CliRunner().invoke(train_cli.main, args)
+        assert result.exit_code == 0, result.output
+        return _losses(tmp_path / "run")
+
+    assert len(run("--max-steps", "3")) == 3
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    optimizer = torch.load(last, weights_only=True)["optimizer"]
+    tables = optimizer["param_groups"][1]
+    assert tables["rowwise"] and len(tables["params"]) == NUM_SPARSE
+    sums = [optimizer["state"][i]["sum"] for i in tables["params"]]
+    assert all(s.dim() == 1 for s in sums) and sum(s.abs().sum() for s in sums) > 0
+    assert len(run("--max-steps", "5", "--resume", str(last))) == 5
+
+
+def test_rowwise_adagrad_is_refused_on_many_ranks():
+    from dlrm.config import RunConfig, replace
+    from dlrm.parallel.run import check_world
+
+    cfg = replace(RunConfig(), "train", optimizer="rowwise_adagrad")
+    with pytest.raises(ValueError, match='^train.optimizer: "rowwise_adagrad" is not supported on many'):
+        check_world(cfg, 2)
+    check_world(replace(cfg, "train", optimizer="adagrad"), 2)
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["eager", "triton"])
+def test_train_adagrad_eps_reaches_both_updates(use_triton):
+    """`train.adagrad_eps` is the eps of the dense Adagrad and of the tables' update (torch optimizer group
+    or the embedding kernel's fused update)."""
+    from dlrm.config import RunConfig, replace
+    from dlrm.data.schema import NUM_SPARSE
+    from dlrm.model import DLRM
+    from dlrm.step import make_optimizer
+
+    cfg = replace(RunConfig(), "train", optimizer="adagrad", adagrad_eps=1e-8, use_triton=use_triton)
+    model = DLRM(cfg.model, table_rows=[5] * NUM_SPARSE, sparse_kernel=cfg.sparse_kernel)
+    optimizer = make_optimizer(model, cfg)
+    assert all(group["eps"] == 1e-8 for group in optimizer.param_groups)
+    if use_triton:
+        assert model.sparse_arch.optimizer == ("adagrad", 1e-8)
+    else:
+        assert len(optimizer.param_groups) == 2  # the tables' group

@@ -29,11 +29,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from dlrm.choices import BAG_DISTRIBUTIONS
 from dlrm.data.schema import NUM_SPARSE, SPARSE_COLUMNS
 
 # MLPerf Training DLRM-DCNv2's bag sizes of C1..C26 (214 ids a sample).
 MLPERF_SIZES = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1)
-DISTRIBUTIONS = ("uniform", "pareto")
 
 _MASK63 = (1 << 63) - 1
 # splitmix64's constants as signed int64 (torch has no uint64 arithmetic; int64 products wrap the same).
@@ -125,8 +125,8 @@ def make_bags(
         ValueError: bad sizes, ranges, distribution, or `sparse` not [n, F] int64.
     """
     sizes = check_sizes(sizes, "sizes")
-    if distribution not in DISTRIBUTIONS:
-        raise ValueError(f"unknown bag distribution {distribution!r}: expected one of {DISTRIBUTIONS}")
+    if distribution not in BAG_DISTRIBUTIONS:
+        raise ValueError(f"unknown bag distribution {distribution!r}: expected one of {BAG_DISTRIBUTIONS}")
     if len(num_ids) != NUM_SPARSE or min(num_ids) < 1:
         raise ValueError(f"expected {NUM_SPARSE} id ranges >= 1, got {list(num_ids)}")
     if max(sizes) > 1024:

@@ -1,4 +1,4 @@
-"""The train split's loader, as `data.loader` of the run config selects it (see dlrm.config.DataConfig)."""
+"""The train split's loader, as the config's `data.loader` selects it (dlrm.config_sections.DataConfig)."""
 
 from pathlib import Path
 

@@ -23,8 +23,9 @@ import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
+from dlrm.choices import BAG_DISTRIBUTIONS
 from dlrm.data.bag_source import data_bag_sizes
-from dlrm.data.bags import DISTRIBUTIONS, id_ranges, is_one_hot, make_bags, parse_sizes
+from dlrm.data.bags import id_ranges, is_one_hot, make_bags, parse_sizes
 from dlrm.data.dataset import columns_of, decode_table, parquet_errors
 from dlrm.data.output import load_metadata, move_into_place
 from dlrm.errors import cli_errors
@@ -120,7 +121,7 @@ def _write_file(
 )
 @click.option("--sizes", default="mlperf", help="Bag sizes of C1..C26: 'mlperf' or 26 comma-separated ints.")
 @click.option(
-    "--distribution", type=click.Choice(DISTRIBUTIONS), default="pareto", help="Law of the drawn ids."
+    "--distribution", type=click.Choice(BAG_DISTRIBUTIONS), default="pareto", help="Law of the drawn ids."
 )
 @click.option("--seed", type=int, default=0, help="Seed of the drawn ids.")
 @click.option(

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import click
 
-from dlrm.data.bags import DISTRIBUTIONS, parse_sizes
+from dlrm.choices import BAG_DISTRIBUTIONS
+from dlrm.data.bags import parse_sizes
 from dlrm.data.synthetic_output import write_parquet, write_tsv
 from dlrm.data.synthetic_rows import (
     CARDINALITY_PRESETS,
@@ -107,7 +108,7 @@ from dlrm.errors import cli_errors
 )
 @click.option(
     "--multi-hot-distribution",
-    type=click.Choice(DISTRIBUTIONS),
+    type=click.Choice(BAG_DISTRIBUTIONS),
     default="pareto",
     show_default=True,
     help="Law of the bags' drawn ids (dlrm.data.bags).",

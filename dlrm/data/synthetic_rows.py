@@ -46,7 +46,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from dlrm.data.bags import DISTRIBUTIONS, bag_starts, check_sizes, is_one_hot, make_bags
+from dlrm.choices import BAG_DISTRIBUTIONS
+from dlrm.data.bags import bag_starts, check_sizes, is_one_hot, make_bags
 from dlrm.data.schema import MISSING_CATEGORY, NUM_DENSE, NUM_SPARSE, SPARSE_COLUMNS
 
 KAGGLE_CARDINALITIES = (
@@ -125,9 +126,9 @@ class SyntheticConfig:
             raise SyntheticError(f"seed must be non-negative, got {self.seed}")
         if not 0.0 < self.ctr < 1.0:
             raise SyntheticError(f"ctr must be in (0, 1), got {self.ctr}")
-        if self.bag_distribution not in DISTRIBUTIONS:
+        if self.bag_distribution not in BAG_DISTRIBUTIONS:
             raise SyntheticError(
-                f"bag distribution must be one of {DISTRIBUTIONS}, got {self.bag_distribution!r}"
+                f"bag distribution must be one of {BAG_DISTRIBUTIONS}, got {self.bag_distribution!r}"
             )
         if self.bag_sizes is not None:
             try:

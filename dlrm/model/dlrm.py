@@ -9,8 +9,9 @@ Glossary letters, used across the project:
     M, N, K  GEMM sizes: [M, K] @ [K, N]
 
 Forward: dense[B, N_dense] -> DenseArch -> [B, D]; sparse[B, F] raw ids -> hashing -> SparseArch -> [B, F, D];
-InteractionArch -> [B, D + F(F+1)/2] ("dot"), [B, (F+1) D] ("cat") or [B, (F+1) heads dim] ("attention");
-OverArch -> logit[B]; with `model.first_order`, + the first-order terms [B] (dlrm.model.first_order).
+InteractionArch -> [B, D + F(F+1)/2] ("dot"), [B, (F+1) D] ("cat", "dcn") or [B, (F+1) heads dim]
+("attention"); OverArch -> logit[B]; with `model.first_order`, + the first-order terms [B]
+(dlrm.model.first_order).
 The model returns logits; the sigmoid is applied once, in evaluation/prediction.
 """
 
@@ -22,14 +23,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from dlrm.config import AttentionConfig, ModelConfig
+from dlrm.choices import HASHINGS, INTERACTIONS, SPARSE_KERNELS
+from dlrm.config import AttentionConfig, DcnConfig, ModelConfig
 from dlrm.data.bags import is_one_hot
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
+from dlrm.model.dcn import LowRankCrossNet
 from dlrm.model.mlp import MLP
 from dlrm.model.pooling import BagPooling
 from dlrm.model.tables import register_vocabularies, vocabulary_rows
 
-SPARSE_KERNELS = ("torch", "triton")
+# The config's hashings and "index": ids that are rows already (SparseArch's docstring).
+_HASHINGS = (*HASHINGS, "index")
 
 
 class DenseArch(nn.Module):
@@ -106,8 +110,8 @@ class SparseArch(nn.Module):
                 raise ValueError(f"hashing 'vocab' needs {NUM_SPARSE} vocabularies")
             table_rows = [len(v) + 1 for v in vocabularies]
             register_vocabularies(self, vocabularies)
-        elif hashing not in ("modulus", "index"):
-            raise ValueError(f"unknown hashing {hashing!r}: expected 'modulus', 'vocab' or 'index'")
+        elif hashing not in _HASHINGS:
+            raise ValueError(f"unknown hashing {hashing!r}: expected one of {_HASHINGS}")
         if table_rows is None or len(table_rows) != NUM_SPARSE:
             raise ValueError(f"expected {NUM_SPARSE} table sizes, got {table_rows!r}")
         self.hashing = hashing
@@ -231,6 +235,9 @@ class InteractionArch(nn.Module):
     no vector attends to the embedding row that missing ids hash to (its query still attends to the valid
     keys, and its output still goes to the top MLP); the dense vector is always valid, so every softmax has
     a key. The mask needs the raw ids (`forward`'s `sparse`); without them every key is valid.
+    "dcn" (DCNv2, MLPerf's DLRM-DCNv2): `dcn.layers` low-rank cross layers (rank `dcn.low_rank`, parameters
+    `cross.*`) over x0 = [dense | embeddings flattened], [B, (F + 1) D] in and out (dlrm.model.dcn; "triton"
+    runs each layer as our fused cross-layer kernel, `kernels.cross`).
     `kernel` "triton" runs "dot" as our one-kernel interaction (`kernels.interaction`) and "attention"'s
     softmax(QK^T)V as our fused attention kernel (`kernels.attention`), forward and backward; "torch" runs
     F.scaled_dot_product_attention with the boolean key mask.
@@ -243,13 +250,14 @@ class InteractionArch(nn.Module):
         num_sparse: int = NUM_SPARSE,
         kernel: str = "torch",
         attention: AttentionConfig | None = None,
+        dcn: DcnConfig | None = None,
     ):
         super().__init__()
         if kernel not in SPARSE_KERNELS:
             raise ValueError(f"unknown interaction kernel {kernel!r}: expected one of {SPARSE_KERNELS}")
         self.kernel = kernel
-        if interaction not in ("dot", "cat", "attention"):
-            raise ValueError(f"unknown interaction {interaction!r}: expected 'dot', 'cat' or 'attention'")
+        if interaction not in INTERACTIONS:
+            raise ValueError(f"unknown interaction {interaction!r}: expected one of {INTERACTIONS}")
         self.interaction = interaction
         n = num_sparse + 1
         li, lj = torch.tril_indices(n, n, offset=-1)
@@ -257,8 +265,10 @@ class InteractionArch(nn.Module):
         self.register_buffer("lj", lj, persistent=False)
         if interaction == "dot":
             self.out_features = embedding_dim + n * (n - 1) // 2
-        elif interaction == "cat":
+        elif interaction in ("cat", "dcn"):
             self.out_features = n * embedding_dim
+            if interaction == "dcn":
+                self.cross = LowRankCrossNet(self.out_features, dcn or DcnConfig(), kernel)
         else:
             attention = attention or AttentionConfig()
             self.heads, self.head_dim = attention.heads, attention.dim
@@ -277,6 +287,8 @@ class InteractionArch(nn.Module):
         mask) -> [B, out_features]."""
         if self.interaction == "cat":
             return torch.cat([dense, embedded.flatten(1)], dim=1)
+        if self.interaction == "dcn":  # one dtype: under bf16 autocast the tables give fp32
+            return self.cross(torch.cat([dense, embedded.to(dense.dtype).flatten(1)], dim=1))
         if self.interaction == "attention":
             return self._attention(dense, embedded, sparse)
         if self.kernel == "triton":
@@ -373,7 +385,7 @@ class DLRM(nn.Module):
             )
         self.sparse_arch = sparse_arch
         self.interaction_arch = InteractionArch(
-            cfg.embedding_dim, cfg.interaction, kernel=sparse_kernel, attention=cfg.attention
+            cfg.embedding_dim, cfg.interaction, kernel=sparse_kernel, attention=cfg.attention, dcn=cfg.dcn
         )
         self.over_arch = OverArch(
             self.interaction_arch.out_features, cfg.top_mlp, mlp_kernel, cfg.mlp_block, cfg.gate, lora
@@ -458,12 +470,15 @@ class DLRM(nn.Module):
 
 
 def embedding_parameters(table_archs: list[nn.Module]) -> list[nn.Parameter]:
-    """The parameters of the tables that a torch optimizer updates: not frozen, not kernel "triton"."""
+    """The parameters of the tables that a torch optimizer updates: not frozen; of kernel "triton" tables
+    only the replicated ones of a sharded model (dense gradients: `replicated_parameters`)."""
     return [
         p
         for arch in table_archs
-        if arch.kernel != "triton" and not getattr(arch, "frozen", False)
-        for p in arch.parameters()
+        if not getattr(arch, "frozen", False)
+        for p in (
+            arch.parameters() if arch.kernel != "triton" else getattr(arch, "replicated_parameters", list)()
+        )
     ]
 
 

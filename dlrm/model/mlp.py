@@ -34,9 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MLP_KERNELS = ("torch", "bias_act", "linear_act", "cuda_bias_act")
-MLP_BLOCKS = ("linear_act", "ln_linear_gelu", "gated")
-GATES = ("sigmoid_tanh", "geglu", "swiglu")
+from dlrm.choices import GATES, MLP_BLOCKS, MLP_KERNELS
+
 LN_EPS = 1e-5  # nn.LayerNorm's default
 
 _TORCH_ACTIVATIONS = {

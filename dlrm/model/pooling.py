@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dlrm.choices import POOLINGS
 from dlrm.data.bags import bag_starts, check_sizes
-
-POOLINGS = ("sum", "mean")
 
 
 class BagPooling(nn.Module):

@@ -10,7 +10,7 @@ checkpoint (DCP, resharding N -> M ranks, and one-process reads), run (the loop'
 The training loop (dlrm.loop) calls these; they never call the loop. Without torchrun nothing here runs.
 """
 
-from dlrm.parallel.dense import grad_averager
+from dlrm.parallel.dense import averaged_parameters, grad_averager
 from dlrm.parallel.group import (
     SINGLE,
     Dist,
@@ -29,6 +29,7 @@ __all__ = [
     "SINGLE",
     "Dist",
     "abort_peers",
+    "averaged_parameters",
     "exit_now",
     "fail",
     "grad_averager",

@@ -9,7 +9,8 @@ written by rank 0. The DCP keys, flat:
     model/<name>        every entry of the one-process model's state_dict, by the same names: the
                         dense part (replicated: DCP writes it once) and the tables
                         `sparse_arch.embeddings.<f>.weight` [rows_f, D], each a ShardedTensor whose shards
-                        are the plan's row ranges, written by the ranks that hold them; with
+                        are the plan's row ranges, written by the ranks that hold them (a replicated table:
+                        a plain tensor, written once like the dense part); with
                         model.first_order, `first_order.tables.embeddings.<f>.weight` [rows_f, 1] the same
                         way (sharded on the same plan)
     optim/<name>        Adagrad's accumulator ("sum") of each parameter, same names and layout (tables
@@ -123,11 +124,30 @@ def _state_dict(model, optimizer: torch.optim.Optimizer, dist_: Dist) -> dict[st
         sums = _embedding_state(arch, optimizer)
         sum_views = _table_views(sums, arch) if sums is not None else {}
         for f in range(len(plan.table_rows)):
+            if f in plan.replicated:
+                continue
             key = table_key(f, prefix)
             state[f"model/{key}"] = _sharded(plan, dist_.rank, f, tables.get(f), width)
             if sums is not None:
                 state[f"optim/{key}"] = _sharded(plan, dist_.rank, f, sum_views.get(f), width)
+        for key, view in _replicated_views(arch, optimizer, prefix).items():
+            state[key] = view  # whole on every rank, like the dense part: DCP writes it once
     return state
+
+
+def _replicated_views(arch, optimizer: torch.optim.Optimizer, prefix: str) -> dict[str, Tensor]:
+    """{DCP key: view} of the replicated tables of `arch` (weights, and Adagrad's sums if any), by the
+    one-process table names."""
+    if arch.replicated_weights is None:
+        return {}
+    rows = [arch.table_rows[f] for f in arch.replicated]
+    views = {}
+    sums = optimizer.state.get(arch.replicated_weights, {}).get("sum")
+    for kind, tensor in (("model", arch.replicated_weights.detach()), ("optim", sums)):
+        if tensor is not None:
+            for f, view in zip(arch.replicated, tensor.split(rows), strict=True):
+                views[f"{kind}/{table_key(f, prefix)}"] = view
+    return views
 
 
 def save_sharded(path: Path, model, optimizer: torch.optim.Optimizer, dist_: Dist, meta: dict) -> None:
@@ -218,11 +238,12 @@ def load_sharded(path: Path, model, optimizer: torch.optim.Optimizer, dist_: Dis
         warnings.simplefilter("ignore")
         dcp.load(state, checkpoint_id=path)
     # Plain tensors load in place; copy anyway where DCP handed back a new tensor.
-    live = model.state_dict()
+    live = {f"model/{name}": value for name, value in model.state_dict().items()}
+    for prefix, arch, _ in _table_sets(model):
+        live.update(_replicated_views(arch, optimizer, prefix))
     for key, value in state.items():
-        name = key.removeprefix("model/")
-        if key.startswith("model/") and name in live and live[name].data_ptr() != value.data_ptr():
-            live[name].copy_(value)
+        if key in live and live[key].data_ptr() != value.data_ptr():
+            live[key].copy_(value)
     if model.sparse_arch.hashing == "vocab":  # vocab_<f> written in place: their lookup follows
         index_vocabularies(model.sparse_arch)
     set_steps(optimizer, meta["step"])
@@ -307,6 +328,11 @@ def load_full_into_sharded(checkpoint: dict[str, Any], model, optimizer: torch.o
                 for shard, view in zip(arch.local_shards, local_sums.split(split), strict=True):
                     rows = slice(shard.row_start, shard.row_start + shard.rows)
                     view.copy_(sums[table_key(shard.table, prefix)][rows])
+            for key, view in _replicated_views(arch, optimizer, prefix).items():
+                kind, name = key.split("/", 1)
+                source = full if kind == "model" else sums
+                if name in source:
+                    view.copy_(source[name])
     names = dict(model.named_parameters())
     for name in model_dense_names(model):
         if name in sums and "sum" in optimizer.state.get(names[name], {}):

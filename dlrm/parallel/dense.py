@@ -6,7 +6,8 @@ step's stream order, which a whole-step CUDA graph (`--use-triton --cuda-graphs`
 step (dlrm.step.train_step) calls `reduce_grads()` after backward and before the optimizer: one
 all_reduce (SUM, then / W) of all dense gradients flattened into one buffer, a collective of a fixed size
 that NCCL records into the graph, identical on gloo and in eager. It does not overlap with backward (DDP
-would); the dense part of DLRM is small (MLPerf: 2.4M parameters, 9.5 MB of fp32 gradients).
+would); the dense part of DLRM is small (MLPerf: 2.4M parameters, 9.5 MB of fp32 gradients). The
+replicated embedding tables' dense gradients join the same buffer.
 """
 
 from collections.abc import Callable
@@ -34,6 +35,13 @@ def grad_averager(params: list[nn.Parameter], world_size: int) -> Callable[[], N
             p.grad.copy_(new.view_as(g))
 
     return reduce_grads
+
+
+def averaged_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters whose gradients `grad_averager` averages: the dense part's and the replicated
+    (data-parallel) embedding tables' (dlrm.parallel.sharded)."""
+    replicated = [p for t in model.table_archs() for p in t.replicated_parameters() if p.requires_grad]
+    return model.dense_parameters() + replicated
 
 
 @torch.no_grad()

@@ -2,22 +2,27 @@
 computed over all of it, exactly as one process computes them (dlrm.metrics.evaluate).
 
 The sharded tables answer every rank's lookups through all_to_all, so every rank must run the same number
-of batches of the same size: rank r takes rows [r*n, (r+1)*n) of the split, n = ceil(N / W), padded with
-masked rows (the split's first row) to n; batches of ceil(eval_batch_size / W) rows. The logits and labels
-of all ranks are gathered (all_gather, n per rank), the padding dropped, and AUC (exact,
-torchmetrics' binary_auroc on all N scores), logloss and NE computed from them on every rank, so every
-rank gets the same numbers (and the same early-stopping decision).
+of batches of the same size: rank r takes rows [r*n, (r+1)*n) of the split, n >= ceil(N / W), padded with
+masked rows (the split's first row) to a whole number of batches of ceil(eval_batch_size / W) rows. Each
+rank keeps its rows on its device after the first evaluation, so later ones read no host memory, and every
+batch has one size, so the forward given (a graph replay in training, dlrm.graphs.GraphedForward) runs
+without host work between batches. The logits and labels of all ranks are gathered (all_gather, n per
+rank), the padding dropped, and AUC (exact, torchmetrics' binary_auroc on all N scores), logloss and NE
+computed from them on every rank, so every rank gets the same numbers (and the same early-stopping
+decision).
 """
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torchmetrics.functional.classification import binary_auroc
 
-from dlrm.data.dataset import ParquetDataset
-from dlrm.metrics import auc_scores
+from dlrm.data.dataset import Batch, ParquetDataset
+from dlrm.metrics import auc_scores, forward_logits
 from dlrm.parallel.group import Dist
 
 
@@ -34,11 +39,20 @@ class ShardedEvalSplit:
     def __init__(self, dataset: ParquetDataset, eval_batch_size: int, dist: Dist):
         self.dataset, self.dist = dataset, dist
         total, world = dataset.num_rows, dist.world_size
-        self.rows_per_rank = math.ceil(total / world)
+        self.batch_size = min(math.ceil(eval_batch_size / world), math.ceil(total / world))
+        self.rows_per_rank = math.ceil(total / world / self.batch_size) * self.batch_size
         rows = torch.arange(dist.rank * self.rows_per_rank, (dist.rank + 1) * self.rows_per_rank)
         self.valid = rows < total
         self.rows = torch.where(self.valid, rows, 0)
-        self.batch_size = math.ceil(eval_batch_size / world)
+        self._on_device: tuple[Batch, torch.Tensor] | None = None
+
+    def on_device(self, device: torch.device) -> tuple[Batch, torch.Tensor]:
+        """(this rank's rows [rows_per_rank, ...], their validity mask [rows_per_rank] float32) on `device`,
+        read from the host once."""
+        if self._on_device is None or self._on_device[1].device != device:
+            batch = self.dataset.batch(self.rows).to(device)
+            self._on_device = batch, self.valid.to(device, torch.float32)
+        return self._on_device
 
     @property
     def num_rows(self) -> int:
@@ -47,24 +61,28 @@ class ShardedEvalSplit:
 
 @torch.no_grad()
 def evaluate_sharded(
-    model: torch.nn.Module, split: ShardedEvalSplit, device: torch.device
+    model: torch.nn.Module,
+    split: ShardedEvalSplit,
+    device: torch.device,
+    precision: str = "fp32",
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """{"auc", "logloss", "ne", "samples"} of `model` over the whole eval split, on every rank.
 
-    Every rank must call it (collectives). Raises ValueError as dlrm.metrics.evaluate: an empty split, or
-    labels of one class only.
+    The forward runs as in training (dlrm.metrics.evaluate): at `precision`, or as `forward(dense, sparse)`
+    when given. Every rank must call it (collectives). Raises ValueError as dlrm.metrics.evaluate: an empty
+    split, or labels of one class only.
     """
     was_training = model.training
     model.eval()
-    logits, labels = [], []
+    forward = forward or functools.partial(forward_logits, model, precision)
+    rows, valid = split.on_device(device)
+    logits = torch.empty(split.rows_per_rank, dtype=torch.float32, device=device)
     for start in range(0, split.rows_per_rank, split.batch_size):
-        batch = split.dataset.batch(split.rows[start : start + split.batch_size]).to(
-            device, non_blocking=True
-        )
-        logits.append(model(batch.dense, batch.sparse).float())
-        labels.append(batch.label)
+        part = slice(start, start + split.batch_size)
+        logits[part] = forward(rows.dense[part], rows.sparse[part])
     model.train(was_training)
-    local = torch.stack([torch.cat(logits), torch.cat(labels), split.valid.to(device, torch.float32)])
+    local = torch.stack([logits, rows.label, valid])
     gathered = [torch.empty_like(local) for _ in range(split.dist.world_size)]
     dist.all_gather(gathered, local)
     logit, label, valid = torch.cat(gathered, dim=1)

@@ -1,19 +1,29 @@
-"""The sharding planner: which rank holds which rows of which embedding table.
+"""The sharding planner: which tables every rank holds whole (data parallel), and which rank holds which rows
+of the others (model parallel).
 
-    plan = plan_tables(table_rows, embedding_dim=128, optimizer="adagrad", world_size=8)
-    plan.shards_of(rank)          # [Shard(table, rank, row_start, rows), ...] held by `rank`
-    plan.to_dict()                # what sharding_plan.json holds
+    plan = plan_tables(table_rows, embedding_dim=128, optimizer="adagrad", world_size=8, batch_size=65536)
+    plan.replicated                # tables every rank holds whole: looked up locally, gradients all-reduced
+    plan.shards_of(rank)           # [Shard(table, rank, row_start, rows), ...] held by `rank`
+    plan.costs(batch_size)         # per rank: bytes held, lookups, bytes exchanged and all-reduced per step
+    plan.to_dict()                 # what sharding_plan.json holds
 
-A table costs rows x D x 4 bytes of fp32 weights plus its optimizer state (Adagrad: as much again; SGD:
-none). Tables larger than the row-wise threshold (`row_wise_bytes`, default the total over W: an even share
-per rank) are split by rows into k = min(W, ceil(bytes / threshold)) shards of near-equal rows (row-wise);
-the others stay whole (table-wise). Shards are placed greedily, largest first, each on the rank with the
-smallest load so far among those it fits on (ties: the lowest rank); the k shards of one table go to k
-different ranks. A rank's load counts what it stores and what it looks up: its share of all bytes plus
-its share of all shards (every shard looks up the whole global batch's ids of its table, so lookups go
-with shard counts). A shard fits on a rank whose bytes stay within an even share plus the largest shard,
-the bound greedy-by-bytes keeps, so memory is never worse than that. Bytes alone put 23 of the 26 Kaggle
-tables on one of 2 ranks (the other 3 are as large as all 23): that rank's lookups take many times the
+Sharding types, decided per table by what a step moves over the network (b: samples per rank):
+- data parallel: every rank holds the table and looks up its own b samples; the table's dense gradient
+  [rows, D] fp32 joins the dense all-reduce (a ring all-reduce sends and receives ~2 x rows x D x 4 bytes
+  per rank). Chosen where that is less than the table's exchange, forward vectors plus backward gradients:
+  ~2 x b x D x e x (W - 1) / W bytes per rank, e the exchange's bytes per value; so tables of fewer rows than
+  about b e (W - 1) / (4 W): every small table at the batches a GPU runs (TorchRec and HugeCTR replicate small
+  tables too). `data_parallel_rows` sets the row bound instead (0: none).
+- table-wise: one rank holds the whole table; each rank sends it its samples' ids and gets their vectors.
+- row-wise: tables above `row_wise_bytes` (bytes of weights + optimizer state; default the model-parallel
+  total over W, an even share per rank) split by rows into k = min(W, ceil(bytes / threshold)) shards of
+  near-equal rows on k different ranks. Every shard looks up the whole global batch's ids of its table and
+  gives zeros for rows it does not hold: a table split k ways costs k lookups and k vectors per id.
+Shards are placed greedily, largest first, each on the rank with the smallest load so far among those it
+fits on (ties: the lowest rank). A rank's load counts what it stores and what it looks up: its share of all
+bytes plus its share of all shards (lookups go with shard counts). A shard fits on a rank whose bytes stay
+within an even share plus the largest shard, the bound greedy-by-bytes keeps. Bytes alone put 23 of the 26
+Kaggle tables on one of 2 ranks (the other 3 are as large as all 23): that rank's lookups take many times the
 other's, and the other rank waits in the exchange.
 """
 
@@ -23,6 +33,7 @@ import math
 from dataclasses import asdict, dataclass
 
 STATE_BYTES_PER_VALUE = {"sgd": 0, "adagrad": 4, "rowwise_adagrad": 0}
+ID_BYTES = 8  # int64 row ids
 
 
 @dataclass(frozen=True)
@@ -36,14 +47,33 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class RankCost:
+    """What one rank holds and moves in one training step (predicted from the plan, b samples per rank).
+
+    bytes_held: weights + optimizer state of its shards and of the replicated tables.
+    lookups: embedding rows it reads per step (forward; backward updates as many).
+    exchange_bytes: bytes it sends plus receives in the step's all_to_alls (ids, vectors, gradients).
+    all_reduce_bytes: bytes it sends plus receives for the replicated tables' gradients (ring all-reduce).
+    """
+
+    bytes_held: int
+    lookups: int
+    exchange_bytes: int
+    all_reduce_bytes: int
+
+
+@dataclass(frozen=True)
 class ShardingPlan:
-    """Every table's shards. `table_rows`: rows of each (full) table; `shards` ordered by rank, then table."""
+    """Every table's place. `table_rows`: rows of each (full) table; `replicated`: tables every rank holds
+    whole (data parallel); `shards`: the other tables' shards, ordered by rank, then table."""
 
     world_size: int
     embedding_dim: int
     optimizer: str
     table_rows: tuple[int, ...]
     shards: tuple[Shard, ...]
+    replicated: tuple[int, ...] = ()
+    exchange_bytes_per_value: int = 4
 
     def shards_of(self, rank: int) -> list[Shard]:
         """The shards `rank` holds, ordered by table (a table appears at most once per rank)."""
@@ -53,25 +83,55 @@ class ShardingPlan:
         return shard.rows * row_bytes(self.embedding_dim, self.optimizer)
 
     def bytes_per_rank(self) -> list[int]:
-        """Bytes of weights + optimizer state each rank holds."""
-        loads = [0] * self.world_size
+        """Bytes of weights + optimizer state each rank holds (its shards and the replicated tables)."""
+        replicated = sum(self.table_rows[f] for f in self.replicated) * row_bytes(
+            self.embedding_dim, self.optimizer
+        )
+        loads = [replicated] * self.world_size
         for s in self.shards:
             loads[s.rank] += self.shard_bytes(s)
         return loads
 
-    def to_dict(self) -> dict:
-        return {
+    def costs(self, batch_size: int) -> list[RankCost]:
+        """Each rank's predicted cost of one step with `batch_size` samples per rank (RankCost)."""
+        w, d, e = self.world_size, self.embedding_dim, self.exchange_bytes_per_value
+        remote = (w - 1) / w  # the share of a rank's exchange that crosses to other ranks
+        replicated_rows = sum(self.table_rows[f] for f in self.replicated)
+        all_reduce = round(2 * 2 * replicated_rows * d * 4 * remote)  # ring: sends and receives 2 x remote
+        sent = len(self.shards) * batch_size  # ids each rank sends: its b per shard
+        costs = []
+        for rank, held in enumerate(self.bytes_per_rank()):
+            n = len(self.shards_of(rank))
+            lookups = n * w * batch_size + len(self.replicated) * batch_size
+            ids = (sent + n * w * batch_size) * ID_BYTES * remote
+            vectors = 2 * (sent + n * w * batch_size) * d * e * remote  # forward vectors, backward gradients
+            costs.append(RankCost(held, lookups, round(ids + vectors), all_reduce))
+        return costs
+
+    def to_dict(self, batch_size: int | None = None) -> dict:
+        out = {
             "world_size": self.world_size,
             "embedding_dim": self.embedding_dim,
             "optimizer": self.optimizer,
             "table_rows": list(self.table_rows),
+            "replicated": list(self.replicated),
             "bytes_per_rank": self.bytes_per_rank(),
             "shards": [asdict(s) for s in self.shards],
         }
+        if batch_size is not None:
+            out["predicted_per_step"] = {
+                "batch_per_rank": batch_size,
+                "ranks": [asdict(c) for c in self.costs(batch_size)],
+            }
+        return out
 
-    def describe(self) -> str:
-        """One line per rank: its bytes and its tables (t<f> whole, t<f>[a:b] a row range)."""
-        lines = []
+    def describe(self, batch_size: int | None = None) -> str:
+        """One line per rank: its bytes, its tables (t<f> whole, t<f>[a:b] a row range) and, given the batch
+        per rank, its predicted lookups and MB exchanged per step; first the replicated tables."""
+        costs = self.costs(batch_size) if batch_size else None
+        lines = [
+            f"replicated (data parallel) on every rank: {' '.join(f't{f}' for f in self.replicated) or '-'}"
+        ]
         for rank, load in enumerate(self.bytes_per_rank()):
             parts = [
                 f"t{s.table}"
@@ -79,15 +139,26 @@ class ShardingPlan:
                 else f"t{s.table}[{s.row_start}:{s.row_start + s.rows}]"
                 for s in self.shards_of(rank)
             ]
-            lines.append(
-                f"rank {rank}: {load / 2**20:,.1f} MiB, {len(parts)} shards: {' '.join(parts) or '-'}"
-            )
+            line = f"rank {rank}: {load / 2**20:,.1f} MiB, {len(parts)} shards: {' '.join(parts) or '-'}"
+            if costs:
+                c = costs[rank]
+                line += (
+                    f"; per step {c.lookups:,} lookups, {c.exchange_bytes / 1e6:,.1f} MB exchanged, "
+                    f"{c.all_reduce_bytes / 1e6:,.1f} MB all-reduced"
+                )
+            lines.append(line)
         return "\n".join(lines)
 
 
 def row_bytes(embedding_dim: int, optimizer: str) -> int:
     """Bytes per table row: fp32 weights plus the optimizer state (Adagrad: one fp32 value per weight)."""
     return embedding_dim * (4 + STATE_BYTES_PER_VALUE[optimizer])
+
+
+def data_parallel_bound(batch_size: int, world_size: int, exchange_bytes_per_value: int) -> int:
+    """The most rows a table may have to be replicated: where its all-reduce (~2 x rows x D x 4 bytes per
+    rank) costs no more than its exchange (~2 x b x D x e x (W - 1) / W); module docstring."""
+    return batch_size * exchange_bytes_per_value * (world_size - 1) // (4 * world_size)
 
 
 def plan_tables(
@@ -97,6 +168,9 @@ def plan_tables(
     world_size: int,
     row_wise: bool = True,
     row_wise_bytes: int | None = None,
+    batch_size: int = 0,
+    data_parallel_rows: int | None = None,
+    exchange_bytes_per_value: int = 4,
 ) -> ShardingPlan:
     """Place F tables on `world_size` ranks (module docstring).
 
@@ -106,25 +180,41 @@ def plan_tables(
         optimizer: "sgd", "adagrad" or "rowwise_adagrad" (its state counts in a table's bytes).
         world_size: W ranks.
         row_wise: allow splitting tables by rows; False places every table whole.
-        row_wise_bytes: tables above this many bytes are split; None: total bytes / W.
+        row_wise_bytes: tables above this many bytes are split; None: model-parallel bytes / W.
+        batch_size: b, samples per rank per step: the cost model's (0: replicate nothing by default).
+        data_parallel_rows: replicate tables of at most this many rows; None: the cost model's bound
+            (`data_parallel_bound`); 0: none. Never all tables: the largest stays model parallel; none
+            with "rowwise_adagrad", which the dense optimizers do not implement.
+        exchange_bytes_per_value: e, 4 (fp32) or 2 (bf16) exchanged bytes per vector value.
     Raises:
-        ValueError: world_size < 1, an unknown optimizer, or (row_wise off) more ranks than tables.
+        ValueError: world_size < 1, an unknown optimizer, or (row_wise off) more ranks than model-parallel
+            tables.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if optimizer not in STATE_BYTES_PER_VALUE:
         raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {tuple(STATE_BYTES_PER_VALUE)}")
-    if not row_wise and world_size > len(table_rows):
+    bound = data_parallel_rows
+    if optimizer == "rowwise_adagrad":  # one accumulator per row: the dense optimizers keep one per value
+        bound = 0
+    elif bound is None:
+        bound = data_parallel_bound(batch_size, world_size, exchange_bytes_per_value) if world_size > 1 else 0
+    replicated = [f for f, rows in enumerate(table_rows) if rows <= bound]
+    if len(replicated) == len(table_rows):  # keep the largest sharded: the exchange needs a table
+        replicated.remove(max(range(len(table_rows)), key=lambda f: (table_rows[f], -f)))
+    sharded = [f for f in range(len(table_rows)) if f not in replicated]
+    if not row_wise and world_size > len(sharded):
         raise ValueError(
-            f"parallel.row_wise: {world_size} ranks but {len(table_rows)} tables: with row-wise sharding off "
-            "every rank must hold a whole table; set parallel.row_wise true or use fewer ranks"
+            f"parallel.row_wise: {world_size} ranks but {len(sharded)} model-parallel tables: with row-wise "
+            "sharding off every rank must hold a whole table; set parallel.row_wise true, lower "
+            "parallel.data_parallel_rows or use fewer ranks"
         )
     per_row = row_bytes(embedding_dim, optimizer)
-    total = sum(table_rows) * per_row
+    total = sum(table_rows[f] for f in sharded) * per_row
     threshold = row_wise_bytes if row_wise_bytes is not None else math.ceil(total / world_size)
     pieces: list[tuple[int, list[int]]] = []  # (table, rows of each of its shards)
-    for table, rows in enumerate(table_rows):
-        k = 1
+    for table in sharded:
+        rows, k = table_rows[table], 1
         if row_wise and world_size > 1 and rows * per_row > threshold:
             k = min(world_size, rows, math.ceil(rows * per_row / threshold))
         pieces.append((table, [rows // k + (i < rows % k) for i in range(k)]))
@@ -146,4 +236,7 @@ def plan_tables(
             loads[rank] += rows * per_row / max(total, 1) + 1 / count
             start += rows
     shards.sort(key=lambda s: (s.rank, s.table))
-    return ShardingPlan(world_size, embedding_dim, optimizer, tuple(table_rows), tuple(shards))
+    return ShardingPlan(
+        world_size, embedding_dim, optimizer, tuple(table_rows), tuple(shards), tuple(replicated),
+        exchange_bytes_per_value,
+    )  # fmt: skip

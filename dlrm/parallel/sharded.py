@@ -2,6 +2,8 @@
 
 Letters: W ranks, b = B / W samples per rank (the global batch B split evenly), F tables, D dim,
 S = the plan's shard count (a table split row-wise over k ranks counts k times), n = this rank's shards.
+The plan's replicated tables (data parallel) skip steps 2-4: every rank holds them whole and looks up its
+own b samples (`replicated_weights`, dense gradients that dlrm.parallel.dense all-reduces with the MLPs').
 
 Forward on each rank, for its b samples' raw ids [b, F] int64:
 1. hash: rows [b, F] = the table row of each id in the FULL table, as one process does (modulus
@@ -14,9 +16,11 @@ Forward on each rank, for its b samples' raw ids [b, F] int64:
    A row shard [start, start + rows) looks up row - start where 0 <= row - start < rows and gives zeros
    (and, through the zero gradient, no update) elsewhere: exactly one shard of a table gives a row's vector.
 4. pooled all_to_all back: [W*b, n, D] as it is (rank r's rows are a contiguous block) -> from each rank
-   q a [b, n_q, D] block (split sizes b * n_q * D), put in the (sample, table) rows of embedded [b, F, D]:
-   one strided copy per table when every table is whole on one rank (ToTableOrder), else summed by one
-   index_add (a table's row shards: one non-zero term per element, so exact).
+   q a [b, n_q, D] block (split sizes b * n_q * D), put in table order in embedded [b, F, D] with the
+   replicated tables' local columns (ToTableOrder: one strided copy per table; a table split by rows is the
+   sum of its shards' columns, one non-zero term per element, so exact).
+The vectors cross in `exchange_dtype` (the lookup's dtype by default; "bf16" halves the bytes of an fp32
+run, forward vectors and backward gradients, at bf16's rounding of each vector).
 Backward reverses 4 (all_to_all of the gradients, scaled by 1/W: each rank's loss is a mean over its b
 samples, so the summed gradient of W ranks is W times the one-process mean over B) and 3 applies the
 optimizer. Every size depends on b and the plan only: the step can be captured as one CUDA graph.
@@ -34,6 +38,8 @@ from torch.profiler import record_function
 from dlrm.model.dlrm import SPARSE_KERNELS, SparseArch
 from dlrm.model.tables import register_vocabularies
 from dlrm.parallel.planner import ShardingPlan
+from kernels.embedding import embedding_lookup, embedding_lookup_fwd, embedding_update, optimizer_state
+from kernels.launch import use_triton
 
 
 class AllToAll(torch.autograd.Function):
@@ -55,32 +61,70 @@ class AllToAll(torch.autograd.Function):
 
 
 class ToTableOrder(torch.autograd.Function):
-    """The vectors received from the ranks -> embedded [b, F, D], when every table is whole on one rank.
+    """The vectors received from the ranks, and the replicated tables' local ones -> embedded [b, F, D].
 
     `back` is flat: from each rank q a [b, n_q, D] block, rank after rank, whose n_q columns are the tables
-    `blocks[q]`; `columns[f]` = (q, j): table f is column j of block q (blocks[q][j] = f). Forward and
-    backward are one strided copy per table (torch.stack of column views): elementwise kernels. A row
-    gather (index_add's backward index_select, or torch.gather over an index expanded along D) runs CUDA's
-    vectorized_gather_kernel, which gives every D-value row a thread block: slow for the millions of short
-    rows of a large batch (a large share of the 2-GPU kaggle step).
+    `blocks[q]`; `local` [b, n_r, D] holds the replicated tables' columns (`blocks[W]`, W = the ranks);
+    `columns[f]` lists the (q, j) where table f is column j of block q (blocks[q][j] = f): one place for a
+    whole table, k for a table split by rows over k ranks, whose columns are summed (each holds zeros where
+    its shard lacks the row). Forward and backward are strided copies per table (torch.stack of column
+    views): elementwise kernels. A row gather (index_add's backward index_select, or torch.gather over an
+    index expanded along D) runs CUDA's vectorized_gather_kernel, which gives every D-value row a thread
+    block: slow for the millions of short rows of a large batch.
     """
 
     @staticmethod
-    def forward(ctx, back: Tensor, b: int, d: int, columns: list[tuple[int, int]], blocks: list[list[int]]):
+    def forward(ctx, back: Tensor, local: Tensor, b: int, d: int, columns, blocks: list[list[int]]):
         ctx.b, ctx.d, ctx.blocks = b, d, blocks
-        sizes = [b * len(tables) * d for tables in blocks]
-        views = [x.view(b, -1, d) if x.numel() else None for x in back.split(sizes)]
-        return torch.stack([views[q][:, j] for q, j in columns], dim=1)
+        sizes = [b * len(tables) * d for tables in blocks[:-1]]
+        views = [x.view(b, -1, d) if x.numel() else None for x in back.split(sizes)] + [local]
+        out = torch.stack([views[q][:, j] for (q, j), *_ in columns], dim=1)
+        for f, (_, *more) in enumerate(columns):
+            for q, j in more:
+                out[:, f] += views[q][:, j]
+        return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         b, d, blocks = ctx.b, ctx.d, ctx.blocks
-        sizes = [b * len(tables) * d for tables in blocks]
+        sizes = [b * len(tables) * d for tables in blocks[:-1]]
         grad_back = grad.new_empty(sum(sizes))
-        for x, tables in zip(grad_back.split(sizes), blocks, strict=True):
+        for x, tables in zip(grad_back.split(sizes), blocks[:-1], strict=True):
             if tables:
                 torch.stack([grad[:, f] for f in tables], dim=1, out=x.view(b, len(tables), d))
-        return grad_back, None, None, None, None
+        replicated = blocks[-1]
+        grad_local = torch.stack([grad[:, f] for f in replicated], dim=1) if replicated else None
+        return grad_back, grad_local, None, None, None, None
+
+
+class ReplicatedLookup(torch.autograd.Function):
+    """The replicated tables' lookup: weights [R_r, D] fp32 (table-batched, table j from row offsets[j] of
+    rows[j]), rows [b, n_r] int64 within each table -> vectors [b, n_r, D] fp32; backward gives the dense
+    gradient [R_r, D] fp32, each row's summed gradient. On a GPU both are the embedding kernels: the lookup,
+    and the SGD update with lr -1 into zeros (one kernel of atomic adds). torch's embedding is several times
+    slower there at the batches a GPU runs: its forward gathers D-value rows one thread block each, its
+    backward sorts the b n_r indices."""
+
+    @staticmethod
+    def forward(ctx, weights: Tensor, offsets: Tensor, table_rows: Tensor, rows: Tensor) -> Tensor:
+        if use_triton(weights):
+            out, index = embedding_lookup_fwd(weights, offsets, table_rows, rows, "index")
+        else:
+            index = rows + offsets
+            out = F.embedding(index, weights)
+        ctx.save_for_backward(index)
+        ctx.shape = weights.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        grad_weights = grad.new_zeros(ctx.shape, dtype=torch.float32)
+        minus_one = torch.full((), -1.0, device=grad.device)
+        embedding_update(
+            grad_weights, optimizer_state(grad_weights, "sgd"), index, grad, "sgd", minus_one, 0.0
+        )
+        return grad_weights, None, None, None
 
 
 def exchange(x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
@@ -96,9 +140,11 @@ class ShardedSparseArch(nn.Module):
 
     Same interface as dlrm.model.dlrm.SparseArch (forward [b, F] raw ids -> [b, F, D]; `kernel`,
     `table_rows`, `configure_optimizer`, `optimizer_state`), but holds only the rows the plan gives
-    `rank`: `weights` [rows of the local shards, D] fp32, shard i from row `offsets[i]`, created on
-    `device` (never on the host first), each shard initialized U(-sqrt(1/rows_f), sqrt(1/rows_f)) like
-    one process's tables, from a generator of (seed, table, first row): the values differ from a
+    `rank`: `weights` [rows of the local shards, D] fp32, shard i from row `offsets[i]`, and every rank
+    `replicated_weights` [rows of the replicated tables, D] fp32 (None without any; dense gradients, for
+    the dense optimizer after the all-reduce: `replicated_parameters`), created on `device` (never on the
+    host first), each shard or table initialized U(-sqrt(1/rows_f), sqrt(1/rows_f)) like one process's
+    tables, from a generator of (seed, table, first row): equal on every rank, and different from a
     one-process run of the same seed.
 
     Args:
@@ -110,6 +156,7 @@ class ShardedSparseArch(nn.Module):
         kernel: "torch" or "triton".
         device: where the shards live.
         seed: base seed of the initialization.
+        exchange_dtype: "auto" (the lookup's dtype), "fp32" or "bf16": the vectors' dtype on the wire.
     Raises:
         ValueError: unknown kernel, or a plan of other tables than `vocabularies` give.
     """
@@ -124,6 +171,7 @@ class ShardedSparseArch(nn.Module):
         kernel: str = "torch",
         device: torch.device | str = "cpu",
         seed: int = 0,
+        exchange_dtype: str = "auto",
     ):
         super().__init__()
         if kernel not in SPARSE_KERNELS:
@@ -137,16 +185,36 @@ class ShardedSparseArch(nn.Module):
                 raise ValueError("hashing 'vocab': the vocabularies do not give the plan's table rows")
             register_vocabularies(self, [vocab.to(device) for vocab in vocabularies])
         self.register_buffer("rows", torch.tensor(self.table_rows, device=device), persistent=False)
+        self.exchange_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[exchange_dtype]
         self.local_shards = plan.shards_of(rank)
         shard_rows = [s.rows for s in self.local_shards]
         self.weights = nn.Parameter(torch.empty(sum(shard_rows), embedding_dim, device=device))
-        for shard, table in zip(self.local_shards, self.weights.data.split(shard_rows), strict=True):
-            generator = torch.Generator(device).manual_seed(
-                seed * 1_000_003 + 7919 * shard.table + shard.row_start
-            )
-            bound = (1.0 / self.table_rows[shard.table]) ** 0.5
-            table.uniform_(-bound, bound, generator=generator)
+        self.replicated = list(plan.replicated)
+        replicated_rows = [self.table_rows[f] for f in self.replicated]
+        replicated = (
+            torch.empty(sum(replicated_rows), embedding_dim, device=device) if self.replicated else None
+        )
+        self.register_parameter(
+            "replicated_weights", None if replicated is None else nn.Parameter(replicated)
+        )
+        pieces = [
+            (s.table, s.row_start, t)
+            for s, t in zip(self.local_shards, self.weights.data.split(shard_rows), strict=True)
+        ]
+        if replicated is not None:
+            pieces += [
+                (f, 0, t) for f, t in zip(self.replicated, replicated.split(replicated_rows), strict=True)
+            ]
+        for table, row_start, values in pieces:
+            generator = torch.Generator(device).manual_seed(seed * 1_000_003 + 7919 * table + row_start)
+            bound = (1.0 / self.table_rows[table]) ** 0.5
+            values.uniform_(-bound, bound, generator=generator)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+        self.register_buffer("replicated_tables", as_tensor(self.replicated), persistent=False)
+        self.register_buffer(
+            "replicated_offsets", as_tensor([0, *replicated_rows[:-1]]).cumsum(0), persistent=False
+        )
+        self.register_buffer("replicated_rows", as_tensor(replicated_rows), persistent=False)
         self.register_buffer("offsets", as_tensor([0, *shard_rows[:-1]]).cumsum(0), persistent=False)
         self.register_buffer("shard_rows", as_tensor(shard_rows), persistent=False)
         self.register_buffer(
@@ -159,15 +227,16 @@ class ShardedSparseArch(nn.Module):
         self.blocks = [[s.table for s in plan.shards_of(q)] for q in range(self.world_size)]
         self.shards_per_rank = [len(tables) for tables in self.blocks]
         send_tables = [t for tables in self.blocks for t in tables]
-        # Every table whole on one rank: table f is column j of rank q's block, columns[f] = (q, j).
-        self.table_wise = len(send_tables) == len(self.table_rows)
-        place = {t: (q, j) for q, tables in enumerate(self.blocks) for j, t in enumerate(tables)}
-        self.columns = [place[f] for f in range(len(self.table_rows))] if self.table_wise else []
+        # Table f is column j of rank q's block for each (q, j) in columns[f] (the replicated tables: of the
+        # local block W).
+        self.columns: list[list[tuple[int, int]]] = [[] for _ in self.table_rows]
+        for q, tables in enumerate([*self.blocks, self.replicated]):
+            for j, t in enumerate(tables):
+                self.columns[t].append((q, j))
         self.register_buffer("send_tables", as_tensor(send_tables), persistent=False)
         self.register_buffer("optimizer_state", torch.zeros(0, device=device), persistent=False)
         self.register_buffer("lr", torch.zeros((), device=device), persistent=False)
         self.optimizer: tuple[str, float] | None = None  # (optimizer, eps)
-        self._destination_cache: dict[int, Tensor] = {}
 
     def configure_optimizer(self, optimizer: str, lr: float, eps: float = 1e-10) -> None:
         """For kernel "triton": the update its backward applies (see SparseArch.configure_optimizer).
@@ -181,6 +250,10 @@ class ShardedSparseArch(nn.Module):
         """Raw ids [b, F] int64 -> rows [b, F] int64 of the full tables (as SparseArch.hash_ids)."""
         return SparseArch.hash_ids(self, sparse)
 
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """The replicated tables' weights (dense gradients): for the dense optimizer and all-reduce."""
+        return [] if self.replicated_weights is None else [self.replicated_weights]
+
     def forward(self, sparse: Tensor) -> Tensor:
         """sparse: [b, F] int64 raw ids of this rank's samples -> embedded [b, F, D] (the lookup's dtype:
         fp32, or bf16 from the "triton" kernel under bf16 autocast). Every rank must call it with the same
@@ -193,29 +266,27 @@ class ShardedSparseArch(nn.Module):
         ids = ids.view(world, n, b).transpose(1, 2).reshape(world * b, n)  # global batch x local shards
         with record_function("lookup"):
             pooled = self._lookup(ids)  # [W*b, n, D]: rank r's samples are rows r*b .. (r+1)*b - 1
-        d = pooled.shape[2]
+        b_dtype, d = pooled.dtype, pooled.shape[2]
+        wire = pooled if self.exchange_dtype is None else pooled.to(self.exchange_dtype)
         with record_function("all_to_all_vectors"):
             back = AllToAll.apply(
-                pooled.reshape(-1),
+                wire.reshape(-1),
                 [b * k * d for k in self.shards_per_rank],
                 [b * n * d] * world,
                 1.0 / world,
-            )  # from each rank q, [b, n_q, D]
-        if self.table_wise:
-            return ToTableOrder.apply(back, b, d, self.columns, self.blocks)
-        # Row shards: each received vector added to its (sample, table) row of [b * F, D] (one non-zero
-        # term per element, so exact).
-        embedded = back.new_zeros(b * len(self.table_rows), d)
-        return embedded.index_add(0, self._destinations(b), back.view(-1, d)).view(b, -1, d)
+            ).to(b_dtype)  # from each rank q, [b, n_q, D]
+        local = self._lookup_replicated(rows).to(b_dtype)  # [b, n_r, D]
+        return ToTableOrder.apply(back, local, b, d, self.columns, [*self.blocks, self.replicated])
 
-    def _destinations(self, b: int) -> Tensor:
-        """[b * S] int64: the row of [b * F] (sample i, table f -> i * F + f) of each vector received from
-        the ranks, in the order they arrive (rank q's [b, n_q] block after block). Cached per b."""
-        if b not in self._destination_cache:
-            samples = torch.arange(b, device=self.send_tables.device).unsqueeze(1) * len(self.table_rows)
-            blocks = self.send_tables.split(self.shards_per_rank)
-            self._destination_cache[b] = torch.cat([(samples + tables).reshape(-1) for tables in blocks])
-        return self._destination_cache[b]
+    def _lookup_replicated(self, rows: Tensor) -> Tensor:
+        """Rows [b, F] of the full tables -> the replicated tables' vectors [b, n_r, D] fp32 (dense
+        gradient); [b, 0, D] without replicated tables."""
+        if self.replicated_weights is None:
+            return self.weights.new_zeros(rows.shape[0], 0, self.weights.shape[1])
+        local = rows.index_select(1, self.replicated_tables)
+        return ReplicatedLookup.apply(
+            self.replicated_weights, self.replicated_offsets, self.replicated_rows, local
+        )
 
     def _lookup(self, ids: Tensor) -> Tensor:
         """Table rows [N, n] (N = W*b) -> vectors [N, n, D]; zeros where a row lies outside its shard."""
@@ -228,8 +299,6 @@ class ShardedSparseArch(nn.Module):
         if local.shape[1] == 0:  # a rank without shards still takes part in the exchange, both ways
             return self.weights.new_zeros(local.shape[0], 0, d).requires_grad_(torch.is_grad_enabled())
         if self.kernel == "triton":
-            from kernels.embedding import embedding_lookup
-
             if self.optimizer is None and torch.is_grad_enabled():
                 raise ValueError(
                     "ShardedSparseArch(kernel='triton'): call configure_optimizer before training"
@@ -266,22 +335,27 @@ def build_sharded_model(
         build_vocabularies(train_sparse, m.max_rows, m.min_frequency) if m.hashing == "vocab" else None
     )
     table_rows = [len(v) + 1 for v in vocabularies] if vocabularies else resolve_table_rows(m, metadata)
+    par = cfg.parallel
     plan = plan_tables(
         table_rows,
         m.embedding_dim,
         cfg.train.optimizer,
         world_size,
-        cfg.parallel.row_wise,
-        cfg.parallel.row_wise_bytes,
+        par.row_wise,
+        par.row_wise_bytes,
+        batch_size=cfg.data.batch_size // world_size,
+        data_parallel_rows=par.data_parallel_rows,
+        exchange_bytes_per_value=exchange_bytes(cfg),
     )
     sparse = ShardedSparseArch(
-        plan, rank, m.embedding_dim, m.hashing, vocabularies, cfg.sparse_kernel, device, cfg.train.seed
-    )
+        plan, rank, m.embedding_dim, m.hashing, vocabularies, cfg.sparse_kernel, device, cfg.train.seed,
+        par.exchange_dtype,
+    )  # fmt: skip
     first_order = None
     if m.first_order:  # D = 1 tables on the same plan; vocab models pass them the embeddings' rows
         hashing = "modulus" if m.hashing == "modulus" else "index"
         first_order = ShardedSparseArch(
-            plan, rank, 1, hashing, None, cfg.sparse_kernel, device, cfg.train.seed
+            plan, rank, 1, hashing, None, cfg.sparse_kernel, device, cfg.train.seed, par.exchange_dtype
         )
     model = DLRM(
         m,
@@ -293,3 +367,11 @@ def build_sharded_model(
     for module in (model.dense_arch, model.interaction_arch, model.over_arch):
         broadcast_from_rank0(module)
     return model, plan
+
+
+def exchange_bytes(cfg) -> int:
+    """Bytes per vector value on the wire for run config `cfg`: 2 for bf16 ("bf16", or "auto" where the
+    lookup writes bf16: the "triton" kernel under bf16 precision), else 4."""
+    e = cfg.parallel.exchange_dtype
+    bf16 = e == "bf16" or (e == "auto" and cfg.train.precision == "bf16" and cfg.sparse_kernel == "triton")
+    return 2 if bf16 else 4

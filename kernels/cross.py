@@ -1,0 +1,418 @@
+"""Fused DCNv2 cross layer, forward and backward: ``x_{l+1} = x0 * (U (V x_l) + b) + x_l``.
+
+Math (nn.Linear layout: V [r, N], U [N, r]; * elementwise, b broadcast over rows)
+    h        = x_l @ V^T                  [M, r]   cuBLAS
+    z        = h @ U^T                    [M, N]
+    x_{l+1}  = x0 * (z + b) + x_l         [M, N]   one Triton GEMM (h @ U^T) with this epilogue
+Backward, with g = dL/dx_{l+1} [M, N]:
+    dz   = g * x0                         [M, N]   one Triton GEMM recomputing z = h @ U^T, with these three
+    dx0  = g * (z + b)                    [M, N]   in its epilogue
+    db   = sum over rows of dz            [N]      (fp32 partials per 32 rows, summed by kernels.partials)
+    dh   = dz @ U                         [M, r]   cuBLAS
+    dU   = dz^T @ h                       [N, r]   cuBLAS
+    dV   = dh^T @ x_l                     [r, N]   cuBLAS
+    dx_l = g + dh @ V                     [M, N]   cuBLAS addmm (the + g in its epilogue)
+For the first layer x_l is x0 itself, and autograd adds dx0 and dx_l.
+
+Why recompute z instead of saving it: z is [M, N], the widest tensor of the layer (N = 3456 for the MLPerf
+model); saving it costs a write in the forward and a read in the backward, [M, N] each, and holds [M, N] per
+layer until the backward. Recomputing costs one GEMM of 2 M N r FLOPs, the first of the backward kernel's
+loop, with g and x0 read only in the epilogue. What the forward saves: x0, x_l, V, U, b and h [M, r].
+
+Shapes: x0, x_l [M, N]; V [r, N]; U [N, r]; b [N]; any M >= 0, N >= 1, r >= 1. Rows of x0, x_l and g need
+contiguous columns (any row stride); h and U are read through TMA descriptors (``kernels.launch``), copied
+once into 16-byte rows where r is not a multiple of 16 bytes.
+
+Dtypes: all five tensors fp32, bf16 or fp16 (one dtype); outputs and gradients have it too. Compute: fp32
+accumulation; the GEMM operands go to ``tl.dot`` in their own dtype on the GPU (fp32 as TF32 where
+``torch.backends.cuda.matmul.allow_tf32``, as linear_act), cast to fp32 in the interpreter (``DOT_FP32``);
+the epilogues run in fp32 on values cast right after load and round once to the dtype. h, and dz before the
+backward's GEMMs, are rounded to the dtype (as PyTorch's autocast does).
+
+It equals the PyTorch expression ``x0 * F.linear(F.linear(xl, V), U, b) + xl`` computed in fp32 and cast
+back to x0's dtype (``cross_layer_ref``), up to the GEMM precision above.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels import launch
+from kernels.direct import call, eager_function
+from kernels.gemm_tuning import autotuned, input_precision, m_bucket
+from kernels.launch import DTYPES, INTERPRETED, rows_contiguous, tma_descriptor, use_triton
+from kernels.linear_act_forward import matmul_tile
+from kernels.partials import sum_partials
+
+__all__ = ["cross_layer", "cross_layer_ref", "cross_layer_fwd", "cross_layer_bwd"]
+
+# Rows of M per row of db's partial sums: the backward kernel sums its [BLOCK_M, BLOCK_N] tile of dz in
+# blocks of this many rows (every tuned BLOCK_M is a multiple of it), so the partials' shape does not depend
+# on the tile the autotuner picks.
+PARTIAL_ROWS = 32
+
+# The TMA descriptor arguments of both kernels and the tile dims of their block shapes.
+_DESCRIPTORS = {"h_desc": ("BLOCK_M", "BLOCK_K"), "u_desc": ("BLOCK_N", "BLOCK_K")}
+
+
+@triton.jit
+def _tile(N, BLOCK_N: tl.constexpr):
+    """(pid_m, pid_n) of this program's output tile, tiles in row-major order: the programs running together
+    read the same rows of h, and U ([N, r], 3.5 MiB in bf16 for the MLPerf model) stays in L2 whole."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    return pid // num_pid_n, pid % num_pid_n
+
+
+@triton.jit
+def _epilogue_offsets(pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile's rows and cols (int64: M * N can pass 2**31), the column mask and the [rows, cols] mask."""
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols < N
+    return rows, cols, mask_n, (rows < M)[:, None] & mask_n[None, :]
+
+
+# M (the batch) changes between calls: do not specialize on it, so a new batch size reuses the compiled
+# kernel. M_BUCKET only feeds the autotuning key.
+@triton.jit(do_not_specialize=["M"])
+def _cross_fwd_kernel(
+    # operands: TMA descriptors
+    h_desc,  # of h [M, r], x0's dtype
+    u_desc,  # of U [N, r]
+    # pointers
+    b_ptr,  # [N] bias
+    x0_ptr,  # [M, N] x0
+    xl_ptr,  # [M, N] x_l
+    out_ptr,  # [M, N] output x_{l+1}
+    # sizes
+    M,
+    N,
+    K,  # r
+    M_BUCKET,  # autotuning key only
+    # row strides, in elements (the column stride is 1)
+    stride_x0,
+    stride_xl,
+    stride_out,
+    # meta-parameters
+    DOT_FP32: tl.constexpr,  # cast dot operands to fp32 (interpreter only)
+    INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "ieee"
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m, pid_n = _tile(N, BLOCK_N)
+    acc = matmul_tile(
+        h_desc, u_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K,
+        DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    # Epilogue, in fp32: x0 * (z + b) + x_l.
+    rows, cols, mask_n, mask = _epilogue_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
+    zb = acc + tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    x0 = tl.load(x0_ptr + rows[:, None] * stride_x0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    xl = tl.load(xl_ptr + rows[:, None] * stride_xl + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = (x0 * zb + xl).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=mask)
+
+
+_cross_fwd_kernel = autotuned(
+    _cross_fwd_kernel, ("BLOCK_M", "BLOCK_N", "BLOCK_K"), ("M_BUCKET", "N"), "x0_ptr", {}, _DESCRIPTORS
+)
+
+
+def check_inputs(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> None:
+    """Raise ValueError naming the offending values; works on fake tensors too."""
+    named = {"x0": x0, "xl": xl, "v": v, "u": u, "b": b}
+    for name, t in named.items():
+        dims = 1 if name == "b" else 2
+        if t.dim() != dims:
+            raise ValueError(f"cross_layer: {name} must be {dims}-D, got shape {tuple(t.shape)}")
+    m, n = x0.shape
+    r = v.shape[0]
+    expected = {"xl": (m, n), "v": (r, n), "u": (n, r), "b": (n,)}
+    for name, shape in expected.items():
+        if tuple(named[name].shape) != shape:
+            raise ValueError(
+                f"cross_layer: {name} must have shape {shape} for x0 {tuple(x0.shape)} and v "
+                f"{tuple(v.shape)}, got {tuple(named[name].shape)}"
+            )
+    if n < 1 or r < 1:
+        raise ValueError(f"cross_layer: need N >= 1 and r >= 1, got x0 {tuple(x0.shape)}, v {tuple(v.shape)}")
+    if x0.dtype not in DTYPES:
+        raise ValueError(f"cross_layer: x0 dtype must be one of {DTYPES}, got {x0.dtype}")
+    for name, t in named.items():
+        if t.dtype != x0.dtype:
+            raise ValueError(f"cross_layer: {name} dtype {t.dtype} differs from x0 dtype {x0.dtype}")
+        if t.device != x0.device:
+            raise ValueError(f"cross_layer: {name} is on {t.device} but x0 is on {x0.device}")
+
+
+def cross_layer_fwd(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """The forward: h = xl @ v^T (cuBLAS), then ``_cross_fwd_kernel``: out = x0 * (h @ u^T + b) + xl.
+
+    Args:
+        x0, xl: [M, N] fp32/bf16/fp16, contiguous columns.
+        v: [r, N]; u: [N, r]; b: [N]; x0's dtype and device.
+
+    Returns:
+        (out [M, N], h [M, r]), x0's dtype; h is what the backward needs besides the inputs.
+
+    Raises:
+        ValueError: bad shapes, dtypes or devices.
+    """
+    check_inputs(x0, xl, v, u, b)
+    return launch_fwd(x0, xl, v, u, b)
+
+
+def launch_fwd(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """``cross_layer_fwd`` without its input checks."""
+    x0, xl = rows_contiguous(x0), rows_contiguous(xl)
+    h = xl @ v.t()
+    m, n = x0.shape
+    out = launch.empty((m, n), x0.dtype, x0.device)
+    if m == 0:
+        return out, h
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    _cross_fwd_kernel[grid](
+        tma_descriptor(h), tma_descriptor(u), b.contiguous(), x0, xl, out,
+        m, n, h.shape[1], m_bucket(m), x0.stride(0), xl.stride(0), out.stride(0),
+        DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x0.dtype),
+    )  # fmt: skip
+    return out, h
+
+
+@triton.jit(do_not_specialize=["M"])
+def _cross_bwd_kernel(
+    # operands: TMA descriptors (z = h @ U^T is recomputed)
+    h_desc,  # of h [M, r], x0's dtype
+    u_desc,  # of U [N, r]
+    # pointers
+    b_ptr,  # [N] bias
+    x0_ptr,  # [M, N] x0
+    g_ptr,  # [M, N] g = dL/dx_{l+1}
+    dz_ptr,  # [M, N] output dz = g * x0
+    dx0_ptr,  # [M, N] output dx0 = g * (z + b)
+    part_ptr,  # [cdiv(M, PARTIAL), N] fp32 output: sums of fp32 dz over each PARTIAL rows
+    # sizes
+    M,
+    N,
+    K,  # r
+    M_BUCKET,  # autotuning key only
+    # row strides, in elements (the column stride is 1)
+    stride_x0,
+    stride_g,
+    stride_dz,
+    stride_dx0,
+    # meta-parameters
+    DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    PARTIAL: tl.constexpr,  # rows per partial sum (PARTIAL_ROWS), divides BLOCK_M
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m, pid_n = _tile(N, BLOCK_N)
+    acc = matmul_tile(
+        h_desc, u_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K,
+        DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    # Epilogue, in fp32: dz = g * x0, dx0 = g * (z + b), and dz's column sums per PARTIAL rows. Masked rows
+    # and columns load g = 0, so they add 0 to the sums.
+    rows, cols, mask_n, mask = _epilogue_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
+    zb = acc + tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    x0 = tl.load(x0_ptr + rows[:, None] * stride_x0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dz = g * x0
+    tl.store(dz_ptr + rows[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
+    dx0 = (g * zb).to(dx0_ptr.dtype.element_ty)
+    tl.store(dx0_ptr + rows[:, None] * stride_dx0 + cols[None, :], dx0, mask=mask)
+    sums = tl.sum(tl.reshape(dz, (BLOCK_M // PARTIAL, PARTIAL, BLOCK_N)), axis=1)
+    part_rows = pid_m.to(tl.int64) * (BLOCK_M // PARTIAL) + tl.arange(0, BLOCK_M // PARTIAL)
+    part_mask = (part_rows < tl.cdiv(M, PARTIAL))[:, None] & mask_n[None, :]
+    tl.store(part_ptr + part_rows[:, None] * N + cols[None, :], sums, mask=part_mask)
+
+
+_cross_bwd_kernel = autotuned(
+    _cross_bwd_kernel, ("BLOCK_M", "BLOCK_N", "BLOCK_K"), ("M_BUCKET", "N"), "x0_ptr", {}, _DESCRIPTORS
+)
+
+
+def cross_layer_bwd(
+    g: Tensor, x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor, h: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward (module docstring): ``_cross_bwd_kernel`` (dz, dx0 and db's partial sums), then the
+    GEMMs on cuBLAS.
+
+    Args:
+        g: [M, N] gradient of the output; x0, xl, v, u, b: the forward's inputs; h: [M, r] the forward's
+            h = xl @ v^T. One dtype and device.
+
+    Returns:
+        (dx0, dxl, dv, du, db): the gradients of x0 (the direct term g * (z + b) only: for the first layer,
+        where xl is x0, the caller adds dxl), xl, v, u and b, x0's dtype.
+
+    Raises:
+        ValueError: bad shapes, dtypes or devices.
+    """
+    check_inputs(x0, xl, v, u, b)
+    if g.shape != x0.shape or h.shape != (x0.shape[0], v.shape[0]):
+        raise ValueError(f"cross_layer_bwd: g {tuple(g.shape)} or h {tuple(h.shape)} do not fit x0, v")
+    return launch_bwd(g, x0, xl, v, u, b, h)
+
+
+def launch_bwd(
+    g: Tensor, x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor, h: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``cross_layer_bwd`` without its input checks."""
+    g, x0 = rows_contiguous(g), rows_contiguous(x0)
+    m, n = x0.shape
+    dz = launch.empty((m, n), x0.dtype, x0.device)
+    dx0 = launch.empty((m, n), x0.dtype, x0.device)
+    part = launch.empty((triton.cdiv(m, PARTIAL_ROWS), n), torch.float32, x0.device)
+    if m > 0:
+
+        def grid(meta):
+            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+        _cross_bwd_kernel[grid](
+            tma_descriptor(h), tma_descriptor(u), b.contiguous(), x0, g, dz, dx0, part,
+            m, n, h.shape[1], m_bucket(m), x0.stride(0), g.stride(0), dz.stride(0), dx0.stride(0),
+            DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x0.dtype), PARTIAL=PARTIAL_ROWS,
+        )  # fmt: skip
+    db = sum_partials(part, x0.dtype) if m > 0 else b.new_zeros(b.shape)
+    dh = dz @ u
+    return dx0, torch.addmm(g, dh, v), dh.t() @ rows_contiguous(xl), dz.t() @ h, db
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference (plain PyTorch, fp32) and CPU fallback
+# --------------------------------------------------------------------------------------------------
+
+
+def cross_layer_ref(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> Tensor:
+    """Reference ``x0 * F.linear(F.linear(xl, v), u, b) + xl`` in plain PyTorch: fp32 math, cast back to x0's
+    dtype. Differentiable by autograd (the tests' reference gradients).
+
+    Args:
+        x0, xl: [M, N]; v: [r, N]; u: [N, r]; b: [N]; float tensors.
+
+    Returns:
+        [M, N] tensor of x0's dtype.
+    """
+    x0f, xlf = x0.float(), xl.float()
+    z = torch.nn.functional.linear(torch.nn.functional.linear(xlf, v.float()), u.float(), b.float())
+    return (x0f * z + xlf).to(x0.dtype)
+
+
+def _fwd_ref(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """``cross_layer_fwd`` in plain PyTorch (fp32 math, h rounded to the dtype as the kernel path's)."""
+    h = (xl.float() @ v.float().t()).to(x0.dtype)
+    out = x0.float() * (h.float() @ u.float().t() + b.float()) + xl.float()
+    return out.to(x0.dtype), h
+
+
+def _bwd_ref(
+    g: Tensor, x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor, h: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``cross_layer_bwd`` in plain PyTorch (fp32 math): analytic, since autograd does not record inside a
+    custom op's implementation."""
+    gf, x0f, hf, uf = g.float(), x0.float(), h.float(), u.float()
+    zb = hf @ uf.t() + b.float()
+    dz = gf * x0f
+    dh = dz @ uf
+    grads = (gf * zb, gf + dh @ v.float(), dh.t() @ xl.float(), dz.t() @ hf, dz.sum(0))
+    return tuple(t.to(x0.dtype) for t in grads)
+
+
+# --------------------------------------------------------------------------------------------------
+# Autograd glue: custom ops, so the layer works under torch.compile and inside CUDA graphs; eager calls run
+# the same bodies without the dispatcher (kernels/direct.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def _forward(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """The forward's body: (out, h)."""
+    check_inputs(x0, xl, v, u, b)
+    return launch_fwd(x0, xl, v, u, b) if use_triton(x0) else _fwd_ref(x0, xl, v, u, b)
+
+
+_cross_op = torch.library.custom_op("dlrm::cross_layer", _forward, mutates_args=())
+
+
+@_cross_op.register_fake
+def _cross_fake(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    check_inputs(x0, xl, v, u, b)
+    return x0.new_empty(x0.shape), x0.new_empty((x0.shape[0], v.shape[0]))
+
+
+def _backward_body(
+    g: Tensor, x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor, h: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward's body: (dx0, dxl, dv, du, db), on the forward's own inputs (not checked again)."""
+    if use_triton(x0):
+        return launch_bwd(g, x0, xl, v, u, b, h)
+    return _bwd_ref(g, x0, xl, v, u, b, h)
+
+
+_cross_backward_op = torch.library.custom_op("dlrm::cross_layer_backward", _backward_body, mutates_args=())
+
+
+@_cross_backward_op.register_fake
+def _cross_backward_fake(
+    g: Tensor, x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor, h: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return tuple(t.new_empty(t.shape) for t in (x0, xl, v, u, b))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs, output[1])
+
+
+def _backward(backward_fn, ctx, g: Tensor | None, _dh: Tensor | None):
+    # backward_fn: the backward op, or its body on the eager path. _dh: the gradient of the internal output
+    # h, which cross_layer never exposes (None).
+    return backward_fn(g, *ctx.saved_tensors)
+
+
+_cross_op.register_autograd(partial(_backward, _cross_backward_op), setup_context=_setup_context)
+_cross_eager = eager_function("CrossLayer", _forward, _setup_context, partial(_backward, _backward_body))
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+
+
+def cross_layer(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> Tensor:
+    """One fused DCNv2 cross layer, ``x0 * (xl @ v^T @ u^T + b) + xl``, with a fused backward.
+
+    Equals ``x0 * F.linear(F.linear(xl, v), u, b) + xl``. Differentiable in every input; works in eager and
+    under ``torch.compile``, which sees the custom op ``torch.ops.dlrm.cross_layer`` (its backward
+    ``torch.ops.dlrm.cross_layer_backward``). Runs the Triton kernels on CUDA tensors (and on CPU under
+    ``TRITON_INTERPRET=1``), else falls back to plain PyTorch (``cross_layer_ref``'s math).
+
+    Args:
+        x0: [M, N] the cross network's input, fp32, bf16 or fp16 (M >= 0, N >= 1), contiguous columns.
+        xl: [M, N] this layer's input (x0 itself for the first layer), x0's dtype and device.
+        v: [r, N] the down projection V (nn.Linear layout, no bias), r >= 1.
+        u: [N, r] the up projection U (nn.Linear layout).
+        b: [N] U's bias.
+
+    Returns:
+        [M, N] tensor of x0's dtype: the GEMMs accumulated in fp32 (TF32 tensor cores for fp32 inputs on the
+        GPU where allowed), h = xl @ v^T rounded once to the dtype, the epilogue in fp32, rounded once.
+
+    Raises:
+        ValueError: a tensor of the wrong rank or shape, an unsupported dtype, mixed dtypes or devices (the
+            message names the values).
+    """
+    out, _ = call(_cross_op, _cross_eager, x0, xl, v, u, b)
+    return out

@@ -1,0 +1,101 @@
+"""Benchmark one DCNv2 cross layer on a GPU: x0 * (U (V x_l) + b) + x_l, eager, torch.compile and our fused
+kernel (kernels.cross).
+
+    python scripts/bench_cross.py [--batches 16384,65536] [--precisions tf32,bf16] [--width 3456] [--rank 512]
+
+Paths, on the same inputs (x0, x_l [B, N], V [r, N], U [N, r], b [N]; the defaults are MLPerf DLRM-DCNv2's
+N = 27 x 128, r = 512):
+    eager     x0 * F.linear(F.linear(xl, V), U, b) + xl        PyTorch ops, the baseline
+    compile   torch.compile of that function                    Inductor (compile time reported apart)
+    triton    kernels.cross.cross_layer                         our GEMM with the elementwise tail in its
+                                                                epilogue, forward and backward
+Each path timed forward and forward + backward (gradients of every input), launched from Python and as
+CUDA-graph replays (bench_kernels' `_time_passes`: median of CUDA-event timings, inputs rotated over
+several sets). TFLOP/s count the layer's GEMM work, 4 B N r forward and 12 B N r forward + backward (the
+triton path's recomputed z in the backward, 2 B N r more, is not counted: the same work is credited to
+every path), against the measured GEMM rate. Rows go to scripts/results/cross.csv; ratios are eager / path
+and compile / path in the same run.
+"""
+
+from pathlib import Path
+
+import click
+import torch
+import torch.nn.functional as F
+from bench_kernels import DTYPES, PASSES, ROTATE, _time_passes, measure_ceilings
+from results_csv import append_rows, provenance
+
+from kernels.cross import cross_layer
+
+RESULTS = Path(__file__).parent / "results" / "cross.csv"
+PATHS = ("eager", "compile", "triton")
+
+
+def eager_layer(x0, xl, v, u, b):
+    return x0 * F.linear(F.linear(xl, v), u, b) + xl
+
+
+def bench_cross(path: str, m: int, n: int, r: int, dtype: torch.dtype) -> dict[str, float]:
+    """Median ms of one cross layer on one path, per pass of PASSES, and compile seconds."""
+    g = torch.Generator(device="cuda").manual_seed(m + n + r)
+    sets = []
+    for _ in range(ROTATE):
+        x0 = torch.randn(m, n, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        xl = torch.randn(m, n, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        v = (torch.randn(r, n, device="cuda", dtype=dtype, generator=g) / n**0.5).requires_grad_()
+        u = (torch.randn(n, r, device="cuda", dtype=dtype, generator=g) / r**0.5).requires_grad_()
+        b = torch.randn(n, device="cuda", dtype=dtype, generator=g).requires_grad_()
+        sets.append((x0, xl, v, u, b, torch.randn(m, n, device="cuda", dtype=dtype, generator=g)))
+    if path == "triton":
+        fn = cross_layer
+    elif path == "compile":
+        torch._dynamo.reset()
+        fn = torch.compile(eager_layer, dynamic=False)
+    else:
+        fn = eager_layer
+    return _time_passes(fn, sets, path == "compile")
+
+
+@click.command()
+@click.option("--batches", default="16384,65536", show_default=True, help="batch sizes B, comma-separated")
+@click.option("--precisions", default="tf32,bf16", show_default=True, help="tf32 and/or bf16")
+@click.option("--width", default=3456, show_default=True, help="N, the cross network's width")
+@click.option("--rank", default=512, show_default=True, help="r, the low rank")
+@click.option("--paths", default=",".join(PATHS), show_default=True, help="paths to time, eager first")
+def main(batches, precisions, width, rank, paths):
+    """Time one cross layer per path on this GPU and append the rows to scripts/results/cross.csv."""
+    if not torch.cuda.is_available():
+        raise click.UsageError("bench_cross.py needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    gpu = torch.cuda.get_device_name()
+    ceilings = measure_ceilings()
+    common = provenance(gpu)
+    path_list = paths.split(",")
+    n, r = width, rank
+    print(f"{gpu}: cross layer N={n} r={r}, ms (x eager, x compile)")
+    for precision in precisions.split(","):
+        peak = ceilings[f"gemm_tflops_{precision}"]
+        for m in (int(v) for v in batches.split(",")):
+            times = {p: bench_cross(p, m, n, r, DTYPES[precision]) for p in path_list}
+            rows = []
+            for ps in PASSES:
+                flops = (12 if ps.endswith("bwd") else 4) * m * n * r
+                cells = []
+                for p in path_list:
+                    ms = times[p][ps]
+                    vs_eager = times[path_list[0]][ps] / ms
+                    vs_compile = times["compile"][ps] / ms if "compile" in times else float("nan")
+                    cells.append(f"{p} {ms:.4f} ({vs_eager:.2f}x, {vs_compile:.2f}x)")
+                    tflops = flops / ms / 1e9
+                    rows.append(dict(
+                        common, width=n, rank=r, batch=m, precision=precision, path=p, **{"pass": ps},
+                        ms=round(ms, 5), tflops=round(tflops, 2), pct_gemm_peak=round(100 * tflops / peak, 2),
+                        ratio_vs_eager=round(vs_eager, 3), ratio_vs_compile=round(vs_compile, 3),
+                        compile_s=round(times[p]["compile_s"], 2),
+                    ))  # fmt: skip
+                print(f"{precision:<5}{m:>7}  {ps:<15}" + "   ".join(cells))
+            append_rows(RESULTS, rows)
+
+
+if __name__ == "__main__":
+    main()
