@@ -16,6 +16,7 @@ from dlrm.config import MultiHotConfig, load_config, replace
 from dlrm.data.bags import MLPERF_SIZES
 from dlrm.data.schema import NUM_SPARSE
 from dlrm.model.dlrm import SparseArch
+from dlrm.optim import Adagrad
 from tests.conftest import REPO
 from tests.test_model_options import small_sample  # noqa: F401 - a fixture
 from tests.test_train import _losses, _tiny, assert_updates_agree
@@ -61,19 +62,27 @@ def test_one_hot_sizes_keep_the_one_hot_model():
         SparseArch(4, ROWS, hashing="index", multi_hot_sizes=SIZES)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
-@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize(
+    ("optimizer", "pooling"),
+    [("sgd", "sum"), ("adagrad", "sum"), ("sgd", "mean"), ("rowwise_adagrad", "mean")],
+)
 def test_triton_bags_train_like_eager(optimizer, pooling):
     """Same seed -> same tables; two steps of the fused bag kernel (interpreter) end at the eager tables'
-    weights (nn.EmbeddingBag semantics, torch.optim on their sparse gradients), with the same outputs."""
+    weights (F.embedding_bag's sparse gradients stepped by torch.optim, or dlrm.optim's row-wise Adagrad),
+    with the same outputs."""
     g = torch.Generator().manual_seed(5)
     archs, optimizers = {}, {}
     for kernel in ("torch", "triton"):
         torch.manual_seed(0)
         archs[kernel] = SparseArch(4, ROWS, kernel=kernel, multi_hot_sizes=SIZES, pooling=pooling)
     archs["triton"].configure_optimizer(optimizer, 0.1)
-    optim = torch.optim.SGD if optimizer == "sgd" else torch.optim.Adagrad
-    optimizers["torch"] = optim(archs["torch"].parameters(), lr=0.1)
+    if optimizer == "rowwise_adagrad":
+        optimizers["torch"] = Adagrad(
+            [{"params": list(archs["torch"].parameters()), "rowwise": True}], lr=0.1
+        )
+    else:
+        optim = torch.optim.SGD if optimizer == "sgd" else torch.optim.Adagrad
+        optimizers["torch"] = optim(archs["torch"].parameters(), lr=0.1)
     eager, triton = archs["torch"].state_dict(), archs["triton"].state_dict()
     assert all(torch.equal(eager[k], triton[k]) for k in eager)
     initial = eager["embeddings.2.weight"].clone()
