@@ -11,6 +11,7 @@ checks that every choice here that reaches a kernel is one the kernel takes.
 # data
 LOADERS = ("memory", "gpu_resident", "streaming", "binary")  # data.loader
 SPLITS = ("train", "val", "test")  # the splits of a preprocessed data directory (dlrm.data.splits)
+BAG_DISTRIBUTIONS = ("uniform", "pareto")  # data.multi_hot.distribution, the bags' drawn ids (dlrm.data.bags)
 
 # model
 ARCHS = ("dlrm", "logistic")  # model.arch
@@ -18,6 +19,7 @@ HASHINGS = ("modulus", "vocab")  # model.hashing
 INTERACTIONS = ("dot", "cat", "attention", "dcn")  # model.interaction
 MLP_BLOCKS = ("linear_act", "ln_linear_gelu", "gated")  # model.mlp_block
 GATES = ("sigmoid_tanh", "geglu", "swiglu")  # model.gate
+POOLINGS = ("sum", "mean")  # model.pooling, of each multi-hot bag (dlrm.model.pooling)
 
 # train
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")  # train.optimizer

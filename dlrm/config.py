@@ -19,6 +19,7 @@ from typing import Any
 
 from dlrm.choices import (
     ARCHS,
+    BAG_DISTRIBUTIONS,
     COMPILE_MODES,
     DEVICES,
     EXCHANGE_DTYPES,
@@ -29,6 +30,7 @@ from dlrm.choices import (
     MLP_BLOCKS,
     ON_NONFINITE,
     OPTIMIZERS,
+    POOLINGS,
     PRECISIONS,
     SELECT_ON,
     TRITON_MLP_KERNELS,
@@ -40,6 +42,7 @@ from dlrm.config_sections import (
     LoraConfig,
     LrScheduleConfig,
     ModelConfig,
+    MultiHotConfig,
     ParallelConfig,
     ProfilerConfig,
     RunConfig,
@@ -53,6 +56,7 @@ __all__ = [  # the sections are importable from here too, beside what loads them
     "LoraConfig",
     "LrScheduleConfig",
     "ModelConfig",
+    "MultiHotConfig",
     "ParallelConfig",
     "ProfilerConfig",
     "RunConfig",
@@ -164,6 +168,36 @@ def _check_logistic(cfg: RunConfig) -> None:
     _require(cfg.train.precision != "bf16", "train.precision", expected, cfg.train.precision)
 
 
+def _check_multi_hot(cfg: RunConfig) -> None:
+    """model.multi_hot_sizes, model.pooling and data.multi_hot (dlrm.data.bags). Raises ValueError naming
+    the key."""
+    m, made = cfg.model, cfg.data.multi_hot
+    _require(m.pooling in POOLINGS, "model.pooling", f"one of {POOLINGS}", m.pooling)
+    sizes = m.multi_hot_sizes
+    if sizes is not None:
+        ok = len(sizes) == 26 and all(k >= 1 for k in sizes)
+        _require(ok, "model.multi_hot_sizes", "26 integers >= 1 (bag sizes of C1..C26) or null", sizes)
+    one_hot = sizes is None or all(k == 1 for k in sizes)
+    if made.distribution is not None:
+        expected = f"null or one of {BAG_DISTRIBUTIONS}"
+        _require(
+            made.distribution in BAG_DISTRIBUTIONS, "data.multi_hot.distribution", expected, made.distribution
+        )
+        expected = "bag sizes above 1 with data.multi_hot (the bags it makes)"
+        _require(not one_hot, "model.multi_hot_sizes", expected, sizes)
+    if one_hot:
+        return
+    # What reads one id per feature: the vocabularies, the first-order tables, the attention key mask.
+    for key, value, default in (
+        ("model.arch", m.arch, "dlrm"),
+        ("model.hashing", m.hashing, "modulus"),
+        ("model.first_order", m.first_order, False),
+    ):
+        _require(value == default, key, f"{default!r} with model.multi_hot_sizes (bags)", value)
+    expected = "'dot', 'cat' or 'dcn' with model.multi_hot_sizes (bags)"
+    _require(m.interaction != "attention", "model.interaction", expected, m.interaction)
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Check values that types alone do not; return `cfg`. Raises ValueError naming the key."""
     d, m, t, p = cfg.data, cfg.model, cfg.train, cfg.profiler
@@ -220,6 +254,7 @@ def validate(cfg: RunConfig) -> RunConfig:
             "26 positive integers or null",
             m.table_rows,
         )
+    _check_multi_hot(cfg)
     _require(m.max_rows >= 2, "model.max_rows", "an integer >= 2", m.max_rows)
     _require(
         m.min_frequency >= 1, "model.min_frequency", "an integer >= 1 (train occurrences)", m.min_frequency

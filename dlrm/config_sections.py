@@ -11,6 +11,16 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class MultiHotConfig:
+    """Bags made on the fly from one-hot data (dlrm.data.bags): `distribution` "uniform" or "pareto" of
+    the drawn ids (null: none made; the data's own bags, if any, are read), `seed` of the draws. The
+    sizes are `model.multi_hot_sizes`."""
+
+    distribution: str | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Where the preprocessed data lives and how it is batched.
 
@@ -26,7 +36,8 @@ class DataConfig:
     "streaming" the rows mixed across row groups (0: rows shuffled within their row group only); for
     "binary" the rows of a window, read and shuffled together (rounded down to a multiple of the batch).
     `prefetch` ("streaming" only): batches read ahead by a background thread (0: read in the training
-    loop).
+    loop). `multi_hot`: bags of `model.multi_hot_sizes` made on the fly from one-hot data by every loader
+    (MultiHotConfig).
     """
 
     path: str = "data/criteo_sample"
@@ -37,6 +48,7 @@ class DataConfig:
     loader: str = "memory"
     shuffle_buffer: int = 1_000_000
     prefetch: int = 4
+    multi_hot: MultiHotConfig = field(default_factory=MultiHotConfig)
 
 
 @dataclass(frozen=True)
@@ -100,6 +112,10 @@ class ModelConfig:
     dlrm.model.dlrm.InteractionArch.
     `embedding_dim`: D, the columns of every embedding table. `lora`: low-rank adapters on the MLP layers
     (LoraConfig; `python -m dlrm.finetune`).
+    `multi_hot_sizes`: bag size of each sparse feature (26 ints >= 1; null or all ones: one id per feature),
+    each bag pooled in its table by `pooling`, "sum" or "mean" (dlrm.model.pooling); the data holds the
+    bags (`python -m dlrm.data.multi_hot`) or `data.multi_hot` makes them. Bags need `hashing` "modulus",
+    no `first_order` and the "dot", "cat" or "dcn" interaction.
     """
 
     arch: str = "dlrm"
@@ -117,6 +133,8 @@ class ModelConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     dcn: DcnConfig = field(default_factory=DcnConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    multi_hot_sizes: tuple[int, ...] | None = None
+    pooling: str = "sum"
 
 
 @dataclass(frozen=True)

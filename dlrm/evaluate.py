@@ -13,6 +13,7 @@ from dlrm import progress
 from dlrm.checkpoint import load_checkpoint
 from dlrm.cli_options import checkpoint_option, device_option, split_option
 from dlrm.config import from_dict
+from dlrm.data.bag_source import loader_bags
 from dlrm.data.dataset import BatchLoader, open_split
 from dlrm.data.splits import check_data_dir
 from dlrm.errors import cli_errors
@@ -54,7 +55,9 @@ def main(checkpoint_path, data_dir, split, batch_size, backend, precision, devic
         dev = resolve_device(device)
         scoring = resolve_scoring(cfg, backend, precision)
         model = scoring_model(cfg, state["table_rows"], state["model"], scoring, dev)
-        loader = BatchLoader(open_split(data_dir, split), batch_size or cfg.data.eval_batch_size, device=dev)
+        bags = loader_bags(cfg, data_dir)
+        split_set = open_split(data_dir, split)
+        loader = BatchLoader(split_set, batch_size or cfg.data.eval_batch_size, device=dev, bags=bags)
         with torch.no_grad():
             result = evaluate(model, progress.eval_batches(mode, loader, split), dev, scoring.precision)
     click.echo(json.dumps({"checkpoint": str(checkpoint_path), "split": split, **result}))

@@ -14,6 +14,8 @@ from torch.utils.tensorboard import SummaryWriter
 from dlrm import atomic, parallel
 from dlrm.checkpoint import load_checkpoint
 from dlrm.config import RunConfig
+from dlrm.data.bag_source import loader_bags
+from dlrm.data.bags import BagMaker
 from dlrm.data.dataset import BatchLoader, ParquetDataset, load_metadata, open_split, split_paths
 from dlrm.data.loaders import make_train_loader
 from dlrm.data.resident import ResidentLoader
@@ -109,7 +111,7 @@ def set_up(
     )
     step_fn = build_step(model, optimizer, cfg, device, reduce_grads)
     train_loader = make_train_loader(
-        cfg.data, data_dir, t.seed, device, train_set, dist.rank, dist.world_size
+        cfg.data, data_dir, t.seed, device, train_set, dist.rank, dist.world_size, loader_bags(cfg, data_dir)
     )
     if len(train_loader) == 0:
         raise ValueError(
@@ -175,18 +177,20 @@ def make_split_loader(
     loader (`make_eval_loader`), or under torchrun this rank's part of it (dlrm.parallel.evaluation)."""
     if dist.enabled:
         return ShardedEvalSplit(dataset, cfg.data.eval_batch_size, dist)
-    return make_eval_loader(dataset, cfg.data.eval_batch_size, device)
+    return make_eval_loader(dataset, cfg.data.eval_batch_size, device, loader_bags(cfg, cfg.data.path))
 
 
-def make_eval_loader(eval_set: ParquetDataset, batch_size: int, device: torch.device) -> BatchLoader:
+def make_eval_loader(
+    eval_set: ParquetDataset, batch_size: int, device: torch.device, bags: BagMaker | None = None
+) -> BatchLoader:
     """The eval split on the GPU once when it fits (no host copy per batch: evaluation runs at the speed
-    of the forward), else in host memory."""
+    of the forward), else in host memory; `bags`: made on the fly from each batch (data.multi_hot)."""
     if device.type == "cuda":
         try:
-            return ResidentLoader(eval_set, batch_size, device=device)
+            return ResidentLoader(eval_set, batch_size, device=device, bags=bags)
         except ValueError as err:
             logger.info("eval split stays in host memory: {}", err)
-    return BatchLoader(eval_set, batch_size, device=device)
+    return BatchLoader(eval_set, batch_size, device=device, bags=bags)
 
 
 def check_not_stopped_early(resume: Path, state: RunState, patience: int | None) -> None:

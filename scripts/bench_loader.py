@@ -36,7 +36,8 @@ from dlrm.choices import LOADERS
 from dlrm.config import DataConfig
 from dlrm.data.dataset import open_split
 from dlrm.data.loaders import make_train_loader
-from dlrm.data.synthetic import SyntheticConfig, write_parquet
+from dlrm.data.synthetic_output import write_parquet
+from dlrm.data.synthetic_rows import SyntheticConfig
 
 RESULTS = Path(__file__).parent / "results" / "loader_step.csv"
 # Bench modes: the config's loaders, plus streaming without its prefetch thread.

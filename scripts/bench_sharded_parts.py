@@ -17,7 +17,7 @@ import click
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dlrm.data.synthetic import KAGGLE_CARDINALITIES
+from dlrm.data.synthetic_rows import KAGGLE_CARDINALITIES
 from dlrm.parallel.planner import Shard, ShardingPlan, plan_tables
 from dlrm.parallel.sharded import ShardedSparseArch, ToTableOrder
 

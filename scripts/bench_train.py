@@ -56,7 +56,7 @@ from dlrm import parallel
 from dlrm.config import load_config, replace
 from dlrm.data.dataset import Batch
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
-from dlrm.data.synthetic import CARDINALITY_PRESETS, power_law_ranks
+from dlrm.data.synthetic_rows import CARDINALITY_PRESETS, power_law_ranks
 from dlrm.graphs import GraphedTrainStep
 from dlrm.model import DLRM
 from dlrm.parallel.run import gather_floats

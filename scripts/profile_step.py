@@ -28,7 +28,7 @@ from results_csv import provenance
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from dlrm import parallel
-from dlrm.data.synthetic import CARDINALITY_PRESETS
+from dlrm.data.synthetic_rows import CARDINALITY_PRESETS
 
 RESULTS = Path(__file__).parent / "results"
 PROFILER_WARMUP = 3  # steps the profiler runs before its window, as in bench_e2e's runs of dlrm.train

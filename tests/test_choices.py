@@ -16,6 +16,7 @@ KEYS = {
     "model.interaction": choices.INTERACTIONS,
     "model.mlp_block": choices.MLP_BLOCKS,
     "model.gate": choices.GATES,
+    "model.pooling": choices.POOLINGS,
     "train.optimizer": choices.OPTIMIZERS,
     "train.device": choices.DEVICES,
     "train.precision": choices.PRECISIONS,
@@ -37,10 +38,12 @@ def test_config_default_is_a_choice_and_others_are_refused(key):
 
 def test_kernel_lists_take_every_config_choice():
     from kernels.embedding import OPTIMIZERS as EMBEDDING_OPTIMIZERS
+    from kernels.embedding_bag import POOLINGS as BAG_POOLINGS
     from kernels.gated_linear import GATES as KERNEL_GATES
 
     assert set(choices.GATES) <= set(KERNEL_GATES)
     assert set(choices.OPTIMIZERS) <= set(EMBEDDING_OPTIMIZERS)
+    assert set(choices.POOLINGS) <= set(BAG_POOLINGS)
 
 
 def test_model_takes_every_choice():

@@ -16,7 +16,8 @@ from sklearn.metrics import log_loss, roc_auc_score
 from dlrm.data.oracle import BINS, OracleMetrics, SplitOracle, histogram_auc
 from dlrm.data.output import load_metadata
 from dlrm.data.schema import DENSE_COLUMNS, SPARSE_COLUMNS
-from dlrm.data.synthetic import SyntheticConfig, planted_logit, preset_cardinalities, write_parquet, write_tsv
+from dlrm.data.synthetic_output import write_parquet, write_tsv
+from dlrm.data.synthetic_rows import SyntheticConfig, planted_logit, preset_cardinalities
 from dlrm.metrics import auc
 
 SMALL = SyntheticConfig(preset_cardinalities("kaggle", max_cardinality=200), seed=11)

@@ -107,9 +107,9 @@ def test_only_the_consumer_calls_cuda(monkeypatch):
         note("Tensor.to")
         return tensor.clone()
 
-    def plain_slots(count, batch_size):
+    def plain_slots(count, batch_size, sparse_width):
         note("pin")
-        return [Batch(torch.empty(batch_size, 13), torch.empty(batch_size, 26, dtype=torch.int64),
+        return [Batch(torch.empty(batch_size, 13), torch.empty(batch_size, sparse_width, dtype=torch.int64),
                       torch.empty(batch_size)) for _ in range(count)]  # fmt: skip
 
     monkeypatch.setattr(prefetch, "_pinned_slots", plain_slots)

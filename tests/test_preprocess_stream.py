@@ -21,8 +21,8 @@ from dlrm.data import text as text_module
 from dlrm.data.output import load_metadata
 from dlrm.data.preprocess import PreprocessError, preprocess
 from dlrm.data.schema import LABEL, RAW_COLUMNS, SPARSE_COLUMNS
-from dlrm.data.synthetic import SyntheticConfig, preset_cardinalities
-from dlrm.data.synthetic import write_tsv as write_synthetic_tsv
+from dlrm.data.synthetic_output import write_tsv as write_synthetic_tsv
+from dlrm.data.synthetic_rows import SyntheticConfig, preset_cardinalities
 from dlrm.data.text import TextBlock
 from tests.test_preprocess import SAMPLE, raw_lines, read_split, reference_rows
 

@@ -14,23 +14,23 @@ import torch
 from click.testing import CliRunner
 from torchmetrics.functional.classification import binary_auroc
 
-from dlrm.data import synthetic
+from dlrm.data import synthetic_output
 from dlrm.data.dataset import BatchLoader, open_split
 from dlrm.data.output import load_metadata
 from dlrm.data.preprocess import preprocess
 from dlrm.data.schema import MISSING_CATEGORY, NUM_DENSE, NUM_SPARSE, RAW_COLUMNS
-from dlrm.data.synthetic import (
+from dlrm.data.synthetic import main
+from dlrm.data.synthetic_output import to_raw_table, write_parquet, write_tsv
+from dlrm.data.synthetic_rows import (
     KAGGLE_CARDINALITIES,
     TERABYTE_CARDINALITIES,
+    ZIPF_EXPONENT,
     SyntheticConfig,
     generate_rows,
     iter_blocks,
-    main,
     planted_logit,
     power_law_ranks,
     preset_cardinalities,
-    write_parquet,
-    write_tsv,
 )
 
 HEX_ID = re.compile(r"^[0-9a-f]{8}$")
@@ -185,8 +185,8 @@ def test_no_partial_output_on_failure(tmp_path, monkeypatch):
             raise RuntimeError("boom")
         return real(rows)
 
-    real = synthetic.to_raw_table
-    monkeypatch.setattr(synthetic, "to_raw_table", fail_on_second_block)
+    real = to_raw_table
+    monkeypatch.setattr(synthetic_output, "to_raw_table", fail_on_second_block)
     with pytest.raises(RuntimeError, match="boom"):
         write_tsv(SMALL, 3000, tmp_path / "x.tsv.gz", block_size=1000)
     assert list(tmp_path.iterdir()) == []
@@ -266,7 +266,7 @@ def test_power_law_ranks_follow_the_power_law(cardinality):
     u = np.random.default_rng(0).random((400_000, 1))
     ranks = power_law_ranks(u, [cardinality])
     assert ranks.min() == 0 and ranks.max() < cardinality
-    a = 1 - synthetic.ZIPF_EXPONENT
+    a = 1 - ZIPF_EXPONENT
     for k in (0, 1):
         expected = ((k + 2) ** a - (k + 1) ** a) / ((cardinality + 1) ** a - 1)
         assert (ranks == k).mean() == pytest.approx(expected, abs=5 * (expected / len(u)) ** 0.5)

@@ -8,7 +8,9 @@ Letters: N rows of the split; 13 dense features (N_dense), 26 sparse features (F
                                                       the parquet loaders deliver, so every loader trains on
                                                       bit-identical batches
     DIR/binary/<split>/sparse.bin   int32   [N, 26]   the raw 32-bit id's bits (ids are 8 hex digits);
-                                                      missing = -1, so the id 0xFFFFFFFF reads as missing
+                                                      missing = -1, so the id 0xFFFFFFFF reads as missing;
+                                                      multi-hot data: [N, S], the bags' ids in the layout of
+                                                      dlrm.data.bags (S in format.json's "columns")
     DIR/binary/<split>/format.json  {"version", "rows", "columns": {file: [dtype, width]}}
 
 157 bytes a row on disk (264 in the parquet loaders' tensors); `widen_ids` turns int32 ids back into the
@@ -52,6 +54,7 @@ class BinarySplit(NamedTuple):
     label: Path
     dense: Path
     sparse: Path
+    sparse_width: int = NUM_SPARSE  # ids a row: F, or S for multi-hot data
 
 
 def binary_dir(data_dir: Path | str, split: str) -> Path:
@@ -79,7 +82,12 @@ def open_binary(directory: Path | str) -> BinarySplit:
         raise ValueError(f"{fmt_path}: not a binary split description ({err})") from None
     if version != VERSION:
         raise ValueError(f"{fmt_path}: format version {version!r}, this reader knows {VERSION}")
-    for name, (dtype, width) in COLUMNS.items():
+    sparse_width = fmt.get("columns", {}).get("sparse.bin", [None, NUM_SPARSE])[1]
+    if isinstance(sparse_width, bool) or not isinstance(sparse_width, int) or sparse_width < NUM_SPARSE:
+        raise ValueError(
+            f"{fmt_path}: sparse.bin width {sparse_width!r}, expected an integer >= {NUM_SPARSE}"
+        )
+    for name, (dtype, width) in split_columns(sparse_width).items():
         path = directory / name
         expected = rows * width * np.dtype(dtype).itemsize
         size = path.stat().st_size if path.is_file() else None
@@ -89,7 +97,12 @@ def open_binary(directory: Path | str) -> BinarySplit:
                 f"{path}: expected {expected} bytes ({rows} rows x {width} {dtype}), found {found}: "
                 "truncated or not written by dlrm.data.binary; write the split again"
             )
-    return BinarySplit(directory, rows, *(directory / name for name in COLUMNS))
+    return BinarySplit(directory, rows, *(directory / name for name in COLUMNS), sparse_width)
+
+
+def split_columns(sparse_width: int) -> dict[str, tuple[str, int]]:
+    """`COLUMNS` of a split whose rows hold `sparse_width` ids (F one-hot, S multi-hot)."""
+    return {**COLUMNS, "sparse.bin": ("int32", sparse_width)}
 
 
 def widen_ids(sparse: Tensor) -> Tensor:
@@ -108,7 +121,7 @@ def write_binary_split(parquet_files: list[Path], directory: Path) -> int:
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    rows = 0
+    rows, sparse_width = 0, None
     outputs = {name: open(tmp / name, "wb") for name in COLUMNS}  # noqa: SIM115 - closed below
     try:
         for path in parquet_files:
@@ -119,6 +132,9 @@ def write_binary_split(parquet_files: list[Path], directory: Path) -> int:
                 ids = batch.sparse
                 if len(ids) and (ids.min() < -1 or ids.max() >= _ID_LIMIT):
                     raise ValueError(f"{path}: row group {group}: an id outside [-1, 2**32)")
+                if sparse_width not in (None, ids.shape[1]):
+                    raise ValueError(f"{path}: {ids.shape[1]} ids a row, the files before it {sparse_width}")
+                sparse_width = ids.shape[1]
                 outputs["label.bin"].write(batch.label.numpy().astype(np.uint8).tobytes())
                 outputs["dense.bin"].write(batch.dense.numpy().tobytes())
                 outputs["sparse.bin"].write(ids.numpy().astype(np.uint32).view(np.int32).tobytes())
@@ -126,7 +142,7 @@ def write_binary_split(parquet_files: list[Path], directory: Path) -> int:
     finally:
         for out in outputs.values():
             out.close()
-    columns = {name: list(spec) for name, spec in COLUMNS.items()}
+    columns = {name: list(spec) for name, spec in split_columns(sparse_width or NUM_SPARSE).items()}
     (tmp / "format.json").write_text(json.dumps({"version": VERSION, "rows": rows, "columns": columns}))
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)

@@ -35,7 +35,7 @@ row width), plus the batches handed out (264 bytes a row). No thread but the cal
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dlrm.data.binary import COLUMNS, open_binary, widen_ids
+from dlrm.data.binary import open_binary, split_columns, widen_ids
 from dlrm.data.dataset import Batch
 from dlrm.data.position import EpochPosition, rank_pieces
 
@@ -83,6 +83,8 @@ class BinaryLoader(EpochPosition):
         rank, world_size: this process's part of the rows.
         device: where batches are delivered.
         readers: reader threads.
+        bags: makes each batch's bags from its one-hot ids on `device` (data.multi_hot,
+            dlrm.data.bags.BagMaker); None: the ids as read.
     Position: `state_dict`, `load_state_dict`, `set_epoch`, `len` (dlrm.data.position.EpochPosition).
     Batches: Batch(dense [B, 13] float32 log(1 + max(count, 0)), sparse [B, 26] int64, label [B] float32).
     Raises:
@@ -114,6 +116,7 @@ class BinaryLoader(EpochPosition):
         world_size: int = 1,
         device: torch.device | str = "cpu",
         readers: int = _READERS,
+        bags: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         for name, value in (
             ("batch_size", batch_size),
@@ -134,6 +137,7 @@ class BinaryLoader(EpochPosition):
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         self.readers = readers
+        self.bags = bags
         self._reset_position()
 
     def ranges(self, epoch: int) -> list[tuple[int, int]]:
@@ -160,7 +164,7 @@ class BinaryLoader(EpochPosition):
                     index = slice(j * self.batch_size, min((j + 1) * self.batch_size, rows))
                     batch = _decode(data, index if order is None else order[index])
                     self._consumed += 1
-                    yield batch
+                    yield batch if self.bags is None else batch._replace(sparse=self.bags(batch.sparse))
                     windows.poll(w)
                 windows.release(w)
         finally:
@@ -198,14 +202,18 @@ class _Windows:
         self.ranges = ranges
         self.cuda = loader.device.type == "cuda"
         size = min(loader.window_rows, self.n)
-        self.host = [_allocate(size, "cpu", self.cuda) for _ in range(2)]
-        self.device = [_allocate(size, loader.device, False) for _ in range(2)] if self.cuda else self.host
+        width = loader.split.sparse_width
+        self.host = [_allocate(size, "cpu", self.cuda, width) for _ in range(2)]
+        self.device = (
+            [_allocate(size, loader.device, False, width) for _ in range(2)] if self.cuda else self.host
+        )
         self.pool = ThreadPoolExecutor(loader.readers, thread_name_prefix="dlrm-binary-read")
         self.reads: dict[int, list[Future]] = {}
         self.copied: dict[int, torch.cuda.Event] = {}
         self.consumed: list[torch.cuda.Event | None] = [None, None]
         self.side = torch.cuda.Stream(loader.device) if self.cuda else None
-        self.files = [(os.open(path, os.O_RDONLY), path) for path in loader.split[2:]]
+        split = loader.split
+        self.files = [(os.open(path, os.O_RDONLY), path) for path in (split.label, split.dense, split.sparse)]
 
     def rows(self, w: int) -> int:
         return min(self.loader.window_rows, self.n - w * self.loader.window_rows)
@@ -297,9 +305,10 @@ class _Windows:
             self.side.synchronize()
 
 
-def _allocate(rows: int, device: torch.device | str, pin: bool) -> _Window:
+def _allocate(rows: int, device: torch.device | str, pin: bool, sparse_width: int) -> _Window:
     shapes = [
-        ((rows, width) if width > 1 else (rows,), getattr(torch, dtype)) for dtype, width in COLUMNS.values()
+        ((rows, width) if width > 1 else (rows,), getattr(torch, dtype))
+        for dtype, width in split_columns(sparse_width).values()
     ]
     return _Window(
         *(torch.empty(shape, dtype=dtype, device=device, pin_memory=pin) for shape, dtype in shapes)

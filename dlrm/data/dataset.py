@@ -20,7 +20,7 @@ are shared with the GPU-resident (dlrm.data.resident) and streaming (dlrm.data.s
 
 import copy
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -57,6 +57,7 @@ class Batch(NamedTuple):
 
     dense: [B, 13] float32, log(1 + max(count, 0)).
     sparse: [B, 26] int64, raw category ids (-1 = missing); hashing into tables is the model's job.
+        Multi-hot data: [B, S], each feature's bag of ids in consecutive columns (dlrm.data.bags).
     label: [B] float32, 0 or 1.
     """
 
@@ -160,7 +161,8 @@ def split_files(source: Path | str | Sequence[Path | str]) -> list[Path]:
 
 
 def columns_of(path: Path) -> list[str]:
-    """The columns to read from the parquet file `path`: [label, 13 dense, 26 sparse] of its layout.
+    """The columns to read from the parquet file `path`: [label, 13 dense, 26 sparse] of its layout, each
+    sparse column followed by its bag's extra columns in a multi-hot file (dlrm.data.bags: S sparse).
 
     Raises:
         FileNotFoundError: no such file.
@@ -184,6 +186,8 @@ def columns_of(path: Path) -> list[str]:
             raise ValueError(
                 f"{path}: column {column} has type {schema.field(column).type}, expected a number"
             )
+    # A multi-hot file (dlrm.data.bags): feature c's bag is c, c_1, c_2, ... (consecutive suffixes).
+    sparse = [bag for c in sparse for bag in (c, *_bag_columns(c, names))]
     for column in sparse:
         if not pa.types.is_integer(schema.field(column).type):
             raise ValueError(
@@ -192,13 +196,21 @@ def columns_of(path: Path) -> list[str]:
     return [label, *dense, *sparse]
 
 
+def _bag_columns(column: str, names: set[str]) -> list[str]:
+    """The extra columns of `column`'s bag in a multi-hot file: column_1, column_2, ... while present."""
+    extra = []
+    while f"{column}_{len(extra) + 1}" in names:
+        extra.append(f"{column}_{len(extra) + 1}")
+    return extra
+
+
 def decode_table(table: pa.Table, columns: list[str], path: Path) -> Batch:
     """The rows of `table` as a Batch: dense [n, 13] float32 log(1 + max(count, 0)) with missing counts 0,
-    sparse [n, 26] int64 with missing ids -1, label [n] float32.
+    sparse [n, 26] (multi-hot: [n, S], dlrm.data.bags) int64 with missing ids -1, label [n] float32.
 
     Args:
         table: rows read from the parquet file `path` (which only names the file in errors).
-        columns: [label, 13 dense, 26 sparse] column names, as returned by `columns_of(path)`.
+        columns: [label, 13 dense, 26 (or S) sparse] column names, as returned by `columns_of(path)`.
     Raises:
         ValueError: `table` lacks some of `columns` (the file changed since `columns_of` read it), an id
             does not fit int64, a dense count is NaN or infinite, or a label is other than 0 and 1.
@@ -282,6 +294,8 @@ class BatchLoader:
             rows [rank * B/W, (rank + 1) * B/W) of each global batch (every rank draws the same epoch
             order), so W ranks together train exactly the batches of one process. A last, smaller
             global batch is trimmed to a multiple of W rows (left out when it has fewer than W).
+        bags: makes each batch's bags from its one-hot ids on `device` (data.multi_hot,
+            dlrm.data.bags.BagMaker); None: the ids as read.
     Without shuffling on the CPU, batches are views of the dataset's tensors: do not modify them in place.
     Raises:
         ValueError: batch_size < 1, a rank outside [0, world_size), or W not dividing batch_size.
@@ -297,6 +311,7 @@ class BatchLoader:
         device: torch.device | str = "cpu",
         rank: int = 0,
         world_size: int = 1,
+        bags: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -311,6 +326,7 @@ class BatchLoader:
         self.seed = seed
         self.drop_last = drop_last
         self.device = torch.device(device)
+        self.bags = bags
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -349,4 +365,5 @@ class BatchLoader:
             batch = self.dataset.batch(slice(start, stop) if order is None else order[start:stop])
             if pin:
                 batch = batch.pin_memory()
-            yield batch.to(self.device, non_blocking=pin)
+            batch = batch.to(self.device, non_blocking=pin)
+            yield batch if self.bags is None else batch._replace(sparse=self.bags(batch.sparse))

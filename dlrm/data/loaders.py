@@ -5,6 +5,7 @@ from pathlib import Path
 import torch
 
 from dlrm.config import DataConfig
+from dlrm.data.bags import BagMaker
 from dlrm.data.binary import binary_dir
 from dlrm.data.binary_loader import BinaryLoader
 from dlrm.data.dataset import BatchLoader, ParquetDataset, open_split, split_paths
@@ -24,6 +25,7 @@ def make_train_loader(
     train_set: ParquetDataset | None = None,
     rank: int = 0,
     world_size: int = 1,
+    bags: BagMaker | None = None,
 ) -> TrainLoader:
     """The loader of `data_dir`'s train split per `cfg`: "memory" -> BatchLoader, "gpu_resident" ->
     ResidentLoader, "streaming" -> StreamingLoader, "binary" -> BinaryLoader.
@@ -36,6 +38,7 @@ def make_train_loader(
             "gpu_resident": every rank draws the same epoch order and takes its B / W rows of each
             global batch; "streaming" and "binary": each rank reads a disjoint part of the rows, in
             batches of B / W.
+        bags: bags made on the fly from each batch's one-hot ids (dlrm.data.bag_source.loader_bags).
     Raises:
         FileNotFoundError, ValueError: as dlrm.data.dataset.open_split / split_paths, and from the loaders
             (W must divide the batch: dlrm.parallel.run.check_world says so first, naming the key).
@@ -48,6 +51,7 @@ def make_train_loader(
         "seed": seed,
         "drop_last": cfg.drop_last,
         "device": device,
+        "bags": bags,
     }
     if cfg.loader == "streaming":
         return StreamingLoader(
@@ -75,4 +79,5 @@ def make_train_loader(
         device=device,
         rank=rank,
         world_size=world_size,
+        bags=bags,
     )

@@ -175,8 +175,10 @@ class SplitWriter:
         exact_distinct_limit: int = DEFAULT_EXACT_DISTINCT_LIMIT,
         value_counts_dir: Path | None = None,
         progress_dir: Path | None = None,
+        schema: pa.Schema = OUTPUT_SCHEMA,
     ) -> None:
         self.root, self.split, self.rows_per_file = root, split, rows_per_file
+        self.schema = schema  # of the rows written: OUTPUT_SCHEMA, with bag columns for multi-hot rows
         self.progress_dir = progress_dir
         self.files: list[str] = []
         self.stats = SplitStats(
@@ -264,7 +266,7 @@ class SplitWriter:
         if self._writer is None:
             relative = self.shard_path(len(self.files))
             (self.root / self.split).mkdir(exist_ok=True)
-            self._writer = pq.ParquetWriter(self.root / f"{relative}.tmp", OUTPUT_SCHEMA)
+            self._writer = pq.ParquetWriter(self.root / f"{relative}.tmp", self.schema)
             self.files.append(relative)
             self._rows_in_file = 0
 

@@ -45,7 +45,11 @@ _END = object()
 
 
 def prefetch_to_device(
-    batches: Iterator[Batch], device: torch.device, depth: int, batch_size: int
+    batches: Iterator[Batch],
+    device: torch.device,
+    depth: int,
+    batch_size: int,
+    sparse_width: int = NUM_SPARSE,
 ) -> Iterator[Batch]:
     """Batches of `batches` on `device`, read `depth` batches ahead by a background thread.
 
@@ -55,13 +59,14 @@ def prefetch_to_device(
             otherwise the thread hands them over as they are and the consumer moves them.
         depth: batches ready ahead (the queue bound), at least 1.
         batch_size: rows of the largest batch (B), the size of a pinned slot.
+        sparse_width: ids a row (F, or S for multi-hot rows: dlrm.data.bags).
     Raises:
         ValueError: depth < 1.
         Any exception of `batches`, re-raised in the consumer.
     """
     if depth < 1:
         raise ValueError(f"prefetch depth must be at least 1, got {depth}")
-    slots = _pinned_slots(depth + _EXTRA_SLOTS, batch_size) if device.type == "cuda" else []
+    slots = _pinned_slots(depth + _EXTRA_SLOTS, batch_size, sparse_width) if device.type == "cuda" else []
     free: queue.Queue = queue.Queue()
     for index in range(len(slots)):
         free.put(index)
@@ -73,11 +78,11 @@ def prefetch_to_device(
     return _consume(thread, slots, free, ready, stop, device)
 
 
-def _pinned_slots(count: int, batch_size: int) -> list[Batch]:
+def _pinned_slots(count: int, batch_size: int, sparse_width: int) -> list[Batch]:
     return [
         Batch(
             torch.empty(batch_size, NUM_DENSE, dtype=torch.float32, pin_memory=True),
-            torch.empty(batch_size, NUM_SPARSE, dtype=torch.int64, pin_memory=True),
+            torch.empty(batch_size, sparse_width, dtype=torch.int64, pin_memory=True),
             torch.empty(batch_size, dtype=torch.float32, pin_memory=True),
         )
         for _ in range(count)

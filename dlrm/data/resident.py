@@ -15,6 +15,7 @@ permutation; use the streaming loader (dlrm.data.streaming) for splits that do n
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -45,6 +46,7 @@ class ResidentLoader(BatchLoader):
         drop_last: leave out the last batch if it has fewer than `batch_size` rows.
         device: where the split lives and batches are delivered.
         rank, world_size: this rank's part of each global batch of `batch_size` rows (as BatchLoader).
+        bags: bags made from each batch's one-hot ids (as BatchLoader).
     Batches: Batch(dense [B, 13] float32, sparse [B, 26] int64, label [B] float32) on `device`; without
     shuffling they are views of the resident tensors: do not modify them in place.
     Raises:
@@ -61,6 +63,7 @@ class ResidentLoader(BatchLoader):
         device: torch.device | str = "cpu",
         rank: int = 0,
         world_size: int = 1,
+        bags: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         device = torch.device(device)
         if device.type == "cuda":
@@ -71,7 +74,9 @@ class ResidentLoader(BatchLoader):
                     f"the split ({dataset.num_rows} rows, {needed / 2**30:.1f} GiB) does not fit in the "
                     f"{free / 2**30:.1f} GiB free on {device}: use the streaming loader"
                 )
-        super().__init__(dataset.to(device), batch_size, shuffle, seed, drop_last, device, rank, world_size)
+        super().__init__(
+            dataset.to(device), batch_size, shuffle, seed, drop_last, device, rank, world_size, bags
+        )
 
     def permutation(self) -> Tensor:
         """[N] int64 row order of the current epoch, drawn on the device (no host work, no copy)."""

@@ -49,6 +49,7 @@ from torch import Tensor
 from dlrm.data.dataset import Batch, columns_of, decode_table, parquet_errors, split_files
 from dlrm.data.position import EpochPosition, Piece, rank_pieces
 from dlrm.data.prefetch import prefetch_to_device
+from dlrm.data.schema import NUM_DENSE
 
 # Domain tags of the random streams, so that no two draws of an epoch share a seed.
 _UNIT_ORDER, _UNIT_ROWS, _BUFFER = 0, 1, 2
@@ -192,6 +193,8 @@ class StreamingLoader(EpochPosition):
         shuffle_buffer: rows of the shuffle buffer (0: rows shuffled within their row group only).
         rank, world_size: this process's part of the rows (see the module docstring).
         device: where batches are delivered; for CUDA they are pinned and copied non-blocking.
+        bags: makes each batch's bags from its one-hot ids on `device` (data.multi_hot,
+            dlrm.data.bags.BagMaker); None: the ids as read.
         prefetch: batches a background thread reads and decodes ahead (0: no thread; the reading happens
             in the consumer's `next`).
     Position: `state_dict`, `load_state_dict`, `set_epoch`, `len` (dlrm.data.position.EpochPosition).
@@ -216,6 +219,7 @@ class StreamingLoader(EpochPosition):
         world_size: int = 1,
         device: torch.device | str = "cpu",
         prefetch: int = 0,
+        bags: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         for name, value, low in (
             ("batch_size", batch_size, 1),
@@ -246,6 +250,7 @@ class StreamingLoader(EpochPosition):
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         self.prefetch = prefetch
+        self.bags = bags
         self._reset_position()
 
     def __iter__(self) -> Iterator[Batch]:
@@ -253,13 +258,14 @@ class StreamingLoader(EpochPosition):
         readahead = _READERS if self.prefetch else 0
         batches = _EpochStream(self, self.epoch, self._read, readahead).batches(start)
         if self.prefetch:
-            source = prefetch_to_device(batches, self.device, self.prefetch, self.batch_size)
+            width = len(self._columns[0]) - 1 - NUM_DENSE  # ids a row: F, or S for multi-hot files
+            source = prefetch_to_device(batches, self.device, self.prefetch, self.batch_size, width)
         else:
             source = _to_device(batches, self.device)
         try:
             for batch in source:
                 self._consumed += 1
-                yield batch
+                yield batch if self.bags is None else batch._replace(sparse=self.bags(batch.sparse))
         finally:
             source.close()
 

@@ -4,6 +4,7 @@
     python -m dlrm.data.synthetic --rows 1000000 --output-dir data/synthetic    # as dlrm.data.preprocess
         [--cardinalities kaggle|terabyte] [--max-cardinality N] [--ctr 0.1] [--seed 0] [--block-size 65536]
         [--val-fraction 0.1 --test-fraction 0.1 | --eval-fraction 0.2] [--rows-per-file 1000000] [--overwrite]
+        [--multi-hot mlperf|K1,...,K26 [--multi-hot-distribution pareto|uniform]]   # with --output-dir
 
 `--output` writes raw Criteo lines (label, I1..I13, C1..C26; tab-separated, no header; gzip when the name
 ends with .gz) that `python -m dlrm.data.preprocess` reads unchanged. `--output-dir` writes what
@@ -13,616 +14,25 @@ F` is F/2 each) and DIR/metadata.json with the same keys, so `python -m dlrm.tra
 the planted model's own AUC, logloss and NE on each split, the best any model can score there
 (dlrm.data.oracle; also in the final log line, and for --output over all rows).
 
-What a row holds (row r of seed s is the same whatever the block size; see "Determinism"):
-
-- C1..C26: category rank k in [0, K) of a column of cardinality K, drawn Zipf-like, P(k) ~ (k + 1)^-1.15
-  (inverse CDF of the continuous power law on [1, K + 1], floored), then mapped through a per-(seed, column)
-  bijection of 32-bit integers (a keyed integer hash), so ids look like Criteo's 8-hex-digit hashes and a
-  column never holds more than K distinct ids. Missing (empty) at Criteo-like per-column rates.
-- I1..I13: counts round(expm1(max(0, mu + sd * z))), z ~ N(0, 1), with per-column (mu, sd) on the log1p
-  scale, capped at 2**24 (about Criteo's largest counts, and exact in float32); I2 is
-  -1, -2, ... in 3% of rows. Missing (empty; 0 in parquet) at Criteo-like per-column rates.
-- label ~ Bernoulli(sigmoid(logit)), the planted model:
-
-      logit = bias + sum over c in PLANTED_COLUMNS of w_c(id_c)            (0 where id_c is missing)
-                   + sum over j of v_j * (log1p(max(I_j, 0)) - mu_j)       (I_j = 0 where missing)
-
-  w_c(id) ~ N(0, 0.5^2) is a pure function of (seed, column, id): a keyed 64-bit hash of the id turned
-  into a normal by Box-Muller. v ~ N(0, 0.2^2) per dense column, drawn from the seed. The bias is solved
-  per configuration (bisection on 32k calibration rows of their own random stream) so that the mean
-  click probability is `ctr` (default 0.1, between Criteo Terabyte's ~3% and Kaggle's ~26%).
-
-Determinism: rows are generated in fixed chunks of _CHUNK_ROWS rows, chunk i from its own generator
-SeedSequence(seed, spawn_key=(0, i)); blocks of `--block-size` rows are cut from those chunks, so the
-output depends on (seed, cardinalities, ctr, rows) only. Memory is bounded by the block size (plus one
-chunk), never by the row count.
-
-Cardinalities: `kaggle` are the distinct counts of the Criteo Kaggle (Display Advertising Challenge)
-train set; `terabyte` are the distinct counts over days 0..23 of the Criteo 1TB logs without frequency
-threshold or index cap, as used by TorchRec's DLRM example (177,944,275 rows in all). FB-DLRM's MLPerf
-setting (--max-ind-range=40000000) folds ids modulo 40M, which gives slightly smaller counts (39,884,406
-for C1, ...); `--max-cardinality 40000000` approximates it.
+The rows, their planted model and their determinism: dlrm.data.synthetic_rows; the writers:
+dlrm.data.synthetic_output.
 """
 
-import functools
-import gzip
-import json
-import os
-import queue
-import shutil
-import threading
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import click
-import numpy as np
-import pyarrow as pa
-import pyarrow.csv as pcsv
-from loguru import logger
-from tqdm import tqdm
 
-from dlrm.data.oracle import SplitOracle
-from dlrm.data.oracle import describe as describe_oracle
-from dlrm.data.output import METADATA_FILE, SplitWriter, build_metadata, move_into_place
-from dlrm.data.parse import OUTPUT_SCHEMA
-from dlrm.data.pipeline import split_starts
-from dlrm.data.schema import (
-    MISSING_CATEGORY,
-    NUM_DENSE,
-    NUM_SPARSE,
-    RAW_COLUMNS,
-    SPARSE_COLUMNS,
+from dlrm.choices import BAG_DISTRIBUTIONS
+from dlrm.data.bags import parse_sizes
+from dlrm.data.synthetic_output import write_parquet, write_tsv
+from dlrm.data.synthetic_rows import (
+    CARDINALITY_PRESETS,
+    DEFAULT_CTR,
+    SyntheticConfig,
+    SyntheticError,
+    preset_cardinalities,
 )
-from dlrm.data.splits import held_out_fractions
 from dlrm.errors import cli_errors
-
-KAGGLE_CARDINALITIES = (
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
-)  # fmt: skip
-TERABYTE_CARDINALITIES = (
-    45833188, 36746, 17245, 7413, 20243, 3, 7114, 1441, 62, 29275261, 1572176, 345138, 10,
-    2209, 11267, 128, 4, 974, 14, 48937457, 11316796, 40094537, 452104, 12606, 104, 35,
-)  # fmt: skip
-CARDINALITY_PRESETS = {"kaggle": KAGGLE_CARDINALITIES, "terabyte": TERABYTE_CARDINALITIES}
-
-ZIPF_EXPONENT = 1.15
-# Share of empty fields per column, close to those of the Kaggle train set.
-SPARSE_MISSING_RATE = np.array(
-    [0.0, 0.0, 0.034, 0.034, 0.0, 0.121, 0.0, 0.0, 0.0, 0.0, 0.0, 0.034, 0.0,
-     0.0, 0.0, 0.034, 0.0, 0.0, 0.44, 0.44, 0.034, 0.763, 0.0, 0.034, 0.44, 0.44]
-)  # fmt: skip
-DENSE_MISSING_RATE = np.array(
-    [0.454, 0.0, 0.215, 0.217, 0.026, 0.224, 0.043, 0.0005, 0.043, 0.454, 0.043, 0.765, 0.217]
-)
-# (mu, sd) of log1p(count) per dense column.
-DENSE_LOG_MEAN = np.array([1.0, 2.5, 2.0, 1.6, 7.5, 3.0, 1.5, 2.2, 3.8, 0.3, 0.9, 0.2, 1.7])
-DENSE_LOG_STD = np.array([1.0, 1.8, 1.2, 1.0, 2.2, 1.7, 1.4, 1.0, 1.4, 0.5, 0.8, 0.6, 1.0])
-I2_NEGATIVE_RATE = 0.03
-# Largest count: about Criteo's largest (I5 reaches ~23M), and every integer up to it is exact in float32.
-MAX_COUNT = 1 << 24
-
-# The planted model (see the module docstring).
-PLANTED_COLUMNS = ("C1", "C2", "C3", "C5", "C6", "C9", "C14", "C17")
-# With these, the planted model itself scores an AUC of 0.81..0.87 by seed (DLRMs on Criteo reach ~0.80).
-PLANTED_SPARSE_STD = 0.5
-PLANTED_DENSE_STD = 0.2
-DEFAULT_CTR = 0.1
-
-_CHUNK_ROWS = 1 << 14  # rows per random-number chunk; fixed, so the output does not depend on the block size
-_CALIBRATION_ROWS = 1 << 15
-_PLANTED_INDEX = np.array([SPARSE_COLUMNS.index(c) for c in PLANTED_COLUMNS])
-# 16-bit value -> its 4 lowercase hex digits as ASCII bytes, read as one (native-endian) uint32.
-_HEX_OF_UINT16 = (
-    np.frombuffer(b"0123456789abcdef", dtype=np.uint8)[
-        (np.arange(1 << 16, dtype=np.uint32)[:, None] >> np.array([12, 8, 4, 0], dtype=np.uint32)) & 15
-    ]
-    .view(np.uint32)
-    .ravel()
-)
-# spawn_key domains of SeedSequence(seed, spawn_key=...): one random stream per use.
-_ROWS_STREAM, _CALIBRATION_STREAM, _MODEL_STREAM = 0, 1, 2
-
-
-class SyntheticError(ValueError):
-    """Bad arguments or an unusable output path; the message is one line."""
-
-
-@dataclass(frozen=True)
-class SyntheticConfig:
-    """What the generated rows depend on (besides their number).
-
-    Attributes:
-        cardinalities: distinct ids per sparse column C1..C26 (26 ints >= 1).
-        seed: non-negative seed of every random stream.
-        ctr: mean click probability of the planted model, in (0, 1).
-    Raises:
-        SyntheticError: a bad value.
-    """
-
-    cardinalities: tuple[int, ...] = KAGGLE_CARDINALITIES
-    seed: int = 0
-    ctr: float = DEFAULT_CTR
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "cardinalities", tuple(int(k) for k in self.cardinalities))
-        if len(self.cardinalities) != NUM_SPARSE or min(self.cardinalities) < 1:
-            raise SyntheticError(f"need {NUM_SPARSE} cardinalities >= 1, got {list(self.cardinalities)}")
-        if max(self.cardinalities) > 1 << 32:
-            raise SyntheticError(
-                f"cardinalities must be at most 2**32 (32-bit ids), got {self.cardinalities}"
-            )
-        if self.seed < 0:
-            raise SyntheticError(f"seed must be non-negative, got {self.seed}")
-        if not 0.0 < self.ctr < 1.0:
-            raise SyntheticError(f"ctr must be in (0, 1), got {self.ctr}")
-
-
-def preset_cardinalities(preset: str, max_cardinality: int | None = None) -> tuple[int, ...]:
-    """The 26 cardinalities of `preset` ("kaggle" or "terabyte"), each capped at `max_cardinality`."""
-    if preset not in CARDINALITY_PRESETS:
-        raise SyntheticError(
-            f"unknown cardinalities {preset!r} (expected one of {', '.join(CARDINALITY_PRESETS)})"
-        )
-    if max_cardinality is not None and max_cardinality < 1:
-        raise SyntheticError(f"max cardinality must be at least 1, got {max_cardinality}")
-    cap = max_cardinality or 1 << 32
-    return tuple(min(k, cap) for k in CARDINALITY_PRESETS[preset])
-
-
-class Rows(NamedTuple):
-    """A block of n synthetic rows.
-
-    label: [n] int8, 0 or 1.
-    dense: [n, 13] int64 counts; 0 where missing.
-    dense_missing: [n, 13] bool.
-    sparse: [n, 26] int64 ids in [0, 2**32), MISSING_CATEGORY (-1) where missing.
-    logit: [n] float64 logit of the planted model, which the label was drawn from (not written; it gives
-        the oracle numbers, dlrm.data.oracle).
-    """
-
-    label: np.ndarray
-    dense: np.ndarray
-    dense_missing: np.ndarray
-    sparse: np.ndarray
-    logit: np.ndarray
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.label)
-
-    def slice(self, start: int, stop: int) -> "Rows":
-        return Rows(*(a[start:stop] for a in self))
-
-
-def _concat(parts: Sequence[Rows]) -> Rows:
-    if len(parts) == 1:
-        return parts[0]
-    return Rows(*(np.concatenate(arrays) for arrays in zip(*parts, strict=True)))
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Generation
-
-
-def _stream(seed: int, *key: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=key))
-
-
-@functools.cache
-def _column_keys(seed: int) -> np.ndarray:
-    """[4, 26] uint32: per-column keys of the rank -> id bijection (rows 0, 1) and of the planted weights."""
-    return (
-        np.random.SeedSequence(seed, spawn_key=(_MODEL_STREAM,)).generate_state(4 * NUM_SPARSE).reshape(4, -1)
-    )
-
-
-@functools.cache
-def _dense_weights(seed: int) -> np.ndarray:
-    """[13] float64 weights v of the planted model's dense term."""
-    return _stream(seed, _MODEL_STREAM, 1).normal(0.0, PLANTED_DENSE_STD, NUM_DENSE)
-
-
-def _ids_of_ranks(ranks: np.ndarray, keys_add: np.ndarray, keys_xor: np.ndarray) -> np.ndarray:
-    """Keyed bijection of 32-bit integers (add, lowbias32 hash, xor), column-wise: [n, c] int64 ids."""
-    h = ranks.astype(np.uint32) + keys_add
-    h ^= h >> 16
-    h *= np.uint32(0x7FEB352D)
-    h ^= h >> 15
-    h *= np.uint32(0x846CA68B)
-    h ^= h >> 16
-    h ^= keys_xor
-    return h.astype(np.int64)
-
-
-def planted_weights(seed: int, columns: Sequence[int] | np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """w_c(id) of the planted model: [n, c] float64 for [n, c] int64 `ids` of the 0-based sparse `columns`.
-
-    A pure function of (seed, column, id) ~ N(0, PLANTED_SPARSE_STD**2); missing ids (-1) get weight 0.
-    """
-    keys = _column_keys(seed)[2:, np.asarray(columns)].astype(np.uint64)
-    z = ids.astype(np.uint64) ^ ((keys[0] << np.uint64(32)) | keys[1])
-    # splitmix64
-    z += np.uint64(0x9E3779B97F4A7C15)
-    z ^= z >> np.uint64(30)
-    z *= np.uint64(0xBF58476D1CE4E5B9)
-    z ^= z >> np.uint64(27)
-    z *= np.uint64(0x94D049BB133111EB)
-    z ^= z >> np.uint64(31)
-    u1 = ((z >> np.uint64(32)).astype(np.float64) + 0.5) * 2.0**-32  # (0, 1)
-    u2 = (z & np.uint64(0xFFFFFFFF)).astype(np.float64) * 2.0**-32
-    w = PLANTED_SPARSE_STD * np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
-    return np.where(ids == MISSING_CATEGORY, 0.0, w)
-
-
-def planted_logit(config: SyntheticConfig, dense: np.ndarray, sparse: np.ndarray) -> np.ndarray:
-    """[n] float64 logit of the planted model for [n, 13] counts (0 = missing) and [n, 26] ids."""
-    return _bias(config) + _logit_without_bias(config.seed, dense, sparse)
-
-
-def _logit_without_bias(seed: int, dense: np.ndarray, sparse: np.ndarray) -> np.ndarray:
-    sparse_term = planted_weights(seed, _PLANTED_INDEX, sparse[:, _PLANTED_INDEX]).sum(axis=1)
-    dense_term = (np.log1p(np.maximum(dense, 0)) - DENSE_LOG_MEAN) @ _dense_weights(seed)
-    return sparse_term + dense_term
-
-
-def power_law_ranks(u: np.ndarray, cardinalities) -> np.ndarray:
-    """Category ranks [n, F] int64 in [0, K_f) of column f, P(k) ~ (k + 1)^-ZIPF_EXPONENT, from uniforms
-    u [n, F] in [0, 1): the inverse CDF of the continuous power law x^-s on [1, K + 1], rank = floor(x) - 1.
-    Rank 0 is the most frequent (about 11% of a 10M-row column's draws)."""
-    k = np.asarray(cardinalities, dtype=np.float64)
-    one_minus_s = 1.0 - ZIPF_EXPONENT
-    tail = 1.0 - (k + 1.0) ** one_minus_s
-    x = (1.0 - u * tail) ** (1.0 / one_minus_s)
-    return np.clip(x.astype(np.int64) - 1, 0, np.asarray(cardinalities, dtype=np.int64) - 1)
-
-
-def _features(
-    rng: np.random.Generator, n: int, cardinalities: tuple[int, ...], seed: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dense [n, 13] int64 with 0 where missing, dense_missing [n, 13] bool, sparse [n, 26] int64)."""
-    ranks = power_law_ranks(rng.random((n, NUM_SPARSE)), cardinalities)
-    keys = _column_keys(seed)
-    sparse = _ids_of_ranks(ranks, keys[0], keys[1])
-    sparse[rng.random((n, NUM_SPARSE)) < SPARSE_MISSING_RATE] = MISSING_CATEGORY
-
-    # Dense: rounded log-normal counts; I2 sometimes negative.
-    y = rng.standard_normal((n, NUM_DENSE)) * DENSE_LOG_STD + DENSE_LOG_MEAN
-    dense = np.minimum(np.rint(np.expm1(np.maximum(y, 0.0))), MAX_COUNT).astype(np.int64)
-    negative = rng.random(n) < I2_NEGATIVE_RATE
-    dense[:, 1] = np.where(negative, -rng.geometric(0.7, n), dense[:, 1])
-    dense_missing = rng.random((n, NUM_DENSE)) < DENSE_MISSING_RATE
-    dense[dense_missing] = 0
-    return dense, dense_missing, sparse
-
-
-@functools.cache
-def _bias(config: SyntheticConfig) -> float:
-    """The bias that makes the mean click probability `config.ctr` on calibration rows (own stream)."""
-    rng = _stream(config.seed, _CALIBRATION_STREAM)
-    dense, _, sparse = _features(rng, _CALIBRATION_ROWS, config.cardinalities, config.seed)
-    base = _logit_without_bias(config.seed, dense, sparse)
-    low, high = -40.0, 40.0
-    for _ in range(60):
-        mid = 0.5 * (low + high)
-        if _sigmoid(mid + base).mean() < config.ctr:
-            low = mid
-        else:
-            high = mid
-    return 0.5 * (low + high)
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.tanh(0.5 * x))
-
-
-def _chunk(config: SyntheticConfig, index: int) -> Rows:
-    """Rows [index * _CHUNK_ROWS, (index + 1) * _CHUNK_ROWS), from the chunk's own random stream."""
-    rng = _stream(config.seed, _ROWS_STREAM, index)
-    dense, dense_missing, sparse = _features(rng, _CHUNK_ROWS, config.cardinalities, config.seed)
-    logit = planted_logit(config, dense, sparse)
-    label = (rng.random(_CHUNK_ROWS) < _sigmoid(logit)).astype(np.int8)
-    return Rows(label, dense, dense_missing, sparse, logit)
-
-
-def iter_blocks(
-    config: SyntheticConfig, rows: int, block_size: int = 1 << 16, start: int = 0
-) -> Iterator[Rows]:
-    """Rows [start, start + rows) in blocks of `block_size` rows (the last may be smaller).
-
-    The rows do not depend on `block_size`: each block is cut from fixed chunks of _CHUNK_ROWS rows.
-    """
-    if rows < 0 or start < 0 or block_size < 1:
-        raise SyntheticError(f"bad row range or block size: rows={rows}, start={start}, block={block_size}")
-    cached: tuple[int, Rows | None] = (-1, None)  # the chunk shared by consecutive blocks
-    stop_all = start + rows
-    for block_start in range(start, stop_all, block_size):
-        block_stop = min(block_start + block_size, stop_all)
-        parts = []
-        for index in range(block_start // _CHUNK_ROWS, (block_stop - 1) // _CHUNK_ROWS + 1):
-            chunk = cached[1] if cached[0] == index else _chunk(config, index)
-            cached = (index, chunk)
-            offset = index * _CHUNK_ROWS
-            parts.append(
-                chunk.slice(max(block_start, offset) - offset, min(block_stop, offset + _CHUNK_ROWS) - offset)
-            )
-        yield _concat(parts)
-
-
-def generate_rows(config: SyntheticConfig, start: int, stop: int) -> Rows:
-    """Rows [start, stop) in one block."""
-    return _concat(list(iter_blocks(config, stop - start, max(stop - start, 1), start)) or [_empty_rows()])
-
-
-def _empty_rows() -> Rows:
-    return Rows(
-        np.empty(0, np.int8),
-        np.empty((0, NUM_DENSE), np.int64),
-        np.empty((0, NUM_DENSE), bool),
-        np.empty((0, NUM_SPARSE), np.int64),
-        np.empty(0, np.float64),
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Conversion
-
-
-def to_raw_table(rows: Rows) -> pa.Table:
-    """The rows as raw Criteo fields (RAW_COLUMNS): label int8, I1..I13 int64 and C1..C26 8-hex-digit
-    strings, null where missing (written as empty fields)."""
-    n = rows.num_rows
-    columns = [pa.array(rows.label)]
-    dense = np.ascontiguousarray(rows.dense.T)  # [13, n], one contiguous buffer per column
-    present = ~np.ascontiguousarray(rows.dense_missing.T)
-    for j in range(NUM_DENSE):
-        columns.append(_array_from_buffers(pa.int64(), n, present[j], [pa.py_buffer(dense[j])]))
-    # [26, n, 2] uint32 = [26, n, 8] ASCII hex digits, 4 per 16-bit half of an id.
-    ids = np.ascontiguousarray(rows.sparse.T).astype(np.uint32)
-    digits = np.empty((NUM_SPARSE, n, 2), dtype=np.uint32)
-    np.take(_HEX_OF_UINT16, ids >> 16, out=digits[:, :, 0])
-    np.take(_HEX_OF_UINT16, ids & np.uint32(0xFFFF), out=digits[:, :, 1])
-    offsets = pa.py_buffer(np.arange(0, 8 * n + 1, 8, dtype=np.int32))
-    present = np.ascontiguousarray(rows.sparse.T) != MISSING_CATEGORY
-    for c in range(NUM_SPARSE):
-        columns.append(_array_from_buffers(pa.string(), n, present[c], [offsets, pa.py_buffer(digits[c])]))
-    return pa.Table.from_arrays(columns, names=RAW_COLUMNS)
-
-
-def _array_from_buffers(dtype: pa.DataType, n: int, present: np.ndarray, buffers: list) -> pa.Array:
-    """An arrow array of `n` values in `buffers`, null where not `present` ([n] bool)."""
-    nulls = n - int(np.count_nonzero(present))
-    validity = pa.py_buffer(np.packbits(present, bitorder="little")) if nulls else None
-    return pa.Array.from_buffers(dtype, n, [validity, *buffers], null_count=nulls)
-
-
-def to_record_batch(rows: Rows) -> pa.RecordBatch:
-    """The rows in preprocess's OUTPUT_SCHEMA: what preprocess makes of their raw lines."""
-    arrays = [pa.array(rows.label.astype(np.float32))]
-    arrays += [pa.array(rows.dense[:, j].astype(np.float32)) for j in range(NUM_DENSE)]
-    arrays += [pa.array(np.ascontiguousarray(rows.sparse[:, c])) for c in range(NUM_SPARSE)]
-    return pa.RecordBatch.from_arrays(arrays, schema=OUTPUT_SCHEMA)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Writers
-
-
-def _check_output(path: Path, overwrite: bool, is_dir: bool) -> None:
-    if not path.exists():
-        if not path.parent.is_dir():
-            raise SyntheticError(f"{path.parent}: no such directory")
-        return
-    if not overwrite:
-        raise SyntheticError(f"{path} already exists: pass --overwrite to replace it")
-    if is_dir and not (path.is_dir() and ((path / METADATA_FILE).is_file() or not any(path.iterdir()))):
-        raise SyntheticError(
-            f"{path} exists and is not a preprocess output (no {METADATA_FILE}): not replacing it"
-        )
-    if not is_dir and not path.is_file():
-        raise SyntheticError(f"{path} exists and is not a regular file: not replacing it")
-
-
-class _TsvWriter:
-    """Formats tables as raw Criteo lines and writes (and gzips) them on a thread, so that generating the
-    next block overlaps formatting and compressing this one."""
-
-    _OPTIONS = pcsv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none", batch_size=8192)
-
-    def __init__(self, path: Path, compress: bool) -> None:
-        self._raw = path.open("wb")
-        # Level 1: the default level 6 compresses several times slower than the rows are generated.
-        self._file = (
-            gzip.GzipFile(fileobj=self._raw, mode="wb", compresslevel=1, mtime=0) if compress else self._raw
-        )
-        self._queue: queue.Queue[pa.Table | None] = queue.Queue(maxsize=1)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="synthetic-tsv-writer", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (table := self._queue.get()) is not None:
-            if self._error is None:
-                try:
-                    sink = pa.BufferOutputStream()
-                    pcsv.write_csv(table, sink, self._OPTIONS)
-                    self._file.write(sink.getvalue())
-                except BaseException as e:  # re-raised in the caller's thread
-                    self._error = e
-
-    def write(self, table: pa.Table) -> None:
-        if self._error is not None:
-            raise self._error
-        self._queue.put(table)
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-        try:
-            if self._file is not self._raw:
-                self._file.close()
-        finally:
-            self._raw.close()
-        if self._error is not None:
-            raise self._error
-
-
-def write_tsv(
-    config: SyntheticConfig, rows: int, path: Path | str, block_size: int = 1 << 16, overwrite: bool = False
-) -> dict:
-    """Write `rows` raw Criteo lines to `path` (gzip when it ends with .gz), via a temporary file.
-
-    Returns:
-        {"rows", "positive_rate", "oracle", "seconds", "rows_per_s", "bias"}; "oracle" is
-        {"all": the planted model's {"auc", "auc_error_bound", "logloss", "ne", "rows"} on all rows}
-        (dlrm.data.oracle; nothing else is written next to the file).
-    Raises:
-        SyntheticError: bad arguments or an unusable `path`.
-    """
-    path = Path(path)
-    _check_counts(rows, block_size)
-    _check_output(path, overwrite, is_dir=False)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    started = time.perf_counter()
-    positives = 0
-    oracle = SplitOracle({"all": (0, rows)})
-    try:
-        writer = _TsvWriter(tmp, compress=path.name.endswith(".gz"))
-        try:
-            with _progress(rows) as bar:
-                for start, block in zip(
-                    range(0, rows, block_size), iter_blocks(config, rows, block_size), strict=True
-                ):
-                    writer.write(to_raw_table(block))
-                    oracle.update(start, block.logit, block.label)
-                    positives += int(block.label.sum())
-                    bar.update(block.num_rows)
-        finally:
-            writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return {
-        "rows": rows,
-        "positive_rate": positives / rows,
-        "oracle": oracle.result(),
-        **_finish(config, rows, positives, started, path, oracle.result()),
-    }
-
-
-def write_parquet(
-    config: SyntheticConfig,
-    rows: int,
-    output_dir: Path | str,
-    eval_fraction: float | None = None,
-    rows_per_file: int = 1_000_000,
-    block_size: int = 1 << 16,
-    overwrite: bool = False,
-    val_fraction: float | None = None,
-    test_fraction: float | None = None,
-) -> dict:
-    """Write `rows` rows as dlrm.data.preprocess would write their raw lines: train/val/test parquet
-    shards and metadata.json, via a temporary directory. The fractions are preprocess's (layout
-    "fraction", dlrm.data.splits.held_out_fractions): test the last `test_fraction` of the rows, val the
-    `val_fraction` before it (default 0.1 each), or `eval_fraction` F for F/2 each.
-
-    metadata.json also holds "oracle": per split, the planted model's own {"auc", "auc_error_bound",
-    "logloss", "ne", "rows"} on exactly that split's rows (dlrm.data.oracle), the best a model can score.
-
-    Returns:
-        The metadata written (the keys of preprocess's, and "oracle"; "source" describes the generator),
-        with "seconds", "rows_per_s" and "bias" added (these three are not written).
-    Raises:
-        SyntheticError: bad arguments (a bad fraction names its option) or an unusable `output_dir`.
-    """
-    output_dir = Path(output_dir)
-    _check_counts(rows, block_size)
-    fractions = held_out_fractions(eval_fraction, val_fraction, test_fraction, error=SyntheticError)
-    if rows_per_file < 1:
-        raise SyntheticError(f"rows per file must be at least 1, got {rows_per_file}")
-    starts = split_starts("fraction", [rows], *fractions)  # as preprocess splits lines
-    if starts[1][1] < 1:
-        raise SyntheticError(
-            f"no train rows: --rows {rows} with --val-fraction {fractions[0]} --test-fraction {fractions[1]}"
-        )
-    _check_output(output_dir, overwrite, is_dir=True)
-
-    started = time.perf_counter()
-    tmp_dir = output_dir.with_name(f"{output_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    try:
-        tmp_dir.mkdir()
-        writers = {
-            name: SplitWriter(tmp_dir, name, rows_per_file, collect_feature_stats=name == "train")
-            for name, _ in starts
-        }
-        ends = [start for _, start in starts[1:]] + [rows]
-        oracle = SplitOracle({name: (first, last) for (name, first), last in zip(starts, ends, strict=True)})
-        with _progress(rows) as bar:
-            for start, block in zip(
-                range(0, rows, block_size), iter_blocks(config, rows, block_size), strict=True
-            ):
-                batch = to_record_batch(block)
-                for (name, first), last in zip(starts, ends, strict=True):  # this block's rows of each split
-                    lo, hi = max(first, start) - start, min(last, start + block.num_rows) - start
-                    if hi > lo:
-                        writers[name].write(batch.slice(lo, hi - lo))
-                oracle.update(start, block.logit, block.label)
-                bar.update(block.num_rows)
-        for writer in writers.values():
-            writer.close()
-        metadata = build_metadata(writers, [_describe(config, rows)], skipped_lines=0)
-        metadata |= {
-            "layout": "fraction",
-            "val_fraction": fractions[0],
-            "test_fraction": fractions[1],
-            "oracle": oracle.result(),
-        }
-        (tmp_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
-        move_into_place(tmp_dir, output_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    positives = round(sum(writer.positives for writer in writers.values()))
-    return {**metadata, **_finish(config, rows, positives, started, output_dir, metadata["oracle"])}
-
-
-def _check_counts(rows: int, block_size: int) -> None:
-    if rows < 1:
-        raise SyntheticError(f"rows must be at least 1, got {rows}")
-    if block_size < 1:
-        raise SyntheticError(f"block size must be at least 1, got {block_size}")
-
-
-def _describe(config: SyntheticConfig, rows: int) -> str:
-    preset = next((name for name, ks in CARDINALITY_PRESETS.items() if ks == config.cardinalities), None)
-    cards = preset or ",".join(map(str, config.cardinalities))
-    return f"synthetic:rows={rows},seed={config.seed},ctr={config.ctr},cardinalities={cards}"
-
-
-def _progress(rows: int) -> tqdm:
-    return tqdm(total=rows, unit="rows", unit_scale=True, desc="synthetic", disable=None, leave=False)
-
-
-def _finish(
-    config: SyntheticConfig, rows: int, positives: int, started: float, path: Path, oracle: dict
-) -> dict:
-    seconds = time.perf_counter() - started
-    logger.info(
-        "generated {:,} rows in {:.1f} s ({:,.0f} rows/s), CTR {:.4f} -> {}; planted model (oracle): {}",
-        rows,
-        seconds,
-        rows / seconds,
-        positives / rows,
-        path,
-        describe_oracle(oracle),
-    )
-    return {"seconds": seconds, "rows_per_s": rows / seconds, "bias": _bias(config)}
-
 
 # ---------------------------------------------------------------------------------------------------------
 # CLI
@@ -689,6 +99,20 @@ def _finish(
     show_default=True,
     help="With --output-dir: rows per shard.",
 )
+@click.option(
+    "--multi-hot",
+    "multi_hot",
+    default=None,
+    help="With --output-dir: bags of ids per feature, sizes 'mlperf' or 26 comma-separated ints, and a "
+    "planted model over the bags (dlrm.data.synthetic_rows).",
+)
+@click.option(
+    "--multi-hot-distribution",
+    type=click.Choice(BAG_DISTRIBUTIONS),
+    default="pareto",
+    show_default=True,
+    help="Law of the bags' drawn ids (dlrm.data.bags).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output of an earlier run.")
 def main(
     rows: int,
@@ -703,6 +127,8 @@ def main(
     seed: int,
     block_size: int,
     rows_per_file: int,
+    multi_hot: str | None,
+    multi_hot_distribution: str,
     overwrite: bool,
 ) -> None:
     """Generate Criteo-shaped synthetic click logs with a planted, learnable click model.
@@ -713,7 +139,9 @@ def main(
     with cli_errors():  # SyntheticError (a ValueError) and OSError on the output path: one line, exit 2
         if (output is None) == (output_dir is None):
             raise SyntheticError("give exactly one of --output FILE.tsv[.gz] and --output-dir DIR")
-        config = SyntheticConfig(preset_cardinalities(preset, max_cardinality), seed, ctr)
+        bag_sizes = None if multi_hot is None else parse_sizes(multi_hot, "--multi-hot")
+        cardinalities = preset_cardinalities(preset, max_cardinality)
+        config = SyntheticConfig(cardinalities, seed, ctr, bag_sizes, multi_hot_distribution)
         given = {
             "--val-fraction": val_fraction,
             "--test-fraction": test_fraction,

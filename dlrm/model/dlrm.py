@@ -25,9 +25,11 @@ from torch.profiler import record_function
 
 from dlrm.choices import HASHINGS, INTERACTIONS, SPARSE_KERNELS
 from dlrm.config import AttentionConfig, DcnConfig, ModelConfig
+from dlrm.data.bags import is_one_hot
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model.dcn import LowRankCrossNet
 from dlrm.model.mlp import MLP
+from dlrm.model.pooling import BagPooling
 from dlrm.model.tables import register_vocabularies, vocabulary_rows
 
 # The config's hashings and "index": ids that are rows already (SparseArch's docstring).
@@ -81,8 +83,11 @@ class SparseArch(nn.Module):
         hashing: "modulus", "vocab" or "index".
         vocabularies: for "vocab", F sorted int64 tensors of known ids.
         kernel: "torch" or "triton".
+        multi_hot_sizes: F bag sizes (`model.multi_hot_sizes`; None or all ones: one id per feature); with
+            bags, forward takes ids [B, S] (dlrm.data.bags) and pools each bag by `pooling` ("sum" or
+            "mean"; dlrm.model.pooling), modulus hashing only.
     Raises:
-        ValueError: wrong number of tables or vocabularies, unknown hashing or kernel.
+        ValueError: wrong number of tables or vocabularies, unknown hashing or kernel, bad bags.
     """
 
     def __init__(
@@ -92,10 +97,14 @@ class SparseArch(nn.Module):
         hashing: str = "modulus",
         vocabularies: list[torch.Tensor] | None = None,
         kernel: str = "torch",
+        multi_hot_sizes: tuple[int, ...] | None = None,
+        pooling: str = "sum",
     ):
         super().__init__()
         if kernel not in SPARSE_KERNELS:
             raise ValueError(f"unknown sparse kernel {kernel!r}: expected one of {SPARSE_KERNELS}")
+        if not is_one_hot(multi_hot_sizes) and hashing != "modulus":
+            raise ValueError(f"bags (model.multi_hot_sizes) need hashing 'modulus', got {hashing!r}")
         if hashing == "vocab":
             if vocabularies is None or len(vocabularies) != NUM_SPARSE:
                 raise ValueError(f"hashing 'vocab' needs {NUM_SPARSE} vocabularies")
@@ -132,6 +141,9 @@ class SparseArch(nn.Module):
         for table in tables:
             bound = (1.0 / table.shape[0]) ** 0.5  # FB-DLRM: U(-sqrt(1/rows), sqrt(1/rows))
             nn.init.uniform_(table, -bound, bound)
+        # No state: a checkpoint's keys are the same with and without bags.
+        one_hot = is_one_hot(multi_hot_sizes)
+        self.bags = None if one_hot else BagPooling(multi_hot_sizes, pooling, self.table_rows)
 
     def configure_optimizer(self, optimizer: str, lr: float, eps: float = 1e-10) -> None:
         """For kernel "triton": the update its backward applies, "sgd" or "adagrad" (torch.optim's
@@ -161,8 +173,11 @@ class SparseArch(nn.Module):
         return vocabulary_rows(sparse, self.vocab_keys, self.vocab_starts, self.vocab_sizes, self.vocab_bases)
 
     def forward(self, sparse: torch.Tensor) -> torch.Tensor:
-        """sparse: [B, F] int64 raw ids -> embeddings [B, F, D], the tables' dtype (kernel "triton" under
-        autocast: the autocast dtype, rounded by the lookup kernel as it stores)."""
+        """sparse: [B, F] int64 raw ids (with bags: [B, S], each bag pooled) -> embeddings [B, F, D], the
+        tables' dtype (kernel "triton" under autocast: the autocast dtype, rounded by the kernel as it
+        stores)."""
+        if self.bags is not None:
+            return self.bags(self, sparse)
         if self.kernel == "triton":
             from kernels.embedding import embedding_lookup
 
@@ -359,7 +374,15 @@ class DLRM(nn.Module):
         lora = (cfg.lora.rank, cfg.lora.alpha)
         self.dense_arch = DenseArch(cfg.bottom_mlp, mlp_kernel, cfg.mlp_block, cfg.gate, lora)
         if sparse_arch is None:
-            sparse_arch = SparseArch(cfg.embedding_dim, table_rows, cfg.hashing, vocabularies, sparse_kernel)
+            sparse_arch = SparseArch(
+                cfg.embedding_dim,
+                table_rows,
+                cfg.hashing,
+                vocabularies,
+                sparse_kernel,
+                cfg.multi_hot_sizes,
+                cfg.pooling,
+            )
         self.sparse_arch = sparse_arch
         self.interaction_arch = InteractionArch(
             cfg.embedding_dim, cfg.interaction, kernel=sparse_kernel, attention=cfg.attention, dcn=cfg.dcn

@@ -1,0 +1,171 @@
+"""Benchmark the pooled bag lookup and its fused optimizer update (kernels.embedding_bag) on a GPU.
+
+    python scripts/bench_embedding_bag.py [--batch 65536] [--dim 128] [--sizes mlperf] [--max-rows 40000000]
+        [--optimizers rowwise_adagrad,sgd,adagrad] [--weights bf16|fp32]
+
+Tables: the Criteo 1TB cardinalities + 1 capped at --max-rows, one table-batched weight; bags of --sizes
+(MLPerf DLRM-DCNv2's by default, S = 214 ids a sample): uniform one-hot ids made into pareto bags as
+dlrm.data.bags makes them (heavy repeats of the first rows). For each optimizer:
+    fwd    ours: one launch hashes, gathers and pools [B, F, D]
+           torch: the same pooled lookup as one F.embedding_bag over the table-batched weight (the bags
+           of a sample are contiguous in the [B, S] layout: offsets b * S + start_f)
+    step   fwd + the update from a given pooled gradient [B, F, D], every touched row once (EXACT):
+           ours: the fused backward (kernels.embedding_bag)
+           torch: the strongest capturable plain-PyTorch form: per-lookup gradients by index_select,
+           torch.sort of the B*S rows, segment sums by index_add_, the step applied by index_put_
+           (accumulate, zero at non-first positions), all fixed shapes
+Both are timed as CUDA-graph replays (triton.testing.do_bench medians) and, for ours, also as launched
+from Python. Bytes model of the forward: ids read 8 B and index written 8 B per lookup, D rows of the
+weights' dtype read per lookup, [B, F, D] written; of the step's update (on top of the forward):
+index read and sorted (~3 x 8 B per lookup), the pooled gradient read once per lookup (D x 4 B), fp32
+sums written and read (2 x D x 4 B per lookup), and per touched row the weights read and written and the
+state read and written (bounded above by one row per lookup). The forward's % of the copy bandwidth is
+reported; rows are appended to scripts/results/embedding_bag.csv. Needs a CUDA GPU. Memory at the
+defaults: bf16 weights of ~163M rows x 128 (42 GB), plus per step ~7 GB of fp32 [B*S, D] sums (ours) or
+~4 such buffers (the plain-PyTorch step); "adagrad" adds an fp32 [R, D] state (83 GB): lower --max-rows
+(e.g. 4000000, the MLPerf step config's cap) where that does not fit.
+"""
+
+from pathlib import Path
+
+import click
+import torch
+import torch.nn.functional as F
+from bench_kernels import _graph_ms, _median_ms, measure_ceilings
+from results_csv import append_rows, provenance
+
+from dlrm.data.bags import BagMaker, parse_sizes
+from dlrm.data.schema import NUM_SPARSE
+from dlrm.data.synthetic_rows import TERABYTE_CARDINALITIES
+from kernels.embedding import optimizer_state
+from kernels.embedding_bag import embedding_bag_lookup
+from kernels.embedding_bag_update import bag_columns
+
+RESULTS = Path(__file__).parent / "results" / "embedding_bag.csv"
+ROTATE = 4
+LR, EPS = 0.01, 1e-8
+
+
+def _torch_lookup(weights, offsets_in_table, rows, bag_offsets, features, ids, pooling):
+    """Plain PyTorch pooled lookup: (out [B, F, D], index [B, S])."""
+    index = torch.remainder(ids + 1, rows[features]) + offsets_in_table[features]
+    out = F.embedding_bag(index.reshape(-1), weights, bag_offsets, mode=pooling)
+    return out.view(ids.shape[0], NUM_SPARSE, -1), index
+
+
+def _torch_update(weights, state, index, grad, features, scales, optimizer):
+    """Plain PyTorch EXACT update with fixed shapes (capturable): each touched row steps once."""
+    d = weights.shape[1]
+    per_lookup = (grad.float().index_select(1, features) * scales[:, None]).reshape(-1, d)
+    sorted_rows, order = torch.sort(index.reshape(-1))
+    head = torch.ones_like(sorted_rows, dtype=torch.bool)
+    head[1:] = sorted_rows[1:] != sorted_rows[:-1]
+    segment = torch.cumsum(head, 0) - 1
+    sums = torch.zeros_like(per_lookup).index_add_(0, segment, per_lookup[order])
+    g = sums[segment] * head[:, None]  # the row's sum at its first position, zero elsewhere
+    if optimizer == "sgd":
+        step = LR * g
+    elif optimizer == "adagrad":
+        state.index_put_((sorted_rows,), g * g, accumulate=True)
+        step = LR * g / (state[sorted_rows].sqrt() + EPS)
+    else:
+        state.index_put_((sorted_rows,), (g * g).mean(1), accumulate=True)
+        step = LR * g / (state[sorted_rows].sqrt()[:, None] + EPS)
+    weights.index_put_((sorted_rows,), (-step).to(weights.dtype), accumulate=True)
+
+
+def bench(b: int, d: int, sizes, max_rows: int, optimizer: str, dtype, copy_gbps: float) -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    table_rows = [min(k + 1, max_rows) for k in TERABYTE_CARDINALITIES]
+    rows = torch.tensor(table_rows, device="cuda")
+    offsets = torch.cumsum(rows, 0) - rows
+    bag_sizes = torch.tensor(sizes, device="cuda")
+    s = sum(sizes)
+    maker = BagMaker(sizes, table_rows, "pareto", 0)
+    ids = [maker(torch.randint(0, 2**32, (b, NUM_SPARSE), device="cuda", generator=g)) for _ in range(ROTATE)]
+    grads = [torch.randn(b, NUM_SPARSE, d, device="cuda", generator=g) for _ in range(ROTATE)]
+    weights = torch.empty(sum(table_rows), d, device="cuda", dtype=dtype).uniform_(-0.01, 0.01)
+    state = optimizer_state(weights, optimizer)
+    lr = torch.full((), LR, device="cuda")
+    features, scales = bag_columns(bag_sizes, "sum", s)
+    starts = torch.cumsum(bag_sizes, 0) - bag_sizes
+    bag_offsets = (torch.arange(b, device="cuda")[:, None] * s + starts).reshape(-1)
+    it = iter(range(10**9))
+
+    def ours_fwd():
+        with torch.no_grad():
+            embedding_bag_lookup(weights, state, offsets, rows, bag_sizes, ids[next(it) % ROTATE])
+
+    leaf = weights.requires_grad_(True)
+
+    def ours_step():
+        i = next(it) % ROTATE
+        out = embedding_bag_lookup(
+            leaf, state, offsets, rows, bag_sizes, ids[i], "modulus", "sum", optimizer, lr, EPS
+        )
+        out.backward(grads[i])
+
+    def torch_fwd():
+        with torch.no_grad():
+            _torch_lookup(weights, offsets, rows, bag_offsets, features, ids[next(it) % ROTATE], "sum")
+
+    def torch_step():
+        i = next(it) % ROTATE
+        with torch.no_grad():
+            _, index = _torch_lookup(weights, offsets, rows, bag_offsets, features, ids[i], "sum")
+            _torch_update(weights, state, index, grads[i], features, scales, optimizer)
+
+    times = {
+        ("fwd", "ours", "launch"): _median_ms(ours_fwd),
+        ("fwd", "ours", "graph"): _graph_ms(ours_fwd),
+        ("fwd", "torch", "graph"): _graph_ms(torch_fwd),
+        ("step", "ours", "launch"): _median_ms(ours_step),
+        ("step", "ours", "graph"): _graph_ms(ours_step),
+        ("step", "torch", "graph"): _graph_ms(torch_step),
+    }
+    lookups, width = b * s, weights.element_size() * d
+    fwd_bytes = lookups * (16 + width) + b * NUM_SPARSE * width
+    out = []
+    for (op, path, timing), ms in times.items():
+        base = times.get((op, "torch", "graph")) if timing == "graph" else None
+        out.append({
+            "op": op, "path": path, "timing": timing, "optimizer": optimizer, "dim": d, "lookups": lookups,
+            "weights": str(dtype).removeprefix("torch."), "ms": round(ms, 4),
+            "ratio_vs_torch_graph": round(base / ms, 2) if base else "",
+            "pct_copy_bw": round(100 * fwd_bytes / ms / 1e6 / copy_gbps, 1) if op == "fwd" else "",
+        })  # fmt: skip
+    return out
+
+
+@click.command(context_settings={"show_default": True})
+@click.option("--batch", default=65536, help="Batch size B.")
+@click.option("--dim", default=128, help="Embedding dim D.")
+@click.option("--sizes", default="mlperf", help="Bag sizes: 'mlperf' or 26 comma-separated ints.")
+@click.option("--max-rows", default=40_000_000, help="Rows cap per table.")
+@click.option(
+    "--optimizers",
+    default="rowwise_adagrad,sgd",
+    help="Fused optimizers to time (adagrad: + R x D fp32 state).",
+)
+@click.option("--weights", "weights_dtype", type=click.Choice(["bf16", "fp32"]), default="bf16")
+def main(batch, dim, sizes, max_rows, optimizers, weights_dtype):
+    """Time the bag kernel against capturable plain PyTorch; rows go to scripts/results/embedding_bag.csv."""
+    if not torch.cuda.is_available():
+        raise click.UsageError("bench_embedding_bag.py needs a CUDA GPU")
+    gpu = torch.cuda.get_device_name()
+    copy_gbps = measure_ceilings()["copy_gbps"]
+    dtype = torch.bfloat16 if weights_dtype == "bf16" else torch.float32
+    sizes = parse_sizes(sizes)
+    print(f"{gpu}: copy {copy_gbps:.0f} GB/s, B={batch}, D={dim}, S={sum(sizes)}, rows cap {max_rows:,}")
+    rows = []
+    for optimizer in optimizers.split(","):
+        rows += bench(batch, dim, sizes, max_rows, optimizer, dtype, copy_gbps)
+        torch.cuda.empty_cache()
+    common = provenance(gpu)
+    for r in rows:
+        print("  ".join(f"{k}={v}" for k, v in r.items() if v != ""))
+    append_rows(RESULTS, [dict(common, batch=batch, max_rows=max_rows, **r) for r in rows])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""kernels.embedding_bag (Triton interpreter on CPU) against its fp32 PyTorch references and against an
+independent eager reference: nn.EmbeddingBag with torch.optim on its sparse gradient."""
+
+import pytest
+import torch
+from torch import nn
+
+from kernels.embedding import optimizer_state
+from kernels.embedding_bag import (
+    embedding_bag_lookup,
+    embedding_bag_lookup_ref,
+    embedding_bag_update,
+    embedding_bag_update_ref,
+)
+
+# (batch, bag sizes, rows per table, D): a batch of 1, a prime batch and width, bags of 1 and of many.
+SHAPES = [
+    (1, [1], [3], 1),
+    (7, [3, 1, 2], [5, 7, 4], 5),
+    (37, [1, 9, 2, 4], [11, 2, 61, 1], 19),
+]
+# bf16 weights: the kernels cast to fp32 after each load, the reference computes in fp32; both round the
+# result once to bf16 (one ulp, 2**-8 relative, apart at most where the fp32 sums differ in the last bit).
+TOLERANCES = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 1e-2, "atol": 1e-2}}
+
+
+def _tables(batch, sizes, rows, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows_t, sizes_t = torch.tensor(rows), torch.tensor(sizes)
+    offsets = torch.cumsum(rows_t, 0) - rows_t
+    weights = torch.randn(sum(rows), d, generator=g).to(dtype)
+    # Ids in a range a few times the rows: repeats inside and across bags, and missing ids (-1).
+    ids = torch.randint(-1, 3 * max(rows), (batch, sum(sizes)), generator=g)
+    return weights, offsets, rows_t, sizes_t, ids, g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_pooled_lookup_equals_the_reference(shape, pooling, dtype):
+    weights, offsets, rows, sizes, ids, _ = _tables(*shape, dtype)
+    out = embedding_bag_lookup(weights, torch.zeros(0), offsets, rows, sizes, ids, pooling=pooling)
+    expected, _ = embedding_bag_lookup_ref(weights, offsets, rows, sizes, ids, "modulus", pooling)
+    assert out.shape == (shape[0], len(shape[1]), shape[3]) and out.dtype == dtype
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    # The reference itself, against a per-bag loop.
+    start = sum(shape[1][:1])
+    bag = (ids[0, start : start + shape[1][1]] + 1) % rows[1] + offsets[1] if len(shape[1]) > 1 else None
+    if bag is not None:
+        pooled = weights[bag].float().sum(0) / (len(bag) if pooling == "mean" else 1)
+        torch.testing.assert_close(expected[0, 1].float(), pooled, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_update_equals_the_reference(shape, optimizer, dtype):
+    weights, offsets, rows, sizes, ids, g = _tables(*shape, dtype, seed=1)
+    state = optimizer_state(weights, optimizer)
+    if optimizer != "sgd":
+        state += torch.rand(state.shape, generator=g)  # a state from earlier steps
+    _, index = embedding_bag_lookup_ref(weights, offsets, rows, sizes, ids, "modulus", "mean")
+    grad = torch.randn(shape[0], len(shape[1]), shape[3], generator=g)
+    lr = torch.tensor(0.1)
+    got_w, got_s = weights.clone(), state.clone()
+    embedding_bag_update(got_w, got_s, index, grad, sizes, "mean", optimizer, lr, 1e-8)
+    ref_w, ref_s = weights.clone(), state.clone()
+    embedding_bag_update_ref(ref_w, ref_s, index, grad, sizes, "mean", optimizer, lr, 1e-8)
+    torch.testing.assert_close(got_w, ref_w, **TOLERANCES[dtype])
+    torch.testing.assert_close(got_s, ref_s, rtol=1e-5, atol=1e-5)
+    touched = torch.zeros(len(weights), dtype=torch.bool)
+    touched[index.reshape(-1)] = True
+    assert torch.equal(got_w[~touched], weights[~touched])  # only looked-up rows change
+    assert not torch.equal(got_w[touched], weights[touched])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_a_row_in_many_bags_takes_one_step_with_its_summed_gradient(optimizer, pooling):
+    """FBGEMM's EXACT semantics: row 0 of a table sits in every one of 40 bags (several times in some), the
+    rest of each bag is random: the fused backward must equal ONE optimizer step with the gradient summed
+    over the batch, as torch.optim does on nn.EmbeddingBag's sparse gradient (coalesced), and not 40+
+    steps of the single gradients."""
+    torch.manual_seed(3)
+    batch, k, rows, d = 40, 5, 13, 6
+    ids = torch.randint(0, rows, (batch, k))
+    ids[:, 0] = rows - 1  # hashes to row 0: (x + 1) mod rows
+    ids[::3, 2] = rows - 1  # twice in every third bag
+    bag = nn.EmbeddingBag(rows, d, mode=pooling, sparse=True)
+    weights = bag.weight.detach().clone()
+    grad = torch.randn(batch, 1, d)
+    lr, eps = 0.3, 1e-8
+
+    fused_w = weights.clone()
+    fused_s = optimizer_state(fused_w, optimizer)
+    fused_w.requires_grad_(True)
+    out = embedding_bag_lookup(
+        fused_w, fused_s, torch.tensor([0]), torch.tensor([rows]), torch.tensor([k]), ids,
+        pooling=pooling, optimizer=optimizer, lr=torch.tensor(lr), eps=eps,
+    )  # fmt: skip
+    out.backward(grad)
+    assert fused_w.grad is None  # updated in place, no gradient
+
+    # Independent reference: the summed sparse gradient of nn.EmbeddingBag, one step.
+    bag(torch.remainder(ids + 1, rows)).backward(grad[:, 0])
+    g = bag.weight.grad.coalesce().to_dense()
+    if optimizer == "sgd":
+        expected = weights - lr * g
+    elif optimizer == "adagrad":
+        optim = torch.optim.Adagrad([bag.weight], lr=lr, eps=eps)
+        optim.step()
+        expected = bag.weight.detach()
+    else:
+        state = (g * g).mean(dim=1, keepdim=True)
+        expected = weights - lr * g / (state.sqrt() + eps)
+    torch.testing.assert_close(fused_w.detach(), expected, rtol=1e-5, atol=1e-6)
+    if optimizer != "sgd":
+        # One step per lookup instead (what the EXACT semantics rule out) lands elsewhere for row 0.
+        one_by_one = weights[0].clone()
+        per_lookup = grad[:, 0] / (k if pooling == "mean" else 1)
+        acc = torch.zeros(d if optimizer == "adagrad" else 1)
+        for b in range(batch):
+            for _ in range(1 + (b % 3 == 0)):
+                acc += per_lookup[b] ** 2 if optimizer == "adagrad" else (per_lookup[b] ** 2).mean()
+                one_by_one -= lr * per_lookup[b] / (acc.sqrt() + eps)
+        assert (one_by_one - expected[0]).abs().max() > 1e-3
+
+
+def test_bad_arguments_raise_one_line():
+    weights, offsets, rows, sizes, ids, _ = _tables(*SHAPES[1], torch.float32)
+    with pytest.raises(ValueError, match="unknown pooling 'max'"):
+        embedding_bag_lookup(weights, torch.zeros(0), offsets, rows, sizes, ids, pooling="max")
+    with pytest.raises(ValueError, match="unknown embedding optimizer 'adam'"):
+        embedding_bag_lookup(weights, torch.zeros(0), offsets, rows, sizes, ids, optimizer="adam")
+    with pytest.raises(ValueError, match=r"bag_sizes must be a \[F\] int64 tensor"):
+        embedding_bag_lookup(weights, torch.zeros(0), offsets, rows, sizes[:2], ids)
+    with pytest.raises(ValueError, match="lr is required"):
+        embedding_bag_lookup(weights.requires_grad_(True), torch.zeros(0), offsets, rows, sizes, ids)
