@@ -36,24 +36,22 @@ references are `embedding_bag_lookup_ref` and `embedding_bag_update_ref`.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.direct import call, eager_function
-from kernels.embedding import HASHINGS, OPTIMIZERS
+from kernels.embedding import HASHINGS
 from kernels.embedding_bag_update import (
     POOLINGS,
     bag_columns,
-    block_sizes,
     check_pooling,
     embedding_bag_update,
     embedding_bag_update_ref,
 )
+from kernels.embedding_update import OPTIMIZERS, block_sizes
 from kernels.launch import use_triton
+from kernels.op import define_op
 
 __all__ = [
     "POOLINGS",
@@ -245,10 +243,6 @@ def _lookup_impl(
     return embedding_bag_lookup_ref(weights, offsets, rows, bag_sizes, ids, hashing, pooling, out_dtype)
 
 
-_lookup_op = torch.library.custom_op("dlrm::embedding_bag_lookup", _lookup_impl, mutates_args=())
-
-
-@_lookup_op.register_fake
 def _lookup_fake(
     weights, state, offsets, rows, bag_sizes, ids, hashing, pooling, optimizer, lr, eps, out_dtype
 ):
@@ -258,22 +252,6 @@ def _lookup_fake(
     return out, torch.empty_like(ids)
 
 
-@torch.library.custom_op("dlrm::embedding_bag_update", mutates_args=("weights", "state"))
-def _update_op(
-    weights: Tensor,
-    state: Tensor,
-    index: Tensor,
-    grad: Tensor,
-    bag_sizes: Tensor,
-    pooling: str,
-    optimizer: str,
-    lr: Tensor,
-    eps: float,
-) -> None:
-    embedding_bag_update(weights, state, index, grad, bag_sizes, pooling, optimizer, lr, eps)
-
-
-@_update_op.register_fake
 def _update_fake(weights, state, index, grad, bag_sizes, pooling, optimizer, lr, eps) -> None:
     return None
 
@@ -294,10 +272,10 @@ def _backward(update_fn, ctx, grad_out: Tensor, _grad_index):
     return (None,) * 12  # the weights were updated in place: no gradient leaves this op
 
 
-_lookup_op.register_autograd(partial(_backward, _update_op), setup_context=_setup_context)
-_lookup_eager = eager_function(
-    "EmbeddingBagLookup", _lookup_impl, _setup_context, partial(_backward, embedding_bag_update)
-)
+_embedding_bag_lookup = define_op(
+    "embedding_bag_lookup", _lookup_impl, _lookup_fake, _setup_context, _backward, embedding_bag_update,
+    _update_fake, backward_name="embedding_bag_update", backward_mutates=("weights", "state"),
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -353,20 +331,7 @@ def embedding_bag_lookup(
         if weights.requires_grad and torch.is_grad_enabled():
             raise ValueError("embedding_bag_lookup: lr is required when backward updates the weights")
         lr = torch.zeros((), dtype=torch.float32, device=weights.device)
-    out, _ = call(
-        _lookup_op,
-        _lookup_eager,
-        weights,
-        state,
-        offsets,
-        rows,
-        bag_sizes,
-        ids,
-        hashing,
-        pooling,
-        optimizer,
-        lr,
-        eps,
-        out_dtype,
+    out, _ = _embedding_bag_lookup(
+        weights, state, offsets, rows, bag_sizes, ids, hashing, pooling, optimizer, lr, eps, out_dtype
     )
     return out

@@ -21,13 +21,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.embedding import OPTIMIZERS, embedding_update_ref
+from kernels.embedding_update import OPTIMIZERS, block_sizes, embedding_update_ref, segment_update_kernel
 from kernels.launch import use_triton
 
 __all__ = [
     "POOLINGS",
     "bag_columns",
-    "block_sizes",
     "check_pooling",
     "embedding_bag_update",
     "embedding_bag_update_ref",
@@ -108,63 +107,9 @@ def _embedding_bag_segment_sum_kernel(
     tl.atomic_add(sums_ptr + segment[:, None] * D + d[None, :], grad, mask=mask)
 
 
-@triton.jit(do_not_specialize=["N", "eps"])
-def _embedding_bag_segment_update_kernel(
-    # pointers
-    sorted_ptr,  # [N] int64 sorted global rows
-    segment_ptr,  # [N] int64 segment of each sorted position
-    sums_ptr,  # [N, D] fp32 gradient sum of each segment
-    weights_ptr,  # [R, D] fp32/bf16, updated in place
-    state_ptr,  # adagrad: [R, D] fp32; rowwise_adagrad: [R] fp32; sgd: unused
-    lr_ptr,  # [] fp32 learning rate, read at launch time
-    # sizes
-    N,
-    D,
-    # optimizer
-    eps,
-    # meta-parameters
-    OPTIMIZER: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    p = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    valid = p < N
-    row = tl.load(sorted_ptr + p, mask=valid, other=-1)
-    previous = tl.load(sorted_ptr + p - 1, mask=(p > 0) & valid, other=-1)
-    # The first sorted position of each distinct row applies that row's one update; the others nothing.
-    head = valid & (row != previous)
-    # 1-D loads masked by `valid`, not the data-dependent `head` (kernels/embedding.py says why).
-    segment = tl.load(segment_ptr + p, mask=valid, other=0)
-    d = tl.arange(0, BLOCK_D)
-    mask = head[:, None] & (d < D)[None, :]
-    grad = tl.load(sums_ptr + segment[:, None] * D + d[None, :], mask=mask, other=0.0)
-    w_ptrs = weights_ptr + row[:, None] * D + d[None, :]
-    weights = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-    lr = tl.load(lr_ptr).to(tl.float32)
-    if OPTIMIZER == "sgd":
-        step = lr * grad
-    elif OPTIMIZER == "adagrad":
-        s_ptrs = state_ptr + row[:, None] * D + d[None, :]
-        state = tl.load(s_ptrs, mask=mask, other=0.0) + grad * grad
-        tl.store(s_ptrs, state, mask=mask)
-        step = lr * grad / (tl.sqrt(state) + eps)
-    else:
-        state = tl.load(state_ptr + row, mask=valid, other=0.0) + tl.sum(grad * grad, axis=1) / D
-        tl.store(state_ptr + row, state, mask=head)
-        step = lr * grad / (tl.sqrt(state)[:, None] + eps)
-    tl.store(w_ptrs, (weights - step).to(weights_ptr.dtype.element_ty), mask=mask)
-
-
 # --------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------
-
-
-def block_sizes(d: int, n: int) -> tuple[int, int]:
-    """(BLOCK_D, rows per program) for rows of width `d`, `n` rows in all: about 4096 elements of D per
-    program, at least 16 rows, at most the next power of two of `n`."""
-    block_d = triton.next_power_of_2(d)
-    return block_d, min(max(16, 4096 // block_d), triton.next_power_of_2(n))
 
 
 def check_pooling(pooling: str) -> None:
@@ -246,7 +191,7 @@ def embedding_bag_update(
     _embedding_bag_segment_sum_kernel[grid](
         order, segment, grad, features, scales, sums, n, s, f, d, **blocks
     )
-    _embedding_bag_segment_update_kernel[grid](
+    segment_update_kernel[grid](
         sorted_rows, segment, sums, weights, state, lr, n, d, eps, OPTIMIZER=optimizer, **blocks
     )
 

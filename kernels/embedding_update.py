@@ -40,6 +40,7 @@ __all__ = [
     "embedding_update",
     "embedding_update_ref",
     "optimizer_state",
+    "segment_update_kernel",
 ]
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
@@ -97,7 +98,7 @@ def _embedding_segment_sum_kernel(
 
 
 @triton.jit(do_not_specialize=["N", "eps"])
-def _embedding_segment_update_kernel(
+def segment_update_kernel(
     # pointers
     sorted_ptr,  # [N] int64 sorted global rows
     segment_ptr,  # [N] int64 segment of each sorted position
@@ -225,7 +226,7 @@ def embedding_update(
     torch.cumsum(changes, dim=0, out=segment[1:])
     sums = torch.zeros(n, d, dtype=torch.float32, device=grad.device)
     _embedding_segment_sum_kernel[grid](order, segment, grad, sums, n, d, BLOCK_N=block_n, BLOCK_D=block_d)
-    _embedding_segment_update_kernel[grid](
+    segment_update_kernel[grid](
         sorted_rows,
         segment,
         sums,

@@ -37,9 +37,9 @@ from results_csv import append_rows, provenance
 from dlrm.data.bags import BagMaker, parse_sizes
 from dlrm.data.schema import NUM_SPARSE
 from dlrm.data.synthetic_rows import TERABYTE_CARDINALITIES
-from kernels.embedding import optimizer_state
 from kernels.embedding_bag import embedding_bag_lookup
 from kernels.embedding_bag_update import bag_columns
+from kernels.embedding_update import optimizer_state
 
 RESULTS = Path(__file__).parent / "results" / "embedding_bag.csv"
 ROTATE = 4

@@ -5,13 +5,13 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.embedding import optimizer_state
 from kernels.embedding_bag import (
     embedding_bag_lookup,
     embedding_bag_lookup_ref,
     embedding_bag_update,
     embedding_bag_update_ref,
 )
+from kernels.embedding_update import optimizer_state
 
 # (batch, bag sizes, rows per table, D): a batch of 1, a prime batch and width, bags of 1 and of many.
 SHAPES = [
