@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dlrm.config import DcnConfig, ModelConfig, load_config
+from dlrm.data.bags import MLPERF_SIZES
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model import DLRM, model_from_checkpoint
 from dlrm.model.dcn import LowRankCrossNet
@@ -170,7 +171,8 @@ def _cross_update(initial: dict[str, torch.Tensor], run_dir) -> torch.Tensor:
 def test_dlrm_dcnv2_config_is_mlperf_s():
     """configs/dlrm_dcnv2.json loads and is MLPerf's DLRM-DCNv2: D = 128, bottom 512-256-128, 3 cross layers
     of rank 512 over 3456 features, top 1024-1024-512-256-1, the Criteo 1TB tables capped at 40M rows
-    (204.2M rows in all), Adagrad lr 0.004 eps 1e-8 at a constant rate, global batch 65536."""
+    (204.2M rows in all), MLPerf's bag sizes (214 ids a sample) made uniform from the one-hot ids as MLPerf's
+    materialized dataset is, sum-pooled, Adagrad lr 0.004 eps 1e-8 at a constant rate, global batch 65536."""
     cfg = load_config(REPO / "configs" / "dlrm_dcnv2.json")
     m, t = cfg.model, cfg.train
     assert (m.embedding_dim, m.bottom_mlp, m.top_mlp) == (128, (512, 256, 128), (1024, 1024, 512, 256, 1))
@@ -179,4 +181,6 @@ def test_dlrm_dcnv2_config_is_mlperf_s():
     assert (t.optimizer, t.lr, t.adagrad_eps, t.embedding_lr) == ("adagrad", 0.004, 1e-8, None)
     assert t.lr_schedule.warmup_steps == 0 and t.lr_schedule.decay_start_step is None
     assert cfg.data.batch_size == 65536
+    assert m.multi_hot_sizes == MLPERF_SIZES and sum(m.multi_hot_sizes) == 214 and m.pooling == "sum"
+    assert cfg.data.multi_hot.distribution == "uniform"
     assert InteractionArch(m.embedding_dim, m.interaction, dcn=m.dcn).out_features == 3456
