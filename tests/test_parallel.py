@@ -178,6 +178,10 @@ def test_world_checks_are_one_line_errors(criteo_sample):
     logistic = dataclasses.replace(_config(criteo_sample), model=ModelConfig(arch="logistic"))
     with pytest.raises(ValueError, match="^model.arch: 'logistic' is not supported on many ranks yet"):
         check_world(logistic, 2)
+    bags = replace(_config(criteo_sample), "model", multi_hot_sizes=(2,) * 26)
+    with pytest.raises(ValueError, match="^model.multi_hot_sizes: bags are not supported on many ranks yet"):
+        check_world(bags, 2)
+    check_world(replace(bags, "model", multi_hot_sizes=(1,) * 26), 2)
 
 
 def test_ranks_split_every_global_batch(criteo_sample):
