@@ -19,6 +19,7 @@ from dlrm.data.loaders import make_train_loader
 from dlrm.data.resident import ResidentLoader
 from dlrm.data.schema import NUM_SPARSE
 from dlrm.data.splits import REPORT, SELECT, require_val_test
+from dlrm.device import set_precision, use_interpreter_on_cpu
 from dlrm.graphs import GraphedForward
 from dlrm.lr_schedule import LearningRates
 from dlrm.metrics import forward_logits
@@ -35,13 +36,7 @@ from dlrm.run_checkpoints import fused_optimizer_states
 from dlrm.run_dir import check_run_dir, make_run_dir, wait_past_event_files
 from dlrm.run_state import Run, RunState
 from dlrm.signals import StopSignals
-from dlrm.step import (
-    build_step,
-    make_optimizer,
-    resolve_cuda_graphs,
-    set_precision,
-    use_interpreter_on_cpu,
-)
+from dlrm.step import build_step, make_optimizer, resolve_cuda_graphs
 
 
 def set_up(

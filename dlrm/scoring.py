@@ -14,8 +14,8 @@ import click
 import torch
 
 from dlrm.config import RunConfig, replace
+from dlrm.device import set_precision, use_interpreter_on_cpu
 from dlrm.model import Model, model_from_checkpoint
-from dlrm.step import set_precision, use_interpreter_on_cpu
 
 BACKENDS = ("run", "eager", "triton")
 PRECISIONS = ("run", "fp32", "tf32", "bf16")

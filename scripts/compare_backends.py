@@ -24,8 +24,8 @@ from results_csv import append_rows, provenance
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dlrm.config import PRECISIONS, load_config, replace
+from dlrm.device import resolve_device
 from dlrm.loop import train
-from dlrm.step import resolve_device
 
 RESULTS = Path(__file__).parent / "results" / "backends-val-test.csv"
 FLAGS = {
