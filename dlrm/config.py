@@ -247,7 +247,7 @@ class RunConfig:
 
     @property
     def sparse_kernel(self) -> str:
-        """How the embeddings, interaction and loss run (dlrm.model.dlrm.SPARSE_KERNELS)."""
+        """How the embeddings, interaction and loss run (dlrm.model.sparse.SPARSE_KERNELS)."""
         return "triton" if self.train.use_triton else "torch"
 
 

@@ -23,7 +23,7 @@ from dlrm.checkpoint import load_checkpoint
 from dlrm.config import ModelConfig, load_config, replace
 from dlrm.data.dataset import BatchLoader, open_split
 from dlrm.loop import train
-from dlrm.model.dlrm import SparseArch
+from dlrm.model.sparse import SparseArch
 from dlrm.parallel.planner import plan_tables, row_bytes
 from dlrm.parallel.run import check_world
 from dlrm.parallel.sharded import ShardedSparseArch, ToTableOrder
