@@ -24,7 +24,9 @@ import click
 from dlrm.checkpoint import load_checkpoint, save_checkpoint
 from dlrm.config import LoraConfig, RunConfig, from_dict, load_config, replace
 from dlrm.errors import cli_errors
+from dlrm.loop import train
 from dlrm.model import model_from_checkpoint
+from dlrm.step import make_optimizer
 
 
 def finetune_config(
@@ -64,8 +66,6 @@ def merge_checkpoint(checkpoint: Path, output: Path) -> dict:
     Raises:
         ValueError: a checkpoint without adapters.
     """
-    from dlrm.step import make_optimizer
-
     state = load_checkpoint(checkpoint)
     cfg = from_dict(state["config"])
     lora = cfg.model.lora
@@ -128,8 +128,6 @@ def main(
         cfg = finetune_config(checkpoint, config, lora_rank, lora_alpha, freeze_embeddings)
         overrides = {"max_steps": max_steps, "device": device, "use_triton": use_triton or None}
         cfg = replace(cfg, "train", **{k: v for k, v in overrides.items() if v is not None})
-        from dlrm.loop import train
-
         train(cfg, output_dir)
 
 

@@ -23,7 +23,7 @@ from dlrm.device import set_precision, use_interpreter_on_cpu
 from dlrm.graphs import GraphedForward
 from dlrm.lr_schedule import LearningRates
 from dlrm.metrics import forward_logits
-from dlrm.model import Model, build_model
+from dlrm.model import Model, build_model, model_from_checkpoint
 from dlrm.model.dlrm import log_odds
 from dlrm.model.tables import resolve_table_rows
 from dlrm.out_of_memory import check_tables_fit
@@ -77,14 +77,13 @@ def set_up(
     check_rows(data_dir, metadata, SELECT, val_set.num_rows)
     check_test_split(data_dir, metadata)  # read only at the end: checked now, not after hours of training
     train_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64) if train_set is None else train_set.sparse
-    kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
     logger.info("building the model ({} backend) on {}", cfg.backend, device)
     if dist.enabled:  # tables sharded over the ranks, the dense part replicated
         model, plan = build_sharded_model(cfg, metadata, train_ids, dist.rank, dist.world_size, device)
     else:
         if cfg.model.hashing == "modulus":  # sizes known before building (vocab: from the train ids)
             check_tables_fit(cfg, resolve_table_rows(cfg.model, metadata), device)
-        model = build_model(cfg.model, metadata, train_ids, **kernels).to(device)
+        model = initial_model(cfg, metadata, train_ids).to(device)
     if cfg.model.lora.base is None:  # a fine-tuned model starts as its base, whose bias was learned
         rate = train_positive_rate(data_dir, metadata, train_set)
         model.start_at_base_rate(rate)
@@ -158,6 +157,22 @@ def set_up(
     if t.cuda_graphs and not dist.enabled:  # many ranks evaluate through dlrm.parallel.evaluation
         run.eval_forward = GraphedForward(functools.partial(forward_logits, model, t.precision))
     return run, state
+
+
+def initial_model(cfg: RunConfig, metadata: dict, train_ids: torch.Tensor) -> Model:
+    """The model a one-process run starts from: fresh (`build_model`), or with `model.lora.base` (LoRA
+    fine-tuning) the base checkpoint's model, its table layout and weights, with fresh adapters.
+
+    Raises:
+        ValueError: a base checkpoint that is missing or does not fit the config.
+    """
+    kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
+    if cfg.model.lora.base is None:
+        return build_model(cfg.model, metadata, train_ids, **kernels)
+    base = load_checkpoint(Path(cfg.model.lora.base))
+    return model_from_checkpoint(
+        cfg.model, base["table_rows"], base["model"], adapters_missing=True, **kernels
+    )
 
 
 def make_split_loader(

@@ -31,9 +31,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from dlrm.model.dlrm import SPARSE_KERNELS, SparseArch
-from dlrm.model.tables import register_vocabularies
-from dlrm.parallel.planner import ShardingPlan
+from dlrm.model import DLRM
+from dlrm.model.sparse import SPARSE_KERNELS, SparseArch
+from dlrm.model.tables import build_vocabularies, register_vocabularies, resolve_table_rows
+from dlrm.parallel.dense import broadcast_from_rank0
+from dlrm.parallel.planner import ShardingPlan, plan_tables
 
 
 class AllToAll(torch.autograd.Function):
@@ -256,11 +258,6 @@ def build_sharded_model(
     Raises:
         ValueError: as dlrm.model.build_model and dlrm.parallel.planner.plan_tables.
     """
-    from dlrm.model import DLRM
-    from dlrm.model.tables import build_vocabularies, resolve_table_rows
-    from dlrm.parallel.dense import broadcast_from_rank0
-    from dlrm.parallel.planner import plan_tables
-
     m = cfg.model
     vocabularies = (
         build_vocabularies(train_sparse, m.max_rows, m.min_frequency) if m.hashing == "vocab" else None
