@@ -24,8 +24,8 @@ import click
 from dlrm.checkpoint import load_checkpoint, save_checkpoint
 from dlrm.config import LoraConfig, RunConfig, from_dict, load_config, replace
 from dlrm.errors import cli_errors
-from dlrm.loop import train
 from dlrm.model import model_from_checkpoint
+from dlrm.run.loop import train
 from dlrm.step import make_optimizer
 
 

@@ -25,7 +25,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from dlrm.config import PRECISIONS, load_config, replace
 from dlrm.device import resolve_device
-from dlrm.loop import train
+from dlrm.run.loop import train
 
 RESULTS = Path(__file__).parent / "results" / "backends-val-test.csv"
 FLAGS = {

@@ -24,7 +24,6 @@ from loguru import logger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dlrm import evaluate as evaluate_cli
-from dlrm import loop, run_setup
 from dlrm import out_of_memory as out_of_memory_module
 from dlrm import train as train_cli
 from dlrm.config import load_config, replace
@@ -32,6 +31,8 @@ from dlrm.data import preprocess as preprocess_cli
 from dlrm.data import synthetic as synthetic_cli
 from dlrm.errors import OutOfMemory
 from dlrm.out_of_memory import out_of_memory
+from dlrm.run import loop
+from dlrm.run import setup as run_setup
 from dlrm.signals import StopSignals
 from dlrm.step import NonFiniteGuard, make_optimizer, train_step
 from tests.conftest import REPO

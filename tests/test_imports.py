@@ -35,19 +35,7 @@ LAYERS = (
     ("model", ("dlrm.model",)),
     ("step", ("dlrm.step", "dlrm.graphs", "dlrm.scoring", "dlrm.out_of_memory")),
     ("parallel", ("dlrm.parallel", "dlrm.checkpoint")),
-    (
-        "run",
-        (
-            "dlrm.run",
-            "dlrm.loop",
-            "dlrm.run_setup",
-            "dlrm.run_state",
-            "dlrm.selection",
-            "dlrm.run_checkpoints",
-            "dlrm.nonfinite",
-            "dlrm.run_dir",
-        ),
-    ),
+    ("run", ("dlrm.run",)),
     (
         "commands",
         ("dlrm.train", "dlrm.evaluate", "dlrm.predict", "dlrm.finetune", "dlrm.export", "dlrm.aoti"),

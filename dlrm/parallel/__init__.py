@@ -7,7 +7,7 @@ Modules, one job each: group (process group from torchrun's environment, heartbe
 planner (which rank holds which table rows), sharded (the sharded SparseArch and its all_to_all exchange),
 dense (the dense gradients' all-reduce inside the step), evaluation (exact metrics over all ranks),
 checkpoint (DCP, resharding N -> M ranks, and one-process reads), run (the loop's rank-aware helpers).
-The training loop (dlrm.loop) calls these; they never call the loop. Without torchrun nothing here runs.
+The training loop (dlrm.run.loop) calls these; they never call the loop. Without torchrun nothing here runs.
 """
 
 from dlrm.parallel.dense import grad_averager

@@ -1,4 +1,4 @@
-"""What the training loop (dlrm.loop) needs from the process group at its named points: the checks before
+"""What the training loop (dlrm.run.loop) needs from the process group at its named points: the checks before
 any work, one run directory for all ranks, rank-0-only writers, and the reductions of logged numbers."""
 
 from pathlib import Path

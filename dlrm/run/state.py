@@ -1,4 +1,4 @@
-"""What a training run is made of (dlrm.loop): `Run`, what it is set up with, fixed until it ends;
+"""What a training run is made of (dlrm.run.loop): `Run`, what it is set up with, fixed until it ends;
 `RunState`, what changes while it goes on (step, samples, best evaluation, throughput sums), which
 checkpoints save and `--resume` restores; `Interval`, the steps since the last log line."""
 

@@ -9,11 +9,11 @@ only; when the run ends, however it ends, the selected weights (best.pt's) are e
 and metrics.json reports both: val_* of the selecting evaluation, test_* of the same weights.
 
 What changes while a run goes on lives in one `RunState`, the steps since the last log line in an
-`Interval`, what is fixed once set up in a `Run` (dlrm.run_state). This module is the loop over them;
+`Interval`, what is fixed once set up in a `Run` (dlrm.run.state). This module is the loop over them;
 `after_step` is the one point after each step where logging, evaluation, periodic checkpoints and stop
-signals hook in. The rest is in modules of one job each: dlrm.run_setup (set-up and `--resume`),
-dlrm.selection (val evaluations, best.pt, early stopping, the test evaluation), dlrm.run_checkpoints
-(last.pt and best.pt), dlrm.nonfinite (the non-finite guard).
+signals hook in. The rest is in modules of one job each: dlrm.run.setup (set-up and `--resume`),
+dlrm.run.selection (val evaluations, best.pt, early stopping, the test evaluation), dlrm.run.checkpoints
+(last.pt and best.pt), dlrm.run.nonfinite (the non-finite guard).
 
 Failures (README "Failures and recovery"): a non-finite loss is found where the interval's losses are read
 (each log line, evaluation and checkpoint; no per-step host sync) and stops the run with NonFiniteLoss
@@ -38,14 +38,14 @@ from dlrm.config import RunConfig
 from dlrm.data.dataset import Batch
 from dlrm.data.loaders import STATEFUL_LOADERS, TrainLoader
 from dlrm.errors import Interrupted, RunStopped
-from dlrm.nonfinite import check_finite, nonfinite_stop
 from dlrm.out_of_memory import out_of_memory
 from dlrm.parallel import run as ranks
 from dlrm.profiling import data_range, make_profiler
-from dlrm.run_checkpoints import checkpoint_due_by_steps, checkpoint_due_by_time, save_last
-from dlrm.run_setup import set_up
-from dlrm.run_state import Interval, Run, RunState
-from dlrm.selection import evaluate_and_select, evaluate_selected
+from dlrm.run.checkpoints import checkpoint_due_by_steps, checkpoint_due_by_time, save_last
+from dlrm.run.nonfinite import check_finite, nonfinite_stop
+from dlrm.run.selection import evaluate_and_select, evaluate_selected
+from dlrm.run.setup import set_up
+from dlrm.run.state import Interval, Run, RunState
 
 
 def train(

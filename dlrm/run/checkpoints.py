@@ -1,7 +1,7 @@
 """A run's checkpoints: what checkpoints/last.pt and best.pt hold (weights, optimizer states, config,
 table layout, run state, loader position; a sharded directory on many ranks), when a periodic last.pt is
 due (train.checkpoint_interval, train.checkpoint_every_s) and which older ones are kept (train.keep_last).
-Only a finite state is written (dlrm.nonfinite)."""
+Only a finite state is written (dlrm.run.nonfinite)."""
 
 import os
 import shutil
@@ -15,9 +15,9 @@ from dlrm.checkpoint import save_checkpoint
 from dlrm.config import RunConfig
 from dlrm.data.loaders import STATEFUL_LOADERS
 from dlrm.model import DLRM, Model
-from dlrm.nonfinite import check_finite, nonfinite_stop, weights_finite
 from dlrm.parallel import checkpoint as sharded_checkpoint
-from dlrm.run_state import Interval, Run, RunState
+from dlrm.run.nonfinite import check_finite, nonfinite_stop, weights_finite
+from dlrm.run.state import Interval, Run, RunState
 
 
 def checkpoint_due_by_steps(cfg: RunConfig, state: RunState) -> bool:

@@ -1,4 +1,4 @@
-"""Setting a run up (dlrm.loop): data, model, optimizer, step, loaders, run directory, TensorBoard writer
+"""Setting a run up (dlrm.run.loop): data, model, optimizer, step, loaders, run directory, TensorBoard writer
 and progress bar, and the state a `--resume` checkpoint restores. Under torchrun: the process group, the
 sharded tables and rank-aware loaders."""
 
@@ -32,9 +32,9 @@ from dlrm.parallel import run as ranks
 from dlrm.parallel.evaluation import ShardedEvalSplit
 from dlrm.parallel.sharded import build_sharded_model
 from dlrm.progress import TrainProgress
-from dlrm.run_checkpoints import fused_optimizer_states
-from dlrm.run_dir import check_run_dir, make_run_dir, wait_past_event_files
-from dlrm.run_state import Run, RunState
+from dlrm.run.checkpoints import fused_optimizer_states
+from dlrm.run.directory import check_run_dir, make_run_dir, wait_past_event_files
+from dlrm.run.state import Run, RunState
 from dlrm.signals import StopSignals
 from dlrm.step import build_step, make_optimizer, resolve_cuda_graphs
 

@@ -13,12 +13,12 @@ from dlrm.checkpoint import load_checkpoint
 from dlrm.data.dataset import BatchLoader, load_metadata, open_split
 from dlrm.data.splits import REPORT, SELECT
 from dlrm.metrics import evaluate
-from dlrm.nonfinite import check_finite, weights_finite
 from dlrm.parallel import checkpoint as sharded_checkpoint
 from dlrm.parallel.evaluation import ShardedEvalSplit, evaluate_sharded
-from dlrm.run_checkpoints import best_checkpoint_path, save_run_checkpoint
-from dlrm.run_setup import check_rows, make_split_loader
-from dlrm.run_state import Interval, Run, RunState
+from dlrm.run.checkpoints import best_checkpoint_path, save_run_checkpoint
+from dlrm.run.nonfinite import check_finite, weights_finite
+from dlrm.run.setup import check_rows, make_split_loader
+from dlrm.run.state import Interval, Run, RunState
 
 
 def evaluate_split(run: Run, loader: BatchLoader | ShardedEvalSplit, split: str) -> dict[str, float]:
