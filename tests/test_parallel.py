@@ -397,7 +397,7 @@ from dlrm.train import main
 account_step = dlrm.run.loop.account_step
 def faulty_account_step(run, state, *args):
     account_step(run, state, *args)
-    if state.step == 3 and run.dist.rank == 1:  # mid-run, between two steps' collectives
+    if state.step == 3 and run.strategy.rank == 1:  # mid-run, between two steps' collectives
         if sys.argv[1] == "kill":
             os.kill(os.getpid(), 9)
         time.sleep(3600)
