@@ -216,7 +216,16 @@ class Sharded:
         """This rank's part of `dataset` (dlrm.parallel.evaluation)."""
         return ShardedEvalSplit(dataset, cfg.data.eval_batch_size, self.dist)
 
-    def evaluate(self, model, loader, device, precision, forward, progress, split) -> dict[str, float]:
+    def evaluate(
+        self,
+        model: Model,
+        loader: ShardedEvalSplit,
+        device: torch.device,
+        precision: str,
+        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+        progress: TrainProgress,
+        split: str,
+    ) -> dict[str, float]:
         """The metrics of the whole split on every rank, each rank scoring its part (collectives: every
         rank must call it)."""
         return evaluate_sharded(model, loader, device)
@@ -254,7 +263,14 @@ class Sharded:
         """A sharded checkpoint's metadata (every rank reads its own rows later), or a one-process .pt."""
         return sharded_checkpoint.read_meta(path) if path.is_dir() else load_checkpoint(path)
 
-    def load_checkpoint(self, path, checkpoint, model, optimizer, with_optimizer=True) -> None:
+    def load_checkpoint(
+        self,
+        path: Path,
+        checkpoint: dict,
+        model: Model,
+        optimizer: torch.optim.Optimizer,
+        with_optimizer: bool = True,
+    ) -> None:
         """Each rank takes its rows of the weights and optimizer state (a sharded checkpoint: a collective;
         the optimizer state comes along whether `with_optimizer` or not)."""
         if path.is_dir():
