@@ -27,6 +27,8 @@ import torch
 from loguru import logger
 
 from dlrm.atomic import replacing
+from dlrm.config import from_dict
+from dlrm.parallel.checkpoint import load_full
 
 TRAILER = re.compile(rb"\nDLRM-SHA256:([0-9a-f]{64})\n")
 TRAILER_BYTES = 78  # len(b"\nDLRM-SHA256:") + 64 + 1
@@ -83,8 +85,6 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             sha256), or not a DLRM checkpoint; one line naming the file.
     """
     if path.is_dir() and (path / ".metadata").is_file():
-        from dlrm.parallel.checkpoint import load_full
-
         return load_full(path)
     if not path.exists():
         sharded = path.with_suffix("")
@@ -120,8 +120,6 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not a DLRM checkpoint (missing {', '.join(missing)})")
     # Config keys added since the checkpoint was written (e.g. model.mlp_block) take their defaults, which
     # are what such a run had: a resume compares configs key by key.
-    from dlrm.config import from_dict
-
     state["config"] = from_dict(state["config"]).to_dict()
     return state
 

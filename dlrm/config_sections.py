@@ -32,7 +32,7 @@ class DataConfig:
     or "binary" (the fixed-width files of `python -m dlrm.data.binary`, read in windows into pinned memory
     and shuffled on the GPU: splits larger than memory at the step's speed; dlrm.data.binary_loader).
     The val and test splits are read whole, in batches of `eval_batch_size` (on a GPU held in device
-    memory when they fit, else in host memory; dlrm.run_setup.make_eval_loader). `shuffle_buffer`: for
+    memory when they fit, else in host memory; dlrm.run.strategy's split_loader). `shuffle_buffer`: for
     "streaming" the rows mixed across row groups (0: rows shuffled within their row group only); for
     "binary" the rows of a window, read and shuffled together (rounded down to a multiple of the batch).
     `prefetch` ("streaming" only): batches read ahead by a background thread (0: read in the training

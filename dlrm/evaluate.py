@@ -16,10 +16,10 @@ from dlrm.config import from_dict
 from dlrm.data.bag_source import loader_bags
 from dlrm.data.dataset import BatchLoader, open_split
 from dlrm.data.splits import check_data_dir
+from dlrm.device import resolve_device
 from dlrm.errors import cli_errors
 from dlrm.metrics import evaluate
 from dlrm.scoring import resolve_scoring, scoring_model, scoring_options
-from dlrm.step import resolve_device
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})

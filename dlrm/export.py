@@ -32,9 +32,9 @@ from dlrm.checkpoint import load_checkpoint
 from dlrm.cli_options import checkpoint_option
 from dlrm.config import from_dict
 from dlrm.data.schema import DENSE_COLUMNS, NUM_DENSE, NUM_SPARSE, SPARSE_COLUMNS
+from dlrm.device import resolve_device
 from dlrm.errors import cli_errors
 from dlrm.model import DLRM, model_from_checkpoint
-from dlrm.step import resolve_device
 
 MAX_BATCH = 1 << 20
 # + --program P --output O; faulthandler: a crash in the compiler prints the Python stack where it happened

@@ -29,6 +29,8 @@ from dlrm.cli_options import set_option
 from dlrm.config import LoraConfig, RunConfig, apply_overrides, from_dict, load_config, replace
 from dlrm.errors import cli_errors
 from dlrm.model import model_from_checkpoint
+from dlrm.run.loop import train
+from dlrm.step import make_optimizer
 
 
 def finetune_config(
@@ -70,8 +72,6 @@ def merge_checkpoint(checkpoint: Path, output: Path) -> dict:
     Raises:
         ValueError: a checkpoint without adapters.
     """
-    from dlrm.step import make_optimizer
-
     state = load_checkpoint(checkpoint)
     cfg = from_dict(state["config"])
     lora = cfg.model.lora
@@ -141,8 +141,6 @@ def main(
         cfg = finetune_config(checkpoint, config, lora_rank, lora_alpha, freeze_embeddings, overrides)
         flags = {"max_steps": max_steps, "device": device, "use_triton": use_triton}
         cfg = replace(cfg, "train", **{k: v for k, v in flags.items() if v is not None})
-        from dlrm.loop import train
-
         train(cfg, output_dir)
 
 

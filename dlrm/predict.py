@@ -45,11 +45,11 @@ from dlrm.data.parse import parse_block
 from dlrm.data.schema import RAW_COLUMNS
 from dlrm.data.splits import check_data_dir
 from dlrm.data.text import LineReader, PreprocessError, TextBlock
+from dlrm.device import resolve_device
 from dlrm.errors import cli_errors
 from dlrm.metrics import forward_logits
 from dlrm.model import Model
 from dlrm.scoring import Scoring, resolve_scoring, scoring_model, scoring_options
-from dlrm.step import resolve_device
 
 DEFAULT_BLOCK_SIZE = 1 << 16
 

@@ -16,8 +16,8 @@ import torch
 from dlrm.choices import SCORING_BACKENDS as BACKENDS
 from dlrm.choices import SCORING_PRECISIONS as PRECISIONS
 from dlrm.config import RunConfig, replace
+from dlrm.device import set_precision, use_interpreter_on_cpu
 from dlrm.model import Model, model_from_checkpoint
-from dlrm.step import set_precision, use_interpreter_on_cpu
 
 backend_option = click.option(
     "--backend",

@@ -1,4 +1,4 @@
-"""`python -m dlrm.train`: train a DLRM on preprocessed Criteo data (the loop is dlrm.loop.train).
+"""`python -m dlrm.train`: train a DLRM on preprocessed Criteo data (the loop is dlrm.run.loop.train).
 
 Each run writes into its own directory (default `runs/<name>-<timestamp>/`): config.json (resolved config),
 TensorBoard events, a profiler trace `*.pt.trace.json`, checkpoints/last.pt and best.pt, and metrics.json.
@@ -19,7 +19,7 @@ from dlrm.choices import COMPILE_MODES, DEVICES, PRECISIONS, TRITON_MLP_KERNELS
 from dlrm.cli_options import set_option
 from dlrm.config import apply_overrides, load_config, replace
 from dlrm.errors import Interrupted, RunStopped, cli_errors
-from dlrm.loop import train
+from dlrm.run.loop import train
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})

@@ -27,7 +27,8 @@ from bench_kernels import _graph_ms, _median_ms, measure_ceilings
 from results_csv import append_rows, provenance
 
 from dlrm.data.schema import NUM_SPARSE
-from dlrm.model.dlrm import InteractionArch, SparseArch
+from dlrm.model.dlrm import InteractionArch
+from dlrm.model.sparse import SparseArch
 from kernels.interaction import dot_interaction
 from kernels.loss import bce_with_logits
 

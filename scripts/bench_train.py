@@ -57,11 +57,12 @@ from dlrm.config import load_config, replace
 from dlrm.data.dataset import Batch
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.data.synthetic_rows import CARDINALITY_PRESETS, power_law_ranks
+from dlrm.device import set_precision
 from dlrm.graphs import GraphedTrainStep
 from dlrm.model import DLRM
 from dlrm.parallel.run import gather_floats
 from dlrm.parallel.sharded import build_sharded_model
-from dlrm.step import compile_dense_part, make_optimizer, set_precision, train_step
+from dlrm.step import compile_dense_part, make_optimizer, train_step
 
 RESULTS = Path(__file__).parent / "results" / "train.csv"
 CONFIG_DIR = Path(__file__).parents[1] / "configs"

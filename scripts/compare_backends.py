@@ -25,8 +25,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from dlrm.choices import PRECISIONS
 from dlrm.config import load_config, replace
-from dlrm.loop import train
-from dlrm.step import resolve_device
+from dlrm.device import resolve_device
+from dlrm.run.loop import train
 
 RESULTS = Path(__file__).parent / "results" / "backends-val-test.csv"
 FLAGS = {

@@ -10,7 +10,7 @@ datasets, for checking that a setting chosen on one carries over to the other) i
 layout "fraction" (the last 20% held out: val then test, 10% each, in file order); `--data DIR` (repeat)
 takes preprocessed directories instead (e.g. `python -m dlrm.data.synthetic --output-dir DIR --ctr 0.25`),
 each a dataset named by its directory. Every config x dataset x seed is trained by the real loop
-(dlrm.loop.train: best.pt selected on val); one row per run is appended to scripts/results/quality.csv
+(dlrm.run.loop.train: best.pt selected on val); one row per run is appended to scripts/results/quality.csv
 and a table of means and standard deviations over seeds is printed, then the paired comparison of every
 config with `--baseline` (logistic.json by default): per dataset, the differences of each seed's AUC and NE
 from the baseline's run of the same seed, their mean +- sd and the seeds won. Each row also records the
@@ -42,9 +42,9 @@ from results_csv import append_rows, provenance
 from dlrm.config import from_dict, load_config
 from dlrm.data.dataset import load_metadata, open_split
 from dlrm.data.preprocess import preprocess
-from dlrm.loop import train
 from dlrm.metrics import normalized_entropy
 from dlrm.model import build_model
+from dlrm.run.loop import train
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "scripts" / "results" / "quality.csv"

@@ -24,7 +24,7 @@ hashing "modulus") trained by dlrm.step.train_step with SGD: the same ops in the
 that occur several times in a batch sum their gradients, as nn.Embedding(sparse=True)'s gradient does in
 torch.optim.SGD. tests/test_torch_graphed_step.py checks the loss and every updated weight against our
 eager step on the CPU (uncompiled, uncaptured). TF32 ("tf32") is a process-wide switch: the caller sets
-torch.backends' flags (bench_train.py does, through dlrm.step.set_precision).
+torch.backends' flags (bench_train.py does, through dlrm.device.set_precision).
 
 Left out: Adagrad, weight decay, other interactions, MLP blocks and hashings, several GPUs.
 """

@@ -54,7 +54,7 @@ def criteo_sample(tmp_path_factory):
 def initial_weights(monkeypatch) -> list[dict[str, torch.Tensor]]:
     """Each training run's weights as its optimizer is built, before its first step, in the order the runs
     start: fp32 CPU copies of the floating-point state_dict entries, keyed as in a checkpoint."""
-    from dlrm import run_setup
+    from dlrm.run import setup as run_setup
 
     kept, make_optimizer = [], run_setup.make_optimizer
 

@@ -17,7 +17,7 @@ failed under each mutant. Tests skipped here (the GPU ones without a GPU) are le
 
 Loaded as a pytest plugin (`-p tests.mutants`), it applies the mutant named by the environment variables
 DLRM_MUTANT (frozen_tables | frozen_mlps) and DLRM_MUTANT_SCOPE (all | triton) by monkeypatching
-dlrm.run_setup.make_optimizer and kernels.embedding.embedding_lookup for the whole session; without
+dlrm.run.setup.make_optimizer and kernels.embedding.embedding_lookup for the whole session; without
 DLRM_MUTANT it does nothing. No source file is changed.
 """
 
@@ -53,7 +53,7 @@ def apply(mutant: str, scope: str) -> None:
     if mutant not in MUTANTS or scope not in SCOPES:
         raise ValueError(f"DLRM_MUTANT must be one of {MUTANTS} and DLRM_MUTANT_SCOPE one of {SCOPES}")
     import kernels.embedding
-    from dlrm import run_setup
+    from dlrm.run import setup as run_setup
 
     make_optimizer = run_setup.make_optimizer
 

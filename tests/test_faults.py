@@ -24,7 +24,6 @@ from loguru import logger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dlrm import evaluate as evaluate_cli
-from dlrm import loop, run_setup
 from dlrm import out_of_memory as out_of_memory_module
 from dlrm import train as train_cli
 from dlrm.config import load_config, replace
@@ -32,6 +31,8 @@ from dlrm.data import preprocess as preprocess_cli
 from dlrm.data import synthetic as synthetic_cli
 from dlrm.errors import OutOfMemory
 from dlrm.out_of_memory import out_of_memory
+from dlrm.run import loop, strategy
+from dlrm.run import setup as run_setup
 from dlrm.signals import StopSignals
 from dlrm.step import NonFiniteGuard, make_optimizer, train_step
 from tests.conftest import REPO
@@ -531,7 +532,7 @@ def test_out_of_memory_is_one_line_with_the_numbers(criteo_sample, tmp_path, mon
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has ...\nmore")
 
     if when == "set-up":
-        monkeypatch.setattr(run_setup, "build_model", oom)
+        monkeypatch.setattr(strategy, "build_model", oom)
     else:
         monkeypatch.setattr(run_setup, "build_step", lambda *a: oom)
     config = _config(tmp_path, criteo_sample, max_steps=2)

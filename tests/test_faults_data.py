@@ -15,10 +15,10 @@ import pytest
 
 from dlrm import evaluate as evaluate_cli
 from dlrm import predict as predict_cli
-from dlrm import selection
 from dlrm import train as train_cli
 from dlrm.data import binary_loader
 from dlrm.data.binary import write_binary_split
+from dlrm.run import selection
 from tests.conftest import REPO, SAMPLE_TSV
 from tests.test_faults import _cli, _config, _copy_data, _one_error_line, _strict_json, trained  # noqa: F401
 from tests.test_streaming import write_id_files

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlrm import atomic, checkpoint, profiling, run_dir
+from dlrm import atomic, checkpoint, profiling
 from dlrm import train as train_cli
+from dlrm.run import directory as run_dir
 from tests.test_faults import _cli, _config, _one_error_line
 
 

@@ -11,7 +11,8 @@ import torch
 from dlrm.config import ModelConfig
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model import DLRM, model_from_checkpoint
-from dlrm.model.dlrm import InteractionArch, SparseArch
+from dlrm.model.dlrm import InteractionArch
+from dlrm.model.sparse import SparseArch
 from dlrm.model.tables import build_vocabularies, resolve_table_rows
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,15 +18,16 @@ from click.testing import CliRunner
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dlrm import evaluate as evaluate_cli
-from dlrm import parallel, selection
+from dlrm import parallel
 from dlrm.checkpoint import load_checkpoint
 from dlrm.config import ModelConfig, load_config, replace
 from dlrm.data.dataset import BatchLoader, open_split
-from dlrm.loop import train
-from dlrm.model.dlrm import SparseArch
+from dlrm.model.sparse import SparseArch
 from dlrm.parallel.planner import plan_tables, row_bytes
 from dlrm.parallel.run import check_world
 from dlrm.parallel.sharded import ShardedSparseArch, ToTableOrder
+from dlrm.run import selection
+from dlrm.run.loop import train
 from tests.conftest import REPO
 
 TINY = REPO / "configs" / "tiny.json"
@@ -455,17 +456,17 @@ def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_pa
 
 FAULT_WORKER = """
 import os, sys, time
-import dlrm.loop
+import dlrm.run.loop
 from dlrm.train import main
 
-account_step = dlrm.loop.account_step
+account_step = dlrm.run.loop.account_step
 def faulty_account_step(run, state, *args):
     account_step(run, state, *args)
-    if state.step == 3 and run.dist.rank == 1:  # mid-run, between two steps' collectives
+    if state.step == 3 and run.strategy.rank == 1:  # mid-run, between two steps' collectives
         if sys.argv[1] == "kill":
             os.kill(os.getpid(), 9)
         time.sleep(3600)
-dlrm.loop.account_step = faulty_account_step
+dlrm.run.loop.account_step = faulty_account_step
 main(sys.argv[2:])
 """
 

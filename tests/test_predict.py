@@ -13,8 +13,8 @@ from dlrm import evaluate as evaluate_cli
 from dlrm import predict as predict_cli
 from dlrm.checkpoint import save_checkpoint
 from dlrm.config import load_config, replace
-from dlrm.loop import train
 from dlrm.model import DLRM
+from dlrm.run.loop import train
 from tests.conftest import REPO, SAMPLE_TSV
 
 TINY = REPO / "configs" / "tiny.json"

@@ -12,7 +12,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.autograd import DeviceType
 
 from dlrm.config import ProfilerConfig, load_config, replace
-from dlrm.loop import train
 from dlrm.profiling import (
     DATA_LOADER_RANGE,
     GRAPH_REPLAY,
@@ -23,6 +22,7 @@ from dlrm.profiling import (
     make_profiler,
     stage_breakdown,
 )
+from dlrm.run.loop import train
 from tests.conftest import REPO
 
 

@@ -1,4 +1,4 @@
-"""scripts/quality.py: its windows, overrides and summary (the training is dlrm.loop's, tested there)."""
+"""scripts/quality.py: its windows, overrides and summary (the training is dlrm.run.loop's, tested there)."""
 
 import math
 

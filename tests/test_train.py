@@ -15,12 +15,12 @@ from loguru import logger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dlrm import evaluate as evaluate_cli
-from dlrm import selection
 from dlrm import train as train_cli
 from dlrm.config import load_config, replace
 from dlrm.data.binary import write_binary
 from dlrm.data.dataset import open_split
-from dlrm.run_setup import set_up
+from dlrm.run import selection
+from dlrm.run.setup import set_up
 from tests.conftest import REPO
 
 TINY = REPO / "configs" / "tiny.json"
@@ -514,7 +514,7 @@ def test_the_first_step_of_a_new_batch_size_is_timed_apart(criteo_sample, tmp_pa
     batch size pays for its kernels' compilation (here: the clock jumps 1,000 s the first time a size is seen
     after the first step); that step is logged apart and kept out of samples/s, like the first step, and only
     once."""
-    from dlrm import run_setup
+    from dlrm.run import setup as run_setup
 
     build_step, real_clock, jump = run_setup.build_step, time.perf_counter, [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + jump[0])

@@ -1,7 +1,5 @@
 """The model (`model.arch`: DLRM, or hashed logistic regression) and its construction from a run config."""
 
-from pathlib import Path
-
 import torch
 
 from dlrm.config import ModelConfig
@@ -34,9 +32,8 @@ def build_model(
     mlp_kernel: str = "torch",
     sparse_kernel: str = "torch",
 ) -> Model:
-    """A freshly initialized model (`cfg.arch`) sized from the config and the training data; with
-    `cfg.lora.base` (LoRA fine-tuning) the base checkpoint's model instead, its table layout and weights, with
-    fresh adapters.
+    """A freshly initialized model (`cfg.arch`) sized from the config and the training data (a LoRA
+    fine-tuning run starts from its base checkpoint's model instead: `model_from_checkpoint`).
 
     Args:
         cfg: model section of the run config.
@@ -44,16 +41,8 @@ def build_model(
         train_sparse: [rows, F] int64 raw train ids (vocabularies for vocab hashing).
         mlp_kernel: how MLP layers run: "torch", "bias_act" or "linear_act" (dlrm.model.mlp).
         sparse_kernel: how embeddings, interaction and loss run: "torch" or "triton" (dlrm.model.dlrm.DLRM).
-
-    Raises:
-        ValueError: a base checkpoint that is missing or does not fit the config.
     """
     kernels = {"mlp_kernel": mlp_kernel, "sparse_kernel": sparse_kernel}
-    if cfg.lora.base is not None:
-        from dlrm.checkpoint import load_checkpoint
-
-        base = load_checkpoint(Path(cfg.lora.base))
-        return model_from_checkpoint(cfg, base["table_rows"], base["model"], adapters_missing=True, **kernels)
     if cfg.hashing == "vocab":
         vocabularies = build_vocabularies(train_sparse, cfg.max_rows, cfg.min_frequency)
         return make_model(cfg, vocabularies=vocabularies, **kernels)

@@ -12,10 +12,10 @@ Forward: dense[B, N_dense] -> DenseArch -> [B, D]; sparse[B, F] raw ids -> hashi
 InteractionArch -> [B, D + F(F+1)/2] ("dot"), [B, (F+1) D] ("cat", "dcn") or [B, (F+1) heads dim]
 ("attention"); OverArch -> logit[B]; with `model.first_order`, + the first-order terms [B]
 (dlrm.model.first_order).
-The model returns logits; the sigmoid is applied once, in evaluation/prediction.
+The model returns logits; the sigmoid is applied once, in evaluation/prediction. Kernels are imported where
+they are first called (dlrm.model.sparse says why).
 """
 
-import contextlib
 import math
 
 import torch
@@ -23,17 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from dlrm.choices import HASHINGS, INTERACTIONS, SPARSE_KERNELS
+from dlrm.choices import INTERACTIONS, SPARSE_KERNELS
 from dlrm.config import AttentionConfig, DcnConfig, ModelConfig
-from dlrm.data.bags import is_one_hot
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model.dcn import LowRankCrossNet
+from dlrm.model.first_order import FirstOrder
 from dlrm.model.mlp import MLP
-from dlrm.model.pooling import BagPooling
-from dlrm.model.tables import register_vocabularies, vocabulary_rows
-
-# The config's hashings and "index": ids that are rows already (SparseArch's docstring).
-_HASHINGS = (*HASHINGS, "index")
+from dlrm.model.sparse import SparseArch
 
 
 class DenseArch(nn.Module):
@@ -53,170 +49,6 @@ class DenseArch(nn.Module):
 
     def forward(self, dense: torch.Tensor) -> torch.Tensor:
         return self.mlp(dense)
-
-
-class SparseArch(nn.Module):
-    """F embedding tables of D columns, looked up from raw Criteo ids.
-
-    Hashing (ids are the raw 32-bit category values, -1 for missing):
-    - "modulus": row = (x + 1) % rows_f (missing lands in row 0). Not FB-DLRM's mapping, which takes
-      dictionary indices first: on raw hashed ids with rows_f = cardinality + 1 about 63% of distinct ids
-      share a row with another.
-    - "vocab": row = position of x in the sorted train values of feature f (the `vocabularies`, missing
-      included as a value); ids not in the vocabulary share the last row, the out-of-vocabulary row.
-      rows_f = len(vocabulary_f) + 1.
-    - "index": the ids are rows already (another SparseArch's `hash_ids`), so a second set of tables
-      shares the first one's vocabularies instead of holding a copy (the first-order tables of
-      dlrm.model.first_order); rows must lie in [0, rows_f), which is not checked.
-
-    `kernel` picks how the tables are held and updated:
-    - "torch": F nn.Embedding tables with sparse gradients; a torch optimizer updates the looked-up rows.
-    - "triton": one table-batched [sum of rows_f, D] weight (`weights`, table f from row offsets[f]) looked
-      up by our one-launch kernel `kernels.embedding`, whose backward applies the optimizer to the touched
-      rows itself (set it with `configure_optimizer`; no weight gradient is produced).
-    Both initialize identically for a seed and save the same state_dict keys (`embeddings.<f>.weight`), so
-    checkpoints move between them.
-
-    Args:
-        embedding_dim: D.
-        table_rows: rows_f per table (F ints). Ignored for "vocab", which takes len(vocabulary) + 1.
-        hashing: "modulus", "vocab" or "index".
-        vocabularies: for "vocab", F sorted int64 tensors of known ids.
-        kernel: "torch" or "triton".
-        multi_hot_sizes: F bag sizes (`model.multi_hot_sizes`; None or all ones: one id per feature); with
-            bags, forward takes ids [B, S] (dlrm.data.bags) and pools each bag by `pooling` ("sum" or
-            "mean"; dlrm.model.pooling), modulus hashing only.
-    Raises:
-        ValueError: wrong number of tables or vocabularies, unknown hashing or kernel, bad bags.
-    """
-
-    def __init__(
-        self,
-        embedding_dim: int,
-        table_rows: list[int] | None = None,
-        hashing: str = "modulus",
-        vocabularies: list[torch.Tensor] | None = None,
-        kernel: str = "torch",
-        multi_hot_sizes: tuple[int, ...] | None = None,
-        pooling: str = "sum",
-    ):
-        super().__init__()
-        if kernel not in SPARSE_KERNELS:
-            raise ValueError(f"unknown sparse kernel {kernel!r}: expected one of {SPARSE_KERNELS}")
-        if not is_one_hot(multi_hot_sizes) and hashing != "modulus":
-            raise ValueError(f"bags (model.multi_hot_sizes) need hashing 'modulus', got {hashing!r}")
-        if hashing == "vocab":
-            if vocabularies is None or len(vocabularies) != NUM_SPARSE:
-                raise ValueError(f"hashing 'vocab' needs {NUM_SPARSE} vocabularies")
-            table_rows = [len(v) + 1 for v in vocabularies]
-            register_vocabularies(self, vocabularies)
-        elif hashing not in _HASHINGS:
-            raise ValueError(f"unknown hashing {hashing!r}: expected one of {_HASHINGS}")
-        if table_rows is None or len(table_rows) != NUM_SPARSE:
-            raise ValueError(f"expected {NUM_SPARSE} table sizes, got {table_rows!r}")
-        self.hashing = hashing
-        self.table_rows = list(table_rows)
-        self.frozen = False  # fixed tables (LoRA fine-tuning with freeze_embeddings): no update, no gradient
-        # A buffer, so hashing does not copy the sizes to the device every step.
-        self.register_buffer("rows", torch.tensor(self.table_rows), persistent=False)
-        self.kernel = kernel
-        if kernel == "torch":
-            self.embeddings = nn.ModuleList(
-                nn.Embedding(rows, embedding_dim, sparse=True) for rows in table_rows
-            )
-            tables = [table.weight.data for table in self.embeddings]
-        else:
-            self.weights = nn.Parameter(torch.empty(sum(table_rows), embedding_dim))
-            tables = list(self.weights.data.split(self.table_rows))
-            for table in tables:  # what nn.Embedding's constructor does, so a seed gives the same weights
-                nn.init.normal_(table)
-            offsets = torch.tensor([0, *self.table_rows[:-1]]).cumsum(0)
-            self.register_buffer("offsets", offsets, persistent=False)
-            self.register_buffer("optimizer_state", torch.zeros(0), persistent=False)
-            # The update's learning rate, a 0-d fp32 tensor the kernel reads (a schedule writes it in place).
-            self.register_buffer("lr", torch.zeros(()), persistent=False)
-            self.optimizer: tuple[str, float] | None = None  # (optimizer, eps), set by configure_optimizer
-            self.register_state_dict_post_hook(_split_tables)
-            self.register_load_state_dict_pre_hook(_join_tables)
-        for table in tables:
-            bound = (1.0 / table.shape[0]) ** 0.5  # FB-DLRM: U(-sqrt(1/rows), sqrt(1/rows))
-            nn.init.uniform_(table, -bound, bound)
-        # No state: a checkpoint's keys are the same with and without bags.
-        one_hot = is_one_hot(multi_hot_sizes)
-        self.bags = None if one_hot else BagPooling(multi_hot_sizes, pooling, self.table_rows)
-
-    def configure_optimizer(self, optimizer: str, lr: float, eps: float = 1e-10) -> None:
-        """For kernel "triton": the update its backward applies, "sgd" or "adagrad" (torch.optim's
-        semantics) or "rowwise_adagrad"; allocates the optimizer state and `lr` (a 0-d fp32 tensor holding
-        `lr`, which a schedule may overwrite in place) next to the weights (call it after moving the module
-        to its device).
-
-        Raises:
-            ValueError: kernel "torch" (its tables take a torch optimizer), or an unknown optimizer.
-        """
-        if self.kernel != "triton":
-            raise ValueError(
-                "configure_optimizer is for kernel 'triton'; give kernel 'torch' tables to a torch optimizer"
-            )
-        from kernels.embedding_update import optimizer_state
-
-        self.optimizer_state = optimizer_state(self.weights.detach(), optimizer)
-        self.lr = torch.full((), lr, dtype=torch.float32, device=self.weights.device)
-        self.optimizer = (optimizer, eps)
-
-    def hash_ids(self, sparse: torch.Tensor) -> torch.Tensor:
-        """Raw ids [B, F] int64 -> row indices [B, F] int64 within each table."""
-        if self.hashing == "modulus":
-            return torch.remainder(sparse + 1, self.rows)
-        if self.hashing == "index":
-            return sparse
-        return vocabulary_rows(sparse, self.vocab_keys, self.vocab_starts, self.vocab_sizes, self.vocab_bases)
-
-    def forward(self, sparse: torch.Tensor) -> torch.Tensor:
-        """sparse: [B, F] int64 raw ids (with bags: [B, S], each bag pooled) -> embeddings [B, F, D], the
-        tables' dtype (kernel "triton" under autocast: the autocast dtype, rounded by the kernel as it
-        stores)."""
-        if self.bags is not None:
-            return self.bags(self, sparse)
-        if self.kernel == "triton":
-            from kernels.embedding import embedding_lookup
-
-            # The kernel hashes modulus ids itself; vocab rows are looked up here first ("index": as given).
-            ids, hashing = (
-                (sparse, "modulus") if self.hashing == "modulus" else (self.hash_ids(sparse), "index")
-            )
-            if self.optimizer is None and torch.is_grad_enabled() and not self.frozen:
-                raise ValueError(
-                    "SparseArch(kernel='triton') updates its tables in backward: call configure_optimizer "
-                    "before training (or look up under torch.no_grad())"
-                )
-            optimizer, eps = self.optimizer or ("sgd", 0.0)  # lookups only: lr 0, nothing is updated
-            state, offsets = self.optimizer_state, self.offsets
-            # Under bf16 autocast the interaction takes bf16: the kernel writes it directly, saving a cast
-            # pass over [B, F, D] forward and one back to fp32 in backward.
-            device = sparse.device.type
-            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-            # Frozen tables: no backward, whose kernel would update them.
-            with torch.no_grad() if self.frozen else contextlib.nullcontext():
-                return embedding_lookup(
-                    self.weights, state, offsets, self.rows, ids, hashing, optimizer, self.lr, eps, dtype
-                )
-        rows = self.hash_ids(sparse)
-        return torch.stack([table(rows[:, f]) for f, table in enumerate(self.embeddings)], dim=1)
-
-
-def _split_tables(module: SparseArch, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """state_dict post-hook of the table-batched SparseArch: save per-table keys, as kernel "torch" does."""
-    weights = state_dict.pop(prefix + "weights")
-    for f, table in enumerate(weights.split(module.table_rows)):
-        state_dict[f"{prefix}embeddings.{f}.weight"] = table
-
-
-def _join_tables(module: SparseArch, state_dict: dict, prefix: str, *args) -> None:
-    """load_state_dict pre-hook of the table-batched SparseArch: per-table keys -> one `weights` tensor."""
-    keys = [f"{prefix}embeddings.{f}.weight" for f in range(len(module.table_rows))]
-    if all(k in state_dict for k in keys):
-        state_dict[prefix + "weights"] = torch.cat([state_dict.pop(k) for k in keys])
 
 
 class InteractionArch(nn.Module):
@@ -392,8 +224,6 @@ class DLRM(nn.Module):
         )
         self.first_order = None
         if cfg.first_order:
-            from dlrm.model.first_order import FirstOrder  # here: it imports SparseArch from this module
-
             hashing = "modulus" if self.sparse_arch.hashing == "modulus" else "index"
             # No bias: the top MLP's logit layer has one.
             self.first_order = FirstOrder(

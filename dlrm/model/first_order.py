@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlrm.data.schema import NUM_DENSE
-from dlrm.model.dlrm import SparseArch
+from dlrm.model.sparse import SparseArch
 
 
 class DenseTerm(nn.Module):

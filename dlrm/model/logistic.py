@@ -15,8 +15,9 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from dlrm.model.dlrm import SparseArch, bce_loss, embedding_parameters, log_odds
+from dlrm.model.dlrm import bce_loss, embedding_parameters, log_odds
 from dlrm.model.first_order import FirstOrder
+from dlrm.model.sparse import SparseArch
 
 
 class LogisticRegression(nn.Module):

@@ -6,8 +6,9 @@ tables model parallel (sharded by the planner, exchanged by all_to_all), sharded
 Modules, one job each: group (process group from torchrun's environment, heartbeats, fault handling),
 planner (which rank holds which table rows), sharded (the sharded SparseArch and its all_to_all exchange),
 dense (the dense gradients' all-reduce inside the step), evaluation (exact metrics over all ranks),
-checkpoint (DCP, resharding N -> M ranks, and one-process reads), run (the loop's rank-aware helpers).
-The training loop (dlrm.loop) calls these; they never call the loop. Without torchrun nothing here runs.
+checkpoint (DCP, resharding N -> M ranks, and one-process reads), run (the run's rank-aware checks and
+collectives). The training run calls these through its Sharded strategy (dlrm.run.strategy); they never call
+the run. Without torchrun nothing here runs.
 """
 
 from dlrm.parallel.dense import averaged_parameters, grad_averager

@@ -4,7 +4,7 @@
     dist.enabled                                              # False without torchrun: nothing changes
 
 Without torchrun (no WORLD_SIZE, or WORLD_SIZE=1) this returns `SINGLE` and the device of
-`dlrm.step.resolve_device`, and starts nothing. With it: NCCL on CUDA (device cuda:LOCAL_RANK), gloo on the
+`dlrm.device.resolve_device`, and starts nothing. With it: NCCL on CUDA (device cuda:LOCAL_RANK), gloo on the
 CPU; the collectives' timeout is `parallel.timeout_s` (env DLRM_TIMEOUT_S overrides it). NVLink multicast
 stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 are set before the
 group is created, unless the environment already sets them).
@@ -31,6 +31,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from loguru import logger
+
+from dlrm.device import resolve_device
 
 # NVLink multicast (NVLS) off: set before the process group is created, unless the environment says.
 MULTICAST_OFF = {
@@ -114,8 +116,6 @@ def init_distributed(device_name: str, timeout_s: float) -> tuple[Dist, torch.de
         ValueError: bad torchrun environment, "cuda" without a GPU, or fewer GPUs on the host than
             LOCAL_RANK + 1.
     """
-    from dlrm.step import resolve_device
-
     rank, world_size, local_rank = world_from_env()
     device = resolve_device(device_name)
     if world_size == 1:

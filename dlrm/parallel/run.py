@@ -1,5 +1,5 @@
-"""What the training loop (dlrm.loop) needs from the process group at its named points: the checks before
-any work, one run directory for all ranks, rank-0-only writers, and the reductions of logged numbers."""
+"""What a run on many ranks (dlrm.run.strategy.Sharded) needs from the process group: the checks before any
+work, one run directory for all ranks, rank-0-only writers, and the reductions of logged numbers."""
 
 from pathlib import Path
 

@@ -35,12 +35,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from dlrm.model.dlrm import SPARSE_KERNELS, SparseArch
-from dlrm.model.tables import register_vocabularies
-from dlrm.parallel.planner import ShardingPlan
-from kernels.embedding import embedding_lookup, embedding_lookup_fwd
-from kernels.embedding_update import embedding_update, optimizer_state
-from kernels.launch import use_triton
+from dlrm.model import DLRM
+from dlrm.model.sparse import SPARSE_KERNELS, SparseArch
+from dlrm.model.tables import build_vocabularies, register_vocabularies, resolve_table_rows
+from dlrm.parallel.dense import broadcast_from_rank0
+from dlrm.parallel.planner import ShardingPlan, plan_tables
 
 
 class AllToAll(torch.autograd.Function):
@@ -108,6 +107,9 @@ class ReplicatedLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weights: Tensor, offsets: Tensor, table_rows: Tensor, rows: Tensor) -> Tensor:
+        from kernels.embedding import embedding_lookup_fwd  # dlrm.model.sparse says why here
+        from kernels.launch import use_triton
+
         if use_triton(weights):
             out, index = embedding_lookup_fwd(weights, offsets, table_rows, rows, "index")
         else:
@@ -119,6 +121,8 @@ class ReplicatedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        from kernels.embedding_update import embedding_update, optimizer_state
+
         (index,) = ctx.saved_tensors
         grad_weights = grad.new_zeros(ctx.shape, dtype=torch.float32)
         minus_one = torch.full((), -1.0, device=grad.device)
@@ -300,6 +304,8 @@ class ShardedSparseArch(nn.Module):
         if local.shape[1] == 0:  # a rank without shards still takes part in the exchange, both ways
             return self.weights.new_zeros(local.shape[0], 0, d).requires_grad_(torch.is_grad_enabled())
         if self.kernel == "triton":
+            from kernels.embedding import embedding_lookup  # dlrm.model.sparse says why here
+
             if self.optimizer is None and torch.is_grad_enabled():
                 raise ValueError(
                     "ShardedSparseArch(kernel='triton'): call configure_optimizer before training"
@@ -326,11 +332,6 @@ def build_sharded_model(
     Raises:
         ValueError: as dlrm.model.build_model and dlrm.parallel.planner.plan_tables.
     """
-    from dlrm.model import DLRM
-    from dlrm.model.tables import build_vocabularies, resolve_table_rows
-    from dlrm.parallel.dense import broadcast_from_rank0
-    from dlrm.parallel.planner import plan_tables
-
     m = cfg.model
     vocabularies = (
         build_vocabularies(train_sparse, m.max_rows, m.min_frequency) if m.hashing == "vocab" else None

@@ -1,23 +1,19 @@
 """A run's checkpoints: what checkpoints/last.pt and best.pt hold (weights, optimizer states, config,
 table layout, run state, loader position; a sharded directory on many ranks), when a periodic last.pt is
 due (train.checkpoint_interval, train.checkpoint_every_s) and which older ones are kept (train.keep_last).
-Only a finite state is written (dlrm.nonfinite)."""
+Only a finite state is written (dlrm.run.nonfinite)."""
 
 import os
 import shutil
 import time
 from pathlib import Path
 
-import torch
 from loguru import logger
 
-from dlrm.checkpoint import save_checkpoint
 from dlrm.config import RunConfig
 from dlrm.data.loaders import STATEFUL_LOADERS
-from dlrm.model import DLRM, Model
-from dlrm.nonfinite import check_finite, nonfinite_stop, weights_finite
-from dlrm.parallel import checkpoint as sharded_checkpoint
-from dlrm.run_state import Interval, Run, RunState
+from dlrm.run.nonfinite import check_finite, nonfinite_stop, weights_finite
+from dlrm.run.state import Interval, Run, RunState
 
 
 def checkpoint_due_by_steps(cfg: RunConfig, state: RunState) -> bool:
@@ -39,7 +35,7 @@ def save_last(run: Run, state: RunState, interval: Interval) -> None:
     check_finite(run, state, interval)
     directory = run.run_dir / "checkpoints"
     # Many ranks write a sharded directory, checkpoints/last (keep_last is refused there: check_world).
-    last, keep = directory / ("last" if run.dist.enabled else "last.pt"), run.cfg.train.keep_last
+    last, keep = checkpoint_path(run, "last.pt"), run.cfg.train.keep_last
     if state.last_checkpoint_state == state.checkpointed() and last.exists():
         return  # written at this step already (the end of a run, a signal right after a periodic one)
     if not weights_finite(run.model):
@@ -64,43 +60,20 @@ def save_last(run: Run, state: RunState, interval: Interval) -> None:
             (directory / f"step-{step}.pt").unlink(missing_ok=True)
 
 
-def fused_optimizer_states(model: Model) -> dict[str, torch.Tensor | None]:
-    """The optimizer state of the "triton" tables, which lives beside them, not in the torch optimizer (None
-    for kernel "torch"), by checkpoint key: "embedding_optimizer_state" for `model.sparse_arch` (a logistic
-    model's first-order tables), "first_order_optimizer_state" for a DLRM's first-order tables."""
-    archs = {"embedding_optimizer_state": model.sparse_arch}
-    if isinstance(model, DLRM) and model.first_order is not None:
-        archs["first_order_optimizer_state"] = model.first_order.tables
-    return {key: a.optimizer_state if a.kernel == "triton" else None for key, a in archs.items()}
-
-
 def save_run_checkpoint(run: Run, state: RunState, name: str) -> None:
     """checkpoints/`name`: weights, optimizer states, config, table layout, run state, loader position.
     Many ranks: the sharded directory checkpoints/<name without .pt>/ (dlrm.parallel.checkpoint)."""
-    sparse_arch = run.model.sparse_arch
     loader = run.train_loader
-    if run.dist.enabled:
-        meta = {
-            "config": run.cfg.to_dict(),
-            "table_rows": sparse_arch.table_rows,
-            "loader": loader.state_dict() if isinstance(loader, STATEFUL_LOADERS) else None,
-            **state.checkpointed(),
-        }
-        path = run.run_dir / "checkpoints" / name.removesuffix(".pt")
-        sharded_checkpoint.save_sharded(path, run.model, run.optimizer, run.dist, meta)
-        return
-    save_checkpoint(
-        run.run_dir / "checkpoints" / name,
-        model=run.model.state_dict(),
-        optimizer=run.optimizer.state_dict(),
-        config=run.cfg.to_dict(),
-        table_rows=sparse_arch.table_rows,
-        loader=loader.state_dict() if isinstance(loader, STATEFUL_LOADERS) else None,
-        **fused_optimizer_states(run.model),
+    meta = {
+        "config": run.cfg.to_dict(),
+        "table_rows": run.model.sparse_arch.table_rows,
+        "loader": loader.state_dict() if isinstance(loader, STATEFUL_LOADERS) else None,
         **state.checkpointed(),
-    )
+    }
+    run.strategy.save_checkpoint(checkpoint_path(run, name), run.model, run.optimizer, meta)
 
 
-def best_checkpoint_path(run: Run) -> Path:
-    """Where `save_run_checkpoint(run, state, "best.pt")` writes: a file, or many ranks' directory."""
-    return run.run_dir / "checkpoints" / ("best" if run.dist.enabled else "best.pt")
+def checkpoint_path(run: Run, name: str) -> Path:
+    """Where `save_run_checkpoint(run, state, name)` writes: checkpoints/`name`, a file, or many ranks'
+    directory checkpoints/<name without .pt>/."""
+    return run.strategy.checkpoint_path(run.run_dir, name)

@@ -9,26 +9,21 @@ from pathlib import Path
 
 from loguru import logger
 
-from dlrm.checkpoint import load_checkpoint
 from dlrm.data.dataset import BatchLoader, load_metadata, open_split
 from dlrm.data.splits import REPORT, SELECT
-from dlrm.metrics import evaluate
-from dlrm.nonfinite import check_finite, weights_finite
-from dlrm.parallel import checkpoint as sharded_checkpoint
-from dlrm.parallel.evaluation import ShardedEvalSplit, evaluate_sharded
-from dlrm.run_checkpoints import best_checkpoint_path, save_run_checkpoint
-from dlrm.run_setup import check_rows, make_split_loader
-from dlrm.run_state import Interval, Run, RunState
+from dlrm.parallel.evaluation import ShardedEvalSplit
+from dlrm.run.checkpoints import checkpoint_path, save_run_checkpoint
+from dlrm.run.nonfinite import check_finite, weights_finite
+from dlrm.run.setup import check_rows
+from dlrm.run.state import Interval, Run, RunState
 
 
 def evaluate_split(run: Run, loader: BatchLoader | ShardedEvalSplit, split: str) -> dict[str, float]:
     """{"auc", "logloss", "ne", "samples"} of the current weights on `split`, read through `loader`
-    (`make_split_loader`). Many ranks: every rank must call it (collectives); each scores its part and
-    all get the metrics of the whole split. Raises ValueError as dlrm.metrics.evaluate."""
-    if run.dist.enabled:
-        return evaluate_sharded(run.model, loader, run.device, run.cfg.train.precision, run.eval_forward)
-    batches = run.progress.eval_batches(loader, split)
-    return evaluate(run.model, batches, run.device, run.cfg.train.precision, run.eval_forward)
+    (the strategy's `split_loader`). Many ranks: every rank must call it (collectives); each scores its
+    part and all get the metrics of the whole split. Raises ValueError as dlrm.metrics.evaluate."""
+    precision, forward = run.cfg.train.precision, run.eval_forward
+    return run.strategy.evaluate(run.model, loader, run.device, precision, forward, run.progress, split)
 
 
 def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
@@ -62,7 +57,7 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     if finite and (state.best is None or better(result, state.best, run.cfg.train.select_on)):
         state.best, state.evals_since_best = {**result, "step": state.step}, 0
         save_run_checkpoint(run, state, "best.pt")
-        state.best_checkpoint = best_checkpoint_path(run)
+        state.best_checkpoint = checkpoint_path(run, "best.pt")
     else:
         state.evals_since_best += 1
     interval.start += time.perf_counter() - eval_start
@@ -103,7 +98,7 @@ def evaluate_selected(run: Run, state: RunState) -> dict | None:
     test_set = open_split(data_dir, REPORT)
     check_rows(data_dir, load_metadata(data_dir), REPORT, test_set.num_rows)
     start = time.perf_counter()
-    result = evaluate_split(run, make_split_loader(test_set, run.cfg, run.device, run.dist), REPORT)
+    result = evaluate_split(run, run.strategy.split_loader(test_set, run.cfg, run.device), REPORT)
     for key in ("auc", "logloss", "ne"):
         run.writer.add_scalar(f"{REPORT}/{key}", result[key], best_step)
     logger.info(
@@ -126,17 +121,11 @@ def load_best_weights(run: Run, state: RunState) -> bool:
     if path is None or not path.exists():
         logger.warning("{}: not found, so the weights of step {} are gone: no test evaluation", path, step)
         return False
-    sharded = run.dist.enabled and path.is_dir()
-    checkpoint = sharded_checkpoint.read_meta(path) if sharded else load_checkpoint(path)
+    checkpoint = run.strategy.read_checkpoint(path)
     held = (checkpoint.get("best") or {}).get("step")
     if held != step:
         logger.warning("{} holds the best of step {}, not of step {}: no test evaluation", path, held, step)
         return False
-    if sharded:
-        sharded_checkpoint.load_sharded(path, run.model, run.optimizer, run.dist)
-    elif run.dist.enabled:  # a one-process best.pt of the run resumed from: each rank takes its rows
-        sharded_checkpoint.load_full_into_sharded(checkpoint, run.model, run.optimizer)
-    else:
-        run.model.load_state_dict(checkpoint["model"])
+    run.strategy.load_checkpoint(path, checkpoint, run.model, run.optimizer, with_optimizer=False)
     logger.info("loaded the weights of step {} from {} for the test evaluation", step, path)
     return True

@@ -1,4 +1,4 @@
-"""What a training run is made of (dlrm.loop): `Run`, what it is set up with, fixed until it ends;
+"""What a training run is made of (dlrm.run.loop): `Run`, what it is set up with, fixed until it ends;
 `RunState`, what changes while it goes on (step, samples, best evaluation, throughput sums), which
 checkpoints save and `--resume` restores; `Interval`, the steps since the last log line."""
 
@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from dlrm import parallel
 from dlrm.config import RunConfig
 from dlrm.data.dataset import BatchLoader
 from dlrm.data.loaders import TrainLoader
@@ -20,6 +19,7 @@ from dlrm.model import Model
 from dlrm.parallel import run as ranks
 from dlrm.parallel.evaluation import ShardedEvalSplit
 from dlrm.progress import TrainProgress
+from dlrm.run.strategy import SingleProcess, Strategy
 from dlrm.signals import StopSignals
 from dlrm.step import (
     StepFn,
@@ -115,7 +115,7 @@ class Run:
     signals: StopSignals
     lrs: LearningRates  # train.lr_schedule: set before each step
     progress: TrainProgress = field(default_factory=lambda: TrainProgress("log", 0))
-    dist: parallel.Dist = parallel.SINGLE  # this process's rank; SINGLE without torchrun
+    strategy: Strategy = field(default_factory=SingleProcess)  # one process or many ranks (torchrun)
     # The evaluation forward as CUDA graph replays under train.cuda_graphs (dlrm.graphs.GraphedForward);
     # None: launched from Python.
     eval_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None

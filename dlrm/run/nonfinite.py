@@ -10,7 +10,7 @@ from loguru import logger
 
 from dlrm.errors import NonFiniteLoss
 from dlrm.model import Model
-from dlrm.run_state import Interval, Run, RunState
+from dlrm.run.state import Interval, Run, RunState
 
 
 def check_finite(run: Run, state: RunState, interval: Interval) -> None:

@@ -9,11 +9,11 @@ only; when the run ends, however it ends, the selected weights (best.pt's) are e
 and metrics.json reports both: val_* of the selecting evaluation, test_* of the same weights.
 
 What changes while a run goes on lives in one `RunState`, the steps since the last log line in an
-`Interval`, what is fixed once set up in a `Run` (dlrm.run_state). This module is the loop over them;
+`Interval`, what is fixed once set up in a `Run` (dlrm.run.state). This module is the loop over them;
 `after_step` is the one point after each step where logging, evaluation, periodic checkpoints and stop
-signals hook in. The rest is in modules of one job each: dlrm.run_setup (set-up and `--resume`),
-dlrm.selection (val evaluations, best.pt, early stopping, the test evaluation), dlrm.run_checkpoints
-(last.pt and best.pt), dlrm.nonfinite (the non-finite guard).
+signals hook in. The rest is in modules of one job each: dlrm.run.setup (set-up and `--resume`),
+dlrm.run.selection (val evaluations, best.pt, early stopping, the test evaluation), dlrm.run.checkpoints
+(last.pt and best.pt), dlrm.run.nonfinite (the non-finite guard).
 
 Failures (README "Failures and recovery"): a non-finite loss is found where the interval's losses are read
 (each log line, evaluation and checkpoint; no per-step host sync) and stops the run with NonFiniteLoss
@@ -33,19 +33,18 @@ from pathlib import Path
 import torch
 from loguru import logger
 
-from dlrm import atomic, parallel
+from dlrm import parallel
 from dlrm.config import RunConfig
 from dlrm.data.dataset import Batch
 from dlrm.data.loaders import STATEFUL_LOADERS, TrainLoader
 from dlrm.errors import Interrupted, RunStopped
-from dlrm.nonfinite import check_finite, nonfinite_stop
 from dlrm.out_of_memory import out_of_memory
-from dlrm.parallel import run as ranks
 from dlrm.profiling import data_range, make_profiler
-from dlrm.run_checkpoints import checkpoint_due_by_steps, checkpoint_due_by_time, save_last
-from dlrm.run_setup import set_up
-from dlrm.run_state import Interval, Run, RunState
-from dlrm.selection import evaluate_and_select, evaluate_selected
+from dlrm.run.checkpoints import checkpoint_due_by_steps, checkpoint_due_by_time, checkpoint_path, save_last
+from dlrm.run.nonfinite import check_finite, nonfinite_stop
+from dlrm.run.selection import evaluate_and_select, evaluate_selected
+from dlrm.run.setup import set_up
+from dlrm.run.state import Interval, Run, RunState
 
 
 def train(
@@ -102,7 +101,7 @@ def train_steps(run: Run, state: RunState) -> None:
     interval = Interval(torch.empty(t.log_interval, device=run.device))
     stop = False
     run.model.train()
-    worker = f"rank{run.dist.rank}" if run.dist.enabled else None  # one trace per rank
+    worker = run.strategy.trace_worker
     profiler = make_profiler(run.cfg.profiler, run.run_dir, run.device, run.writer, state.step, worker)
     with profiler:
         first_epoch, skip = resume_position(loader, state.step)
@@ -147,8 +146,7 @@ def after_step(run: Run, state: RunState, interval: Interval, epoch: int) -> boo
     if t.eval_interval and state.step % t.eval_interval == 0:
         stop = evaluate_and_select(run, state, interval)
     signum, timed = run.signals.received or 0, checkpoint_due_by_time(run.cfg, state)
-    if run.dist.enabled:  # the signal of any rank (torchrun forwards it to all; a kill may reach one)
-        signum, timed = ranks.max_over_ranks([signum, timed]) if at_log_line else (0, False)
+    signum, timed = run.strategy.agree(signum, timed, at_log_line)
     if signum:
         stop_on_signal(run, state, interval, signum)
     if timed or checkpoint_due_by_steps(run.cfg, state):
@@ -201,7 +199,7 @@ def account_step(
     state.step += 1
     parallel.note_progress(state.step)
     rows = len(batch.label)
-    samples = rows * run.dist.world_size  # the global batch
+    samples = rows * run.strategy.world_size  # the global batch
     state.samples += samples
     state.batch_sizes.add(rows)
     run.progress.step()
@@ -244,10 +242,7 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
     if not interval.finite:
         first = state.step - interval.steps + 1
         raise nonfinite_stop(run, state, f"steps {first}-{state.step}: every loss was skipped as non-finite")
-    state.train_loss = interval.loss_sum / interval.finite
-    if run.dist.enabled:  # the mean of the ranks' means: the global batch's mean loss
-        local = torch.tensor(state.train_loss, device=run.device)
-        state.train_loss = ranks.mean_over_ranks(local).item()
+    state.train_loss = run.strategy.mean_loss(interval.loss_sum / interval.finite, run.device)
     writer = run.writer
     writer.add_scalar("train/loss", state.train_loss, state.step)
     writer.add_scalar("train/lr", run.lrs.lr, state.step)  # the dense lr of the interval's last step
@@ -271,7 +266,7 @@ def stop_on_signal(run: Run, state: RunState, interval: Interval, signum: int) -
     sharded checkpoints/last), flush TensorBoard, raise Interrupted."""
     save_last(run, state, interval)
     run.writer.flush()
-    checkpoint = run.run_dir / "checkpoints" / ("last" if run.dist.enabled else "last.pt")
+    checkpoint = checkpoint_path(run, "last.pt")
     raise Interrupted(
         f"stopped by {signal.Signals(signum).name} after step {state.step}; {checkpoint} written",
         exit_code=128 + signum,
@@ -287,7 +282,7 @@ def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None 
     run.progress.close()
     cfg, best, last_eval = run.cfg, state.best or {}, state.last_eval or {}
     ms_per_step = 1000 * state.timed_s / state.timed_steps if state.timed_steps else None
-    per_rank = ranks.gather_floats(ms_per_step) if run.dist.enabled else [ms_per_step]
+    per_rank = run.strategy.per_rank(ms_per_step)
     metrics = {
         "steps": state.step,
         "samples": state.samples,
@@ -315,7 +310,7 @@ def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None 
         "mlp_kernel": cfg.mlp_kernel,
         "sparse_kernel": cfg.sparse_kernel,
         "device": str(run.device),
-        "world_size": run.dist.world_size,
+        "world_size": run.strategy.world_size,
         # Each rank's mean ms per training step (first step and evaluations excluded): the spread.
         "step_ms_min": min(per_rank) if None not in per_rank else None,
         "step_ms_max": max(per_rank) if None not in per_rank else None,
@@ -323,8 +318,7 @@ def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None 
         "nonfinite_step": state.nonfinite_step,
     }
     metrics = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
-    if run.dist.is_main:
-        atomic.write_text(run.run_dir / "metrics.json", json.dumps(metrics, indent=2, allow_nan=False))
+    run.strategy.write_text(run.run_dir / "metrics.json", json.dumps(metrics, indent=2, allow_nan=False))
     run.writer.close()
     if stopped is None:
         logger.info(

@@ -1,6 +1,6 @@
-"""Setting a run up (dlrm.loop): data, model, optimizer, step, loaders, run directory, TensorBoard writer
+"""Setting a run up (dlrm.run.loop): data, model, optimizer, step, loaders, run directory, TensorBoard writer
 and progress bar, and the state a `--resume` checkpoint restores. Under torchrun: the process group, the
-sharded tables and rank-aware loaders."""
+sharded tables and rank-aware loaders, through the run's strategy (dlrm.run.strategy)."""
 
 import functools
 import json
@@ -9,41 +9,24 @@ from pathlib import Path
 
 import torch
 from loguru import logger
-from torch.utils.tensorboard import SummaryWriter
 
-from dlrm import atomic, parallel
-from dlrm.checkpoint import load_checkpoint
 from dlrm.config import RunConfig
 from dlrm.data.bag_source import loader_bags
-from dlrm.data.bags import BagMaker
-from dlrm.data.dataset import BatchLoader, ParquetDataset, load_metadata, open_split, split_paths
+from dlrm.data.dataset import ParquetDataset, load_metadata, open_split, split_paths
 from dlrm.data.loaders import make_train_loader
-from dlrm.data.resident import ResidentLoader
 from dlrm.data.schema import NUM_SPARSE
 from dlrm.data.splits import REPORT, SELECT, require_val_test
+from dlrm.device import set_precision, use_interpreter_on_cpu
 from dlrm.graphs import GraphedForward
 from dlrm.lr_schedule import LearningRates
 from dlrm.metrics import forward_logits
-from dlrm.model import Model, build_model
+from dlrm.model import Model
 from dlrm.model.dlrm import log_odds
-from dlrm.model.tables import resolve_table_rows
-from dlrm.out_of_memory import check_tables_fit
-from dlrm.parallel import checkpoint as sharded_checkpoint
-from dlrm.parallel import run as ranks
-from dlrm.parallel.evaluation import ShardedEvalSplit
-from dlrm.parallel.sharded import build_sharded_model
 from dlrm.progress import TrainProgress
-from dlrm.run_checkpoints import fused_optimizer_states
-from dlrm.run_dir import check_run_dir, make_run_dir, wait_past_event_files
-from dlrm.run_state import Run, RunState
+from dlrm.run.state import Run, RunState
+from dlrm.run.strategy import Strategy, start
 from dlrm.signals import StopSignals
-from dlrm.step import (
-    build_step,
-    make_optimizer,
-    resolve_cuda_graphs,
-    set_precision,
-    use_interpreter_on_cpu,
-)
+from dlrm.step import build_step, make_optimizer, resolve_cuda_graphs
 
 
 def set_up(
@@ -55,20 +38,13 @@ def set_up(
 ) -> tuple[Run, RunState]:
     """Data, model, optimizer, step, loaders, run directory, TensorBoard writer and progress bar of a run,
     and its state (restored from `resume` when given). Under torchrun: the process group, the sharded
-    tables and rank-aware loaders. The run directory is checked first and written only once all else is
-    set up. Raises ValueError as `train`."""
-    t = cfg.train
-    _, world_size, _ = parallel.world_from_env()
-    if world_size > 1:  # config / world-size mismatches: one-line errors before the process group
-        ranks.check_world(cfg, world_size)
-    dist, device = parallel.init_distributed(t.device, cfg.parallel.timeout_s)  # single process: no-op
+    tables and rank-aware loaders (dlrm.run.strategy). The run directory is checked first and written only
+    once all else is set up. Raises ValueError as `train`."""
+    strategy, device = start(cfg)
     cfg = resolve_cuda_graphs(cfg, device)
     t = cfg.train
     run_dir = output_dir if output_dir or resume is None else resume.parent.parent
-    if dist.is_main:
-        run_dir = check_run_dir(cfg, run_dir, resume, overwrite)
-    if dist.enabled:
-        run_dir = ranks.same_path(run_dir)
+    run_dir = strategy.run_dir(cfg, run_dir, resume, overwrite)
     use_interpreter_on_cpu(cfg, device)
     set_precision(t.precision)
     torch.manual_seed(t.seed)
@@ -84,14 +60,8 @@ def set_up(
     check_rows(data_dir, metadata, SELECT, val_set.num_rows)
     check_test_split(data_dir, metadata)  # read only at the end: checked now, not after hours of training
     train_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64) if train_set is None else train_set.sparse
-    kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
     logger.info("building the model ({} backend) on {}", cfg.backend, device)
-    if dist.enabled:  # tables sharded over the ranks, the dense part replicated
-        model, plan = build_sharded_model(cfg, metadata, train_ids, dist.rank, dist.world_size, device)
-    else:
-        if cfg.model.hashing == "modulus":  # sizes known before building (vocab: from the train ids)
-            check_tables_fit(cfg, resolve_table_rows(cfg.model, metadata), device)
-        model = build_model(cfg.model, metadata, train_ids, **kernels).to(device)
+    model = strategy.build_model(cfg, metadata, train_ids, device)
     if cfg.model.lora.base is None:  # a fine-tuned model starts as its base, whose bias was learned
         rate = train_positive_rate(data_dir, metadata, train_set)
         model.start_at_base_rate(rate)
@@ -99,19 +69,23 @@ def set_up(
     optimizer = make_optimizer(model, cfg)
     lrs = LearningRates(t, optimizer, model.table_archs())  # the base rates: make_optimizer's, the config's
     state = RunState()
-    checkpoint = load_resumable(resume, cfg, model, optimizer, dist) if resume is not None else {}
+    checkpoint = load_resumable(resume, cfg, model, optimizer, strategy) if resume is not None else {}
     for key, value in checkpoint.items():
         if key in RunState.__dataclass_fields__:
             setattr(state, key, value)
     if resume is not None:
         state.best_checkpoint = resume.parent / ("best" if resume.is_dir() else "best.pt")
         check_not_stopped_early(resume, state, t.patience)
-    reduce_grads = (
-        parallel.grad_averager(parallel.averaged_parameters(model), dist.world_size) if dist.enabled else None
-    )
-    step_fn = build_step(model, optimizer, cfg, device, reduce_grads)
+    step_fn = build_step(model, optimizer, cfg, device, strategy.grad_reducer(model))
     train_loader = make_train_loader(
-        cfg.data, data_dir, t.seed, device, train_set, dist.rank, dist.world_size, loader_bags(cfg, data_dir)
+        cfg.data,
+        data_dir,
+        t.seed,
+        device,
+        train_set,
+        strategy.rank,
+        strategy.world_size,
+        loader_bags(cfg, data_dir),
     )
     if len(train_loader) == 0:
         raise ValueError(
@@ -120,20 +94,12 @@ def set_up(
     check_rows(data_dir, metadata, "train", train_loader.num_rows)
     if checkpoint.get("loader") is not None:
         train_loader.load_state_dict(checkpoint["loader"])
-    val_loader = make_split_loader(val_set, cfg, device, dist)
+    val_loader = strategy.split_loader(val_set, cfg, device)
 
-    if dist.is_main:  # the other ranks write only their checkpoint shards and traces, later
-        make_run_dir(run_dir, overwrite and resume is None)
     if resume is not None and resume.resolve() == (run_dir / "checkpoints" / "last.pt").resolve():
         state.last_checkpoint_step = state.step
     config_json = json.dumps(cfg.to_dict(), indent=2)
-    if dist.is_main:
-        atomic.write_text(run_dir / "config.json", config_json)
-    if dist.enabled:
-        per_rank = cfg.data.batch_size // dist.world_size
-        logger.info("{} ranks; embedding tables:\n{}", dist.world_size, plan.describe(per_rank))
-        if dist.is_main:
-            atomic.write_text(run_dir / "sharding_plan.json", json.dumps(plan.to_dict(per_rank), indent=2))
+    strategy.make_run_dir(run_dir, overwrite and resume is None, config_json, resume is not None)
     logger.info(
         "run {} | backend {} | device {} | train {} rows, val {} rows | {} params",
         run_dir,
@@ -146,9 +112,7 @@ def set_up(
     # A resumed run's events continue the step axis: TensorBoard drops the earlier events past its step
     # (logged after the checkpoint by the run that was stopped), so no step appears twice.
     purge_step = state.step + 1 if resume is not None else None
-    if resume is not None and dist.is_main:
-        wait_past_event_files(run_dir)
-    writer = SummaryWriter(str(run_dir), purge_step=purge_step) if dist.is_main else ranks.NullWriter()
+    writer = strategy.writer(run_dir, purge_step)
     writer.add_text("config", "```json\n" + config_json + "\n```")
     run = Run(
         cfg,
@@ -160,37 +124,14 @@ def set_up(
         val_loader,
         run_dir,
         writer,
-        StopSignals(announce=dist.is_main),
+        StopSignals(announce=strategy.is_main),
         lrs,
-        dist=dist,
+        strategy=strategy,
     )
     run.progress = TrainProgress(progress, t.max_steps or t.epochs * len(train_loader), state.step)
     if t.cuda_graphs:
         run.eval_forward = GraphedForward(functools.partial(forward_logits, model, t.precision))
     return run, state
-
-
-def make_split_loader(
-    dataset: ParquetDataset, cfg: RunConfig, device: torch.device, dist: parallel.Dist
-) -> BatchLoader | ShardedEvalSplit:
-    """How an evaluation reads `dataset` (val or test) in batches of data.eval_batch_size: one process's
-    loader (`make_eval_loader`), or under torchrun this rank's part of it (dlrm.parallel.evaluation)."""
-    if dist.enabled:
-        return ShardedEvalSplit(dataset, cfg.data.eval_batch_size, dist)
-    return make_eval_loader(dataset, cfg.data.eval_batch_size, device, loader_bags(cfg, cfg.data.path))
-
-
-def make_eval_loader(
-    eval_set: ParquetDataset, batch_size: int, device: torch.device, bags: BagMaker | None = None
-) -> BatchLoader:
-    """The eval split on the GPU once when it fits (no host copy per batch: evaluation runs at the speed
-    of the forward), else in host memory; `bags`: made on the fly from each batch (data.multi_hot)."""
-    if device.type == "cuda":
-        try:
-            return ResidentLoader(eval_set, batch_size, device=device, bags=bags)
-        except ValueError as err:
-            logger.info("eval split stays in host memory: {}", err)
-    return BatchLoader(eval_set, batch_size, device=device, bags=bags)
 
 
 def check_not_stopped_early(resume: Path, state: RunState, patience: int | None) -> None:
@@ -247,17 +188,16 @@ def load_resumable(
     cfg: RunConfig,
     model: Model,
     optimizer: torch.optim.Optimizer,
-    dist: parallel.Dist = parallel.SINGLE,
+    strategy: Strategy,
 ) -> dict:
     """Load checkpoint `path` into `model` and `optimizer`; return it (step, best, loader position, ...).
     `path` is a .pt file of one process or a sharded checkpoint directory of many (dlrm.parallel.checkpoint),
-    loaded on any number of ranks.
+    loaded on any number of ranks (`strategy`).
 
     Raises:
         ValueError: the file is not a checkpoint, or was trained with another model config or optimizer.
     """
-    sharded = dist.enabled and path.is_dir()  # read by every rank, each its own rows
-    state = sharded_checkpoint.read_meta(path) if sharded else load_checkpoint(path)
+    state = strategy.read_checkpoint(path)
     ours, theirs = cfg.to_dict(), state["config"]
     for section, key in [("model", k) for k in ours["model"]] + [("train", "optimizer"), ("data", "loader")]:
         if theirs[section].get(key) != ours[section][key]:
@@ -267,21 +207,7 @@ def load_resumable(
             )
     # The config's hyperparameters win over the checkpoint's (the optimizer's state restores those too).
     ours = [{k: group[k] for k in ("lr", "weight_decay")} for group in optimizer.param_groups]
-    if sharded:
-        sharded_checkpoint.load_sharded(path, model, optimizer, dist)
-    elif dist.enabled:  # a one-process .pt: each rank takes its rows
-        sharded_checkpoint.load_full_into_sharded(state, model, optimizer)
-    else:
-        model.load_state_dict(state["model"])
-        if state["optimizer"] is None:  # a sharded checkpoint read whole: optimizer state by parameter name
-            sharded_checkpoint.load_optimizer_by_name(
-                model, optimizer, state["optimizer_by_name"], state["step"]
-            )
-        else:
-            optimizer.load_state_dict(state["optimizer"])
-        for key, tensor in fused_optimizer_states(model).items():
-            if tensor is not None and state.get(key) is not None:
-                tensor.copy_(state[key])
+    strategy.load_checkpoint(path, state, model, optimizer)
     # The groups hold base rates (the schedule scales them through the optimizer's lr_scale).
     for group, values in zip(optimizer.param_groups, ours, strict=True):
         for key, value in values.items():
