@@ -10,7 +10,7 @@ N = 27 x 128, r = 512):
     triton    kernels.cross.cross_layer                         our GEMM with the elementwise tail in its
                                                                 epilogue, forward and backward
 Each path timed forward and forward + backward (gradients of every input), launched from Python and as
-CUDA-graph replays (bench_kernels' `_time_passes`: median of CUDA-event timings, inputs rotated over
+CUDA-graph replays (bench_kernels' `time_passes`: median of CUDA-event timings, inputs rotated over
 several sets). TFLOP/s count the layer's GEMM work, 4 B N r forward and 12 B N r forward + backward (the
 triton path's recomputed z in the backward, 2 B N r more, is not counted: the same work is credited to
 every path), against the measured GEMM rate. Rows go to scripts/results/cross.csv; ratios are eager / path
@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 import torch
 import torch.nn.functional as F
-from bench_kernels import DTYPES, PASSES, ROTATE, _time_passes, measure_ceilings
+from bench_timing import DTYPES, PASSES, ROTATE, measure_ceilings, time_passes
 from results_csv import append_rows, provenance
 
 from kernels.cross import cross_layer
@@ -53,7 +53,7 @@ def bench_cross(path: str, m: int, n: int, r: int, dtype: torch.dtype) -> dict[s
         fn = torch.compile(eager_layer, dynamic=False)
     else:
         fn = eager_layer
-    return _time_passes(fn, sets, path == "compile")
+    return time_passes(fn, sets, path == "compile")
 
 
 @click.command()

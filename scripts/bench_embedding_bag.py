@@ -31,7 +31,7 @@ from pathlib import Path
 import click
 import torch
 import torch.nn.functional as F
-from bench_kernels import _graph_ms, _median_ms, measure_ceilings
+from bench_timing import graph_ms, measure_ceilings, median_ms
 from results_csv import append_rows, provenance
 
 from dlrm.data.bags import BagMaker, parse_sizes
@@ -116,12 +116,12 @@ def bench(b: int, d: int, sizes, max_rows: int, optimizer: str, dtype, copy_gbps
             _torch_update(weights, state, index, grads[i], features, scales, optimizer)
 
     times = {
-        ("fwd", "ours", "launch"): _median_ms(ours_fwd),
-        ("fwd", "ours", "graph"): _graph_ms(ours_fwd),
-        ("fwd", "torch", "graph"): _graph_ms(torch_fwd),
-        ("step", "ours", "launch"): _median_ms(ours_step),
-        ("step", "ours", "graph"): _graph_ms(ours_step),
-        ("step", "torch", "graph"): _graph_ms(torch_step),
+        ("fwd", "ours", "launch"): median_ms(ours_fwd),
+        ("fwd", "ours", "graph"): graph_ms(ours_fwd),
+        ("fwd", "torch", "graph"): graph_ms(torch_fwd),
+        ("step", "ours", "launch"): median_ms(ours_step),
+        ("step", "ours", "graph"): graph_ms(ours_step),
+        ("step", "torch", "graph"): graph_ms(torch_step),
     }
     lookups, width = b * s, weights.element_size() * d
     fwd_bytes = lookups * (16 + width) + b * NUM_SPARSE * width

@@ -54,14 +54,14 @@ scripts/results/kernels.csv; the summary (sum over a config's layers, ratio to e
 same run) is printed last.
 """
 
-from datetime import datetime
 from pathlib import Path
 
 import click
 import torch
 import torch.nn.functional as F
+from bench_kernels_attention import run_attention
+from bench_timing import DTYPES, PASSES, ROTATE, graph_ms, measure_ceilings, time_passes
 from results_csv import append_rows, provenance
-from triton.testing import do_bench
 
 from dlrm.config import load_config
 from dlrm.data.schema import NUM_DENSE
@@ -75,16 +75,12 @@ RESULTS = Path(__file__).parent / "results" / "kernels.csv"
 BLOCK_RESULTS = Path(__file__).parent / "results" / "blocks.csv"
 BLOCKS = ("ln_linear_gelu", "gated:sigmoid_tanh", "gated:geglu", "gated:swiglu")
 BLOCK_PATHS = ("eager", "compile", "triton")
-ATTENTION_RESULTS = Path(__file__).parent / "results" / "attention.csv"
 ATTENTION_SHAPES = "2x16,2x32,4x32,8x16"  # heads x dim
 LORA_RESULTS = Path(__file__).parent / "results" / "lora.csv"
 MLP_RESULTS = Path(__file__).parent / "results" / "mlp.csv"
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
-DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
 PATHS = ("eager", "compile", "bias_act", "linear_act")
 ATTENTION_PATHS = ("eager", "compile", "compile-ops", "triton")
-ROTATE = 4  # input sets cycled through between repeats
-PASSES = ("launch fwd", "launch fwd+bwd", "graph fwd", "graph fwd+bwd")
 
 
 def mlp_stacks(config: str) -> list[tuple[str, int, tuple[int, ...], str]]:
@@ -117,22 +113,6 @@ def model_layout(x: torch.Tensor) -> torch.Tensor:
     return aligned_copy(x)
 
 
-def _median_ms(fn) -> float:
-    return do_bench(fn, warmup=50, rep=200, return_mode="median")
-
-
-def measure_ceilings() -> dict[str, float]:
-    """Copy bandwidth (GB/s, read + write) and GEMM TFLOP/s per precision, measured on this GPU."""
-    src = torch.randn(256 * 2**20, device="cuda")  # 1 GiB
-    dst = torch.empty_like(src)
-    ceilings = {"copy_gbps": 2 * src.numel() * 4 / _median_ms(lambda: dst.copy_(src)) / 1e6}
-    n = 8192
-    for name, dtype in DTYPES.items():
-        a, b = torch.randn(n, n, device="cuda", dtype=dtype), torch.randn(n, n, device="cuda", dtype=dtype)
-        ceilings[f"gemm_tflops_{name}"] = 2 * n**3 / _median_ms(lambda a=a, b=b: a @ b) / 1e9
-    return ceilings
-
-
 def _layer_fns(path: str, act: str):
     """(forward fn(x, W, b), compile seconds) for one path."""
     if path == "eager":
@@ -149,22 +129,6 @@ def _layer_fns(path: str, act: str):
     return torch.compile(lambda x, w, b: act_ref(F.linear(x, w, b), act), dynamic=False), None
 
 
-def _graph_ms(step, repeats: int = 20) -> float:
-    """GPU time of one `step()`: `repeats` calls captured in a CUDA graph, median of replays / repeats.
-    No host launch overhead: this is what the kernels cost when the training step is graph-captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (autotuning, allocations) outside the capture
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            step()
-    return _median_ms(graph.replay) / repeats
-
-
 def bench_layer(path: str, m: int, k: int, n: int, act: str, dtype: torch.dtype) -> dict[str, float]:
     """Median ms of one layer on one path: forward and forward+backward, each timed as launched from
     Python ("launch", host overhead included) and as CUDA-graph replays ("graph", GPU time only);
@@ -178,42 +142,7 @@ def bench_layer(path: str, m: int, k: int, n: int, act: str, dtype: torch.dtype)
         dy = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
         sets.append((x, w, b, dy))
     fn, compile_s = _layer_fns(path, act)
-    return _time_passes(fn, sets, compile_s is None)
-
-
-def _time_passes(fn, sets: list[tuple], compiled: bool) -> dict[str, float]:
-    """Median ms of `fn(*inputs)` on rotating input `sets` (inputs..., dy): forward and forward+backward,
-    launched from Python and as CUDA-graph replays; compile seconds (the first call) when `compiled`."""
-    compile_s = 0.0
-    if compiled:
-        torch.cuda.synchronize()
-        start = datetime.now()
-        *inputs, dy = sets[0]
-        fn(*inputs).backward(dy)
-        with torch.no_grad():
-            fn(*inputs)
-        torch.cuda.synchronize()
-        compile_s = (datetime.now() - start).total_seconds()
-    i = iter(range(10**9))
-
-    def fwd():
-        *inputs, _ = sets[next(i) % ROTATE]
-        with torch.no_grad():
-            fn(*inputs)
-
-    def fwd_bwd():
-        *inputs, dy = sets[next(i) % ROTATE]
-        for t in inputs:
-            t.grad = None
-        fn(*inputs).backward(dy)
-
-    return {
-        "launch fwd": _median_ms(fwd),
-        "launch fwd+bwd": _median_ms(fwd_bwd),
-        "graph fwd": _graph_ms(fwd),
-        "graph fwd+bwd": _graph_ms(fwd_bwd),
-        "compile_s": compile_s,
-    }
+    return time_passes(fn, sets, compile_s is None)
 
 
 def _block_fn(path: str, block: str):
@@ -260,7 +189,7 @@ def bench_block(path: str, block: str, m: int, k: int, n: int, dtype: torch.dtyp
             sets.append((x, gamma, beta, w, b, dy))
         else:
             sets.append((x, w, b, dy))
-    return _time_passes(_block_fn(path, block), sets, path == "compile")
+    return time_passes(_block_fn(path, block), sets, path == "compile")
 
 
 def run_blocks(configs, batches, precisions, blocks, paths, ceilings, common) -> None:
@@ -310,68 +239,6 @@ def _print_totals(prefix: str, totals: dict, paths: list[str]) -> None:
         print(f"{prefix}{ps:<15}{cells}")
 
 
-def _attention_inputs(m: int, heads: int, dim: int, dtype: torch.dtype, g: torch.Generator):
-    qkv = torch.randn(m, 27, 3, heads, dim, device="cuda", dtype=dtype, generator=g).requires_grad_()
-    valid = torch.rand(m, 27, device="cuda", generator=g) >= 0.2
-    valid[:, 0] = True  # the dense vector: always a valid key
-    return qkv, valid
-
-
-def plain_attention(q, k, v, valid):
-    """softmax(q k^T / sqrt(d)) v over [B, heads, 27, d] with keys where `valid` [B, 27] is False masked
-    out, in plain ops (the softmax in fp32, as SDPA computes it)."""
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
-
-
-def bench_attention(path: str, op: str, m: int, heads: int, dim: int, dtype: torch.dtype) -> dict[str, float]:
-    """Median ms of the attention op or the whole attention interaction on one path (module docstring)."""
-    from dlrm.config import AttentionConfig
-    from kernels.attention import masked_attention
-
-    g = torch.Generator(device="cuda").manual_seed(m + heads * dim)
-    sets = []
-    if op == "attention":
-        for _ in range(ROTATE):
-            qkv, valid = _attention_inputs(m, heads, dim, dtype, g)
-            sets.append((qkv, valid, torch.randn(m, heads, 27, dim, device="cuda", dtype=dtype, generator=g)))
-
-        def split(qkv):
-            return (t.transpose(1, 2) for t in qkv.unbind(2))
-
-        if path == "triton":
-            fn = lambda qkv, valid: masked_attention(*split(qkv), valid)  # noqa: E731
-        elif path == "compile-ops":
-            torch._dynamo.reset()
-            fn = torch.compile(lambda qkv, valid: plain_attention(*split(qkv), valid), dynamic=False)
-        else:
-
-            def fn(qkv, valid):
-                return F.scaled_dot_product_attention(*split(qkv), attn_mask=valid[:, None, None, :])
-
-            if path == "compile":
-                torch._dynamo.reset()
-                fn = torch.compile(fn, dynamic=False)
-        return _time_passes(fn, sets, path.startswith("compile"))
-    d = 16
-    cfg = AttentionConfig(heads=heads, layers=2, dim=dim)
-    arch = InteractionArch(d, "attention", kernel="triton" if path == "triton" else "torch", attention=cfg)
-    arch = arch.to(device="cuda", dtype=dtype)
-    for _ in range(ROTATE):
-        dense = torch.randn(m, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
-        embedded = torch.randn(m, 26, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
-        sparse = torch.randint(0, 1000, (m, 26), device="cuda", generator=g)
-        sparse[torch.rand(m, 26, device="cuda", generator=g) < 0.2] = -1
-        dy = torch.randn(m, arch.out_features, device="cuda", dtype=dtype, generator=g)
-        sets.append((dense, embedded, sparse, dy))
-    fn = arch
-    if path == "compile":
-        torch._dynamo.reset()
-        fn = torch.compile(arch, dynamic=False)
-    return _time_passes(fn, sets, path == "compile")
-
-
 def _lora_fn(path: str, act: str):
     from kernels.lora_linear import lora_linear
 
@@ -397,7 +264,7 @@ def bench_lora(path: str, m: int, k: int, n: int, r: int, act: str, dtype: torch
         a = (torch.randn(r, k, device="cuda", dtype=dtype, generator=g) / k**0.5).requires_grad_()
         bl = torch.randn(n, r, device="cuda", dtype=dtype, generator=g).requires_grad_()
         sets.append((x, w, b, a, bl, torch.randn(m, n, device="cuda", dtype=dtype, generator=g)))
-    return _time_passes(_lora_fn(path, act), sets, path == "compile")
+    return time_passes(_lora_fn(path, act), sets, path == "compile")
 
 
 def run_lora(configs, batches, precisions, ranks, paths, common) -> None:
@@ -427,7 +294,7 @@ def run_lora(configs, batches, precisions, ranks, paths, common) -> None:
 
 
 def bench_mlp(path: str, m: int, name: str, k: int, widths: tuple[int, ...], last: str, dtype: torch.dtype):
-    """Median ms of one whole MLP on one path (`_time_passes`); its parameters' gradients are cleared
+    """Median ms of one whole MLP on one path (`time_passes`); its parameters' gradients are cleared
     before each forward, as an optimizer's zero_grad(set_to_none) does."""
     from dlrm.model.mlp import MLP
 
@@ -445,7 +312,7 @@ def bench_mlp(path: str, m: int, name: str, k: int, widths: tuple[int, ...], las
     if path == "compile":
         torch._dynamo.reset()
         module = torch.compile(mlp, dynamic=False)
-    return _time_passes(lambda x, *_: module(x), sets, path == "compile")
+    return time_passes(lambda x, *_: module(x), sets, path == "compile")
 
 
 def run_mlp(configs, batches, precisions, paths, common) -> None:
@@ -472,39 +339,6 @@ def run_mlp(configs, batches, precisions, paths, common) -> None:
                     append_rows(MLP_RESULTS, rows)
 
 
-def run_attention(batches, precisions, shapes, paths, common) -> None:
-    """`--what attention`: rows to ATTENTION_RESULTS; per (op, precision, batch, shape) times and ratios.
-    Each shape's rows are appended as soon as they are timed, so a run cut short keeps what it measured."""
-    print(f"\nattention interaction, ms (ratio = eager / path), {common['device']}")
-    for op in ("attention", "interaction"):
-        # compile-ops is a baseline of the attention op alone (the interaction's eager module is compiled
-        # by "compile").
-        op_paths = [p for p in paths if op == "attention" or p != "compile-ops"]
-        print(
-            f"{'op':<13}{'prec':<6}{'B':>7}  {'HxD':<7}{'pass':<15}" + "".join(f"{p:>20}" for p in op_paths)
-        )
-        for precision in precisions:
-            for m in batches:
-                for shape in shapes:
-                    heads, dim = (int(v) for v in shape.split("x"))
-                    times = {p: bench_attention(p, op, m, heads, dim, DTYPES[precision]) for p in op_paths}
-                    rows = []
-                    for ps in PASSES:
-                        base = times[op_paths[0]][ps]
-                        cells = "".join(
-                            f"{times[p][ps]:>10.4f} ({base / times[p][ps]:>5.2f}x)" for p in op_paths
-                        )
-                        print(f"{op:<13}{precision:<6}{m:>7}  {shape:<7}{ps:<15}{cells}")
-                        for path in op_paths:
-                            rows.append(dict(
-                                common, op=op, heads=heads, dim=dim, seq=27, batch=m, precision=precision,
-                                path=path, **{"pass": ps}, ms=round(times[path][ps], 5),
-                                ratio_vs_eager=round(base / times[path][ps], 3),
-                                compile_s=round(times[path]["compile_s"], 2),
-                            ))  # fmt: skip
-                    append_rows(ATTENTION_RESULTS, rows)
-
-
 def bench_bias_act_bandwidth(
     m: int, n: int, dtype: torch.dtype, copy_gbps: float, kernel: str = "triton"
 ) -> tuple[float, float]:
@@ -520,8 +354,8 @@ def bench_bias_act_bandwidth(
     x, dy = torch.randn(m, n, device="cuda", dtype=dtype), torch.randn(m, n, device="cuda", dtype=dtype)
     b = torch.randn(n, device="cuda", dtype=dtype)
     size = x.element_size()
-    fwd_gbps = (2 * m * n + n) * size / _graph_ms(lambda: bias_act_fwd(x, b, "relu")) / 1e6
-    bwd_gbps = (3 * m * n + n) * size / _graph_ms(lambda: bias_act_bwd(dy, x, b, "relu")) / 1e6
+    fwd_gbps = (2 * m * n + n) * size / graph_ms(lambda: bias_act_fwd(x, b, "relu")) / 1e6
+    bwd_gbps = (3 * m * n + n) * size / graph_ms(lambda: bias_act_bwd(dy, x, b, "relu")) / 1e6
     return 100 * fwd_gbps / copy_gbps, 100 * bwd_gbps / copy_gbps
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import click
 import torch
 import torch.nn.functional as F
-from bench_kernels import _graph_ms, _median_ms, measure_ceilings
+from bench_timing import graph_ms, measure_ceilings, median_ms
 from results_csv import append_rows, provenance
 
 from dlrm.data.schema import NUM_SPARSE
@@ -64,10 +64,10 @@ def _time_ours(d: int, optimizer: str, ids: list, grads: list) -> dict[str, floa
         ours(ids[i]).backward(grads[i])
 
     return {
-        "fwd launch": _median_ms(fwd),
-        "fwd graph": _graph_ms(fwd),
-        "step launch": _median_ms(step),
-        "step graph": _graph_ms(step),
+        "fwd launch": median_ms(fwd),
+        "fwd graph": graph_ms(fwd),
+        "step launch": median_ms(step),
+        "step graph": graph_ms(step),
     }
 
 
@@ -92,9 +92,9 @@ def _time_eager(d: int, optimizer: str, ids: list, grads: list) -> dict[str, flo
     # The eager forward (no_grad) replays as a graph too; its step cannot be captured (the sparse gradients
     # are coalesced with a host sync), so graph replays of our step have no eager twin to compare with.
     return {
-        "eager fwd launch": _median_ms(fwd),
-        "eager fwd graph": _graph_ms(fwd),
-        "eager step launch": _median_ms(step),
+        "eager fwd launch": median_ms(fwd),
+        "eager fwd graph": graph_ms(fwd),
+        "eager step launch": median_ms(step),
     }
 
 
@@ -145,10 +145,10 @@ def bench_interaction(b: int, d: int) -> list[dict]:
         return run
 
     times = {
-        ("eager", "launch"): _median_ms(step(eager)),
-        ("eager", "graph"): _graph_ms(step(eager)),
-        ("triton", "launch"): _median_ms(step(dot_interaction)),
-        ("triton", "graph"): _graph_ms(step(dot_interaction)),
+        ("eager", "launch"): median_ms(step(eager)),
+        ("eager", "graph"): graph_ms(step(eager)),
+        ("triton", "launch"): median_ms(step(dot_interaction)),
+        ("triton", "graph"): graph_ms(step(dot_interaction)),
     }
     return [
         {"op": "interaction fwd+bwd", "path": p, "timing": t, "dim": d, "ms": round(ms, 5),
@@ -171,12 +171,12 @@ def bench_loss(b: int) -> list[dict]:
         return run
 
     times = {
-        ("copy of logits", "graph"): _graph_ms(lambda: copy_dst.copy_(logits.detach())),
-        ("eager", "graph"): _graph_ms(step(F.binary_cross_entropy_with_logits)),
-        ("triton", "graph"): _graph_ms(step(bce_with_logits)),
+        ("copy of logits", "graph"): graph_ms(lambda: copy_dst.copy_(logits.detach())),
+        ("eager", "graph"): graph_ms(step(F.binary_cross_entropy_with_logits)),
+        ("triton", "graph"): graph_ms(step(bce_with_logits)),
     }
     with torch.no_grad():
-        times[("triton fwd", "graph")] = _graph_ms(lambda: bce_with_logits(logits, labels))
+        times[("triton fwd", "graph")] = graph_ms(lambda: bce_with_logits(logits, labels))
     copy = times[("copy of logits", "graph")]
     return [
         {"op": "loss fwd+bwd" if p in ("eager", "triton") else "loss fwd", "path": p, "timing": t,
