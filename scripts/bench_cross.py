@@ -10,7 +10,7 @@ N = 27 x 128, r = 512):
     triton    kernels.cross.cross_layer                         our GEMM with the elementwise tail in its
                                                                 epilogue, forward and backward
 Each path timed forward and forward + backward (gradients of every input), launched from Python and as
-CUDA-graph replays (bench_kernels' `time_passes`: median of CUDA-event timings, inputs rotated over
+CUDA-graph replays (bench_timing's `time_passes`: median of CUDA-event timings, inputs rotated over
 several sets). TFLOP/s count the layer's GEMM work, 4 B N r forward and 12 B N r forward + backward (the
 triton path's recomputed z in the backward, 2 B N r more, is not counted: the same work is credited to
 every path), against the measured GEMM rate. Rows go to scripts/results/cross.csv; ratios are eager / path

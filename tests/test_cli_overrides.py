@@ -6,7 +6,6 @@ import json
 import pytest
 from click.testing import CliRunner
 
-import dlrm.loop
 from dlrm import finetune
 from dlrm import train as train_cli
 from dlrm.checkpoint import save_checkpoint
@@ -26,7 +25,7 @@ def started(monkeypatch) -> list[RunConfig]:
         return {}
 
     monkeypatch.setattr(train_cli, "train", record)
-    monkeypatch.setattr(dlrm.loop, "train", record)  # dlrm.finetune imports it when it runs
+    monkeypatch.setattr(finetune, "train", record)
     return configs
 
 
