@@ -274,12 +274,15 @@ def validate(cfg: RunConfig) -> RunConfig:
     for key, value in (
         ("train.max_steps", t.max_steps),
         ("train.eval_interval", t.eval_interval),
+        ("train.evals_per_epoch", t.evals_per_epoch),
         ("train.patience", t.patience),
         ("train.checkpoint_interval", t.checkpoint_interval),
     ):
         if value is not None:
             _require(value > 0, key, "a positive integer or null", value)
     _require(t.log_interval > 0, "train.log_interval", "a positive integer", t.log_interval)
+    both = t.eval_interval is not None and t.evals_per_epoch is not None
+    _require(not both, "train.evals_per_epoch", "null when train.eval_interval is set", t.evals_per_epoch)
     _require(t.select_on in SELECT_ON, "train.select_on", f"one of {SELECT_ON}", t.select_on)
     _require(t.on_nonfinite in ON_NONFINITE, "train.on_nonfinite", f"one of {ON_NONFINITE}", t.on_nonfinite)
     if t.checkpoint_every_s is not None:

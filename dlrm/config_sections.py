@@ -160,7 +160,8 @@ class TrainConfig:
     `embedding_lr` defaults to `lr`; `lr_schedule` scales both over the steps (warm-up and decay,
     LrScheduleConfig; constant by default). `adagrad_eps`: Adagrad's eps, added to sqrt(sum) in the
     denominator, for the dense weights and the tables alike (the accumulators start at 0).
-    `eval_interval` (steps) of null evaluates at each epoch's end only.
+    `eval_interval` (steps) of null evaluates at each epoch's end only; `evals_per_epoch` n instead
+    evaluates every ceil(steps per epoch / n) steps (MLPerf DLRM-DCNv2's cadence: 20 a pass over the data).
     `select_on`: the val metric that picks checkpoints/best.pt and that early stopping follows: "logloss"
     (lower is better; the default) or "auc" (higher is better). AUC ranks rows and is blind to calibration,
     so a model that predicts twice the click rate can win on it; logloss scores the probabilities.
@@ -196,6 +197,7 @@ class TrainConfig:
     max_steps: int | None = None
     log_interval: int = 50
     eval_interval: int | None = None
+    evals_per_epoch: int | None = None
     select_on: str = "logloss"
     patience: int | None = None
     seed: int = 0

@@ -183,4 +183,5 @@ def test_dlrm_dcnv2_config_is_mlperf_s():
     assert cfg.data.batch_size == 65536
     assert m.multi_hot_sizes == MLPERF_SIZES and sum(m.multi_hot_sizes) == 214 and m.pooling == "sum"
     assert cfg.data.multi_hot.distribution == "uniform"
+    assert t.evals_per_epoch == 20 and t.eval_interval is None  # MLPerf's cadence: 20 a pass
     assert InteractionArch(m.embedding_dim, m.interaction, dcn=m.dcn).out_features == 3456

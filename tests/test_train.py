@@ -567,3 +567,17 @@ def test_a_fresh_model_predicts_the_train_click_rate(criteo_sample, tmp_path, co
     ctr = train.label.double().mean().item()
     assert 0.0 < ctr < 0.5  # the shipped sample: a few percent
     assert p.mean().item() == pytest.approx(ctr, rel=1e-5) and p.std().item() < 1e-6
+
+
+def test_evals_per_epoch_spreads_the_evaluations_over_each_epoch(criteo_sample, tmp_path):
+    """train.evals_per_epoch n evaluates every ceil(steps per epoch / n) steps: the sample's 8,000 train rows
+    at batch 256 are 32 steps an epoch, so n = 8 evaluates at steps 4, 8, ... 32 (the last one is the
+    epoch's end, not evaluated twice)."""
+    from dlrm.run.loop import train
+
+    cfg = replace(_tiny(criteo_sample, max_steps=None, epochs=1), "train", evals_per_epoch=8)
+    metrics = train(cfg, tmp_path / "run")
+    assert metrics["evals"] == 8
+    assert [step for step, _ in _scalars(tmp_path / "run", "val/auc")] == list(range(4, 33, 4))
+    with pytest.raises(ValueError, match="^train.evals_per_epoch: expected null when train.eval_interval"):
+        replace(cfg, "train", eval_interval=5)

@@ -143,7 +143,7 @@ def after_step(run: Run, state: RunState, interval: Interval, epoch: int) -> boo
     if at_log_line:
         log_interval(run, state, interval, epoch)
     stop = False
-    if t.eval_interval and state.step % t.eval_interval == 0:
+    if run.eval_every and state.step % run.eval_every == 0:
         stop = evaluate_and_select(run, state, interval)
     signum, timed = run.signals.received or 0, checkpoint_due_by_time(run.cfg, state)
     signum, timed = run.strategy.agree(signum, timed, at_log_line)

@@ -129,6 +129,9 @@ def set_up(
         strategy=strategy,
     )
     run.progress = TrainProgress(progress, t.max_steps or t.epochs * len(train_loader), state.step)
+    run.eval_every = t.eval_interval or (
+        t.evals_per_epoch and math.ceil(len(train_loader) / t.evals_per_epoch)
+    )
     if t.cuda_graphs:
         run.eval_forward = GraphedForward(functools.partial(forward_logits, model, t.precision))
     return run, state

@@ -119,3 +119,6 @@ class Run:
     # The evaluation forward as CUDA graph replays under train.cuda_graphs (dlrm.graphs.GraphedForward);
     # None: launched from Python.
     eval_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Steps between evaluations (train.eval_interval, or an epoch over train.evals_per_epoch); None: at
+    # each epoch's end only.
+    eval_every: int | None = None
