@@ -21,7 +21,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.embedding_update import OPTIMIZERS, block_sizes, embedding_update_ref, segment_update_kernel
+from kernels.embedding_update import (
+    block_sizes,
+    check_lr,
+    check_optimizer,
+    embedding_update_ref,
+    segment_update_kernel,
+    sorted_segments,
+)
 from kernels.launch import use_triton
 
 __all__ = [
@@ -152,21 +159,14 @@ def embedding_bag_update(
     Raises:
         ValueError: unknown optimizer or pooling, or shapes/dtypes/devices that do not match.
     """
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown embedding optimizer {optimizer!r}: expected one of {OPTIMIZERS}")
+    check_optimizer(optimizer)
     check_pooling(pooling)
     b, s = index.shape
     if grad.shape != (b, bag_sizes.shape[0], weights.shape[1]):
         raise ValueError(
             f"grad {list(grad.shape)} must be [B={b}, F={bag_sizes.shape[0]}, D={weights.shape[1]}]"
         )
-    if (
-        not isinstance(lr, Tensor)
-        or lr.numel() != 1
-        or lr.dtype != torch.float32
-        or lr.device != weights.device
-    ):
-        raise ValueError(f"lr must be a one-element fp32 tensor on {weights.device}")
+    check_lr(lr, weights)
     if not use_triton(weights):
         embedding_bag_update_ref(weights, state, index, grad, bag_sizes, pooling, optimizer, lr, eps)
         return
@@ -182,11 +182,7 @@ def embedding_bag_update(
     if optimizer == "sgd" and weights.dtype == torch.float32:
         _embedding_bag_sgd_kernel[grid](index, grad, features, scales, weights, lr, n, s, f, d, **blocks)
         return
-    sorted_rows, order = torch.sort(index)
-    # Segment of each sorted position: the number of row changes before it.
-    changes = torch.ne(sorted_rows[1:], sorted_rows[:-1])
-    segment = torch.zeros_like(sorted_rows)
-    torch.cumsum(changes, dim=0, out=segment[1:])
+    sorted_rows, order, segment = sorted_segments(index)
     sums = torch.zeros(n, d, dtype=torch.float32, device=weights.device)
     _embedding_bag_segment_sum_kernel[grid](
         order, segment, grad, features, scales, sums, n, s, f, d, **blocks

@@ -37,10 +37,13 @@ __all__ = [
     "OPTIMIZERS",
     "block_sizes",
     "check_lr",
+    "check_optimizer",
     "embedding_update",
     "embedding_update_ref",
     "optimizer_state",
     "segment_update_kernel",
+    "sorted_segments",
+    "update_lr",
 ]
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
@@ -155,11 +158,16 @@ def block_sizes(d: int, n: int) -> tuple[int, int]:
     return block_d, min(max(16, 4096 // block_d), triton.next_power_of_2(n))
 
 
+def check_optimizer(optimizer: str) -> None:
+    """Raises ValueError unless `optimizer` is one of OPTIMIZERS."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown embedding optimizer {optimizer!r}: expected one of {OPTIMIZERS}")
+
+
 def optimizer_state(weights: Tensor, optimizer: str) -> Tensor:
     """Fresh (zero) optimizer state for `weights` [R, D]: [R, D] fp32 for "adagrad", [R] fp32 for
     "rowwise_adagrad", an empty tensor for "sgd"."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown embedding optimizer {optimizer!r}: expected one of {OPTIMIZERS}")
+    check_optimizer(optimizer)
     shape = {"sgd": (0,), "adagrad": tuple(weights.shape), "rowwise_adagrad": (weights.shape[0],)}[optimizer]
     return torch.zeros(shape, dtype=torch.float32, device=weights.device)
 
@@ -169,6 +177,34 @@ def check_lr(lr: Tensor, weights: Tensor) -> None:
     if not ok or lr.device != weights.device:
         got = f"{lr.dtype} {list(lr.shape)} on {lr.device}" if isinstance(lr, Tensor) else repr(lr)
         raise ValueError(f"lr must be a one-element fp32 tensor on {weights.device}, got {got}")
+
+
+def update_lr(lr: Tensor | None, weights: Tensor, op: str) -> Tensor:
+    """The learning rate a lookup's backward updates `weights` with: `lr` itself (checked as `check_lr`),
+    or for None a zero one, allowed only where no update follows (weights without grad, or grad disabled).
+
+    Raises:
+        ValueError: lr None where backward updates the weights (the message names `op`), or lr not a
+            one-element fp32 tensor on weights' device.
+    """
+    if lr is None:
+        if weights.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{op}: lr is required when backward updates the weights")
+        lr = torch.zeros((), dtype=torch.float32, device=weights.device)
+    check_lr(lr, weights)
+    return lr
+
+
+def sorted_segments(index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(sorted rows, order, segment), each [N] int64, of the N = index.numel() global rows looked up: the
+    rows sorted, the lookup at each sorted position (argsort), and the segment (distinct row, numbered in
+    sorted order) of each sorted position. No host sync."""
+    sorted_rows, order = torch.sort(index.reshape(-1))
+    # Segment of each sorted position: the number of row changes before it.
+    changes = torch.ne(sorted_rows[1:], sorted_rows[:-1])
+    segment = torch.zeros_like(sorted_rows)
+    torch.cumsum(changes, dim=0, out=segment[1:])
+    return sorted_rows, order, segment
 
 
 def _check_update(weights: Tensor, state: Tensor, index: Tensor, grad: Tensor, optimizer: str) -> None:
@@ -202,8 +238,7 @@ def embedding_update(
     Raises:
         ValueError: unknown optimizer, or shapes/dtypes/devices that do not match (message names them).
     """
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown embedding optimizer {optimizer!r}: expected one of {OPTIMIZERS}")
+    check_optimizer(optimizer)
     _check_update(weights, state, index, grad, optimizer)
     check_lr(lr, weights)
     if not use_triton(weights):
@@ -219,11 +254,7 @@ def embedding_update(
     if optimizer == "sgd" and weights.dtype == torch.float32:
         _embedding_sgd_kernel[grid](index, grad, weights, lr, n, d, BLOCK_N=block_n, BLOCK_D=block_d)
         return
-    sorted_rows, order = torch.sort(index)
-    # Segment of each sorted position: the number of row changes before it.
-    changes = torch.ne(sorted_rows[1:], sorted_rows[:-1])
-    segment = torch.zeros_like(sorted_rows)
-    torch.cumsum(changes, dim=0, out=segment[1:])
+    sorted_rows, order, segment = sorted_segments(index)
     sums = torch.zeros(n, d, dtype=torch.float32, device=grad.device)
     _embedding_segment_sum_kernel[grid](order, segment, grad, sums, n, d, BLOCK_N=block_n, BLOCK_D=block_d)
     segment_update_kernel[grid](
