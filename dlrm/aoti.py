@@ -24,6 +24,7 @@ import torch
 from loguru import logger
 
 from dlrm.atomic import replacing
+from dlrm.cli_options import command
 from dlrm.errors import cli_errors
 from dlrm.export import example_inputs
 
@@ -67,7 +68,7 @@ def latency_ms(fn: Callable, batch: int, device: torch.device, warmup: int = 10,
     return statistics.median(times)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@command
 @click.option(
     "--program",
     type=click.Path(path_type=Path, exists=True, dir_okay=False),

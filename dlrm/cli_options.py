@@ -6,6 +6,21 @@ import click
 
 from dlrm.choices import DEVICES, SPLITS
 
+
+def command(function):
+    """`function` as a click command with what every dlrm command has: -h as well as --help, and each
+    option's default shown in the help."""
+    return click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})(
+        function
+    )
+
+
+def data_option(help: str):
+    """The required `--data` option (parameter `data_dir`, a Path): a preprocessed data directory, whose
+    expected contents `help` names."""
+    return click.option("--data", "data_dir", type=click.Path(path_type=Path), required=True, help=help)
+
+
 checkpoint_option = click.option(
     "--checkpoint",
     "checkpoint_path",

@@ -29,7 +29,7 @@ from torch import nn
 
 from dlrm.atomic import replacing
 from dlrm.checkpoint import load_checkpoint
-from dlrm.cli_options import checkpoint_option
+from dlrm.cli_options import checkpoint_option, command
 from dlrm.config import from_dict
 from dlrm.data.schema import DENSE_COLUMNS, NUM_DENSE, NUM_SPARSE, SPARSE_COLUMNS
 from dlrm.device import resolve_device
@@ -112,7 +112,7 @@ def compile_in_child(program: Path, package: Path) -> None:
         raise ValueError(f"{package}: AOTInductor failed (exit {code}, its error above); {program} written")
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@command
 @checkpoint_option
 @click.option(
     "--output",

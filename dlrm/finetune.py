@@ -25,7 +25,7 @@ import click
 
 from dlrm.checkpoint import load_checkpoint, save_checkpoint
 from dlrm.choices import DEVICES
-from dlrm.cli_options import set_option
+from dlrm.cli_options import command, set_option
 from dlrm.config import LoraConfig, RunConfig, apply_overrides, from_dict, load_config, replace
 from dlrm.errors import cli_errors
 from dlrm.model import model_from_checkpoint
@@ -97,7 +97,7 @@ def merge_checkpoint(checkpoint: Path, output: Path) -> dict:
     return written
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@command
 @click.option(
     "--checkpoint", type=click.Path(path_type=Path), required=True, help="A run's best.pt or last.pt."
 )

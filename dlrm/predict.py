@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from dlrm import atomic, progress
 from dlrm.checkpoint import load_checkpoint
-from dlrm.cli_options import checkpoint_option, device_option, split_option
+from dlrm.cli_options import checkpoint_option, command, device_option, split_option
 from dlrm.config import from_dict
 from dlrm.data.dataset import Batch, columns_of, decode_table, parquet_errors, split_files, split_paths
 from dlrm.data.parse import parse_block
@@ -182,7 +182,7 @@ def predict(
     return {"rows": rows, "mean_ctr": ctr_sum / rows, "output": str(output)}
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@command
 @checkpoint_option
 @click.option(
     "--input",

@@ -16,13 +16,13 @@ import click
 
 from dlrm import parallel, progress
 from dlrm.choices import COMPILE_MODES, DEVICES, PRECISIONS, TRITON_MLP_KERNELS
-from dlrm.cli_options import set_option
+from dlrm.cli_options import command, set_option
 from dlrm.config import apply_overrides, load_config, replace
 from dlrm.errors import Interrupted, RunStopped, cli_errors
 from dlrm.run.loop import train
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@command
 @click.option(
     "--config",
     "config_path",

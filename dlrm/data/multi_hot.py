@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from dlrm.choices import BAG_DISTRIBUTIONS
+from dlrm.cli_options import command, data_option
 from dlrm.data.bag_source import data_bag_sizes
 from dlrm.data.bags import id_ranges, is_one_hot, make_bags, parse_sizes
 from dlrm.data.dataset import columns_of, decode_table, parquet_errors
@@ -111,14 +112,8 @@ def _write_file(
     return rows
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option(
-    "--data",
-    "data_dir",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="One-hot preprocessed data directory (metadata.json and parquet splits).",
-)
+@command
+@data_option("One-hot preprocessed data directory (metadata.json and parquet splits).")
 @click.option("--sizes", default="mlperf", help="Bag sizes of C1..C26: 'mlperf' or 26 comma-separated ints.")
 @click.option(
     "--distribution", type=click.Choice(BAG_DISTRIBUTIONS), default="pareto", help="Law of the drawn ids."

@@ -49,6 +49,7 @@ from pathlib import Path
 import click
 from loguru import logger
 
+from dlrm.cli_options import command
 from dlrm.data.output import METADATA_FILE, PartialDir, move_into_place
 from dlrm.data.pipeline import DEFAULT_BLOCK_SIZE, LAYOUTS, split_starts, write_splits
 from dlrm.data.splits import held_out_fractions
@@ -218,7 +219,7 @@ def _fingerprint(path: Path) -> dict:
     return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command
 @click.option(
     "--input",
     "inputs",
@@ -232,7 +233,6 @@ def _fingerprint(path: Path) -> dict:
     "--layout",
     type=click.Choice(LAYOUTS),
     default="fraction",
-    show_default=True,
     help="Splits: fraction (train/val/test by --val-fraction, --test-fraction), kaggle (FB-DLRM's 7 days "
     "of train.txt: 6 train, the last halved into val/test), terabyte (inputs day_0..day_23: the last "
     "halved: val/test).",
@@ -257,11 +257,10 @@ def _fingerprint(path: Path) -> dict:
     default=None,
     help="Layout fraction: shorthand for --val-fraction F/2 --test-fraction F/2.",
 )
-@click.option("--rows-per-file", default=1_000_000, show_default=True, help="Lines per parquet shard.")
+@click.option("--rows-per-file", default=1_000_000, help="Lines per parquet shard.")
 @click.option(
     "--block-size",
     default=DEFAULT_BLOCK_SIZE,
-    show_default=True,
     help="Lines a worker parses as one task, and rows per parquet row group; memory grows with it and "
     "--workers.",
 )
@@ -275,7 +274,6 @@ def _fingerprint(path: Path) -> dict:
 @click.option(
     "--exact-distinct-limit",
     default=DEFAULT_EXACT_DISTINCT_LIMIT,
-    show_default=True,
     help="Distinct ids per column counted exactly up to this many; a HyperLogLog estimate past it.",
 )
 @click.option(

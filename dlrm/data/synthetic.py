@@ -23,6 +23,7 @@ from pathlib import Path
 import click
 
 from dlrm.choices import BAG_DISTRIBUTIONS
+from dlrm.cli_options import command
 from dlrm.data.bags import parse_sizes
 from dlrm.data.synthetic_output import write_parquet, write_tsv
 from dlrm.data.synthetic_rows import (
@@ -38,7 +39,7 @@ from dlrm.errors import cli_errors
 # CLI
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command
 @click.option("--rows", type=int, required=True, help="Number of rows (lines) to generate.")
 @click.option(
     "--output",
@@ -73,30 +74,26 @@ from dlrm.errors import cli_errors
     "preset",
     type=click.Choice(sorted(CARDINALITY_PRESETS)),
     default="kaggle",
-    show_default=True,
     help="Distinct ids per column C1..C26: Criteo Kaggle train set, or Criteo 1TB days 0-23.",
 )
 @click.option("--max-cardinality", type=int, default=None, help="Cap every column's cardinality at this.")
-@click.option("--ctr", type=float, default=DEFAULT_CTR, show_default=True, help="Mean click probability.")
+@click.option("--ctr", type=float, default=DEFAULT_CTR, help="Mean click probability.")
 @click.option(
     "--seed",
     type=int,
     default=0,
-    show_default=True,
     help="Seed of every random stream (same arguments, same rows, whatever the block size).",
 )
 @click.option(
     "--block-size",
     type=int,
     default=1 << 16,
-    show_default=True,
     help="Rows generated and written per block (bounds memory; does not change the rows).",
 )
 @click.option(
     "--rows-per-file",
     type=int,
     default=1_000_000,
-    show_default=True,
     help="With --output-dir: rows per shard.",
 )
 @click.option(
@@ -110,7 +107,6 @@ from dlrm.errors import cli_errors
     "--multi-hot-distribution",
     type=click.Choice(BAG_DISTRIBUTIONS),
     default="pareto",
-    show_default=True,
     help="Law of the bags' drawn ids (dlrm.data.bags).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing output of an earlier run.")
