@@ -52,7 +52,7 @@ from loguru import logger
 from dlrm.cli_options import command
 from dlrm.data.output import METADATA_FILE, PartialDir, move_into_place
 from dlrm.data.pipeline import DEFAULT_BLOCK_SIZE, LAYOUTS, split_starts, write_splits
-from dlrm.data.splits import held_out_fractions
+from dlrm.data.splits import held_out_fractions, held_out_options
 from dlrm.data.stats import DEFAULT_EXACT_DISTINCT_LIMIT
 from dlrm.data.text import PreprocessError
 from dlrm.errors import cli_errors
@@ -237,26 +237,7 @@ def _fingerprint(path: Path) -> dict:
     "of train.txt: 6 train, the last halved into val/test), terabyte (inputs day_0..day_23: the last "
     "halved: val/test).",
 )
-@click.option(
-    "--val-fraction",
-    type=float,
-    default=None,
-    help="Layout fraction: share of lines, before the test split, that forms val (model selection).  "
-    "[default: 0.1]",
-)
-@click.option(
-    "--test-fraction",
-    type=float,
-    default=None,
-    help="Layout fraction: share of lines, taken from the end of the inputs, that forms test (the reported "
-    "AUC).  [default: 0.1]",
-)
-@click.option(
-    "--eval-fraction",
-    type=float,
-    default=None,
-    help="Layout fraction: shorthand for --val-fraction F/2 --test-fraction F/2.",
-)
+@held_out_options("Layout fraction")
 @click.option("--rows-per-file", default=1_000_000, help="Lines per parquet shard.")
 @click.option(
     "--block-size",

@@ -25,6 +25,7 @@ import click
 from dlrm.choices import BAG_DISTRIBUTIONS
 from dlrm.cli_options import command
 from dlrm.data.bags import parse_sizes
+from dlrm.data.splits import held_out_options
 from dlrm.data.synthetic_output import write_parquet, write_tsv
 from dlrm.data.synthetic_rows import (
     CARDINALITY_PRESETS,
@@ -51,24 +52,7 @@ from dlrm.errors import cli_errors
     type=click.Path(path_type=Path),
     help="Directory to write in the layout of dlrm.data.preprocess (train/, val/, test/, metadata.json).",
 )
-@click.option(
-    "--val-fraction",
-    type=float,
-    default=None,
-    help="With --output-dir: share of rows, before the test split, that forms val.  [default: 0.1]",
-)
-@click.option(
-    "--test-fraction",
-    type=float,
-    default=None,
-    help="With --output-dir: share of rows, taken from the end, that forms test.  [default: 0.1]",
-)
-@click.option(
-    "--eval-fraction",
-    type=float,
-    default=None,
-    help="With --output-dir: shorthand for --val-fraction F/2 --test-fraction F/2.",
-)
+@held_out_options("With --output-dir")
 @click.option(
     "--cardinalities",
     "preset",
