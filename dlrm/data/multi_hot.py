@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from dlrm.choices import BAG_DISTRIBUTIONS
-from dlrm.cli_options import command, data_option
+from dlrm.cli_options import command, data_option, path_option
 from dlrm.data.bag_source import data_bag_sizes
 from dlrm.data.bags import id_ranges, is_one_hot, make_bags, parse_sizes
 from dlrm.data.dataset import columns_of, decode_table, parquet_errors
@@ -119,10 +119,8 @@ def _write_file(
     "--distribution", type=click.Choice(BAG_DISTRIBUTIONS), default="pareto", help="Law of the drawn ids."
 )
 @click.option("--seed", type=int, default=0, help="Seed of the drawn ids.")
-@click.option(
+@path_option(
     "--output-dir",
-    type=click.Path(path_type=Path),
-    default=None,
     help="Where to write the multi-hot directory [default: DATA_multi_hot next to DATA].",
 )
 def main(data_dir: Path, sizes: str, distribution: str, seed: int, output_dir: Path | None) -> None:

@@ -49,7 +49,7 @@ from pathlib import Path
 import click
 from loguru import logger
 
-from dlrm.cli_options import command
+from dlrm.cli_options import command, path_option
 from dlrm.data.output import METADATA_FILE, PartialDir, move_into_place
 from dlrm.data.pipeline import DEFAULT_BLOCK_SIZE, LAYOUTS, split_starts, write_splits
 from dlrm.data.splits import held_out_fractions, held_out_options
@@ -220,15 +220,14 @@ def _fingerprint(path: Path) -> dict:
 
 
 @command
-@click.option(
+@path_option(
     "--input",
     "inputs",
     multiple=True,
     required=True,
-    type=click.Path(path_type=Path),
     help="Raw Criteo TSV file, plain or .gz. Repeat for several files (--input a --input b), in time order.",
 )
-@click.option("--output-dir", required=True, type=click.Path(path_type=Path), help="Directory to create.")
+@path_option("--output-dir", required=True, help="Directory to create.")
 @click.option(
     "--layout",
     type=click.Choice(LAYOUTS),

@@ -23,7 +23,7 @@ from pathlib import Path
 import click
 
 from dlrm.choices import BAG_DISTRIBUTIONS
-from dlrm.cli_options import command
+from dlrm.cli_options import command, path_option
 from dlrm.data.bags import parse_sizes
 from dlrm.data.splits import held_out_options
 from dlrm.data.synthetic_output import write_parquet, write_tsv
@@ -42,14 +42,12 @@ from dlrm.errors import cli_errors
 
 @command
 @click.option("--rows", type=int, required=True, help="Number of rows (lines) to generate.")
-@click.option(
+@path_option(
     "--output",
-    type=click.Path(path_type=Path),
     help="Raw Criteo TSV file to write (40 tab-separated fields, no header); gzip if the name ends with .gz.",
 )
-@click.option(
+@path_option(
     "--output-dir",
-    type=click.Path(path_type=Path),
     help="Directory to write in the layout of dlrm.data.preprocess (train/, val/, test/, metadata.json).",
 )
 @held_out_options("With --output-dir")
