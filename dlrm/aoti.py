@@ -24,6 +24,7 @@ import torch
 from loguru import logger
 
 from dlrm.atomic import replacing
+from dlrm.cli_options import command, path_option
 from dlrm.errors import cli_errors
 from dlrm.export import example_inputs
 
@@ -67,16 +68,14 @@ def latency_ms(fn: Callable, batch: int, device: torch.device, warmup: int = 10,
     return statistics.median(times)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@command
 @click.option(
     "--program",
     type=click.Path(path_type=Path, exists=True, dir_okay=False),
     required=True,
     help="A serving program written by python -m dlrm.export (model.pt2).",
 )
-@click.option(
-    "--output", type=click.Path(path_type=Path), required=True, help="AOTInductor package to write (.pt2)."
-)
+@path_option("--output", required=True, help="AOTInductor package to write (.pt2).")
 def main(program, output):
     """Compile a dlrm.export program with AOTInductor and print its latency per batch of 1 / 128 / 4096
     rows against the program's."""

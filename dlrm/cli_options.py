@@ -6,10 +6,30 @@ import click
 
 from dlrm.choices import DEVICES, SPLITS
 
-checkpoint_option = click.option(
+
+def command(function):
+    """`function` as a click command with what every dlrm command has: -h as well as --help, and each
+    option's default shown in the help."""
+    return click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})(
+        function
+    )
+
+
+def path_option(*names: str, help: str, required: bool = False, **attrs):
+    """A click option (`names` as click.option's) whose value is a pathlib.Path, None where not given
+    unless `required`; further `attrs` as click.option's."""
+    return click.option(*names, type=click.Path(path_type=Path), required=required, help=help, **attrs)
+
+
+def data_option(help: str):
+    """The required `--data` option (parameter `data_dir`, a Path): a preprocessed data directory, whose
+    expected contents `help` names."""
+    return path_option("--data", "data_dir", required=True, help=help)
+
+
+checkpoint_option = path_option(
     "--checkpoint",
     "checkpoint_path",
-    type=click.Path(path_type=Path),
     required=True,
     help="checkpoints/best.pt or last.pt of a run (any backend), or checkpoints/best or last (directories) "
     "of a torchrun run.",

@@ -4,14 +4,13 @@ it scores with the run's kernels, precision and eval batch size (dlrm.scoring), 
 numbers the run reported."""
 
 import json
-from pathlib import Path
 
 import click
 import torch
 
 from dlrm import progress
 from dlrm.checkpoint import load_checkpoint
-from dlrm.cli_options import checkpoint_option, device_option, split_option
+from dlrm.cli_options import checkpoint_option, command, data_option, device_option, split_option
 from dlrm.config import from_dict
 from dlrm.data.bag_source import loader_bags
 from dlrm.data.dataset import BatchLoader, open_split
@@ -22,15 +21,9 @@ from dlrm.metrics import evaluate
 from dlrm.scoring import resolve_scoring, scoring_model, scoring_options
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@command
 @checkpoint_option
-@click.option(
-    "--data",
-    "data_dir",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="Preprocessed data directory (with metadata.json).",
-)
+@data_option("Preprocessed data directory (with metadata.json).")
 @split_option
 @click.option(
     "--batch-size",

@@ -29,7 +29,7 @@ from torch import nn
 
 from dlrm.atomic import replacing
 from dlrm.checkpoint import load_checkpoint
-from dlrm.cli_options import checkpoint_option
+from dlrm.cli_options import checkpoint_option, command, path_option
 from dlrm.config import from_dict
 from dlrm.data.schema import DENSE_COLUMNS, NUM_DENSE, NUM_SPARSE, SPARSE_COLUMNS
 from dlrm.device import resolve_device
@@ -112,11 +112,10 @@ def compile_in_child(program: Path, package: Path) -> None:
         raise ValueError(f"{package}: AOTInductor failed (exit {code}, its error above); {program} written")
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@command
 @checkpoint_option
-@click.option(
+@path_option(
     "--output",
-    type=click.Path(path_type=Path),
     required=True,
     help="ExportedProgram file to write (model.pt2): ctr = program(dense_counts [B,13], sparse_ids [B,26]).",
 )
@@ -126,10 +125,8 @@ def compile_in_child(program: Path, package: Path) -> None:
     default="cpu",
     help="Where the exported weights live and the program runs.",
 )
-@click.option(
+@path_option(
     "--aoti-output",
-    type=click.Path(path_type=Path),
-    default=None,
     help="Also compile the program with AOTInductor into this package (.pt2) and print its latency per "
     "batch (python -m dlrm.aoti; needs a C++ compiler).",
 )

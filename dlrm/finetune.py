@@ -25,7 +25,7 @@ import click
 
 from dlrm.checkpoint import load_checkpoint, save_checkpoint
 from dlrm.choices import DEVICES
-from dlrm.cli_options import set_option
+from dlrm.cli_options import command, path_option, set_option
 from dlrm.config import LoraConfig, RunConfig, apply_overrides, from_dict, load_config, replace
 from dlrm.errors import cli_errors
 from dlrm.model import model_from_checkpoint
@@ -97,23 +97,18 @@ def merge_checkpoint(checkpoint: Path, output: Path) -> dict:
     return written
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option(
-    "--checkpoint", type=click.Path(path_type=Path), required=True, help="A run's best.pt or last.pt."
+@command
+@path_option("--checkpoint", required=True, help="A run's best.pt or last.pt.")
+@path_option(
+    "--config", "config_path", help="Run config of the fine-tuning (data, train); default: the checkpoint's."
 )
-@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
-              help="Run config of the fine-tuning (data, train); default: the checkpoint's.")  # fmt: skip
 @set_option
 @click.option("--lora-rank", type=click.IntRange(1, 128), default=None, help="Adapter rank r.")
 @click.option("--lora-alpha", type=float, default=None, help="Scale numerator: adapters add (alpha / r) B A.")
 @click.option("--freeze-embeddings", is_flag=True, help="Keep the embedding tables fixed too.")
 @click.option("--merge", is_flag=True, help="Fold a fine-tuned CHECKPOINT's adapters into W; write --output.")
-@click.option(
-    "--output", type=click.Path(path_type=Path), default=None, help="With --merge: the file to write."
-)
-@click.option(
-    "--output-dir", type=click.Path(path_type=Path), default=None, help="The fine-tuning run's dir."
-)
+@path_option("--output", help="With --merge: the file to write.")
+@path_option("--output-dir", help="The fine-tuning run's dir.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Overrides train.max_steps.")
 @click.option(
     "--use-triton/--no-use-triton",

@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from dlrm import atomic, progress
 from dlrm.checkpoint import load_checkpoint
-from dlrm.cli_options import checkpoint_option, device_option, split_option
+from dlrm.cli_options import checkpoint_option, command, device_option, path_option, split_option
 from dlrm.config import from_dict
 from dlrm.data.dataset import Batch, columns_of, decode_table, parquet_errors, split_files, split_paths
 from dlrm.data.parse import parse_block
@@ -182,19 +182,17 @@ def predict(
     return {"rows": rows, "mean_ctr": ctr_sum / rows, "output": str(output)}
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@command
 @checkpoint_option
-@click.option(
+@path_option(
     "--input",
     "input_path",
-    type=click.Path(path_type=Path),
     required=True,
     help="Raw Criteo TSV(.gz) (40 fields, or 39 without the label), a .parquet shard, a preprocessed data "
     "directory (with metadata.json; see --split) or a directory of .parquet shards.",
 )
-@click.option(
+@path_option(
     "--output",
-    type=click.Path(path_type=Path),
     required=True,
     help="Parquet file to write: row, logit, ctr, and label when the input has one.",
 )

@@ -16,17 +16,16 @@ import click
 
 from dlrm import parallel, progress
 from dlrm.choices import COMPILE_MODES, DEVICES, PRECISIONS, TRITON_MLP_KERNELS
-from dlrm.cli_options import set_option
+from dlrm.cli_options import command, path_option, set_option
 from dlrm.config import apply_overrides, load_config, replace
 from dlrm.errors import Interrupted, RunStopped, cli_errors
 from dlrm.run.loop import train
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option(
+@command
+@path_option(
     "--config",
     "config_path",
-    type=click.Path(path_type=Path),
     required=True,
     help="JSON run config (see configs/).",
 )
@@ -72,10 +71,8 @@ from dlrm.run.loop import train
     default=None,
     help="Overrides train.precision: fp32, tf32 (TF32 matmuls) or bf16 (autocast MLPs and interaction).",
 )
-@click.option(
+@path_option(
     "--output-dir",
-    type=click.Path(path_type=Path),
-    default=None,
     help="Run directory [default: runs/<name>-<timestamp>]. One that already holds a run is refused "
     "unless --resume or --overwrite.",
 )
@@ -85,10 +82,8 @@ from dlrm.run.loop import train
     help="Delete the earlier run in the run directory before starting; refused for a directory that is not "
     "a run's (.dlrm-run), holds other files, or is the working directory or one above it.",
 )
-@click.option(
+@path_option(
     "--resume",
-    type=click.Path(path_type=Path),
-    default=None,
     help="Go on from this checkpoint (e.g. runs/<run>/checkpoints/last.pt, or .../last of a torchrun run, on "
     "any number of ranks), in its run directory.",
 )

@@ -111,6 +111,20 @@ def act_bwd(dy, s, ACTIVATION: tl.constexpr):
     return dz
 
 
+def act_bwd_ref(dy: Tensor, saved: Tensor | None, activation: str) -> Tensor:
+    """``act_bwd`` in plain PyTorch: dz = dy * act'(z) in fp32 (dy [M, N] of any float dtype), from the
+    tensor the forward saved (y for relu and sigmoid, z for gelu_tanh and silu, None for identity)."""
+    dy = dy.float()
+    s = saved.float() if saved is not None else None
+    if activation == "identity":
+        return dy
+    if activation == "relu":
+        return torch.where(s > 0, dy, 0.0)
+    if activation == "sigmoid":
+        return dy * s * (1.0 - s)
+    return dy * act_grad_ref(s, activation)  # gelu_tanh, silu: s is z
+
+
 def act_ref(z: Tensor, activation: str) -> Tensor:
     """act(z) in plain PyTorch (differentiable). Raises ValueError for an unknown activation."""
     check_activation("act_ref", activation)

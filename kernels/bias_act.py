@@ -50,6 +50,10 @@ __all__ = [
     "bias_act_ref",
     "bias_act_fwd",
     "bias_act_bwd",
+    "bias_act_backward",
+    "bias_act_backward_fake",
+    "bias_act_setup_context",
+    "check_inputs",
 ]
 
 
@@ -159,24 +163,25 @@ def _pick_config(n: int) -> tuple[int, int, int]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(x: Tensor, b: Tensor, activation: str) -> None:
-    """Raise ValueError naming the offending values; works on fake tensors too."""
-    check_activation("bias_act", activation)
+def check_inputs(x: Tensor, b: Tensor, activation: str, op: str = "bias_act") -> None:
+    """Raise ValueError, its message opening with `op`, unless x is [M, N] (N >= 1) of a dtype in DTYPES, b
+    is [N] of x's dtype and device, and activation one of ACTIVATIONS; works on fake tensors too."""
+    check_activation(op, activation)
     if x.dim() != 2:
-        raise ValueError(f"bias_act: x must be 2-D [M, N], got shape {tuple(x.shape)}")
+        raise ValueError(f"{op}: x must be 2-D [M, N], got shape {tuple(x.shape)}")
     if x.shape[1] < 1:
-        raise ValueError(f"bias_act: x must have N >= 1 columns, got shape {tuple(x.shape)}")
+        raise ValueError(f"{op}: x must have N >= 1 columns, got shape {tuple(x.shape)}")
     if b.dim() != 1 or b.shape[0] != x.shape[1]:
         raise ValueError(
-            f"bias_act: bias must have shape [N] = [{x.shape[1]}] for x of shape {tuple(x.shape)}, "
+            f"{op}: bias must have shape [N] = [{x.shape[1]}] for x of shape {tuple(x.shape)}, "
             f"got {tuple(b.shape)}"
         )
     if x.dtype not in DTYPES:
-        raise ValueError(f"bias_act: x dtype must be one of {DTYPES}, got {x.dtype}")
+        raise ValueError(f"{op}: x dtype must be one of {DTYPES}, got {x.dtype}")
     if b.dtype != x.dtype:
-        raise ValueError(f"bias_act: bias dtype {b.dtype} differs from x dtype {x.dtype}")
+        raise ValueError(f"{op}: bias dtype {b.dtype} differs from x dtype {x.dtype}")
     if b.device != x.device:
-        raise ValueError(f"bias_act: bias is on {b.device} but x is on {x.device}")
+        raise ValueError(f"{op}: bias is on {b.device} but x is on {x.device}")
 
 
 def _check_like(name: str, t: Tensor, x: Tensor) -> None:
@@ -185,6 +190,16 @@ def _check_like(name: str, t: Tensor, x: Tensor) -> None:
             f"bias_act: {name} must match x ({tuple(x.shape)}, {x.dtype}, {x.device}), "
             f"got ({tuple(t.shape)}, {t.dtype}, {t.device})"
         )
+
+
+def _output_like(name: str, out: Tensor | None, x: Tensor) -> Tensor:
+    """The output buffer `name`: `out`, checked to be contiguous and like x, or a new one for None."""
+    if out is None:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _check_like(name, out, x)
+    if not out.is_contiguous():
+        raise ValueError(f"bias_act: {name} must be contiguous, got strides {out.stride()}")
+    return out
 
 
 def bias_act_fwd(x: Tensor, b: Tensor, activation: str, out: Tensor | None = None) -> Tensor:
@@ -202,13 +217,8 @@ def bias_act_fwd(x: Tensor, b: Tensor, activation: str, out: Tensor | None = Non
     Raises:
         ValueError: bad shapes, dtypes, devices, activation, or ``out``.
     """
-    _check_inputs(x, b, activation)
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    else:
-        _check_like("out", out, x)
-        if not out.is_contiguous():
-            raise ValueError(f"bias_act: out must be contiguous, got strides {out.stride()}")
+    check_inputs(x, b, activation)
+    out = _output_like("out", out, x)
     m, n = x.shape
     if m == 0:
         return out
@@ -244,14 +254,9 @@ def bias_act_bwd(
     Raises:
         ValueError: bad shapes, dtypes, devices, activation, or ``dx_out``.
     """
-    _check_inputs(x, b, activation)
+    check_inputs(x, b, activation)
     _check_like("dy", dy, x)
-    if dx_out is None:
-        dx_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    else:
-        _check_like("dx_out", dx_out, x)
-        if not dx_out.is_contiguous():
-            raise ValueError(f"bias_act: dx_out must be contiguous, got strides {dx_out.stride()}")
+    dx_out = _output_like("dx_out", dx_out, x)
     m, n = x.shape
     if m == 0:
         return dx_out, torch.zeros_like(b)
@@ -316,43 +321,47 @@ def _bias_act_bwd_ref(dy: Tensor, x: Tensor, b: Tensor, activation: str) -> tupl
 def _bias_act_impl(x: Tensor, bias: Tensor, activation: str) -> Tensor:
     if use_triton(x):
         return bias_act_fwd(x, bias, activation)
-    _check_inputs(x, bias, activation)
+    check_inputs(x, bias, activation)
     return bias_act_ref(x, bias, activation)
 
 
 def _bias_act_fake(x: Tensor, bias: Tensor, activation: str) -> Tensor:
-    _check_inputs(x, bias, activation)
+    check_inputs(x, bias, activation)
     return x.new_empty(x.shape)
 
 
 def _bias_act_backward_impl(dy: Tensor, x: Tensor, bias: Tensor, activation: str) -> tuple[Tensor, Tensor]:
     if use_triton(x):
         return bias_act_bwd(dy, x, bias, activation)
-    _check_inputs(x, bias, activation)
+    check_inputs(x, bias, activation)
     _check_like("dy", dy, x)
     return _bias_act_bwd_ref(dy, x, bias, activation)
 
 
-def _bias_act_backward_fake(dy: Tensor, x: Tensor, bias: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+def bias_act_backward_fake(dy: Tensor, x: Tensor, bias: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    """The backward op's fake (dx, db) (also the CUDA C++ op's, kernels.cuda.bias_act)."""
     return x.new_empty(x.shape), bias.new_empty(bias.shape)
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def bias_act_setup_context(ctx, inputs, output) -> None:
+    """The op's autograd context (also the CUDA C++ op's)."""
     x, bias, activation = inputs
     # Save the inputs (z = x + b is recomputed in the backward kernel), not the output.
     ctx.save_for_backward(x, bias)
     ctx.activation = activation
 
 
-def _backward(backward_fn, ctx, dy: Tensor):
+def bias_act_backward(backward_fn, ctx, dy: Tensor):
+    """The op's autograd backward over `backward_fn` (dy, x, bias, activation) -> (dx, db) (also the CUDA
+    C++ op's)."""
     x, bias = ctx.saved_tensors
     dx, db = backward_fn(dy, x, bias, ctx.activation)
     return dx, db, None
 
 
 _bias_act = define_op(
-    "bias_act", _bias_act_impl, _bias_act_fake, _setup_context, _backward, _bias_act_backward_impl,
-    _bias_act_backward_fake,
+    "bias_act", _bias_act_impl, _bias_act_fake, bias_act_setup_context, bias_act_backward,
+    _bias_act_backward_impl, bias_act_backward_fake,
 )  # fmt: skip
 
 

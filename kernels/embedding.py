@@ -30,11 +30,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.embedding_update import OPTIMIZERS, block_sizes, check_lr, embedding_update
+from kernels.embedding_update import OPTIMIZERS, block_sizes, check_optimizer, embedding_update, update_lr
 from kernels.launch import use_triton
 from kernels.op import define_op
 
-__all__ = ["HASHINGS", "embedding_lookup", "embedding_lookup_ref"]
+__all__ = [
+    "HASHINGS",
+    "OPTIMIZERS",
+    "check_hashing",
+    "check_tables",
+    "embedding_lookup",
+    "embedding_lookup_ref",
+]
 
 HASHINGS = ("modulus", "index")
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
@@ -89,7 +96,9 @@ def _embedding_fwd_kernel(
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_tables(weights: Tensor, offsets: Tensor, rows: Tensor) -> None:
+def check_tables(weights: Tensor, offsets: Tensor, rows: Tensor) -> None:
+    """Raises ValueError unless weights is a contiguous [R, D] fp32/bf16 buffer and offsets, rows are [F]
+    int64 on its device."""
     if weights.ndim != 2 or weights.shape[1] < 1:
         raise ValueError(f"weights must be [R, D] with D >= 1, got shape {list(weights.shape)}")
     if weights.dtype not in WEIGHT_DTYPES:
@@ -106,9 +115,14 @@ def _check_tables(weights: Tensor, offsets: Tensor, rows: Tensor) -> None:
         raise ValueError(f"offsets {list(offsets.shape)} and rows {list(rows.shape)} differ in shape")
 
 
-def _check_ids(ids: Tensor, offsets: Tensor, hashing: str) -> None:
+def check_hashing(hashing: str) -> None:
+    """Raises ValueError unless `hashing` is one of HASHINGS."""
     if hashing not in HASHINGS:
         raise ValueError(f"unknown hashing {hashing!r}: expected one of {HASHINGS}")
+
+
+def _check_ids(ids: Tensor, offsets: Tensor, hashing: str) -> None:
+    check_hashing(hashing)
     if ids.ndim != 2 or ids.shape[1] != offsets.shape[0] or ids.dtype != torch.int64:
         raise ValueError(f"ids must be [B, {offsets.shape[0]}] int64, got {ids.dtype} {list(ids.shape)}")
     if ids.device != offsets.device:
@@ -125,7 +139,7 @@ def embedding_lookup_fwd(
 ) -> tuple[Tensor, Tensor]:
     """Launch the lookup kernel: (out [B, F, D] in out_dtype (None: weights' dtype), index [B, F] int64).
     See `embedding_lookup`."""
-    _check_tables(weights, offsets, rows)
+    check_tables(weights, offsets, rows)
     _check_ids(ids, offsets, hashing)
     ids = ids.contiguous()
     b, f = ids.shape
@@ -182,7 +196,7 @@ def _lookup_impl(
 ) -> tuple[Tensor, Tensor]:
     if use_triton(weights):
         return embedding_lookup_fwd(weights, offsets, rows, ids, hashing, out_dtype)
-    _check_tables(weights, offsets, rows)
+    check_tables(weights, offsets, rows)
     _check_ids(ids, offsets, hashing)
     return embedding_lookup_ref(weights, offsets, rows, ids, hashing, out_dtype)
 
@@ -266,13 +280,8 @@ def embedding_lookup(
     Raises:
         ValueError: shapes, dtypes, devices, hashing, optimizer or lr not as above (the message names them).
     """
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown embedding optimizer {optimizer!r}: expected one of {OPTIMIZERS}")
+    check_optimizer(optimizer)
     out_dtype = weights.dtype if out_dtype is None else out_dtype
-    if lr is None:
-        if weights.requires_grad and torch.is_grad_enabled():
-            raise ValueError("embedding_lookup: lr is required when backward updates the weights")
-        lr = torch.zeros((), dtype=torch.float32, device=weights.device)
-    check_lr(lr, weights)
+    lr = update_lr(lr, weights, "embedding_lookup")
     out, _ = _embedding_lookup(weights, state, offsets, rows, ids, hashing, optimizer, lr, eps, out_dtype)
     return out

@@ -30,8 +30,9 @@ Backward without a table-sized gradient and without materializing the [B, S, D] 
   sums each lookup's pooled gradient into its segment's fp32 slot, a second updates each distinct row once
   from its segment's sum. Fixed shapes, no host sync: a step can be captured in a CUDA graph. The learning
   rate is a one-element fp32 tensor read by the kernels (a schedule writes it between steps).
-The backward's kernels, launcher and reference live in kernels/embedding_bag_update.py. The PyTorch
-references are `embedding_bag_lookup_ref` and `embedding_bag_update_ref`.
+The backward's launcher and reference live in kernels/embedding_bag_update.py, its kernels (shared with
+the one-id lookups) in kernels/embedding_update.py. The PyTorch references are `embedding_bag_lookup_ref`
+and `embedding_bag_update_ref`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.embedding import HASHINGS
+from kernels.embedding import check_hashing, check_tables
 from kernels.embedding_bag_update import (
     POOLINGS,
     bag_columns,
@@ -49,7 +50,7 @@ from kernels.embedding_bag_update import (
     embedding_bag_update,
     embedding_bag_update_ref,
 )
-from kernels.embedding_update import OPTIMIZERS, block_sizes
+from kernels.embedding_update import block_sizes, check_optimizer, update_lr
 from kernels.launch import use_triton
 from kernels.op import define_op
 
@@ -60,9 +61,6 @@ __all__ = [
     "embedding_bag_update",
     "embedding_bag_update_ref",
 ]
-
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
-
 
 # --------------------------------------------------------------------------------------------------
 # Kernels
@@ -127,21 +125,18 @@ def _embedding_bag_fwd_kernel(
 def _check(
     weights: Tensor, offsets: Tensor, rows: Tensor, bag_sizes: Tensor, ids: Tensor, hashing: str
 ) -> None:
-    if weights.ndim != 2 or weights.shape[1] < 1 or weights.dtype not in WEIGHT_DTYPES:
+    check_tables(weights, offsets, rows)
+    # offsets is [F] int64 on weights' device (check_tables): bag_sizes must match it.
+    if (
+        bag_sizes.shape != offsets.shape
+        or bag_sizes.dtype != torch.int64
+        or bag_sizes.device != weights.device
+    ):
         raise ValueError(
-            f"weights must be [R, D] with D >= 1 and dtype in {WEIGHT_DTYPES}, got {weights.dtype} "
-            f"{list(weights.shape)}"
+            f"bag_sizes must be a [F] int64 tensor on {weights.device} (F = {offsets.shape[0]}), got "
+            f"{bag_sizes.dtype} {list(bag_sizes.shape)} on {bag_sizes.device}"
         )
-    if not weights.is_contiguous():
-        raise ValueError("weights must be contiguous (one [R, D] row-major buffer)")
-    for name, t in (("offsets", offsets), ("rows", rows), ("bag_sizes", bag_sizes)):
-        if t.ndim != 1 or t.dtype != torch.int64 or t.device != weights.device or t.shape != offsets.shape:
-            raise ValueError(
-                f"{name} must be a [F] int64 tensor on {weights.device} (F = {offsets.shape[0]}), got "
-                f"{t.dtype} {list(t.shape)} on {t.device}"
-            )
-    if hashing not in HASHINGS:
-        raise ValueError(f"unknown hashing {hashing!r}: expected one of {HASHINGS}")
+    check_hashing(hashing)
     if ids.ndim != 2 or ids.dtype != torch.int64 or ids.device != weights.device:
         raise ValueError(f"ids must be [B, S] int64 on {weights.device}, got {ids.dtype} {list(ids.shape)}")
 
@@ -323,14 +318,10 @@ def embedding_bag_lookup(
     Raises:
         ValueError: shapes, dtypes, devices, hashing, pooling, optimizer or lr not as above.
     """
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown embedding optimizer {optimizer!r}: expected one of {OPTIMIZERS}")
+    check_optimizer(optimizer)
     check_pooling(pooling)
     out_dtype = weights.dtype if out_dtype is None else out_dtype
-    if lr is None:
-        if weights.requires_grad and torch.is_grad_enabled():
-            raise ValueError("embedding_bag_lookup: lr is required when backward updates the weights")
-        lr = torch.zeros((), dtype=torch.float32, device=weights.device)
+    lr = update_lr(lr, weights, "embedding_bag_lookup")
     out, _ = _embedding_bag_lookup(
         weights, state, offsets, rows, bag_sizes, ids, hashing, pooling, optimizer, lr, eps, out_dtype
     )

@@ -43,7 +43,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import launch
-from kernels.activations import ACTIVATIONS, act_fwd, act_grad_ref, act_ref, check_activation
+from kernels.activations import ACTIVATIONS, act_bwd_ref, act_fwd, act_ref, check_activation
 from kernels.gemm.grads import act_dz, grad_input
 from kernels.gemm.layout import aligned_copy, aligned_weight, new_padded, padded_like, rows_contiguous
 from kernels.gemm.tiles import dot_chunk, grouped_tile
@@ -275,17 +275,7 @@ def _lora_linear_fwd_ref(x, weight, bias, lora_a, lora_b, scale, activation):
 
 
 def _lora_linear_bwd_ref(dy, x, weight, lora_a, lora_b, saved, u, scale, activation, needs_dx):
-    dy = dy.float()
-    s = None if saved is None else saved.float()
-    if activation == "identity":
-        dz = dy
-    elif activation == "relu":
-        dz = torch.where(s > 0, dy, 0.0)
-    elif activation == "sigmoid":
-        dz = dy * s * (1.0 - s)
-    else:
-        dz = dy * act_grad_ref(s, activation)
-    dz = dz.to(x.dtype).float()
+    dz = act_bwd_ref(dy, saved, activation).to(x.dtype).float()
     db_lora = scale * (dz.t() @ u.float())
     du = scale * (dz @ lora_b.float())
     da = du.t() @ x.float()

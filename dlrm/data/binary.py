@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from dlrm.cli_options import command, data_option
 from dlrm.data.dataset import columns_of, decode_table, load_metadata, split_paths
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.errors import cli_errors
@@ -160,14 +161,8 @@ def write_binary(data_dir: Path | str, splits: list[str] | None = None) -> dict[
     return written
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option(
-    "--data",
-    "data_dir",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="Preprocessed data directory (metadata.json and parquet splits).",
-)
+@command
+@data_option("Preprocessed data directory (metadata.json and parquet splits).")
 @click.option("--split", "splits", multiple=True, help="Split to write (repeatable) [default: all].")
 def main(data_dir: Path, splits: tuple[str, ...]) -> None:
     """Write the parquet splits of DATA as fixed-width binary files under DATA/binary/ (for

@@ -320,14 +320,19 @@ class BatchLoader:
         if batch_size % world_size:
             raise ValueError(f"batch_size {batch_size} is not divisible by world_size {world_size}")
         self.rank, self.world_size = rank, world_size
-        self.dataset = dataset
+        self.device = torch.device(device)
+        self.dataset = self.place(dataset, self.device)
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
-        self.device = torch.device(device)
         self.bags = bags
         self.epoch = 0
+
+    def place(self, dataset: ParquetDataset, device: torch.device) -> ParquetDataset:
+        """The rows the loader iterates, from the constructor's `dataset`: here the dataset as it is, each
+        batch copied to `device` as it is made (a subclass may move the whole dataset instead)."""
+        return dataset
 
     def set_epoch(self, epoch: int) -> None:
         """Select the shuffle order of `epoch` (the generator is seeded with seed + epoch)."""

@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from dlrm.choices import BAG_DISTRIBUTIONS
+from dlrm.cli_options import command, data_option, path_option
 from dlrm.data.bag_source import data_bag_sizes
 from dlrm.data.bags import id_ranges, is_one_hot, make_bags, parse_sizes
 from dlrm.data.dataset import columns_of, decode_table, parquet_errors
@@ -111,23 +112,15 @@ def _write_file(
     return rows
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option(
-    "--data",
-    "data_dir",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="One-hot preprocessed data directory (metadata.json and parquet splits).",
-)
+@command
+@data_option("One-hot preprocessed data directory (metadata.json and parquet splits).")
 @click.option("--sizes", default="mlperf", help="Bag sizes of C1..C26: 'mlperf' or 26 comma-separated ints.")
 @click.option(
     "--distribution", type=click.Choice(BAG_DISTRIBUTIONS), default="pareto", help="Law of the drawn ids."
 )
 @click.option("--seed", type=int, default=0, help="Seed of the drawn ids.")
-@click.option(
+@path_option(
     "--output-dir",
-    type=click.Path(path_type=Path),
-    default=None,
     help="Where to write the multi-hot directory [default: DATA_multi_hot next to DATA].",
 )
 def main(data_dir: Path, sizes: str, distribution: str, seed: int, output_dir: Path | None) -> None:

@@ -49,9 +49,10 @@ from pathlib import Path
 import click
 from loguru import logger
 
+from dlrm.cli_options import command, path_option
 from dlrm.data.output import METADATA_FILE, PartialDir, move_into_place
 from dlrm.data.pipeline import DEFAULT_BLOCK_SIZE, LAYOUTS, split_starts, write_splits
-from dlrm.data.splits import held_out_fractions
+from dlrm.data.splits import held_out_fractions, held_out_options
 from dlrm.data.stats import DEFAULT_EXACT_DISTINCT_LIMIT
 from dlrm.data.text import PreprocessError
 from dlrm.errors import cli_errors
@@ -218,50 +219,28 @@ def _fingerprint(path: Path) -> dict:
     return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
+@command
+@path_option(
     "--input",
     "inputs",
     multiple=True,
     required=True,
-    type=click.Path(path_type=Path),
     help="Raw Criteo TSV file, plain or .gz. Repeat for several files (--input a --input b), in time order.",
 )
-@click.option("--output-dir", required=True, type=click.Path(path_type=Path), help="Directory to create.")
+@path_option("--output-dir", required=True, help="Directory to create.")
 @click.option(
     "--layout",
     type=click.Choice(LAYOUTS),
     default="fraction",
-    show_default=True,
     help="Splits: fraction (train/val/test by --val-fraction, --test-fraction), kaggle (FB-DLRM's 7 days "
     "of train.txt: 6 train, the last halved into val/test), terabyte (inputs day_0..day_23: the last "
     "halved: val/test).",
 )
-@click.option(
-    "--val-fraction",
-    type=float,
-    default=None,
-    help="Layout fraction: share of lines, before the test split, that forms val (model selection).  "
-    "[default: 0.1]",
-)
-@click.option(
-    "--test-fraction",
-    type=float,
-    default=None,
-    help="Layout fraction: share of lines, taken from the end of the inputs, that forms test (the reported "
-    "AUC).  [default: 0.1]",
-)
-@click.option(
-    "--eval-fraction",
-    type=float,
-    default=None,
-    help="Layout fraction: shorthand for --val-fraction F/2 --test-fraction F/2.",
-)
-@click.option("--rows-per-file", default=1_000_000, show_default=True, help="Lines per parquet shard.")
+@held_out_options("Layout fraction")
+@click.option("--rows-per-file", default=1_000_000, help="Lines per parquet shard.")
 @click.option(
     "--block-size",
     default=DEFAULT_BLOCK_SIZE,
-    show_default=True,
     help="Lines a worker parses as one task, and rows per parquet row group; memory grows with it and "
     "--workers.",
 )
@@ -275,7 +254,6 @@ def _fingerprint(path: Path) -> dict:
 @click.option(
     "--exact-distinct-limit",
     default=DEFAULT_EXACT_DISTINCT_LIMIT,
-    show_default=True,
     help="Distinct ids per column counted exactly up to this many; a HyperLogLog estimate past it.",
 )
 @click.option(

@@ -15,7 +15,6 @@ permutation; use the streaming loader (dlrm.data.streaming) for splits that do n
 """
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -53,19 +52,12 @@ class ResidentLoader(BatchLoader):
         ValueError: batch_size < 1, or the split does not fit in the GPU's free memory.
     """
 
-    def __init__(
-        self,
-        dataset: ParquetDataset,
-        batch_size: int,
-        shuffle: bool = False,
-        seed: int = 0,
-        drop_last: bool = False,
-        device: torch.device | str = "cpu",
-        rank: int = 0,
-        world_size: int = 1,
-        bags: Callable[[Tensor], Tensor] | None = None,
-    ) -> None:
-        device = torch.device(device)
+    def place(self, dataset: ParquetDataset, device: torch.device) -> ParquetDataset:
+        """`dataset` copied to `device` once (BatchLoader's constructor calls it).
+
+        Raises:
+            ValueError: the split does not fit in the GPU's free memory.
+        """
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             needed = dataset.num_rows * row_bytes(dataset)
@@ -74,9 +66,7 @@ class ResidentLoader(BatchLoader):
                     f"the split ({dataset.num_rows} rows, {needed / 2**30:.1f} GiB) does not fit in the "
                     f"{free / 2**30:.1f} GiB free on {device}: use the streaming loader"
                 )
-        super().__init__(
-            dataset.to(device), batch_size, shuffle, seed, drop_last, device, rank, world_size, bags
-        )
+        return dataset.to(device)
 
     def permutation(self) -> Tensor:
         """[N] int64 row order of the current epoch, drawn on the device (no host work, no copy)."""

@@ -11,6 +11,8 @@ place of val / test; `require_val_test` refuses them with the command that rewri
 
 from pathlib import Path
 
+import click
+
 from dlrm.data.output import METADATA_FILE, load_metadata
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "SELECT",
     "check_data_dir",
     "held_out_fractions",
+    "held_out_options",
     "require_val_test",
 ]
 
@@ -67,6 +70,41 @@ def held_out_fractions(
     if val + test >= 1.0:
         raise error(f"--val-fraction {val} + --test-fraction {test} must be below 1 (train keeps the rest)")
     return val, test
+
+
+def held_out_options(when: str):
+    """The click options --val-fraction, --test-fraction and --eval-fraction (floats, None where not given:
+    `held_out_fractions` reads them) of a command that writes layout "fraction"; `when` (e.g. "With
+    --output-dir") opens their help."""
+    options = (
+        click.option(
+            "--val-fraction",
+            type=float,
+            default=None,
+            help=f"{when}: share of rows, before the test split, that forms val (model selection).  "
+            f"[default: {DEFAULT_HELD_OUT}]",
+        ),
+        click.option(
+            "--test-fraction",
+            type=float,
+            default=None,
+            help=f"{when}: share of rows, taken from the end, that forms test (the reported AUC).  "
+            f"[default: {DEFAULT_HELD_OUT}]",
+        ),
+        click.option(
+            "--eval-fraction",
+            type=float,
+            default=None,
+            help=f"{when}: shorthand for --val-fraction F/2 --test-fraction F/2.",
+        ),
+    )
+
+    def decorate(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
 
 
 def check_data_dir(data_dir: Path) -> None:

@@ -23,7 +23,9 @@ from pathlib import Path
 import click
 
 from dlrm.choices import BAG_DISTRIBUTIONS
+from dlrm.cli_options import command, path_option
 from dlrm.data.bags import parse_sizes
+from dlrm.data.splits import held_out_options
 from dlrm.data.synthetic_output import write_parquet, write_tsv
 from dlrm.data.synthetic_rows import (
     CARDINALITY_PRESETS,
@@ -38,65 +40,42 @@ from dlrm.errors import cli_errors
 # CLI
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@command
 @click.option("--rows", type=int, required=True, help="Number of rows (lines) to generate.")
-@click.option(
+@path_option(
     "--output",
-    type=click.Path(path_type=Path),
     help="Raw Criteo TSV file to write (40 tab-separated fields, no header); gzip if the name ends with .gz.",
 )
-@click.option(
+@path_option(
     "--output-dir",
-    type=click.Path(path_type=Path),
     help="Directory to write in the layout of dlrm.data.preprocess (train/, val/, test/, metadata.json).",
 )
-@click.option(
-    "--val-fraction",
-    type=float,
-    default=None,
-    help="With --output-dir: share of rows, before the test split, that forms val.  [default: 0.1]",
-)
-@click.option(
-    "--test-fraction",
-    type=float,
-    default=None,
-    help="With --output-dir: share of rows, taken from the end, that forms test.  [default: 0.1]",
-)
-@click.option(
-    "--eval-fraction",
-    type=float,
-    default=None,
-    help="With --output-dir: shorthand for --val-fraction F/2 --test-fraction F/2.",
-)
+@held_out_options("With --output-dir")
 @click.option(
     "--cardinalities",
     "preset",
     type=click.Choice(sorted(CARDINALITY_PRESETS)),
     default="kaggle",
-    show_default=True,
     help="Distinct ids per column C1..C26: Criteo Kaggle train set, or Criteo 1TB days 0-23.",
 )
 @click.option("--max-cardinality", type=int, default=None, help="Cap every column's cardinality at this.")
-@click.option("--ctr", type=float, default=DEFAULT_CTR, show_default=True, help="Mean click probability.")
+@click.option("--ctr", type=float, default=DEFAULT_CTR, help="Mean click probability.")
 @click.option(
     "--seed",
     type=int,
     default=0,
-    show_default=True,
     help="Seed of every random stream (same arguments, same rows, whatever the block size).",
 )
 @click.option(
     "--block-size",
     type=int,
     default=1 << 16,
-    show_default=True,
     help="Rows generated and written per block (bounds memory; does not change the rows).",
 )
 @click.option(
     "--rows-per-file",
     type=int,
     default=1_000_000,
-    show_default=True,
     help="With --output-dir: rows per shard.",
 )
 @click.option(
@@ -110,7 +89,6 @@ from dlrm.errors import cli_errors
     "--multi-hot-distribution",
     type=click.Choice(BAG_DISTRIBUTIONS),
     default="pareto",
-    show_default=True,
     help="Law of the bags' drawn ids (dlrm.data.bags).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing output of an earlier run.")

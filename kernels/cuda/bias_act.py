@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kernels.activations import ACTIVATIONS, act_ref, check_activation
+from kernels.activations import ACTIVATIONS, act_ref
+from kernels.bias_act import bias_act_backward, bias_act_backward_fake, bias_act_setup_context, check_inputs
 from kernels.gemm.partials import sum_partials
-from kernels.launch import DTYPES
 from kernels.op import define_op
 
 __all__ = ["bias_act_cuda", "bias_act_cuda_ref", "bias_act_cuda_fwd", "bias_act_cuda_bwd", "DEVICE_SOURCE"]
@@ -360,21 +360,9 @@ def _module():
 
 
 def _check_inputs(x: Tensor, b: Tensor, activation: str) -> None:
-    """Raise ValueError naming the offending values; works on fake tensors too."""
-    check_activation("bias_act_cuda", activation)
-    if x.dim() != 2 or x.shape[1] < 1:
-        raise ValueError(f"bias_act_cuda: x must be [M, N] with N >= 1, got shape {tuple(x.shape)}")
-    if tuple(b.shape) != (x.shape[1],):
-        raise ValueError(
-            f"bias_act_cuda: bias must have shape [N] = [{x.shape[1]}] for x of shape {tuple(x.shape)}, "
-            f"got {tuple(b.shape)}"
-        )
-    if x.dtype not in DTYPES or b.dtype != x.dtype:
-        raise ValueError(
-            f"bias_act_cuda: x and bias dtypes must be one of {DTYPES}, got {x.dtype}, {b.dtype}"
-        )
-    if x.device != b.device:
-        raise ValueError(f"bias_act_cuda: x is on {x.device} but bias is on {b.device}")
+    """Raise ValueError naming the offending values (kernels.bias_act.check_inputs, and x on a CUDA device);
+    works on fake tensors too."""
+    check_inputs(x, b, activation, "bias_act_cuda")
     if x.device.type != "cuda":
         raise ValueError(f"bias_act_cuda: needs CUDA tensors (the CUDA C++ kernel), got x on {x.device}")
 
@@ -444,27 +432,9 @@ def _bias_act_cuda_backward_impl(
     return bias_act_cuda_bwd(dy, x, bias, activation)
 
 
-def _bias_act_cuda_backward_fake(
-    dy: Tensor, x: Tensor, bias: Tensor, activation: str
-) -> tuple[Tensor, Tensor]:
-    return x.new_empty(x.shape), bias.new_empty(bias.shape)
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    x, bias, activation = inputs
-    ctx.save_for_backward(x, bias)  # z = x + b is recomputed in the backward kernel
-    ctx.activation = activation
-
-
-def _backward(backward_fn, ctx, dy: Tensor):
-    x, bias = ctx.saved_tensors
-    dx, db = backward_fn(dy, x, bias, ctx.activation)
-    return dx, db, None
-
-
 _bias_act_cuda = define_op(
-    "bias_act_cuda", _bias_act_cuda_impl, _bias_act_cuda_fake, _setup_context, _backward,
-    _bias_act_cuda_backward_impl, _bias_act_cuda_backward_fake,
+    "bias_act_cuda", _bias_act_cuda_impl, _bias_act_cuda_fake, bias_act_setup_context, bias_act_backward,
+    _bias_act_cuda_backward_impl, bias_act_backward_fake,
 )  # fmt: skip
 
 

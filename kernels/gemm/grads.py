@@ -12,7 +12,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import launch
-from kernels.activations import act_bwd, act_grad_ref
+from kernels.activations import act_bwd, act_bwd_ref
 from kernels.gemm.layout import aligned_width, leading_columns, new_padded, rows_contiguous
 from kernels.gemm.partials import row_programs, sum_partials
 
@@ -169,16 +169,7 @@ def act_grads_ref(
     """``act_grads`` in plain PyTorch (fp32 math; dx in rows as the GEMM gives them, not padded): the CPU
     fallback of the ops' backward. Analytic, not torch.autograd.grad: autograd does not record inside a
     custom op's implementation."""
-    dy = dy.float()
-    s = saved.float() if saved is not None else None
-    if activation == "identity":
-        dz = dy
-    elif activation == "relu":
-        dz = torch.where(s > 0, dy, 0.0)
-    elif activation == "sigmoid":
-        dz = dy * s * (1.0 - s)
-    else:  # gelu_tanh, silu: s is z
-        dz = dy * act_grad_ref(s, activation)
+    dz = act_bwd_ref(dy, saved, activation)
     dx = (dz @ weight.float()).to(x.dtype) if needs_dx else None
     dw = (dz.t() @ x.float()).to(x.dtype)
     db = dz.sum(dim=0).to(x.dtype) if has_bias else None
