@@ -234,6 +234,8 @@ class ParallelConfig:
     at most this many rows are replicated on every rank (data parallel); null: the planner's cost model
     (tables whose gradient all-reduce moves fewer bytes than their exchange); 0: none. `exchange_dtype`:
     "auto" (the lookup's dtype), "fp32" or "bf16", the embedding vectors' and gradients' dtype on the wire.
+    `overlap`: the tables' lookups and exchanges run on a side CUDA stream, overlapping the bottom MLP's
+    forward and backward (dlrm.model.side_stream); false runs them in line.
     `timeout_s`: how long a collective may wait before the process group fails it, and how long a rank may
     go without a heartbeat before the others end the run (env DLRM_TIMEOUT_S overrides it).
     """
@@ -242,6 +244,7 @@ class ParallelConfig:
     row_wise_bytes: int | None = None
     data_parallel_rows: int | None = None
     exchange_dtype: str = "auto"
+    overlap: bool = True
     timeout_s: float = 300.0
 
 

@@ -93,6 +93,7 @@ SHARDINGS = {
     "auto": {},
     "model_parallel": {"data_parallel_rows": 0},
     "bf16_exchange": {"exchange_dtype": "bf16"},
+    "serial": {"overlap": False},
 }
 IDS = ("uniform", "zipf")
 _SCATTER = 2654435761  # Knuth's multiplicative hash constant: spreads consecutive ranks over a table

@@ -228,6 +228,31 @@ def test_graphed_steps_match_plain_steps(compiled, algorithm):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ["sgd", "adagrad"])
+def test_tables_on_a_side_stream_train_as_in_line(algorithm):
+    """DLRM(overlap_sparse=True) looks up and updates its tables on a side stream (forward and, through
+    autograd's stream semantics, backward), the fork and join captured in the step's graph: its replayed
+    steps give the losses, weights and fused Adagrad state of plain in-line steps."""
+    cfg = RunConfig(model=SMALL, train=TrainConfig(use_triton=True, lr=0.1, optimizer=algorithm))
+    batches = _cuda_batches(8)
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = DLRM(
+            SMALL, table_rows=[37] * NUM_SPARSE, mlp_kernel="linear_act", sparse_kernel="triton",
+            overlap_sparse=overlap,
+        ).cuda()  # fmt: skip
+        optimizer = make_optimizer(model, cfg)
+        step = GraphedTrainStep(model, optimizer, train_step) if overlap else train_step
+        losses = [step(model, optimizer, b).item() for b in batches]
+        torch.cuda.synchronize()
+        runs[overlap] = (losses, {**model.state_dict(), "state": model.sparse_arch.optimizer_state.clone()})
+    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-6)
+    for key, value in runs[False][1].items():
+        torch.testing.assert_close(runs[True][1][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.gpu
 def test_graph_replays_follow_the_lr_schedule():
     """A schedule that changes the rates at every step (warm-up, decay to 0) trains the same replayed as
     plain: the replays read the lr tensors written before each of them; the last steps (factor 0) leave

@@ -29,6 +29,7 @@ from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model.dcn import LowRankCrossNet
 from dlrm.model.first_order import FirstOrder
 from dlrm.model.mlp import MLP
+from dlrm.model.side_stream import SideStream
 from dlrm.model.sparse import SparseArch
 
 
@@ -187,6 +188,8 @@ class DLRM(nn.Module):
             dlrm.parallel, same interface); table_rows and vocabularies are then unused.
         first_order_tables: with `cfg.first_order`, the D = 1 tables of the first-order terms to use (the
             sharded ones of dlrm.parallel); None: a SparseArch.
+        overlap_sparse: run the embedding lookups on a side CUDA stream, overlapping the bottom MLP forward
+            and backward (dlrm.model.side_stream; worth it where the lookups exchange between ranks).
     With `cfg.first_order` the logit gains the first-order terms (`first_order`, a FirstOrder on the same
     table sizes and hashing, vocab rows hashed once by `sparse_arch`; None without), built after every
     other module so that a seed initializes the rest as without them.
@@ -201,8 +204,10 @@ class DLRM(nn.Module):
         sparse_kernel: str = "torch",
         sparse_arch: nn.Module | None = None,
         first_order_tables: nn.Module | None = None,
+        overlap_sparse: bool = False,
     ):
         super().__init__()
+        self.side_stream = SideStream(overlap_sparse)
         lora = (cfg.lora.rank, cfg.lora.alpha)
         self.dense_arch = DenseArch(cfg.bottom_mlp, mlp_kernel, cfg.mlp_block, cfg.gate, lora)
         if sparse_arch is None:
@@ -237,10 +242,11 @@ class DLRM(nn.Module):
             self.freeze_for_lora(cfg.lora.freeze_embeddings)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        with record_function("embedding"):
+        with record_function("embedding"), self.side_stream.branch(sparse.device):
             embedded = self.sparse_arch(sparse)
         with record_function("bottom_mlp"):
             dense_out = self.dense_arch(dense)
+        embedded = self.side_stream.join(embedded)
         with record_function("interaction"):
             features = self.interaction_arch(dense_out, embedded, sparse)
         with record_function("top_mlp"):

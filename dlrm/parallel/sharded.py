@@ -365,6 +365,7 @@ def build_sharded_model(
         sparse_kernel=cfg.sparse_kernel,
         sparse_arch=sparse,
         first_order_tables=first_order,
+        overlap_sparse=par.overlap,
     ).to(device)
     for module in (model.dense_arch, model.interaction_arch, model.over_arch):
         broadcast_from_rank0(module)
