@@ -4,8 +4,8 @@
 
 1. Placing the vectors received from 2 ranks into embedded [b, F, D] (F = 26 tables, 13 from each rank),
    forward and backward: index_add over the (sample, table) rows (its backward is an index_select),
-   against ToTableOrder (strided copies, what dlrm.parallel.sharded runs); kaggle (D=16, fp32) and mlperf
-   (D=128, bf16) shapes.
+   ToTableOrder's PyTorch reference (strided copies per table) and ToTableOrder (kernels.table_order's
+   kernels, what dlrm.parallel.sharded runs); kaggle (D=16, fp32) and mlperf (D=128, bf16) shapes.
 2. Each rank's lookups, forward and backward with SGD fused (our Triton kernel, W*b ids per table, uniform
    over the table), for the Kaggle tables on 2 ranks placed by bytes alone and by the planner (bytes and
    lookups).
@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from dlrm.data.synthetic_rows import KAGGLE_CARDINALITIES
 from dlrm.parallel.planner import Shard, ShardingPlan, plan_tables
 from dlrm.parallel.sharded import ShardedSparseArch, ToTableOrder
+from kernels.table_order import ColumnOrder
 
 # The plan greedy-by-bytes made for the Kaggle tables on 2 ranks (rank 1: the 3 tables as large as the rest).
 BYTES_ONLY_RANK1 = (3, 11, 20)
@@ -57,6 +58,7 @@ def placement(b: int, d: int, dtype: torch.dtype) -> None:
     blocks = [list(range(0, tables, 2)), list(range(1, tables, 2)), []]  # no replicated tables
     place = {t: (q, j) for q, ts in enumerate(blocks) for j, t in enumerate(ts)}
     columns = [[place[f]] for f in range(tables)]
+    order = ColumnOrder([len(ts) for ts in blocks], columns, torch.device("cuda"))
     no_local = torch.empty(b, 0, d, device="cuda", dtype=dtype)
     back = torch.randn(b * tables * d, device="cuda", dtype=dtype, requires_grad=True)
     grad = torch.randn(b, tables, d, device="cuda", dtype=dtype)
@@ -66,13 +68,18 @@ def placement(b: int, d: int, dtype: torch.dtype) -> None:
     def index_add():
         back.new_zeros(b * tables, d).index_add(0, rows, back.view(-1, d)).view(b, tables, d).backward(grad)
 
+    def strided_copies():
+        order._gather_ref(back.detach(), no_local, b, d)
+        order._scatter_ref(grad, b, d, 0.5, torch.empty_like(back), no_local)
+
     def to_table_order():
-        ToTableOrder.apply(back, no_local, b, d, columns, blocks).backward(grad)
+        ToTableOrder.apply(back, no_local, b, d, order, dtype, 0.5).backward(grad)
 
     expected = back.new_zeros(b * tables, d).index_add(0, rows, back.view(-1, d)).view(b, tables, d)
-    if not torch.equal(ToTableOrder.apply(back, no_local, b, d, columns, blocks), expected):
+    if not torch.equal(ToTableOrder.apply(back, no_local, b, d, order, dtype, 0.5), expected):
         raise RuntimeError("ToTableOrder differs from index_add")
     timed(index_add, f"placement D={d} {str(dtype)[6:]} index_add")
+    timed(strided_copies, f"placement D={d} {str(dtype)[6:]} strided copies")
     timed(to_table_order, f"placement D={d} {str(dtype)[6:]} ToTableOrder")
 
 

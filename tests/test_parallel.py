@@ -28,6 +28,7 @@ from dlrm.parallel.run import check_world
 from dlrm.parallel.sharded import ShardedSparseArch, ToTableOrder
 from dlrm.run import selection
 from dlrm.run.loop import train
+from kernels.table_order import ColumnOrder
 from tests.conftest import REPO
 
 TINY = REPO / "configs" / "tiny.json"
@@ -96,24 +97,43 @@ def test_table_wise_plan_places_every_table_once_balanced(world_size):
         assert max(counts) - min(counts) <= 2
 
 
-def test_received_vectors_go_to_table_order_both_ways():
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_received_vectors_go_to_table_order_both_ways(out_dtype):
     """ToTableOrder puts each rank's [b, n_q, D] block, and the replicated tables' local block, where
     index_add over the (sample, table) rows puts them (a table split by rows: the sum of its shards'
-    columns), and its backward is that map's adjoint (gradcheck)."""
-    b, d, blocks = 5, 3, [[2, 0], [], [1, 3, 0], [4]]  # rank 1 holds no table; 0 split; 4 replicated
+    columns), in `out_dtype`; its backward is that map's adjoint, the exchanged blocks' part times the
+    gradient scale, in the blocks' own dtypes (kernels.table_order: the Triton kernels here, in the
+    interpreter, and their PyTorch reference)."""
+    b, d, blocks = 37, 3, [[2, 0], [], [1, 3, 0], [4]]  # rank 1 holds no table; 0 split; 4 replicated
     columns = [
         [(q, j) for q, tables in enumerate(blocks) for j, t in enumerate(tables) if t == f] for f in range(5)
     ]
-    back = torch.randn(b * 5 * d, dtype=torch.float64, requires_grad=True)
-    local = torch.randn(b, 1, d, dtype=torch.float64, requires_grad=True)
+    order = ColumnOrder([len(tables) for tables in blocks], columns, torch.device("cpu"))
+    back = torch.randn(b * 5 * d, requires_grad=True)
+    local = torch.randn(b, 1, d, requires_grad=True)
     samples = torch.arange(b).unsqueeze(1) * 5
     rows = torch.cat([(samples + torch.tensor(tables)).reshape(-1) for tables in blocks if tables])
-    received = torch.cat([back.view(-1, d), local.view(-1, d)])
-    expected = torch.zeros(b * 5, d, dtype=torch.float64).index_add(0, rows, received)
-    torch.testing.assert_close(ToTableOrder.apply(back, local, b, d, columns, blocks), expected.view(b, 5, d))
-    assert torch.autograd.gradcheck(
-        lambda x, y: ToTableOrder.apply(x, y, b, d, columns, blocks), (back, local)
-    )
+
+    def by_index_add(x, y):
+        received = torch.cat([x.view(-1, d), y.view(-1, d)])
+        return torch.zeros(b * 5, d).index_add(0, rows, received).view(b, 5, d)
+
+    grad = torch.randn(b, 5, d)
+    expected = by_index_add(back, local)
+    expected_back, expected_local = torch.autograd.grad(expected, (back, local), grad)
+    out = ToTableOrder.apply(back, local, b, d, order, out_dtype, 0.25)
+    assert out.dtype == out_dtype
+    # bf16: one rounding (the interpreter's conversion may round otherwise than torch's).
+    tolerance = {} if out_dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(out.float(), expected.detach(), **tolerance)
+    got_back, got_local = torch.autograd.grad(out, (back, local), grad.to(out_dtype))
+    torch.testing.assert_close(got_back, 0.25 * expected_back, **tolerance)
+    torch.testing.assert_close(got_local, expected_local, **tolerance)
+    reference = order._gather_ref(back.detach(), local.detach(), b, d)
+    torch.testing.assert_close(reference, expected.detach())
+    ref_back, ref_local = order.scatter(grad, b, d, 0.25, torch.float32, torch.float32)
+    torch.testing.assert_close(ref_back, 0.25 * expected_back)
+    torch.testing.assert_close(ref_local, expected_local)
 
 
 def test_planner_replicates_the_tables_whose_all_reduce_moves_fewer_bytes_than_their_exchange():

@@ -17,12 +17,14 @@ Forward on each rank, for its b samples' raw ids [b, F] int64:
    (and, through the zero gradient, no update) elsewhere: exactly one shard of a table gives a row's vector.
 4. pooled all_to_all back: [W*b, n, D] as it is (rank r's rows are a contiguous block) -> from each rank
    q a [b, n_q, D] block (split sizes b * n_q * D), put in table order in embedded [b, F, D] with the
-   replicated tables' local columns (ToTableOrder: one strided copy per table; a table split by rows is the
-   sum of its shards' columns, one non-zero term per element, so exact).
+   replicated tables' local columns (ToTableOrder: one kernel pass, kernels.table_order, that also casts
+   to the lookup's dtype; a table split by rows is the sum of its shards' columns, one non-zero term per
+   element, so exact).
 The vectors cross in `exchange_dtype` (the lookup's dtype by default; "bf16" halves the bytes of an fp32
 run, forward vectors and backward gradients, at bf16's rounding of each vector).
-Backward reverses 4 (all_to_all of the gradients, scaled by 1/W: each rank's loss is a mean over its b
-samples, so the summed gradient of W ranks is W times the one-process mean over B) and 3 applies the
+Backward reverses 4 (the gradients put back in block order and scaled by 1/W in the same pass: each rank's
+loss is a mean over its b samples, so the summed gradient of W ranks is W times the one-process mean over
+B; then their all_to_all) and 3 applies the
 optimizer. Every size depends on b and the plan only: the step can be captured as one CUDA graph.
 Profiler ranges (inside "embedding"): all_to_all_ids, lookup, all_to_all_vectors; all_to_all_backward.
 """
@@ -44,57 +46,36 @@ from dlrm.parallel.planner import ShardingPlan, plan_tables
 
 class AllToAll(torch.autograd.Function):
     """all_to_all_single of a flat tensor with fixed split sizes; backward sends the gradient back the
-    other way (the splits swapped), multiplied by `grad_scale`."""
+    other way (the splits swapped)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], grad_scale: float) -> Tensor:
-        ctx.out_splits, ctx.in_splits, ctx.grad_scale = out_splits, in_splits, grad_scale
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
+        ctx.out_splits, ctx.in_splits = out_splits, in_splits
         return exchange(x, out_splits, in_splits)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        grad = grad.contiguous()
-        if ctx.grad_scale != 1.0:
-            grad = grad * ctx.grad_scale
         with record_function("all_to_all_backward"):
-            return exchange(grad, ctx.in_splits, ctx.out_splits), None, None, None
+            return exchange(grad, ctx.in_splits, ctx.out_splits), None, None
 
 
 class ToTableOrder(torch.autograd.Function):
-    """The vectors received from the ranks, and the replicated tables' local ones -> embedded [b, F, D].
-
-    `back` is flat: from each rank q a [b, n_q, D] block, rank after rank, whose n_q columns are the tables
-    `blocks[q]`; `local` [b, n_r, D] holds the replicated tables' columns (`blocks[W]`, W = the ranks);
-    `columns[f]` lists the (q, j) where table f is column j of block q (blocks[q][j] = f): one place for a
-    whole table, k for a table split by rows over k ranks, whose columns are summed (each holds zeros where
-    its shard lacks the row). Forward and backward are strided copies per table (torch.stack of column
-    views): elementwise kernels. A row gather (index_add's backward index_select, or torch.gather over an
-    index expanded along D) runs CUDA's vectorized_gather_kernel, which gives every D-value row a thread
-    block: slow for the millions of short rows of a large batch.
-    """
+    """The vectors received from the ranks (`back`, flat: from each rank q a [b, n_q, D] block, rank after
+    rank) and the replicated tables' local ones (`local` [b, n_r, D]) -> embedded [b, F, D] `out_dtype`,
+    by `order` (kernels.table_order.ColumnOrder: one pass, a table split by rows the sum of its shards'
+    columns). Backward: each block's gradient, the exchanged ones times `grad_scale`, in `back`'s and
+    `local`'s dtypes (one pass)."""
 
     @staticmethod
-    def forward(ctx, back: Tensor, local: Tensor, b: int, d: int, columns, blocks: list[list[int]]):
-        ctx.b, ctx.d, ctx.blocks = b, d, blocks
-        sizes = [b * len(tables) * d for tables in blocks[:-1]]
-        views = [x.view(b, -1, d) if x.numel() else None for x in back.split(sizes)] + [local]
-        out = torch.stack([views[q][:, j] for (q, j), *_ in columns], dim=1)
-        for f, (_, *more) in enumerate(columns):
-            for q, j in more:
-                out[:, f] += views[q][:, j]
-        return out
+    def forward(ctx, back: Tensor, local: Tensor, b: int, d: int, order, out_dtype, grad_scale: float):
+        ctx.meta = (b, d, order, grad_scale, back.dtype, local.dtype)
+        return order.gather(back, local, b, d, out_dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        b, d, blocks = ctx.b, ctx.d, ctx.blocks
-        sizes = [b * len(tables) * d for tables in blocks[:-1]]
-        grad_back = grad.new_empty(sum(sizes))
-        for x, tables in zip(grad_back.split(sizes), blocks[:-1], strict=True):
-            if tables:
-                torch.stack([grad[:, f] for f in tables], dim=1, out=x.view(b, len(tables), d))
-        replicated = blocks[-1]
-        grad_local = torch.stack([grad[:, f] for f in replicated], dim=1) if replicated else None
-        return grad_back, grad_local, None, None, None, None
+        b, d, order, grad_scale, back_dtype, local_dtype = ctx.meta
+        grad_back, grad_local = order.scatter(grad, b, d, grad_scale, back_dtype, local_dtype)
+        return grad_back, grad_local, None, None, None, None, None
 
 
 class ReplicatedLookup(torch.autograd.Function):
@@ -242,6 +223,7 @@ class ShardedSparseArch(nn.Module):
         self.register_buffer("optimizer_state", torch.zeros(0, device=device), persistent=False)
         self.register_buffer("lr", torch.zeros((), device=device), persistent=False)
         self.optimizer: tuple[str, float] | None = None  # (optimizer, eps)
+        self._order = None
 
     def configure_optimizer(self, optimizer: str, lr: float, eps: float = 1e-10) -> None:
         """For kernel "triton": the update its backward applies (see SparseArch.configure_optimizer).
@@ -275,13 +257,19 @@ class ShardedSparseArch(nn.Module):
         wire = pooled if self.exchange_dtype is None else pooled.to(self.exchange_dtype)
         with record_function("all_to_all_vectors"):
             back = AllToAll.apply(
-                wire.reshape(-1),
-                [b * k * d for k in self.shards_per_rank],
-                [b * n * d] * world,
-                1.0 / world,
-            ).to(b_dtype)  # from each rank q, [b, n_q, D]
-        local = self._lookup_replicated(rows).to(b_dtype)  # [b, n_r, D]
-        return ToTableOrder.apply(back, local, b, d, self.columns, [*self.blocks, self.replicated])
+                wire.reshape(-1), [b * k * d for k in self.shards_per_rank], [b * n * d] * world
+            )  # from each rank q, [b, n_q, D]
+        local = self._lookup_replicated(rows)  # [b, n_r, D] fp32
+        return ToTableOrder.apply(back, local, b, d, self._column_order(rows.device), b_dtype, 1.0 / world)
+
+    def _column_order(self, device: torch.device):
+        """The kernels' placement of the tables in the exchange's blocks, on `device` (made once)."""
+        from kernels.table_order import ColumnOrder  # dlrm.model.sparse says why here
+
+        if self._order is None or self._order.counts.device != device:
+            widths = [*self.shards_per_rank, len(self.replicated)]
+            self._order = ColumnOrder(widths, self.columns, device)
+        return self._order
 
     def _lookup_replicated(self, rows: Tensor) -> Tensor:
         """Rows [b, F] of the full tables -> the replicated tables' vectors [b, n_r, D] fp32 (dense
