@@ -58,7 +58,7 @@ from kernels.gemm.layout import (
     tma_descriptor,
 )
 from kernels.gemm.partials import row_programs, sum_partials
-from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_tile, matmul_tile
+from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_tile, linear_tile
 from kernels.gemm.tuning import autotuned, input_precision, m_bucket
 from kernels.launch import DTYPES, INTERPRETED, use_triton
 from kernels.op import define_op
@@ -131,27 +131,18 @@ def _gated_linear_fwd_kernel(
     GROUP: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
-    acc = matmul_tile(
-        x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K,
-        DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    acc, rows, cols, mask = linear_tile(
+        x_desc, w_desc, b_ptr, pid_m, pid_n, M, N, K,
+        HAS_BIAS, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
-    # int64 row offsets: M * N can pass 2**31.
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = rows < M
-    mask_n = cols < N
-
-    # Epilogue in fp32: bias, z, then the gate over the tile's (a, b) column pairs.
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
+    # Epilogue in fp32: z, then the gate over the tile's (a, b) column pairs.
     tl.store(z_ptr + rows[:, None] * stride_zm + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
     # Rounded like the stored z, so the backward (which reads z) differentiates the function computed here.
     acc = acc.to(z_ptr.dtype.element_ty).to(tl.float32)
     za, zb = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
     y = _gate_fwd(za, zb, GATE)
     out = pid_n.to(tl.int64) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    y_mask = mask_m[:, None] & (out < N // 2)[None, :]
+    y_mask = (rows < M)[:, None] & (out < N // 2)[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + out[None, :], y.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 

@@ -60,7 +60,7 @@ from kernels.gemm.layout import (
     rows_aligned,
     tma_descriptor,
 )
-from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_tile, matmul_tile
+from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_tile, linear_tile
 from kernels.gemm.tuning import autotuned, input_precision, m_bucket
 from kernels.launch import INTERPRETED, use_triton
 from kernels.op import define_op
@@ -115,18 +115,11 @@ def _linear_act_fwd_kernel(
     GROUP: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
-    acc = matmul_tile(
-        x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K,
-        DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    acc, rows, cols, mask = linear_tile(
+        x_desc, w_desc, b_ptr, pid_m, pid_n, M, N, K,
+        HAS_BIAS, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
-
-    # Epilogue: bias, (z), activation, in fp32. int64 row offsets: M * N can pass 2**31.
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = cols < N
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    mask = (rows < M)[:, None] & mask_n[None, :]
+    # Epilogue, in fp32: (z), activation.
     if SAVE_Z:
         tl.store(z_ptr + rows[:, None] * stride_zm + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
     y = act_fwd(acc, ACTIVATION)
