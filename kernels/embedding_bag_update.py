@@ -26,6 +26,7 @@ from kernels.embedding_update import (
     check_lr,
     check_optimizer,
     embedding_update_ref,
+    lookup_block,
     segment_update_kernel,
     sorted_segments,
 )
@@ -76,10 +77,7 @@ def _embedding_bag_sgd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask_n = n < N
-    d = tl.arange(0, BLOCK_D)
-    mask = mask_n[:, None] & (d < D)[None, :]
+    n, mask_n, d, mask = lookup_block(N, D, BLOCK_N, BLOCK_D)
     index = tl.load(index_ptr + n, mask=mask_n, other=0)
     grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, n, mask_n, mask, d, S, F, D)
     lr = tl.load(lr_ptr).to(tl.float32)
@@ -104,10 +102,7 @@ def _embedding_bag_segment_sum_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    p = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask_p = p < N
-    d = tl.arange(0, BLOCK_D)
-    mask = mask_p[:, None] & (d < D)[None, :]
+    p, mask_p, d, mask = lookup_block(N, D, BLOCK_N, BLOCK_D)
     lookup = tl.load(order_ptr + p, mask=mask_p, other=0)
     segment = tl.load(segment_ptr + p, mask=mask_p, other=0)
     grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, lookup, mask_p, mask, d, S, F, D)

@@ -40,6 +40,7 @@ __all__ = [
     "check_optimizer",
     "embedding_update",
     "embedding_update_ref",
+    "lookup_block",
     "optimizer_state",
     "segment_update_kernel",
     "sorted_segments",
@@ -50,6 +51,16 @@ OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 
 
 # -- Kernels -----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def lookup_block(N, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's block of the N lookups (or sorted positions) of an update kernel: (n [BLOCK_N] int64
+    positions, their mask [BLOCK_N], d [BLOCK_D] columns, the [BLOCK_N, BLOCK_D] mask of (n, d) in bounds)."""
+    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask_n = n < N
+    d = tl.arange(0, BLOCK_D)
+    return n, mask_n, d, mask_n[:, None] & (d < D)[None, :]
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -66,10 +77,7 @@ def _embedding_sgd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask_n = n < N
-    d = tl.arange(0, BLOCK_D)
-    mask = mask_n[:, None] & (d < D)[None, :]
+    n, mask_n, d, mask = lookup_block(N, D, BLOCK_N, BLOCK_D)
     index = tl.load(index_ptr + n, mask=mask_n, other=0)
     grad = tl.load(grad_ptr + n[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
     lr = tl.load(lr_ptr).to(tl.float32)
@@ -90,10 +98,7 @@ def _embedding_segment_sum_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    p = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask_p = p < N
-    d = tl.arange(0, BLOCK_D)
-    mask = mask_p[:, None] & (d < D)[None, :]
+    p, mask_p, d, mask = lookup_block(N, D, BLOCK_N, BLOCK_D)
     lookup = tl.load(order_ptr + p, mask=mask_p, other=0)
     segment = tl.load(segment_ptr + p, mask=mask_p, other=0)
     grad = tl.load(grad_ptr + lookup[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
