@@ -30,8 +30,9 @@ Backward without a table-sized gradient and without materializing the [B, S, D] 
   sums each lookup's pooled gradient into its segment's fp32 slot, a second updates each distinct row once
   from its segment's sum. Fixed shapes, no host sync: a step can be captured in a CUDA graph. The learning
   rate is a one-element fp32 tensor read by the kernels (a schedule writes it between steps).
-The backward's kernels, launcher and reference live in kernels/embedding_bag_update.py. The PyTorch
-references are `embedding_bag_lookup_ref` and `embedding_bag_update_ref`.
+The backward's launcher and reference live in kernels/embedding_bag_update.py, its kernels (shared with
+the one-id lookups) in kernels/embedding_update.py. The PyTorch references are `embedding_bag_lookup_ref`
+and `embedding_bag_update_ref`.
 """
 
 from __future__ import annotations
