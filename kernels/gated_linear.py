@@ -48,6 +48,7 @@ from torch import Tensor
 
 from kernels import launch
 from kernels.activations import act_fwd, act_grad, act_grad_ref, sigmoid
+from kernels.gemm.checks import check_dtypes
 from kernels.gemm.grads import gemm_grads
 from kernels.gemm.layout import (
     aligned_copy,
@@ -60,7 +61,7 @@ from kernels.gemm.layout import (
 from kernels.gemm.partials import row_programs, sum_partials
 from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_tile, linear_tile
 from kernels.gemm.tuning import autotuned, input_precision, m_bucket
-from kernels.launch import DTYPES, INTERPRETED, use_triton
+from kernels.launch import INTERPRETED, use_triton
 from kernels.op import define_op
 
 __all__ = ["GATES", "gated_linear", "gated_linear_ref", "gated_linear_fwd", "gated_linear_bwd"]
@@ -219,12 +220,7 @@ def _check_inputs(x: Tensor, weight: Tensor, bias: Tensor | None, gate: str) -> 
             f"gated_linear: weight must be [2N, K] (2N even, >= 2) with K = {x.shape[1]} >= 1 columns for x "
             f"of shape {tuple(x.shape)}, got {tuple(weight.shape)}"
         )
-    if x.dtype not in DTYPES or weight.dtype != x.dtype:
-        raise ValueError(
-            f"gated_linear: x and weight dtypes must be one of {DTYPES}, got {x.dtype}, {weight.dtype}"
-        )
-    if weight.device != x.device:
-        raise ValueError(f"gated_linear: weight is on {weight.device} but x is on {x.device}")
+    check_dtypes("gated_linear", x=x, weight=weight)
     if bias is not None and (
         tuple(bias.shape) != (weight.shape[0],) or bias.dtype != x.dtype or bias.device != x.device
     ):
