@@ -59,7 +59,7 @@ from kernels.gemm.layout import (
     tma_descriptor,
 )
 from kernels.gemm.partials import row_programs, sum_partials
-from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_tile, linear_tile
+from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_linear_tile
 from kernels.gemm.tuning import autotuned, input_precision, m_bucket
 from kernels.launch import INTERPRETED, use_triton
 from kernels.op import define_op
@@ -131,11 +131,9 @@ def _gated_linear_fwd_kernel(
     BLOCK_K: tl.constexpr,  # reduction chunk
     GROUP: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
-    acc, rows, cols, mask = linear_tile(
-        x_desc, w_desc, b_ptr, pid_m, pid_n, M, N, K,
-        HAS_BIAS, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
+    acc, rows, cols, mask, pid_n = grouped_linear_tile(
+        x_desc, w_desc, b_ptr, M, N, K, HAS_BIAS, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP
+    )
     # Epilogue in fp32: z, then the gate over the tile's (a, b) column pairs.
     tl.store(z_ptr + rows[:, None] * stride_zm + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
     # Rounded like the stored z, so the backward (which reads z) differentiates the function computed here.
@@ -147,14 +145,7 @@ def _gated_linear_fwd_kernel(
     tl.store(y_ptr + rows[:, None] * stride_ym + out[None, :], y.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-_gated_linear_fwd_kernel = autotuned(
-    _gated_linear_fwd_kernel,
-    ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
-    ("M_BUCKET", "N"),
-    "z_ptr",
-    {"GROUP": 8},
-    MATMUL_TILE_DESCRIPTORS,
-)
+_gated_linear_fwd_kernel = autotuned(_gated_linear_fwd_kernel, "z_ptr", {"GROUP": 8}, MATMUL_TILE_DESCRIPTORS)
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -60,7 +60,7 @@ from kernels.gemm.layout import (
     rows_aligned,
     tma_descriptor,
 )
-from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_tile, linear_tile
+from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_linear_tile
 from kernels.gemm.tuning import autotuned, input_precision, m_bucket
 from kernels.launch import INTERPRETED, use_triton
 from kernels.op import define_op
@@ -114,11 +114,9 @@ def _linear_act_fwd_kernel(
     BLOCK_K: tl.constexpr,  # reduction chunk
     GROUP: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
-    acc, rows, cols, mask = linear_tile(
-        x_desc, w_desc, b_ptr, pid_m, pid_n, M, N, K,
-        HAS_BIAS, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
+    acc, rows, cols, mask, _ = grouped_linear_tile(
+        x_desc, w_desc, b_ptr, M, N, K, HAS_BIAS, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP
+    )
     # Epilogue, in fp32: (z), activation.
     if SAVE_Z:
         tl.store(z_ptr + rows[:, None] * stride_zm + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
@@ -126,14 +124,7 @@ def _linear_act_fwd_kernel(
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_linear_act_fwd_kernel = autotuned(
-    _linear_act_fwd_kernel,
-    ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
-    ("M_BUCKET", "N"),
-    "y_ptr",
-    {"GROUP": 8},
-    MATMUL_TILE_DESCRIPTORS,
-)
+_linear_act_fwd_kernel = autotuned(_linear_act_fwd_kernel, "y_ptr", {"GROUP": 8}, MATMUL_TILE_DESCRIPTORS)
 
 
 # -- Launchers ---------------------------------------------------------------------------------------

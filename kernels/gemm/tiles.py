@@ -1,12 +1,20 @@
 """Tile pieces of our Triton GEMM kernels, inlined into them: the grouped order of output tiles
 (``grouped_tile``), one reduction chunk's dot (``dot_chunk``) and a whole [BLOCK_M, BLOCK_N] tile of
 x @ W^T loaded through TMA descriptors (``matmul_tile``), and that tile of a program with its bias added
-(``linear_tile``), to which each forward kernel adds its epilogue."""
+(``linear_tile``; ``grouped_linear_tile`` in the grouped order), to which each forward kernel adds its
+epilogue."""
 
 import triton
 import triton.language as tl
 
-__all__ = ["MATMUL_TILE_DESCRIPTORS", "dot_chunk", "grouped_tile", "linear_tile", "matmul_tile"]
+__all__ = [
+    "MATMUL_TILE_DESCRIPTORS",
+    "dot_chunk",
+    "grouped_linear_tile",
+    "grouped_tile",
+    "linear_tile",
+    "matmul_tile",
+]
 
 
 @triton.jit
@@ -78,3 +86,20 @@ def linear_tile(
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     return acc, rows, cols, (rows < M)[:, None] & mask_n[None, :]
+
+
+@triton.jit
+def grouped_linear_tile(
+    x_desc, w_desc, b_ptr, M, N, K,
+    HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """``linear_tile`` of this program's output tile, the tiles in ``grouped_tile`` order (a 1-D grid of
+    cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) programs): (acc, rows, cols, mask) as linear_tile's, and the tile's
+    column index pid_n."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    acc, rows, cols, mask = linear_tile(
+        x_desc, w_desc, b_ptr, pid_m, pid_n, M, N, K,
+        HAS_BIAS, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    return acc, rows, cols, mask, pid_n
