@@ -68,6 +68,23 @@ def _tile(N, BLOCK_N: tl.constexpr):
     return pid // num_pid_n, pid % num_pid_n
 
 
+@triton.jit
+def _z_and_x0(
+    h_desc, u_desc, b_ptr, x0_ptr, stride_x0, M, N, K,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """What both kernels start from, for this program's output tile: (pid_m, zb = h @ U^T + b in fp32, x0
+    in fp32, rows, cols, mask), rows, cols and mask as ``linear_tile``'s."""
+    pid_m, pid_n = _tile(N, BLOCK_N)
+    zb, rows, cols, mask = linear_tile(
+        h_desc, u_desc, b_ptr, pid_m, pid_n, M, N, K,
+        True, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    x0 = tl.load(x0_ptr + rows[:, None] * stride_x0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return pid_m, zb, x0, rows, cols, mask
+
+
 # M (the batch) changes between calls: do not specialize on it, so a new batch size reuses the compiled
 # kernel. M_BUCKET only feeds the autotuning key.
 @triton.jit(do_not_specialize=["M"])
@@ -96,21 +113,17 @@ def _cross_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_m, pid_n = _tile(N, BLOCK_N)
-    zb, rows, cols, mask = linear_tile(
-        h_desc, u_desc, b_ptr, pid_m, pid_n, M, N, K,
-        True, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    _, zb, x0, rows, cols, mask = _z_and_x0(
+        h_desc, u_desc, b_ptr, x0_ptr, stride_x0, M, N, K,
+        DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     # Epilogue, in fp32: x0 * (z + b) + x_l.
-    x0 = tl.load(x0_ptr + rows[:, None] * stride_x0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     xl = tl.load(xl_ptr + rows[:, None] * stride_xl + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     out = (x0 * zb + xl).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=mask)
 
 
-_cross_fwd_kernel = autotuned(
-    _cross_fwd_kernel, ("BLOCK_M", "BLOCK_N", "BLOCK_K"), ("M_BUCKET", "N"), "x0_ptr", {}, _DESCRIPTORS
-)
+_cross_fwd_kernel = autotuned(_cross_fwd_kernel, "x0_ptr", descriptors=_DESCRIPTORS)
 
 
 def check_inputs(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> None:
@@ -207,14 +220,12 @@ def _cross_bwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_m, pid_n = _tile(N, BLOCK_N)
-    zb, rows, cols, mask = linear_tile(
-        h_desc, u_desc, b_ptr, pid_m, pid_n, M, N, K,
-        True, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    pid_m, zb, x0, rows, cols, mask = _z_and_x0(
+        h_desc, u_desc, b_ptr, x0_ptr, stride_x0, M, N, K,
+        DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     # Epilogue, in fp32: dz = g * x0, dx0 = g * (z + b), and dz's column sums per PARTIAL rows. Masked rows
     # and columns load g = 0, so they add 0 to the sums.
-    x0 = tl.load(x0_ptr + rows[:, None] * stride_x0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dz = g * x0
     tl.store(dz_ptr + rows[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
@@ -226,9 +237,7 @@ def _cross_bwd_kernel(
     tl.store(part_ptr + part_rows[:, None] * N + cols[None, :], sums, mask=part_mask)
 
 
-_cross_bwd_kernel = autotuned(
-    _cross_bwd_kernel, ("BLOCK_M", "BLOCK_N", "BLOCK_K"), ("M_BUCKET", "N"), "x0_ptr", {}, _DESCRIPTORS
-)
+_cross_bwd_kernel = autotuned(_cross_bwd_kernel, "x0_ptr", descriptors=_DESCRIPTORS)
 
 
 def cross_layer_bwd(
