@@ -49,10 +49,10 @@ from torch import Tensor
 from torch.compiler import is_compiling
 
 from kernels import launch
-from kernels.activations import ACTIVATIONS, act_fwd, act_ref, check_activation
+from kernels.activations import ACTIVATIONS, act_bwd_ref, act_fwd, act_ref, check_activation
 from kernels.gemm.checks import check_like, check_linear
 from kernels.gemm.dw import act_dw, fastest_dw
-from kernels.gemm.grads import act_grads, act_grads_ref
+from kernels.gemm.grads import act_grads
 from kernels.gemm.layout import (
     aligned_copy,
     has_contiguous_rows,
@@ -331,8 +331,13 @@ def _backward_body(
     if use_triton(x):
         return launch_bwd(dy, x, weight, saved, activation, has_bias, needs_dx)
     _check_bwd_inputs(dy, x, weight, saved, activation, has_bias)
-    dx, dw, db = act_grads_ref(dy, x, weight, saved, activation, has_bias, needs_dx)
-    dx = aligned_copy(dx) if needs_dx else None  # the kernels' layout (see the fake)
+    # The CPU fallback, in plain PyTorch with fp32 math. Analytic, not torch.autograd.grad: autograd does not
+    # record inside a custom op's implementation.
+    dz = act_bwd_ref(dy, saved, activation)
+    # dx in rows padded to 16 bytes, the kernels' layout (see the fake).
+    dx = aligned_copy((dz @ weight.float()).to(x.dtype)) if needs_dx else None
+    dw = (dz.t() @ x.float()).to(x.dtype)
+    db = dz.sum(dim=0).to(x.dtype) if has_bias else None
     return dx, dw, db
 
 
