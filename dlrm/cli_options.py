@@ -1,5 +1,6 @@
 """Command-line options that several commands share (click decorators), so they read the same everywhere."""
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
@@ -21,6 +22,12 @@ def path_option(*names: str, help: str, required: bool = False, **attrs):
     return click.option(*names, type=click.Path(path_type=Path), required=required, help=help, **attrs)
 
 
+def choice_option(*names: str, choices: Sequence[str], default: str | None, help: str):
+    """A click option (`names` as click.option's) whose value is one of `choices` (a click.Choice, listed
+    in the help), `default` where not given."""
+    return click.option(*names, type=click.Choice(choices), default=default, help=help)
+
+
 def data_option(help: str):
     """The required `--data` option (parameter `data_dir`, a Path): a preprocessed data directory, whose
     expected contents `help` names."""
@@ -36,17 +43,17 @@ checkpoint_option = path_option(
 )
 
 # The splits of a preprocessed data directory (dlrm.data.splits); test, the reported one, by default.
-split_option = click.option(
+split_option = choice_option(
     "--split",
-    type=click.Choice(SPLITS),
+    choices=SPLITS,
     default="test",
     help="Split of a preprocessed data directory: test (what a run reports), val (what selected best.pt), "
     "or train.",
 )
 
-device_option = click.option(
+device_option = choice_option(
     "--device",
-    type=click.Choice(DEVICES),
+    choices=DEVICES,
     default="auto",
     help="Where the model runs (auto: cuda when available).",
 )

@@ -10,25 +10,25 @@ its results differing from eager's by fp32 rounding only.
 
 from dataclasses import dataclass
 
-import click
 import torch
 
 from dlrm.choices import SCORING_BACKENDS as BACKENDS
 from dlrm.choices import SCORING_PRECISIONS as PRECISIONS
+from dlrm.cli_options import choice_option
 from dlrm.config import RunConfig, replace
 from dlrm.device import set_precision, use_interpreter_on_cpu
 from dlrm.model import Model, model_from_checkpoint
 
-backend_option = click.option(
+backend_option = choice_option(
     "--backend",
-    type=click.Choice(BACKENDS),
+    choices=BACKENDS,
     default="run",
     help="Kernels to score with: run (the run's own: our Triton kernels for a --use-triton run), eager "
     "(plain PyTorch), triton (our Triton kernels; the interpreter on a CPU).",
 )
-precision_option = click.option(
+precision_option = choice_option(
     "--precision",
-    type=click.Choice(PRECISIONS),
+    choices=PRECISIONS,
     default="run",
     help="Arithmetic to score in: run (the run's train.precision), fp32, tf32 or bf16 (autocast).",
 )

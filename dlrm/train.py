@@ -16,7 +16,7 @@ import click
 
 from dlrm import parallel, progress
 from dlrm.choices import COMPILE_MODES, DEVICES, PRECISIONS, TRITON_MLP_KERNELS
-from dlrm.cli_options import command, path_option, set_option
+from dlrm.cli_options import choice_option, command, path_option, set_option
 from dlrm.config import apply_overrides, load_config, replace
 from dlrm.errors import Interrupted, RunStopped, cli_errors
 from dlrm.run.loop import train
@@ -36,9 +36,9 @@ from dlrm.run.loop import train
     help="Compile the MLPs and interaction with torch.compile. Overrides train.use_torch_compile "
     "[default: the config's].",
 )
-@click.option(
+@choice_option(
     "--compile-mode",
-    type=click.Choice(COMPILE_MODES),
+    choices=COMPILE_MODES,
     default=None,
     help="With --use-torch-compile: torch.compile's mode; reduce-overhead adds Inductor's CUDA graphs. "
     "Overrides train.compile_mode.",
@@ -50,9 +50,9 @@ from dlrm.run.loop import train
     "backward, interaction, loss, MLP layers. On CPU they run in the Triton interpreter: correct but slow, "
     "meant for tests. Overrides train.use_triton [default: the config's].",
 )
-@click.option(
+@choice_option(
     "--triton-mlp-kernel",
-    type=click.Choice(TRITON_MLP_KERNELS),
+    choices=TRITON_MLP_KERNELS,
     default=None,
     help="With --use-triton: fused GEMM+bias+activation (linear_act), cuBLAS GEMM + fused bias+activation "
     "(bias_act), or the same with the bias+activation in CUDA C++ (cuda_bias_act, built on first use; GPU "
@@ -65,9 +65,9 @@ from dlrm.run.loop import train
     "Default (train.cuda_graphs null): on wherever it works, i.e. --use-triton on one GPU; the log "
     "says why when it cannot.",
 )
-@click.option(
+@choice_option(
     "--precision",
-    type=click.Choice(PRECISIONS),
+    choices=PRECISIONS,
     default=None,
     help="Overrides train.precision: fp32, tf32 (TF32 matmuls) or bf16 (autocast MLPs and interaction).",
 )
@@ -88,9 +88,9 @@ from dlrm.run.loop import train
     "any number of ranks), in its run directory.",
 )
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after N training steps.")
-@click.option(
+@choice_option(
     "--device",
-    type=click.Choice(DEVICES),
+    choices=DEVICES,
     default=None,
     help="Overrides train.device from the config.",
 )

@@ -40,8 +40,9 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.activations import ACTIVATIONS, act_fwd, act_grad, act_grad_ref, act_ref, check_activation
+from kernels.gemm.checks import check_dtypes
 from kernels.gemm.partials import row_programs, sum_partials
-from kernels.launch import DTYPES, INTERPRETED, use_triton
+from kernels.launch import INTERPRETED, use_triton
 from kernels.op import define_op
 
 __all__ = [
@@ -176,12 +177,7 @@ def check_inputs(x: Tensor, b: Tensor, activation: str, op: str = "bias_act") ->
             f"{op}: bias must have shape [N] = [{x.shape[1]}] for x of shape {tuple(x.shape)}, "
             f"got {tuple(b.shape)}"
         )
-    if x.dtype not in DTYPES:
-        raise ValueError(f"{op}: x dtype must be one of {DTYPES}, got {x.dtype}")
-    if b.dtype != x.dtype:
-        raise ValueError(f"{op}: bias dtype {b.dtype} differs from x dtype {x.dtype}")
-    if b.device != x.device:
-        raise ValueError(f"{op}: bias is on {b.device} but x is on {x.device}")
+    check_dtypes(op, x=x, bias=b)
 
 
 def _check_like(name: str, t: Tensor, x: Tensor) -> None:

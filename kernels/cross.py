@@ -43,7 +43,7 @@ from torch import Tensor
 from kernels import launch
 from kernels.gemm.layout import rows_contiguous, tma_descriptor
 from kernels.gemm.partials import sum_partials
-from kernels.gemm.tiles import matmul_tile
+from kernels.gemm.tiles import linear_tile
 from kernels.gemm.tuning import autotuned, input_precision, m_bucket
 from kernels.launch import DTYPES, INTERPRETED, use_triton
 from kernels.op import define_op
@@ -69,12 +69,20 @@ def _tile(N, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _epilogue_offsets(pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The tile's rows and cols (int64: M * N can pass 2**31), the column mask and the [rows, cols] mask."""
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = cols < N
-    return rows, cols, mask_n, (rows < M)[:, None] & mask_n[None, :]
+def _z_and_x0(
+    h_desc, u_desc, b_ptr, x0_ptr, stride_x0, M, N, K,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """What both kernels start from, for this program's output tile: (pid_m, zb = h @ U^T + b in fp32, x0
+    in fp32, rows, cols, mask), rows, cols and mask as ``linear_tile``'s."""
+    pid_m, pid_n = _tile(N, BLOCK_N)
+    zb, rows, cols, mask = linear_tile(
+        h_desc, u_desc, b_ptr, pid_m, pid_n, M, N, K,
+        True, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    x0 = tl.load(x0_ptr + rows[:, None] * stride_x0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return pid_m, zb, x0, rows, cols, mask
 
 
 # M (the batch) changes between calls: do not specialize on it, so a new batch size reuses the compiled
@@ -105,23 +113,17 @@ def _cross_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_m, pid_n = _tile(N, BLOCK_N)
-    acc = matmul_tile(
-        h_desc, u_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K,
+    _, zb, x0, rows, cols, mask = _z_and_x0(
+        h_desc, u_desc, b_ptr, x0_ptr, stride_x0, M, N, K,
         DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     # Epilogue, in fp32: x0 * (z + b) + x_l.
-    rows, cols, mask_n, mask = _epilogue_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
-    zb = acc + tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    x0 = tl.load(x0_ptr + rows[:, None] * stride_x0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     xl = tl.load(xl_ptr + rows[:, None] * stride_xl + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     out = (x0 * zb + xl).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=mask)
 
 
-_cross_fwd_kernel = autotuned(
-    _cross_fwd_kernel, ("BLOCK_M", "BLOCK_N", "BLOCK_K"), ("M_BUCKET", "N"), "x0_ptr", {}, _DESCRIPTORS
-)
+_cross_fwd_kernel = autotuned(_cross_fwd_kernel, "x0_ptr", descriptors=_DESCRIPTORS)
 
 
 def check_inputs(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> None:
@@ -218,16 +220,12 @@ def _cross_bwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_m, pid_n = _tile(N, BLOCK_N)
-    acc = matmul_tile(
-        h_desc, u_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K,
+    pid_m, zb, x0, rows, cols, mask = _z_and_x0(
+        h_desc, u_desc, b_ptr, x0_ptr, stride_x0, M, N, K,
         DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     # Epilogue, in fp32: dz = g * x0, dx0 = g * (z + b), and dz's column sums per PARTIAL rows. Masked rows
     # and columns load g = 0, so they add 0 to the sums.
-    rows, cols, mask_n, mask = _epilogue_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
-    zb = acc + tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    x0 = tl.load(x0_ptr + rows[:, None] * stride_x0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dz = g * x0
     tl.store(dz_ptr + rows[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
@@ -235,13 +233,11 @@ def _cross_bwd_kernel(
     tl.store(dx0_ptr + rows[:, None] * stride_dx0 + cols[None, :], dx0, mask=mask)
     sums = tl.sum(tl.reshape(dz, (BLOCK_M // PARTIAL, PARTIAL, BLOCK_N)), axis=1)
     part_rows = pid_m.to(tl.int64) * (BLOCK_M // PARTIAL) + tl.arange(0, BLOCK_M // PARTIAL)
-    part_mask = (part_rows < tl.cdiv(M, PARTIAL))[:, None] & mask_n[None, :]
+    part_mask = (part_rows < tl.cdiv(M, PARTIAL))[:, None] & (cols < N)[None, :]
     tl.store(part_ptr + part_rows[:, None] * N + cols[None, :], sums, mask=part_mask)
 
 
-_cross_bwd_kernel = autotuned(
-    _cross_bwd_kernel, ("BLOCK_M", "BLOCK_N", "BLOCK_K"), ("M_BUCKET", "N"), "x0_ptr", {}, _DESCRIPTORS
-)
+_cross_bwd_kernel = autotuned(_cross_bwd_kernel, "x0_ptr", descriptors=_DESCRIPTORS)
 
 
 def cross_layer_bwd(

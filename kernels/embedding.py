@@ -52,6 +52,29 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 # --------------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def sample_block(B, BLOCK_B: tl.constexpr):
+    """A lookup program's part of the batch: (b [BLOCK_B] int64, the samples of block program_id(0); mask_b
+    [BLOCK_B], b < B; f, the feature program_id(1))."""
+    pid_b = tl.program_id(0)
+    f = tl.program_id(1)
+    b = pid_b.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    return b, b < B, f
+
+
+@triton.jit
+def table_row(x, rows, HASHING: tl.constexpr):
+    """The row within its table of each raw id of x (int64): (x + 1) floor-mod rows for "modulus", x
+    itself for "index" (rows unused)."""
+    if HASHING == "modulus":
+        row = (x + 1) % rows
+        # Floor mod whatever the sign convention of % (ids below -1 are not Criteo's, but stay in range).
+        row = tl.where(row < 0, row + rows, row)
+    else:
+        row = x
+    return row
+
+
 @triton.jit(do_not_specialize=["B"])
 def _embedding_fwd_kernel(
     # pointers
@@ -70,20 +93,11 @@ def _embedding_fwd_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    pid_b = tl.program_id(0)
-    f = tl.program_id(1)
-    b = pid_b.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
-    mask_b = b < B
+    b, mask_b, f = sample_block(B, BLOCK_B)
     lookup = b * F + f  # position in [B, F]
     x = tl.load(ids_ptr + lookup, mask=mask_b, other=0)
-    if HASHING == "modulus":
-        rows = tl.load(rows_ptr + f)
-        row = (x + 1) % rows
-        # Floor mod whatever the sign convention of % (ids below -1 are not Criteo's, but stay in range).
-        row = tl.where(row < 0, row + rows, row)
-    else:
-        row = x
-    index = tl.load(offsets_ptr + f) + row
+    rows = tl.load(rows_ptr + f) if HASHING == "modulus" else 0  # "index" reads no table sizes
+    index = tl.load(offsets_ptr + f) + table_row(x, rows, HASHING)
     tl.store(index_ptr + lookup, index, mask=mask_b)
     d = tl.arange(0, BLOCK_D)
     mask = mask_b[:, None] & (d < D)[None, :]

@@ -30,8 +30,9 @@ Backward without a table-sized gradient and without materializing the [B, S, D] 
   sums each lookup's pooled gradient into its segment's fp32 slot, a second updates each distinct row once
   from its segment's sum. Fixed shapes, no host sync: a step can be captured in a CUDA graph. The learning
   rate is a one-element fp32 tensor read by the kernels (a schedule writes it between steps).
-The backward's kernels, launcher and reference live in kernels/embedding_bag_update.py. The PyTorch
-references are `embedding_bag_lookup_ref` and `embedding_bag_update_ref`.
+The backward's launcher and reference live in kernels/embedding_bag_update.py, its kernels (shared with
+the one-id lookups) in kernels/embedding_update.py. The PyTorch references are `embedding_bag_lookup_ref`
+and `embedding_bag_update_ref`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.embedding import check_hashing, check_tables
+from kernels.embedding import check_hashing, check_tables, sample_block, table_row
 from kernels.embedding_bag_update import (
     POOLINGS,
     bag_columns,
@@ -88,10 +89,7 @@ def _embedding_bag_fwd_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    pid_b = tl.program_id(0)
-    f = tl.program_id(1)
-    b = pid_b.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
-    mask_b = b < B
+    b, mask_b, f = sample_block(B, BLOCK_B)
     start = tl.load(starts_ptr + f)
     k = tl.load(sizes_ptr + f)
     offset = tl.load(offsets_ptr + f)
@@ -102,12 +100,7 @@ def _embedding_bag_fwd_kernel(
     for j in range(0, k):
         lookup = b * S + start + j  # position in [B, S]
         x = tl.load(ids_ptr + lookup, mask=mask_b, other=0)
-        if HASHING == "modulus":
-            row = (x + 1) % rows
-            row = tl.where(row < 0, row + rows, row)  # floor mod whatever the sign convention of %
-        else:
-            row = x
-        index = offset + row
+        index = offset + table_row(x, rows, HASHING)
         tl.store(index_ptr + lookup, index, mask=mask_b)
         acc += tl.load(weights_ptr + index[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
     if MEAN:

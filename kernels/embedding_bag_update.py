@@ -11,24 +11,16 @@ over every lookup of row r, and
 (torch.sort), one kernel sums each lookup's pooled gradient into its segment's fp32 slot ([B*S, D]), a
 second updates each distinct row once from its segment's sum. The per-lookup gradients [B, S, D] are never
 materialized; shapes are fixed (no host sync: CUDA-graph capturable); lr is a one-element fp32 tensor read
-by the kernels. The PyTorch reference is `embedding_bag_update_ref`.
+by the kernels. The kernels are kernels/embedding_update.py's (`launch_update`), reading each lookup's
+pooled gradient. The PyTorch reference is `embedding_bag_update_ref`.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
-from kernels.embedding_update import (
-    block_sizes,
-    check_lr,
-    check_optimizer,
-    embedding_update_ref,
-    segment_update_kernel,
-    sorted_segments,
-)
+from kernels.embedding_update import check_lr, check_optimizer, embedding_update_ref, launch_update
 from kernels.launch import use_triton
 
 __all__ = [
@@ -40,78 +32,6 @@ __all__ = [
 ]
 
 POOLINGS = ("sum", "mean")
-
-
-# --------------------------------------------------------------------------------------------------
-# Kernels
-# --------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _lookup_grad(grad_ptr, features_ptr, scales_ptr, lookup, mask_n, mask, d, S, F, D):
-    """The pooled gradient of lookups `lookup` (positions in [B, S]), scaled by their bag's 1 or 1/k: fp32."""
-    b = lookup // S
-    column = lookup % S
-    feature = tl.load(features_ptr + column, mask=mask_n, other=0)
-    scale = tl.load(scales_ptr + column, mask=mask_n, other=0.0)
-    grad = tl.load(grad_ptr + (b * F + feature)[:, None] * D + d[None, :], mask=mask, other=0.0)
-    return grad.to(tl.float32) * scale[:, None]
-
-
-@triton.jit(do_not_specialize=["N"])
-def _embedding_bag_sgd_kernel(
-    # pointers
-    index_ptr,  # [N] int64 global rows (N = B * S lookups)
-    grad_ptr,  # [B, F, D] dout, any float dtype
-    features_ptr,  # [S] int64 feature of each column
-    scales_ptr,  # [S] fp32 pooling scale of each column
-    weights_ptr,  # [R, D] fp32, updated in place
-    lr_ptr,  # [] fp32 learning rate, read at launch time
-    # sizes
-    N,
-    S,
-    F,
-    D,
-    # meta-parameters
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask_n = n < N
-    d = tl.arange(0, BLOCK_D)
-    mask = mask_n[:, None] & (d < D)[None, :]
-    index = tl.load(index_ptr + n, mask=mask_n, other=0)
-    grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, n, mask_n, mask, d, S, F, D)
-    lr = tl.load(lr_ptr).to(tl.float32)
-    tl.atomic_add(weights_ptr + index[:, None] * D + d[None, :], -lr * grad, mask=mask)
-
-
-@triton.jit(do_not_specialize=["N"])
-def _embedding_bag_segment_sum_kernel(
-    # pointers
-    order_ptr,  # [N] int64: lookup at each sorted position (argsort of the indices)
-    segment_ptr,  # [N] int64: segment (distinct row, in sorted order) of each sorted position
-    grad_ptr,  # [B, F, D] dout, any float dtype
-    features_ptr,  # [S] int64 feature of each column
-    scales_ptr,  # [S] fp32 pooling scale of each column
-    sums_ptr,  # [N, D] fp32 zeros: one slot per segment, the first n_segments used
-    # sizes
-    N,
-    S,
-    F,
-    D,
-    # meta-parameters
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    p = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask_p = p < N
-    d = tl.arange(0, BLOCK_D)
-    mask = mask_p[:, None] & (d < D)[None, :]
-    lookup = tl.load(order_ptr + p, mask=mask_p, other=0)
-    segment = tl.load(segment_ptr + p, mask=mask_p, other=0)
-    grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, lookup, mask_p, mask, d, S, F, D)
-    tl.atomic_add(sums_ptr + segment[:, None] * D + d[None, :], grad, mask=mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -170,26 +90,8 @@ def embedding_bag_update(
     if not use_triton(weights):
         embedding_bag_update_ref(weights, state, index, grad, bag_sizes, pooling, optimizer, lr, eps)
         return
-    n, d, f = b * s, weights.shape[1], bag_sizes.shape[0]
-    if n == 0:
-        return
-    features, scales = bag_columns(bag_sizes, pooling, s)
-    grad = grad.contiguous()
-    index = index.reshape(-1)
-    block_d, block_n = block_sizes(d, n)
-    grid = (triton.cdiv(n, block_n),)
-    blocks = {"BLOCK_N": block_n, "BLOCK_D": block_d}
-    if optimizer == "sgd" and weights.dtype == torch.float32:
-        _embedding_bag_sgd_kernel[grid](index, grad, features, scales, weights, lr, n, s, f, d, **blocks)
-        return
-    sorted_rows, order, segment = sorted_segments(index)
-    sums = torch.zeros(n, d, dtype=torch.float32, device=weights.device)
-    _embedding_bag_segment_sum_kernel[grid](
-        order, segment, grad, features, scales, sums, n, s, f, d, **blocks
-    )
-    segment_update_kernel[grid](
-        sorted_rows, segment, sums, weights, state, lr, n, d, eps, OPTIMIZER=optimizer, **blocks
-    )
+    bags = bag_columns(bag_sizes, pooling, s)
+    launch_update(weights, state, index.reshape(-1), grad.contiguous(), optimizer, lr, eps, bags)
 
 
 # --------------------------------------------------------------------------------------------------

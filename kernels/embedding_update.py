@@ -40,9 +40,8 @@ __all__ = [
     "check_optimizer",
     "embedding_update",
     "embedding_update_ref",
+    "launch_update",
     "optimizer_state",
-    "segment_update_kernel",
-    "sorted_segments",
     "update_lr",
 ]
 
@@ -50,58 +49,92 @@ OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 
 
 # -- Kernels -----------------------------------------------------------------------------------------
+# One set for one-id lookups and for pooled bags (kernels/embedding_bag_update.py): POOLED (a constexpr,
+# resolved when the kernel compiles) picks how a lookup's gradient is read.
+
+
+@triton.jit
+def _lookup_block(N, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's block of the N lookups (or sorted positions): (n [BLOCK_N] int64 positions, their mask
+    [BLOCK_N], d [BLOCK_D] columns, the [BLOCK_N, BLOCK_D] mask of (n, d) in bounds)."""
+    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask_n = n < N
+    d = tl.arange(0, BLOCK_D)
+    return n, mask_n, d, mask_n[:, None] & (d < D)[None, :]
+
+
+@triton.jit
+def _lookup_grad(
+    grad_ptr, features_ptr, scales_ptr, lookup, mask_n, mask, d, S, F, D, POOLED: tl.constexpr
+):  # fmt: skip
+    """The fp32 gradient [BLOCK_N, BLOCK_D] of lookups `lookup`: dout[lookup] (dout [N, D]); POOLED: the
+    pooled gradient dout[b, f(c)] (dout [B, F, D], lookup = b * S + c) scaled by its bag's 1 or 1/k."""
+    if POOLED:
+        b = lookup // S
+        column = lookup % S
+        feature = tl.load(features_ptr + column, mask=mask_n, other=0)
+        scale = tl.load(scales_ptr + column, mask=mask_n, other=0.0)
+        grad = tl.load(grad_ptr + (b * F + feature)[:, None] * D + d[None, :], mask=mask, other=0.0)
+        grad = grad.to(tl.float32) * scale[:, None]
+    else:
+        grad = tl.load(grad_ptr + lookup[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    return grad
 
 
 @triton.jit(do_not_specialize=["N"])
-def _embedding_sgd_kernel(
+def _sgd_kernel(
     # pointers
-    index_ptr,  # [N] int64 global rows (N = B * F lookups)
-    grad_ptr,  # [N, D] dout, any float dtype
+    index_ptr,  # [N] int64 global rows (N = B * F lookups, or B * S for bags)
+    grad_ptr,  # [N, D] dout ([B, F, D] where POOLED), any float dtype
+    features_ptr,  # POOLED: [S] int64 feature of each column (not read otherwise)
+    scales_ptr,  # POOLED: [S] fp32 pooling scale of each column (not read otherwise)
     weights_ptr,  # [R, D] fp32, updated in place
     lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
     # sizes
     N,
+    S,
+    F,
     D,
     # meta-parameters
+    POOLED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask_n = n < N
-    d = tl.arange(0, BLOCK_D)
-    mask = mask_n[:, None] & (d < D)[None, :]
+    n, mask_n, d, mask = _lookup_block(N, D, BLOCK_N, BLOCK_D)
     index = tl.load(index_ptr + n, mask=mask_n, other=0)
-    grad = tl.load(grad_ptr + n[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, n, mask_n, mask, d, S, F, D, POOLED)
     lr = tl.load(lr_ptr).to(tl.float32)
     tl.atomic_add(weights_ptr + index[:, None] * D + d[None, :], -lr * grad, mask=mask)
 
 
 @triton.jit(do_not_specialize=["N"])
-def _embedding_segment_sum_kernel(
+def _segment_sum_kernel(
     # pointers
     order_ptr,  # [N] int64: lookup at each sorted position (argsort of the indices)
     segment_ptr,  # [N] int64: segment (distinct row, in sorted order) of each sorted position
-    grad_ptr,  # [N, D] dout, any float dtype
+    grad_ptr,  # [N, D] dout ([B, F, D] where POOLED), any float dtype
+    features_ptr,  # POOLED: [S] int64 feature of each column (not read otherwise)
+    scales_ptr,  # POOLED: [S] fp32 pooling scale of each column (not read otherwise)
     sums_ptr,  # [N, D] fp32 zeros: one slot per segment, the first n_segments used
     # sizes
     N,
+    S,
+    F,
     D,
     # meta-parameters
+    POOLED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    p = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask_p = p < N
-    d = tl.arange(0, BLOCK_D)
-    mask = mask_p[:, None] & (d < D)[None, :]
+    p, mask_p, d, mask = _lookup_block(N, D, BLOCK_N, BLOCK_D)
     lookup = tl.load(order_ptr + p, mask=mask_p, other=0)
     segment = tl.load(segment_ptr + p, mask=mask_p, other=0)
-    grad = tl.load(grad_ptr + lookup[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, lookup, mask_p, mask, d, S, F, D, POOLED)
     tl.atomic_add(sums_ptr + segment[:, None] * D + d[None, :], grad, mask=mask)
 
 
 @triton.jit(do_not_specialize=["N", "eps"])
-def segment_update_kernel(
+def _segment_update_kernel(
     # pointers
     sorted_ptr,  # [N] int64 sorted global rows
     segment_ptr,  # [N] int64 segment of each sorted position
@@ -195,18 +228,6 @@ def update_lr(lr: Tensor | None, weights: Tensor, op: str) -> Tensor:
     return lr
 
 
-def sorted_segments(index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(sorted rows, order, segment), each [N] int64, of the N = index.numel() global rows looked up: the
-    rows sorted, the lookup at each sorted position (argsort), and the segment (distinct row, numbered in
-    sorted order) of each sorted position. No host sync."""
-    sorted_rows, order = torch.sort(index.reshape(-1))
-    # Segment of each sorted position: the number of row changes before it.
-    changes = torch.ne(sorted_rows[1:], sorted_rows[:-1])
-    segment = torch.zeros_like(sorted_rows)
-    torch.cumsum(changes, dim=0, out=segment[1:])
-    return sorted_rows, order, segment
-
-
 def _check_update(weights: Tensor, state: Tensor, index: Tensor, grad: Tensor, optimizer: str) -> None:
     if optimizer == "adagrad" and tuple(state.shape) != tuple(weights.shape):
         raise ValueError(f"adagrad state must be {list(weights.shape)}, got {list(state.shape)}")
@@ -245,31 +266,54 @@ def embedding_update(
         embedding_update_ref(weights, state, index, grad, optimizer, lr, eps)
         return
     index = index.reshape(-1)
-    grad = grad.reshape(index.numel(), -1).contiguous()
-    n, d = grad.shape
+    launch_update(weights, state, index, grad.reshape(index.numel(), -1).contiguous(), optimizer, lr, eps)
+
+
+def _sorted_segments(index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(sorted rows, order, segment), each [N] int64, of the N = index.numel() global rows looked up: the
+    rows sorted, the lookup at each sorted position (argsort), and the segment (distinct row, numbered in
+    sorted order) of each sorted position. No host sync."""
+    sorted_rows, order = torch.sort(index.reshape(-1))
+    # Segment of each sorted position: the number of row changes before it.
+    changes = torch.ne(sorted_rows[1:], sorted_rows[:-1])
+    segment = torch.zeros_like(sorted_rows)
+    torch.cumsum(changes, dim=0, out=segment[1:])
+    return sorted_rows, order, segment
+
+
+def launch_update(
+    weights: Tensor,
+    state: Tensor,
+    index: Tensor,
+    grad: Tensor,
+    optimizer: str,
+    lr: Tensor,
+    eps: float,
+    bags: tuple[Tensor, Tensor] | None = None,
+) -> None:
+    """The update kernels (module docstring) on inputs already checked: index [N] int64 global rows; grad
+    [N, D] contiguous, or for pooled bags, with `bags` = (features [S] int64, scales [S] fp32) as
+    `kernels.embedding_bag_update.bag_columns` gives them, the pooled gradient [B, F, D] contiguous
+    (N = B * S, lookup b * S + c)."""
+    n, d = index.numel(), weights.shape[1]
     if n == 0:
         return
+    pooled = bags is not None
+    features, scales = bags if pooled else (index, grad)  # not read unless pooled
+    s, f = (features.numel(), grad.shape[1]) if pooled else (1, 1)
     block_d, block_n = block_sizes(d, n)
     grid = (triton.cdiv(n, block_n),)
+    blocks = {"BLOCK_N": block_n, "BLOCK_D": block_d}
     if optimizer == "sgd" and weights.dtype == torch.float32:
-        _embedding_sgd_kernel[grid](index, grad, weights, lr, n, d, BLOCK_N=block_n, BLOCK_D=block_d)
+        _sgd_kernel[grid](index, grad, features, scales, weights, lr, n, s, f, d, POOLED=pooled, **blocks)
         return
-    sorted_rows, order, segment = sorted_segments(index)
-    sums = torch.zeros(n, d, dtype=torch.float32, device=grad.device)
-    _embedding_segment_sum_kernel[grid](order, segment, grad, sums, n, d, BLOCK_N=block_n, BLOCK_D=block_d)
-    segment_update_kernel[grid](
-        sorted_rows,
-        segment,
-        sums,
-        weights,
-        state,
-        lr,
-        n,
-        d,
-        eps,
-        OPTIMIZER=optimizer,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
+    sorted_rows, order, segment = _sorted_segments(index)
+    sums = torch.zeros(n, d, dtype=torch.float32, device=weights.device)
+    _segment_sum_kernel[grid](
+        order, segment, grad, features, scales, sums, n, s, f, d, POOLED=pooled, **blocks
+    )
+    _segment_update_kernel[grid](
+        sorted_rows, segment, sums, weights, state, lr, n, d, eps, OPTIMIZER=optimizer, **blocks
     )
 
 

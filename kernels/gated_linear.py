@@ -48,6 +48,7 @@ from torch import Tensor
 
 from kernels import launch
 from kernels.activations import act_fwd, act_grad, act_grad_ref, sigmoid
+from kernels.gemm.checks import check_dtypes
 from kernels.gemm.grads import gemm_grads
 from kernels.gemm.layout import (
     aligned_copy,
@@ -58,9 +59,9 @@ from kernels.gemm.layout import (
     tma_descriptor,
 )
 from kernels.gemm.partials import row_programs, sum_partials
-from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_tile, matmul_tile
+from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_linear_tile
 from kernels.gemm.tuning import autotuned, input_precision, m_bucket
-from kernels.launch import DTYPES, INTERPRETED, use_triton
+from kernels.launch import INTERPRETED, use_triton
 from kernels.op import define_op
 
 __all__ = ["GATES", "gated_linear", "gated_linear_ref", "gated_linear_fwd", "gated_linear_bwd"]
@@ -130,39 +131,21 @@ def _gated_linear_fwd_kernel(
     BLOCK_K: tl.constexpr,  # reduction chunk
     GROUP: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
-    acc = matmul_tile(
-        x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K,
-        DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
-    # int64 row offsets: M * N can pass 2**31.
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = rows < M
-    mask_n = cols < N
-
-    # Epilogue in fp32: bias, z, then the gate over the tile's (a, b) column pairs.
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
+    acc, rows, cols, mask, pid_n = grouped_linear_tile(
+        x_desc, w_desc, b_ptr, M, N, K, HAS_BIAS, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP
+    )
+    # Epilogue in fp32: z, then the gate over the tile's (a, b) column pairs.
     tl.store(z_ptr + rows[:, None] * stride_zm + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
     # Rounded like the stored z, so the backward (which reads z) differentiates the function computed here.
     acc = acc.to(z_ptr.dtype.element_ty).to(tl.float32)
     za, zb = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
     y = _gate_fwd(za, zb, GATE)
     out = pid_n.to(tl.int64) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    y_mask = mask_m[:, None] & (out < N // 2)[None, :]
+    y_mask = (rows < M)[:, None] & (out < N // 2)[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + out[None, :], y.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-_gated_linear_fwd_kernel = autotuned(
-    _gated_linear_fwd_kernel,
-    ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
-    ("M_BUCKET", "N"),
-    "z_ptr",
-    {"GROUP": 8},
-    MATMUL_TILE_DESCRIPTORS,
-)
+_gated_linear_fwd_kernel = autotuned(_gated_linear_fwd_kernel, "z_ptr", {"GROUP": 8}, MATMUL_TILE_DESCRIPTORS)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -228,12 +211,7 @@ def _check_inputs(x: Tensor, weight: Tensor, bias: Tensor | None, gate: str) -> 
             f"gated_linear: weight must be [2N, K] (2N even, >= 2) with K = {x.shape[1]} >= 1 columns for x "
             f"of shape {tuple(x.shape)}, got {tuple(weight.shape)}"
         )
-    if x.dtype not in DTYPES or weight.dtype != x.dtype:
-        raise ValueError(
-            f"gated_linear: x and weight dtypes must be one of {DTYPES}, got {x.dtype}, {weight.dtype}"
-        )
-    if weight.device != x.device:
-        raise ValueError(f"gated_linear: weight is on {weight.device} but x is on {x.device}")
+    check_dtypes("gated_linear", x=x, weight=weight)
     if bias is not None and (
         tuple(bias.shape) != (weight.shape[0],) or bias.dtype != x.dtype or bias.device != x.device
     ):

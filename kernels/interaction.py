@@ -31,8 +31,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.gemm.checks import check_dtypes
 from kernels.gemm.layout import aligned_width, leading_columns, rows_contiguous
-from kernels.launch import DTYPES, INTERPRETED, use_triton
+from kernels.launch import INTERPRETED, use_triton
 from kernels.op import define_op
 
 __all__ = ["dot_interaction", "dot_interaction_ref", "interaction_width"]
@@ -151,12 +152,7 @@ def _check_inputs(dense: Tensor, embedded: Tensor) -> None:
         raise ValueError(
             f"dense {list(dense.shape)} and embedded {list(embedded.shape)} disagree on B or D (D >= 1)"
         )
-    if dense.dtype not in DTYPES or embedded.dtype != dense.dtype:
-        raise ValueError(
-            f"dense/embedded dtypes {dense.dtype}/{embedded.dtype}: expected one of {DTYPES}, same"
-        )
-    if dense.device != embedded.device:
-        raise ValueError(f"dense on {dense.device} but embedded on {embedded.device}")
+    check_dtypes("dot_interaction", dense=dense, embedded=embedded)
 
 
 def _meta(f: int, d: int, dtype: torch.dtype, backward: bool) -> dict:

@@ -49,10 +49,10 @@ from torch import Tensor
 from torch.compiler import is_compiling
 
 from kernels import launch
-from kernels.activations import ACTIVATIONS, act_fwd, act_ref, check_activation
+from kernels.activations import ACTIVATIONS, act_bwd_ref, act_fwd, act_ref, check_activation
 from kernels.gemm.checks import check_like, check_linear
 from kernels.gemm.dw import act_dw, fastest_dw
-from kernels.gemm.grads import act_grads, act_grads_ref
+from kernels.gemm.grads import act_grads
 from kernels.gemm.layout import (
     aligned_copy,
     has_contiguous_rows,
@@ -60,7 +60,7 @@ from kernels.gemm.layout import (
     rows_aligned,
     tma_descriptor,
 )
-from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_tile, matmul_tile
+from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_linear_tile
 from kernels.gemm.tuning import autotuned, input_precision, m_bucket
 from kernels.launch import INTERPRETED, use_triton
 from kernels.op import define_op
@@ -114,33 +114,17 @@ def _linear_act_fwd_kernel(
     BLOCK_K: tl.constexpr,  # reduction chunk
     GROUP: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
-    acc = matmul_tile(
-        x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K,
-        DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
-
-    # Epilogue: bias, (z), activation, in fp32. int64 row offsets: M * N can pass 2**31.
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = cols < N
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    mask = (rows < M)[:, None] & mask_n[None, :]
+    acc, rows, cols, mask, _ = grouped_linear_tile(
+        x_desc, w_desc, b_ptr, M, N, K, HAS_BIAS, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP
+    )
+    # Epilogue, in fp32: (z), activation.
     if SAVE_Z:
         tl.store(z_ptr + rows[:, None] * stride_zm + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
     y = act_fwd(acc, ACTIVATION)
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_linear_act_fwd_kernel = autotuned(
-    _linear_act_fwd_kernel,
-    ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
-    ("M_BUCKET", "N"),
-    "y_ptr",
-    {"GROUP": 8},
-    MATMUL_TILE_DESCRIPTORS,
-)
+_linear_act_fwd_kernel = autotuned(_linear_act_fwd_kernel, "y_ptr", {"GROUP": 8}, MATMUL_TILE_DESCRIPTORS)
 
 
 # -- Launchers ---------------------------------------------------------------------------------------
@@ -347,8 +331,13 @@ def _backward_body(
     if use_triton(x):
         return launch_bwd(dy, x, weight, saved, activation, has_bias, needs_dx)
     _check_bwd_inputs(dy, x, weight, saved, activation, has_bias)
-    dx, dw, db = act_grads_ref(dy, x, weight, saved, activation, has_bias, needs_dx)
-    dx = aligned_copy(dx) if needs_dx else None  # the kernels' layout (see the fake)
+    # The CPU fallback, in plain PyTorch with fp32 math. Analytic, not torch.autograd.grad: autograd does not
+    # record inside a custom op's implementation.
+    dz = act_bwd_ref(dy, saved, activation)
+    # dx in rows padded to 16 bytes, the kernels' layout (see the fake).
+    dx = aligned_copy((dz @ weight.float()).to(x.dtype)) if needs_dx else None
+    dw = (dz.t() @ x.float()).to(x.dtype)
+    db = dz.sum(dim=0).to(x.dtype) if has_bias else None
     return dx, dw, db
 
 

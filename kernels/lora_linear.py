@@ -160,9 +160,7 @@ def _lora_linear_fwd_kernel(
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_lora_linear_fwd_kernel = autotuned(
-    _lora_linear_fwd_kernel, ("BLOCK_M", "BLOCK_N", "BLOCK_K"), ("M_BUCKET", "N"), "x_ptr", {"GROUP": 8}
-)
+_lora_linear_fwd_kernel = autotuned(_lora_linear_fwd_kernel, "x_ptr", {"GROUP": 8})
 
 
 def _check_inputs(x, weight, bias, lora_a, lora_b, activation) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import click
 import torch
-from bench_train import bench
+from bench_train import bench, build
 from profile_step import profile_steps
 from results_csv import append_rows, provenance
 
@@ -66,7 +66,7 @@ def step_idle_share(config: str, batch: int, precision: str) -> float:
     """`gpu_idle_share` of 10 bare steps (profile_step's, backend triton+graphs, Zipf ids): the idle share a
     run has with no data path and no loop at all, the floor of the runs' (the few-microsecond gaps between
     the kernels of a replayed graph)."""
-    prof = profile_steps(config, "triton+graphs", batch, precision, 10, None, "zipf")
+    prof = profile_steps(build(config, "triton+graphs", batch, None, precision, "zipf"), 10)
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "step.pt.trace.json"
         prof.export_chrome_trace(str(trace))

@@ -48,21 +48,29 @@ def _ids(b: int, skew: str, rows: torch.Tensor, g: torch.Generator) -> torch.Ten
     return (u * rows).long().clamp_max(rows - 1) - 1
 
 
-def _time_ours(d: int, optimizer: str, ids: list, grads: list) -> dict[str, float]:
-    torch.manual_seed(0)
-    with torch.device("cuda"):  # initialize the 33.8M rows on the GPU, not the CPU
-        ours = SparseArch(d, KAGGLE_ROWS, kernel="triton")
-    ours.configure_optimizer(optimizer, 0.01)
+def _rotating_calls(arch: SparseArch, ids: list, grads: list, update) -> tuple:
+    """(fwd, step) of `arch` for timing, each call on the next of the ROTATE batches of `ids`: fwd a
+    no-grad forward; step a forward, backward with that batch's `grads` and then `update()`."""
     it = iter(range(10**9))
 
     def fwd():
         with torch.no_grad():
-            ours(ids[next(it) % ROTATE])
+            arch(ids[next(it) % ROTATE])
 
     def step():
         i = next(it) % ROTATE
-        ours(ids[i]).backward(grads[i])
+        arch(ids[i]).backward(grads[i])
+        update()
 
+    return fwd, step
+
+
+def _time_ours(d: int, optimizer: str, ids: list, grads: list) -> dict[str, float]:
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # initialize the 33.8M rows on the GPU, not the CPU
+        ours = SparseArch(d, KAGGLE_ROWS, kernel="triton")
+    ours.configure_optimizer(optimizer, 0.01)  # the update runs inside backward
+    fwd, step = _rotating_calls(ours, ids, grads, lambda: None)
     return {
         "fwd launch": median_ms(fwd),
         "fwd graph": graph_ms(fwd),
@@ -77,18 +85,12 @@ def _time_eager(d: int, optimizer: str, ids: list, grads: list) -> dict[str, flo
         eager = SparseArch(d, KAGGLE_ROWS, kernel="torch")
     # torch.optim has no row-wise Adagrad: its eager baseline is torch's (elementwise) Adagrad.
     opt = (torch.optim.SGD if optimizer == "sgd" else torch.optim.Adagrad)(eager.parameters(), lr=0.01)
-    it = iter(range(10**9))
 
-    def fwd():
-        with torch.no_grad():
-            eager(ids[next(it) % ROTATE])
-
-    def step():
-        i = next(it) % ROTATE
-        eager(ids[i]).backward(grads[i])
+    def update():
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    fwd, step = _rotating_calls(eager, ids, grads, update)
     # The eager forward (no_grad) replays as a graph too; its step cannot be captured (the sparse gradients
     # are coalesced with a host sync), so graph replays of our step have no eager twin to compare with.
     return {

@@ -63,25 +63,11 @@ def kernel_table(prof, steps: int) -> list[tuple[str, str, float, int]]:
     return sorted(rows, key=lambda r: -r[2])
 
 
-def profile_steps(
-    config: str,
-    backend: str,
-    batch: int,
-    precision: str,
-    steps: int,
-    max_rows: int | None,
-    ids: str,
-    dist=parallel.SINGLE,
-    cardinalities: str = "kaggle",
-    optimizer: str = "sgd",
-    sharding: str = "auto",
-) -> profile:
-    """The CUDA activity of `steps` steps, after bench_train's warm-up (JIT, autotuning, graph capture) and
-    the profiler's own (its first steps record with gaps of its start-up, which would count as idle GPU
-    time). Arguments as bench_train.build's."""
-    model, optimizer, step, pool, _ = build(
-        config, backend, batch, max_rows, precision, ids, dist, cardinalities, optimizer, sharding
-    )
+def profile_steps(built: tuple, steps: int) -> profile:
+    """The CUDA activity of `steps` steps of `built` (what bench_train.build returns), after bench_train's
+    warm-up (JIT, autotuning, graph capture) and the profiler's own (its first steps record with gaps of its
+    start-up, which would count as idle GPU time)."""
+    model, optimizer, step, pool, _ = built
     for i in range(2 * POOL):
         step(model, optimizer, pool[i % POOL])
     torch.cuda.synchronize()
@@ -115,9 +101,8 @@ def main(
     if not torch.cuda.is_available():
         raise click.UsageError("profile_step.py needs a CUDA GPU")
     dist, _ = parallel.init_distributed("cuda", 600.0)  # one process without torchrun
-    prof = profile_steps(
-        config, backend, batch, precision, steps, max_rows, ids, dist, cardinalities, optimizer, sharding
-    )
+    built = build(config, backend, batch, max_rows, precision, ids, dist, cardinalities, optimizer, sharding)
+    prof = profile_steps(built, steps)
     rows = kernel_table(prof, steps)
     total = sum(r[2] for r in rows)
     info = provenance(torch.cuda.get_device_name())

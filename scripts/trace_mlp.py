@@ -15,17 +15,17 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dlrm.choices import MLP_KERNELS
-from dlrm.config import load_config
+from dlrm.config import ModelConfig, load_config
 from dlrm.data.schema import NUM_DENSE
 from dlrm.model.dlrm import DenseArch
 
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 
 
-def kernels_of_step(kernel: str, widths: tuple[int, ...], batch: int, trace: Path | None) -> list[str]:
-    """CUDA kernel names of one forward + backward of DenseArch(widths) using MLP kernel `kernel`."""
+def kernels_of_step(kernel: str, cfg: ModelConfig, batch: int, trace: Path | None) -> list[str]:
+    """CUDA kernel names of one forward + backward of DenseArch(cfg) using MLP kernel `kernel`."""
     torch.manual_seed(0)
-    arch = DenseArch(widths, kernel).cuda()
+    arch = DenseArch(cfg, kernel).cuda()
     x = torch.rand(batch, NUM_DENSE, device="cuda")
     for _ in range(3):  # warm-up: JIT and autotuning stay out of the profile
         arch(x).sum().backward()
@@ -50,9 +50,10 @@ def main(config, batch, trace_dir):
     """Print the GPU kernels of one bottom-MLP training step per MLP kernel choice."""
     if not torch.cuda.is_available():
         raise click.UsageError("trace_mlp.py needs a CUDA GPU")
-    widths = load_config(CONFIG_DIR / f"{config}.json").model.bottom_mlp
+    cfg = load_config(CONFIG_DIR / f"{config}.json").model
+    widths = cfg.bottom_mlp
     for kernel in MLP_KERNELS:
-        names = kernels_of_step(kernel, widths, batch, trace_dir)
+        names = kernels_of_step(kernel, cfg, batch, trace_dir)
         print(f"\n{kernel}: {len(names)} kernels, bottom MLP 13-{'-'.join(map(str, widths))}, B={batch}")
         for name in names:
             print(f"  {name[:110]}")

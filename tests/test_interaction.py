@@ -73,7 +73,7 @@ def test_empty_batch_and_errors():
     )
     with pytest.raises(ValueError, match="disagree on B or D"):
         dot_interaction(torch.randn(2, 4), torch.randn(2, 3, 5))
-    with pytest.raises(ValueError, match="dtypes"):
+    with pytest.raises(ValueError, match="embedded dtype torch.float64 differs from dense"):
         dot_interaction(torch.randn(2, 4), torch.randn(2, 3, 4, dtype=torch.float64))
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import click
 
 from dlrm.choices import BAG_DISTRIBUTIONS
-from dlrm.cli_options import command, path_option
+from dlrm.cli_options import choice_option, command, path_option
 from dlrm.data.bags import parse_sizes
 from dlrm.data.splits import held_out_options
 from dlrm.data.synthetic_output import write_parquet, write_tsv
@@ -51,10 +51,10 @@ from dlrm.errors import cli_errors
     help="Directory to write in the layout of dlrm.data.preprocess (train/, val/, test/, metadata.json).",
 )
 @held_out_options("With --output-dir")
-@click.option(
+@choice_option(
     "--cardinalities",
     "preset",
-    type=click.Choice(sorted(CARDINALITY_PRESETS)),
+    choices=sorted(CARDINALITY_PRESETS),
     default="kaggle",
     help="Distinct ids per column C1..C26: Criteo Kaggle train set, or Criteo 1TB days 0-23.",
 )
@@ -85,9 +85,9 @@ from dlrm.errors import cli_errors
     help="With --output-dir: bags of ids per feature, sizes 'mlperf' or 26 comma-separated ints, and a "
     "planted model over the bags (dlrm.data.synthetic_rows).",
 )
-@click.option(
+@choice_option(
     "--multi-hot-distribution",
-    type=click.Choice(BAG_DISTRIBUTIONS),
+    choices=BAG_DISTRIBUTIONS,
     default="pareto",
     help="Law of the bags' drawn ids (dlrm.data.bags).",
 )

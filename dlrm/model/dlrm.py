@@ -33,20 +33,29 @@ from dlrm.model.side_stream import SideStream
 from dlrm.model.sparse import SparseArch
 
 
+def _model_mlp(
+    in_features: int,
+    widths: tuple[int, ...],
+    last_activation: str,
+    block_last: bool,
+    cfg: ModelConfig,
+    kernel: str,
+) -> MLP:
+    """An MLP of the model: ReLU between layers, the block, gate and LoRA adapters of `cfg`."""
+    return MLP(
+        in_features, widths, "relu", last_activation, kernel, cfg.mlp_block, cfg.gate, block_last,
+        cfg.lora.rank, cfg.lora.alpha,
+    )  # fmt: skip
+
+
 class DenseArch(nn.Module):
     """Bottom MLP over the dense features, ReLU after every layer (or every layer a `block`, see
-    dlrm.model.mlp): [B, N_dense] f32 -> [B, D]."""
+    dlrm.model.mlp): [B, N_dense] f32 -> [B, D]. Its widths, block, gate and LoRA adapters are `cfg`'s
+    (bottom_mlp, mlp_block, gate, lora); `mlp_kernel` as DLRM's."""
 
-    def __init__(
-        self,
-        widths: tuple[int, ...],
-        mlp_kernel: str = "torch",
-        block: str = "linear_act",
-        gate: str = "sigmoid_tanh",
-        lora: tuple[int, float | None] = (0, None),
-    ):
+    def __init__(self, cfg: ModelConfig, mlp_kernel: str = "torch"):
         super().__init__()
-        self.mlp = MLP(NUM_DENSE, widths, "relu", "relu", mlp_kernel, block, gate, True, *lora)
+        self.mlp = _model_mlp(NUM_DENSE, cfg.bottom_mlp, "relu", True, cfg, mlp_kernel)
 
     def forward(self, dense: torch.Tensor) -> torch.Tensor:
         return self.mlp(dense)
@@ -156,19 +165,12 @@ class InteractionArch(nn.Module):
 
 class OverArch(nn.Module):
     """Top MLP, ReLU between layers (or every layer but the last a `block`, see dlrm.model.mlp) and a plain
-    Linear last (the logit layer): [B, interaction width] -> logit [B]."""
+    Linear last (the logit layer): [B, in_features] -> logit [B]. Its widths, block, gate and LoRA adapters
+    are `cfg`'s (top_mlp, mlp_block, gate, lora); `mlp_kernel` as DLRM's."""
 
-    def __init__(
-        self,
-        in_features: int,
-        widths: tuple[int, ...],
-        mlp_kernel: str = "torch",
-        block: str = "linear_act",
-        gate: str = "sigmoid_tanh",
-        lora: tuple[int, float | None] = (0, None),
-    ):
+    def __init__(self, in_features: int, cfg: ModelConfig, mlp_kernel: str = "torch"):
         super().__init__()
-        self.mlp = MLP(in_features, widths, "relu", "identity", mlp_kernel, block, gate, False, *lora)
+        self.mlp = _model_mlp(in_features, cfg.top_mlp, "identity", False, cfg, mlp_kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(x).squeeze(1)
@@ -208,8 +210,7 @@ class DLRM(nn.Module):
     ):
         super().__init__()
         self.side_stream = SideStream(overlap_sparse)
-        lora = (cfg.lora.rank, cfg.lora.alpha)
-        self.dense_arch = DenseArch(cfg.bottom_mlp, mlp_kernel, cfg.mlp_block, cfg.gate, lora)
+        self.dense_arch = DenseArch(cfg, mlp_kernel)
         if sparse_arch is None:
             sparse_arch = SparseArch(
                 cfg.embedding_dim,
@@ -224,9 +225,7 @@ class DLRM(nn.Module):
         self.interaction_arch = InteractionArch(
             cfg.embedding_dim, cfg.interaction, kernel=sparse_kernel, attention=cfg.attention, dcn=cfg.dcn
         )
-        self.over_arch = OverArch(
-            self.interaction_arch.out_features, cfg.top_mlp, mlp_kernel, cfg.mlp_block, cfg.gate, lora
-        )
+        self.over_arch = OverArch(self.interaction_arch.out_features, cfg, mlp_kernel)
         self.first_order = None
         if cfg.first_order:
             hashing = "modulus" if self.sparse_arch.hashing == "modulus" else "index"

@@ -6,7 +6,7 @@ from torch import Tensor
 
 from kernels.launch import DTYPES
 
-__all__ = ["check_like", "check_linear"]
+__all__ = ["check_dtypes", "check_like", "check_linear"]
 
 
 def check_linear(op: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
@@ -29,22 +29,31 @@ def check_linear(op: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Non
         raise ValueError(
             f"{op}: need K >= 1 and N >= 1, got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
         )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(
+            f"{op}: bias must have shape [N] = [{weight.shape[0]}] for weight of shape "
+            f"{tuple(weight.shape)}, got {tuple(bias.shape)}"
+        )
+    check_dtypes(op, x=x, weight=weight, bias=bias)
+
+
+def check_dtypes(op: str, **tensors: Tensor | None) -> None:
+    """Check that the first of `tensors` has a dtype of ``DTYPES`` and every other one (None: skipped) its
+    dtype and device; the keywords are the tensors' names in the messages. Works on fake tensors too.
+
+    Raises:
+        ValueError: naming `op`, the tensor and its dtype or device.
+    """
+    (first, x), *others = tensors.items()
     if x.dtype not in DTYPES:
-        raise ValueError(f"{op}: x dtype must be one of {DTYPES}, got {x.dtype}")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"{op}: weight dtype {weight.dtype} differs from x dtype {x.dtype}")
-    if weight.device != x.device:
-        raise ValueError(f"{op}: weight is on {weight.device} but x is on {x.device}")
-    if bias is not None:
-        if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
-            raise ValueError(
-                f"{op}: bias must have shape [N] = [{weight.shape[0]}] for weight of shape "
-                f"{tuple(weight.shape)}, got {tuple(bias.shape)}"
-            )
-        if bias.dtype != x.dtype:
-            raise ValueError(f"{op}: bias dtype {bias.dtype} differs from x dtype {x.dtype}")
-        if bias.device != x.device:
-            raise ValueError(f"{op}: bias is on {bias.device} but x is on {x.device}")
+        raise ValueError(f"{op}: {first} dtype must be one of {DTYPES}, got {x.dtype}")
+    for name, t in others:
+        if t is None:
+            continue
+        if t.dtype != x.dtype:
+            raise ValueError(f"{op}: {name} dtype {t.dtype} differs from {first} dtype {x.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {first} is on {x.device}")
 
 
 def check_like(op: str, name: str, t: Tensor | None, shape: tuple[int, ...], x: Tensor) -> None:

@@ -120,7 +120,8 @@ def _act_dw_kernel(
         tl.store(db_part_ptr + pid_s.to(tl.int64) * stride_dbs + cols, db_acc, mask=mask_n & (pid_k == 0))
 
 
-_act_dw_kernel = autotuned(_act_dw_kernel, ("BLOCK_N", "BLOCK_K", "BLOCK_M"), ("N", "K"), "x_ptr", {})
+# The dW tile is [N, K] over an M reduction.
+_act_dw_kernel = autotuned(_act_dw_kernel, "x_ptr", names=("BLOCK_N", "BLOCK_K", "BLOCK_M"), dims=("N", "K"))
 
 
 # Split-M for dW: aim for about two waves of programs on an H100/H200 (132 SMs), but give each split at

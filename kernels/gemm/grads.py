@@ -12,11 +12,11 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import launch
-from kernels.activations import act_bwd, act_bwd_ref
+from kernels.activations import act_bwd
 from kernels.gemm.layout import aligned_width, leading_columns, new_padded, rows_contiguous
 from kernels.gemm.partials import row_programs, sum_partials
 
-__all__ = ["act_dz", "act_grads", "act_grads_ref", "gemm_grads", "grad_input"]
+__all__ = ["act_dz", "act_grads", "gemm_grads", "grad_input"]
 
 
 # M (the batch) changes between calls: do not specialize on it (a new batch size reuses the compiled kernel).
@@ -154,23 +154,4 @@ def act_grads(
         return (new_padded(m, k, x) if needs_dx else None), x.new_zeros(n, k), db
     dz, db = act_dz(dy, saved, activation, has_bias, x.dtype)
     dx, dw = gemm_grads(dz, x, weight, needs_dx)
-    return dx, dw, db
-
-
-def act_grads_ref(
-    dy: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    saved: Tensor | None,
-    activation: str,
-    has_bias: bool,
-    needs_dx: bool,
-) -> tuple[Tensor | None, Tensor, Tensor | None]:
-    """``act_grads`` in plain PyTorch (fp32 math; dx in rows as the GEMM gives them, not padded): the CPU
-    fallback of the ops' backward. Analytic, not torch.autograd.grad: autograd does not record inside a
-    custom op's implementation."""
-    dz = act_bwd_ref(dy, saved, activation)
-    dx = (dz @ weight.float()).to(x.dtype) if needs_dx else None
-    dw = (dz.t() @ x.float()).to(x.dtype)
-    db = dz.sum(dim=0).to(x.dtype) if has_bias else None
     return dx, dw, db

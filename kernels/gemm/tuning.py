@@ -156,27 +156,29 @@ class TunedKernel:
 
 def autotuned(
     kernel,
-    names: tuple[str, str, str],
-    dims: tuple[str, str],
     operand: str,
-    extra: dict,
+    extra: dict | None = None,
     descriptors: dict[str, tuple[str, str]] | None = None,
+    names: tuple[str, str, str] = ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
+    dims: tuple[str, str] = ("M_BUCKET", "N"),
 ):
     """``triton.autotune`` of `kernel` over the Hopper configs, as a ``TunedKernel``; one fixed config in
     the interpreter (no benchmarking).
 
     Args:
         kernel: a ``@triton.jit`` GEMM kernel taking ``M_BUCKET``, ``N`` and ``K``.
-        names: its tile constexprs (rows, cols, reduction chunk), e.g. ("BLOCK_M", "BLOCK_N", "BLOCK_K").
-        dims: the size arguments that bound the tile rows and cols, for pruning, e.g. ("M_BUCKET", "N").
         operand: the tensor argument of the operands' dtype, whose element size picks the reduction chunk
             and whose dtype is part of the key, e.g. "x_ptr".
-        extra: further constexprs every config sets, e.g. {"GROUP": 8}.
+        extra: further constexprs every config sets, e.g. {"GROUP": 8}; None: none.
         descriptors: the TMA descriptor arguments (``kernels.gemm.layout.tma_descriptor``) and the tile
-            dims of their block shapes, e.g. {"x_desc": ("BLOCK_M", "BLOCK_K")}.
+            dims of their block shapes, e.g. {"x_desc": ("BLOCK_M", "BLOCK_K")}; None: none.
+        names: its tile constexprs (rows, cols, reduction chunk); by default those of an [M, N] output
+            tile over a K reduction.
+        dims: the size arguments that bound the tile rows and cols, for pruning; by default the M bucket
+            and N.
     """
     descriptors = descriptors or {}
-    configs = _configs(names, extra, descriptors)
+    configs = _configs(names, extra or {}, descriptors)
     if INTERPRETED:
         return TunedKernel(triton.autotune(configs=configs, key=_KEY)(kernel), operand, descriptors)
     autotuner = triton.autotune(
