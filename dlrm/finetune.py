@@ -29,8 +29,8 @@ from dlrm.cli_options import command, path_option, set_option
 from dlrm.config import LoraConfig, RunConfig, apply_overrides, from_dict, load_config, replace
 from dlrm.errors import cli_errors
 from dlrm.model import model_from_checkpoint
+from dlrm.optim import RunOptimizer
 from dlrm.run.loop import train
-from dlrm.step import make_optimizer
 
 
 def finetune_config(
@@ -88,10 +88,12 @@ def merge_checkpoint(checkpoint: Path, output: Path) -> dict:
             i += 1
     plain = replace(cfg, "model", lora=LoraConfig())
     model = model_from_checkpoint(plain.model, state["table_rows"], merged)
-    optimizer = make_optimizer(model, plain)  # fresh: the base weights had no optimizer state of their own
+    # A fresh dense optimizer state: the merged weights had none of their own. The tables' fused update
+    # states stay those of `checkpoint`.
+    dense = RunOptimizer(model, plain.train).dense
     written = {k: v for k, v in state.items() if k not in ("model", "config", "optimizer", "loader")}
     written.update(
-        model=model.state_dict(), config=plain.to_dict(), optimizer=optimizer.state_dict(), loader=None
+        model=model.state_dict(), config=plain.to_dict(), optimizer=dense.state_dict(), loader=None
     )
     save_checkpoint(output, **written)
     return written

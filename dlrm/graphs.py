@@ -13,9 +13,9 @@ lr scale a device tensor); it does not hold for the eager embeddings (sparse gra
 host sync), so the config requires `use_triton`.
 
 Every number that changes during a run lives in a device tensor that the captured kernels read, never in a
-kernel argument: the learning rates (the embedding kernel's `sparse_arch.lr`, the dense optimizer's
-`lr_scale`), which train.lr_schedule writes in place (`fill_`) between steps on the current stream, before
-the replay that uses them (dlrm.lr_schedule).
+kernel argument: the learning rates (dlrm.optim.RunOptimizer's `embedding_lr`, which the embedding kernels
+read, and `lr_scale`, which the dense update reads), which train.lr_schedule writes in place (`fill_`)
+between steps on the current stream, before the replay that uses them (dlrm.lr_schedule).
 
 The capture follows PyTorch's whole-network recipe (torch.cuda.graphs docs): a few warm-up steps on a
 side stream (autotuning, lazy initialization, optimizer state), gradients set to None, then capture. The
@@ -36,6 +36,7 @@ from torch import Tensor
 
 from dlrm.data.dataset import Batch
 from dlrm.model import DLRM
+from dlrm.optim import RunOptimizer
 from dlrm.profiling import graph_replay_range
 
 WARMUP_STEPS = 3
@@ -66,7 +67,7 @@ class GraphedTrainStep:
 
     Args:
         model: the DLRM on a CUDA device (its embeddings updated in backward: sparse_kernel "triton").
-        optimizer: the dense parameters' dlrm.optim.SGD or Adagrad.
+        optimizer: the run's dlrm.optim.RunOptimizer.
         step_fn: the step to capture, `step_fn(model, optimizer, batch) -> loss` (dlrm.step.train_step).
         warmup: steps run uncaptured (on a side stream) before the first capture.
     Calling it as `step(model, optimizer, batch)` runs one training step and returns the loss, a 0-d device
@@ -74,7 +75,7 @@ class GraphedTrainStep:
     `capture_s`: the wall time of all captures; `graph`: the first captured graph (None before).
     """
 
-    def __init__(self, model: DLRM, optimizer: torch.optim.Optimizer, step_fn, warmup: int = WARMUP_STEPS):
+    def __init__(self, model: DLRM, optimizer: RunOptimizer, step_fn, warmup: int = WARMUP_STEPS):
         self.model, self.optimizer, self.step_fn, self.warmup = model, optimizer, step_fn, warmup
         self.captured: dict[int, _Captured] = {}  # by batch size
         self.warmed: set[int] = set()  # batch sizes that ran uncaptured: their kernels are compiled
@@ -85,7 +86,7 @@ class GraphedTrainStep:
     def graph(self) -> torch.cuda.CUDAGraph | None:
         return next(iter(self.captured.values())).graph if self.captured else None
 
-    def __call__(self, model: DLRM, optimizer: torch.optim.Optimizer, batch: Batch) -> Tensor:
+    def __call__(self, model: DLRM, optimizer: RunOptimizer, batch: Batch) -> Tensor:
         """One training step on `batch` (the signature of train_step; model and optimizer must be the
         captured ones)."""
         if model is not self.model or optimizer is not self.optimizer:

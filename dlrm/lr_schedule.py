@@ -17,16 +17,14 @@ three details of it are not copied: between the warm-up and the decay it keeps t
 floors a decayed lr at 1e-7.
 
 The factor is a function of the step count alone, which checkpoints hold, so `--resume` goes on with the
-exact rates. `LearningRates.set` writes base * factor where the step reads it: device tensors written in
-place (`fill_`, a kernel on the current stream, ordered before the step or graph replay that follows) for
-the dense optimizer (`dlrm.optim`'s SGD or Adagrad, `lr_scale`) and the "triton" tables' fused update
-(each table set's `lr`).
+exact rates. `LearningRates.set` hands it to the run's optimizer (dlrm.optim.RunOptimizer.set_scale), which
+writes it where the step reads it: device tensors written in place (`fill_`, a kernel on the current stream,
+ordered before the step or graph replay that follows) that the dense update and the "triton" tables' fused
+update read.
 """
 
-import torch
-
-from dlrm.config import LrScheduleConfig, TrainConfig
-from dlrm.optim import ScaledLrOptimizer
+from dlrm.config import LrScheduleConfig
+from dlrm.optim import RunOptimizer
 
 
 def lr_factor(schedule: LrScheduleConfig, step: int) -> float:
@@ -43,37 +41,31 @@ def lr_factor(schedule: LrScheduleConfig, step: int) -> float:
 
 
 class LearningRates:
-    """The run's learning rates, set from the step count before each step.
+    """The schedule `train.lr_schedule` driving the run's optimizer, set from the step count before each
+    step.
 
     Args:
-        train: the run's train config: `lr_schedule`, `lr` (the dense parameters) and `embedding_lr` (the
-            tables; null means `lr`).
-        optimizer: the dense optimizer from dlrm.step.make_optimizer, as built (its groups' "lr" are the base
-            rates): dlrm.optim's SGD or Adagrad.
-        tables: the model's table sets (`model.table_archs()`: the embeddings, the first-order tables); with
-            kernel "triton" each one's `lr` tensor is its fused update's rate.
-    `set(step)` writes only when the factor changes: never for the default constant schedule.
+        schedule: the run's `train.lr_schedule`.
+        optimizer: the run's RunOptimizer, whose base rates (`train.lr`, `train.embedding_lr`) the factor
+            scales.
+    `set(step)` writes the device tensors only when the factor changes: never for the default constant
+    schedule.
     """
 
-    def __init__(self, train: TrainConfig, optimizer: ScaledLrOptimizer, tables: list[torch.nn.Module]):
-        self.schedule, self.optimizer = train.lr_schedule, optimizer
-        self.fused_tables = [arch for arch in tables if arch.kernel == "triton"]
-        self.base_lr = train.lr
-        self.base_embedding_lr = train.embedding_lr or train.lr
-        self.factor = 1.0  # what make_optimizer set up
+    def __init__(self, schedule: LrScheduleConfig, optimizer: RunOptimizer):
+        self.schedule, self.optimizer = schedule, optimizer
+
+    @property
+    def factor(self) -> float:
+        """The factor the optimizer's rates hold now."""
+        return self.optimizer.scale
 
     @property
     def lr(self) -> float:
         """The dense parameters' learning rate now (train/lr in TensorBoard), known on the host."""
-        return self.base_lr * self.factor
+        return self.optimizer.lr
 
     def set(self, step: int) -> None:
         """Set the rates of optimizer step `step` (1-based), before it runs: no host sync (module
         docstring). Raises ValueError for step < 1."""
-        factor = lr_factor(self.schedule, step)
-        if factor == self.factor:
-            return
-        self.factor = factor
-        self.optimizer.lr_scale.fill_(factor)
-        for arch in self.fused_tables:
-            arch.lr.fill_(self.base_embedding_lr * factor)
+        self.optimizer.set_scale(lr_factor(self.schedule, step))

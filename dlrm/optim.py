@@ -1,5 +1,7 @@
-"""The dense parameters' optimizers, SGD and Adagrad, whose learning rate is scaled by a device tensor read at
-each step, so that a step captured once in a CUDA graph follows the lr schedule and never waits for the host.
+"""The run's optimizer (`RunOptimizer`: the dense parameters' update, the "triton" tables' fused update and
+the learning rates) and the dense parameters' updates it runs, SGD and Adagrad, whose learning rate is scaled
+by a device tensor read at each step, so that a step captured once in a CUDA graph follows the lr schedule
+and never waits for the host.
 
     SGD:      p <- p - lr * scale * g                          (torch.optim.SGD, momentum 0, dampening 0)
     Adagrad:  s <- s + g * g;  p <- p - lr * scale * g / (sqrt(s) + eps)
@@ -15,9 +17,10 @@ kernels/embedding.py fuses into the "triton" tables' backward for train.optimize
 
 `lr` and `weight_decay` are each param group's numbers, as in torch.optim.SGD (the config's values:
 checkpoints save them and `--resume` compares them with the config's); `scale` is the optimizer's
-`lr_scale`, a 0-d fp32 tensor on the parameters' device that the learning-rate schedule writes in place
-between steps (dlrm.lr_schedule). The step reads it on the device, so a step captured once in a CUDA graph
-(dlrm.graphs) applies the scale of each replay, and no step waits for the host.
+`lr_scale`, a 0-d fp32 tensor on the parameters' device that `RunOptimizer.set_scale` writes in place
+between steps (driven by the learning-rate schedule, dlrm.lr_schedule). The step reads it on the device,
+so a step captured once in a CUDA graph (dlrm.graphs) applies the scale of each replay, and no step waits
+for the host.
 
 Why not torch.optim.Adagrad: its step count lives on the host (or as a tensor read with `.item()`), which a
 graph capture cannot hold; with lr_decay 0 the count changes nothing, so this Adagrad keeps none.
@@ -34,6 +37,8 @@ stays a Python number.
 """
 
 import torch
+
+from dlrm.config import TrainConfig
 
 
 class ScaledLrOptimizer(torch.optim.Optimizer):
@@ -100,7 +105,7 @@ class SGD(ScaledLrOptimizer):
         params: parameters or param groups (dicts with "params" and optionally "lr", "weight_decay").
         lr: learning rate of groups that do not set one (> 0).
         weight_decay: L2 penalty of groups that do not set one (>= 0), added to the gradient as in
-            torch.optim.SGD; not applied to sparse gradients (dlrm.step.make_optimizer gives the eager
+            torch.optim.SGD; not applied to sparse gradients (dlrm.optim.RunOptimizer gives the eager
             embedding tables, the only sparse ones, weight decay 0).
 
     Raises:
@@ -193,3 +198,118 @@ class Adagrad(ScaledLrOptimizer):
         state_sum.index_add_(0, rows, grad.pow(2).mean(dim=1))
         std = state_sum.index_select(0, rows).sqrt_().add_(group["eps"])
         p.index_add_(0, rows, grad / std[:, None] * self.lr_scale, alpha=-group["lr"])
+
+
+# The checkpoint keys of the table sets' fused update states, in `model.table_archs()` order: the embedding
+# tables (a logistic model's first-order tables), then a DLRM's first-order tables.
+TABLE_STATE_KEYS = ("embedding_optimizer_state", "first_order_optimizer_state")
+
+
+class RunOptimizer:
+    """The run's one optimizer: it updates the dense parameters, configures the "triton" table sets' fused
+    update, and owns the learning rates both read on the device.
+
+    - `dense`: SGD or Adagrad (this module) of the dense parameters (`model.dense_parameters()`: the MLPs,
+      weight decay) in group 0, then the tables a torch optimizer updates (`model.embedding_parameters()`:
+      kernel "torch", or a sharded model's replicated tables; `embedding_lr`, no weight decay: decaying
+      every row each step would make the update dense) in group 1; "rowwise_adagrad" makes that group
+      row-wise (one accumulator per row; the MLPs keep the elementwise update).
+    - The "triton" table sets (`model.table_archs()` of kernel "triton", the first-order tables among them)
+      update their touched rows in their own backward (kernels/embedding_update.py): configured here with
+      the train config's optimizer and `adagrad_eps`; their state lives in each set's `optimizer_state`
+      buffer, which the kernel updates in place and `state_dict()` holds for checkpoints.
+    - The learning rates, two 0-d fp32 device tensors written in place by `set_scale` (a captured step
+      holds them: never rebind them): `lr_scale`, the factor on every dense group's base `lr` (the dense
+      update multiplies by it), and `embedding_lr`, the fused update's rate (embedding_lr times the
+      factor), one tensor that every "triton" table set reads.
+
+    The groups' "lr" and "weight_decay" stay the config's base values: checkpoints save them and `--resume`
+    compares them with the config's; the factor is set from the step count, which checkpoints hold.
+
+    Args:
+        model: a DLRM or logistic model (or its sharded twin) on its device, as it will train.
+        train: the run's train config: `optimizer`, `lr`, `embedding_lr` (null means `lr`), `weight_decay`,
+            `adagrad_eps`.
+    Raises:
+        ValueError: as SGD and Adagrad (bad rates, parameters on more than one device).
+    """
+
+    def __init__(self, model, train: TrainConfig):
+        self.base_lr = train.lr
+        self.base_embedding_lr = train.embedding_lr or train.lr
+        groups = [{"params": model.dense_parameters(), "lr": train.lr, "weight_decay": train.weight_decay}]
+        if tables := model.embedding_parameters():
+            group = {"params": tables, "lr": self.base_embedding_lr, "weight_decay": 0.0}
+            groups.append({**group, "rowwise": True} if train.optimizer == "rowwise_adagrad" else group)
+        if train.optimizer == "sgd":
+            self.dense: ScaledLrOptimizer = SGD(groups, lr=train.lr)
+        else:
+            self.dense = Adagrad(groups, lr=train.lr, eps=train.adagrad_eps)
+        self.lr_scale = self.dense.lr_scale
+        self.scale = 1.0  # the factor the tensors hold
+        self.table_sets = model.table_archs()
+        self.fused_tables = [arch for arch in self.table_sets if arch.kernel == "triton"]
+        device = self.fused_tables[0].weights.device if self.fused_tables else self.lr_scale.device
+        self.embedding_lr = torch.full((), self.base_embedding_lr, dtype=torch.float32, device=device)
+        for arch in self.fused_tables:
+            arch.configure_optimizer(train.optimizer, self.embedding_lr, train.adagrad_eps)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The dense optimizer's param groups (torch.optim's)."""
+        return self.dense.param_groups
+
+    @property
+    def state(self) -> dict:
+        """The dense optimizer's state per parameter (Adagrad: {"sum": tensor}; SGD: none)."""
+        return self.dense.state
+
+    @property
+    def lr(self) -> float:
+        """The dense parameters' learning rate now (base lr times the factor), known on the host."""
+        return self.base_lr * self.scale
+
+    def set_scale(self, factor: float) -> None:
+        """Scale every base learning rate by `factor` from the next step on: writes `lr_scale` and
+        `embedding_lr` in place (a kernel on the current stream each, ordered before the step or graph
+        replay that follows; no host sync), and only when the factor changes."""
+        if factor == self.scale:
+            return
+        self.scale = factor
+        self.lr_scale.fill_(factor)
+        self.embedding_lr.fill_(self.base_embedding_lr * factor)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The dense optimizer's zero_grad (the fused tables produce no weight gradient)."""
+        self.dense.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        """The dense optimizer's step; the fused tables were updated in backward already."""
+        self.dense.step()
+
+    def state_dict(self) -> dict[str, dict | torch.Tensor | None]:
+        """The optimizer's entries of a checkpoint (dlrm.checkpoint), by key: "optimizer", the dense
+        optimizer's state_dict (torch.optim's format); then, in `TABLE_STATE_KEYS` order, each table set's
+        fused update state (its `optimizer_state`: Adagrad's accumulators [rows, D], row-wise Adagrad's
+        [rows], empty for SGD; fp32), None for kernel "torch" (its state is in the dense optimizer's).
+        The tensors are the live ones, not copies."""
+        tables = {
+            key: arch.optimizer_state if arch.kernel == "triton" else None
+            for key, arch in zip(TABLE_STATE_KEYS, self.table_sets, strict=False)
+        }
+        return {"optimizer": self.dense.state_dict(), **tables}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a checkpoint's entries (`state_dict()`'s keys; other keys are ignored): "optimizer" into the
+        dense optimizer unless it is None (a sharded checkpoint read whole, whose dense state loads by
+        parameter name: dlrm.parallel.checkpoint.load_optimizer_by_name), and each "triton" table set's
+        state, copied in place, where the checkpoint has one (kernel "torch" checkpoints have None).
+
+        Raises:
+            ValueError: a dense state_dict of other parameter groups (torch.optim's check).
+        """
+        if state_dict.get("optimizer") is not None:
+            self.dense.load_state_dict(state_dict["optimizer"])
+        for key, arch in zip(TABLE_STATE_KEYS, self.table_sets, strict=False):
+            if arch.kernel == "triton" and state_dict.get(key) is not None:
+                arch.optimizer_state.copy_(state_dict[key])

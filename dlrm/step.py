@@ -1,8 +1,8 @@
-"""The training step and what it is built from: optimizer, compiled dense part, and the step itself
+"""The training step and what it is built from: compiled dense part, non-finite guard, and the step itself
 (`train_step`), plain or captured as a whole-step CUDA graph (`build_step`).
 
     model = build_model(...).to(device)
-    optimizer = make_optimizer(model, cfg)
+    optimizer = RunOptimizer(model, cfg.train)            # dlrm.optim: dense, tables and learning rates
     step = build_step(model, optimizer, cfg, device)     # train_step, or its CUDA-graph replay
     loss = step(model, optimizer, batch)                 # 0-d device tensor, no host sync
 
@@ -22,9 +22,9 @@ from dlrm.config import RunConfig, replace
 from dlrm.data.dataset import Batch
 from dlrm.graphs import GraphedTrainStep
 from dlrm.model import DLRM, Model
-from dlrm.optim import SGD, Adagrad
+from dlrm.optim import RunOptimizer
 
-StepFn = Callable[[Model, torch.optim.Optimizer, Batch], torch.Tensor]
+StepFn = Callable[[Model, RunOptimizer, Batch], torch.Tensor]
 
 
 def resolve_cuda_graphs(cfg: RunConfig, device: torch.device) -> RunConfig:
@@ -44,29 +44,6 @@ def resolve_cuda_graphs(cfg: RunConfig, device: torch.device) -> RunConfig:
     except ValueError as why:  # the config's reason, naming the key
         logger.info("--use-triton without the whole-step CUDA graph: {}", why)
         return replace(cfg, "train", cuda_graphs=False)
-
-
-def make_optimizer(model: Model, cfg: RunConfig) -> torch.optim.Optimizer:
-    """dlrm.optim.SGD or dlrm.optim.Adagrad (torch.optim's updates with the lr scaled by a device tensor, so
-    a schedule reaches a CUDA-graphed step), with two parameter groups: the MLPs (weight decay)
-    and the embedding tables, the first-order tables among them (sparse gradients, `embedding_lr`, no weight
-    decay: decaying every row each step would make the update dense). "rowwise_adagrad" is Adagrad whose
-    table group is row-wise (one accumulator per row; the MLPs keep the elementwise update). With the
-    "triton" sparse kernel the tables are not in the optimizer: the same update (lr `embedding_lr`, held in
-    each table set's device tensor `lr`, `adagrad_eps`) is fused into the embedding kernel's backward; only
-    a sharded model's replicated tables (dense gradients, all-reduced) are, with `embedding_lr`."""
-    t = cfg.train
-    embedding_lr = t.embedding_lr or t.lr
-    groups = [{"params": model.dense_parameters(), "lr": t.lr, "weight_decay": t.weight_decay}]
-    if model.sparse_arch.kernel == "triton":
-        for tables in model.table_archs():
-            tables.configure_optimizer(t.optimizer, embedding_lr, t.adagrad_eps)
-    if tables := model.embedding_parameters():  # "triton": a sharded model's replicated tables, if any
-        group = {"params": tables, "lr": embedding_lr, "weight_decay": 0.0}
-        groups.append({**group, "rowwise": True} if t.optimizer == "rowwise_adagrad" else group)
-    if t.optimizer == "sgd":
-        return SGD(groups, lr=t.lr)
-    return Adagrad(groups, lr=t.lr, eps=t.adagrad_eps)
 
 
 def compile_dense_part(model: Model, mode: str = "default") -> None:
@@ -112,7 +89,7 @@ class NonFiniteGuard:
     `ok` is the last step's verdict, a 0-d bool device tensor.
     """
 
-    def __init__(self, model: Model, optimizer: torch.optim.Optimizer, device: torch.device):
+    def __init__(self, model: Model, optimizer: RunOptimizer, device: torch.device):
         self.model, self.optimizer = model, optimizer
         self.ok = torch.ones((), dtype=torch.bool, device=device)
         self.restore = any(group.get("weight_decay", 0.0) for group in optimizer.param_groups)
@@ -150,7 +127,7 @@ class NonFiniteGuard:
 
 def train_step(
     model: Model,
-    optimizer: torch.optim.Optimizer,
+    optimizer: RunOptimizer,
     batch: Batch,
     precision: str = "fp32",
     guard: NonFiniteGuard | None = None,
@@ -189,7 +166,7 @@ def train_step(
 
 def build_step(
     model: Model,
-    optimizer: torch.optim.Optimizer,
+    optimizer: RunOptimizer,
     cfg: RunConfig,
     device: torch.device,
     reduce_grads: Callable[[], None] | None = None,

@@ -60,9 +60,10 @@ from dlrm.data.synthetic_rows import CARDINALITY_PRESETS, power_law_ranks
 from dlrm.device import set_precision
 from dlrm.graphs import GraphedTrainStep
 from dlrm.model import DLRM
+from dlrm.optim import RunOptimizer
 from dlrm.parallel.run import gather_floats
 from dlrm.parallel.sharded import build_sharded_model
-from dlrm.step import compile_dense_part, make_optimizer, train_step
+from dlrm.step import compile_dense_part, train_step
 
 RESULTS = Path(__file__).parent / "results" / "train.csv"
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
@@ -156,7 +157,7 @@ def build(
         reduce_grads = parallel.grad_averager(parallel.averaged_parameters(model), dist.world_size)
     else:
         model = DLRM(cfg.model, table_rows=table_rows, **kernels).cuda()
-    optimizer = make_optimizer(model, cfg)
+    optimizer = RunOptimizer(model, cfg.train)
     if cfg.train.use_torch_compile:
         compile_dense_part(model, cfg.train.compile_mode)
     step = functools.partial(train_step, precision=precision, reduce_grads=reduce_grads)

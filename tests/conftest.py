@@ -56,12 +56,12 @@ def initial_weights(monkeypatch) -> list[dict[str, torch.Tensor]]:
     start: fp32 CPU copies of the floating-point state_dict entries, keyed as in a checkpoint."""
     from dlrm.run import setup as run_setup
 
-    kept, make_optimizer = [], run_setup.make_optimizer
+    kept, run_optimizer = [], run_setup.RunOptimizer
 
-    def keep(model, cfg):
+    def keep(model, train):
         state = model.state_dict()
         kept.append({k: v.detach().float().cpu().clone() for k, v in state.items() if v.is_floating_point()})
-        return make_optimizer(model, cfg)
+        return run_optimizer(model, train)
 
-    monkeypatch.setattr(run_setup, "make_optimizer", keep)
+    monkeypatch.setattr(run_setup, "RunOptimizer", keep)
     return kept

@@ -17,7 +17,7 @@ failed under each mutant. Tests skipped here (the GPU ones without a GPU) are le
 
 Loaded as a pytest plugin (`-p tests.mutants`), it applies the mutant named by the environment variables
 DLRM_MUTANT (frozen_tables | frozen_mlps) and DLRM_MUTANT_SCOPE (all | triton) by monkeypatching
-dlrm.run.setup.make_optimizer and kernels.embedding.embedding_lookup for the whole session; without
+dlrm.run.setup.RunOptimizer and kernels.embedding.embedding_lookup for the whole session; without
 DLRM_MUTANT it does nothing. No source file is changed.
 """
 
@@ -55,18 +55,18 @@ def apply(mutant: str, scope: str) -> None:
     import kernels.embedding
     from dlrm.run import setup as run_setup
 
-    make_optimizer = run_setup.make_optimizer
+    run_optimizer = run_setup.RunOptimizer
 
-    def mutated_optimizer(model, cfg):
-        optimizer = make_optimizer(model, cfg)
-        if scope == "all" or cfg.train.use_triton:
-            # Group 0 holds the dense parameters; group 1, when present, the eager tables (make_optimizer).
+    def mutated_optimizer(model, train):
+        optimizer = run_optimizer(model, train)
+        if scope == "all" or train.use_triton:
+            # Group 0 holds the dense parameters; group 1, when present, the eager tables (RunOptimizer).
             groups = optimizer.param_groups[:1] if mutant == "frozen_mlps" else optimizer.param_groups[1:]
             for group in groups:
                 group["lr"] = 0.0
         return optimizer
 
-    run_setup.make_optimizer = mutated_optimizer
+    run_setup.RunOptimizer = mutated_optimizer
     if mutant == "frozen_tables":  # our kernel's tables run only under --use-triton: in both scopes
         lookup = kernels.embedding.embedding_lookup
 

@@ -30,11 +30,12 @@ from dlrm.config import load_config, replace
 from dlrm.data import preprocess as preprocess_cli
 from dlrm.data import synthetic as synthetic_cli
 from dlrm.errors import OutOfMemory
+from dlrm.optim import RunOptimizer
 from dlrm.out_of_memory import out_of_memory
 from dlrm.run import loop, strategy
 from dlrm.run import setup as run_setup
 from dlrm.signals import StopSignals
-from dlrm.step import NonFiniteGuard, make_optimizer, train_step
+from dlrm.step import NonFiniteGuard, train_step
 from tests.conftest import REPO
 
 TINY = REPO / "configs" / "tiny.json"
@@ -115,7 +116,7 @@ def test_skip_batch_leaves_weights_and_optimizer_state_untouched(sparse_kernel, 
     cfg = replace(cfg, "train", optimizer=optimizer, weight_decay=weight_decay, on_nonfinite="skip_batch")
     torch.manual_seed(0)
     model = DLRM(cfg.model, [50] * 26, sparse_kernel=sparse_kernel, mlp_kernel="torch")
-    opt = make_optimizer(model, cfg)
+    opt = RunOptimizer(model, cfg.train)
     guard = NonFiniteGuard(model, opt, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
 
@@ -162,7 +163,7 @@ def test_skip_batch_under_the_cuda_graph_leaves_the_state_untouched_gpu(weight_d
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = DLRM(cfg.model, [50] * 26, sparse_kernel=cfg.sparse_kernel, mlp_kernel=cfg.mlp_kernel).to(device)
-    opt = make_optimizer(model, cfg)
+    opt = RunOptimizer(model, cfg.train)
     step = build_step(model, opt, cfg, device)
     gen = torch.Generator().manual_seed(1)
 

@@ -14,7 +14,8 @@ from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model import DLRM, model_from_checkpoint
 from dlrm.model.first_order import FirstOrder
 from dlrm.model.tables import build_vocabularies
-from dlrm.step import compile_dense_part, make_optimizer
+from dlrm.optim import RunOptimizer
+from dlrm.step import compile_dense_part
 from tests.conftest import REPO
 
 SMALL = ModelConfig(embedding_dim=4, bottom_mlp=(8, 4), top_mlp=(8, 1), max_rows=50)
@@ -64,12 +65,12 @@ def test_first_order_forward_and_update_equal_the_formula(backend, optimizer):
     dense, sparse, labels = _inputs(g, 67)
 
     cfg = RunConfig(train=TrainConfig(optimizer=optimizer, lr=LR))
-    holder = type("Holder", (), {})()  # what make_optimizer and compile_dense_part read of a model
+    holder = type("Holder", (), {})()  # what RunOptimizer and compile_dense_part read of a model
     holder.dense_parameters = lambda: list(module.dense.parameters())
     holder.embedding_parameters = lambda: [] if backend == "triton" else list(module.tables.parameters())
     holder.table_archs = lambda: [module.tables]
     holder.sparse_arch, holder.dense_modules = module.tables, lambda: [module.dense]
-    opt = make_optimizer(holder, cfg)
+    opt = RunOptimizer(holder, cfg.train)
     if backend == "compile":
         torch._dynamo.reset()  # a fresh compile to count (another test may have compiled the layer's code)
         compile_dense_part(holder)

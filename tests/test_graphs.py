@@ -16,7 +16,8 @@ from dlrm.lr_schedule import LearningRates
 from dlrm.metrics import evaluate, forward_logits
 from dlrm.model import DLRM
 from dlrm.model.tables import build_vocabularies
-from dlrm.step import make_optimizer, resolve_cuda_graphs, train_step
+from dlrm.optim import RunOptimizer
+from dlrm.step import resolve_cuda_graphs, train_step
 
 SMALL = ModelConfig(embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1), max_rows=100)
 
@@ -211,7 +212,7 @@ def test_graphed_steps_match_plain_steps(compiled, algorithm):
         model = DLRM(
             SMALL, table_rows=[37] * NUM_SPARSE, mlp_kernel="linear_act", sparse_kernel="triton"
         ).cuda()
-        optimizer = make_optimizer(model, cfg)
+        optimizer = RunOptimizer(model, cfg.train)
         if compiled:
             compile_dense_part(model)
         step = GraphedTrainStep(model, optimizer, train_step) if graphed else train_step
@@ -266,8 +267,8 @@ def test_graph_replays_follow_the_lr_schedule():
         model = DLRM(
             SMALL, table_rows=[37] * NUM_SPARSE, mlp_kernel="linear_act", sparse_kernel="triton"
         ).cuda()
-        optimizer = make_optimizer(model, cfg)
-        lrs = LearningRates(cfg.train, optimizer, model.table_archs())
+        optimizer = RunOptimizer(model, cfg.train)
+        lrs = LearningRates(cfg.train.lr_schedule, optimizer)
         step = GraphedTrainStep(model, optimizer, train_step) if graphed else train_step
         states = []
         for k, batch in enumerate(batches, start=1):
@@ -290,7 +291,7 @@ def test_graphed_evaluation_matches_launched_evaluation(precision):
     cfg = RunConfig(model=SMALL, train=TrainConfig(use_triton=True, lr=0.1))
     torch.manual_seed(0)
     model = DLRM(SMALL, table_rows=[37] * NUM_SPARSE, mlp_kernel="linear_act", sparse_kernel="triton").cuda()
-    optimizer = make_optimizer(model, cfg)
+    optimizer = RunOptimizer(model, cfg.train)
     train_batches = _cuda_batches(4)
     eval_batches = _cuda_batches(3) + [Batch(*(t[:20] for t in _cuda_batches(1)[0]))]
     graphed = GraphedForward(functools.partial(forward_logits, model, precision))

@@ -17,7 +17,8 @@ from dlrm.data.dataset import Batch
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.lr_schedule import LearningRates, lr_factor
 from dlrm.model import DLRM, make_model
-from dlrm.step import make_optimizer, train_step
+from dlrm.optim import RunOptimizer
+from dlrm.step import train_step
 from kernels import op
 from tests.conftest import REPO
 
@@ -78,8 +79,8 @@ def _model_and_optimizer(optimizer="sgd", sparse_kernel="triton", schedule=MLPER
     torch.manual_seed(0)
     mlp_kernel = "linear_act" if sparse_kernel == "triton" else "torch"
     model = DLRM(SMALL, table_rows=[37] * NUM_SPARSE, mlp_kernel=mlp_kernel, sparse_kernel=sparse_kernel)
-    optimizer = make_optimizer(model, cfg)
-    return model, optimizer, LearningRates(cfg.train, optimizer, model.table_archs())
+    optimizer = RunOptimizer(model, cfg.train)
+    return model, optimizer, LearningRates(cfg.train.lr_schedule, optimizer)
 
 
 @pytest.mark.parametrize("arch", ["dlrm", "logistic"])
@@ -88,8 +89,8 @@ def test_every_fused_table_set_follows_the_schedule(arch):
     model_cfg = dataclasses.replace(SMALL, first_order=True) if arch == "dlrm" else ModelConfig(arch=arch)
     cfg = RunConfig(model=model_cfg, train=TrainConfig(lr=0.1, embedding_lr=0.05, lr_schedule=MLPERF))
     model = make_model(model_cfg, table_rows=[37] * NUM_SPARSE, sparse_kernel="triton")
-    optimizer = make_optimizer(model, cfg)
-    lrs = LearningRates(cfg.train, optimizer, model.table_archs())
+    optimizer = RunOptimizer(model, cfg.train)
+    lrs = LearningRates(cfg.train.lr_schedule, optimizer)
     lrs.set(2)
     assert len(model.table_archs()) == (2 if arch == "dlrm" else 1)
     for tables in model.table_archs():
@@ -145,10 +146,10 @@ def test_set_writes_the_device_tensors_only_when_the_factor_changes():
     assert set(writes) == {"aten.fill_.Scalar"} and len(writes) == 2 * (W + N)
     assert optimizer.param_groups[0]["lr"] == 0.1  # the base rate stays what checkpoints save
     _, _, constant = _model_and_optimizer(schedule=LrScheduleConfig())
-    versions = (constant.optimizer.lr_scale._version, constant.fused_tables[0].lr._version)
+    versions = (constant.optimizer.lr_scale._version, constant.optimizer.embedding_lr._version)
     for k in range(1, 100):
         constant.set(k)
-    assert (constant.optimizer.lr_scale._version, constant.fused_tables[0].lr._version) == versions
+    assert (constant.optimizer.lr_scale._version, constant.optimizer.embedding_lr._version) == versions
 
 
 def test_adagrad_and_eager_tables_get_the_scale_and_keep_base_group_rates():

@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dlrm.data.schema import NUM_SPARSE
-from dlrm.optim import SGD, Adagrad
+from dlrm.optim import SGD, Adagrad, RunOptimizer
 
 
 class AtenOps(TorchDispatchMode):
@@ -197,7 +197,7 @@ def test_rowwise_adagrad_takes_tables_only():
 
 def test_rowwise_adagrad_agrees_with_the_triton_tables():
     """The "triton" tables (kernels/embedding.py's fused update, the interpreter on a CPU) and the "torch"
-    tables with make_optimizer's row-wise group: same start, same ids and upstream gradients, three steps:
+    tables with RunOptimizer's row-wise group: same start, same ids and upstream gradients, three steps:
     the same weights and per-row accumulators, to fp32 summation order."""
     from dlrm.model.dlrm import SparseArch
 
@@ -224,22 +224,21 @@ def test_rowwise_adagrad_agrees_with_the_triton_tables():
 
 
 def test_rowwise_adagrad_reaches_both_table_kernels():
-    """make_optimizer with train.optimizer "rowwise_adagrad": the "triton" tables (the DLRM's and the
+    """RunOptimizer with train.optimizer "rowwise_adagrad": the "triton" tables (the DLRM's and the
     first-order ones) get the kernel's row-wise update with [rows] state; the "torch" tables a row-wise
     group; the MLPs plain Adagrad."""
     from dlrm.config import RunConfig, replace
     from dlrm.model import make_model
-    from dlrm.step import make_optimizer
 
     cfg = replace(replace(RunConfig(), "model", first_order=True), "train", optimizer="rowwise_adagrad")
     rows = [5] * NUM_SPARSE
     triton = make_model(cfg.model, table_rows=rows, sparse_kernel="triton")
-    optimizer = make_optimizer(triton, cfg)
+    optimizer = RunOptimizer(triton, cfg.train)
     for tables in triton.table_archs():
         assert tables.optimizer[0] == "rowwise_adagrad" and tables.optimizer_state.shape == (sum(rows),)
     assert [g["rowwise"] for g in optimizer.param_groups] == [False]
     eager = make_model(cfg.model, table_rows=rows)
-    optimizer = make_optimizer(eager, cfg)
+    optimizer = RunOptimizer(eager, cfg.train)
     assert [g["rowwise"] for g in optimizer.param_groups] == [False, True]
     tables = optimizer.param_groups[1]["params"]
     assert len(tables) == 2 * NUM_SPARSE and all(optimizer.state[p]["sum"].shape == (5,) for p in tables)
@@ -288,13 +287,73 @@ def test_train_adagrad_eps_reaches_both_updates(use_triton):
     from dlrm.config import RunConfig, replace
     from dlrm.data.schema import NUM_SPARSE
     from dlrm.model import DLRM
-    from dlrm.step import make_optimizer
 
     cfg = replace(RunConfig(), "train", optimizer="adagrad", adagrad_eps=1e-8, use_triton=use_triton)
     model = DLRM(cfg.model, table_rows=[5] * NUM_SPARSE, sparse_kernel=cfg.sparse_kernel)
-    optimizer = make_optimizer(model, cfg)
+    optimizer = RunOptimizer(model, cfg.train)
     assert all(group["eps"] == 1e-8 for group in optimizer.param_groups)
     if use_triton:
         assert model.sparse_arch.optimizer == ("adagrad", 1e-8)
     else:
         assert len(optimizer.param_groups) == 2  # the tables' group
+
+
+def _run_optimizer(optimizer: str = "adagrad", kernel: str = "triton", seed: int = 0):
+    """A small DLRM with first-order tables (two table sets) and its RunOptimizer."""
+    from dlrm.config import ModelConfig, TrainConfig
+    from dlrm.model import make_model
+
+    model_cfg = ModelConfig(embedding_dim=4, bottom_mlp=(8, 4), top_mlp=(8, 1), first_order=True)
+    torch.manual_seed(seed)
+    model = make_model(model_cfg, table_rows=[5] * NUM_SPARSE, sparse_kernel=kernel)
+    train = TrainConfig(optimizer=optimizer, lr=0.1, embedding_lr=0.04)
+    return model, RunOptimizer(model, train)
+
+
+def test_run_optimizer_owns_one_embedding_lr_that_set_scale_writes():
+    """Every "triton" table set reads the optimizer's one `embedding_lr` tensor; set_scale writes it and
+    the dense `lr_scale` from the base rates."""
+    model, optimizer = _run_optimizer()
+    assert len(model.table_archs()) == 2
+    assert all(arch.lr is optimizer.embedding_lr for arch in model.table_archs())
+    assert all(arch.optimizer == ("adagrad", 1e-10) for arch in model.table_archs())
+    assert optimizer.embedding_lr.item() == pytest.approx(0.04)
+    optimizer.set_scale(0.25)
+    assert (optimizer.lr_scale.item(), optimizer.embedding_lr.item()) == pytest.approx((0.25, 0.01))
+    assert optimizer.lr == pytest.approx(0.025)
+    assert [group["lr"] for group in optimizer.param_groups] == [0.1]  # base rates, as checkpoints save
+
+
+@pytest.mark.parametrize("kernel", ["triton", "torch"])
+def test_run_optimizer_state_dict_round_trips_dense_and_table_states(kernel):
+    """state_dict holds the dense optimizer's state and each table set's fused state under the checkpoint's
+    keys; load_state_dict into a fresh model's optimizer restores both."""
+    model, optimizer = _run_optimizer(kernel=kernel)
+    g = torch.Generator().manual_seed(3)
+    for state in optimizer.state.values():
+        state["sum"].copy_(torch.rand(state["sum"].shape, generator=g))
+    for arch in optimizer.fused_tables:
+        arch.optimizer_state.copy_(torch.rand(arch.optimizer_state.shape, generator=g))
+    saved = optimizer.state_dict()
+    assert set(saved) == {"optimizer", "embedding_optimizer_state", "first_order_optimizer_state"}
+    if kernel == "torch":
+        assert saved["embedding_optimizer_state"] is None and saved["first_order_optimizer_state"] is None
+    _, fresh = _run_optimizer(kernel=kernel, seed=1)
+    fresh.load_state_dict({key: v.clone() if torch.is_tensor(v) else v for key, v in saved.items()})
+    for ours, theirs in zip(fresh.state.values(), optimizer.state.values(), strict=True):
+        assert torch.equal(ours["sum"], theirs["sum"])
+    for ours, theirs in zip(fresh.fused_tables, optimizer.fused_tables, strict=True):
+        assert ours.optimizer_state.abs().sum() > 0
+        assert torch.equal(ours.optimizer_state, theirs.optimizer_state)
+    assert len(fresh.fused_tables) == (2 if kernel == "triton" else 0)
+
+
+def test_run_optimizer_loads_table_states_without_a_dense_state_dict():
+    """A sharded checkpoint read whole has "optimizer" None (its dense state loads by name): the table
+    states still load, and the dense state is left as it was."""
+    model, optimizer = _run_optimizer()
+    before = [state["sum"].clone() for state in optimizer.state.values()]
+    state = torch.rand(optimizer.fused_tables[0].optimizer_state.shape)
+    optimizer.load_state_dict({"optimizer": None, "embedding_optimizer_state": state})
+    assert torch.equal(model.sparse_arch.optimizer_state, state)
+    assert all(torch.equal(s["sum"], b) for s, b in zip(optimizer.state.values(), before, strict=True))

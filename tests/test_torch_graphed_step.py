@@ -11,7 +11,8 @@ from dlrm.config import load_config, replace
 from dlrm.data.dataset import Batch
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model import DLRM
-from dlrm.step import make_optimizer, train_step
+from dlrm.optim import RunOptimizer
+from dlrm.step import train_step
 
 _PATH = Path(__file__).parents[1] / "scripts" / "torch_graphed_step.py"
 _SPEC = importlib.util.spec_from_file_location("torch_graphed_step", _PATH)
@@ -43,7 +44,7 @@ def test_baseline_step_equals_our_eager_sgd_step(precision):
     cfg = replace(cfg, "train", precision=precision, lr=0.5, embedding_lr=0.3)
     torch.manual_seed(0)
     ours = DLRM(cfg.model, table_rows=TABLE_ROWS)
-    optimizer = make_optimizer(ours, cfg)
+    optimizer = RunOptimizer(ours, cfg.train)
     m = cfg.model
     plain = baseline.PlainDLRM(m.embedding_dim, m.bottom_mlp, m.top_mlp, TABLE_ROWS)
     plain.load_dlrm_state_dict(ours.state_dict())
@@ -72,7 +73,7 @@ def test_a_wrong_learning_rate_is_caught():
     cfg = replace(load_config(Path(__file__).parents[1] / "configs" / "tiny.json"), "train", embedding_lr=0.3)
     torch.manual_seed(0)
     ours = DLRM(cfg.model, table_rows=TABLE_ROWS)
-    optimizer = make_optimizer(ours, cfg)
+    optimizer = RunOptimizer(ours, cfg.train)
     plain = baseline.PlainDLRM(8, cfg.model.bottom_mlp, cfg.model.top_mlp, TABLE_ROWS)
     plain.load_dlrm_state_dict(ours.state_dict())
     step = baseline.TorchGraphedStep(plain, lr=0.3, embedding_lr=0.3, compile=False, cuda_graph=False)

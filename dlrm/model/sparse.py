@@ -98,7 +98,7 @@ class SparseArch(nn.Module):
             offsets = torch.tensor([0, *self.table_rows[:-1]]).cumsum(0)
             self.register_buffer("offsets", offsets, persistent=False)
             self.register_buffer("optimizer_state", torch.zeros(0), persistent=False)
-            # The update's learning rate, a 0-d fp32 tensor the kernel reads (a schedule writes it in place).
+            # The update's learning rate, a 0-d fp32 tensor the kernel reads (configure_optimizer sets it).
             self.register_buffer("lr", torch.zeros(()), persistent=False)
             self.optimizer: tuple[str, float] | None = None  # (optimizer, eps), set by configure_optimizer
             self.register_state_dict_post_hook(_split_tables)
@@ -110,11 +110,12 @@ class SparseArch(nn.Module):
         one_hot = is_one_hot(multi_hot_sizes)
         self.bags = None if one_hot else BagPooling(multi_hot_sizes, pooling, self.table_rows)
 
-    def configure_optimizer(self, optimizer: str, lr: float, eps: float = 1e-10) -> None:
+    def configure_optimizer(self, optimizer: str, lr: float | torch.Tensor, eps: float = 1e-10) -> None:
         """For kernel "triton": the update its backward applies, "sgd" or "adagrad" (torch.optim's
-        semantics) or "rowwise_adagrad"; allocates the optimizer state and `lr` (a 0-d fp32 tensor holding
-        `lr`, which a schedule may overwrite in place) next to the weights (call it after moving the module
-        to its device).
+        semantics) or "rowwise_adagrad"; allocates the optimizer state next to the weights (call it after
+        moving the module to its device). `lr` is the update's rate: a 0-d fp32 tensor on the weights'
+        device, held as given (dlrm.optim.RunOptimizer shares one among the table sets and writes it in
+        place as the schedule goes), or a number, held in a tensor of this module's own.
 
         Raises:
             ValueError: kernel "torch" (its tables take a torch optimizer), or an unknown optimizer.
@@ -126,7 +127,9 @@ class SparseArch(nn.Module):
         from kernels.embedding_update import optimizer_state
 
         self.optimizer_state = optimizer_state(self.weights.detach(), optimizer)
-        self.lr = torch.full((), lr, dtype=torch.float32, device=self.weights.device)
+        if not isinstance(lr, torch.Tensor):
+            lr = torch.full((), lr, dtype=torch.float32, device=self.weights.device)
+        self.lr = lr
         self.optimizer = (optimizer, eps)
 
     def hash_ids(self, sparse: torch.Tensor) -> torch.Tensor:

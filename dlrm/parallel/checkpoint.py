@@ -353,7 +353,7 @@ def _optimizer_sums(checkpoint: dict[str, Any], model) -> dict[str, Tensor]:
     optimizer_state = checkpoint.get("optimizer") or {}
     if optimizer_state.get("state"):
         # A .pt of one process: torch's optimizer state_dict numbers parameters in group order, dense
-        # parameters first (dlrm.step.make_optimizer), then the "torch" kernel's tables, table set after
+        # parameters first (dlrm.optim.RunOptimizer), then the "torch" kernel's tables, table set after
         # table set.
         tables = range(len(checkpoint["table_rows"]))
         order = [*model_dense_names(model)]

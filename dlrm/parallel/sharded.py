@@ -225,7 +225,7 @@ class ShardedSparseArch(nn.Module):
         self.optimizer: tuple[str, float] | None = None  # (optimizer, eps)
         self._order = None
 
-    def configure_optimizer(self, optimizer: str, lr: float, eps: float = 1e-10) -> None:
+    def configure_optimizer(self, optimizer: str, lr: float | Tensor, eps: float = 1e-10) -> None:
         """For kernel "triton": the update its backward applies (see SparseArch.configure_optimizer).
 
         Raises:

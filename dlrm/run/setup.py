@@ -22,11 +22,12 @@ from dlrm.lr_schedule import LearningRates
 from dlrm.metrics import forward_logits
 from dlrm.model import Model
 from dlrm.model.dlrm import log_odds
+from dlrm.optim import RunOptimizer
 from dlrm.progress import TrainProgress
 from dlrm.run.state import Run, RunState
 from dlrm.run.strategy import Strategy, start
 from dlrm.signals import StopSignals
-from dlrm.step import build_step, make_optimizer, resolve_cuda_graphs
+from dlrm.step import build_step, resolve_cuda_graphs
 
 
 def set_up(
@@ -66,8 +67,8 @@ def set_up(
         rate = train_positive_rate(data_dir, metadata, train_set)
         model.start_at_base_rate(rate)
         logger.info("the logit starts at the train click rate {:.4f} (bias {:.4f})", rate, log_odds(rate))
-    optimizer = make_optimizer(model, cfg)
-    lrs = LearningRates(t, optimizer, model.table_archs())  # the base rates: make_optimizer's, the config's
+    optimizer = RunOptimizer(model, t)
+    lrs = LearningRates(t.lr_schedule, optimizer)
     state = RunState()
     checkpoint = load_resumable(resume, cfg, model, optimizer, strategy) if resume is not None else {}
     for key, value in checkpoint.items():
@@ -190,7 +191,7 @@ def load_resumable(
     path: Path,
     cfg: RunConfig,
     model: Model,
-    optimizer: torch.optim.Optimizer,
+    optimizer: RunOptimizer,
     strategy: Strategy,
 ) -> dict:
     """Load checkpoint `path` into `model` and `optimizer`; return it (step, best, loader position, ...).
@@ -211,7 +212,7 @@ def load_resumable(
     # The config's hyperparameters win over the checkpoint's (the optimizer's state restores those too).
     ours = [{k: group[k] for k in ("lr", "weight_decay")} for group in optimizer.param_groups]
     strategy.load_checkpoint(path, state, model, optimizer)
-    # The groups hold base rates (the schedule scales them through the optimizer's lr_scale).
+    # The groups hold base rates (the schedule scales them through the optimizer's device tensors).
     for group, values in zip(optimizer.param_groups, ours, strict=True):
         for key, value in values.items():
             held = group[key]

@@ -16,6 +16,7 @@ from dlrm.data.dataset import BatchLoader
 from dlrm.data.loaders import TrainLoader
 from dlrm.lr_schedule import LearningRates
 from dlrm.model import Model
+from dlrm.optim import RunOptimizer
 from dlrm.parallel import run as ranks
 from dlrm.parallel.evaluation import ShardedEvalSplit
 from dlrm.progress import TrainProgress
@@ -106,7 +107,7 @@ class Run:
     cfg: RunConfig
     device: torch.device
     model: Model
-    optimizer: torch.optim.Optimizer
+    optimizer: RunOptimizer
     step_fn: StepFn
     train_loader: TrainLoader
     val_loader: BatchLoader | ShardedEvalSplit  # many ranks: each scores its part of the split

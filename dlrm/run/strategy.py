@@ -25,6 +25,7 @@ from dlrm.data.resident import ResidentLoader
 from dlrm.metrics import evaluate
 from dlrm.model import DLRM, Model, build_model, model_from_checkpoint
 from dlrm.model.tables import resolve_table_rows
+from dlrm.optim import RunOptimizer
 from dlrm.out_of_memory import check_tables_fit
 from dlrm.parallel import checkpoint as sharded_checkpoint
 from dlrm.parallel import run as ranks
@@ -132,16 +133,11 @@ class SingleProcess:
         """Where checkpoint `name` ("last.pt", "best.pt") of the run goes: a file."""
         return run_dir / "checkpoints" / name
 
-    def save_checkpoint(self, path: Path, model: Model, optimizer: torch.optim.Optimizer, meta: dict) -> None:
-        """Write `path` (dlrm.checkpoint.save_checkpoint): weights, optimizer states (the "triton" tables'
-        beside them, `fused_optimizer_states`) and `meta` (config, table layout, run state, loader)."""
-        save_checkpoint(
-            path,
-            model=model.state_dict(),
-            optimizer=optimizer.state_dict(),
-            **fused_optimizer_states(model),
-            **meta,
-        )
+    def save_checkpoint(self, path: Path, model: Model, optimizer: RunOptimizer, meta: dict) -> None:
+        """Write `path` (dlrm.checkpoint.save_checkpoint): weights, optimizer states (the dense optimizer's
+        and the "triton" tables', `RunOptimizer.state_dict`) and `meta` (config, table layout, run state,
+        loader)."""
+        save_checkpoint(path, model=model.state_dict(), **optimizer.state_dict(), **meta)
 
     def read_checkpoint(self, path: Path) -> dict:
         """Checkpoint `path` (a .pt file, or a sharded directory read whole). Raises ValueError as
@@ -153,22 +149,18 @@ class SingleProcess:
         path: Path,
         checkpoint: dict,
         model: Model,
-        optimizer: torch.optim.Optimizer,
+        optimizer: RunOptimizer,
         with_optimizer: bool = True,
     ) -> None:
         """Load `checkpoint` (`read_checkpoint(path)`) into `model`, and with `with_optimizer` into
-        `optimizer` and the "triton" tables' optimizer state."""
+        `optimizer` (the dense optimizer's and the "triton" tables' states)."""
         model.load_state_dict(checkpoint["model"])
         if not with_optimizer:
             return
         if checkpoint["optimizer"] is None:  # a sharded checkpoint read whole: optimizer state by name
             by_name = checkpoint["optimizer_by_name"]
             sharded_checkpoint.load_optimizer_by_name(model, optimizer, by_name, checkpoint["step"])
-        else:
-            optimizer.load_state_dict(checkpoint["optimizer"])
-        for key, tensor in fused_optimizer_states(model).items():
-            if tensor is not None and checkpoint.get(key) is not None:
-                tensor.copy_(checkpoint[key])
+        optimizer.load_state_dict(checkpoint)
 
     def agree(self, signum: int, timed: bool, at_log_line: bool) -> tuple[int, bool]:
         """(signal received, checkpoint due by time) as the run acts on them after a step."""
@@ -256,7 +248,7 @@ class Sharded:
         """A sharded directory, checkpoints/<name without .pt>/."""
         return run_dir / "checkpoints" / name.removesuffix(".pt")
 
-    def save_checkpoint(self, path: Path, model: Model, optimizer: torch.optim.Optimizer, meta: dict) -> None:
+    def save_checkpoint(self, path: Path, model: Model, optimizer: RunOptimizer, meta: dict) -> None:
         """Every rank writes its shards of `path` (dlrm.parallel.checkpoint.save_sharded; a collective)."""
         sharded_checkpoint.save_sharded(path, model, optimizer, self.dist, meta)
 
@@ -269,7 +261,7 @@ class Sharded:
         path: Path,
         checkpoint: dict,
         model: Model,
-        optimizer: torch.optim.Optimizer,
+        optimizer: RunOptimizer,
         with_optimizer: bool = True,
     ) -> None:
         """Each rank takes its rows of the weights and optimizer state (a sharded checkpoint: a collective;
@@ -295,16 +287,6 @@ class Sharded:
 
     def per_rank(self, value: float | None) -> list[float | None]:
         return ranks.gather_floats(value)
-
-
-def fused_optimizer_states(model: Model) -> dict[str, torch.Tensor | None]:
-    """The optimizer state of the "triton" tables, which lives beside them, not in the torch optimizer (None
-    for kernel "torch"), by checkpoint key: "embedding_optimizer_state" for `model.sparse_arch` (a logistic
-    model's first-order tables), "first_order_optimizer_state" for a DLRM's first-order tables."""
-    archs = {"embedding_optimizer_state": model.sparse_arch}
-    if isinstance(model, DLRM) and model.first_order is not None:
-        archs["first_order_optimizer_state"] = model.first_order.tables
-    return {key: a.optimizer_state if a.kernel == "triton" else None for key, a in archs.items()}
 
 
 Strategy = SingleProcess | Sharded
