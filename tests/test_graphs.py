@@ -243,7 +243,7 @@ def test_tables_on_a_side_stream_train_as_in_line(algorithm):
             SMALL, table_rows=[37] * NUM_SPARSE, mlp_kernel="linear_act", sparse_kernel="triton",
             overlap_sparse=overlap,
         ).cuda()  # fmt: skip
-        optimizer = make_optimizer(model, cfg)
+        optimizer = RunOptimizer(model, cfg.train)
         step = GraphedTrainStep(model, optimizer, train_step) if overlap else train_step
         losses = [step(model, optimizer, b).item() for b in batches]
         torch.cuda.synchronize()
