@@ -35,6 +35,7 @@ TINY = REPO / "configs" / "tiny.json"
 # rows instead of B): float32 rounding, compounded over a few steps.
 RTOL, ATOL = 1e-4, 1e-5
 ADAGRAD_ATOL = 2e-4
+BAGS = tuple(1 + f % 4 for f in range(26))  # bag sizes 1..4: one-hot features next to bags
 
 
 def _free_port() -> int:
@@ -179,10 +180,7 @@ def test_world_checks_are_one_line_errors(criteo_sample):
     logistic = dataclasses.replace(_config(criteo_sample), model=ModelConfig(arch="logistic"))
     with pytest.raises(ValueError, match="^model.arch: 'logistic' is not supported on many ranks yet"):
         check_world(logistic, 2)
-    bags = replace(_config(criteo_sample), "model", multi_hot_sizes=(2,) * 26)
-    with pytest.raises(ValueError, match="^model.multi_hot_sizes: bags are not supported on many ranks yet"):
-        check_world(bags, 2)
-    check_world(replace(bags, "model", multi_hot_sizes=(1,) * 26), 2)
+    check_world(replace(_config(criteo_sample), "model", multi_hot_sizes=BAGS), 2)  # bags shard too
 
 
 def test_ranks_split_every_global_batch(criteo_sample):
@@ -220,17 +218,23 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list) -> None:
 
 
 def _sharded_tables_match_one_table_batch(
-    kernel: str, optimizer: str, empty_last_rank: bool = False, data_parallel_rows: int = 0
+    kernel: str,
+    optimizer: str,
+    empty_last_rank: bool = False,
+    data_parallel_rows: int = 0,
+    bags: tuple[int, ...] | None = None,
+    pooling: str = "sum",
 ) -> None:
     """On every rank: the sharded tables (some split by rows, and with `data_parallel_rows` the tables of
     at most that many rows replicated) look up this rank's part of a global batch as one process's
     SparseArch does, and after two optimizer steps hold the same rows (the replicated tables: their
     gradients averaged over the ranks, then a torch optimizer's step). With `empty_last_rank` the last rank
-    holds no table (it still exchanges its samples, both ways)."""
+    holds no table (it still exchanges its samples, both ways). With `bags` (bag sizes) the ids are bags,
+    pooled by `pooling`: a bag of a table split by rows is pooled in parts on several ranks."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
     table_rows, dim, b, lr = [5 + 3 * f for f in range(26)], 4, 6, 0.1
-    full = SparseArch(dim, table_rows, kernel=kernel)
+    full = SparseArch(dim, table_rows, kernel=kernel, multi_hot_sizes=bags, pooling=pooling)
     plan = plan_tables(
         table_rows, dim, optimizer, world - empty_last_rank, row_wise_bytes=300,
         data_parallel_rows=data_parallel_rows,
@@ -238,9 +242,10 @@ def _sharded_tables_match_one_table_batch(
     plan = dataclasses.replace(plan, world_size=world)
     assert any(s.rows < table_rows[s.table] for s in plan.shards)  # some tables split by rows
     assert len(plan.replicated) == sum(rows <= data_parallel_rows for rows in table_rows)
-    sharded = ShardedSparseArch(plan, rank, dim, kernel=kernel)
+    sharded = ShardedSparseArch(plan, rank, dim, kernel=kernel, multi_hot_sizes=bags, pooling=pooling)
     placed = [(s.table, s.row_start, s.rows) for s in sharded.local_shards]
-    views = list(sharded.weights.split([s.rows for s in sharded.local_shards]))
+    held = sum(rows for *_, rows in placed)  # with bags and row shards, the padding row follows
+    views = list(sharded.weights[:held].split([s.rows for s in sharded.local_shards]))
     if plan.replicated:
         placed += [(f, 0, table_rows[f]) for f in plan.replicated]
         views += list(sharded.replicated_weights.split([table_rows[f] for f in plan.replicated]))
@@ -257,13 +262,17 @@ def _sharded_tables_match_one_table_batch(
             optimizers.append(make([module.weights] if module is sharded else module.parameters(), lr))
     generator = torch.Generator().manual_seed(1)
     mine = slice(rank * b, (rank + 1) * b)
+    columns = 26 if bags is None else sum(bags)
     for step in range(2):
-        ids = torch.randint(-1, 60, (world * b, 26), generator=generator)  # -1: missing; past rows: hashed
+        ids = torch.randint(
+            -1, 60, (world * b, columns), generator=generator
+        )  # -1: missing; past rows: hashed
         grad = torch.randn(world * b, 26, dim, generator=generator)
         expected = full(ids)
         looked_up = sharded(ids[mine])
-        # The same rows exactly; after an update, rounded differently (grad / b / W, not grad / B).
-        exact = step == 0
+        # The same rows exactly; after an update, rounded differently (grad / b / W, not grad / B). A bag
+        # split over row shards is summed in another order: the pool rounds differently from the start.
+        exact = step == 0 and bags is None
         torch.testing.assert_close(
             looked_up, expected[mine].detach(), rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7
         )
@@ -276,7 +285,7 @@ def _sharded_tables_match_one_table_batch(
             opt.step()
             opt.zero_grad()
     tables = {k: v for k, v in full.state_dict().items() if k.startswith("embeddings.")}
-    views = list(sharded.weights.detach().split([s.rows for s in sharded.local_shards]))
+    views = list(sharded.weights.detach()[:held].split([s.rows for s in sharded.local_shards]))
     if plan.replicated:
         views += list(sharded.replicated_weights.detach().split([table_rows[f] for f in plan.replicated]))
     for (f, start, rows), view in zip(placed, views, strict=True):
@@ -452,6 +461,31 @@ def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_pa
     for run in ("resumed-3", "resumed-1"):
         last = tmp_path / run / "checkpoints" / ("last.pt" if run.endswith("-1") else "last")
         _assert_same_weights(_weights(last), reference_6, atol=ADAGRAD_ATOL)
+
+
+# (world size, kernel, optimizer, empty last rank, data_parallel_rows, pooling) of the bag checks on the
+# embedding alone: both kernels, SGD, Adagrad and row-wise Adagrad (the "triton" kernel's own update),
+# replicated tables, and a rank without tables.
+BAG_CHECKS = [
+    (2, "torch", "sgd", False, 0, "sum"),
+    (2, "triton", "adagrad", False, 30, "mean"),
+    (2, "triton", "rowwise_adagrad", False, 0, "sum"),
+    (3, "torch", "adagrad", True, 30, "mean"),
+    (3, "triton", "sgd", False, 0, "sum"),
+]
+
+
+def test_sharded_bags_pool_as_one_process():
+    """Bags on 2 and 3 ranks (the tables split by rows, a bag pooled in parts on several ranks; replicated
+    tables pooling their own samples' bags): the pooled vectors and, after two steps, the table rows of one
+    process's SparseArch on the same global batches."""
+    for world_size in (2, 3):
+        jobs = [
+            (_sharded_tables_match_one_table_batch, (kernel, optimizer, empty, rows, BAGS, pooling))
+            for world, kernel, optimizer, empty, rows, pooling in BAG_CHECKS
+            if world == world_size
+        ]
+        _spawn(world_size, jobs)
 
 
 FAULT_WORKER = """
