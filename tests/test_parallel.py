@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from dlrm import evaluate as evaluate_cli
 from dlrm import parallel
 from dlrm.checkpoint import load_checkpoint
-from dlrm.config import ModelConfig, load_config, replace
+from dlrm.config import ModelConfig, MultiHotConfig, load_config, replace
 from dlrm.data.dataset import BatchLoader, open_split
 from dlrm.model.sparse import SparseArch
 from dlrm.parallel.planner import plan_tables, row_bytes
@@ -144,6 +144,33 @@ def test_planner_replicates_the_tables_whose_all_reduce_moves_fewer_bytes_than_t
         for f in range(26)
         if f != 2  # never every table: the largest stays model parallel
     )
+
+
+def test_plan_of_bags_counts_each_id_of_a_bag():
+    """Bags (k_f ids a sample) leave one-hot plans as they are; a table's lookups and exchanged ids count
+    k_f per sample, its vectors one; a bag's extra ids raise the data-parallel bound by their bytes."""
+    b, world, d = 4096, 4, 16
+    one_hot = plan_tables(KAGGLE_LIKE, d, "adagrad", world, batch_size=b)
+    assert plan_tables(KAGGLE_LIKE, d, "adagrad", world, batch_size=b, bag_sizes=(1,) * 26) == one_hot
+    sizes = tuple(1 + (f * 7) % 10 for f in range(26))
+    plan = plan_tables(KAGGLE_LIKE, d, "adagrad", world, batch_size=b, bag_sizes=sizes, data_parallel_rows=0)
+    same_places = dataclasses.replace(plan, bag_sizes=None)
+    remote = (world - 1) / world
+    # Every shard looks up its table's bags of the whole global batch.
+    expected_lookups = [sum(sizes[s.table] for s in plan.shards_of(r)) * world * b for r in range(world)]
+    assert [c.lookups for c in plan.costs(b)] == expected_lookups
+    sent_extra = sum(sizes[s.table] - 1 for s in plan.shards) * b
+    for r, (bags, ones) in enumerate(zip(plan.costs(b), same_places.costs(b), strict=True)):
+        received_extra = sum(sizes[s.table] - 1 for s in plan.shards_of(r)) * world * b
+        assert bags.exchange_bytes - ones.exchange_bytes == pytest.approx(
+            (sent_extra + received_extra) * 8 * remote, abs=1
+        )
+        assert bags.bytes_held == ones.bytes_held and bags.all_reduce_bytes == ones.all_reduce_bytes
+    # A table just above the one-hot bound is replicated once it is a bag: its extra ids (~b (k - 1) 8
+    # (W - 1) / W bytes exchanged) outweigh the all-reduce of its extra row (2 x D x 4 bytes).
+    rows = [b * 4 * (world - 1) // (4 * world) + 1] + [10**6] * 25
+    assert plan_tables(rows, d, "sgd", world, batch_size=b).replicated == ()
+    assert plan_tables(rows, d, "sgd", world, batch_size=b, bag_sizes=(2,) + (1,) * 25).replicated == (0,)
 
 
 @pytest.mark.parametrize(
@@ -317,26 +344,38 @@ def _spawn(world_size: int, jobs: list) -> None:
     mp.spawn(_rank_main, args=(world_size, _free_port(), jobs), nprocs=world_size, join=True)
 
 
-# (name, train overrides, parallel overrides, model overrides, world sizes) of the runs compared with one
-# process. (The Triton interpreter takes ~10 s per step and evaluation here: our kernels are compared in
-# `_sharded_tables_match_one_table_batch`, on the embedding alone.)
+# (name, train overrides, parallel overrides, model overrides, data overrides, world sizes) of the runs
+# compared with one process. (The Triton interpreter takes ~10 s per step and evaluation here: our kernels
+# are compared in `_sharded_tables_match_one_table_batch`, on the embedding alone.)
 SCENARIOS = [
-    ("sgd_table_wise", {}, {"row_wise": False}, {}, (2, 3)),
+    ("sgd_table_wise", {}, {"row_wise": False}, {}, {}, (2, 3)),
     (  # configs/main.json's model (vocab hashing, first-order terms) with Adagrad and every table row-wise
         "adagrad_row_wise_vocab",
         {"optimizer": "adagrad", "lr": 0.05},
         {"row_wise_bytes": 1},
         {"hashing": "vocab", "first_order": True},
+        {},
+        (2, 3),
+    ),
+    (  # bags made on the fly, mean-pooled, every table row-wise (a bag pooled in parts on several ranks)
+        "adagrad_row_wise_bags",
+        {"optimizer": "adagrad", "lr": 0.05},
+        {"row_wise_bytes": 1},
+        {"multi_hot_sizes": BAGS, "pooling": "mean"},
+        {"multi_hot": MultiHotConfig(distribution="uniform", seed=3)},
         (2, 3),
     ),
 ]
 
 
 def _scenario_config(data_dir, name, max_steps):
-    _, train_overrides, parallel_overrides, model_overrides, _ = next(s for s in SCENARIOS if s[0] == name)
+    _, train_overrides, parallel_overrides, model_overrides, data_overrides, _ = next(
+        s for s in SCENARIOS if s[0] == name
+    )
     cfg = _config(data_dir, max_steps=max_steps, **train_overrides)
     cfg = replace(cfg, "parallel", **parallel_overrides)
-    return replace(cfg, "model", **model_overrides) if model_overrides else cfg
+    cfg = replace(cfg, "model", **model_overrides) if model_overrides else cfg
+    return replace(cfg, "data", **data_overrides) if data_overrides else cfg
 
 
 def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_path):
