@@ -36,6 +36,15 @@ TINY = REPO / "configs" / "tiny.json"
 RTOL, ATOL = 1e-4, 1e-5
 ADAGRAD_ATOL = 2e-4
 BAGS = tuple(1 + f % 4 for f in range(26))  # bag sizes 1..4: one-hot features next to bags
+# (world size, kernel, optimizer, empty last rank, data_parallel_rows, pooling) of the bag checks on the
+# embedding alone (`_sharded_tables_match_one_table_batch`).
+BAG_CHECKS = [
+    (2, "torch", "sgd", False, 0, "sum"),
+    (2, "triton", "adagrad", False, 30, "mean"),
+    (2, "triton", "rowwise_adagrad", False, 0, "sum"),
+    (3, "torch", "adagrad", True, 30, "mean"),
+    (3, "triton", "sgd", False, 0, "sum"),
+]
 
 
 def _free_port() -> int:
@@ -347,6 +356,7 @@ def _spawn(world_size: int, jobs: list) -> None:
 # (name, train overrides, parallel overrides, model overrides, data overrides, world sizes) of the runs
 # compared with one process. (The Triton interpreter takes ~10 s per step and evaluation here: our kernels
 # are compared in `_sharded_tables_match_one_table_batch`, on the embedding alone.)
+UNIFORM = MultiHotConfig(distribution="uniform", seed=3)  # bags of BAGS made on the fly from the sample
 SCENARIOS = [
     ("sgd_table_wise", {}, {"row_wise": False}, {}, {}, (2, 3)),
     (  # configs/main.json's model (vocab hashing, first-order terms) with Adagrad and every table row-wise
@@ -357,12 +367,20 @@ SCENARIOS = [
         {},
         (2, 3),
     ),
+    (
+        "sgd_table_wise_bags",
+        {},
+        {"row_wise": False},
+        {"multi_hot_sizes": BAGS},
+        {"multi_hot": UNIFORM},
+        (2, 3),
+    ),
     (  # bags made on the fly, mean-pooled, every table row-wise (a bag pooled in parts on several ranks)
         "adagrad_row_wise_bags",
         {"optimizer": "adagrad", "lr": 0.05},
         {"row_wise_bytes": 1},
         {"multi_hot_sizes": BAGS, "pooling": "mean"},
-        {"multi_hot": MultiHotConfig(distribution="uniform", seed=3)},
+        {"multi_hot": UNIFORM},
         (2, 3),
     ),
 ]
@@ -412,6 +430,11 @@ def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_pa
     jobs3.insert(0, (_sharded_tables_match_one_table_batch, ("triton", "adagrad")))
     jobs3.insert(0, (_sharded_tables_match_one_table_batch, ("torch", "sgd", True)))
     jobs3.insert(0, (_sharded_tables_match_one_table_batch, ("triton", "sgd", True, 30)))
+    # Bags (the tables split by rows pool a bag in parts on several ranks; the replicated ones pool their
+    # own samples' bags): row-wise Adagrad is the "triton" kernel's own update.
+    for world_size, kernel, optimizer, empty_last_rank, rows, pooling in BAG_CHECKS:
+        check = (kernel, optimizer, empty_last_rank, rows, BAGS, pooling)
+        (jobs2 if world_size == 2 else jobs3).insert(0, (_sharded_tables_match_one_table_batch, check))
     # The other loaders and bf16 on 2 ranks, with the profiler on (a trace per rank).
     streaming = replace(_config(criteo_sample, max_steps=4, precision="bf16"), "data", loader="streaming")
     streaming = dataclasses.replace(streaming, profiler=dataclasses.replace(streaming.profiler, enabled=True))
@@ -500,31 +523,6 @@ def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_pa
     for run in ("resumed-3", "resumed-1"):
         last = tmp_path / run / "checkpoints" / ("last.pt" if run.endswith("-1") else "last")
         _assert_same_weights(_weights(last), reference_6, atol=ADAGRAD_ATOL)
-
-
-# (world size, kernel, optimizer, empty last rank, data_parallel_rows, pooling) of the bag checks on the
-# embedding alone: both kernels, SGD, Adagrad and row-wise Adagrad (the "triton" kernel's own update),
-# replicated tables, and a rank without tables.
-BAG_CHECKS = [
-    (2, "torch", "sgd", False, 0, "sum"),
-    (2, "triton", "adagrad", False, 30, "mean"),
-    (2, "triton", "rowwise_adagrad", False, 0, "sum"),
-    (3, "torch", "adagrad", True, 30, "mean"),
-    (3, "triton", "sgd", False, 0, "sum"),
-]
-
-
-def test_sharded_bags_pool_as_one_process():
-    """Bags on 2 and 3 ranks (the tables split by rows, a bag pooled in parts on several ranks; replicated
-    tables pooling their own samples' bags): the pooled vectors and, after two steps, the table rows of one
-    process's SparseArch on the same global batches."""
-    for world_size in (2, 3):
-        jobs = [
-            (_sharded_tables_match_one_table_batch, (kernel, optimizer, empty, rows, BAGS, pooling))
-            for world, kernel, optimizer, empty, rows, pooling in BAG_CHECKS
-            if world == world_size
-        ]
-        _spawn(world_size, jobs)
 
 
 FAULT_WORKER = """
