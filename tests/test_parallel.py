@@ -422,6 +422,10 @@ def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_pa
     half_ckpt = half / "checkpoints" / "last"
     jobs3.append((train, (_scenario_config(criteo_sample, name, 4), tmp_path / "reloaded-3", half_ckpt)))
     jobs3.append((train, (_scenario_config(criteo_sample, name, 6), tmp_path / "resumed-3", half_ckpt)))
+    # 2 ranks' bag checkpoint (row shards, each rank's padding row after them) reloads on 3 ranks.
+    bags_2 = tmp_path / "adagrad_row_wise_bags-2" / "checkpoints" / "last"
+    bags_cfg = _scenario_config(criteo_sample, "adagrad_row_wise_bags", 6)
+    jobs3.append((train, (bags_cfg, tmp_path / "bags-reloaded-3", bags_2)))
     # Our Triton kernels (interpreted) and the torch tables, on the embedding alone, SGD and Adagrad.
     for kernel, optimizer in (("triton", "sgd"), ("triton", "adagrad"), ("torch", "adagrad")):
         jobs2.insert(0, (_sharded_tables_match_one_table_batch, (kernel, optimizer)))
@@ -520,6 +524,8 @@ def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_pa
     reference_6 = _weights(tmp_path / "adagrad_row_wise_vocab-1" / "checkpoints" / "last.pt")
     half_weights = _weights(half_ckpt)
     _assert_same_weights(_weights(tmp_path / "reloaded-3" / "checkpoints" / "last"), half_weights, 0, 0)
+    reloaded_bags = _weights(tmp_path / "bags-reloaded-3" / "checkpoints" / "last")
+    _assert_same_weights(reloaded_bags, _weights(bags_2), 0, 0)
     for run in ("resumed-3", "resumed-1"):
         last = tmp_path / run / "checkpoints" / ("last.pt" if run.endswith("-1") else "last")
         _assert_same_weights(_weights(last), reference_6, atol=ADAGRAD_ATOL)
