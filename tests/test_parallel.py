@@ -593,17 +593,25 @@ def test_a_dead_or_hung_rank_ends_every_rank_with_a_message(criteo_sample, tmp_p
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("precision", "optimizer", "rtol", "atol"),
-    [("fp32", "sgd", 1e-3, 1e-4), ("bf16", "sgd", 2e-2, 1e-3), ("fp32", "adagrad", 1e-3, 5e-3)],
+    ("precision", "optimizer", "bags", "rtol", "atol"),
+    [
+        ("fp32", "sgd", False, 1e-3, 1e-4),
+        ("bf16", "sgd", False, 2e-2, 1e-3),
+        ("fp32", "adagrad", False, 1e-3, 5e-3),
+        ("fp32", "adagrad", True, 1e-3, 5e-3),
+    ],
 )
-def test_two_gpus_with_cuda_graphs_follow_one_gpu(criteo_sample, tmp_path, precision, optimizer, rtol, atol):
+def test_two_gpus_with_cuda_graphs_follow_one_gpu(
+    criteo_sample, tmp_path, precision, optimizer, bags, rtol, atol
+):
     """torchrun on 2 GPUs, `--use-triton --cuda-graphs` (NCCL all_to_all and all_reduce captured in the
     step's graph, the replicated tables' update and Adagrad's too; evaluation as graph replays): from the
-    same step-2 checkpoint, the loss curve, weights and test metrics of one GPU. (TF32 is off in fp32; the
-    tolerance covers cuBLAS choosing other kernels for B/2 rows. Adagrad's step lr g / sqrt(sum of g^2) is
-    about lr in size however small g is, so a row whose few gradients are near zero moves by a share of
-    lr = 0.1 under such rounding: measured on 2 H200s, 1 of 16,000 elements of a table 1.5e-3 off, the
-    losses within the fp32 tolerance.)"""
+    same step-2 checkpoint, the loss curve, weights and test metrics of one GPU; with `bags`, of BAGS made
+    on the fly, every model-parallel table split by rows (partial pools, padding rows zeroed inside the
+    graph). (TF32 is off in fp32; the tolerance covers cuBLAS choosing other kernels for B/2 rows.
+    Adagrad's step lr g / sqrt(sum of g^2) is about lr in size however small g is, so a row whose few
+    gradients are near zero moves by a share of lr = 0.1 under such rounding: measured on 2 H200s, 1 of
+    16,000 elements of a table 1.5e-3 off, the losses within the fp32 tolerance.)"""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     config = tmp_path / "c.json"
@@ -618,6 +626,10 @@ def test_two_gpus_with_cuda_graphs_follow_one_gpu(criteo_sample, tmp_path, preci
         optimizer=optimizer,
     )
     raw["profiler"]["enabled"] = False
+    if bags:
+        raw["model"]["multi_hot_sizes"] = list(BAGS)
+        raw["data"]["multi_hot"] = dataclasses.asdict(UNIFORM)
+        raw["parallel"] = {"row_wise_bytes": 1}
     config.write_text(json.dumps(raw))
 
     def dlrm_train(nproc: int, run: str, *args: str) -> None:
