@@ -1,5 +1,5 @@
-"""The sharding planner (dlrm.parallel.planner) and the sharded tables' table-order copy, without processes:
-where each table goes, what each rank holds and moves per step, one-hot and with bags."""
+"""Without processes: the sharding planner (dlrm.parallel.planner: where each table goes, what each rank holds
+and moves per step, one-hot and with bags), the sharded tables' table-order copy and their checks."""
 
 import dataclasses
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dlrm.parallel.planner import plan_tables, row_bytes
-from dlrm.parallel.sharded import ToTableOrder
+from dlrm.parallel.sharded import ShardedSparseArch, ToTableOrder
 
 KAGGLE_LIKE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
                5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]  # fmt: skip
@@ -126,3 +126,12 @@ def test_row_wise_plan_covers_every_row_once(world_size, optimizer):
 def test_plan_refuses_more_ranks_than_tables_without_row_wise():
     with pytest.raises(ValueError, match="parallel.row_wise: 27 ranks but 26 model-parallel tables"):
         plan_tables(KAGGLE_LIKE, 16, "sgd", 27, row_wise=False)
+
+
+def test_sharded_tables_refuse_bags_of_other_hashings():
+    plan = plan_tables([5] * 26, 4, "sgd", 1)
+    vocabularies = [torch.arange(4) for _ in range(26)]
+    with pytest.raises(
+        ValueError, match="^bags \\(model.multi_hot_sizes\\) need hashing 'modulus', got 'vocab'"
+    ):
+        ShardedSparseArch(plan, 0, 4, "vocab", vocabularies, multi_hot_sizes=(2,) * 26)
