@@ -93,9 +93,11 @@ def _sharded(plan: ShardingPlan, rank: int, f: int, local: Tensor | None, width:
 
 
 def _table_views(tensor: Tensor, arch) -> dict[int, Tensor]:
-    """Rows of each local shard of `tensor` ([local rows, ...], laid out as arch.weights), by table."""
+    """Rows of each local shard of `tensor` ([local rows, ...], laid out as arch.weights), by table (the
+    padding row that a rank with bags and row shards holds last is no table's)."""
     rows = [s.rows for s in arch.local_shards]
-    return {s.table: view for s, view in zip(arch.local_shards, tensor.split(rows), strict=True)}
+    views = tensor.narrow(0, 0, sum(rows)).split(rows)
+    return {s.table: view for s, view in zip(arch.local_shards, views, strict=True)}
 
 
 def _embedding_state(arch, optimizer: torch.optim.Optimizer) -> Tensor | None:
@@ -319,15 +321,14 @@ def load_full_into_sharded(checkpoint: dict[str, Any], model, optimizer: torch.o
     with torch.no_grad():
         for prefix, arch, _ in sets:
             local_sums = _embedding_state(arch, optimizer)
-            split = [s.rows for s in arch.local_shards]
-            for shard, view in zip(arch.local_shards, arch.weights.split(split), strict=True):
-                view.copy_(
-                    full[table_key(shard.table, prefix)][shard.row_start : shard.row_start + shard.rows]
-                )
+            pairs = [(arch.weights, full)]  # (local rows, the full tables they come from)
             if local_sums is not None and sums:
-                for shard, view in zip(arch.local_shards, local_sums.split(split), strict=True):
+                pairs.append((local_sums, sums))
+            for tensor, source in pairs:
+                views = _table_views(tensor, arch)
+                for shard in arch.local_shards:
                     rows = slice(shard.row_start, shard.row_start + shard.rows)
-                    view.copy_(sums[table_key(shard.table, prefix)][rows])
+                    views[shard.table].copy_(source[table_key(shard.table, prefix)][rows])
             for key, view in _replicated_views(arch, optimizer, prefix).items():
                 kind, name = key.split("/", 1)
                 source = full if kind == "model" else sums

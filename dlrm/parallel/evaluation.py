@@ -34,10 +34,18 @@ class ShardedEvalSplit:
         eval_batch_size: the global eval batch (data.eval_batch_size); each rank's batches hold
             ceil(eval_batch_size / W) rows.
         dist: this rank.
+        bags: makes the rows' bags from their one-hot ids on the device (data.multi_hot,
+            dlrm.data.bags.BagMaker); None: the ids as read.
     """
 
-    def __init__(self, dataset: ParquetDataset, eval_batch_size: int, dist: Dist):
-        self.dataset, self.dist = dataset, dist
+    def __init__(
+        self,
+        dataset: ParquetDataset,
+        eval_batch_size: int,
+        dist: Dist,
+        bags: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
+        self.dataset, self.dist, self.bags = dataset, dist, bags
         total, world = dataset.num_rows, dist.world_size
         self.batch_size = min(math.ceil(eval_batch_size / world), math.ceil(total / world))
         self.rows_per_rank = math.ceil(total / world / self.batch_size) * self.batch_size
@@ -51,6 +59,8 @@ class ShardedEvalSplit:
         read from the host once."""
         if self._on_device is None or self._on_device[1].device != device:
             batch = self.dataset.batch(self.rows).to(device)
+            if self.bags is not None:
+                batch = batch._replace(sparse=self.bags(batch.sparse))
             self._on_device = batch, self.valid.to(device, torch.float32)
         return self._on_device
 

@@ -5,6 +5,7 @@ of the others (model parallel).
     plan.replicated                # tables every rank holds whole: looked up locally, gradients all-reduced
     plan.shards_of(rank)           # [Shard(table, rank, row_start, rows), ...] held by `rank`
     plan.costs(batch_size)         # per rank: bytes held, lookups, bytes exchanged and all-reduced per step
+    plan_tables(..., bag_sizes=(3, 2, 1, ...))  # bags: k_f ids a sample per table (model.multi_hot_sizes)
     plan.to_dict()                 # what sharding_plan.json holds
 
 Sharding types, decided per table by what a step moves over the network (b: samples per rank):
@@ -13,18 +14,21 @@ Sharding types, decided per table by what a step moves over the network (b: samp
   per rank). Chosen where that is less than the table's exchange, forward vectors plus backward gradients:
   ~2 x b x D x e x (W - 1) / W bytes per rank, e the exchange's bytes per value; so tables of fewer rows than
   about b e (W - 1) / (4 W): every small table at the batches a GPU runs (TorchRec and HugeCTR replicate small
-  tables too). `data_parallel_rows` sets the row bound instead (0: none).
+  tables too). A bag of k_f ids also sends k_f - 1 ids more than a one-hot feature, ~b x (k_f - 1) x 8 x
+  (W - 1) / W bytes per rank sent (and as many received), which replication saves too: the bound grows by
+  b (k_f - 1) (W - 1) / (W D) rows. (The one id of a one-hot feature, 8 bytes against the vectors' 2 D e, is
+  left out of the bound.) `data_parallel_rows` sets the row bound instead (0: none).
 - table-wise: one rank holds the whole table; each rank sends it its samples' ids and gets their vectors.
 - row-wise: tables above `row_wise_bytes` (bytes of weights + optimizer state; default the model-parallel
   total over W, an even share per rank) split by rows into k = min(W, ceil(bytes / threshold)) shards of
   near-equal rows on k different ranks. Every shard looks up the whole global batch's ids of its table and
-  gives zeros for rows it does not hold: a table split k ways costs k lookups and k vectors per id.
+  gives zeros for rows it does not hold: a table split k ways costs k lookups per id and k vectors per sample.
 Shards are placed greedily, largest first, each on the rank with the smallest load so far among those it
 fits on (ties: the lowest rank). A rank's load counts what it stores and what it looks up: its share of all
-bytes plus its share of all shards (lookups go with shard counts). A shard fits on a rank whose bytes stay
-within an even share plus the largest shard, the bound greedy-by-bytes keeps. Bytes alone put 23 of the 26
-Kaggle tables on one of 2 ranks (the other 3 are as large as all 23): that rank's lookups take many times the
-other's, and the other rank waits in the exchange.
+bytes plus its share of all lookups (a shard looks up its table's k_f ids a sample; one-hot: 1). A shard fits
+on a rank whose bytes stay within an even share plus the largest shard, the bound greedy-by-bytes keeps.
+Bytes alone put 23 of the 26 Kaggle tables on one of 2 ranks (the other 3 are as large as all 23): that
+rank's lookups take many times the other's, and the other rank waits in the exchange.
 """
 
 from __future__ import annotations
@@ -74,6 +78,11 @@ class ShardingPlan:
     shards: tuple[Shard, ...]
     replicated: tuple[int, ...] = ()
     exchange_bytes_per_value: int = 4
+    bag_sizes: tuple[int, ...] | None = None  # ids a sample per table (None: one each)
+
+    def bag_size(self, table: int) -> int:
+        """k_f, the ids a sample looks up in table `table` (1 without bags)."""
+        return 1 if self.bag_sizes is None else self.bag_sizes[table]
 
     def shards_of(self, rank: int) -> list[Shard]:
         """The shards `rank` holds, ordered by table (a table appears at most once per rank)."""
@@ -93,18 +102,23 @@ class ShardingPlan:
         return loads
 
     def costs(self, batch_size: int) -> list[RankCost]:
-        """Each rank's predicted cost of one step with `batch_size` samples per rank (RankCost)."""
-        w, d, e = self.world_size, self.embedding_dim, self.exchange_bytes_per_value
+        """Each rank's predicted cost of one step with `batch_size` samples per rank (RankCost); a table's
+        lookups and ids count k_f per sample (its bag), its vectors one per sample."""
+        w, d, e, b = self.world_size, self.embedding_dim, self.exchange_bytes_per_value, batch_size
         remote = (w - 1) / w  # the share of a rank's exchange that crosses to other ranks
         replicated_rows = sum(self.table_rows[f] for f in self.replicated)
         all_reduce = round(2 * 2 * replicated_rows * d * 4 * remote)  # ring: sends and receives 2 x remote
-        sent = len(self.shards) * batch_size  # ids each rank sends: its b per shard
+        sent_ids = sum(self.bag_size(s.table) for s in self.shards) * b  # each rank: its b bags per shard
+        sent_vectors = len(self.shards) * b  # vectors each rank receives back: one per sample and shard
+        replicated_ids = sum(self.bag_size(f) for f in self.replicated) * b
         costs = []
         for rank, held in enumerate(self.bytes_per_rank()):
-            n = len(self.shards_of(rank))
-            lookups = n * w * batch_size + len(self.replicated) * batch_size
-            ids = (sent + n * w * batch_size) * ID_BYTES * remote
-            vectors = 2 * (sent + n * w * batch_size) * d * e * remote  # forward vectors, backward gradients
+            mine = self.shards_of(rank)
+            received_ids = sum(self.bag_size(s.table) for s in mine) * w * b  # the global batch's bags
+            lookups = received_ids + replicated_ids
+            ids = (sent_ids + received_ids) * ID_BYTES * remote
+            # forward vectors, backward gradients
+            vectors = 2 * (sent_vectors + len(mine) * w * b) * d * e * remote
             costs.append(RankCost(held, lookups, round(ids + vectors), all_reduce))
         return costs
 
@@ -114,6 +128,7 @@ class ShardingPlan:
             "embedding_dim": self.embedding_dim,
             "optimizer": self.optimizer,
             "table_rows": list(self.table_rows),
+            "bag_sizes": None if self.bag_sizes is None else list(self.bag_sizes),
             "replicated": list(self.replicated),
             "bytes_per_rank": self.bytes_per_rank(),
             "shards": [asdict(s) for s in self.shards],
@@ -155,10 +170,15 @@ def row_bytes(embedding_dim: int, optimizer: str) -> int:
     return embedding_dim * (4 + STATE_BYTES_PER_VALUE[optimizer])
 
 
-def data_parallel_bound(batch_size: int, world_size: int, exchange_bytes_per_value: int) -> int:
+def data_parallel_bound(
+    batch_size: int, world_size: int, exchange_bytes_per_value: int, embedding_dim: int, bag_size: int = 1
+) -> int:
     """The most rows a table may have to be replicated: where its all-reduce (~2 x rows x D x 4 bytes per
-    rank) costs no more than its exchange (~2 x b x D x e x (W - 1) / W); module docstring."""
-    return batch_size * exchange_bytes_per_value * (world_size - 1) // (4 * world_size)
+    rank) costs no more than its exchange (~2 x b x D x e x (W - 1) / W, plus ~b x (k_f - 1) x 8 x (W - 1) / W
+    for a bag of k_f = `bag_size` ids; module docstring)."""
+    b, w = batch_size, world_size
+    vectors = b * exchange_bytes_per_value * (w - 1) // (4 * w)
+    return vectors + b * (bag_size - 1) * (w - 1) // (w * embedding_dim)
 
 
 def plan_tables(
@@ -171,6 +191,7 @@ def plan_tables(
     batch_size: int = 0,
     data_parallel_rows: int | None = None,
     exchange_bytes_per_value: int = 4,
+    bag_sizes: tuple[int, ...] | None = None,
 ) -> ShardingPlan:
     """Place F tables on `world_size` ranks (module docstring).
 
@@ -186,20 +207,33 @@ def plan_tables(
             (`data_parallel_bound`); 0: none. Never all tables: the largest stays model parallel; none
             with "rowwise_adagrad", which the dense optimizers do not implement.
         exchange_bytes_per_value: e, 4 (fp32) or 2 (bf16) exchanged bytes per vector value.
+        bag_sizes: k_f ids a sample per table (`model.multi_hot_sizes`; None or all ones: one-hot, the same
+            plan as without); they weigh the lookups that balance the ranks and raise the cost model's
+            data-parallel bound of a table by its extra ids.
     Raises:
-        ValueError: world_size < 1, an unknown optimizer, or (row_wise off) more ranks than model-parallel
-            tables.
+        ValueError: world_size < 1, an unknown optimizer, bag sizes not one per table, or (row_wise off)
+            more ranks than model-parallel tables.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if optimizer not in STATE_BYTES_PER_VALUE:
         raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {tuple(STATE_BYTES_PER_VALUE)}")
-    bound = data_parallel_rows
+    if bag_sizes is not None and len(bag_sizes) != len(table_rows):
+        raise ValueError(f"bag_sizes: {len(bag_sizes)} sizes for {len(table_rows)} tables")
+    if bag_sizes is not None and all(k == 1 for k in bag_sizes):
+        bag_sizes = None
+    sizes = [1] * len(table_rows) if bag_sizes is None else list(bag_sizes)
+    bounds = [data_parallel_rows] * len(table_rows)
     if optimizer == "rowwise_adagrad":  # one accumulator per row: the dense optimizers keep one per value
-        bound = 0
-    elif bound is None:
-        bound = data_parallel_bound(batch_size, world_size, exchange_bytes_per_value) if world_size > 1 else 0
-    replicated = [f for f, rows in enumerate(table_rows) if rows <= bound]
+        bounds = [0] * len(table_rows)
+    elif data_parallel_rows is None:
+        bounds = [
+            data_parallel_bound(batch_size, world_size, exchange_bytes_per_value, embedding_dim, k)
+            if world_size > 1
+            else 0
+            for k in sizes
+        ]
+    replicated = [f for f, rows in enumerate(table_rows) if rows <= bounds[f]]
     if len(replicated) == len(table_rows):  # keep the largest sharded: the exchange needs a table
         replicated.remove(max(range(len(table_rows)), key=lambda f: (table_rows[f], -f)))
     sharded = [f for f in range(len(table_rows)) if f not in replicated]
@@ -218,7 +252,7 @@ def plan_tables(
         if row_wise and world_size > 1 and rows * per_row > threshold:
             k = min(world_size, rows, math.ceil(rows * per_row / threshold))
         pieces.append((table, [rows // k + (i < rows % k) for i in range(k)]))
-    count = sum(len(split) for _, split in pieces)
+    lookups = sum(len(split) * sizes[table] for table, split in pieces)  # per sample, all shards
     cap = total / world_size + max(split[0] for _, split in pieces) * per_row  # bytes a rank may hold
     stored = [0] * world_size
     loads = [0.0] * world_size  # share of the bytes + share of the shards
@@ -233,10 +267,10 @@ def plan_tables(
         for rank, rows in zip(sorted(ranks), split, strict=True):
             shards.append(Shard(table, rank, start, rows))
             stored[rank] += rows * per_row
-            loads[rank] += rows * per_row / max(total, 1) + 1 / count
+            loads[rank] += rows * per_row / max(total, 1) + sizes[table] / lookups
             start += rows
     shards.sort(key=lambda s: (s.rank, s.table))
     return ShardingPlan(
         world_size, embedding_dim, optimizer, tuple(table_rows), tuple(shards), tuple(replicated),
-        exchange_bytes_per_value,
+        exchange_bytes_per_value, None if bag_sizes is None else tuple(bag_sizes),
     )  # fmt: skip

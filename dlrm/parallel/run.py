@@ -18,8 +18,7 @@ def check_world(cfg: RunConfig, world_size: int) -> None:
             failure setting not supported on many ranks yet (train.on_nonfinite "skip_batch": each rank
             would decide alone; train.keep_last: the sharded checkpoint is a directory; model.arch
             "logistic": the planner shards the DLRM's tables only; train.optimizer "rowwise_adagrad": the
-            sharded checkpoint's optimizer state is [rows, D] per table; model.multi_hot_sizes: the
-            sharded tables look up one id per feature).
+            sharded checkpoint's optimizer state is [rows, D] per table).
     """
     if cfg.train.on_nonfinite == "skip_batch":
         raise ValueError(
@@ -30,9 +29,6 @@ def check_world(cfg: RunConfig, world_size: int) -> None:
         raise ValueError("train.keep_last: not supported on many ranks yet (sharded checkpoints); use 0")
     if cfg.train.optimizer == "rowwise_adagrad":  # sharded checkpoints hold [rows, D] optimizer state
         raise ValueError('train.optimizer: "rowwise_adagrad" is not supported on many ranks yet; use adagrad')
-    sizes = cfg.model.multi_hot_sizes
-    if sizes is not None and any(k > 1 for k in sizes):  # the sharded tables look up one id per feature
-        raise ValueError("model.multi_hot_sizes: bags are not supported on many ranks yet; use one GPU")
     if cfg.model.arch != "dlrm":
         raise ValueError(f"model.arch: {cfg.model.arch!r} is not supported on many ranks yet; use one GPU")
     if cfg.data.batch_size % world_size:

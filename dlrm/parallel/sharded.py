@@ -27,6 +27,8 @@ loss is a mean over its b samples, so the summed gradient of W ranks is W times 
 B; then their all_to_all) and 3 applies the
 optimizer. Every size depends on b and the plan only: the step can be captured as one CUDA graph.
 Profiler ranges (inside "embedding"): all_to_all_ids, lookup, all_to_all_vectors; all_to_all_backward.
+With bags (`model.multi_hot_sizes`), steps 1-3 carry each table's bag columns and pool them on the shards
+(dlrm.parallel.sharded_bags); step 4 and backward are the same.
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
+from dlrm.data.bags import is_one_hot
 from dlrm.model import DLRM
 from dlrm.model.sparse import SPARSE_KERNELS, SparseArch
 from dlrm.model.tables import build_vocabularies, register_vocabularies, resolve_table_rows
 from dlrm.parallel.dense import broadcast_from_rank0
 from dlrm.parallel.planner import ShardingPlan, plan_tables
+from dlrm.parallel.sharded_bags import ShardedBags
 
 
 class AllToAll(torch.autograd.Function):
@@ -124,8 +128,8 @@ def exchange(x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
 class ShardedSparseArch(nn.Module):
     """This rank's shards of the F embedding tables, and the exchange that serves every rank's samples.
 
-    Same interface as dlrm.model.dlrm.SparseArch (forward [b, F] raw ids -> [b, F, D]; `kernel`,
-    `table_rows`, `configure_optimizer`, `optimizer_state`), but holds only the rows the plan gives
+    Same interface as dlrm.model.dlrm.SparseArch (forward [b, F] raw ids, or bags [b, S], -> [b, F, D];
+    `kernel`, `table_rows`, `configure_optimizer`, `optimizer_state`), but holds only the rows the plan gives
     `rank`: `weights` [rows of the local shards, D] fp32, shard i from row `offsets[i]`, and every rank
     `replicated_weights` [rows of the replicated tables, D] fp32 (None without any; dense gradients, for
     the dense optimizer after the all-reduce: `replicated_parameters`), created on `device` (never on the
@@ -143,8 +147,13 @@ class ShardedSparseArch(nn.Module):
         device: where the shards live.
         seed: base seed of the initialization.
         exchange_dtype: "auto" (the lookup's dtype), "fp32" or "bf16": the vectors' dtype on the wire.
+        multi_hot_sizes: F bag sizes (None or all ones: one id per feature); with bags, forward takes ids
+            [b, S] (dlrm.data.bags) and pools each bag by `pooling` ("sum" or "mean"), modulus hashing
+            only. A rank holding a row shard then has one more row at the end of `weights`, the padding
+            row that ids outside its shards look up (dlrm.parallel.sharded_bags).
     Raises:
-        ValueError: unknown kernel, or a plan of other tables than `vocabularies` give.
+        ValueError: unknown kernel, a plan of other tables than `vocabularies` give, bags with another
+            hashing than "modulus", bad bag sizes or pooling.
     """
 
     def __init__(
@@ -158,10 +167,15 @@ class ShardedSparseArch(nn.Module):
         device: torch.device | str = "cpu",
         seed: int = 0,
         exchange_dtype: str = "auto",
+        multi_hot_sizes: tuple[int, ...] | None = None,
+        pooling: str = "sum",
     ):
         super().__init__()
         if kernel not in SPARSE_KERNELS:
             raise ValueError(f"unknown sparse kernel {kernel!r}: expected one of {SPARSE_KERNELS}")
+        one_hot = is_one_hot(multi_hot_sizes)
+        if not one_hot and hashing != "modulus":
+            raise ValueError(f"bags (model.multi_hot_sizes) need hashing 'modulus', got {hashing!r}")
         device = torch.device(device)
         self.plan, self.rank, self.world_size = plan, rank, plan.world_size
         self.kernel, self.hashing = kernel, hashing
@@ -174,7 +188,13 @@ class ShardedSparseArch(nn.Module):
         self.exchange_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[exchange_dtype]
         self.local_shards = plan.shards_of(rank)
         shard_rows = [s.rows for s in self.local_shards]
-        self.weights = nn.Parameter(torch.empty(sum(shard_rows), embedding_dim, device=device))
+        # Only row shards need the range mask; whole tables hold every row.
+        self.partial = any(s.rows != self.table_rows[s.table] for s in self.local_shards)
+        padding_row = sum(shard_rows) if self.partial and not one_hot else None
+        held = sum(shard_rows) + (padding_row is not None)
+        self.weights = nn.Parameter(torch.empty(held, embedding_dim, device=device))
+        if padding_row is not None:
+            self.weights.data[padding_row].zero_()
         self.replicated = list(plan.replicated)
         replicated_rows = [self.table_rows[f] for f in self.replicated]
         replicated = (
@@ -185,7 +205,9 @@ class ShardedSparseArch(nn.Module):
         )
         pieces = [
             (s.table, s.row_start, t)
-            for s, t in zip(self.local_shards, self.weights.data.split(shard_rows), strict=True)
+            for s, t in zip(
+                self.local_shards, self.weights.data[: sum(shard_rows)].split(shard_rows), strict=True
+            )
         ]
         if replicated is not None:
             pieces += [
@@ -206,8 +228,6 @@ class ShardedSparseArch(nn.Module):
         self.register_buffer(
             "row_start", as_tensor([s.row_start for s in self.local_shards]), persistent=False
         )
-        # Only row shards need the range mask; whole tables hold every row.
-        self.partial = any(s.rows != self.table_rows[s.table] for s in self.local_shards)
         # The tables of each rank's shards (its block of the exchange), rank after rank: the ids' send order
         # and, coming back, the table of each pooled column.
         self.blocks = [[s.table for s in plan.shards_of(q)] for q in range(self.world_size)]
@@ -220,6 +240,12 @@ class ShardedSparseArch(nn.Module):
             for j, t in enumerate(tables):
                 self.columns[t].append((q, j))
         self.register_buffer("send_tables", as_tensor(send_tables), persistent=False)
+        self.bags = None
+        if not one_hot:
+            self.bags = ShardedBags(
+                multi_hot_sizes, pooling, self.table_rows, self.blocks, self.local_shards, self.replicated,
+                padding_row, device,
+            )  # fmt: skip
         self.register_buffer("optimizer_state", torch.zeros(0, device=device), persistent=False)
         self.register_buffer("lr", torch.zeros((), device=device), persistent=False)
         self.optimizer: tuple[str, float] | None = None  # (optimizer, eps)
@@ -242,24 +268,31 @@ class ShardedSparseArch(nn.Module):
         return [] if self.replicated_weights is None else [self.replicated_weights]
 
     def forward(self, sparse: Tensor) -> Tensor:
-        """sparse: [b, F] int64 raw ids of this rank's samples -> embedded [b, F, D] (the lookup's dtype:
-        fp32, or bf16 from the "triton" kernel under bf16 autocast). Every rank must call it with the same
-        b: it exchanges with all of them."""
+        """sparse: [b, F] int64 raw ids of this rank's samples (with bags: [b, S], each bag pooled) ->
+        embedded [b, F, D] (the lookup's dtype: fp32, or bf16 from the "triton" kernel under bf16
+        autocast). Every rank must call it with the same b: it exchanges with all of them."""
         b, world, n = sparse.shape[0], self.world_size, len(self.local_shards)
-        rows = self.hash_ids(sparse)
-        send = rows.index_select(1, self.send_tables).t().contiguous()  # [S, b]: per rank q, [n_q, b]
+        bags = self.bags
+        # The id columns each rank is sent (its shards' tables; with bags, their bag columns).
+        if bags is None:
+            rows, send_columns, per_rank = self.hash_ids(sparse), self.send_tables, self.shards_per_rank
+        else:
+            rows, send_columns, per_rank = bags.hash_ids(sparse), bags.send_columns, bags.columns_per_rank
+        send = rows.index_select(1, send_columns).t().contiguous()  # per rank q, [L_q, b] (one-hot: n_q)
+        mine = per_rank[self.rank]
         with record_function("all_to_all_ids"):
-            ids = exchange(send.view(-1), [n * b] * world, [k * b for k in self.shards_per_rank])
-        ids = ids.view(world, n, b).transpose(1, 2).reshape(world * b, n)  # global batch x local shards
+            ids = exchange(send.view(-1), [mine * b] * world, [k * b for k in per_rank])
+        ids = ids.view(world, mine, b).transpose(1, 2).reshape(world * b, mine)  # global batch x columns
         with record_function("lookup"):
-            pooled = self._lookup(ids)  # [W*b, n, D]: rank r's samples are rows r*b .. (r+1)*b - 1
+            # [W*b, n, D]: rank r's samples are rows r*b .. (r+1)*b - 1
+            pooled = self._lookup(ids) if bags is None else bags.lookup(self, ids)
         b_dtype, d = pooled.dtype, pooled.shape[2]
         wire = pooled if self.exchange_dtype is None else pooled.to(self.exchange_dtype)
         with record_function("all_to_all_vectors"):
             back = AllToAll.apply(
                 wire.reshape(-1), [b * k * d for k in self.shards_per_rank], [b * n * d] * world
             )  # from each rank q, [b, n_q, D]
-        local = self._lookup_replicated(rows)  # [b, n_r, D] fp32
+        local = self._lookup_replicated(rows) if bags is None else bags.lookup_replicated(self, rows)
         return ToTableOrder.apply(back, local, b, d, self._column_order(rows.device), b_dtype, 1.0 / world)
 
     def _column_order(self, device: torch.device):
@@ -336,10 +369,11 @@ def build_sharded_model(
         batch_size=cfg.data.batch_size // world_size,
         data_parallel_rows=par.data_parallel_rows,
         exchange_bytes_per_value=exchange_bytes(cfg),
+        bag_sizes=m.multi_hot_sizes,
     )
     sparse = ShardedSparseArch(
         plan, rank, m.embedding_dim, m.hashing, vocabularies, cfg.sparse_kernel, device, cfg.train.seed,
-        par.exchange_dtype,
+        par.exchange_dtype, m.multi_hot_sizes, m.pooling,
     )  # fmt: skip
     first_order = None
     if m.first_order:  # D = 1 tables on the same plan; vocab models pass them the embeddings' rows

@@ -206,7 +206,7 @@ class Sharded:
 
     def split_loader(self, dataset: ParquetDataset, cfg: RunConfig, device: torch.device) -> ShardedEvalSplit:
         """This rank's part of `dataset` (dlrm.parallel.evaluation)."""
-        return ShardedEvalSplit(dataset, cfg.data.eval_batch_size, self.dist)
+        return ShardedEvalSplit(dataset, cfg.data.eval_batch_size, self.dist, loader_bags(cfg, cfg.data.path))
 
     def evaluate(
         self,

@@ -1,0 +1,157 @@
+"""Without processes: the sharding planner (dlrm.parallel.planner: where each table goes, what each rank holds
+and moves per step, one-hot and with bags), the sharded tables' table-order copy and their checks."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from dlrm.parallel.planner import plan_tables, row_bytes
+from dlrm.parallel.sharded import ShardedSparseArch, ToTableOrder
+from kernels.table_order import ColumnOrder
+
+KAGGLE_LIKE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
+               5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8, 26])
+def test_table_wise_plan_places_every_table_once_balanced(world_size):
+    plan = plan_tables(KAGGLE_LIKE, 16, "sgd", world_size, row_wise=False)
+    assert sorted(s.table for s in plan.shards) == list(range(26))
+    assert all(s.row_start == 0 and s.rows == KAGGLE_LIKE[s.table] for s in plan.shards)
+    loads = plan.bytes_per_rank()
+    assert sum(loads) == sum(KAGGLE_LIKE) * 16 * 4
+    # Greedy largest-first: the spread is at most the largest table (here the largest table decides).
+    assert max(loads) - min(loads) <= max(KAGGLE_LIKE) * 16 * 4
+    assert max(loads) <= sum(loads) / world_size + max(KAGGLE_LIKE) * 16 * 4
+    # Lookups balanced too where the bytes leave room: by bytes alone 2 ranks held 23 and 3 tables.
+    counts = [len(plan.shards_of(rank)) for rank in range(world_size)]
+    if world_size <= 3:
+        assert max(counts) - min(counts) <= 2
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_received_vectors_go_to_table_order_both_ways(out_dtype):
+    """ToTableOrder puts each rank's [b, n_q, D] block, and the replicated tables' local block, where
+    index_add over the (sample, table) rows puts them (a table split by rows: the sum of its shards'
+    columns), in `out_dtype`; its backward is that map's adjoint, the exchanged blocks' part times the
+    gradient scale, in the blocks' own dtypes (kernels.table_order: the Triton kernels here, in the
+    interpreter, and their PyTorch reference)."""
+    b, d, blocks = 37, 3, [[2, 0], [], [1, 3, 0], [4]]  # rank 1 holds no table; 0 split; 4 replicated
+    columns = [
+        [(q, j) for q, tables in enumerate(blocks) for j, t in enumerate(tables) if t == f] for f in range(5)
+    ]
+    order = ColumnOrder([len(tables) for tables in blocks], columns, torch.device("cpu"))
+    back = torch.randn(b * 5 * d, requires_grad=True)
+    local = torch.randn(b, 1, d, requires_grad=True)
+    samples = torch.arange(b).unsqueeze(1) * 5
+    rows = torch.cat([(samples + torch.tensor(tables)).reshape(-1) for tables in blocks if tables])
+
+    def by_index_add(x, y):
+        received = torch.cat([x.view(-1, d), y.view(-1, d)])
+        return torch.zeros(b * 5, d).index_add(0, rows, received).view(b, 5, d)
+
+    grad = torch.randn(b, 5, d)
+    expected = by_index_add(back, local)
+    expected_back, expected_local = torch.autograd.grad(expected, (back, local), grad)
+    out = ToTableOrder.apply(back, local, b, d, order, out_dtype, 0.25)
+    assert out.dtype == out_dtype
+    # bf16: one rounding (the interpreter's conversion may round otherwise than torch's).
+    tolerance = {} if out_dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(out.float(), expected.detach(), **tolerance)
+    got_back, got_local = torch.autograd.grad(out, (back, local), grad.to(out_dtype))
+    torch.testing.assert_close(got_back, 0.25 * expected_back, **tolerance)
+    torch.testing.assert_close(got_local, expected_local, **tolerance)
+    reference = order._gather_ref(back.detach(), local.detach(), b, d)
+    torch.testing.assert_close(reference, expected.detach())
+    ref_back, ref_local = order.scatter(grad, b, d, 0.25, torch.float32, torch.float32)
+    torch.testing.assert_close(ref_back, 0.25 * expected_back)
+    torch.testing.assert_close(ref_local, expected_local)
+
+
+def test_planner_replicates_the_tables_whose_all_reduce_moves_fewer_bytes_than_their_exchange():
+    """Data parallel where a table's gradient all-reduce (~2 rows D 4 bytes) costs less than its exchange
+    (~2 b D e (W-1)/W): fewer rows than b e (W-1) / (4 W); the others placed as before, each row once."""
+    b = 65536
+    for world, e in ((2, 4), (4, 4), (2, 2)):
+        plan = plan_tables(KAGGLE_LIKE, 16, "adagrad", world, batch_size=b, exchange_bytes_per_value=e)
+        bound = b * e * (world - 1) // (4 * world)
+        assert plan.replicated == tuple(f for f, rows in enumerate(KAGGLE_LIKE) if rows <= bound)
+        assert 0 < len(plan.replicated) < 26
+        sharded = sorted({s.table for s in plan.shards})
+        assert sharded == sorted(set(range(26)) - set(plan.replicated))
+        for f in sharded:
+            assert sum(s.rows for s in plan.shards if s.table == f) == KAGGLE_LIKE[f]
+        none = plan_tables(KAGGLE_LIKE, 16, "adagrad", world, batch_size=b, data_parallel_rows=0)
+        costs, costs_none = plan.costs(b), none.costs(b)
+        # Replicating moves fewer bytes than exchanging those tables, and looks up as many rows in all.
+        moved = [c.exchange_bytes + c.all_reduce_bytes for c in costs]
+        assert max(moved) < min(c.exchange_bytes for c in costs_none)
+        assert sum(c.lookups for c in costs) <= sum(c.lookups for c in costs_none)
+        held = sum(KAGGLE_LIKE[f] for f in plan.replicated) * row_bytes(16, "adagrad")
+        assert sum(plan.bytes_per_rank()) == sum(none.bytes_per_rank()) + (world - 1) * held
+    assert plan_tables(KAGGLE_LIKE, 16, "rowwise_adagrad", 2, batch_size=b).replicated == ()
+    assert plan_tables(KAGGLE_LIKE, 16, "sgd", 2, data_parallel_rows=10**9).replicated == tuple(
+        f
+        for f in range(26)
+        if f != 2  # never every table: the largest stays model parallel
+    )
+
+
+def test_plan_of_bags_counts_each_id_of_a_bag():
+    """Bags (k_f ids a sample) leave one-hot plans as they are; a table's lookups and exchanged ids count
+    k_f per sample, its vectors one; a bag's extra ids raise the data-parallel bound by their bytes."""
+    b, world, d = 4096, 4, 16
+    one_hot = plan_tables(KAGGLE_LIKE, d, "adagrad", world, batch_size=b)
+    assert plan_tables(KAGGLE_LIKE, d, "adagrad", world, batch_size=b, bag_sizes=(1,) * 26) == one_hot
+    sizes = tuple(1 + (f * 7) % 10 for f in range(26))
+    plan = plan_tables(KAGGLE_LIKE, d, "adagrad", world, batch_size=b, bag_sizes=sizes, data_parallel_rows=0)
+    same_places = dataclasses.replace(plan, bag_sizes=None)
+    remote = (world - 1) / world
+    # Every shard looks up its table's bags of the whole global batch.
+    expected_lookups = [sum(sizes[s.table] for s in plan.shards_of(r)) * world * b for r in range(world)]
+    assert [c.lookups for c in plan.costs(b)] == expected_lookups
+    sent_extra = sum(sizes[s.table] - 1 for s in plan.shards) * b
+    for r, (bags, ones) in enumerate(zip(plan.costs(b), same_places.costs(b), strict=True)):
+        received_extra = sum(sizes[s.table] - 1 for s in plan.shards_of(r)) * world * b
+        assert bags.exchange_bytes - ones.exchange_bytes == pytest.approx(
+            (sent_extra + received_extra) * 8 * remote, abs=1
+        )
+        assert bags.bytes_held == ones.bytes_held and bags.all_reduce_bytes == ones.all_reduce_bytes
+    # A table just above the one-hot bound is replicated once it is a bag: its extra ids (~b (k - 1) 8
+    # (W - 1) / W bytes exchanged) outweigh the all-reduce of its extra row (2 x D x 4 bytes).
+    rows = [b * 4 * (world - 1) // (4 * world) + 1] + [10**6] * 25
+    assert plan_tables(rows, d, "sgd", world, batch_size=b).replicated == ()
+    assert plan_tables(rows, d, "sgd", world, batch_size=b, bag_sizes=(2,) + (1,) * 25).replicated == (0,)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "optimizer"), [(2, "sgd"), (3, "adagrad"), (8, "adagrad"), (40, "sgd")]
+)
+def test_row_wise_plan_covers_every_row_once(world_size, optimizer):
+    plan = plan_tables(KAGGLE_LIKE, 128, optimizer, world_size)
+    for f, rows in enumerate(KAGGLE_LIKE):
+        shards = sorted((s for s in plan.shards if s.table == f), key=lambda s: s.row_start)
+        assert shards[0].row_start == 0 and sum(s.rows for s in shards) == rows
+        assert all(a.row_start + a.rows == b.row_start for a, b in zip(shards, shards[1:], strict=False))
+        assert len({s.rank for s in shards}) == len(shards)  # a table's shards on distinct ranks
+    loads = plan.bytes_per_rank()
+    largest_shard = max(plan.shard_bytes(s) for s in plan.shards)
+    assert sum(loads) == sum(KAGGLE_LIKE) * row_bytes(128, optimizer)
+    assert max(loads) - min(loads) <= largest_shard
+    # The big tables are split, so no rank holds much more than an even share.
+    assert max(loads) <= sum(loads) / world_size + largest_shard
+
+
+def test_plan_refuses_more_ranks_than_tables_without_row_wise():
+    with pytest.raises(ValueError, match="parallel.row_wise: 27 ranks but 26 model-parallel tables"):
+        plan_tables(KAGGLE_LIKE, 16, "sgd", 27, row_wise=False)
+
+
+def test_sharded_tables_refuse_bags_of_other_hashings():
+    plan = plan_tables([5] * 26, 4, "sgd", 1)
+    vocabularies = [torch.arange(4) for _ in range(26)]
+    with pytest.raises(
+        ValueError, match="^bags \\(model.multi_hot_sizes\\) need hashing 'modulus', got 'vocab'"
+    ):
+        ShardedSparseArch(plan, 0, 4, "vocab", vocabularies, multi_hot_sizes=(2,) * 26)
