@@ -88,14 +88,20 @@ def test_a_signal_stops_every_rank_with_one_line_and_the_torchrun_resume_command
     assert code == 2 and _one_error_line(output).startswith(f"error: {shard}: checksum mismatch")
 
 
-# Run by each rank before dlrm.train: from the second sharded checkpoint on, every file DCP writes fills
-# the disk (a shared one: every rank's) after half of its first write.
+# Run by each rank before dlrm.train: from the second sharded checkpoint on, the disk (a shared one) is
+# full, either for every file DCP writes, after half of its first write ("dcp", every rank), or for
+# meta.json, which rank 0 alone writes once DCP's files are complete ("meta").
 FULL_DISK_FROM_THE_SECOND_CHECKPOINT = """
-import contextlib, errno, os
+import contextlib, errno, os, pathlib
 from torch.distributed.checkpoint.filesystem import FileSystem
 from dlrm.parallel import checkpoint
 
-saves, save, create_stream = [], checkpoint.save_sharded, FileSystem.create_stream
+WHERE = "@WHERE@"
+saves, save = [], checkpoint.save_sharded
+create_stream, write_text = FileSystem.create_stream, pathlib.Path.write_text
+
+def full():
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 def counted(*args, **kwargs):
     saves.append(1)
@@ -105,22 +111,30 @@ class Full:
     def __init__(self, stream):
         self.stream = stream
     def write(self, data):
-        self.stream.write(bytes(memoryview(data).cast("B"))[: len(memoryview(data).cast("B")) // 2])
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        data = bytes(memoryview(data).cast("B"))
+        self.stream.write(data[: len(data) // 2])
+        full()
     def __getattr__(self, name):
         return getattr(self.stream, name)
 
 @contextlib.contextmanager
 def full_stream(self, path, mode):
     with create_stream(self, path, mode) as stream:
-        yield Full(stream) if len(saves) > 1 else stream
+        yield Full(stream) if WHERE == "dcp" and len(saves) > 1 else stream
 
-checkpoint.save_sharded, FileSystem.create_stream = counted, full_stream
+def full_meta(self, text, *args, **kwargs):
+    if WHERE == "meta" and self.name == "meta.json" and len(saves) > 1:
+        write_text(self, text[:10])
+        full()
+    return write_text(self, text, *args, **kwargs)
+
+checkpoint.save_sharded, FileSystem.create_stream, pathlib.Path.write_text = counted, full_stream, full_meta
 """
 
 
+@pytest.mark.parametrize("where", ["dcp", "meta"], ids=["dcp-files-every-rank", "meta-json-rank-0"])
 def test_a_full_disk_while_the_sharded_checkpoint_is_written_is_one_line_and_keeps_the_last_good_one(
-    criteo_sample, tmp_path
+    criteo_sample, tmp_path, where
 ):
     config = tmp_path / "c.json"
     raw = json.loads(TINY.read_text())
@@ -129,7 +143,7 @@ def test_a_full_disk_while_the_sharded_checkpoint_is_written_is_one_line_and_kee
     raw["profiler"]["enabled"] = False
     config.write_text(json.dumps(raw))
     run = tmp_path / "run"
-    procs = _start_ranks(config, run, FULL_DISK_FROM_THE_SECOND_CHECKPOINT)
+    procs = _start_ranks(config, run, FULL_DISK_FROM_THE_SECOND_CHECKPOINT.replace("@WHERE@", where))
     err0, err1 = (p.communicate(timeout=300)[1] for p in procs)
     assert [p.returncode for p in procs] == [2, 2], err0 + err1
     line = _one_error_line(err0)
