@@ -258,3 +258,19 @@ def test_a_full_disk_while_writing_tensorboard_events_is_one_line_and_leaves_who
         accumulator = EventAccumulator(str(run))
         accumulator.Reload()
         assert "config/text_summary" in accumulator.Tags()["tensors"]
+
+
+def test_a_killed_runs_logged_events_are_on_disk_and_its_resume_replaces_those_after_the_checkpoint(tmp_path):
+    killed = events.EventWriter(str(tmp_path))
+    for step in range(1, 6):
+        killed.add_scalar("train/loss", 10.0 - step, step)
+    # SIGKILL here: no flush, no close. Its checkpoint holds step 3; the resumed run starts at step 4.
+    run_dir.wait_past_event_files(tmp_path)
+    resumed = events.EventWriter(str(tmp_path), purge_step=4)
+    for step in range(4, 7):
+        resumed.add_scalar("train/loss", 100.0 + step, step)
+    resumed.close()
+    accumulator = EventAccumulator(str(tmp_path))
+    accumulator.Reload()
+    logged = [(e.step, e.value) for e in accumulator.Scalars("train/loss")]
+    assert logged == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 104.0), (5, 105.0), (6, 106.0)]
