@@ -1,6 +1,6 @@
 """Ctrl-C while `python -m dlrm.<command>` is still importing (torch, triton, pyarrow: seconds): one
-`error: interrupted` line and exit 130, as a Ctrl-C inside the command gives (dlrm.errors), in place of
-the traceback of whichever import it landed in.
+`error: interrupted` line (from rank 0 alone under torchrun) and exit 130, as a Ctrl-C inside the command
+gives (dlrm.errors), in place of the traceback of whichever import it landed in.
 
 dlrm/__init__.py calls `while_importing` before anything heavy is imported, and it takes SIGINT only in a
 process started as `python -m dlrm.<module>` (a library user's Ctrl-C stays theirs); the command's
@@ -39,6 +39,8 @@ def runs_a_dlrm_module() -> bool:
 
 def _exit_interrupted(signum: int, frame) -> None:
     # Nothing is written before the command starts, so there is nothing to finish: leave at once (an
-    # exception raised here would unwind through half-imported modules and their finalizers).
-    os.write(2, b"error: interrupted\n")
+    # exception raised here would unwind through half-imported modules and their finalizers). Under
+    # torchrun the signal reaches every rank: rank 0 alone says so.
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, b"error: interrupted\n")
     os._exit(128 + signum)

@@ -24,9 +24,10 @@ def _importing_heavy(pid: int) -> bool:
         return any(lib in line for line in maps for lib in HEAVY)
 
 
-@pytest.mark.parametrize("module", COMMANDS)
-def test_ctrl_c_while_a_command_imports_is_one_line_and_exit_130(module):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+def _interrupt_while_importing(module: str, **env: str) -> tuple[int, str, str]:
+    """Start `python -m module --help`, press Ctrl-C (again and again) once it imports a heavy library:
+    (exit status, stdout, stderr)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **env}
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--help"], cwd=REPO, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
@@ -39,7 +40,19 @@ def test_ctrl_c_while_a_command_imports_is_one_line_and_exit_130(module):
         proc.send_signal(signal.SIGINT)
         time.sleep(0.05)
     out, err = proc.communicate()
-    assert proc.returncode == 130 and err == "error: interrupted\n" and out == "", err
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("module", COMMANDS)
+def test_ctrl_c_while_a_command_imports_is_one_line_and_exit_130(module):
+    code, out, err = _interrupt_while_importing(module)
+    assert code == 130 and err == "error: interrupted\n" and out == "", err
+
+
+def test_under_torchrun_rank_0_alone_prints_the_line():
+    for rank, line in (("0", "error: interrupted\n"), ("1", "")):
+        code, out, err = _interrupt_while_importing("dlrm.train", RANK=rank, WORLD_SIZE="2")
+        assert code == 130 and err == line and out == "", (rank, err)
 
 
 @pytest.mark.parametrize(
