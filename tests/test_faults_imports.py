@@ -13,8 +13,12 @@ from dlrm import ctrl_c
 from dlrm.errors import cli_errors
 from tests.conftest import REPO
 
-COMMANDS = ["dlrm.train", "dlrm.evaluate", "dlrm.predict", "dlrm.export", "dlrm.finetune", "dlrm.aoti"]
-COMMANDS += ["dlrm.data.preprocess", "dlrm.data.synthetic", "dlrm.data.binary", "dlrm.data.multi_hot"]
+# Every `python -m dlrm.<module>` command: the modules that run a main as __main__.
+COMMANDS = sorted(
+    ".".join(path.relative_to(REPO).with_suffix("").parts)
+    for path in (REPO / "dlrm").rglob("*.py")
+    if 'if __name__ == "__main__":' in path.read_text()
+)
 HEAVY = ("/numpy/", "/pyarrow/", "/torch/")  # every command imports one of them, after dlrm/__init__.py
 
 
