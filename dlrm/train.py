@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from dlrm import parallel, progress
+from dlrm.atomic import disk_full
 from dlrm.choices import COMPILE_MODES, DEVICES, PRECISIONS, TRITON_MLP_KERNELS
 from dlrm.cli_options import command, path_option, set_option
 from dlrm.config import apply_overrides, load_config, replace
@@ -154,8 +155,11 @@ def main(
         except CheckpointDiskFull as err:  # under torchrun, on every rank at once
             stop_every_rank(os_error_line(err), EXIT_BAD_INPUT)
         except Exception as err:
-            if parallel.is_distributed():
-                parallel.fail(err)  # one message naming the rank that failed or stopped; never returns
+            # A full disk on one rank (rank 0 writes metrics.json, TensorBoard) is its one line, as in
+            # one process (`report` ends the other ranks); anything else names the rank that failed or
+            # stopped (never returns).
+            if parallel.is_distributed() and disk_full(err, None) is None:
+                parallel.fail(err)
             raise
     parallel.shutdown()
 

@@ -16,6 +16,7 @@ from dlrm import evaluate as evaluate_cli
 from dlrm import train as train_cli
 from tests.conftest import REPO
 from tests.test_faults import TINY, _cli, _one_error_line
+from tests.test_faults_disk import _whole_records
 from tests.test_parallel import _free_port
 
 
@@ -157,3 +158,41 @@ def test_a_full_disk_while_the_sharded_checkpoint_is_written_is_one_line_and_kee
     assert meta["step"] == 1
     code, output = _cli(evaluate_cli.main, ["--checkpoint", checkpoints / "last", "--data", criteo_sample])
     assert code == 0 and 0 < json.loads(output.splitlines()[-1])["auc"] < 1, output
+
+
+# Run by each rank before dlrm.train: the disk fills while rank 0 (which alone writes TensorBoard) appends
+# its fifth event.
+FULL_DISK_FOR_THE_EVENTS = """
+import errno, os
+from dlrm.run import events
+
+appended, write = [], os.write
+
+def full(fd, data):
+    if os.readlink(f"/proc/self/fd/{fd}").rsplit("/", 1)[-1].startswith("events.out.tfevents."):
+        appended.append(1)
+        if len(appended) == 5:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return write(fd, data)
+
+events.os.write = full
+"""
+
+
+def test_a_full_disk_for_rank_0s_tensorboard_events_is_one_line_and_ends_every_rank(criteo_sample, tmp_path):
+    config = tmp_path / "c.json"
+    raw = json.loads(TINY.read_text())
+    raw["data"].update(path=str(criteo_sample), batch_size=240)
+    raw["train"].update(max_steps=3, log_interval=1, eval_interval=None, device="cpu")
+    raw["profiler"]["enabled"] = False
+    config.write_text(json.dumps(raw))
+    run = tmp_path / "run"
+    procs = _start_ranks(config, run, FULL_DISK_FOR_THE_EVENTS)
+    err0, err1 = (p.communicate(timeout=300)[1] for p in procs)
+    assert procs[0].returncode == 2 and procs[1].returncode != 0, err0 + err1
+    line = _one_error_line(err0)
+    [events] = run.glob("events.out.tfevents.*")
+    expected = rf"error: {events}: No space left on device \([\d,.]+ MiB free on {run}\)"
+    assert re.fullmatch(expected, line), line
+    assert f"rank 1: ending: {line}" in err1 and "Traceback" not in err1, err1
+    assert _whole_records(events) == 4
