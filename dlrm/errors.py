@@ -13,7 +13,8 @@
   `PATH: reason`, 2.
 - torch.OutOfMemoryError that the loop did not report itself (it adds batch size, table bytes, free
   memory): its first line, 2.
-- KeyboardInterrupt (a second Ctrl-C, or one outside the training loop): `interrupted`, 130.
+- KeyboardInterrupt (a second Ctrl-C, or one outside the training loop): `interrupted`, 130; the same line
+  while the command still imports (dlrm.ctrl_c).
 
 Anything else is a bug and keeps its traceback. Click's own usage errors (exit 2) pass through untouched.
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import click
 
+from dlrm import ctrl_c
 from dlrm.atomic import disk_full
 
 EXIT_BAD_INPUT = 2
@@ -100,7 +102,9 @@ def print_and_exit(message: str, code: int) -> None:
 @contextmanager
 def cli_errors(report: Callable[[str, int], None] = print_and_exit) -> Iterator[None]:
     """Hand what `one_line` knows to `report(message, exit code)`, which ends the process (default:
-    `print_and_exit`; dlrm.train's also ends the other ranks of a torchrun job); re-raise the rest."""
+    `print_and_exit`; dlrm.train's also ends the other ranks of a torchrun job); re-raise the rest.
+    A Ctrl-C from here on is a KeyboardInterrupt again (dlrm.ctrl_c took it while the command imported)."""
+    ctrl_c.restore()
     try:
         yield
     except BaseException as err:

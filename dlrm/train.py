@@ -15,10 +15,12 @@ from pathlib import Path
 import click
 
 from dlrm import parallel, progress
+from dlrm.atomic import disk_full
 from dlrm.choices import COMPILE_MODES, DEVICES, PRECISIONS, TRITON_MLP_KERNELS
 from dlrm.cli_options import choice_option, command, path_option, set_option
 from dlrm.config import apply_overrides, load_config, replace
-from dlrm.errors import Interrupted, RunStopped, cli_errors
+from dlrm.errors import EXIT_BAD_INPUT, Interrupted, RunStopped, cli_errors, os_error_line
+from dlrm.parallel.checkpoint import CheckpointDiskFull
 from dlrm.run.loop import train
 
 
@@ -121,8 +123,8 @@ def main(
 ):
     """Train a DLRM on preprocessed Criteo data; watch it with `.venv/bin/tensorboard --logdir runs`.
 
-    Exit status: 0 done, 2 bad input (one line naming the file or key), 3 non-finite loss, 130 / 143
-    stopped by SIGINT / SIGTERM (checkpoints/last.pt written; the line says how to go on).
+    Exit status: 0 done, 2 bad input or a full disk (one line naming the file or key), 3 non-finite loss,
+    130 / 143 stopped by SIGINT / SIGTERM (checkpoints/last.pt written; the line says how to go on).
     """
     mode = progress.configure("quiet" if quiet else "auto")
     with cli_errors(report):
@@ -148,11 +150,16 @@ def main(
                 command = resume_command(click.get_current_context(), err.checkpoint)
                 err.args = (f"{err}; go on with: {command}",)
             if isinstance(err, Interrupted) and parallel.is_distributed():
-                stop_every_rank(err)
+                stop_every_rank(str(err), err.exit_code)
             raise
+        except CheckpointDiskFull as err:  # under torchrun, on every rank at once
+            stop_every_rank(os_error_line(err), EXIT_BAD_INPUT)
         except Exception as err:
-            if parallel.is_distributed():
-                parallel.fail(err)  # one message naming the rank that failed or stopped; never returns
+            # A full disk on one rank (rank 0 writes metrics.json, TensorBoard) is its one line, as in
+            # one process (`report` ends the other ranks); anything else names the rank that failed or
+            # stopped (never returns).
+            if parallel.is_distributed() and disk_full(err, None) is None:
+                parallel.fail(err)
             raise
     parallel.shutdown()
 
@@ -164,18 +171,19 @@ def report(message: str, code: int) -> None:
     parallel.exit_now(code)
 
 
-def stop_every_rank(err: Interrupted) -> None:
-    """A signal stopped a torchrun job: every rank stopped at the same step and wrote its part of the
-    checkpoint, so all leave the process group together (no rank is aborted), rank 0 prints the one line,
-    and every rank exits 128 + the signal number. Never returns."""
+def stop_every_rank(message: str, code: int) -> None:
+    """End a torchrun job that every rank stops at the same point (a signal: every rank stopped at the
+    same step and wrote its part of the checkpoint; a full disk while they wrote one): all leave the
+    process group together (no rank is aborted), rank 0 prints `message` as the one line, and every rank
+    exits `code`. Never returns."""
     rank, _, _ = parallel.world_from_env()
     parallel.shutdown()
     if rank == 0:
-        click.echo(f"error: {err}", err=True)
+        click.echo(f"error: {message}", err=True)
     # Everything is written and closed; the interpreter's own shutdown takes seconds after gloo's.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(err.exit_code)
+    os._exit(code)
 
 
 def resume_command(ctx: click.Context, checkpoint: Path) -> str:

@@ -6,14 +6,18 @@ import errno
 import json
 import os
 import re
+import struct
 from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
 from dlrm import atomic, checkpoint, profiling
 from dlrm import train as train_cli
 from dlrm.run import directory as run_dir
+from dlrm.run import events
 from tests.test_faults import _cli, _config, _one_error_line
 
 
@@ -208,3 +212,65 @@ def test_a_full_disk_while_the_profiler_writes_its_trace_is_one_line_and_leaves_
     assert code == 2 and ".pt.trace.json: the profiler could not write its trace" in line
     assert "0.0 MiB free on /full" in line
     assert not list(run.glob("*trace*")) and not list(run.glob(".*tmp*"))
+
+
+def _whole_records(path: Path) -> int:
+    """The number of TFRecords in event file `path`, asserting that it holds whole ones only (each length
+    and payload matching its CRC) and nothing after the last."""
+    data, at, count = path.read_bytes(), 0, 0
+    while at < len(data):
+        (length,) = struct.unpack_from("<Q", data, at)
+        (length_crc,) = struct.unpack_from("<I", data, at + 8)
+        assert length_crc == masked_crc32c(data[at : at + 8]) and at + 16 + length <= len(data), at
+        (payload_crc,) = struct.unpack_from("<I", data, at + 12 + length)
+        assert payload_crc == masked_crc32c(data[at + 12 : at + 12 + length]), at
+        at, count = at + 16 + length, count + 1
+    return count
+
+
+@pytest.mark.parametrize("full_at", [1, 4], ids=["opening", "training"])
+def test_a_full_disk_while_writing_tensorboard_events_is_one_line_and_leaves_whole_records(
+    config, tmp_path, monkeypatch, full_at
+):
+    run = tmp_path / "run"
+    real_write, records = os.write, []
+
+    def full_from_record(fd, data):  # the disk fills in the middle of record `full_at` of the event file
+        if not os.readlink(f"/proc/self/fd/{fd}").startswith(str(run / "events.out.tfevents.")):
+            return real_write(fd, data)
+        if len(records) == full_at:  # what is left of the record after the part that fitted
+            _enospc()
+        records.append(bytes(data))
+        return real_write(fd, data[: len(data) // 2] if len(records) == full_at else data)
+
+    monkeypatch.setattr(events.os, "write", full_from_record)
+    code, output = _cli(train_cli.main, ["--config", config, "--output-dir", run])
+    monkeypatch.undo()
+    line = _one_error_line(output)  # (no traceback of a writer thread either)
+    assert code == 2 and len(records) == full_at
+    assert re.fullmatch(
+        rf"error: {run}/events\.out\.tfevents\.\S+: No space left on device \([\d,.]+ MiB free on .+\)", line
+    )
+    files = list(run.glob("events.out.tfevents.*"))
+    assert len(files) == (full_at > 1) and not list(run.glob(".*tmp*"))
+    if files:  # the events before the full disk, whole, and TensorBoard reads them
+        assert _whole_records(files[0]) == full_at - 1
+        accumulator = EventAccumulator(str(run))
+        accumulator.Reload()
+        assert "config/text_summary" in accumulator.Tags()["tensors"]
+
+
+def test_a_killed_runs_logged_events_are_on_disk_and_its_resume_replaces_those_after_the_checkpoint(tmp_path):
+    killed = events.EventWriter(str(tmp_path))
+    for step in range(1, 6):
+        killed.add_scalar("train/loss", 10.0 - step, step)
+    # SIGKILL here: no flush, no close. Its checkpoint holds step 3; the resumed run starts at step 4.
+    run_dir.wait_past_event_files(tmp_path)
+    resumed = events.EventWriter(str(tmp_path), purge_step=4)
+    for step in range(4, 7):
+        resumed.add_scalar("train/loss", 100.0 + step, step)
+    resumed.close()
+    accumulator = EventAccumulator(str(tmp_path))
+    accumulator.Reload()
+    logged = [(e.step, e.value) for e in accumulator.Scalars("train/loss")]
+    assert logged == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 104.0), (5, 105.0), (6, 106.0)]

@@ -35,7 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 
+from dlrm.atomic import DiskFull, disk_full
 from dlrm.config import from_dict
 from dlrm.model.tables import index_vocabularies
 from dlrm.parallel.group import Dist
@@ -152,33 +154,68 @@ def _replicated_views(arch, optimizer: torch.optim.Optimizer, prefix: str) -> di
     return views
 
 
+class CheckpointDiskFull(DiskFull):
+    """The disk filled (or a quota, or it is read-only) while a sharded checkpoint was written, on any
+    rank: raised on every rank at once, naming the checkpoint directory; the earlier one is unchanged."""
+
+
 def save_sharded(path: Path, model, optimizer: torch.optim.Optimizer, dist_: Dist, meta: dict) -> None:
     """Write the checkpoint directory `path` from every rank (a collective: all ranks call it).
 
     Written under a temporary name and renamed into place by rank 0 once complete, so a crash never
     leaves a partial checkpoint under the final name. The directory must be on a filesystem every rank
     sees (shared across hosts).
+
+    Raises:
+        CheckpointDiskFull: on every rank, when a rank's write failed for want of space (DCP gathers each
+            rank's failure and raises it on all) or rank 0's meta.json or rename did; the temporary
+            directory is removed.
     """
     tmp = path.with_name(f".{path.name}.tmp")
     if dist_.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(_state_dict(model, optimizer, dist_), checkpoint_id=tmp)
-    if dist_.is_main:
-        plan = model.sparse_arch.plan
-        sha256 = {f.name: file_sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}
-        meta = {**meta, "world_size": dist_.world_size, "plan": plan.to_dict(), "sha256": sha256}
-        (tmp / META).write_text(json.dumps(meta, indent=2))
-        old = path.with_name(f".{path.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    full = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(_state_dict(model, optimizer, dist_), checkpoint_id=tmp)
+        if dist_.is_main:
+            _publish(tmp, path, model.sparse_arch.plan, dist_, meta)
+    except (Exception, CheckpointException) as err:  # (CheckpointException is a BaseException)
+        if dist_.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        full = _disk_full(err, path)
+        if full is None:
+            raise
+    # Rank 0's outcome to every rank (its own steps after DCP's can fail alone), in place of a barrier.
+    outcome = [None if full is None else (full.errno, full.strerror)]
+    dist.broadcast_object_list(outcome)
+    if outcome[0] is not None:
+        raise CheckpointDiskFull(*outcome[0], str(path))
+
+
+def _publish(tmp: Path, path: Path, plan: ShardingPlan, dist_: Dist, meta: dict) -> None:
+    """Rank 0, once DCP wrote `tmp`: its meta.json (with each file's sha256), then `tmp` renamed to `path`
+    (an earlier `path` moved aside first and removed last)."""
+    sha256 = {f.name: file_sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}
+    meta = {**meta, "world_size": dist_.world_size, "plan": plan.to_dict(), "sha256": sha256}
+    (tmp / META).write_text(json.dumps(meta, indent=2))
+    old = path.with_name(f".{path.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _disk_full(err: BaseException, path: Path) -> DiskFull | None:
+    """dlrm.atomic.disk_full naming `path`, also for DCP's CheckpointException: the first rank's failure
+    that is a full disk."""
+    if isinstance(err, CheckpointException):
+        return next(filter(None, (disk_full(exc, path) for exc, _ in err.failures.values())), None)
+    return disk_full(err, path)
 
 
 def read_meta(path: Path) -> dict:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 from loguru import logger
-from torch.utils.tensorboard import SummaryWriter
 
 from dlrm import atomic, parallel
 from dlrm.checkpoint import load_checkpoint, save_checkpoint
@@ -33,6 +32,7 @@ from dlrm.parallel.evaluation import ShardedEvalSplit, evaluate_sharded
 from dlrm.parallel.sharded import build_sharded_model
 from dlrm.progress import TrainProgress
 from dlrm.run.directory import check_run_dir, make_run_dir, wait_past_event_files
+from dlrm.run.events import EventWriter
 
 
 def start(cfg: RunConfig) -> tuple["SingleProcess | Sharded", torch.device]:
@@ -125,9 +125,9 @@ class SingleProcess:
         if resumed:
             wait_past_event_files(run_dir)
 
-    def writer(self, run_dir: Path, purge_step: int | None) -> SummaryWriter | ranks.NullWriter:
+    def writer(self, run_dir: Path, purge_step: int | None) -> EventWriter | ranks.NullWriter:
         """The run's TensorBoard writer."""
-        return SummaryWriter(str(run_dir), purge_step=purge_step)
+        return EventWriter(str(run_dir), purge_step=purge_step)
 
     def checkpoint_path(self, run_dir: Path, name: str) -> Path:
         """Where checkpoint `name` ("last.pt", "best.pt") of the run goes: a file."""
@@ -241,8 +241,8 @@ class Sharded:
                 run_dir / "sharding_plan.json", json.dumps(self.plan.to_dict(self.batch_per_rank), indent=2)
             )
 
-    def writer(self, run_dir: Path, purge_step: int | None) -> SummaryWriter | ranks.NullWriter:
-        return SummaryWriter(str(run_dir), purge_step=purge_step) if self.is_main else ranks.NullWriter()
+    def writer(self, run_dir: Path, purge_step: int | None) -> EventWriter | ranks.NullWriter:
+        return EventWriter(str(run_dir), purge_step=purge_step) if self.is_main else ranks.NullWriter()
 
     def checkpoint_path(self, run_dir: Path, name: str) -> Path:
         """A sharded directory, checkpoints/<name without .pt>/."""
