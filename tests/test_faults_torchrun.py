@@ -20,6 +20,17 @@ from tests.test_faults_disk import _whole_records
 from tests.test_parallel import _free_port
 
 
+def _cpu_config(tmp_path: Path, criteo_sample: Path, **train) -> Path:
+    """tiny.json on the sample, global batch 240, on the CPU without the profiler, `train` keys set."""
+    config = tmp_path / "c.json"
+    raw = json.loads(TINY.read_text())
+    raw["data"].update(path=str(criteo_sample), batch_size=240)
+    raw["train"].update(**train, device="cpu")
+    raw["profiler"]["enabled"] = False
+    config.write_text(json.dumps(raw))
+    return config
+
+
 def _start_ranks(config: Path, run: Path, prelude: str | None = None) -> list[subprocess.Popen]:
     """Two ranks of `python -m dlrm.train`; with `prelude`, Python code each runs before it (a fault)."""
     port, procs = _free_port(), []
@@ -45,12 +56,9 @@ def _start_ranks(config: Path, run: Path, prelude: str | None = None) -> list[su
 def test_a_signal_stops_every_rank_with_one_line_and_the_torchrun_resume_command(
     criteo_sample, tmp_path, signum, to
 ):
-    config = tmp_path / "c.json"
-    raw = json.loads(TINY.read_text())
-    raw["data"].update(path=str(criteo_sample), batch_size=240)
-    raw["train"].update(max_steps=None, epochs=50, log_interval=1, eval_interval=None, device="cpu")
-    raw["profiler"]["enabled"] = False
-    config.write_text(json.dumps(raw))
+    config = _cpu_config(
+        tmp_path, criteo_sample, max_steps=None, epochs=50, log_interval=1, eval_interval=None
+    )
     run = tmp_path / "run"
     procs = _start_ranks(config, run)
     lines = []
@@ -137,12 +145,7 @@ checkpoint.save_sharded, FileSystem.create_stream, pathlib.Path.write_text = cou
 def test_a_full_disk_while_the_sharded_checkpoint_is_written_is_one_line_and_keeps_the_last_good_one(
     criteo_sample, tmp_path, where
 ):
-    config = tmp_path / "c.json"
-    raw = json.loads(TINY.read_text())
-    raw["data"].update(path=str(criteo_sample), batch_size=240)
-    raw["train"].update(max_steps=2, checkpoint_interval=1, eval_interval=None, device="cpu")
-    raw["profiler"]["enabled"] = False
-    config.write_text(json.dumps(raw))
+    config = _cpu_config(tmp_path, criteo_sample, max_steps=2, checkpoint_interval=1, eval_interval=None)
     run = tmp_path / "run"
     procs = _start_ranks(config, run, FULL_DISK_FROM_THE_SECOND_CHECKPOINT.replace("@WHERE@", where))
     err0, err1 = (p.communicate(timeout=300)[1] for p in procs)
@@ -180,12 +183,7 @@ events.os.write = full
 
 
 def test_a_full_disk_for_rank_0s_tensorboard_events_is_one_line_and_ends_every_rank(criteo_sample, tmp_path):
-    config = tmp_path / "c.json"
-    raw = json.loads(TINY.read_text())
-    raw["data"].update(path=str(criteo_sample), batch_size=240)
-    raw["train"].update(max_steps=3, log_interval=1, eval_interval=None, device="cpu")
-    raw["profiler"]["enabled"] = False
-    config.write_text(json.dumps(raw))
+    config = _cpu_config(tmp_path, criteo_sample, max_steps=3, log_interval=1, eval_interval=None)
     run = tmp_path / "run"
     procs = _start_ranks(config, run, FULL_DISK_FOR_THE_EVENTS)
     err0, err1 = (p.communicate(timeout=300)[1] for p in procs)
