@@ -55,7 +55,7 @@ def _source(source_ptr, r, d, b, D):
 @triton.jit(do_not_specialize=["b"])
 def _gather_kernel(
     back_ptr, local_ptr, out_ptr, sources_ptr, counts_ptr, b, F, D,
-    K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    K: tl.constexpr, FIELDS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, table f): out[r, f] = the sum of f's sources (at most K)."""
     f = tl.program_id(1)
@@ -63,7 +63,7 @@ def _gather_kernel(
     count = tl.load(counts_ptr + f)
     acc = tl.zeros((BLOCK_B, BLOCK_D), dtype=tl.float32)
     for k in tl.static_range(K):
-        offset, local = _source(sources_ptr + (f * K + k) * 4, r, d, b, D)
+        offset, local = _source(sources_ptr + (f * K + k) * FIELDS, r, d, b, D)
         present = mask & (k < count)
         acc += tl.load(back_ptr + offset, mask=present & (local == 0), other=0.0).to(tl.float32)
         acc += tl.load(local_ptr + offset, mask=present & (local != 0), other=0.0).to(tl.float32)
@@ -73,7 +73,7 @@ def _gather_kernel(
 @triton.jit(do_not_specialize=["b"])
 def _scatter_kernel(
     grad_ptr, back_ptr, local_ptr, targets_ptr, tables_ptr, b, F, D, scale,
-    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    FIELDS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, destination column c of table tables[c]): the column gets grad[r, f], times
     `scale` where it is exchanged."""
@@ -81,7 +81,7 @@ def _scatter_kernel(
     r, d, mask = _rows_and_dims(b, D, BLOCK_B, BLOCK_D)
     f = tl.load(tables_ptr + c).to(tl.int64)
     g = tl.load(grad_ptr + r * F * D + f * D + d, mask=mask, other=0.0).to(tl.float32)
-    offset, local = _source(targets_ptr + c * 4, r, d, b, D)
+    offset, local = _source(targets_ptr + c * FIELDS, r, d, b, D)
     tl.store(back_ptr + offset, (g * scale).to(back_ptr.dtype.element_ty), mask=mask & (local == 0))
     tl.store(local_ptr + offset, g.to(local_ptr.dtype.element_ty), mask=mask & (local != 0))
 
@@ -130,7 +130,7 @@ class ColumnOrder:
         grid = (triton.cdiv(b, block_b), tables)
         _gather_kernel[grid](
             back, local, out, self.gather_sources, self.counts, b, tables, d,
-            K=self.k, BLOCK_B=block_b, BLOCK_D=block_d,
+            K=self.k, FIELDS=FIELDS, BLOCK_B=block_b, BLOCK_D=block_d,
         )  # fmt: skip
         return out
 
@@ -150,13 +150,14 @@ class ColumnOrder:
         grid = (triton.cdiv(b, block_b), self.scatter_tables.numel())
         _scatter_kernel[grid](
             grad, grad_back, local, self.scatter_targets, self.scatter_tables, b, len(self.sources), d,
-            scale, BLOCK_B=block_b, BLOCK_D=block_d,
+            scale, FIELDS=FIELDS, BLOCK_B=block_b, BLOCK_D=block_d,
         )  # fmt: skip
         return grad_back, grad_local
 
     def _blocks_of(self, back: Tensor, local: Tensor, b: int, d: int) -> list[Tensor]:
         sizes = [b * w * d for w in self.widths[: self.local]]
-        return [x.view(b, w, d) for x, w in zip(back.split(sizes), self.widths, strict=False)] + [local]
+        blocks = zip(back.split(sizes), self.widths[: self.local], strict=True)
+        return [x.view(b, w, d) for x, w in blocks] + [local]
 
     def _gather_ref(self, back: Tensor, local: Tensor, b: int, d: int) -> Tensor:
         """PyTorch reference of `gather` (strided copies per table), in the promoted dtype."""
