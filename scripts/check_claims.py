@@ -8,8 +8,8 @@ after a space or not: `us`, `ms`, `samples/s`, `rows/s`, `GB/s`, `TB/s`, `TFLOP/
 number scales it (`25.5M samples/s`). So is a decimal with three or more digits after the point (`0.7364`)
 on a line that names AUC, logloss or NE. Not claims: anything inside backticks, fenced code blocks or
 indented code blocks (commands, config values, file names), numbers with other units (sizes, seconds,
-counts), and the block that scripts/readme_table.py generates (between its marker comments, built from
-the rows themselves).
+counts), and the blocks that scripts/readme_table.py and scripts/sweep_table.py generate (between their
+marker comments, built from the rows themselves).
 
 A claim is backed when some current row (scripts/results_rows.py: measured on the code that is here now)
 holds a cell equal to it at the precision it is written with (`25.5M` matches 25,526,303; `4.5%` matches

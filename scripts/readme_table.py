@@ -19,8 +19,6 @@ the same run, and whether the code it measured has changed since (scripts/result
   commit has them.
 """
 
-import re
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,7 +26,8 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_claims import BEGIN, END  # noqa: E402
-from results_rows import REPO, Row, history_available, is_current, read_rows  # noqa: E402
+from generated_block import markdown_table, mean_sd, write_or_check  # noqa: E402
+from results_rows import REPO, Row, is_current, read_rows  # noqa: E402
 
 README = REPO / "README.md"
 
@@ -44,16 +43,6 @@ def _ratio(ours: Row, base: Row | None) -> str:
 
 def _current(row: Row) -> str:
     return "no" if is_current(row) else "yes"
-
-
-def _without_currency(text: str) -> str:
-    """`text` with every "code changed since" cell (a lone yes or no) made the same."""
-    return re.sub(r"\| (yes|no) \|", "| ? |", text)
-
-
-def _table(header: list[str], body: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    return lines + ["| " + " | ".join(cells) + " |" for cells in body]
 
 
 def _run(row: Row) -> tuple[str, str, str]:
@@ -104,7 +93,7 @@ def step_table(rows: list[Row]) -> list[str]:
         )  # fmt: skip
     header = ["config", "precision", "optimizer", "batch", "ours samples/s", "baseline", "baseline samples/s",
               "ratio", "machine", "commit", "code changed since", "row"]  # fmt: skip
-    return _table(header, body)
+    return markdown_table(header, body)
 
 
 def scaling_table(rows: list[Row]) -> list[str]:
@@ -140,7 +129,7 @@ def scaling_table(rows: list[Row]) -> list[str]:
         )  # fmt: skip
     header = ["config", "precision", "batch per GPU", "GPUs", "samples/s", "1 GPU samples/s", "scaling",
               "machine", "commit", "code changed since", "row"]  # fmt: skip
-    return _table(header, body)
+    return markdown_table(header, body)
 
 
 def sample_table(rows: list[Row]) -> list[str]:
@@ -157,12 +146,7 @@ def sample_table(rows: list[Row]) -> list[str]:
         )  # fmt: skip
     header = ["backend", "config", "batch", "val AUC", "test AUC", "samples/s", "vs eager (same run)",
               "machine", "commit", "code changed since", "row"]  # fmt: skip
-    return _table(header, body)
-
-
-def _mean_sd(values: list[float]) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.4f} +- {sd:.4f}"
+    return markdown_table(header, body)
 
 
 def _latest_seeds(runs: list[Row]) -> list[Row]:
@@ -189,18 +173,18 @@ def quality_table(rows: list[Row]) -> list[str]:
             continue
         runs = _latest_seeds(group)
         reference = _latest_seeds(groups.get((window, "sklearn_l2"), []))
-        ref_auc = _mean_sd([float(r.cells["test_auc"]) for r in reference]) if reference else "not measured"
+        ref_auc = mean_sd([float(r.cells["test_auc"]) for r in reference]) if reference else "not measured"
         commits = list(dict.fromkeys(r.cells["git_sha"] for r in runs))  # in file order
         body.append(
             [window, config, ",".join(r.cells["seed"] for r in runs),
-             _mean_sd([float(r.cells["test_auc"]) for r in runs]),
-             _mean_sd([float(r.cells["test_ne"]) for r in runs]), ref_auc, runs[0].cells["device"],
+             mean_sd([float(r.cells["test_auc"]) for r in runs]),
+             mean_sd([float(r.cells["test_ne"]) for r in runs]), ref_auc, runs[0].cells["device"],
              " ".join(commits), "yes" if any(_current(r) == "yes" for r in runs) else "no",
              f"{runs[0].key}-{runs[-1].line}" if len(runs) > 1 else runs[0].key]
         )  # fmt: skip
     header = ["data", "config", "seeds", "test AUC", "test NE", "L2 LR test AUC (same data)", "machine",
               "commits", "code changed since", "rows"]  # fmt: skip
-    return _table(header, body)
+    return markdown_table(header, body)
 
 
 def block(rows: list[Row]) -> str:
@@ -230,33 +214,11 @@ def block(rows: list[Row]) -> str:
     return "\n".join(parts)
 
 
-def rewrite(text: str, rows: list[Row]) -> str:
-    """`text` with its block between the markers replaced. Raises ValueError without both markers."""
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"README.md: expected the markers {BEGIN} and {END}, in that order")
-    return text[:start] + block(rows) + text[end + len(END) :]
-
-
 @click.command()
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 if README.md's block is out of date.")
 def main(check: bool) -> None:
     """Rewrite README.md's results block from scripts/results/*.csv."""
-    text = README.read_text()
-    try:
-        new = rewrite(text, read_rows())
-    except ValueError as err:
-        raise click.ClickException(str(err)) from err
-    if check:
-        if not history_available():
-            # Without the rows' commits "code changed since" cannot be computed: every other cell is checked.
-            click.echo("a shallow clone or no git: the 'code changed since' column is not checked", err=True)
-            new, text = _without_currency(new), _without_currency(text)
-        if new != text:
-            click.echo("README.md: the results block is out of date: run scripts/readme_table.py", err=True)
-            sys.exit(1)
-        return
-    README.write_text(new)
+    write_or_check(README, lambda: block(read_rows()), "readme_table.py", check)
 
 
 if __name__ == "__main__":

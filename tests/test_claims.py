@@ -1,6 +1,7 @@
 """The numbers in README.md and docs/: every measured one backed by a current results row
-(scripts/check_claims.py), and README's results block as scripts/readme_table.py writes it. Both read the
-repository's git history (a row is current when the code it measured is unchanged since its commit)."""
+(scripts/check_claims.py), README's results block as scripts/readme_table.py writes it and docs/quality.md's
+as scripts/sweep_table.py writes it. All read the repository's git history (a row is current when the code it
+measured is unchanged since its commit)."""
 
 import subprocess
 import sys
@@ -33,6 +34,36 @@ def test_every_number_in_the_docs_has_a_current_row():
 def test_readme_results_block_is_generated_from_the_rows():
     result = _run("readme_table.py", "--check")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_quality_sweep_block_is_generated_from_the_rows():
+    result = _run("sweep_table.py", "--check")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_sweep_tables_show_seed_0_per_dataset_and_each_setting_over_its_seeds(scripts, monkeypatch):
+    _, results_rows = scripts
+    import sweep_table
+
+    monkeypatch.setattr(sweep_table, "is_current", lambda row: row.cells["git_sha"] == "new")
+
+    def run(line, label, window, seed, auc, loss, sha="new"):
+        cells = {"label": label, "overrides": "", "window": window, "seed": seed, "val_auc": auc,
+                 "val_ne": "0.9", "max_train_loss": loss, "base_loss": "0.5", "git_sha": sha}  # fmt: skip
+        return results_rows.Row(sweep_table.SWEEP, line, cells)
+
+    rows = [
+        run(2, "a", "whole", "0", "0.70", "0.4"),
+        run(3, "a", "whole", "1", "0.60", "0.6"),
+        run(4, "a", "whole", "1", "0.80", "0.6"),  # seed 1 again: the newer run counts
+        run(5, "b", "ctr", "0", "0.75", "0.4", sha="old"),
+    ]
+    seed0 = sweep_table.seed0_table(rows)
+    assert seed0[0] == "| setting | overrides | ctr | whole | code changed since |"
+    assert seed0[2] == "| a | (none) | - | 0.7000 / 0.9000 / 0.400 (L2) | no |"
+    assert seed0[3] == "| b | (none) | 0.7500 / 0.9000 / 0.400 (L5) | - | yes |"
+    seeds = sweep_table.seeds_table(rows)
+    assert seeds[2:] == ["| a | whole | 0,1 | 0.7500 +- 0.0707 | 0.9000 +- 0.0000 | 1 | L2 L4 | no |"]
 
 
 def test_claims_are_numbers_with_units_outside_code(scripts):
