@@ -1,7 +1,9 @@
 """The rows of scripts/results/*.csv, and whether each is current: measured on the code that is here now.
 
 The rule for "current": a row is current when its `git_sha` names a commit of this repository and the code
-its file measures (`MEASURES`) has not changed since that commit. A change is any difference in a
+its file measures (`MEASURES`) has not changed since that commit, nor the config file its `config` cell names
+(`configs/NAME.json` for a bare name, as the bench scripts read it, or the path itself): a run of
+`configs/main.json` measures that file's settings too. A change is any difference in a
 non-Python file, or a Python file whose syntax tree differs once docstrings are dropped (comments are not
 in the tree), so rewording a comment or a docstring keeps a measurement current and any code change ends it.
 The comparison is against the working tree, so uncommitted code counts too. Rows without a `git_sha`, or
@@ -117,6 +119,16 @@ def history_available() -> bool:
         return False
 
 
+def config_path(row: Row) -> tuple[str, ...]:
+    """The config file `row` ran, relative to the repository root (none when its `config` cell is empty or
+    names no config: a dash, a label with spaces)."""
+    name = row.cells.get("config") or ""
+    if not name or name == "-" or " " in name:
+        return ()
+    return (name,) if name.endswith(".json") else (f"configs/{name}.json",)
+
+
 def is_current(row: Row) -> bool:
-    """Whether `row` was measured on the code that is here now."""
-    return commit_is_current(row.cells.get("git_sha", ""), MEASURES.get(row.file, WHOLE))
+    """Whether `row` was measured on the code (and config) that is here now."""
+    paths = MEASURES.get(row.file, WHOLE) + config_path(row)
+    return commit_is_current(row.cells.get("git_sha", ""), paths)

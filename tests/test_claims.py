@@ -127,3 +127,18 @@ def test_a_commit_this_repository_lacks_is_never_current(scripts):
     _, results_rows = scripts
     assert not results_rows.commit_is_current("0000000", ("kernels",))
     assert not results_rows.commit_is_current("", ("kernels",))
+
+
+def test_a_row_measures_the_config_file_it_names(scripts, monkeypatch):
+    _, results_rows = scripts
+
+    def row(config):
+        return results_rows.Row("train.csv", 2, {"git_sha": "abc", "config": config})
+
+    assert results_rows.config_path(row("kaggle")) == ("configs/kaggle.json",)
+    assert results_rows.config_path(row("configs/main.json")) == ("configs/main.json",)
+    assert results_rows.config_path(row("-")) == ()
+    seen = []
+    monkeypatch.setattr(results_rows, "commit_is_current", lambda sha, paths: seen.append(paths) or True)
+    assert results_rows.is_current(row("kaggle"))
+    assert seen == [(*results_rows.WHOLE, "configs/kaggle.json")]
