@@ -173,17 +173,21 @@ def quality_table(rows: list[Row]) -> list[str]:
             continue
         runs = _latest_seeds(group)
         reference = _latest_seeds(groups.get((window, "sklearn_l2"), []))
-        ref_auc = mean_sd([float(r.cells["test_auc"]) for r in reference]) if reference else "not measured"
+        ref_auc, ref_ne = (
+            (mean_sd([float(r.cells[f"test_{m}"]) for r in reference]) for m in ("auc", "ne"))
+            if reference
+            else ("not measured", "not measured")
+        )
         commits = list(dict.fromkeys(r.cells["git_sha"] for r in runs))  # in file order
         body.append(
             [window, config, ",".join(r.cells["seed"] for r in runs),
              mean_sd([float(r.cells["test_auc"]) for r in runs]),
-             mean_sd([float(r.cells["test_ne"]) for r in runs]), ref_auc, runs[0].cells["device"],
+             mean_sd([float(r.cells["test_ne"]) for r in runs]), ref_auc, ref_ne, runs[0].cells["device"],
              " ".join(commits), "yes" if any(_current(r) == "yes" for r in runs) else "no",
              f"{runs[0].key}-{runs[-1].line}" if len(runs) > 1 else runs[0].key]
         )  # fmt: skip
-    header = ["data", "config", "seeds", "test AUC", "test NE", "L2 LR test AUC (same data)", "machine",
-              "commits", "code changed since", "rows"]  # fmt: skip
+    header = ["data", "config", "seeds", "test AUC", "test NE", "L2 LR test AUC (same data)", "L2 LR test NE",
+              "machine", "commits", "code changed since", "rows"]  # fmt: skip
     return markdown_table(header, body)
 
 
