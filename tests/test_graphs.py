@@ -194,6 +194,13 @@ def _cuda_batches(n: int) -> list[Batch]:
     ]
 
 
+def _small_triton_dlrm(**options) -> DLRM:
+    """SMALL on the GPU with the Triton kernels and 37-row tables (the graph tests' model)."""
+    return DLRM(
+        SMALL, table_rows=[37] * NUM_SPARSE, mlp_kernel="linear_act", sparse_kernel="triton", **options
+    ).cuda()
+
+
 def _assert_same_runs(run: tuple[list[float], dict], expected: tuple[list[float], dict]) -> None:
     """Two runs' (losses, named tensors) agree to 1e-5 relative, 1e-6 absolute."""
     torch.testing.assert_close(run[0], expected[0], rtol=1e-5, atol=1e-6)
@@ -216,9 +223,7 @@ def test_graphed_steps_match_plain_steps(compiled, algorithm):
     runs = {}
     for graphed in (False, True):
         torch.manual_seed(0)
-        model = DLRM(
-            SMALL, table_rows=[37] * NUM_SPARSE, mlp_kernel="linear_act", sparse_kernel="triton"
-        ).cuda()
+        model = _small_triton_dlrm()
         optimizer = RunOptimizer(model, cfg.train)
         if compiled:
             compile_dense_part(model)
@@ -244,10 +249,7 @@ def test_tables_on_a_side_stream_train_as_in_line(algorithm):
     runs = {}
     for overlap in (False, True):
         torch.manual_seed(0)
-        model = DLRM(
-            SMALL, table_rows=[37] * NUM_SPARSE, mlp_kernel="linear_act", sparse_kernel="triton",
-            overlap_sparse=overlap,
-        ).cuda()  # fmt: skip
+        model = _small_triton_dlrm(overlap_sparse=overlap)
         optimizer = RunOptimizer(model, cfg.train)
         step = GraphedTrainStep(model, optimizer, train_step) if overlap else train_step
         losses = [step(model, optimizer, b).item() for b in batches]
@@ -267,9 +269,7 @@ def test_graph_replays_follow_the_lr_schedule():
     runs = {}
     for graphed in (False, True):
         torch.manual_seed(0)
-        model = DLRM(
-            SMALL, table_rows=[37] * NUM_SPARSE, mlp_kernel="linear_act", sparse_kernel="triton"
-        ).cuda()
+        model = _small_triton_dlrm()
         optimizer = RunOptimizer(model, cfg.train)
         lrs = LearningRates(cfg.train.lr_schedule, optimizer)
         step = GraphedTrainStep(model, optimizer, train_step) if graphed else train_step
@@ -293,7 +293,7 @@ def test_graphed_evaluation_matches_launched_evaluation(precision):
     changed the weights in place (the graph reads the current weights) and with a partial last batch."""
     cfg = RunConfig(model=SMALL, train=TrainConfig(use_triton=True, lr=0.1))
     torch.manual_seed(0)
-    model = DLRM(SMALL, table_rows=[37] * NUM_SPARSE, mlp_kernel="linear_act", sparse_kernel="triton").cuda()
+    model = _small_triton_dlrm()
     optimizer = RunOptimizer(model, cfg.train)
     train_batches = _cuda_batches(4)
     eval_batches = _cuda_batches(3) + [Batch(*(t[:20] for t in _cuda_batches(1)[0]))]
