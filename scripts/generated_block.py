@@ -1,6 +1,7 @@
 """A markdown file's generated block: the text between `<!-- results:begin -->` and `<!-- results:end -->`
 that a script writes from scripts/results rows (scripts/readme_table.py for README.md, scripts/sweep_table.py
-for docs/quality.md), and what those scripts share: the table layout, mean +- sd, and write-or-check."""
+for docs/quality.md), and what those scripts share: the table layout, mean +- sd, the "code changed since"
+cell, and write-or-check."""
 
 import re
 import statistics
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import click
 from check_claims import BEGIN, END
-from results_rows import REPO, history_available
+from results_rows import REPO, Row, history_available, is_current
 
 
 def markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
@@ -22,6 +23,11 @@ def mean_sd(values: list[float]) -> str:
     """`mean +- sd` at 4 decimals (sd 0 for one value)."""
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{statistics.mean(values):.4f} +- {sd:.4f}"
+
+
+def changed_since(rows: list[Row]) -> str:
+    """The "code changed since" cell of `rows`: "yes" when any of them is not current, else "no"."""
+    return "yes" if any(not is_current(row) for row in rows) else "no"
 
 
 def without_currency(text: str) -> str:

@@ -26,8 +26,8 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_claims import BEGIN, END  # noqa: E402
-from generated_block import markdown_table, mean_sd, write_or_check  # noqa: E402
-from results_rows import REPO, Row, is_current, read_rows  # noqa: E402
+from generated_block import changed_since, markdown_table, mean_sd, write_or_check  # noqa: E402
+from results_rows import REPO, Row, read_rows  # noqa: E402
 
 README = REPO / "README.md"
 
@@ -39,10 +39,6 @@ def _millions(value: str) -> str:
 def _ratio(ours: Row, base: Row | None) -> str:
     """samples/s of `ours` over `base`'s, as `1.23x`; empty without a base."""
     return f"{float(ours.cells['samples_per_s']) / float(base.cells['samples_per_s']):.2f}x" if base else ""
-
-
-def _current(row: Row) -> str:
-    return "no" if is_current(row) else "yes"
 
 
 def _run(row: Row) -> tuple[str, str, str]:
@@ -89,7 +85,7 @@ def step_table(rows: list[Row]) -> list[str]:
         body.append(
             [config, precision, optimizer, f"{int(batch):,}", _millions(ours.cells["samples_per_s"]),
              BASELINES[name] if name else "no graphed baseline in this run", base_rate, _ratio(ours, base),
-             ours.cells["device"], ours.cells["git_sha"], _current(ours), ours.key]
+             ours.cells["device"], ours.cells["git_sha"], changed_since([ours]), ours.key]
         )  # fmt: skip
     header = ["config", "precision", "optimizer", "batch", "ours samples/s", "baseline", "baseline samples/s",
               "ratio", "machine", "commit", "code changed since", "row"]  # fmt: skip
@@ -125,7 +121,7 @@ def scaling_table(rows: list[Row]) -> list[str]:
         scaling = f"{float(ours.cells['scaling_vs_1gpu']):.2f}x"
         body.append(
             [config, precision, f"{int(batch):,}", world, _millions(ours.cells["samples_per_s"]), base_rate,
-             scaling, ours.cells["device"], ours.cells["git_sha"], _current(ours), ours.key]
+             scaling, ours.cells["device"], ours.cells["git_sha"], changed_since([ours]), ours.key]
         )  # fmt: skip
     header = ["config", "precision", "batch per GPU", "GPUs", "samples/s", "1 GPU samples/s", "scaling",
               "machine", "commit", "code changed since", "row"]  # fmt: skip
@@ -142,7 +138,8 @@ def sample_table(rows: list[Row]) -> list[str]:
         body.append(
             [backend, ours.cells["config"], ours.cells["batch"], f"{float(ours.cells['val_auc']):.4f}",
              f"{float(ours.cells['test_auc']):.4f}", f"{float(ours.cells['samples_per_s']):,.0f}",
-             _ratio(ours, eager), ours.cells["device"], ours.cells["git_sha"], _current(ours), ours.key]
+             _ratio(ours, eager), ours.cells["device"], ours.cells["git_sha"], changed_since([ours]),
+             ours.key]
         )  # fmt: skip
     header = ["backend", "config", "batch", "val AUC", "test AUC", "samples/s", "vs eager (same run)",
               "machine", "commit", "code changed since", "row"]  # fmt: skip
@@ -183,7 +180,7 @@ def quality_table(rows: list[Row]) -> list[str]:
             [window, config, ",".join(r.cells["seed"] for r in runs),
              mean_sd([float(r.cells["test_auc"]) for r in runs]),
              mean_sd([float(r.cells["test_ne"]) for r in runs]), ref_auc, ref_ne, runs[0].cells["device"],
-             " ".join(commits), "yes" if any(_current(r) == "yes" for r in runs) else "no",
+             " ".join(commits), changed_since(runs),
              f"{runs[0].key}-{runs[-1].line}" if len(runs) > 1 else runs[0].key]
         )  # fmt: skip
     header = ["data", "config", "seeds", "test AUC", "test NE", "L2 LR test AUC (same data)", "L2 LR test NE",

@@ -21,8 +21,8 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_claims import BEGIN, END  # noqa: E402
-from generated_block import markdown_table, mean_sd, write_or_check  # noqa: E402
-from results_rows import REPO, Row, is_current, read_rows  # noqa: E402
+from generated_block import changed_since, markdown_table, mean_sd, write_or_check  # noqa: E402
+from results_rows import REPO, Row, read_rows  # noqa: E402
 
 DOC = REPO / "docs" / "quality.md"
 SWEEP = "recipe_sweep_tables.csv"
@@ -46,10 +46,6 @@ def _newest_per_seed(rows: list[Row]) -> list[Row]:
     return [newest[seed] for seed in sorted(newest, key=int)]
 
 
-def _currency(rows: list[Row]) -> str:
-    return "yes" if any(not is_current(row) for row in rows) else "no"
-
-
 def seed0_table(rows: list[Row]) -> list[str]:
     """One line per setting (first-appearance order), one column per dataset, seed 0's newest run."""
     windows = sorted({row.cells["window"] for row in rows})
@@ -63,7 +59,8 @@ def seed0_table(rows: list[Row]) -> list[str]:
         overrides = mine[0].cells.get("overrides", "")
         body.append(
             [label, f"`{overrides}`" if overrides else "(none)",
-             *(_cell(newest[w]) if w in newest else "-" for w in windows), _currency(list(newest.values()))]
+             *(_cell(newest[w]) if w in newest else "-" for w in windows),
+             changed_since(list(newest.values()))]
         )  # fmt: skip
     return markdown_table(["setting", "overrides", *windows, "code changed since"], body)
 
@@ -83,7 +80,7 @@ def seeds_table(rows: list[Row]) -> list[str]:
             [label, window, ",".join(row.cells["seed"] for row in runs),
              mean_sd([float(row.cells["val_auc"]) for row in runs]),
              mean_sd([float(row.cells["val_ne"]) for row in runs]), ",".join(above) or "none",
-             " ".join(f"L{row.line}" for row in runs), _currency(runs)]
+             " ".join(f"L{row.line}" for row in runs), changed_since(runs)]
         )  # fmt: skip
     header = ["setting", "data", "seeds", "val AUC", "val NE", "seeds above base-rate loss", "rows",
               "code changed since"]  # fmt: skip

@@ -43,9 +43,10 @@ def test_quality_sweep_block_is_generated_from_the_rows():
 
 def test_sweep_tables_show_seed_0_per_dataset_and_each_setting_over_its_seeds(scripts, monkeypatch):
     _, results_rows = scripts
+    import generated_block
     import sweep_table
 
-    monkeypatch.setattr(sweep_table, "is_current", lambda row: row.cells["git_sha"] == "new")
+    monkeypatch.setattr(generated_block, "is_current", lambda row: row.cells["git_sha"] == "new")
 
     def run(line, label, window, seed, auc, loss, sha="new"):
         cells = {"label": label, "overrides": "", "window": window, "seed": seed, "val_auc": auc,
