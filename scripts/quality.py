@@ -15,7 +15,9 @@ and a table of means and standard deviations over seeds is printed, then the pai
 config with `--baseline` (logistic.json by default): per dataset, the differences of each seed's AUC and NE
 from the baseline's run of the same seed, their mean +- sd and the seeds won. Each row also records the
 train split's click rate, its base-rate loss (the logloss of predicting that rate for every row) and the
-largest logged training loss after the lr warm-up (`max_train_loss`), which a stable run keeps below it.
+largest logged training loss after the lr warm-up (`max_train_loss`), which a stable run keeps below it, and
+on synthetic data (dlrm.data.synthetic) the planted model's AUC and NE on the reported splits (`oracle_*`):
+the best any model can score there.
 
 `--sklearn` adds scikit-learn's L2-regularised LogisticRegression on logistic.json's features (the dense
 features and a one-hot of each sparse feature's hashed row), its C chosen on val from `SKLEARN_C`: a row
@@ -286,7 +288,9 @@ def main(
     rows = []
 
     def record(name: str, config: str, window: str, data: Path, seed: int, metrics: dict, **extra) -> None:
-        rate = load_metadata(data)["positive_rate"]["train"]
+        metadata = load_metadata(data)
+        rate = metadata["positive_rate"]["train"]
+        oracle = metadata.get("oracle", {})  # synthetic data: the planted model's own scores per split
         row = {
             **provenance(metrics.get("device", device)),
             "label": name,
@@ -306,6 +310,11 @@ def main(
             "base_loss": base_loss(rate),
             "max_train_loss": extra.get("max_train_loss"),
             "sklearn_c": extra.get("sklearn_c"),
+            **{
+                f"oracle_{s}_{m}": oracle[s][m] if s in splits and s in oracle else None
+                for s in ("val", "test")
+                for m in ("auc", "ne")
+            },
         }
         shown = " ".join(f"{s}_{m} {row[f'{s}_{m}']}" for s in splits for m in ("auc", "ne"))
         logger.info("{} {} seed {}: best step {} | {}", name, window, seed, row["best_step"], shown)

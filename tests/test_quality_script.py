@@ -78,3 +78,29 @@ def test_paired_compares_each_seed_with_the_baseline_run_of_the_same_seed(qualit
 def test_base_loss_is_the_entropy_of_the_click_rate(quality):
     assert quality.base_loss(0.5) == pytest.approx(math.log(2))
     assert quality.base_loss(0.25) == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
+
+
+def test_a_row_on_synthetic_data_records_the_planted_optimum_of_the_reported_splits(quality, tmp_path):
+    import csv
+    import json
+
+    from click.testing import CliRunner
+
+    from dlrm.data.synthetic import main as synthetic
+
+    data = tmp_path / "synthetic"
+    made = CliRunner().invoke(
+        synthetic, ["--rows", "3000", "--max-cardinality", "50", "--output-dir", str(data)]
+    )
+    assert made.exit_code == 0, made.output
+    oracle = json.loads((data / "metadata.json").read_text())["oracle"]
+    results = tmp_path / "quality.csv"
+    args = ["--data", str(data), "--config", str(REPO / "configs" / "logistic.json"), "--seeds", "0"]
+    args += ["--set", "train.epochs=1", "--work-dir", str(tmp_path / "work"), "--results", str(results)]
+    for report in ("val", "test"):
+        ran = CliRunner().invoke(quality.main, [*args, "--report", report])
+        assert ran.exit_code == 0, ran.output
+    val_row, test_row = csv.DictReader(results.open())
+    assert float(val_row["oracle_val_auc"]) == pytest.approx(oracle["val"]["auc"])
+    assert val_row["oracle_test_auc"] == "" and val_row["test_auc"] == ""
+    assert float(test_row["oracle_test_ne"]) == pytest.approx(oracle["test"]["ne"])
