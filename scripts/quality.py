@@ -112,6 +112,11 @@ def run_config(
     return from_dict(raw)
 
 
+def device_name(device: str) -> str:
+    """How a row names the device a run used: the GPU's model on CUDA ("NVIDIA H200"), else `device`."""
+    return torch.cuda.get_device_name() if device.startswith("cuda") else device
+
+
 def base_loss(rate: float) -> float:
     """The logloss of predicting the click rate `rate` for every row: the Bernoulli entropy H(rate), nats."""
     return -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
@@ -292,7 +297,7 @@ def main(
         rate = metadata["positive_rate"]["train"]
         oracle = metadata.get("oracle", {})  # synthetic data: the planted model's own scores per split
         row = {
-            **provenance(metrics.get("device", device)),
+            **provenance(device_name(metrics.get("device", device))),
             "label": name,
             "config": config,
             "overrides": " ".join(sets) if config != SKLEARN_LABEL else "",
