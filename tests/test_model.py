@@ -188,6 +188,20 @@ def test_triton_sparse_kernels_train_like_eager(optimizer, hashing):
         torch.testing.assert_close(triton[key], eager[key], rtol=1e-5, atol=1e-5, msg=key)
 
 
+def test_both_sparse_kernels_draw_fb_dlrms_uniform_tables_alike_for_a_seed():
+    rows = [4, 100, 10_000] + [9] * (NUM_SPARSE - 3)
+    torch.manual_seed(3)
+    eager = SparseArch(8, table_rows=rows)
+    torch.manual_seed(3)
+    triton = SparseArch(8, table_rows=rows, kernel="triton")
+    for f, n in enumerate(rows):
+        table = eager.embeddings[f].weight
+        assert torch.equal(triton.weights[sum(rows[:f]) : sum(rows[: f + 1])], table)
+        bound = (1.0 / n) ** 0.5
+        assert table.abs().max() <= bound and table.abs().max() > 0.9 * bound  # the whole range, no wider
+        assert table.requires_grad
+
+
 def test_checkpoints_move_between_sparse_kernels():
     torch.manual_seed(1)
     eager = DLRM(SMALL, table_rows=[9] * NUM_SPARSE)
