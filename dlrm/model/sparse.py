@@ -20,15 +20,6 @@ __all__ = ["SPARSE_KERNELS", "SparseArch"]
 _HASHINGS = (*HASHINGS, "index")
 
 
-def init_table(table: torch.Tensor) -> torch.Tensor:
-    """Fill one table [rows, D] in place from U(-sqrt(1 / rows), sqrt(1 / rows)), FB-DLRM's embedding
-    initialization (dlrm_s_pytorch.py, create_emb), as the sharded tables (dlrm.parallel.sharded) are: a
-    row no batch has touched yet (a rare or unseen id) then adds almost nothing to the interaction, where
-    nn.Embedding's N(0, 1) would add a random vector of norm about sqrt(D). Returns `table`."""
-    bound = (1.0 / table.shape[0]) ** 0.5
-    return table.uniform_(-bound, bound)
-
-
 class SparseArch(nn.Module):
     """F embedding tables of D columns, looked up from raw Criteo ids.
 
@@ -48,8 +39,8 @@ class SparseArch(nn.Module):
     - "triton": one table-batched [sum of rows_f, D] weight (`weights`, table f from row offsets[f]) looked
       up by our one-launch kernel `kernels.embedding`, whose backward applies the optimizer to the touched
       rows itself (set it with `configure_optimizer`; no weight gradient is produced).
-    Both initialize identically for a seed (`init_table`) and save the same state_dict keys
-    (`embeddings.<f>.weight`), so checkpoints move between them.
+    Both initialize identically for a seed and save the same state_dict keys (`embeddings.<f>.weight`), so
+    checkpoints move between them.
 
     Args:
         embedding_dim: D.
@@ -96,17 +87,14 @@ class SparseArch(nn.Module):
         self.kernel = kernel
         if kernel == "torch":
             self.embeddings = nn.ModuleList(
-                nn.Embedding.from_pretrained(
-                    init_table(torch.empty(rows, embedding_dim)), freeze=False, sparse=True
-                )
-                for rows in table_rows
+                nn.Embedding(rows, embedding_dim, sparse=True) for rows in table_rows
             )
             tables = [table.weight.data for table in self.embeddings]
         else:
             self.weights = nn.Parameter(torch.empty(sum(table_rows), embedding_dim))
             tables = list(self.weights.data.split(self.table_rows))
-            for table in tables:  # in the torch kernel's order, so a seed gives the same weights
-                init_table(table)
+            for table in tables:  # what nn.Embedding's constructor does, so a seed gives the same weights
+                nn.init.normal_(table)
             offsets = torch.tensor([0, *self.table_rows[:-1]]).cumsum(0)
             self.register_buffer("offsets", offsets, persistent=False)
             self.register_buffer("optimizer_state", torch.zeros(0), persistent=False)
