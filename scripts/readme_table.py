@@ -14,9 +14,9 @@ the same run, and whether the code it measured has changed since (scripts/result
   before it.
 - The shipped sample (results/backends-val-test.csv): the newest run of each backend of main.json, against
   that run's `eager` row.
-- Quality over seeds (results/quality.csv, the whole sample): per config, the newest commit's seeds, mean
-  and standard deviation of test AUC and NE, against `logistic.json`'s seeds of the same commit where that
-  commit has them.
+- Quality over seeds (results/quality.csv): per dataset and config, the newest run of each seed, mean and
+  standard deviation of test AUC and NE, beside scikit-learn's L2 logistic regression on the same data and,
+  on synthetic data, the planted model's test AUC (the best any model can score there).
 """
 
 import sys
@@ -156,6 +156,13 @@ def _latest_seeds(runs: list[Row]) -> list[Row]:
     return sorted(picked.values(), key=lambda r: r.line)
 
 
+def _planted(runs: list[Row]) -> str:
+    """The planted model's test AUC on synthetic data (its `oracle_test_auc`: the best any model can score
+    there, the same for every seed); "-" where the rows record none (real data has no planted model)."""
+    cells = {r.cells.get("oracle_test_auc") or "" for r in runs}
+    return f"{float(cells.pop()):.4f}" if cells != {""} and len(cells) == 1 else "-"
+
+
 def quality_table(rows: list[Row]) -> list[str]:
     """Test AUC and NE over seeds per dataset (the `window` column: a window of the sample or a data
     directory) and config, the newest run of each seed, beside scikit-learn's val-tuned L2 logistic
@@ -179,12 +186,13 @@ def quality_table(rows: list[Row]) -> list[str]:
         body.append(
             [window, config, ",".join(r.cells["seed"] for r in runs),
              mean_sd([float(r.cells["test_auc"]) for r in runs]),
-             mean_sd([float(r.cells["test_ne"]) for r in runs]), ref_auc, ref_ne, runs[0].cells["device"],
+             mean_sd([float(r.cells["test_ne"]) for r in runs]), ref_auc, ref_ne, _planted(runs),
+             runs[0].cells["device"],
              " ".join(commits), changed_since(runs),
              f"{runs[0].key}-{runs[-1].line}" if len(runs) > 1 else runs[0].key]
         )  # fmt: skip
     header = ["data", "config", "seeds", "test AUC", "test NE", "L2 LR test AUC (same data)", "L2 LR test NE",
-              "machine", "commits", "code changed since", "rows"]  # fmt: skip
+              "planted model's test AUC", "machine", "commits", "code changed since", "rows"]  # fmt: skip
     return markdown_table(header, body)
 
 
