@@ -15,7 +15,10 @@ and a table of means and standard deviations over seeds is printed, then the pai
 config with `--baseline` (logistic.json by default): per dataset, the differences of each seed's AUC and NE
 from the baseline's run of the same seed, their mean +- sd and the seeds won. Each row also records the
 train split's click rate, its base-rate loss (the logloss of predicting that rate for every row) and the
-largest logged training loss after the lr warm-up (`max_train_loss`), which a stable run keeps below it, and
+largest logged training loss after the lr warm-up (`max_train_loss`), which a stable run keeps below it, the
+largest excess of a logged loss over the base-rate loss of its own steps' rows (`max_train_excess`, <= 0 when
+every log interval beats predicting the click rate on the rows it trained on; the batches are replayed from
+the run's seed), and
 on synthetic data (dlrm.data.synthetic) the planted model's AUC and NE on the reported splits (`oracle_*`):
 the best any model can score there.
 
@@ -43,6 +46,7 @@ from results_csv import append_rows, provenance
 
 from dlrm.config import from_dict, load_config
 from dlrm.data.dataset import load_metadata, open_split
+from dlrm.data.loaders import make_train_loader
 from dlrm.data.preprocess import preprocess
 from dlrm.metrics import normalized_entropy
 from dlrm.model import build_model
@@ -132,6 +136,50 @@ def max_train_loss(run_dir: Path, after_step: int) -> float | None:
     return max(losses) if losses else None
 
 
+def logged_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, train/loss) of every log line of a run, in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    return sorted((e.step, e.value) for e in events.Scalars("train/loss"))
+
+
+def step_base_losses(cfg, rate: float, steps: int) -> list[float]:
+    """The base-rate loss (the logloss of predicting `rate` for every row) of each of a run's first `steps`
+    training batches, replayed on the CPU from the run's own train loader: the same seed draws the same
+    batches (dlrm.data.loaders), so step i's value is scored on the rows step i trained on."""
+    loader = make_train_loader(cfg.data, Path(cfg.data.path), cfg.train.seed, torch.device("cpu"))
+    log_p, log_q = math.log(rate), math.log(1 - rate)
+    losses: list[float] = []
+    for epoch in range(cfg.train.epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            if len(losses) == steps:
+                return losses
+            clicks, rows = float(batch.label.sum()), len(batch.label)
+            losses.append(-(clicks * log_p + (rows - clicks) * log_q) / rows)
+    return losses
+
+
+def max_train_excess(cfg, run_dir: Path, rate: float, after_step: int) -> float | None:
+    """The largest difference, over a run's log lines past `after_step`, between the logged training loss
+    (the mean loss of the interval's steps) and the base-rate loss of the same steps' rows: negative when
+    every interval's loss is below what predicting the click rate scores on its own rows. A small interval
+    of a low click rate holds few clicks, so its base-rate loss swings around the split's; this pairs
+    each logged loss with its own. None if nothing was logged past `after_step`."""
+    logged = logged_losses(run_dir)
+    if not logged:
+        return None
+    bases = step_base_losses(cfg, rate, logged[-1][0])
+    excess, start = [], 0
+    for step, loss in logged:
+        if step > after_step:
+            excess.append(loss - statistics.fmean(bases[start:step]))
+        start = step
+    return max(excess, default=None)
+
+
 def hashed_features(data: Path, split: str, model) -> tuple:
     """(X, y) of a split for scikit-learn: X [rows, N_dense + sum of table rows] sparse CSR, the dense
     features (log1p counts, as the model reads them) then a one-hot of each sparse feature's row in `model`'s
@@ -215,12 +263,13 @@ def paired(rows: list[dict], baseline: str, split: str) -> str:
 
 def summary(rows: list[dict], splits: tuple[str, ...]) -> str:
     """Mean +- standard deviation over seeds per (label, window), the largest NE of a seed, and the seeds
-    whose training loss went above the base-rate loss after the warm-up."""
+    whose training loss went above the base-rate loss after the warm-up: the split's, and each log
+    interval's own rows' (`max_train_excess`)."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for row in rows:
         groups.setdefault((row["label"], row["window"]), []).append(row)
     columns = [f"{split}_{metric}" for split in splits for metric in METRICS]
-    extra = [f"max {split}_ne" for split in splits] + ["loss > base"]
+    extra = [f"max {split}_ne" for split in splits] + ["loss > base", "loss > its rows' base"]
     lines = [
         "| label | window | seeds | " + " | ".join(columns + extra) + " |",
         "|" + " --- |" * (3 + len(columns) + len(extra)),
@@ -238,6 +287,8 @@ def summary(rows: list[dict], splits: tuple[str, ...]) -> str:
             r for r in group if r.get("max_train_loss") is not None and r["max_train_loss"] > r["base_loss"]
         ]
         cells.append(f"{len(above)}/{len(group)}")
+        paired = [r for r in group if r.get("max_train_excess") is not None and r["max_train_excess"] > 0]
+        cells.append(f"{len(paired)}/{len(group)}")
         lines.append(f"| {label} | {window} | {len(group)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -314,6 +365,7 @@ def main(
             "train_ctr": rate,
             "base_loss": base_loss(rate),
             "max_train_loss": extra.get("max_train_loss"),
+            "max_train_excess": extra.get("max_train_excess"),
             "sklearn_c": extra.get("sklearn_c"),
             **{
                 f"oracle_{s}_{m}": oracle[s][m] if s in splits and s in oracle else None
@@ -345,9 +397,11 @@ def main(
                 finally:
                     logger.enable("dlrm")
                 warmup = cfg.train.lr_schedule.warmup_steps
+                rate = load_metadata(data)["positive_rate"]["train"]
                 record(
                     name, str(config_path), window, data, seed, metrics,
                     max_train_loss=max_train_loss(run_dir, warmup),
+                    max_train_excess=max_train_excess(cfg, run_dir, rate, warmup),
                 )  # fmt: skip
     append_rows(results, rows)
     print(summary(rows, splits))

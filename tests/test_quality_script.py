@@ -104,3 +104,29 @@ def test_a_row_on_synthetic_data_records_the_planted_optimum_of_the_reported_spl
     assert float(val_row["oracle_val_auc"]) == pytest.approx(oracle["val"]["auc"])
     assert val_row["oracle_test_auc"] == "" and val_row["test_auc"] == ""
     assert float(test_row["oracle_test_ne"]) == pytest.approx(oracle["test"]["ne"])
+
+
+def test_the_paired_base_rate_loss_replays_the_runs_own_batches(quality, tmp_path):
+    import csv
+
+    from click.testing import CliRunner
+
+    from dlrm.data.synthetic import main as synthetic
+
+    data = tmp_path / "synthetic"
+    made = CliRunner().invoke(
+        synthetic, ["--rows", "3000", "--max-cardinality", "50", "--output-dir", str(data)]
+    )
+    assert made.exit_code == 0, made.output
+    results = tmp_path / "quality.csv"
+    # lr ~0: the model keeps predicting the train click rate, so each logged loss is its rows' base-rate loss.
+    args = ["--data", str(data), "--config", str(REPO / "configs" / "logistic.json"), "--seeds", "3"]
+    args += ["--set", "train.lr=1e-12", "--set", "train.epochs=2", "--set", "train.log_interval=3"]
+    ran = CliRunner().invoke(
+        quality.main, [*args, "--work-dir", str(tmp_path / "work"), "--results", str(results)]
+    )
+    assert ran.exit_code == 0, ran.output
+    (row,) = csv.DictReader(results.open())
+    assert abs(float(row["max_train_excess"])) < 1e-5
+    # ...while the split's base-rate loss, the intervals' average, is off by the intervals' click counts.
+    assert float(row["max_train_loss"]) - float(row["base_loss"]) > 1e-3
