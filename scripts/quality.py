@@ -18,9 +18,8 @@ train split's click rate, its base-rate loss (the logloss of predicting that rat
 largest logged training loss after the lr warm-up (`max_train_loss`), which a stable run keeps below it, the
 largest excess of a logged loss over the base-rate loss of its own steps' rows (`max_train_excess`, <= 0 when
 every log interval beats predicting the click rate on the rows it trained on; the batches are replayed from
-the run's seed), and
-on synthetic data (dlrm.data.synthetic) the planted model's AUC and NE on the reported splits (`oracle_*`):
-the best any model can score there.
+the run's seed), and on synthetic data (dlrm.data.synthetic) the planted model's AUC and NE on the reported
+splits (`oracle_*`): the best any model can score there.
 
 `--sklearn` adds scikit-learn's L2-regularised LogisticRegression on logistic.json's features (the dense
 features and a one-hot of each sparse feature's hashed row), its C chosen on val from `SKLEARN_C`: a row
@@ -341,12 +340,12 @@ def main(
                 )
         datasets = {window: prepare(input_path, window, work_dir) for window in windows.split(",")}
     splits = ("val", "test") if report == "test" else ("val",)
+    metadata = {window: load_metadata(data) for window, data in datasets.items()}
     rows = []
 
-    def record(name: str, config: str, window: str, data: Path, seed: int, metrics: dict, **extra) -> None:
-        metadata = load_metadata(data)
-        rate = metadata["positive_rate"]["train"]
-        oracle = metadata.get("oracle", {})  # synthetic data: the planted model's own scores per split
+    def record(name: str, config: str, window: str, seed: int, metrics: dict, **extra) -> None:
+        rate = metadata[window]["positive_rate"]["train"]
+        oracle = metadata[window].get("oracle", {})  # synthetic data: the planted model's scores per split
         row = {
             **provenance(device_name(metrics.get("device", device))),
             "label": name,
@@ -382,7 +381,7 @@ def main(
             start = time.perf_counter()
             metrics = sklearn_logistic(data)
             metrics["wall_s"] = time.perf_counter() - start
-            record(SKLEARN_LABEL, SKLEARN_LABEL, window, data, 0, metrics, sklearn_c=metrics["C"])
+            record(SKLEARN_LABEL, SKLEARN_LABEL, window, 0, metrics, sklearn_c=metrics["C"])
     for config_path in configs:
         raw = json.loads(config_path.read_text())
         name = label or config_path.stem
@@ -397,9 +396,9 @@ def main(
                 finally:
                     logger.enable("dlrm")
                 warmup = cfg.train.lr_schedule.warmup_steps
-                rate = load_metadata(data)["positive_rate"]["train"]
+                rate = metadata[window]["positive_rate"]["train"]
                 record(
-                    name, str(config_path), window, data, seed, metrics,
+                    name, str(config_path), window, seed, metrics,
                     max_train_loss=max_train_loss(run_dir, warmup),
                     max_train_excess=max_train_excess(cfg, run_dir, rate, warmup),
                 )  # fmt: skip

@@ -1,10 +1,14 @@
 """scripts/quality.py: its windows, overrides and summary (the training is dlrm.run.loop's, tested there)."""
 
+import csv
+import json
 import math
 
 import click
 import pytest
+from click.testing import CliRunner
 
+from dlrm.data.synthetic import main as synthetic
 from tests.conftest import REPO
 
 
@@ -80,53 +84,45 @@ def test_base_loss_is_the_entropy_of_the_click_rate(quality):
     assert quality.base_loss(0.25) == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
 
 
-def test_a_row_on_synthetic_data_records_the_planted_optimum_of_the_reported_splits(quality, tmp_path):
-    import csv
-    import json
-
-    from click.testing import CliRunner
-
-    from dlrm.data.synthetic import main as synthetic
-
+@pytest.fixture
+def synthetic_data(tmp_path):
+    """A 3,000-row synthetic dataset (dlrm.data.synthetic --output-dir), with its planted model's scores."""
     data = tmp_path / "synthetic"
     made = CliRunner().invoke(
         synthetic, ["--rows", "3000", "--max-cardinality", "50", "--output-dir", str(data)]
     )
     assert made.exit_code == 0, made.output
-    oracle = json.loads((data / "metadata.json").read_text())["oracle"]
+    return data
+
+
+def _run(quality, tmp_path, data, *args) -> list[dict]:
+    """scripts/quality.py on `data` with logistic.json and `args`; the rows it appended."""
     results = tmp_path / "quality.csv"
-    args = ["--data", str(data), "--config", str(REPO / "configs" / "logistic.json"), "--seeds", "0"]
-    args += ["--set", "train.epochs=1", "--work-dir", str(tmp_path / "work"), "--results", str(results)]
+    common = ["--data", str(data), "--config", str(REPO / "configs" / "logistic.json")]
+    common += ["--work-dir", str(tmp_path / "work"), "--results", str(results)]
+    ran = CliRunner().invoke(quality.main, [*common, *args])
+    assert ran.exit_code == 0, ran.output
+    return list(csv.DictReader(results.open()))
+
+
+def test_a_row_on_synthetic_data_records_the_planted_optimum_of_the_reported_splits(
+    quality, tmp_path, synthetic_data
+):
+    oracle = json.loads((synthetic_data / "metadata.json").read_text())["oracle"]
     for report in ("val", "test"):
-        ran = CliRunner().invoke(quality.main, [*args, "--report", report])
-        assert ran.exit_code == 0, ran.output
-    val_row, test_row = csv.DictReader(results.open())
+        rows = _run(
+            quality, tmp_path, synthetic_data, "--seeds", "0", "--set", "train.epochs=1", "--report", report
+        )
+    val_row, test_row = rows
     assert float(val_row["oracle_val_auc"]) == pytest.approx(oracle["val"]["auc"])
     assert val_row["oracle_test_auc"] == "" and val_row["test_auc"] == ""
     assert float(test_row["oracle_test_ne"]) == pytest.approx(oracle["test"]["ne"])
 
 
-def test_the_paired_base_rate_loss_replays_the_runs_own_batches(quality, tmp_path):
-    import csv
-
-    from click.testing import CliRunner
-
-    from dlrm.data.synthetic import main as synthetic
-
-    data = tmp_path / "synthetic"
-    made = CliRunner().invoke(
-        synthetic, ["--rows", "3000", "--max-cardinality", "50", "--output-dir", str(data)]
-    )
-    assert made.exit_code == 0, made.output
-    results = tmp_path / "quality.csv"
+def test_the_paired_base_rate_loss_replays_the_runs_own_batches(quality, tmp_path, synthetic_data):
     # lr ~0: the model keeps predicting the train click rate, so each logged loss is its rows' base-rate loss.
-    args = ["--data", str(data), "--config", str(REPO / "configs" / "logistic.json"), "--seeds", "3"]
-    args += ["--set", "train.lr=1e-12", "--set", "train.epochs=2", "--set", "train.log_interval=3"]
-    ran = CliRunner().invoke(
-        quality.main, [*args, "--work-dir", str(tmp_path / "work"), "--results", str(results)]
-    )
-    assert ran.exit_code == 0, ran.output
-    (row,) = csv.DictReader(results.open())
+    settings = ["--set", "train.lr=1e-12", "--set", "train.epochs=2", "--set", "train.log_interval=3"]
+    (row,) = _run(quality, tmp_path, synthetic_data, "--seeds", "3", *settings)
     assert abs(float(row["max_train_excess"])) < 1e-5
     # ...while the split's base-rate loss, the intervals' average, is off by the intervals' click counts.
     assert float(row["max_train_loss"]) - float(row["base_loss"]) > 1e-3
