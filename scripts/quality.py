@@ -125,16 +125,6 @@ def base_loss(rate: float) -> float:
     return -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
 
 
-def max_train_loss(run_dir: Path, after_step: int) -> float | None:
-    """The largest `train/loss` a run logged at a step past `after_step` (the warm-up), None if none."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir))
-    events.Reload()
-    losses = [e.value for e in events.Scalars("train/loss") if e.step > after_step]
-    return max(losses) if losses else None
-
-
 def logged_losses(run_dir: Path) -> list[tuple[int, float]]:
     """(step, train/loss) of every log line of a run, in step order."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -142,6 +132,11 @@ def logged_losses(run_dir: Path) -> list[tuple[int, float]]:
     events = EventAccumulator(str(run_dir))
     events.Reload()
     return sorted((e.step, e.value) for e in events.Scalars("train/loss"))
+
+
+def max_train_loss(logged: list[tuple[int, float]], after_step: int) -> float | None:
+    """The largest of the `logged_losses` at a step past `after_step` (the warm-up), None if none."""
+    return max((loss for step, loss in logged if step > after_step), default=None)
 
 
 def step_base_losses(cfg, rate: float, steps: int) -> list[float]:
@@ -161,13 +156,12 @@ def step_base_losses(cfg, rate: float, steps: int) -> list[float]:
     return losses
 
 
-def max_train_excess(cfg, run_dir: Path, rate: float, after_step: int) -> float | None:
-    """The largest difference, over a run's log lines past `after_step`, between the logged training loss
-    (the mean loss of the interval's steps) and the base-rate loss of the same steps' rows: negative when
-    every interval's loss is below what predicting the click rate scores on its own rows. A small interval
-    of a low click rate holds few clicks, so its base-rate loss swings around the split's; this pairs
-    each logged loss with its own. None if nothing was logged past `after_step`."""
-    logged = logged_losses(run_dir)
+def max_train_excess(cfg, logged: list[tuple[int, float]], rate: float, after_step: int) -> float | None:
+    """The largest difference, over a run's log lines (`logged_losses`) past `after_step`, between the logged
+    training loss (the mean loss of the interval's steps) and the base-rate loss of the same steps' rows:
+    negative when every interval's loss is below what predicting the click rate scores on its own rows. A
+    small interval of a low click rate holds few clicks, so its base-rate loss swings around the split's;
+    this pairs each logged loss with its own. None if nothing was logged past `after_step`."""
     if not logged:
         return None
     bases = step_base_losses(cfg, rate, logged[-1][0])
@@ -397,10 +391,11 @@ def main(
                     logger.enable("dlrm")
                 warmup = cfg.train.lr_schedule.warmup_steps
                 rate = metadata[window]["positive_rate"]["train"]
+                logged = logged_losses(run_dir)
                 record(
                     name, str(config_path), window, seed, metrics,
-                    max_train_loss=max_train_loss(run_dir, warmup),
-                    max_train_excess=max_train_excess(cfg, run_dir, rate, warmup),
+                    max_train_loss=max_train_loss(logged, warmup),
+                    max_train_excess=max_train_excess(cfg, logged, rate, warmup),
                 )  # fmt: skip
     append_rows(results, rows)
     print(summary(rows, splits))
