@@ -6,16 +6,17 @@
 Generates `--rows` synthetic rows (python -m dlrm.data.synthetic --output-dir, Kaggle cardinalities) into
 `--data` once, writes their binary splits (python -m dlrm.data.binary), then per loader and with/without
 `--cuda-graphs` runs the real `python -m dlrm.train --use-triton` in a subprocess for `--steps` steps
-(evaluating the eval split every steps / 4) and reads its metrics.json and profiler trace: samples/s with
-the data path included (first step and evaluations excluded, as the training log reports it), the first
+(evaluating the eval split every steps / 4; the config's tables modulus-hashed, the hashing every loader
+takes: binary and streaming hold no train vocabulary) and reads its metrics.json and profiler trace: samples/s
+with the data path included (first step and evaluations excluded, as the training log reports it), the first
 evaluation's time and the samples/s of the later ones, the peak host RSS of the training process, and the
-GPU's idle share in the profiled window (1 - the union of kernel and copy intervals over the window's
-span). The same invocation also times the bare training step on GPU-resident random batches whose ids have
-the synthetic data's skew (scripts/bench_train.py --ids zipf; backend triton+graphs for the runs with
-graphs, triton for those without: like with like) and reports each run's ratio to it and to the
-gpu_resident run of the same graph setting (whatever the loaders' order), and profiles 10 such bare steps
-for their GPU idle share: the gaps between the kernels of a replayed graph, which no data path can remove
-(`step_gpu_idle_share`; what a run's share has above it is what its loop and data path leave idle).
+GPU's idle share in the profiled window (1 - the union of kernel and copy intervals over the window's span).
+The same invocation also times the bare training step on GPU-resident random batches whose ids have the
+synthetic data's skew (scripts/bench_train.py --ids zipf; backend triton+graphs for the runs with graphs,
+triton for those without: like with like) and reports each run's ratio to it and to the gpu_resident run of
+the same graph setting (whatever the loaders' order), and profiles 10 such bare steps for their GPU idle
+share: the gaps between the kernels of a replayed graph, which no data path can remove (`step_gpu_idle_share`;
+what a run's share has above it is what its loop and data path leave idle).
 Rows go to scripts/results/e2e.csv.
 """
 
@@ -95,6 +96,7 @@ def train_run(
     """One `python -m dlrm.train` run; its metrics.json plus the GPU idle share of its trace."""
     cfg = load_config(REPO / "configs" / f"{config}.json").to_dict()
     cfg["data"] |= {"path": str(data), "batch_size": batch, "eval_batch_size": batch, "loader": loader}
+    cfg["model"] |= {"hashing": "modulus", "min_frequency": 1}
     train_rows = json.loads((data / "metadata.json").read_text())["rows"]["train"]
     # As many epochs as `steps` needs: a one-epoch run of a small split is over before its start-up (the
     # loader's first reads, the graph's capture) stops weighing on its samples/s.

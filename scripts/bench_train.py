@@ -11,8 +11,9 @@ table's lookups, ranks scattered over the table by a multiplicative hash as the 
 and modulus scatter them), the skew of real click logs, where many lookups in a batch update the same rows;
 a pool of batches is generated once and cycled, so the step never waits for data. Tables: the 26 Kaggle
 cardinalities (33.8M rows; `--cardinalities terabyte`: Criteo 1TB's, 178M rows), capped by the config's
-max_rows or `--max-rows` (e.g. 4000000 for mlperf). SGD, or `--optimizer adagrad` (its state doubles the
-tables' bytes).
+max_rows or `--max-rows` (e.g. 4000000 for mlperf), modulus-hashed whatever the config's `model.hashing`
+(random ids have no train vocabulary to build `vocab` tables from). SGD, or `--optimizer adagrad` (its state
+doubles the tables' bytes).
 "compile-ro" is torch.compile's mode="reduce-overhead" (Inductor's CUDA graphs of the compiled dense part).
 "torch-graphed" is the strongest plain-PyTorch step, the baseline that the README's step ratios are stated
 against (scripts/torch_graphed_step.py: one table-batched weight looked up by index_select and updated by
@@ -132,11 +133,12 @@ def build(
 ):
     """(model, optimizer, step, pool, table_rows) for configs/<config>.json with `backend` and `optimizer`
     (train.optimizer): the step is `step(model, optimizer, batch) -> loss` (graph-captured for "+graphs"
-    backends), pool the batches (`ids`: one of IDS) over tables of the `cardinalities` preset.
+    backends), pool the batches (`ids`: one of IDS) over modulus tables of the `cardinalities` preset.
     With several ranks (`dist`) the tables are sharded (created on each rank's GPU) as the `sharding`
     variant (SHARDINGS) says, and `batch` is the batch of each rank."""
     flags = {"precision": precision, "optimizer": optimizer, **FLAGS[backend]}
     cfg = replace(load_config(CONFIG_DIR / f"{config}.json"), "train", **flags)
+    cfg = replace(cfg, "model", hashing="modulus", min_frequency=1)
     set_precision(precision)
     cap = max_rows or cfg.model.max_rows
     table_rows = [min(rows, cap) for rows in CARDINALITY_PRESETS[cardinalities]]
