@@ -10,7 +10,8 @@ steps with torch.profiler and prints every CUDA kernel's time per step, its shar
 time and its call count, grouped under the model stage it belongs to (by kernel name: embedding,
 interaction, loss, MLP GEMMs and epilogues, optimizer, other). Kernels launched inside a CUDA graph replay
 are recorded like any other. The table is also written to scripts/results/profile_<config>_<backend>_<B>.txt
-(with the GPU, versions and git sha); with --trace-dir the Chrome trace goes there too (open in Perfetto).
+(`_<precision>` appended for other precisions than tf32; with the GPU, versions and git sha); with
+--trace-dir the Chrome trace goes there too (open in Perfetto).
 
 Under torchrun (`torchrun --standalone --nproc-per-node N scripts/profile_step.py ...`, `--batch` per rank)
 the tables are sharded as bench_train.py shards them and every rank writes its own table (`_rank<k>` in
@@ -126,6 +127,7 @@ def main(
     print(text)
     suffix = ("_zipf" if ids == "zipf" else "") + ("_terabyte" if cardinalities == "terabyte" else "")
     suffix += f"_{optimizer}" if optimizer != "sgd" else ""
+    suffix += f"_{precision}" if precision != "tf32" else ""
     suffix += f"_{sharding}" if dist.enabled and sharding != "auto" else ""
     suffix += f"_rank{dist.rank}of{dist.world_size}" if dist.enabled else ""
     out = RESULTS / f"profile_{config}_{backend.replace('+', '_')}_{batch}{suffix}.txt"
