@@ -55,6 +55,7 @@ from torch_graphed_step import PlainDLRM, TorchGraphedStep
 
 from dlrm import parallel
 from dlrm.config import load_config, replace
+from dlrm.data.bags import is_one_hot
 from dlrm.data.dataset import Batch
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.data.synthetic_rows import CARDINALITY_PRESETS, power_law_ranks
@@ -101,9 +102,14 @@ IDS = ("uniform", "zipf")
 _SCATTER = 2654435761  # Knuth's multiplicative hash constant: spreads consecutive ranks over a table
 
 
-def random_batches(batch: int, table_rows: list[int], generator: torch.Generator, ids: str) -> list[Batch]:
+def random_batches(
+    batch: int, table_rows: list[int], generator: torch.Generator, ids: str, bag_sizes=None
+) -> list[Batch]:
     """POOL GPU-resident batches: dense [B, 13] f32, sparse [B, 26] i64 within each table (`ids`: one of
-    IDS, module docstring), label [B] f32."""
+    IDS, module docstring), label [B] f32. With `bag_sizes` (model.multi_hot_sizes, F ints k_f) sparse is
+    [B, S] in dlrm.data.bags' layout, every id of feature f's bag drawn alike within table f."""
+    if not is_one_hot(bag_sizes):  # one column per id, each within its feature's table
+        table_rows = [rows for rows, k in zip(table_rows, bag_sizes, strict=True) for _ in range(k)]
     rows = torch.tensor(table_rows, device="cuda")
     pool = []
     for _ in range(POOL):
@@ -146,9 +152,10 @@ def build(
     kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
     reduce_grads = None
     generator = torch.Generator(device="cuda").manual_seed(batch + 1000 * dist.rank)
+    bag_sizes = cfg.model.multi_hot_sizes
     if backend == BASELINE:
         model, step = build_baseline(cfg, table_rows, dist)
-        return model, None, step, random_batches(batch, table_rows, generator, ids), table_rows
+        return model, None, step, random_batches(batch, table_rows, generator, ids, bag_sizes), table_rows
     if dist.enabled:
         cfg = replace(cfg, "model", table_rows=tuple(table_rows), max_rows=cap)
         cfg = replace(cfg, "data", batch_size=batch * dist.world_size)
@@ -165,7 +172,7 @@ def build(
     step = functools.partial(train_step, precision=precision, reduce_grads=reduce_grads)
     if cfg.train.cuda_graphs:
         step = GraphedTrainStep(model, optimizer, step)
-    pool = random_batches(batch, table_rows, generator, ids)
+    pool = random_batches(batch, table_rows, generator, ids, bag_sizes)
     return model, optimizer, step, pool, table_rows
 
 

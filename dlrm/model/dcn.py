@@ -18,6 +18,7 @@ epilogue, forward and backward).
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from dlrm.config import DcnConfig
 
@@ -56,12 +57,13 @@ class LowRankCrossNet(nn.Module):
         if torch.is_autocast_enabled(device):  # one dtype for every term, as the fused kernel takes them
             x0 = x0.to(torch.get_autocast_dtype(device))
         x = x0
-        for v, u in zip(self.v, self.u, strict=True):
-            if self.kernel == "triton":
-                from kernels.cross import cross_layer
+        for layer, (v, u) in enumerate(zip(self.v, self.u, strict=True)):
+            with record_function(f"cross_layer_{layer}"):  # the profiler's parts (scripts/breakdown_step.py)
+                if self.kernel == "triton":
+                    from kernels.cross import cross_layer
 
-                weights = (v.weight, u.weight, u.bias)
-                x = cross_layer(x0, x, *(w.to(x0.dtype) for w in weights))
-            else:
-                x = x0 * u(v(x)) + x
+                    weights = (v.weight, u.weight, u.bias)
+                    x = cross_layer(x0, x, *(w.to(x0.dtype) for w in weights))
+                else:
+                    x = x0 * u(v(x)) + x
         return x
