@@ -28,7 +28,8 @@ Counts (glossary letters; a = bytes of an activation: 2 under bf16, else 4; w = 
                       bwd FLOPs 8*B*N*r, bytes 6*B*N*a + 4*N*r*4
     dot interaction   fwd FLOPs 2*B*(F+1)^2*D, bytes B*(F+1)*D*a + B*out*a; bwd twice
     loss              bytes 3*B*4 each way
-    optimizer         bytes P*4*5 for adagrad (weights, gradient, state read; weights, state written), P*4*3 sgd
+    optimizer         bytes P*4*5 for adagrad (weights, gradient, state read; weights, state written),
+                      P*4*3 for sgd
 A part's measured time is its kernels' GPU time per step; parts on the side stream (the embedding) overlap
 others, so the parts can add up to more than the step. The table goes to
 scripts/results/breakdown_<config>_<precision>_<B>.txt and one row per part to scripts/results/breakdown.csv.
@@ -103,9 +104,7 @@ def kernel_parts(prof, steps: int) -> tuple[dict[str, float], float]:
             part = "other" if owner is None else owner if owner == "optimizer" else f"{owner} fwd"
         parts[part] = parts.get(part, 0.0) + sum(k.duration for k in e.kernels) / steps
     total = sum(
-        e.time_range.elapsed_us()
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
+        e.time_range.elapsed_us() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
     )
     return parts, total / steps
 
