@@ -29,6 +29,7 @@ COMPILE_MODES = ("default", "reduce-overhead")  # train.compile_mode
 TRITON_MLP_KERNELS = ("linear_act", "bias_act", "cuda_bias_act")  # train.triton_mlp_kernel
 ON_NONFINITE = ("stop", "skip_batch")  # train.on_nonfinite
 SELECT_ON = ("logloss", "auc")  # train.select_on
+CHECKPOINT_POLICIES = ("best_and_last", "last_only", "none")  # train.checkpoint_policy (dlrm.run.checkpoints)
 
 # How the model runs: its MLP layers (dlrm.model.mlp) and its embeddings, interaction and loss
 # (dlrm.model.dlrm); "torch" is plain PyTorch, the others our kernels (RunConfig.mlp_kernel, .sparse_kernel).

@@ -20,6 +20,7 @@ from typing import Any
 from dlrm.choices import (
     ARCHS,
     BAG_DISTRIBUTIONS,
+    CHECKPOINT_POLICIES,
     COMPILE_MODES,
     DEVICES,
     EXCHANGE_DTYPES,
@@ -289,6 +290,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         ok = 0 < t.checkpoint_every_s < math.inf
         _require(ok, "train.checkpoint_every_s", "a positive number of seconds or null", t.checkpoint_every_s)
     _require(t.keep_last >= 0, "train.keep_last", "an integer >= 0", t.keep_last)
+    policy, policies = t.checkpoint_policy, CHECKPOINT_POLICIES
+    _require(policy in policies, "train.checkpoint_policy", f"one of {policies}", policy)
     _require(t.device in DEVICES, "train.device", f"one of {DEVICES}", t.device)
     _require(t.precision in PRECISIONS, "train.precision", f"one of {PRECISIONS}", t.precision)
     _require(t.compile_mode in COMPILE_MODES, "train.compile_mode", f"one of {COMPILE_MODES}", t.compile_mode)

@@ -184,7 +184,10 @@ class TrainConfig:
     last finite state) or "skip_batch" (the step's update is not applied, on the device; counted).
     Checkpoints/last.pt is written every `checkpoint_interval` steps (null: not by steps) and every
     `checkpoint_every_s` seconds of wall time (null: not by time), at a step's end; `keep_last` older ones
-    are kept beside it as checkpoints/step-<N>.pt (0: only last.pt).
+    are kept beside it as checkpoints/step-<N>.pt (0: only last.pt). `checkpoint_policy`: which
+    checkpoints the run keeps: "best_and_last" (last.pt, and best.pt, the checkpoint of the best val
+    evaluation's step kept as a hard link, no second write), "last_only" (no best.pt) or "none" (nothing
+    written: benchmarks); dlrm.run.checkpoints.
     """
 
     optimizer: str = "sgd"
@@ -212,6 +215,7 @@ class TrainConfig:
     checkpoint_interval: int | None = None
     checkpoint_every_s: float | None = 600.0
     keep_last: int = 0
+    checkpoint_policy: str = "best_and_last"
 
 
 @dataclass(frozen=True)
