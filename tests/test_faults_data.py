@@ -12,10 +12,12 @@ import sys
 
 import numpy as np
 import pytest
+from loguru import logger
 
 from dlrm import evaluate as evaluate_cli
 from dlrm import predict as predict_cli
 from dlrm import train as train_cli
+from dlrm.config import load_config
 from dlrm.data import binary_loader
 from dlrm.data.binary import write_binary_split
 from dlrm.run import selection
@@ -116,6 +118,37 @@ def test_resuming_a_run_that_early_stopping_ended_says_it_is_done(criteo_sample,
     line = _one_error_line(output)
     assert code == 2 and "this run is done: early stopping ended it at step 3" in line
     assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == files
+
+
+@pytest.mark.parametrize("limit", ["max_steps", "epochs"])
+def test_resuming_a_finished_run_says_so_in_one_line_and_writes_nothing(criteo_sample, tmp_path, limit):
+    config = _config(tmp_path, criteo_sample, max_steps=2)
+    if limit == "epochs":  # one epoch of 4 batches
+        raw = json.loads(config.read_text())
+        raw["data"]["batch_size"], raw["train"]["max_steps"] = 2000, None
+        config.write_text(json.dumps(raw))
+    run = tmp_path / "run"
+    assert _cli(train_cli.main, ["--config", config, "--output-dir", run])[0] == 0
+    metrics = _strict_json(run / "metrics.json")
+    files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(run.rglob("*")) if p.is_file()}
+    last = run / "checkpoints" / "last.pt"
+    lines: list[str] = []
+    sink = logger.add(lines.append, format="{message}")
+    try:
+        code, output = _cli(train_cli.main, ["--config", config, "--resume", last])
+        resumed = train_cli.train(load_config(config), resume=last)  # the API: the run's metrics
+    finally:
+        logger.remove(sink)
+    assert code == 0 and "error" not in output, output
+    finished = [line.strip() for line in lines if "this run is finished" in line]
+    limit_text = "train.max_steps 2" if limit == "max_steps" else "train.epochs 1 (4 steps)"
+    assert finished[0] == (
+        f"{last}: this run is finished: step {metrics['steps']} of {limit_text}; nothing to train, nothing "
+        f"written (its results: {run / 'metrics.json'}). To train on, raise "
+        + ("train.max_steps (--max-steps)" if limit == "max_steps" else "train.epochs")
+    )
+    assert len(finished) == 2 and resumed == metrics
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(run.rglob("*")) if p.is_file()} == files
 
 
 def test_metrics_json_of_a_nonfinite_stop_names_the_step_the_loss_went_nonfinite(criteo_sample, tmp_path):

@@ -101,7 +101,8 @@ def test_stale_temporaries_of_a_killed_run_are_removed_at_start(config, tmp_path
     (run / "host_1.123.pt.trace.json.tmp").write_text('{"traceEvents": [')  # the profiler's own
     live = run / f".metrics.json.tmp-{os.getppid()}"  # a live process's write in progress: kept
     live.write_text("{")
-    code, output = _cli(train_cli.main, ["--config", config, "--resume", run / "checkpoints" / "last.pt"])
+    args = ["--config", config, "--resume", run / "checkpoints" / "last.pt", "--max-steps", 3]
+    code, output = _cli(train_cli.main, args)
     assert code == 0, output
     assert not stale.exists() and live.exists()
     assert not (run / "checkpoints" / ".last.tmp").exists() and not list(run.glob("*.tmp"))

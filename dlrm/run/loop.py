@@ -43,7 +43,7 @@ from dlrm.profiling import data_range, make_profiler
 from dlrm.run.checkpoints import checkpoint_due_by_steps, checkpoint_due_by_time, checkpoint_path, save_last
 from dlrm.run.nonfinite import check_finite, nonfinite_stop
 from dlrm.run.selection import evaluate_and_select, evaluate_selected
-from dlrm.run.setup import set_up
+from dlrm.run.setup import RunFinished, set_up, total_steps
 from dlrm.run.state import Interval, Run, RunState
 
 
@@ -62,6 +62,8 @@ def train(
     With `resume` (a checkpoint of a run of the same model config) training goes on from its step: weights,
     optimizer state, best evaluation and the train loader's position are restored (hyperparameters are the
     config's), and the run directory defaults to the checkpoint's. "steps" and "samples" cover the whole run.
+    A `resume` of a finished run (its step at train.max_steps, or at the end of train.epochs) logs one
+    warning line saying so and returns its metrics.json as it is ({} without one), writing nothing.
     An `output_dir` that already holds a run is refused unless `resume` or `overwrite` (which empties it).
     `progress`: what it shows while it runs, "auto", "bar", "log" or "quiet" (dlrm.progress).
 
@@ -79,6 +81,8 @@ def train(
     start = time.perf_counter()
     try:
         run, state = set_up(cfg, output_dir, resume, overwrite, progress)
+    except RunFinished as finished:  # a resume with no step left: its one line logged, nothing written
+        return finished.metrics
     except torch.OutOfMemoryError as err:
         raise out_of_memory(cfg, err, "during set-up") from None
     try:
@@ -97,7 +101,7 @@ def train_steps(run: Run, state: RunState) -> None:
     """The loop: epochs, steps, and after each step `after_step`; at the end an evaluation and last.pt."""
     t = run.cfg.train
     loader = run.train_loader
-    max_steps = t.max_steps or t.epochs * len(loader)
+    max_steps = total_steps(run.cfg, loader)
     interval = Interval(torch.empty(t.log_interval, device=run.device))
     stop = False
     run.model.train()
@@ -126,7 +130,7 @@ def train_steps(run: Run, state: RunState) -> None:
             log_interval(run, state, interval, epoch)
             if not stop and state.last_eval_step != state.step:
                 stop = evaluate_and_select(run, state, interval)  # end of epoch
-    if state.last_eval is None:  # a resumed run that had no step left to train
+    if state.last_eval is None:  # a resumed run whose loader had no batch left
         evaluate_and_select(run, state, interval)
     save_last(run, state, interval)
 

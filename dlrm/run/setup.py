@@ -13,7 +13,7 @@ from loguru import logger
 from dlrm.config import RunConfig
 from dlrm.data.bag_source import loader_bags
 from dlrm.data.dataset import ParquetDataset, load_metadata, open_split, split_paths
-from dlrm.data.loaders import make_train_loader
+from dlrm.data.loaders import TrainLoader, make_train_loader
 from dlrm.data.schema import NUM_SPARSE
 from dlrm.data.splits import REPORT, SELECT, require_val_test
 from dlrm.device import set_precision, use_interpreter_on_cpu
@@ -40,12 +40,22 @@ def set_up(
     """Data, model, optimizer, step, loaders, run directory, TensorBoard writer and progress bar of a run,
     and its state (restored from `resume` when given). Under torchrun: the process group, the sharded
     tables and rank-aware loaders (dlrm.run.strategy). The run directory is checked first and written only
-    once all else is set up. Raises ValueError as `train`."""
+    once all else is set up; a `resume` checkpoint is read and checked against the config before the data
+    and the model. Raises ValueError as `train`, and RunFinished for a `resume` of a run with no step left
+    (nothing written)."""
     strategy, device = start(cfg)
     cfg = resolve_cuda_graphs(cfg, device)
     t = cfg.train
     run_dir = output_dir if output_dir or resume is None else resume.parent.parent
     run_dir = strategy.run_dir(cfg, run_dir, resume, overwrite)
+    state = RunState()
+    checkpoint = read_resumable(resume, cfg, strategy) if resume is not None else {}
+    for key, value in checkpoint.items():
+        if key in RunState.__dataclass_fields__:
+            setattr(state, key, value)
+    if resume is not None:
+        state.best_checkpoint = resume.parent / ("best" if resume.is_dir() else "best.pt")
+        check_not_stopped_early(resume, state, t.patience)
     use_interpreter_on_cpu(cfg, device)
     set_precision(t.precision)
     torch.manual_seed(t.seed)
@@ -60,24 +70,6 @@ def set_up(
     val_set = open_split(data_dir, SELECT)
     check_rows(data_dir, metadata, SELECT, val_set.num_rows)
     check_test_split(data_dir, metadata)  # read only at the end: checked now, not after hours of training
-    train_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64) if train_set is None else train_set.sparse
-    logger.info("building the model ({} backend) on {}", cfg.backend, device)
-    model = strategy.build_model(cfg, metadata, train_ids, device)
-    if cfg.model.lora.base is None:  # a fine-tuned model starts as its base, whose bias was learned
-        rate = train_positive_rate(data_dir, metadata, train_set)
-        model.start_at_base_rate(rate)
-        logger.info("the logit starts at the train click rate {:.4f} (bias {:.4f})", rate, log_odds(rate))
-    optimizer = RunOptimizer(model, t)
-    lrs = LearningRates(t.lr_schedule, optimizer)
-    state = RunState()
-    checkpoint = load_resumable(resume, cfg, model, optimizer, strategy) if resume is not None else {}
-    for key, value in checkpoint.items():
-        if key in RunState.__dataclass_fields__:
-            setattr(state, key, value)
-    if resume is not None:
-        state.best_checkpoint = resume.parent / ("best" if resume.is_dir() else "best.pt")
-        check_not_stopped_early(resume, state, t.patience)
-    step_fn = build_step(model, optimizer, cfg, device, strategy.grad_reducer(model))
     train_loader = make_train_loader(
         cfg.data,
         data_dir,
@@ -93,6 +85,20 @@ def set_up(
             f"data.batch_size: {cfg.data.batch_size} leaves no batch of {train_loader.num_rows} train rows"
         )
     check_rows(data_dir, metadata, "train", train_loader.num_rows)
+    if resume is not None:
+        check_not_finished(resume, state, cfg, train_loader, strategy.is_main)
+    train_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64) if train_set is None else train_set.sparse
+    logger.info("building the model ({} backend) on {}", cfg.backend, device)
+    model = strategy.build_model(cfg, metadata, train_ids, device)
+    if cfg.model.lora.base is None:  # a fine-tuned model starts as its base, whose bias was learned
+        rate = train_positive_rate(data_dir, metadata, train_set)
+        model.start_at_base_rate(rate)
+        logger.info("the logit starts at the train click rate {:.4f} (bias {:.4f})", rate, log_odds(rate))
+    optimizer = RunOptimizer(model, t)
+    lrs = LearningRates(t.lr_schedule, optimizer)
+    if resume is not None:
+        load_resumable(resume, checkpoint, model, optimizer, strategy)
+    step_fn = build_step(model, optimizer, cfg, device, strategy.grad_reducer(model))
     if checkpoint.get("loader") is not None:
         train_loader.load_state_dict(checkpoint["loader"])
     val_loader = strategy.split_loader(val_set, cfg, device)
@@ -187,31 +193,79 @@ def check_test_split(data_dir: Path, metadata: dict) -> None:
         raise ValueError(f"{data_dir}: split {REPORT!r} has no rows")
 
 
-def load_resumable(
-    path: Path,
-    cfg: RunConfig,
-    model: Model,
-    optimizer: RunOptimizer,
-    strategy: Strategy,
-) -> dict:
-    """Load checkpoint `path` into `model` and `optimizer`; return it (step, best, loader position, ...).
-    `path` is a .pt file of one process or a sharded checkpoint directory of many (dlrm.parallel.checkpoint),
-    loaded on any number of ranks (`strategy`).
+def read_resumable(path: Path, cfg: RunConfig, strategy: Strategy) -> dict:
+    """Checkpoint `path` (step, best, loader position, ...; the weights of a .pt file too), read and checked
+    against `cfg` before any data or model is set up: a .pt file of one process or a sharded checkpoint
+    directory of many (dlrm.parallel.checkpoint; there, only its meta.json).
 
     Raises:
-        ValueError: the file is not a checkpoint, or was trained with another model config or optimizer.
+        ValueError: the file is not a checkpoint, or was trained with another model config, optimizer or
+            loader (one line naming the key and both values).
     """
-    state = strategy.read_checkpoint(path)
-    ours, theirs = cfg.to_dict(), state["config"]
+    checkpoint = strategy.read_checkpoint(path)
+    ours, theirs = cfg.to_dict(), checkpoint["config"]
     for section, key in [("model", k) for k in ours["model"]] + [("train", "optimizer"), ("data", "loader")]:
         if theirs[section].get(key) != ours[section][key]:
             raise ValueError(
                 f"{path}: trained with {section}.{key} = {theirs[section].get(key)!r}, "
                 f"the config has {ours[section][key]!r}"
             )
-    # The config's hyperparameters win over the checkpoint's (the optimizer's state restores those too).
+    return checkpoint
+
+
+def total_steps(cfg: RunConfig, loader: TrainLoader) -> int:
+    """The steps a run of `cfg` trains in all: train.max_steps, else train.epochs passes over `loader`."""
+    return cfg.train.max_steps or cfg.train.epochs * len(loader)
+
+
+class RunFinished(Exception):
+    """`--resume` of a run with no step left to train: nothing to do, nothing written. `metrics`: the run
+    directory's metrics.json ({} when it has none)."""
+
+    def __init__(self, message: str, metrics: dict):
+        super().__init__(message)
+        self.metrics = metrics
+
+
+def check_not_finished(
+    resume: Path, state: RunState, cfg: RunConfig, loader: TrainLoader, announce: bool
+) -> None:
+    """Raise RunFinished when checkpoint `resume` (restored into `state`) is at or past the run's last step
+    (`total_steps`): the run is finished, and going on would only rewrite its files. One warning line says
+    so first, where `announce` (rank 0)."""
+    steps = total_steps(cfg, loader)
+    if state.step < steps:
+        return
+    if cfg.train.max_steps:
+        limit, raise_it = f"train.max_steps {steps}", "train.max_steps (--max-steps)"
+    else:
+        limit, raise_it = f"train.epochs {cfg.train.epochs} ({steps} steps)", "train.epochs"
+    metrics_path = resume.parent.parent / "metrics.json"  # the directory of the run the checkpoint is of
+    try:
+        metrics = json.loads(metrics_path.read_text())
+    except (OSError, ValueError):
+        metrics = {}
+    results = f" (its results: {metrics_path})" if metrics else ""
+    message = (
+        f"{resume}: this run is finished: step {state.step} of {limit}; nothing to train, nothing "
+        f"written{results}. To train on, raise {raise_it}"
+    )
+    if announce:
+        logger.warning(message)
+    raise RunFinished(message, metrics)
+
+
+def load_resumable(
+    path: Path,
+    checkpoint: dict,
+    model: Model,
+    optimizer: RunOptimizer,
+    strategy: Strategy,
+) -> None:
+    """Load `checkpoint` (`read_resumable(path, ...)`) into `model` and `optimizer`, on any number of ranks
+    (`strategy`). The config's hyperparameters (lr, weight decay) win over the checkpoint's."""
     ours = [{k: group[k] for k in ("lr", "weight_decay")} for group in optimizer.param_groups]
-    strategy.load_checkpoint(path, state, model, optimizer)
+    strategy.load_checkpoint(path, checkpoint, model, optimizer)
     # The groups hold base rates (the schedule scales them through the optimizer's device tensors).
     for group, values in zip(optimizer.param_groups, ours, strict=True):
         for key, value in values.items():
@@ -219,5 +273,4 @@ def load_resumable(
             if not math.isclose(held, value, rel_tol=1e-9):
                 logger.info("resuming with the config's {} {} (the checkpoint had {:.6g})", key, value, held)
             group[key] = value
-    logger.info("resuming from {} at step {}", path, state["step"])
-    return state
+    logger.info("resuming from {} at step {}", path, checkpoint["step"])
