@@ -49,6 +49,18 @@ def replacing(path: Path, suffix: str = "") -> Iterator[Path]:
         raise
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (this one included): whether a temporary named for it may still be
+    being written."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, owned by another user
+        return True
+    return True
+
+
 def write_text(path: Path, text: str) -> None:
     """`text` into `path`, whole or not at all (`replacing`). Raises DiskFull as `replacing`."""
     with replacing(path) as tmp:

@@ -17,9 +17,11 @@ How the update runs:
 - "sgd" with fp32 weights: one kernel, atomic adds of -lr * dout straight into the touched rows. Atomic adds
   sum repeated ids exactly (up to fp32 summation order), as SGD needs nothing but the sum.
 - otherwise (adagrad, rowwise_adagrad, bf16 weights): the non-linear update needs each row's full sum
-  first. The B*F indices are sorted (torch.sort); sorted positions with the same row form a segment; one
-  kernel sums dout into a [B*F, D] fp32 buffer by segment (atomics into distinct slots per segment), a second
-  updates each distinct row once from its segment's sum. Memory is O(B F D), never O(R D).
+  first. The B*F indices are sorted (torch.sort, on int32 keys where the rows fit: half the radix passes);
+  sorted positions with the same row form a segment; one kernel sums dout into a [B*F, D] fp32 buffer, one
+  slot per segment, by a segmented scan over each block of sorted positions in registers (a segment inside
+  a block is stored once; only a segment that crosses a block edge adds atomically into its slot, zeroed
+  first), a second updates each distinct row once from its segment's sum. Memory is O(B F D), never O(R D).
 Fixed shapes throughout (no torch.unique, no host sync), so a step can be captured in a CUDA graph.
 The PyTorch reference is ``embedding_update_ref``.
 """
@@ -107,6 +109,12 @@ def _sgd_kernel(
     tl.atomic_add(weights_ptr + index[:, None] * D + d[None, :], -lr * grad, mask=mask)
 
 
+@triton.jit
+def _segmented_add(segment_a, sum_a, segment_b, sum_b):
+    """Combine of a segmented sum scan over sorted positions: restart the sum where the segment changes."""
+    return segment_b, tl.where(segment_a == segment_b, sum_a + sum_b, sum_b)
+
+
 @triton.jit(do_not_specialize=["N"])
 def _segment_sum_kernel(
     # pointers
@@ -115,7 +123,7 @@ def _segment_sum_kernel(
     grad_ptr,  # [N, D] dout ([B, F, D] where POOLED), any float dtype
     features_ptr,  # POOLED: [S] int64 feature of each column (not read otherwise)
     scales_ptr,  # POOLED: [S] fp32 pooling scale of each column (not read otherwise)
-    sums_ptr,  # [N, D] fp32 zeros: one slot per segment, the first n_segments used
+    sums_ptr,  # [N, D] fp32: one slot per segment; the slots of segments that cross a block edge zeroed
     # sizes
     N,
     S,
@@ -128,9 +136,24 @@ def _segment_sum_kernel(
 ):
     p, mask_p, d, mask = _lookup_block(N, D, BLOCK_N, BLOCK_D)
     lookup = tl.load(order_ptr + p, mask=mask_p, other=0)
-    segment = tl.load(segment_ptr + p, mask=mask_p, other=0)
+    segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
     grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, lookup, mask_p, mask, d, S, F, D, POOLED)
-    tl.atomic_add(sums_ptr + segment[:, None] * D + d[None, :], grad, mask=mask)
+    # Each position's sum over its segment's positions so far in this block (sorted: a segment's positions
+    # are consecutive), in registers: a segment inside the block is summed without atomics.
+    _, sums = tl.associative_scan(
+        (tl.broadcast_to(segment[:, None], (BLOCK_N, BLOCK_D)), grad), 0, _segmented_add
+    )
+    next_segment = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
+    start = tl.program_id(0).to(tl.int64) * BLOCK_N
+    before_block = tl.load(segment_ptr + start - 1, mask=start > 0, other=-1)
+    first, last = tl.min(tl.where(mask_p, segment, N)), tl.max(segment)
+    ends_here = mask_p & ((segment != next_segment) | (p == start + BLOCK_N - 1))
+    # A segment that began in an earlier block or goes on into a later one gets partial sums from several
+    # blocks: those add atomically into its slot (zeroed by the launcher); every other segment is stored.
+    crosses = ((segment == first) & (first == before_block)) | ((segment == last) & (last == next_segment))
+    slots = sums_ptr + segment[:, None] * D + d[None, :]
+    tl.store(slots, sums, mask=mask & (ends_here & ~crosses)[:, None])
+    tl.atomic_add(slots, sums, mask=mask & (ends_here & crosses)[:, None])
 
 
 @triton.jit(do_not_specialize=["N", "eps"])
@@ -269,11 +292,13 @@ def embedding_update(
     launch_update(weights, state, index, grad.reshape(index.numel(), -1).contiguous(), optimizer, lr, eps)
 
 
-def _sorted_segments(index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(sorted rows, order, segment), each [N] int64, of the N = index.numel() global rows looked up: the
-    rows sorted, the lookup at each sorted position (argsort), and the segment (distinct row, numbered in
-    sorted order) of each sorted position. No host sync."""
-    sorted_rows, order = torch.sort(index.reshape(-1))
+def _sorted_segments(index: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(sorted rows, order, segment), each [N] int64, of the N = index.numel() global rows looked up (each in
+    [0, rows)): the rows sorted, the lookup at each sorted position (argsort), and the segment (distinct row,
+    numbered in sorted order) of each sorted position. No host sync."""
+    keys = index.reshape(-1)
+    sorted_rows, order = torch.sort(keys.int() if rows <= 2**31 else keys)
+    sorted_rows = sorted_rows.long()
     # Segment of each sorted position: the number of row changes before it.
     changes = torch.ne(sorted_rows[1:], sorted_rows[:-1])
     segment = torch.zeros_like(sorted_rows)
@@ -307,8 +332,12 @@ def launch_update(
     if optimizer == "sgd" and weights.dtype == torch.float32:
         _sgd_kernel[grid](index, grad, features, scales, weights, lr, n, s, f, d, POOLED=pooled, **blocks)
         return
-    sorted_rows, order, segment = _sorted_segments(index)
-    sums = torch.zeros(n, d, dtype=torch.float32, device=weights.device)
+    sorted_rows, order, segment = _sorted_segments(index, weights.shape[0])
+    sums = torch.empty(n, d, dtype=torch.float32, device=weights.device)
+    # Only segments that cross a block edge sum atomically: zero the slots of each block's first and last
+    # segment (the others are stored whole; the update reads no other slot).
+    edges = torch.arange(0, n, block_n, device=index.device)
+    sums.index_fill_(0, segment[torch.cat([edges, (edges + block_n - 1).clamp_(max=n - 1)])], 0.0)
     _segment_sum_kernel[grid](
         order, segment, grad, features, scales, sums, n, s, f, d, POOLED=pooled, **blocks
     )

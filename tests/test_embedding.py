@@ -334,6 +334,13 @@ def test_skewed_ids_update_within_summation_error(optimizer):
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_a_row_longer_than_several_blocks_takes_one_summed_step(optimizer):
+    """At D = 128 a block holds 32 sorted lookups: the one-row table's 200 lookups span seven blocks, whose
+    partial sums meet in one slot, and the 7-row table's runs cross block edges too."""
+    _check_update_against_exact([1, 7, 1000], 200, 128, optimizer, DEVICE)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_bf16_weights(optimizer):
     """bf16 weights (fp32 state): the update is computed in fp32 and rounded once, like the reference (in the
     interpreter too: the kernel casts to fp32 right after the load)."""

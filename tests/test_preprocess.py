@@ -194,7 +194,7 @@ def test_existing_output_dir_needs_overwrite(tmp_path, lines):
     unrelated = tmp_path / "unrelated"
     unrelated.mkdir()
     (unrelated / "keep.txt").write_text("precious")
-    with pytest.raises(PreprocessError, match="not a preprocess output"):
+    with pytest.raises(PreprocessError, match="is not a data directory"):
         preprocess([tsv], unrelated, overwrite=True)
     assert (unrelated / "keep.txt").read_text() == "precious"
 

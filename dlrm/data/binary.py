@@ -16,7 +16,9 @@ Letters: N rows of the split; 13 dense features (N_dense), 26 sparse features (F
 157 bytes a row on disk (264 in the parquet loaders' tensors); `widen_ids` turns int32 ids back into the
 int64 raw ids the model hashes, on the device. `python -m dlrm.data.binary --data DIR` writes every split
 of a preprocessed directory (or `python -m dlrm.data.preprocess ... --binary`); each split is written
-under a temporary name and renamed when complete, so a crash never leaves a split that looks whole.
+under a temporary name and renamed when complete, so a crash never leaves a split that looks whole (a run
+removes the temporaries of killed ones). An earlier binary split is replaced; a `binary/<split>/` holding
+other files is refused.
 """
 
 import json
@@ -34,6 +36,7 @@ from tqdm import tqdm
 
 from dlrm.cli_options import command, data_option
 from dlrm.data.dataset import columns_of, decode_table, load_metadata, split_paths
+from dlrm.data.output import remove_stale_temporaries
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.errors import cli_errors
 
@@ -117,8 +120,11 @@ def write_binary_split(parquet_files: list[Path], directory: Path) -> int:
     the row count. Reads one row group at a time (memory: one row group).
 
     Raises:
-        ValueError: a file lacks the Criteo columns, or an id is outside [-1, 2**32).
+        ValueError: a file lacks the Criteo columns, or an id is outside [-1, 2**32); `directory` holds
+            anything but a binary split's files (checked before reading).
     """
+    _check_replaceable(directory)
+    remove_stale_temporaries(directory)
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -145,9 +151,25 @@ def write_binary_split(parquet_files: list[Path], directory: Path) -> int:
             out.close()
     columns = {name: list(spec) for name, spec in split_columns(sparse_width or NUM_SPARSE).items()}
     (tmp / "format.json").write_text(json.dumps({"version": VERSION, "rows": rows, "columns": columns}))
+    _check_replaceable(directory)  # again: it may have changed meanwhile
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)
     return rows
+
+
+def _check_replaceable(directory: Path) -> None:
+    """Raise ValueError (one line) unless `directory` is missing or holds only a binary split's files."""
+    if not directory.exists() and not directory.is_symlink():
+        return
+    if directory.is_symlink() or not directory.is_dir():
+        raise ValueError(f"{directory} is not a binary split directory: refusing to replace it; move it away")
+    own = {*COLUMNS, "format.json"}
+    foreign = [p.name for p in sorted(directory.iterdir()) if p.name not in own or not p.is_file()]
+    if foreign:
+        raise ValueError(
+            f"{directory} holds files that a binary split does not ({', '.join(foreign[:5])}): refusing to "
+            "replace it; move them away"
+        )
 
 
 def write_binary(data_dir: Path | str, splits: list[str] | None = None) -> dict[str, int]:

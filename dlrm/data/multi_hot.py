@@ -1,18 +1,19 @@
 """`python -m dlrm.data.multi_hot`: MLPerf-style synthetic multi-hot data from a one-hot data directory.
 
     python -m dlrm.data.multi_hot --data data/criteo_sample --sizes mlperf --distribution pareto --seed 0 \\
-        [--output-dir data/criteo_sample_multi_hot]
+        [--output-dir data/criteo_sample_multi_hot] [--overwrite]
 
 Every parquet file of every split of DATA is written again under OUT with, after each sparse column C of
 bag size k > 1, the columns C_1 .. C_(k-1): the bag's drawn ids (dlrm.data.bags.make_bags; C itself keeps
 the one-hot id, the bag's first). OUT/metadata.json is DATA's with "multi_hot": {"sizes", "distribution",
 "seed"}, which the loaders check against `model.multi_hot_sizes`. The bags equal those that `data.multi_hot`
 makes on the fly from DATA, batch by batch. OUT is written under a temporary name and renamed when
-complete; one row group is in memory at a time.
+complete; one row group is in memory at a time. OUT may be missing or empty; one holding an earlier data
+directory is replaced only with `--overwrite`, and one holding anything else, DATA itself or a directory
+holding DATA is refused (dlrm.data.output.check_output_dir).
 """
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from dlrm.cli_options import command, data_option, path_option
 from dlrm.data.bag_source import data_bag_sizes
 from dlrm.data.bags import id_ranges, is_one_hot, make_bags, parse_sizes
 from dlrm.data.dataset import columns_of, decode_table, parquet_errors
-from dlrm.data.output import load_metadata, move_into_place
+from dlrm.data.output import check_output_dir, load_metadata, move_into_place, temporary_dir
 from dlrm.errors import cli_errors
 
 
@@ -54,23 +55,25 @@ def write_multi_hot(
     sizes: tuple[int, ...],
     distribution: str,
     seed: int,
+    overwrite: bool = False,
 ) -> dict[str, int]:
     """Write DATA's splits with bags into `output_dir` (module docstring); return {split: rows}.
+    `overwrite`: replace an earlier output that `output_dir` holds.
 
     Raises:
         FileNotFoundError: no metadata.json or parquet file.
         ValueError: DATA holds bags already, lacks cardinalities, or a file is not a Criteo split;
-            `output_dir` is DATA itself.
+            `output_dir` is DATA, holds it, or holds anything but an earlier output (that, without
+            `overwrite`).
     """
-    data_dir, output_dir = Path(data_dir), Path(output_dir)
+    data_dir = Path(data_dir)
     metadata = load_metadata(data_dir)
     if not is_one_hot(data_bag_sizes(metadata)):
         raise ValueError(f"{data_dir}/metadata.json: holds bags already; give one-hot data")
-    if output_dir.resolve() == data_dir.resolve():
-        raise ValueError(f"--output-dir: {output_dir} is the input directory; give another")
     num_ids = id_ranges(metadata, str(data_dir / "metadata.json"))
+    output_dir = check_output_dir(output_dir, overwrite, [data_dir])
     files = [name for split in metadata["files"].values() for name in split]
-    tmp = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
+    tmp = temporary_dir(output_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     rows: dict[str, int] = {}
     try:
@@ -123,11 +126,14 @@ def _write_file(
     "--output-dir",
     help="Where to write the multi-hot directory [default: DATA_multi_hot next to DATA].",
 )
-def main(data_dir: Path, sizes: str, distribution: str, seed: int, output_dir: Path | None) -> None:
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory of an earlier run.")
+def main(
+    data_dir: Path, sizes: str, distribution: str, seed: int, output_dir: Path | None, overwrite: bool
+) -> None:
     """Write DATA with MLPerf-style bags of ids per sparse feature (dlrm.data.bags)."""
-    output_dir = output_dir or data_dir.with_name(f"{data_dir.name}_multi_hot")
     with cli_errors():
-        written = write_multi_hot(data_dir, output_dir, parse_sizes(sizes), distribution, seed)
+        output_dir = output_dir or data_dir.resolve().with_name(f"{data_dir.resolve().name}_multi_hot")
+        written = write_multi_hot(data_dir, output_dir, parse_sizes(sizes), distribution, seed, overwrite)
     for split, rows in written.items():
         click.echo(f"{output_dir / split}: {rows} rows")
 

@@ -8,13 +8,19 @@ A run writes into `DIR.partial/` (see `PartialDir`): its manifest names the run'
 the line counts once known), its lock file keeps a second process out, and `_progress/` holds a record per
 completed shard, which is how a resumed run recognizes the shards it may keep. Every file is written under a
 `.tmp` name and renamed once complete; `move_into_place` renames DIR.partial to DIR at the very end.
+
+Every tool that writes a data directory (preprocess, synthetic, multi_hot) checks DIR first with
+`check_output_dir`: a missing or empty directory is written; one that holds a data directory and nothing
+else is replaced only with --overwrite; anything else (a directory of other files, one that is or holds an
+input, or holds the working directory) is refused with one line, and nothing is deleted.
 """
 
 import fcntl
 import json
 import os
+import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -23,6 +29,7 @@ import pyarrow.parquet as pq
 from loguru import logger
 
 from dlrm import __version__, atomic
+from dlrm.choices import SPLITS
 from dlrm.data.parse import OUTPUT_SCHEMA
 from dlrm.data.stats import DEFAULT_EXACT_DISTINCT_LIMIT, BlockStats, SplitStats, block_stats
 from dlrm.data.text import PreprocessError
@@ -33,8 +40,10 @@ __all__ = [
     "PartialDir",
     "SplitWriter",
     "build_metadata",
+    "check_output_dir",
     "load_metadata",
     "move_into_place",
+    "temporary_dir",
     "write_vocabularies",
 ]
 
@@ -146,15 +155,166 @@ class PartialDir:
         (self.path / LOCK_FILE).unlink()
 
 
+# In DIR while `move_into_place` replaces an earlier output entry by entry: what makes an incomplete DIR
+# (no metadata.json yet) recognizable as a data directory.
+INCOMPLETE_MARK = ".dlrm-incomplete"
+# A directory temporary of a tool writing DIR (.DIR.tmp-<pid>, .DIR.partial.tmp-<pid>), or one of
+# dlrm.atomic's (.<name>.tmp-<pid>...) at any depth of a data directory.
+_TEMPORARY = re.compile(r"\.[^/]+\.tmp-(\d+)(\.[^/]*)?")
+
+
+def temporary_dir(output_dir: Path) -> Path:
+    """The directory a tool writes before `move_into_place` renames it to `output_dir` (resolved): a hidden
+    sibling named for this process, which `check_output_dir` removes once the process is gone."""
+    return output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
+
+
+def check_output_dir(
+    output_dir: Path | str,
+    overwrite: bool,
+    inputs: Sequence[Path | str] = (),
+    option: str = "--output-dir",
+    error: type[ValueError] = ValueError,
+) -> Path:
+    """Check the directory a data tool is about to write, before it reads or writes anything; return it
+    resolved (so `.` and other relative paths have a name and a parent).
+
+    Accepted: a missing directory, an empty one, or, with `overwrite`, one holding a data directory
+    (metadata.json, or the mark of an interrupted `move_into_place`) and only what the data tools write
+    there. Then the temporaries that a killed run of a tool left beside it (.DIR.tmp-<pid>,
+    .DIR.partial.tmp-<pid> of a process that is gone) are removed.
+
+    Raises:
+        error: one line naming `option` and the path, and what to do: the path is or holds one of
+            `inputs`, holds the working directory, is not a directory, holds other files, or holds an earlier
+            output and not `overwrite`.
+    """
+    path = Path(output_dir).resolve()
+    name = _describe(option, Path(output_dir), path)
+    if path == path.parent:
+        raise error(f"{name}: the root directory; give a directory to write")
+    for given in inputs:
+        source = Path(given).resolve()
+        if path == source or path in source.parents:
+            what = "is" if path == source else "holds"
+            raise error(f"{name} {what} the input {given}; give another directory (never the input's)")
+    if path in Path.cwd().resolve().parents:
+        raise error(f"{name} holds the working directory; give another directory")
+    refusal = _refusal(path, name)
+    if refusal is not None:
+        raise error(refusal)
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise error(f"{name} already exists and holds a data directory: pass --overwrite to replace it")
+    remove_stale_temporaries(path)
+    return path
+
+
+def _describe(option: str, given: Path, resolved: Path) -> str:
+    return f"{option} {given}" + ("" if str(given) == str(resolved) else f" ({resolved})")
+
+
+def _refusal(path: Path, name: str) -> str | None:
+    """Why a tool may not replace `path` (one line), or None: missing, empty, or a data directory holding
+    only what the data tools write."""
+    if not path.exists() and not path.is_symlink():
+        return None
+    if not path.is_dir():
+        return f"{name} exists and is not a directory; give a directory to write"
+    if not any(path.iterdir()):
+        return None
+    if not ((path / METADATA_FILE).is_file() or (path / INCOMPLETE_MARK).is_file()):
+        held = _shown(sorted(p.name for p in path.iterdir()))
+        return (
+            f"{name} is not empty and is not a data directory (no {METADATA_FILE}; it holds {held}): "
+            "refusing to write over it; give a new or empty directory"
+        )
+    foreign = foreign_entries(path)
+    if foreign:
+        return (
+            f"{name} holds files that the data tools do not write ({_shown(foreign)}): refusing to replace "
+            "it; move them or give another directory"
+        )
+    return None
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def foreign_entries(data_dir: Path) -> list[str]:
+    """The paths under `data_dir` (relative, sorted; a directory's with a trailing /) that no data tool
+    writes: anything but metadata.json, the shards it lists or `<split>/part-N.parquet`, `vocab/C*.parquet`,
+    `binary/<split>/` column files and format.json, and temporaries. Symbolic links are never followed."""
+    listed: set[str] = set()
+    try:
+        files = json.loads((data_dir / METADATA_FILE).read_text()).get("files", {})
+        listed = {name for names in files.values() for name in names if isinstance(name, str)}
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass  # no metadata.json, or not one of ours: only the patterns below
+    splits = "|".join(re.escape(s) for s in sorted({*SPLITS, "eval", *(n.split("/")[0] for n in listed)}))
+    own_file = re.compile(
+        rf"{METADATA_FILE}|{INCOMPLETE_MARK}|({splits})/part-\d+\.parquet|{VOCAB_DIR}/C\d+\.parquet"
+        rf"|binary/({splits})/(label\.bin|dense\.bin|sparse\.bin|format\.json)"
+    )
+    own_dir = re.compile(rf"({splits}|{VOCAB_DIR}|binary|binary/({splits}))")
+    foreign = []
+    for root, dirs, files in os.walk(data_dir):
+        here = Path(root).relative_to(data_dir)
+        for d in list(dirs):
+            relative = (here / d).as_posix()
+            if _TEMPORARY.fullmatch(d):
+                dirs.remove(d)  # a temporary's contents are its own
+            elif (Path(root) / d).is_symlink() or not own_dir.fullmatch(relative):
+                foreign.append(f"{relative}/" if not (Path(root) / d).is_symlink() else relative)
+                dirs.remove(d)
+        for f in files:
+            relative = (here / f).as_posix()
+            if not (relative in listed or own_file.fullmatch(relative) or _TEMPORARY.fullmatch(f)):
+                foreign.append(relative)
+    return sorted(foreign)
+
+
+def remove_stale_temporaries(output_dir: Path) -> None:
+    """Remove the temporaries that a tool killed while writing `output_dir` (resolved) left beside it:
+    .DIR.tmp-<pid> and .DIR.partial.tmp-<pid> whose process is gone (they can be as large as DIR)."""
+    pattern = re.compile(rf"\.{re.escape(output_dir.name)}(\.partial)?\.tmp-(\d+)")
+    try:
+        siblings = list(output_dir.parent.iterdir())
+    except OSError:  # no parent yet: nothing left there
+        return
+    for path in siblings:
+        match = pattern.fullmatch(path.name)
+        if match is not None and not atomic.process_alive(int(match.group(2))):
+            logger.info("removing {}, left by a run that was stopped while writing it", path)
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+
+
 def move_into_place(tmp_dir: Path, output_dir: Path) -> None:
-    """Rename the finished `tmp_dir` to `output_dir`, replacing an earlier output if there is one."""
-    if output_dir.exists():
-        old_dir = output_dir.with_name(f"{output_dir.name}.old-{os.getpid()}")
-        os.replace(output_dir, old_dir)
+    """Make the finished `tmp_dir` `output_dir` (resolved, checked by `check_output_dir`): a rename when
+    `output_dir` is missing. An existing one (empty, or an earlier output with --overwrite) stays, so that
+    it may be the working directory: checked again (it may have changed since), marked incomplete, emptied
+    (metadata.json first), filled from `tmp_dir` (metadata.json last) and unmarked; an interruption leaves
+    it marked, which a later --overwrite replaces.
+
+    Raises:
+        ValueError: `output_dir` came to hold other files since it was checked (nothing is deleted).
+    """
+    if not output_dir.exists() and not output_dir.is_symlink():
         os.replace(tmp_dir, output_dir)
-        shutil.rmtree(old_dir)
-    else:
-        os.replace(tmp_dir, output_dir)
+        return
+    refusal = _refusal(output_dir, str(output_dir))
+    if refusal is not None:
+        raise ValueError(refusal)
+    mark = output_dir / INCOMPLETE_MARK
+    mark.write_text(json.dumps({"replacing_with": str(tmp_dir)}) + "\n")
+    (output_dir / METADATA_FILE).unlink(missing_ok=True)
+    for entry in output_dir.iterdir():
+        if entry.name != INCOMPLETE_MARK:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    for entry in sorted(tmp_dir.iterdir(), key=lambda e: e.name == METADATA_FILE):
+        os.replace(entry, output_dir / entry.name)
+    tmp_dir.rmdir()
+    mark.unlink()
 
 
 class SplitWriter:

@@ -50,7 +50,7 @@ import click
 from loguru import logger
 
 from dlrm.cli_options import command, path_option
-from dlrm.data.output import METADATA_FILE, PartialDir, move_into_place
+from dlrm.data.output import PartialDir, check_output_dir, move_into_place
 from dlrm.data.pipeline import DEFAULT_BLOCK_SIZE, LAYOUTS, split_starts, write_splits
 from dlrm.data.splits import held_out_fractions, held_out_options
 from dlrm.data.stats import DEFAULT_EXACT_DISTINCT_LIMIT
@@ -84,13 +84,14 @@ def preprocess(
 
     Args:
         inputs: raw Criteo TSV files, plain or gzip, in time order.
-        output_dir: directory to create; it must not exist unless `overwrite`.
+        output_dir: directory to write: missing or empty, or with `overwrite` one holding an earlier output
+            and nothing else; never an input or a directory holding one (dlrm.data.output.check_output_dir).
         eval_fraction: layout "fraction": shorthand for val_fraction = test_fraction = eval_fraction / 2;
             in [0, 1); not with val_fraction or test_fraction.
         layout: "fraction", "kaggle" or "terabyte" (see the module docstring).
         rows_per_file: lines per parquet shard (the last of a split may be shorter; bad lines are left out).
         skip_bad_lines: count and leave out malformed lines instead of stopping at the first one.
-        overwrite: replace an existing `output_dir` that holds an earlier preprocess output.
+        overwrite: replace an `output_dir` that holds an earlier output of a data tool.
         block_size: lines a worker parses as one task (in pieces of pipeline.PARSE_LINES), and rows per
             parquet row group; memory grows with it.
         workers: threads that parse blocks (default: the CPU count).
@@ -116,21 +117,12 @@ def preprocess(
             or a malformed line (without `skip_bad_lines`); the message is a single line.
     """
     inputs = [Path(p) for p in inputs]
-    output_dir = Path(output_dir)
     workers = (os.cpu_count() or 1) if workers is None else workers
     fractions = held_out_fractions(eval_fraction, val_fraction, test_fraction, layout, PreprocessError)
     _check_arguments(
-        inputs,
-        output_dir,
-        fractions,
-        layout,
-        rows_per_file,
-        overwrite,
-        block_size,
-        workers,
-        min_frequency,
-        exact_distinct_limit,
+        inputs, fractions, layout, rows_per_file, block_size, workers, min_frequency, exact_distinct_limit
     )
+    output_dir = check_output_dir(output_dir, overwrite, inputs, error=PreprocessError)
     started = time.perf_counter()
     identity = {
         "inputs": [_fingerprint(p) for p in inputs],
@@ -174,11 +166,9 @@ def preprocess(
 
 def _check_arguments(
     inputs: list[Path],
-    output_dir: Path,
     fractions: tuple[float, float],
     layout: str,
     rows_per_file: int,
-    overwrite: bool,
     block_size: int,
     workers: int,
     min_frequency: int | None,
@@ -202,16 +192,6 @@ def _check_arguments(
             raise PreprocessError(f"{path}: no such file")
         if not path.is_file():
             raise PreprocessError(f"{path}: not a regular file")
-    if output_dir.exists():
-        if not overwrite:
-            raise PreprocessError(f"{output_dir} already exists: pass --overwrite to replace it")
-        # --overwrite deletes the directory, so only accept one that an earlier run wrote (or an empty one).
-        if not output_dir.is_dir() or not (
-            (output_dir / METADATA_FILE).is_file() or not any(output_dir.iterdir())
-        ):
-            raise PreprocessError(
-                f"{output_dir} exists and is not a preprocess output (no {METADATA_FILE}): not replacing it"
-            )
 
 
 def _fingerprint(path: Path) -> dict:

@@ -18,7 +18,14 @@ from tqdm import tqdm
 
 from dlrm.data.oracle import SplitOracle
 from dlrm.data.oracle import describe as describe_oracle
-from dlrm.data.output import METADATA_FILE, SplitWriter, build_metadata, move_into_place
+from dlrm.data.output import (
+    METADATA_FILE,
+    SplitWriter,
+    build_metadata,
+    check_output_dir,
+    move_into_place,
+    temporary_dir,
+)
 from dlrm.data.parse import OUTPUT_SCHEMA
 from dlrm.data.pipeline import split_starts
 from dlrm.data.schema import MISSING_CATEGORY, NUM_DENSE, NUM_SPARSE, RAW_COLUMNS, SPARSE_COLUMNS
@@ -100,18 +107,14 @@ def record_schema(bag_sizes: tuple[int, ...] | None) -> pa.Schema:
 # Writers
 
 
-def _check_output(path: Path, overwrite: bool, is_dir: bool) -> None:
+def _check_output_file(path: Path, overwrite: bool) -> None:
     if not path.exists():
         if not path.parent.is_dir():
             raise SyntheticError(f"{path.parent}: no such directory")
         return
     if not overwrite:
         raise SyntheticError(f"{path} already exists: pass --overwrite to replace it")
-    if is_dir and not (path.is_dir() and ((path / METADATA_FILE).is_file() or not any(path.iterdir()))):
-        raise SyntheticError(
-            f"{path} exists and is not a preprocess output (no {METADATA_FILE}): not replacing it"
-        )
-    if not is_dir and not path.is_file():
+    if not path.is_file():
         raise SyntheticError(f"{path} exists and is not a regular file: not replacing it")
 
 
@@ -177,7 +180,7 @@ def write_tsv(
         raise SyntheticError(
             "--multi-hot: only with --output-dir (a raw Criteo line holds one id per feature)"
         )
-    _check_output(path, overwrite, is_dir=False)
+    _check_output_file(path, overwrite)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     started = time.perf_counter()
     positives = 0
@@ -229,10 +232,12 @@ def write_parquet(
     Returns:
         The metadata written (the keys of preprocess's, and "oracle"; "source" describes the generator),
         with "seconds", "rows_per_s" and "bias" added (these three are not written).
+    `output_dir` may be missing or empty; one holding an earlier data directory is replaced only with
+    `overwrite`, one holding anything else never (dlrm.data.output.check_output_dir).
+
     Raises:
         SyntheticError: bad arguments (a bad fraction names its option) or an unusable `output_dir`.
     """
-    output_dir = Path(output_dir)
     _check_counts(rows, block_size)
     fractions = held_out_fractions(eval_fraction, val_fraction, test_fraction, error=SyntheticError)
     if rows_per_file < 1:
@@ -242,13 +247,13 @@ def write_parquet(
         raise SyntheticError(
             f"no train rows: --rows {rows} with --val-fraction {fractions[0]} --test-fraction {fractions[1]}"
         )
-    _check_output(output_dir, overwrite, is_dir=True)
+    output_dir = check_output_dir(output_dir, overwrite, error=SyntheticError)
 
     started = time.perf_counter()
-    tmp_dir = output_dir.with_name(f"{output_dir.name}.tmp-{os.getpid()}")
+    tmp_dir = temporary_dir(output_dir)
     shutil.rmtree(tmp_dir, ignore_errors=True)
     try:
-        tmp_dir.mkdir()
+        tmp_dir.mkdir(parents=True)
         writers = {
             name: SplitWriter(
                 tmp_dir,
