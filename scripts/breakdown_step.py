@@ -55,6 +55,7 @@ RESULTS = Path(__file__).parent / "results"
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 FORWARD_PARTS = ("embedding", "bottom_mlp", "interaction", "top_mlp", "first_order", "loss")
 BACKWARD_NODE = "autograd::engine::evaluate_function"
+TOP_PARTS, TOP_KERNELS = 5, 6  # the slowest parts' kernels listed under the table
 
 
 def ancestors(event) -> list:
@@ -76,8 +77,9 @@ def forward_part(chain: list) -> str | None:
     return None
 
 
-def kernel_parts(prof, steps: int) -> tuple[dict[str, float], float]:
-    """({part: kernel us per step}, all CUDA kernels' us per step) of a profile of launched steps."""
+def kernel_parts(prof, steps: int) -> tuple[dict[str, float], dict[tuple[str, str], float], float]:
+    """({part: kernel us per step}, {(part, kernel name): us per step}, all CUDA kernels' us per step) of a
+    profile of launched steps."""
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     node_part: dict[int, str] = {}  # forward sequence number -> its part
     for e in events:
@@ -86,6 +88,7 @@ def kernel_parts(prof, steps: int) -> tuple[dict[str, float], float]:
             if part is not None:
                 node_part.setdefault(e.sequence_nr, part)
     parts: dict[str, float] = {}
+    kernels: dict[tuple[str, str], float] = {}
     for e in events:
         if not e.kernels:
             continue
@@ -103,10 +106,12 @@ def kernel_parts(prof, steps: int) -> tuple[dict[str, float], float]:
             owner = forward_part(chain)
             part = "other" if owner is None else owner if owner == "optimizer" else f"{owner} fwd"
         parts[part] = parts.get(part, 0.0) + sum(k.duration for k in e.kernels) / steps
+        for k in e.kernels:
+            kernels[part, k.name] = kernels.get((part, k.name), 0.0) + k.duration / steps
     total = sum(
         e.time_range.elapsed_us() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
     )
-    return parts, total / steps
+    return parts, kernels, total / steps
 
 
 def mlp_counts(widths: list[int], batch: int, a: int) -> tuple[float, float, float, float]:
@@ -163,7 +168,7 @@ def part_counts(cfg, batch: int, precision: str, optimizer: str, distinct: float
     return counts
 
 
-def profile_parts(built, steps: int) -> tuple[dict[str, float], float]:
+def profile_parts(built, steps: int) -> tuple[dict[str, float], dict[tuple[str, str], float], float]:
     """kernel_parts of `steps` launched steps of `built` (bench_train.build), after its warm-up."""
     model, optimizer, step, pool, _ = built
     for i in range(2 * POOL):
@@ -204,7 +209,7 @@ def main(config, backend, graph_backend, batch, precision, optimizer, steps, max
     cfg = load_config(CONFIG_DIR / f"{config}.json")
     distinct = distinct_rows(pool, table_rows, cfg.model.multi_hot_sizes)
     dense_params = sum(p.numel() for p in model.dense_parameters())
-    parts, kernel_us = profile_parts(built, steps)
+    parts, kernels, kernel_us = profile_parts(built, steps)
     counts = part_counts(cfg, batch, precision, optimizer, distinct, dense_params)
     info = provenance(torch.cuda.get_device_name())
     lines = [
@@ -236,6 +241,10 @@ def main(config, backend, graph_backend, batch, precision, optimizer, steps, max
             "step_ms": step["ms_per_step"], "step_backend": graph_backend,
             "copy_gbps": round(ceilings["copy_gbps"]), "gemm_tflops": round(peak),
         })  # fmt: skip
+    lines.append(f"# the kernels of the {TOP_PARTS} slowest parts, us/step")
+    for part in sorted(parts, key=lambda p: -parts[p])[:TOP_PARTS]:
+        mine = sorted(((us, name) for (p, name), us in kernels.items() if p == part), reverse=True)
+        lines += [f"{part:<24}{us:>10.1f}  {name[:90]}" for us, name in mine[:TOP_KERNELS]]
     text = "\n".join(lines) + "\n"
     print(text)
     (RESULTS / f"breakdown_{config}_{precision}_{batch}.txt").write_text(text)
