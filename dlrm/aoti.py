@@ -23,7 +23,7 @@ import click
 import torch
 from loguru import logger
 
-from dlrm.atomic import replacing
+from dlrm.atomic import check_output_file, replacing
 from dlrm.cli_options import command, path_option
 from dlrm.errors import cli_errors
 from dlrm.export import example_inputs
@@ -80,6 +80,7 @@ def main(program, output):
     """Compile a dlrm.export program with AOTInductor and print its latency per batch of 1 / 128 / 4096
     rows against the program's."""
     with cli_errors():
+        check_output_file(output, "--output", [program])  # before the minutes of compiling
         exported = torch.export.load(str(program))
         device = program_device(exported)
         start = time.perf_counter()

@@ -8,7 +8,7 @@ naming the file and the space left, which the CLIs print with exit status 2 (dlr
 import errno
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -47,6 +47,27 @@ def replacing(path: Path, suffix: str = "") -> Iterator[Path]:
         if full is not None:
             raise full from None
         raise
+
+
+def check_output_file(path: Path, option: str, inputs: Sequence[Path] = ()) -> None:
+    """Check, before any work, that `replacing(path)` can write the file a command's `option` names and
+    takes nothing but an earlier file of that name: `path` is not a directory, nor under a file, nor one
+    of the command's `inputs` (nor an existing file inside an input directory).
+
+    Raises:
+        ValueError: one line naming `option`, `path` and what to give instead.
+    """
+    resolved = path.resolve()
+    if path.is_dir():
+        raise ValueError(f"{option} {path}: is a directory; give the path of a file to write")
+    blocking = next((p for p in resolved.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ValueError(f"{option} {path}: {blocking} is not a directory; give the path of a file to write")
+    for given in inputs:
+        source = Path(given).resolve()
+        if resolved == source or (path.exists() and source in resolved.parents):
+            what = "is" if resolved == source else "is a file of"
+            raise ValueError(f"{option} {path} {what} the input {given}; give another path")
 
 
 def process_alive(pid: int) -> bool:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import click
 
+from dlrm.atomic import check_output_file
 from dlrm.checkpoint import load_checkpoint, save_checkpoint
 from dlrm.choices import DEVICES
 from dlrm.cli_options import command, path_option, set_option
@@ -129,6 +130,7 @@ def main(
                 raise ValueError("--set: not with --merge (it writes the fine-tuned run's own config)")
             if output is None:
                 raise ValueError("--merge needs --output FILE")
+            check_output_file(output, "--output", [checkpoint])
             merge_checkpoint(checkpoint, output)
             click.echo(f"wrote {output}")
             return

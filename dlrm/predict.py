@@ -215,6 +215,7 @@ def main(
     """Write the click-through rate of every row of INPUT under a checkpoint to OUTPUT (parquet)."""
     mode = progress.configure("quiet" if quiet else "auto")
     with cli_errors():
+        atomic.check_output_file(output, "--output", [input_path])  # before any scoring
         dev = resolve_device(device)
         model, scoring = load_model(checkpoint_path, dev, backend, precision)
         logger.info("scoring {} with {} on {} ({})", input_path, checkpoint_path, dev, scoring)

@@ -1,8 +1,8 @@
-"""Nothing lost: every command that writes a data directory refuses, before any work, an output path that
-holds anything but its own earlier output (user files, the input, a directory holding the input, the
+"""Nothing lost: every command that writes a directory or a file refuses, before any work, an output path
+that holds anything but its own earlier output (user files, the input, a directory holding the input, the
 working directory), with one line and exit 2, and deletes nothing; --overwrite replaces only an earlier
 output; `.` and relative paths work; temporaries of killed runs are removed on the next run
-(dlrm.data.output.check_output_dir)."""
+(dlrm.data.output.check_output_dir, dlrm.atomic.check_output_file)."""
 
 import gzip
 import os
@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from dlrm import aoti as aoti_cli
+from dlrm import finetune as finetune_cli
+from dlrm import predict as predict_cli
 from dlrm.data import binary as binary_cli
 from dlrm.data import multi_hot as multi_hot_cli
 from dlrm.data import preprocess as preprocess_cli
@@ -235,4 +238,58 @@ def test_binary_refuses_a_split_directory_holding_other_files_and_removes_stale_
     code, output = _cli(binary_cli.main, ["--data", data])
     line = _one_error_line(output)
     assert code == 2 and str(data / "binary" / "train") in line and "notes.txt" in line, line
+    assert _tree(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Files: predict, finetune --merge, aoti
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("the output path was not checked first")
+
+
+def test_predict_checks_the_output_before_scoring(small_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(predict_cli, "resolve_device", _never)  # the first step after the check
+    shard = small_data / "test" / "part-00000.parquet"
+    existing = _user_files(tmp_path / "existing")
+    (tmp_path / "a_file").write_text("mine")
+    cases = [  # (input, output, what the line says)
+        (shard, existing, "is a directory"),
+        (shard, shard, "is the input"),
+        (small_data, small_data / "val" / "part-00000.parquet", "is a file of the input"),
+        (shard, tmp_path / "a_file" / "p.parquet", "is not a directory"),
+    ]
+    before = _tree(tmp_path)
+    data_before = _tree(small_data)
+    for source, output, message in cases:
+        args = ["--checkpoint", tmp_path / "best.pt", "--input", source, "--output", output]
+        code, text = _cli(predict_cli.main, args)
+        line = _one_error_line(text)
+        assert code == 2 and str(output) in line and message in line, line
+    assert _tree(tmp_path) == before and _tree(small_data) == data_before
+
+
+def test_finetune_merge_checks_the_output_before_merging(tmp_path, monkeypatch):
+    monkeypatch.setattr(finetune_cli, "merge_checkpoint", _never)
+    checkpoint = tmp_path / "best.pt"
+    checkpoint.write_bytes(b"a fine-tuned checkpoint")
+    existing = _user_files(tmp_path / "existing")
+    before = _tree(tmp_path)
+    for output, message in ((existing, "is a directory"), (checkpoint, "is the input")):
+        code, text = _cli(finetune_cli.main, ["--checkpoint", checkpoint, "--merge", "--output", output])
+        line = _one_error_line(text)
+        assert code == 2 and str(output) in line and message in line, line
+    assert _tree(tmp_path) == before
+
+
+def test_aoti_checks_the_output_before_compiling(tmp_path):
+    program = tmp_path / "model.pt2"
+    program.write_bytes(b"not read: the output is checked first")
+    existing = _user_files(tmp_path / "existing")
+    before = _tree(tmp_path)
+    for output, message in ((existing, "is a directory"), (program, "is the input")):
+        code, text = _cli(aoti_cli.main, ["--program", program, "--output", output])
+        line = _one_error_line(text)
+        assert code == 2 and str(output) in line and message in line, line
     assert _tree(tmp_path) == before
