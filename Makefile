@@ -17,7 +17,9 @@ CHROMIUM := /usr/bin/chromium
 SAMPLE := data/criteo_sample/test/part-00000.parquet
 DATA ?= data/criteo_sample
 SPLIT ?= test
-CHECKPOINT ?= $(shell ls -t runs/*/checkpoints/best.pt 2>/dev/null | head -n 1)
+# The newest best checkpoint of either kind: best.pt of a one-process run, best/ (a sharded directory) of a
+# torchrun run.
+CHECKPOINT ?= $(shell ls -td runs/*/checkpoints/best.pt runs/*/checkpoints/best 2>/dev/null | head -n 1)
 PORT ?= 6006
 
 .PHONY: train evaluate tensorboard test test-gpu test-browser bench lint clean
@@ -36,7 +38,7 @@ train: $(STAMP) $(SAMPLE)
 	$(PY) -m dlrm.train --config configs/main.json
 
 evaluate: $(STAMP) $(SAMPLE)
-	@test -n "$(CHECKPOINT)" || { echo "no runs/*/checkpoints/best.pt: run make train first" >&2; exit 2; }
+	@test -n "$(CHECKPOINT)" || { echo "no runs/*/checkpoints/best.pt or best/: run make train first" >&2; exit 2; }
 	$(PY) -m dlrm.evaluate --checkpoint $(CHECKPOINT) --data $(DATA) --split $(SPLIT)
 
 tensorboard: $(STAMP)

@@ -5,8 +5,11 @@ output; `.` and relative paths work; temporaries of killed runs are removed on t
 (dlrm.data.output.check_output_dir, dlrm.atomic.check_output_file)."""
 
 import gzip
+import json
 import os
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,7 @@ from dlrm.data import preprocess as preprocess_cli
 from dlrm.data import synthetic as synthetic_cli
 from dlrm.data.output import INCOMPLETE_MARK, METADATA_FILE, load_metadata
 from dlrm.data.preprocess import preprocess
-from tests.conftest import SAMPLE_TSV
+from tests.conftest import REPO, SAMPLE_TSV
 
 SIZES = ",".join(["2", *["1"] * 25])  # one bag of 2: the multi-hot tool at its cheapest
 DEAD_PID = 2**22 + 1  # above the default pid_max: no such process
@@ -293,3 +296,31 @@ def test_aoti_checks_the_output_before_compiling(tmp_path):
         line = _one_error_line(text)
         assert code == 2 and str(output) in line and message in line, line
     assert _tree(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------------------
+# make evaluate
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+def test_make_evaluate_picks_the_newest_best_checkpoint_of_either_kind(tmp_path):
+    single = tmp_path / "runs" / "single" / "checkpoints" / "best.pt"
+    sharded = tmp_path / "runs" / "torchrun" / "checkpoints" / "best"  # a torchrun run's DCP directory
+    single.parent.mkdir(parents=True)
+    single.write_bytes(b"")
+    sharded.mkdir(parents=True)
+    (sharded / "meta.json").write_text(json.dumps({}))
+    now = time.time()
+
+    def chosen() -> str:
+        command = [
+            "make", "-s", "-C", str(tmp_path), "-f", str(REPO / "Makefile"),
+            "--eval", "print-checkpoint: ; @echo $(CHECKPOINT)", "print-checkpoint",
+        ]  # fmt: skip
+        return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
+
+    os.utime(single, (now - 100, now - 100))
+    os.utime(sharded, (now, now))
+    assert chosen() == "runs/torchrun/checkpoints/best"
+    os.utime(single, (now + 100, now + 100))
+    assert chosen() == "runs/single/checkpoints/best.pt"
