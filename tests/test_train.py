@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,7 +20,9 @@ from dlrm import train as train_cli
 from dlrm.config import load_config, replace
 from dlrm.data.binary import write_binary
 from dlrm.data.dataset import open_split
+from dlrm.errors import Interrupted
 from dlrm.run import selection
+from dlrm.run import setup as run_setup
 from dlrm.run.setup import set_up
 from tests.conftest import REPO
 
@@ -489,6 +492,39 @@ def test_resume_gives_the_weights_of_an_uninterrupted_run(criteo_sample, tmp_pat
         torch.testing.assert_close(resumed["model"][key], value, rtol=1e-6, atol=1e-7, msg=key)
     for key in ("val_auc", "best_step", "test_auc", "test_logloss"):
         assert metrics[key] == pytest.approx(whole_metrics[key], abs=1e-6), key
+
+
+def test_a_run_stopped_mid_log_interval_resumes_to_the_logged_losses_of_an_uninterrupted_run(
+    criteo_sample, tmp_path, monkeypatch
+):
+    """SIGTERM at step 6 (log lines every 4 steps): last.pt holds the sums of steps 5-6, so the resumed run's
+    line at step 8 averages steps 5-8 as the uninterrupted run's does, to the bit (both read the losses at
+    the same steps: checkpoints every 2), in TensorBoard and in metrics.json."""
+    cfg = _tiny(criteo_sample, max_steps=10, device="cpu", checkpoint_interval=2)
+    whole = train_cli.train(cfg, tmp_path / "whole")
+    build_step = run_setup.build_step
+
+    def terminated_at_step_6(model, optimizer, cfg, device, reduce_grads=None):
+        step, calls = build_step(model, optimizer, cfg, device, reduce_grads), [0]
+
+        def terminated(model, optimizer, batch):
+            calls[0] += 1
+            if calls[0] == 6:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return step(model, optimizer, batch)
+
+        return terminated
+
+    with monkeypatch.context() as patched:
+        patched.setattr(run_setup, "build_step", terminated_at_step_6)
+        with pytest.raises(Interrupted, match="after step 6"):
+            train_cli.train(cfg, tmp_path / "stopped")
+    resumed = train_cli.train(cfg, resume=tmp_path / "stopped" / "checkpoints" / "last.pt")
+    events = EventAccumulator(str(tmp_path / "stopped"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [4, 8, 10]
+    assert _losses(tmp_path / "stopped") == _losses(tmp_path / "whole")
+    assert resumed["train_loss"] == whole["train_loss"] and resumed["steps"] == 10
 
 
 def test_resume_refuses_another_model(criteo_sample, tmp_path):

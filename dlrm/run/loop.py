@@ -9,7 +9,8 @@ only; when the run ends, however it ends, the selected weights (best.pt's) are e
 and metrics.json reports both: val_* of the selecting evaluation, test_* of the same weights.
 
 What changes while a run goes on lives in one `RunState`, the steps since the last log line in an
-`Interval`, what is fixed once set up in a `Run` (dlrm.run.state). This module is the loop over them;
+`Interval` (whose sums RunState takes before each checkpoint, so that a resumed run logs the losses of an
+uninterrupted one), what is fixed once set up in a `Run` (dlrm.run.state). This module is the loop over them;
 `after_step` is the one point after each step where logging, evaluation, periodic checkpoints and stop
 signals hook in. The rest is in modules of one job each: dlrm.run.setup (set-up and `--resume`),
 dlrm.run.selection (val evaluations, best.pt, early stopping, the test evaluation), dlrm.run.checkpoints
@@ -102,7 +103,7 @@ def train_steps(run: Run, state: RunState) -> None:
     t = run.cfg.train
     loader = run.train_loader
     max_steps = total_steps(run.cfg, loader)
-    interval = Interval(torch.empty(t.log_interval, device=run.device))
+    interval = resumed_interval(run, state)
     stop = False
     run.model.train()
     worker = run.strategy.trace_worker
@@ -129,10 +130,10 @@ def train_steps(run: Run, state: RunState) -> None:
                 stop = after_step(run, state, interval, epoch)
             log_interval(run, state, interval, epoch)
             if not stop and state.last_eval_step != state.step:
-                stop = evaluate_and_select(run, state, interval)  # end of epoch
+                stop = evaluate(run, state, interval)  # end of epoch
     if state.last_eval is None:  # a resumed run whose loader had no batch left
-        evaluate_and_select(run, state, interval)
-    save_last(run, state, interval)
+        evaluate(run, state, interval)
+    checkpoint_last(run, state, interval)
 
 
 def after_step(run: Run, state: RunState, interval: Interval, epoch: int) -> bool:
@@ -148,14 +149,52 @@ def after_step(run: Run, state: RunState, interval: Interval, epoch: int) -> boo
         log_interval(run, state, interval, epoch)
     stop = False
     if run.eval_every and state.step % run.eval_every == 0:
-        stop = evaluate_and_select(run, state, interval)
+        stop = evaluate(run, state, interval)
     signum, timed = run.signals.received or 0, checkpoint_due_by_time(run.cfg, state)
     signum, timed = run.strategy.agree(signum, timed, at_log_line)
     if signum:
         stop_on_signal(run, state, interval, signum)
     if timed or checkpoint_due_by_steps(run.cfg, state):
-        save_last(run, state, interval)
+        checkpoint_last(run, state, interval)
     return stop
+
+
+def resumed_interval(run: Run, state: RunState) -> Interval:
+    """The interval the loop starts with: empty, or where a resumed run's checkpoint was written mid-interval,
+    its steps before the checkpoint, read and summed (RunState.interval_*), so that the first log line
+    averages the steps an uninterrupted run's does. Sums of another train.log_interval (more steps than
+    the current one can hold since its last log line) are dropped."""
+    log_every = run.cfg.train.log_interval
+    interval = Interval(torch.empty(log_every, device=run.device))
+    held = state.interval_steps
+    if 0 < held <= state.step % log_every:
+        interval.steps = interval.read = held
+        interval.finite, interval.loss_sum = state.interval_finite, state.interval_loss_sum
+    return interval
+
+
+def keep_interval(run: Run, state: RunState, interval: Interval) -> None:
+    """Read the interval's losses (`check_finite`: NonFiniteLoss as there) and put its sums into `state`,
+    whose checkpoint then holds them (RunState.interval_*). Many ranks: the mean over the ranks of their
+    sums, so that any number of ranks resumed from it logs the mean of the global batches (a collective:
+    every rank calls it at the same step)."""
+    check_finite(run, state, interval)
+    state.interval_steps, state.interval_finite = interval.steps, interval.finite
+    state.interval_loss_sum = run.strategy.mean_loss(interval.loss_sum, run.device)
+
+
+def evaluate(run: Run, state: RunState, interval: Interval) -> bool:
+    """A val evaluation (dlrm.run.selection.evaluate_and_select: best.pt, early stopping; True: stop), the
+    interval's sums kept first for the best.pt it may write (`keep_interval`)."""
+    keep_interval(run, state, interval)
+    return evaluate_and_select(run, state, interval)
+
+
+def checkpoint_last(run: Run, state: RunState, interval: Interval) -> None:
+    """checkpoints/last.pt (dlrm.run.checkpoints.save_last), the interval's sums kept first
+    (`keep_interval`)."""
+    keep_interval(run, state, interval)
+    save_last(run, state, interval)
 
 
 def resume_position(loader: TrainLoader, step: int) -> tuple[int, int]:
@@ -268,7 +307,7 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
 def stop_on_signal(run: Run, state: RunState, interval: Interval, signum: int) -> None:
     """Signal `signum` came (to this rank or another): write last.pt (a finite state only; many ranks: the
     sharded checkpoints/last), flush TensorBoard, raise Interrupted."""
-    save_last(run, state, interval)
+    checkpoint_last(run, state, interval)
     run.writer.flush()
     checkpoint = checkpoint_path(run, "last.pt")
     raise Interrupted(

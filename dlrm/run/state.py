@@ -35,7 +35,10 @@ class RunState:
     included). best: the best val evaluation so far ({"auc", "logloss", "ne", "samples", "step"}), None
     before the first finite one. evals_since_best: for early stopping. skipped_batches: steps whose
     non-finite loss was skipped (train.on_nonfinite "skip_batch"). last_finite_loss: (step, loss) of the
-    last finite step loss read. train_loss: the last log line's mean loss (None before one). The rest are
+    last finite step loss read. train_loss: the last log line's mean loss (None before one). interval_steps,
+    interval_finite, interval_loss_sum: the log interval's steps so far, read when the checkpoint was written
+    (dlrm.run.loop.keep_interval), its finite losses and their sum (many ranks: the mean over ranks of the
+    sums), from which a resumed run's first log line goes on as an uninterrupted run's. The rest are
     this process's: the step whose loss stopped the run as non-finite (nonfinite_step; the losses are read
     at log lines, so the run has done a few steps more), throughput sums, the last evaluation, when
     last.pt was written, where best's weights are.
@@ -48,6 +51,9 @@ class RunState:
     skipped_batches: int = 0
     last_finite_loss: tuple[int, float] | None = None
     train_loss: float | None = None
+    interval_steps: int = 0
+    interval_finite: int = 0
+    interval_loss_sum: float = 0.0
     nonfinite_step: int | None = None
     last_eval: dict | None = None
     last_eval_step: int | None = None
@@ -79,6 +85,9 @@ class RunState:
             "skipped_batches",
             "last_finite_loss",
             "train_loss",
+            "interval_steps",
+            "interval_finite",
+            "interval_loss_sum",
         )
         return {key: getattr(self, key) for key in keys}
 
