@@ -50,6 +50,8 @@ def main(checkpoint_path, data_dir, split, batch_size, backend, precision, devic
         model = scoring_model(cfg, state["table_rows"], state["model"], scoring, dev)
         bags = loader_bags(cfg, data_dir)
         split_set = open_split(data_dir, split)
+        if split_set.num_rows == 0:
+            raise ValueError(f"split {split!r} of {data_dir} has no rows: nothing to evaluate")
         loader = BatchLoader(split_set, batch_size or cfg.data.eval_batch_size, device=dev, bags=bags)
         with torch.no_grad():
             result = evaluate(model, progress.eval_batches(mode, loader, split), dev, scoring.precision)
