@@ -32,7 +32,7 @@ Counts (glossary letters; a = bytes of an activation: 2 under bf16, else 4; w = 
                       P*4*3 for sgd
 A part's measured time is its kernels' GPU time per step; parts on the side stream (the embedding) overlap
 others, so the parts can add up to more than the step. The table goes to
-scripts/results/breakdown_<config>_<precision>_<B>.txt and one row per part to scripts/results/breakdown.csv.
+scripts/results/breakdown_<config>_<precision>_<B>[_zipf].txt and one row per part to scripts/results/breakdown.csv.
 Needs a CUDA GPU, one process.
 """
 
@@ -247,7 +247,8 @@ def main(config, backend, graph_backend, batch, precision, optimizer, steps, max
         lines += [f"{part:<24}{us:>10.1f}  {name[:90]}" for us, name in mine[:TOP_KERNELS]]
     text = "\n".join(lines) + "\n"
     print(text)
-    (RESULTS / f"breakdown_{config}_{precision}_{batch}.txt").write_text(text)
+    suffix = "_zipf" if ids == "zipf" else ""
+    (RESULTS / f"breakdown_{config}_{precision}_{batch}{suffix}.txt").write_text(text)
     append_rows(RESULTS / "breakdown.csv", [dict(info, **r) for r in rows])
 
 
