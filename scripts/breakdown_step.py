@@ -32,7 +32,8 @@ Counts (glossary letters; a = bytes of an activation: 2 under bf16, else 4; w = 
                       P*4*3 for sgd
 A part's measured time is its kernels' GPU time per step; parts on the side stream (the embedding) overlap
 others, so the parts can add up to more than the step. The table goes to
-scripts/results/breakdown_<config>_<precision>_<B>[_zipf].txt and one row per part to scripts/results/breakdown.csv.
+scripts/results/breakdown_<config>_<precision>_<B>[_zipf].txt and one row per part to
+scripts/results/breakdown.csv.
 Needs a CUDA GPU, one process.
 """
 
