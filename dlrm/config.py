@@ -169,6 +169,12 @@ def _check_logistic(cfg: RunConfig) -> None:
     _require(cfg.train.precision != "bf16", "train.precision", expected, cfg.train.precision)
 
 
+# model.multi_hot_sizes' bounds: a bag's ids (MLPerf DLRM-DCNv2's largest bag holds 100), and a batch's ids
+# [B, sum of bag sizes] int64, which the bag kernels index with 32-bit positions (16 GiB of ids at the bound).
+MAX_BAG_SIZE = 65_536
+MAX_BATCH_IDS = 2**31 - 1
+
+
 def _check_multi_hot(cfg: RunConfig) -> None:
     """model.multi_hot_sizes, model.pooling and data.multi_hot (dlrm.data.bags). Raises ValueError naming
     the key."""
@@ -178,6 +184,22 @@ def _check_multi_hot(cfg: RunConfig) -> None:
     if sizes is not None:
         ok = len(sizes) == 26 and all(k >= 1 for k in sizes)
         _require(ok, "model.multi_hot_sizes", "26 integers >= 1 (bag sizes of C1..C26) or null", sizes)
+        big = next(((f, k) for f, k in enumerate(sizes, 1) if k > MAX_BAG_SIZE), None)
+        if big is not None:
+            raise ValueError(
+                f"model.multi_hot_sizes: expected bags of at most {MAX_BAG_SIZE:,} ids, got {big[1]:,} for "
+                f"C{big[0]}"
+            )
+        ids = sum(sizes)  # a sample's; a batch holds [B, ids] int64
+        for key, rows in (
+            ("data.batch_size", cfg.data.batch_size),
+            ("data.eval_batch_size", cfg.data.eval_batch_size),
+        ):
+            if rows * ids > MAX_BATCH_IDS:
+                raise ValueError(
+                    f"model.multi_hot_sizes: expected at most {MAX_BATCH_IDS:,} ids a batch, got {key} "
+                    f"{rows:,} x {ids:,} ids a sample = {rows * ids:,} (lower {key} or the bag sizes)"
+                )
     one_hot = sizes is None or all(k == 1 for k in sizes)
     if made.distribution is not None:
         expected = f"null or one of {BAG_DISTRIBUTIONS}"
@@ -233,6 +255,13 @@ def validate(cfg: RunConfig) -> RunConfig:
     _require(0 < a.dim <= 256, "model.attention.dim", "an integer in 1..256 (features per head)", a.dim)
     _require(m.dcn.layers > 0, "model.dcn.layers", "a positive integer", m.dcn.layers)
     _require(m.dcn.low_rank > 0, "model.dcn.low_rank", "a positive integer", m.dcn.low_rank)
+    if m.interaction == "dcn":  # U V of rank >= the width is no low-rank layer: more weights than a full one
+        width = 27 * m.embedding_dim  # the F + 1 vectors, concatenated
+        dim = m.embedding_dim
+        expected = (
+            f"an integer below the cross network's width {width} (27 vectors x model.embedding_dim {dim})"
+        )
+        _require(m.dcn.low_rank < width, "model.dcn.low_rank", expected, m.dcn.low_rank)
     lora = m.lora
     _require(0 <= lora.rank <= 128, "model.lora.rank", "an integer in 0..128 (0: no adapters)", lora.rank)
     if lora.alpha is not None:

@@ -44,6 +44,28 @@ def test_main_config_is_the_fb_dlrm_kaggle_architecture():
         ),
         ({"model": {"dcn": {"low_rank": 0}}}, "model.dcn.low_rank: expected a positive integer"),
         ({"model": {"dcn": {"layers": 0}}}, "model.dcn.layers: expected a positive integer"),
+        (  # tiny.json's width: 27 vectors of D = 8; a rank of the width or more is no low-rank layer
+            {
+                "model": {
+                    "embedding_dim": 8,
+                    "bottom_mlp": [8],
+                    "interaction": "dcn",
+                    "dcn": {"low_rank": 216},
+                }
+            },
+            r"^model.dcn.low_rank: expected an integer below the cross network's width 216 \(27 vectors x "
+            r"model.embedding_dim 8\), got 216$",
+        ),
+        (
+            {"model": {"multi_hot_sizes": [1] * 20 + [10**9] + [1] * 5}},
+            "^model.multi_hot_sizes: expected bags of at most 65,536 ids, got 1,000,000,000 for C21$",
+        ),
+        (  # every bag at the maximum: a batch of 128 holds 218M ids, an eval batch of 4,096 too many
+            {"model": {"multi_hot_sizes": [65536] * 26}},
+            r"^model.multi_hot_sizes: expected at most 2,147,483,647 ids a batch, got "
+            r"data.eval_batch_size 4,096 x 1,703,936 ids a sample = 6,979,321,856 \(lower "
+            r"data.eval_batch_size or the bag sizes\)$",
+        ),
         ({"model": {"attention": {"head": 2}}}, "model.attention.head: unknown key"),
         ({"model": {"attention": {"dim": 0}}}, r"model.attention.dim: expected an integer in 1..256"),
         ({"model": {"attention": {"layers": 0}}}, "model.attention.layers: expected a positive integer"),
@@ -132,6 +154,13 @@ def test_main_config_is_the_fb_dlrm_kaggle_architecture():
 def test_bad_values_name_the_key(raw, message):
     with pytest.raises(ValueError, match=message):
         from_dict(raw)
+
+
+def test_a_dcn_rank_below_the_width_and_bags_of_the_maximum_size_load():
+    model = {"embedding_dim": 8, "bottom_mlp": [8], "interaction": "dcn", "dcn": {"low_rank": 215}}
+    assert from_dict({"model": model}).model.dcn.low_rank == 215
+    bags = {"model": {"multi_hot_sizes": [65536] + [1] * 25}, "data": {"eval_batch_size": 4096}}
+    assert from_dict(bags).model.multi_hot_sizes[0] == 65536
 
 
 def test_load_config_names_the_file(tmp_path):

@@ -459,6 +459,25 @@ def test_resume_takes_the_configs_hyperparameters(criteo_sample, trained, tmp_pa
     assert _strict_json(run / "metrics.json")["samples"] == 6 * 256  # the whole run, 4 + 2 steps
 
 
+def test_resume_with_another_batch_size_is_one_line_naming_both_before_any_work(
+    criteo_sample, trained, tmp_path
+):
+    config = _config(tmp_path, criteo_sample, max_steps=6)
+    raw = json.loads(config.read_text())
+    raw["data"]["batch_size"] = 128  # trained with 256
+    config.write_text(json.dumps(raw))
+    last, run = trained / "checkpoints" / "last.pt", tmp_path / "resumed"
+    lines: list[str] = []
+    sink = logger.add(lines.append, format="{message}")
+    try:
+        code, output = _cli(train_cli.main, ["--config", config, "--resume", last, "--output-dir", run])
+    finally:
+        logger.remove(sink)
+    assert code == 2
+    assert _one_error_line(output) == f"error: {last}: trained with data.batch_size = 256, the config has 128"
+    assert lines == [] and not run.exists()  # no data read, no model built
+
+
 def test_a_checkpoint_older_than_a_model_key_resumes_as_trained_with_its_default(
     criteo_sample, trained, tmp_path
 ):
@@ -498,8 +517,8 @@ def test_adagrad_resumed_under_a_schedule_keeps_its_rates_silently(criteo_sample
         assert _cli(train_cli.main, args)[0] == 0
     finally:
         logger.remove(sink)
-    notes = [line.strip() for line in lines if line.startswith("resuming with the config's lr")]
-    assert notes == ["resuming with the config's lr 0.1 (the checkpoint had 0.05)"] * 2  # two groups
+    notes = [line.strip() for line in lines if line.startswith("resuming with the config's")]
+    assert notes == ["resuming with the config's train.lr 0.1 (the checkpoint had 0.05)"]  # once, of 2 groups
 
 
 @pytest.mark.parametrize(

@@ -97,7 +97,7 @@ def set_up(
     optimizer = RunOptimizer(model, t)
     lrs = LearningRates(t.lr_schedule, optimizer)
     if resume is not None:
-        load_resumable(resume, checkpoint, model, optimizer, strategy)
+        load_resumable(resume, checkpoint, cfg, model, optimizer, strategy)
     step_fn = build_step(model, optimizer, cfg, device, strategy.grad_reducer(model))
     if checkpoint.get("loader") is not None:
         train_loader.load_state_dict(checkpoint["loader"])
@@ -199,12 +199,15 @@ def read_resumable(path: Path, cfg: RunConfig, strategy: Strategy) -> dict:
     directory of many (dlrm.parallel.checkpoint; there, only its meta.json).
 
     Raises:
-        ValueError: the file is not a checkpoint, or was trained with another model config, optimizer or
-            loader (one line naming the key and both values).
+        ValueError: the file is not a checkpoint, or was trained with another model config, optimizer,
+            loader or batch size (one line naming the key and both values).
     """
     checkpoint = strategy.read_checkpoint(path)
     ours, theirs = cfg.to_dict(), checkpoint["config"]
-    for section, key in [("model", k) for k in ours["model"]] + [("train", "optimizer"), ("data", "loader")]:
+    keys = [("model", k) for k in ours["model"]] + [("train", "optimizer"), ("data", "loader")]
+    # The step count and the loader's position are in batches of data.batch_size: another size would go
+    # on from another place in the data (and change the lr's meaning per sample).
+    for section, key in [*keys, ("data", "batch_size")]:
         if theirs[section].get(key) != ours[section][key]:
             raise ValueError(
                 f"{path}: trained with {section}.{key} = {theirs[section].get(key)!r}, "
@@ -258,19 +261,27 @@ def check_not_finished(
 def load_resumable(
     path: Path,
     checkpoint: dict,
+    cfg: RunConfig,
     model: Model,
     optimizer: RunOptimizer,
     strategy: Strategy,
 ) -> None:
     """Load `checkpoint` (`read_resumable(path, ...)`) into `model` and `optimizer`, on any number of ranks
-    (`strategy`). The config's hyperparameters (lr, weight decay) win over the checkpoint's."""
+    (`strategy`). The config's hyperparameters (lr, weight decay) win over the checkpoint's: one log line
+    names each config key whose value differs from the checkpoint's."""
     ours = [{k: group[k] for k in ("lr", "weight_decay")} for group in optimizer.param_groups]
     strategy.load_checkpoint(path, checkpoint, model, optimizer)
+    # Group 0 is the dense parameters', group 1 the tables' (dlrm.optim.RunOptimizer), whose lr is
+    # train.embedding_lr, or train.lr when that is null.
+    table_lr = "train.embedding_lr" if cfg.train.embedding_lr is not None else "train.lr"
+    names = [{"lr": "train.lr", "weight_decay": "train.weight_decay"}, {"lr": table_lr}]
+    changed: dict[str, tuple[float, float]] = {}
     # The groups hold base rates (the schedule scales them through the optimizer's device tensors).
-    for group, values in zip(optimizer.param_groups, ours, strict=True):
+    for group, values, keys in zip(optimizer.param_groups, ours, names, strict=False):
         for key, value in values.items():
-            held = group[key]
-            if not math.isclose(held, value, rel_tol=1e-9):
-                logger.info("resuming with the config's {} {} (the checkpoint had {:.6g})", key, value, held)
+            if key in keys and not math.isclose(group[key], value, rel_tol=1e-9):
+                changed.setdefault(keys[key], (value, group[key]))
             group[key] = value
+    for key, (value, held) in changed.items():
+        logger.info("resuming with the config's {} {} (the checkpoint had {:.6g})", key, value, held)
     logger.info("resuming from {} at step {}", path, checkpoint["step"])
