@@ -6,8 +6,8 @@ AOTInductor, and its latency per batch against the program run as it is.
 The package (`torch._inductor.aoti_compile_and_package`) runs on the device that the program's weights are
 on (`dlrm.export --device`), loads with `torch._inductor.aoti_load_package(path)` in a process that has
 torch but not this package, and is called like the program: ctr [B] = package(dense_counts [B, 13] float32,
-sparse_ids [B, 26] int64). Compiling needs a C++ compiler (and, for a GPU program, the CUDA toolkit) and
-takes seconds to minutes.
+sparse_ids [B, S] int64), S = 26 or, for a multi-hot model, the sum of its bag sizes (dlrm.export).
+Compiling needs a C++ compiler (and, for a GPU program, the CUDA toolkit) and takes seconds to minutes.
 
 `dlrm.export --aoti-output` runs this module in a child process: a crash inside AOTInductor (torch 2.11
 on an H100 segfaults loading any CUDA package, a plain nn.Linear's too) then ends that process, not the
@@ -26,7 +26,7 @@ from loguru import logger
 from dlrm.atomic import check_output_file, replacing
 from dlrm.cli_options import command, path_option
 from dlrm.errors import cli_errors
-from dlrm.export import example_inputs
+from dlrm.export import example_inputs, program_columns
 
 LATENCY_BATCHES = (1, 128, 4096)
 
@@ -47,9 +47,12 @@ def compile_package(program: torch.export.ExportedProgram, path: Path) -> Callab
 
 
 @torch.no_grad()
-def latency_ms(fn: Callable, batch: int, device: torch.device, warmup: int = 10, repeats: int = 50) -> float:
-    """Median milliseconds of one call of `fn` on `batch` random raw rows (CUDA events on a GPU)."""
-    inputs = example_inputs(batch, device, seed=batch)
+def latency_ms(
+    fn: Callable, batch: int, device: torch.device, columns: int, warmup: int = 10, repeats: int = 50
+) -> float:
+    """Median milliseconds of one call of `fn` on `batch` random raw rows of `columns` sparse ids (CUDA
+    events on a GPU)."""
+    inputs = example_inputs(batch, device, seed=batch, columns=columns)
     for _ in range(warmup):
         fn(*inputs)
     times = []
@@ -82,7 +85,7 @@ def main(program, output):
     with cli_errors():
         check_output_file(output, "--output", [program])  # before the minutes of compiling
         exported = torch.export.load(str(program))
-        device = program_device(exported)
+        device, columns = program_device(exported), program_columns(exported)
         start = time.perf_counter()
         package = compile_package(exported, output)
         took = time.perf_counter() - start
@@ -93,7 +96,8 @@ def main(program, output):
         click.echo("| batch | program | AOTInductor | program / AOTInductor |")
         click.echo("| --- | --- | --- | --- |")
         for batch in LATENCY_BATCHES:
-            eager, compiled = latency_ms(module, batch, device), latency_ms(package, batch, device)
+            eager = latency_ms(module, batch, device, columns)
+            compiled = latency_ms(package, batch, device, columns)
             click.echo(f"| {batch} | {eager:.3f} | {compiled:.3f} | {eager / compiled:.2f}x |")
 
 

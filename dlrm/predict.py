@@ -22,11 +22,16 @@ Streaming in bounded memory: text is read `--block-size` lines at a time, parque
 most `--block-size` rows at a time, and scored `--batch-size` rows at a time; nothing grows with the input.
 Any backend's checkpoint works (the weights are saved in one layout); scoring runs the run's kernels and
 precision by default (`--backend`, `--precision`: dlrm.scoring).
+
+A multi-hot model (`model.multi_hot_sizes`) scores bags as its run read them (dlrm.data.bag_source.RunBags):
+one-hot rows (text, or one-hot parquet) get the bags of the run's `data.multi_hot`, drawn over the id ranges
+of the data directory's metadata.json (that of a DIR input, else the run's `data.path`); parquet written with
+bags (`python -m dlrm.data.multi_hot`) is read as written.
 """
 
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import click
@@ -39,7 +44,8 @@ from tqdm import tqdm
 from dlrm import atomic, progress
 from dlrm.checkpoint import load_checkpoint
 from dlrm.cli_options import checkpoint_option, command, device_option, path_option, split_option
-from dlrm.config import from_dict
+from dlrm.config import RunConfig, from_dict
+from dlrm.data.bag_source import RunBags, scoring_bags
 from dlrm.data.dataset import Batch, columns_of, decode_table, parquet_errors, split_files, split_paths
 from dlrm.data.parse import parse_block
 from dlrm.data.schema import RAW_COLUMNS
@@ -63,10 +69,30 @@ def load_model(
     Raises:
         ValueError: the file is missing or not a DLRM checkpoint.
     """
+    model, scoring, _ = load_run(checkpoint, device, backend, precision)
+    return model, scoring
+
+
+def load_run(
+    checkpoint: Path, device: torch.device, backend: str = "eager", precision: str = "fp32"
+) -> tuple[Model, Scoring, RunConfig]:
+    """`load_model`'s model and scoring, and the run's config."""
     state = load_checkpoint(checkpoint)
     cfg = from_dict(state["config"])
     scoring = resolve_scoring(cfg, backend, precision)
-    return scoring_model(cfg, state["table_rows"], state["model"], scoring, device), scoring
+    return scoring_model(cfg, state["table_rows"], state["model"], scoring, device), scoring, cfg
+
+
+def input_bags(cfg: RunConfig, source: Path) -> RunBags:
+    """The bags of the run of `cfg` for the rows of `source` (module docstring): a data directory's are
+    checked against the model first (dlrm.data.bag_source.scoring_bags).
+
+    Raises:
+        ValueError, FileNotFoundError: as scoring_bags, for a data directory with metadata.json.
+    """
+    if source.is_dir() and (source / "metadata.json").is_file():
+        return scoring_bags(cfg, source)
+    return RunBags(cfg, cfg.data.path)
 
 
 def input_blocks(source: Path, split: str, block_size: int) -> Iterator[tuple[Batch, bool]]:
@@ -144,10 +170,12 @@ def predict(
     device: torch.device,
     mode: str = "log",
     precision: str = "fp32",
+    bags: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict:
     """Score every row of `blocks` with `model` in `precision` (dlrm.metrics.forward_logits) and write
     `output` (parquet, see the module docstring); returns {"rows", "mean_ctr", "output"}. `output` appears
-    only when complete. `mode` (dlrm.progress): "bar" counts the rows on a progress bar."""
+    only when complete. `mode` (dlrm.progress): "bar" counts the rows on a progress bar. `bags` maps each
+    batch's ids to the model's (`input_bags`); None: the ids as read."""
     writer = None
     rows = 0
     ctr_sum = 0.0
@@ -157,7 +185,8 @@ def predict(
             for block, labeled in blocks:
                 for start in range(0, len(block.label), batch_size):
                     batch = Batch(*(t[start : start + batch_size] for t in block)).to(device)
-                    logits = forward_logits(model, precision, batch.dense, batch.sparse)
+                    sparse = batch.sparse if bags is None else bags(batch.sparse)
+                    logits = forward_logits(model, precision, batch.dense, sparse)
                     ctr = torch.sigmoid(logits)
                     n = len(logits)
                     columns = {
@@ -212,15 +241,18 @@ def predict(
 def main(
     checkpoint_path, input_path, output, split, batch_size, block_size, backend, precision, device, quiet
 ):
-    """Write the click-through rate of every row of INPUT under a checkpoint to OUTPUT (parquet)."""
+    """Write the click-through rate of every row of INPUT under a checkpoint to OUTPUT (parquet). A
+    multi-hot model scores the bags its run read: made from one-hot rows by the run's data.multi_hot, or
+    read as python -m dlrm.data.multi_hot wrote them."""
     mode = progress.configure("quiet" if quiet else "auto")
     with cli_errors():
         atomic.check_output_file(output, "--output", [input_path])  # before any scoring
         dev = resolve_device(device)
-        model, scoring = load_model(checkpoint_path, dev, backend, precision)
+        model, scoring, cfg = load_run(checkpoint_path, dev, backend, precision)
         logger.info("scoring {} with {} on {} ({})", input_path, checkpoint_path, dev, scoring)
         blocks = input_blocks(input_path, split, block_size)
-        result = predict(model, blocks, output, batch_size, dev, mode, scoring.precision)
+        bags = input_bags(cfg, input_path)
+        result = predict(model, blocks, output, batch_size, dev, mode, scoring.precision, bags)
     logger.info("{} rows, mean ctr {:.4f}, written to {}", result["rows"], result["mean_ctr"], output)
 
 

@@ -77,6 +77,13 @@ def bag_starts(sizes: Sequence[int]) -> list[int]:
     return starts
 
 
+def bag_columns(sizes: Sequence[int] | None) -> list[str]:
+    """The names of the S columns of the [B, S] layout: feature c's bag is c, c_1, ..., c_(k_c - 1), as
+    `python -m dlrm.data.multi_hot` writes them (C1..C26 with every size 1 or None)."""
+    sizes = [1] * NUM_SPARSE if sizes is None else sizes
+    return [f"{c}_{j}" if j else c for c, k in zip(SPARSE_COLUMNS, sizes, strict=True) for j in range(k)]
+
+
 def column_features(sizes: Sequence[int], device: torch.device | str = "cpu") -> Tensor:
     """[S] int64: the feature of each column of the [B, S] layout."""
     return torch.repeat_interleave(
