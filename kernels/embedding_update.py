@@ -19,9 +19,10 @@ How the update runs:
 - otherwise (adagrad, rowwise_adagrad, bf16 weights): the non-linear update needs each row's full sum
   first. The B*F indices are sorted (torch.sort, on int32 keys where the rows fit: half the radix passes);
   sorted positions with the same row form a segment; one kernel sums dout into a [B*F, D] fp32 buffer, one
-  slot per segment, by a segmented scan over each block of sorted positions in registers (a segment inside
-  a block is stored once; only a segment that crosses a block edge adds atomically into its slot, zeroed
-  first), a second updates each distinct row once from its segment's sum. Memory is O(B F D), never O(R D).
+  slot per segment, each block of 32 sorted positions reduced by a 0/1 matrix product on the tensor cores
+  (a segment inside a block is stored once; only a segment that crosses a block edge adds atomically into
+  its slot, zeroed first), a second updates each distinct row once from its segment's sum. Memory is
+  O(B F D), never O(R D).
 Fixed shapes throughout (no torch.unique, no host sync), so a step can be captured in a CUDA graph.
 The PyTorch reference is ``embedding_update_ref``.
 """
@@ -33,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import use_triton
+from kernels.launch import INTERPRETED, use_triton
 
 __all__ = [
     "OPTIMIZERS",
@@ -48,6 +49,9 @@ __all__ = [
 ]
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+# Sorted positions a segment-sum program reduces: its [SUM_BLOCK_N, SUM_BLOCK_N] 0/1 matrix stays in
+# registers (64 spills them on an H200; tl.dot needs at least 16).
+SUM_BLOCK_N = 32
 
 
 # -- Kernels -----------------------------------------------------------------------------------------
@@ -110,9 +114,24 @@ def _sgd_kernel(
 
 
 @triton.jit
-def _segmented_add(segment_a, sum_a, segment_b, sum_b):
-    """Combine of a segmented sum scan over sorted positions: restart the sum where the segment changes."""
-    return segment_b, tl.where(segment_a == segment_b, sum_a + sum_b, sum_b)
+def _block_segment_sums(segment, grad, SPLIT_BF16: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] fp32: at each position, the sum of `grad` [BLOCK_N, BLOCK_D] fp32 over the block's
+    positions of its segment (`segment` [BLOCK_N]), as the product of the 0/1 matrix same[i, j] = (segment_i
+    == segment_j) with grad on the tensor cores. SPLIT_BF16: grad is split into three bf16 pieces hi + mid +
+    lo that hold its fp32 value exactly, so every product is exact and only the fp32 accumulation rounds, as
+    an fp32 sum does (a segmented scan in registers costs four times as long, an IEEE fp32 dot twice). The
+    interpreter computes bf16 dots wrongly: there the dot is IEEE fp32."""
+    if not SPLIT_BF16:
+        same = (segment[:, None] == segment[None, :]).to(tl.float32)
+        return tl.dot(same, grad, input_precision="ieee")
+    same = (segment[:, None] == segment[None, :]).to(tl.bfloat16)
+    hi = grad.to(tl.bfloat16)
+    rest = grad - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    sums = tl.dot(same, lo)
+    sums = tl.dot(same, mid, sums)
+    return tl.dot(same, hi, sums)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -131,6 +150,7 @@ def _segment_sum_kernel(
     D,
     # meta-parameters
     POOLED: tl.constexpr,
+    SPLIT_BF16: tl.constexpr,  # the block's sums by exact bf16 pieces (False in the interpreter)
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -138,11 +158,9 @@ def _segment_sum_kernel(
     lookup = tl.load(order_ptr + p, mask=mask_p, other=0)
     segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
     grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, lookup, mask_p, mask, d, S, F, D, POOLED)
-    # Each position's sum over its segment's positions so far in this block (sorted: a segment's positions
-    # are consecutive), in registers: a segment inside the block is summed without atomics.
-    _, sums = tl.associative_scan(
-        (tl.broadcast_to(segment[:, None], (BLOCK_N, BLOCK_D)), grad), 0, _segmented_add
-    )
+    # Each position's sum over its segment's positions in this block: a segment inside the block is summed
+    # without atomics.
+    sums = _block_segment_sums(segment, grad, SPLIT_BF16)
     next_segment = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
     start = tl.program_id(0).to(tl.int64) * BLOCK_N
     before_block = tl.load(segment_ptr + start - 1, mask=start > 0, other=-1)
@@ -336,11 +354,13 @@ def launch_update(
     sums = torch.empty(n, d, dtype=torch.float32, device=weights.device)
     # Only segments that cross a block edge sum atomically: zero the slots of each block's first and last
     # segment (the others are stored whole; the update reads no other slot).
-    edges = torch.arange(0, n, block_n, device=index.device)
-    sums.index_fill_(0, segment[torch.cat([edges, (edges + block_n - 1).clamp_(max=n - 1)])], 0.0)
-    _segment_sum_kernel[grid](
-        order, segment, grad, features, scales, sums, n, s, f, d, POOLED=pooled, **blocks
-    )
+    edges = torch.arange(0, n, SUM_BLOCK_N, device=index.device)
+    sums.index_fill_(0, segment[torch.cat([edges, (edges + SUM_BLOCK_N - 1).clamp_(max=n - 1)])], 0.0)
+    _segment_sum_kernel[(triton.cdiv(n, SUM_BLOCK_N),)](
+        order, segment, grad, features, scales, sums, n, s, f, d, POOLED=pooled,
+        SPLIT_BF16=not INTERPRETED, BLOCK_N=SUM_BLOCK_N,
+        BLOCK_D=max(16, block_d), num_warps=4,
+    )  # fmt: skip
     _segment_update_kernel[grid](
         sorted_rows, segment, sums, weights, state, lr, n, d, eps, OPTIMIZER=optimizer, **blocks
     )
