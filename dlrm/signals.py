@@ -5,12 +5,20 @@ import signal
 import threading
 from typing import Any
 
+from dlrm.errors import RunStopped
+from dlrm.parallel.group import is_distributed, peers_ended
+
 
 class StopSignals:
     """SIGINT / SIGTERM handlers while a run trains (main thread only): the first signal asks the loop to
     stop after the current step (`received`: its number), saying so on stderr when `announce` (rank 0 of
     a torchrun job: the signal reaches every rank); a second one stops at once (KeyboardInterrupt). The
-    previous handlers come back on exit."""
+    previous handlers come back on exit.
+
+    Under torchrun a signal that comes once a peer process of this host has ended is not announced: it is
+    torchrun's agent stopping the job, and the job ends through dlrm.parallel's fault handling, which names
+    the dead rank. When the loop fails under torchrun (not a `RunStopped`), the handlers stay, quiet, so
+    that the agent's SIGTERM cannot cut the fault handling short (a second signal still stops at once)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -24,7 +32,11 @@ class StopSignals:
             self._previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        failed = exc_type is not None and not issubclass(exc_type, RunStopped | KeyboardInterrupt)
+        if failed and is_distributed():
+            self.announce = False  # dlrm.parallel.fail ends the process, in bounded time
+            return
         for s, handler in self._previous.items():
             signal.signal(s, handler)
 
@@ -32,7 +44,7 @@ class StopSignals:
         if self.received is not None:
             raise KeyboardInterrupt
         self.received = signum
-        if not self.announce:
+        if not self.announce or peers_ended():
             return
         # Not the logger: it is not re-entrant, and the signal may come while it writes. os.write is.
         name = signal.Signals(signum).name

@@ -7,6 +7,7 @@ Watch it with `make tensorboard` (or `.venv/bin/tensorboard --logdir runs`).
 Many GPUs: `torchrun --nproc-per-node N -m dlrm.train --config C [flags]` (dlrm.parallel; README "Many GPUs").
 """
 
+import functools
 import os
 import shlex
 import sys
@@ -143,6 +144,8 @@ def main(
         ):
             if value is not None:
                 flags[key] = value
+        # Under torchrun, what a rank that ends the job for a dead peer says to go on (dlrm.parallel).
+        parallel.set_resume_command(functools.partial(resume_command, click.get_current_context()))
         try:
             train(replace(cfg, "train", **flags), output_dir, resume, overwrite=overwrite, progress=mode)
         except RunStopped as err:
@@ -167,7 +170,7 @@ def main(
 def report(message: str, code: int) -> None:
     """One `error:` line (naming the rank under torchrun); the other ranks are told to end too; exit."""
     click.echo(f"{parallel.rank_prefix()}error: {message}", err=True)
-    parallel.abort_peers(f"error: {message}")
+    parallel.abort_peers(f"error: {message}", code)
     parallel.exit_now(code)
 
 

@@ -190,7 +190,9 @@ class Sharded:
         """Rank 0's checked run directory, on every rank (its default name has a timestamp)."""
         if self.is_main:
             run_dir = check_run_dir(cfg, run_dir, resume, overwrite)
-        return ranks.same_path(run_dir)
+        run_dir = ranks.same_path(run_dir)
+        parallel.note_checkpoints(self.checkpoint_path(run_dir, "last.pt"), resume)  # for a dead rank's line
+        return run_dir
 
     def build_model(
         self, cfg: RunConfig, metadata: dict, train_ids: torch.Tensor, device: torch.device
