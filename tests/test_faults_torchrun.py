@@ -31,8 +31,11 @@ def _cpu_config(tmp_path: Path, criteo_sample: Path, **train) -> Path:
     return config
 
 
-def _start_ranks(config: Path, run: Path, prelude: str | None = None) -> list[subprocess.Popen]:
-    """Two ranks of `python -m dlrm.train`; with `prelude`, Python code each runs before it (a fault)."""
+def _start_ranks(
+    config: Path, run: Path, prelude: str | None = None, options: tuple = ()
+) -> list[subprocess.Popen]:
+    """Two ranks of `python -m dlrm.train` (and `options`); with `prelude`, Python code each runs before it
+    (a fault)."""
     port, procs = _free_port(), []
     for rank in range(2):
         env = {
@@ -43,7 +46,7 @@ def _start_ranks(config: Path, run: Path, prelude: str | None = None) -> list[su
         train = ["-m", "dlrm.train"]
         if prelude is not None:
             train = ["-c", f"{prelude}\nimport runpy; runpy.run_module('dlrm.train', run_name='__main__')"]
-        args = [sys.executable, *train, "--config", str(config), "--output-dir", str(run)]
+        args = [sys.executable, *train, "--config", str(config), "--output-dir", str(run), *map(str, options)]
         procs.append(subprocess.Popen(args, env=env, cwd=REPO, stderr=subprocess.PIPE, text=True))
     return procs
 
@@ -95,6 +98,27 @@ def test_a_signal_stops_every_rank_with_one_line_and_the_torchrun_resume_command
     shard.write_bytes(bytes(data))
     code, output = _cli(evaluate_cli.main, ["--checkpoint", last, "--data", criteo_sample])
     assert code == 2 and _one_error_line(output).startswith(f"error: {shard}: checksum mismatch")
+
+
+def test_a_changed_shard_on_resume_is_one_line_from_rank_0_and_exit_2_from_every_rank(
+    criteo_sample, tmp_path
+):
+    config = _cpu_config(tmp_path, criteo_sample, max_steps=2, eval_interval=None)
+    run = tmp_path / "run"
+    procs = _start_ranks(config, run)
+    assert [p.communicate(timeout=300) and p.returncode for p in procs] == [0, 0]
+    last = run / "checkpoints" / "last"
+    # The ranks split the check of the files, in meta.json's order: this one is rank 1's, rank 0 names it.
+    names = list(json.loads((last / "meta.json").read_text())["sha256"])
+    shard = last / next(name for name in names[1::2] if name.endswith(".distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    procs = _start_ranks(config, run, options=("--resume", last, "--max-steps", 4))
+    err0, err1 = (p.communicate(timeout=300)[1] for p in procs)
+    assert [p.returncode for p in procs] == [2, 2], err0 + err1
+    assert _one_error_line(err0).startswith(f"error: {shard}: checksum mismatch: the file changed"), err0
+    assert "error" not in err1 and "Traceback" not in err1, err1
 
 
 # Run by each rank before dlrm.train: from the second sharded checkpoint on, the disk (a shared one) is

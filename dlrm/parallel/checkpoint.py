@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dlrm.atomic import DiskFull, disk_full
 from dlrm.config import from_dict
 from dlrm.model.tables import index_vocabularies
-from dlrm.parallel.group import Dist
+from dlrm.parallel.group import Dist, is_communication_error
 from dlrm.parallel.planner import ShardingPlan
 
 META = "meta.json"
@@ -226,8 +227,12 @@ def read_meta(path: Path) -> dict:
     """
     if not (path / META).is_file() or not (path / ".metadata").is_file():
         raise ValueError(f"{path}: not a sharded DLRM checkpoint (no {META} or .metadata)")
-    meta = json.loads((path / META).read_text())
-    meta["config"] = from_dict(meta["config"]).to_dict()  # JSON lists back to the config's tuples
+    try:
+        meta = json.loads((path / META).read_text())
+        meta["config"] = from_dict(meta["config"]).to_dict()  # JSON lists back to the config's tuples
+    except (ValueError, KeyError, TypeError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"{path / META}: not the meta.json of a sharded DLRM checkpoint: {reason}") from None
     return meta
 
 
@@ -240,14 +245,16 @@ def file_sha256(path: Path) -> str:
     return sha256.hexdigest()
 
 
-def verify_files(path: Path, meta: dict) -> None:
+def verify_files(path: Path, meta: dict, part: tuple[int, int] = (0, 1)) -> None:
     """Check DCP's files of checkpoint directory `path` against meta.json's "sha256" (none there: a
-    checkpoint written before they carried one, not checked). Reads every file whole.
+    checkpoint written before they carried one, not checked). Reads every file whole; `part` (k, n): only
+    files k, k + n, k + 2n, ... of them, one rank's share of a check that n ranks split.
 
     Raises:
         ValueError: a file is missing or its bytes changed since it was written, naming it.
     """
-    for name, expected in meta.get("sha256", {}).items():
+    k, n = part
+    for name, expected in list(meta.get("sha256", {}).items())[k::n]:
         file = path / name
         if not file.is_file():
             raise ValueError(f"{file}: missing from the sharded checkpoint {path}")
@@ -263,19 +270,22 @@ def load_sharded(path: Path, model, optimizer: torch.optim.Optimizer, dist_: Dis
     optimizer, resharding the tables to this run's plan; returns meta.json. A collective.
 
     Raises:
-        ValueError: not a sharded checkpoint, a file of it changed since it was written (`verify_files`),
-            or a model of other table sizes / optimizer.
+        ValueError: on every rank at once, with the same message (the lowest rank's that found one): not a
+            sharded checkpoint, a file of it changed since it was written (`verify_files`, the files split
+            over the ranks), a model of other table sizes, or a file DCP cannot read.
     """
-    meta = read_meta(path)
-    verify_files(path, meta)
-    if meta["table_rows"] != model.sparse_arch.table_rows:
-        raise ValueError(
-            f"{path}: tables of {meta['table_rows']} rows, this model has {model.sparse_arch.table_rows}"
-        )
+    meta = _on_every_rank(lambda: _checked_meta(path, model, dist_))
     state = _state_dict(model, optimizer, dist_)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(state, checkpoint_id=path)
+    except CheckpointException as err:  # (a BaseException) gathered from every rank, raised on all
+        rank, (exc, _) = min(err.failures.items(), key=lambda item: item[0])
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        if is_communication_error(err):  # a peer gone: dlrm.parallel.fail names it
+            raise RuntimeError(f"rank {rank}: {type(exc).__name__}: {first}") from None
+        raise ValueError(f"{path}: not a readable sharded checkpoint: rank {rank}: {first}") from None
     # Plain tensors load in place; copy anyway where DCP handed back a new tensor.
     live = {f"model/{name}": value for name, value in model.state_dict().items()}
     for prefix, arch, _ in _table_sets(model):
@@ -287,6 +297,33 @@ def load_sharded(path: Path, model, optimizer: torch.optim.Optimizer, dist_: Dis
         index_vocabularies(model.sparse_arch)
     set_steps(optimizer, meta["step"])
     return meta
+
+
+def _checked_meta(path: Path, model, dist_: Dist) -> dict:
+    """meta.json of checkpoint `path`, its files checked (this rank's share) and its table sizes those of
+    `model`. Raises ValueError as `load_sharded`."""
+    meta = read_meta(path)
+    verify_files(path, meta, (dist_.rank, dist_.world_size))
+    if meta["table_rows"] != model.sparse_arch.table_rows:
+        raise ValueError(
+            f"{path}: tables of {meta['table_rows']} rows, this model has {model.sparse_arch.table_rows}"
+        )
+    return meta
+
+
+def _on_every_rank(check: Callable[[], dict]) -> dict:
+    """`check()` on every rank (a collective): its result, or, when it raised ValueError on any rank, that
+    ValueError on every rank (the lowest rank's message), so that the job ends with one line."""
+    try:
+        result, problem = check(), None
+    except ValueError as err:
+        result, problem = None, str(err)
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        raise ValueError(first)
+    return result
 
 
 def set_steps(optimizer: torch.optim.Optimizer, step: int) -> None:
