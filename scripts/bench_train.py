@@ -18,7 +18,9 @@ doubles the tables' bytes).
 "torch-graphed" is the strongest plain-PyTorch step, the baseline that the README's step ratios are stated
 against (scripts/torch_graphed_step.py: one table-batched weight looked up by index_select and updated by
 index_add_, the dense part torch.compile'd, the whole step one CUDA graph; SGD, "dot", modulus hashing,
-Linear+ReLU MLPs, one GPU); the printed line gives each backend's ratio to it when it ran earlier in the
+Linear+ReLU MLPs, one GPU; for the "dcn" interaction scripts/torch_graphed_dcn.py: bags pooled by one
+F.embedding_bag over the table-batched weight, exact Adagrad on the touched rows, Adagrad for the dense
+part); the printed line gives each backend's ratio to it when it ran earlier in the
 same invocation (the CSV keeps samples/s per backend, so the ratios follow from its rows).
 Backends ending in "+graphs" capture the whole step as a CUDA graph (dlrm.graphs; capture time reported
 apart). After warm-up (the first step, with compilation and autotuning, is timed apart) it times `--steps`
@@ -51,6 +53,8 @@ from pathlib import Path
 import click
 import torch
 from results_csv import append_rows, provenance
+from torch import nn
+from torch_graphed_dcn import PlainDCN, TorchGraphedDCNStep
 from torch_graphed_step import PlainDLRM, TorchGraphedStep
 
 from dlrm import parallel
@@ -186,27 +190,42 @@ class BaselineStep:
     def capture_s(self) -> float:
         return self.step.capture_s
 
-    def __call__(self, model: PlainDLRM, optimizer: None, batch: Batch) -> torch.Tensor:
+    def __call__(self, model: nn.Module, optimizer: None, batch: Batch) -> torch.Tensor:
         return self.step(batch)
 
 
-def build_baseline(cfg, table_rows: list[int], dist) -> tuple[PlainDLRM, BaselineStep]:
-    """The "torch-graphed" model and step for `cfg` (its model shapes, SGD lr and embedding_lr, precision)
-    on the current GPU. Raises click.UsageError for several ranks or a config it does not cover."""
+def build_baseline(cfg, table_rows: list[int], dist) -> tuple[nn.Module, BaselineStep]:
+    """The "torch-graphed" model and step for `cfg` (its model shapes, lr and embedding_lr, precision) on
+    the current GPU: scripts/torch_graphed_step.py's SGD step for the "dot" interaction, or
+    scripts/torch_graphed_dcn.py's Adagrad step for "dcn" (bags or one id a table). Raises
+    click.UsageError for several ranks or a config it does not cover."""
     m, t = cfg.model, cfg.train
     if dist.enabled:
         raise click.UsageError(f"backend {BASELINE} runs on one GPU: leave --nproc at 1")
+    dcn = m.interaction == "dcn"
     needs = {
-        "train.optimizer": (t.optimizer, "sgd"),
+        "train.optimizer": (t.optimizer, "adagrad" if dcn else "sgd"),
         "train.weight_decay": (t.weight_decay, 0.0),
-        "model.interaction": (m.interaction, "dot"),
         "model.hashing": (m.hashing, "modulus"),
         "model.mlp_block": (m.mlp_block, "linear_act"),
         "model.lora.rank": (m.lora.rank, 0),
+        "model.pooling": (m.pooling, "sum"),
     }
+    if not dcn:
+        needs |= {
+            "model.interaction": (m.interaction, "dot"),
+            "one id a table": (is_one_hot(m.multi_hot_sizes), True),
+        }
     bad = [f"{key}={value!r} (needs {want!r})" for key, (value, want) in needs.items() if value != want]
     if bad:
         raise click.UsageError(f"backend {BASELINE} does not cover config {cfg.name!r}: {', '.join(bad)}")
+    if dcn:
+        sizes = m.multi_hot_sizes or (1,) * NUM_SPARSE
+        model = PlainDCN(
+            m.embedding_dim, m.bottom_mlp, m.top_mlp, table_rows, sizes, m.dcn.layers, m.dcn.low_rank
+        ).cuda()
+        step = TorchGraphedDCNStep(model, t.lr, t.embedding_lr, t.adagrad_eps, t.precision)
+        return model, BaselineStep(step)
     model = PlainDLRM(m.embedding_dim, m.bottom_mlp, m.top_mlp, table_rows).cuda()
     return model, BaselineStep(TorchGraphedStep(model, t.lr, t.embedding_lr, t.precision))
 

@@ -1,0 +1,220 @@
+"""The strongest plain-PyTorch DLRM-DCNv2 training step: the "torch-graphed" baseline of
+scripts/bench_train.py for configs with bags and the "dcn" interaction (MLPerf DLRM-DCNv2,
+configs/dlrm_dcnv2.json).
+
+Plain PyTorch only (no dlrm import, none of our kernels). One step, Adagrad for every parameter, glossary
+letters of dlrm/model/dlrm.py (B batch, F = 26 tables, D embedding dim, k_f bag sizes, S = sum of k_f, R the
+tables' rows together, N = (F + 1) D, r the cross layers' rank):
+
+    rows    = (bags + 1) % rows_f(c) + offset_f(c)           [B, S] i64 into ONE [R, D] f32 weight
+    pooled  = F.embedding_bag(rows, weight, "sum")            [B, F, D], a leaf of autograd (no [R, D] grad)
+    loss    = dense_loss(dense, pooled, label)                bottom MLP, x0 = [bottom | pooled flattened],
+                                                              L layers x_{l+1} = x0 * (U_l (V_l x_l) + b_l)
+                                                              + x_l, top MLP, mean BCE-with-logits;
+                                                              torch.compile'd
+    g_pooled, *g_dense = torch.autograd.grad(loss, [pooled, *dense_params])
+    tables: exact Adagrad on the touched rows: each lookup's gradient g_pooled[b, f(c)], torch.sort of the
+            B*S rows, segment sums by index_add_, state and weights updated by index_put_ (accumulate; zero
+            at every position but a row's first), all fixed shapes
+    dense:  Adagrad by torch._foreach ops (torch.optim.Adagrad's update, lr_decay 0, initial accumulator 0)
+
+and all of it captured once into one CUDA graph and replayed (TorchGraphedStep's recipe: warm-up steps on a
+side stream, then the capture on static input buffers).
+
+Numerics are those of dlrm.model.DLRM (sparse_kernel "torch", interaction "dcn", pooling "sum", hashing
+"modulus", mlp_block "linear_act") trained by dlrm.step.train_step with train.optimizer "adagrad": the same
+ops in the same dtypes ("bf16": the MLPs and cross layers under bf16 autocast, the loss in fp32); a row that
+several lookups touch takes one step with their summed gradient, as the sparse gradient of
+F.embedding_bag(sparse=True) does in our Adagrad. tests/test_torch_graphed_dcn.py checks the loss and every
+updated weight against our eager step on the CPU (uncompiled, uncaptured).
+
+Left out: SGD and row-wise Adagrad, weight decay, mean pooling, other hashings, several GPUs.
+"""
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch_graphed_step import PRECISIONS, WARMUP_STEPS, TorchGraphedStep, _linears
+
+
+class PlainDCN(nn.Module):
+    """DLRM-DCNv2's weights and forward in plain PyTorch, the tables as one table-batched weight.
+
+    Args:
+        embedding_dim: D.
+        bottom_mlp: widths of the bottom MLP (ReLU after every layer), the last one D.
+        top_mlp: widths of the top MLP (ReLU between layers, the last a plain Linear), the last one 1.
+        table_rows: rows_f of each of the F tables.
+        bag_sizes: k_f of each table (F ints >= 1).
+        layers, low_rank: L cross layers of rank r.
+    Attributes:
+        weight: [R, D] f32 buffer, table f at rows offsets[f] .. offsets[f] + rows_f; state its Adagrad
+            accumulator [R, D] f32 (buffers: the step updates them, autograd never sees them).
+        bottom, top: nn.ModuleList of nn.Linear; v, u: the cross layers' nn.Linear (V_l [r, N] without bias,
+            U_l [N, r] with b_l).
+    `load_dlrm_state_dict` copies a dlrm.model.DLRM's weights (the initialization here is only a start).
+    Raises:
+        ValueError: bottom_mlp not ending in D, top_mlp not ending in 1, or bag sizes that do not match the
+            tables.
+    """
+
+    def __init__(
+        self,
+        embedding_dim: int,
+        bottom_mlp: Sequence[int],
+        top_mlp: Sequence[int],
+        table_rows: Sequence[int],
+        bag_sizes: Sequence[int],
+        layers: int,
+        low_rank: int,
+    ):
+        super().__init__()
+        if len(bag_sizes) != len(table_rows) or min(bag_sizes) < 1:
+            raise ValueError(f"need a bag size >= 1 per table, got {list(bag_sizes)}")
+        if bottom_mlp[-1] != embedding_dim or top_mlp[-1] != 1:
+            raise ValueError(
+                f"need a bottom MLP ending in D={embedding_dim} and a top MLP ending in 1, got bottom "
+                f"{list(bottom_mlp)}, top {list(top_mlp)}"
+            )
+        self.table_rows, self.bag_sizes = [int(r) for r in table_rows], [int(k) for k in bag_sizes]
+        width = (len(table_rows) + 1) * embedding_dim
+        self.bottom = _linears(13, bottom_mlp)
+        self.v = nn.ModuleList(nn.Linear(width, low_rank, bias=False) for _ in range(layers))
+        self.u = nn.ModuleList(nn.Linear(low_rank, width) for _ in range(layers))
+        self.top = _linears(width, top_mlp)
+        self.register_buffer("weight", torch.empty(sum(self.table_rows), embedding_dim))
+        for table in self.weight.split(self.table_rows):
+            bound = (1.0 / table.shape[0]) ** 0.5
+            nn.init.uniform_(table, -bound, bound)
+        self.register_buffer("state", torch.zeros_like(self.weight))
+        sizes = torch.tensor(self.bag_sizes)
+        offsets = torch.tensor([0, *self.table_rows[:-1]]).cumsum(0)
+        self.register_buffer("column_rows", torch.tensor(self.table_rows).repeat_interleave(sizes))
+        self.register_buffer("column_offsets", offsets.repeat_interleave(sizes))
+        self.register_buffer("features", torch.arange(len(self.bag_sizes)).repeat_interleave(sizes))
+        self.register_buffer("starts", sizes.cumsum(0) - sizes)
+
+    @property
+    def dense_modules(self) -> list[nn.ModuleList]:
+        return [self.bottom, self.v, self.u, self.top]
+
+    def lookup_rows(self, bags: torch.Tensor) -> torch.Tensor:
+        """Raw ids [B, S] i64 (-1 missing) -> rows of `weight` [B, S] i64: modulus hashing, as our model."""
+        return torch.remainder(bags + 1, self.column_rows) + self.column_offsets
+
+    def pool(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [B, S] -> the summed bags [B, F, D] f32 (each sample's bags are consecutive columns)."""
+        b, s = rows.shape
+        bag_offsets = (torch.arange(b, device=rows.device)[:, None] * s + self.starts).reshape(-1)
+        pooled = F.embedding_bag(rows.reshape(-1), self.weight, bag_offsets, mode="sum")
+        return pooled.view(b, len(self.bag_sizes), -1)
+
+    def dense_loss(
+        self, dense: torch.Tensor, pooled: torch.Tensor, label: torch.Tensor, bf16: bool = False
+    ) -> torch.Tensor:
+        """Mean BCE-with-logits, a 0-d f32 tensor, of dense [B, 13] f32 and pooled [B, F, D] f32 against
+        label [B] f32; the MLPs and the cross layers under bf16 autocast when `bf16`."""
+        with torch.autocast(dense.device.type, torch.bfloat16, bf16):
+            x = dense
+            for layer in self.bottom:
+                x = F.relu(layer(x))
+            x0 = torch.cat([x, pooled.to(x.dtype).flatten(1)], dim=1)  # [B, N], one dtype as our model
+            x = x0
+            for v, u in zip(self.v, self.u, strict=True):
+                x = x0 * u(v(x)) + x
+            for i, layer in enumerate(self.top):
+                x = layer(x) if i == len(self.top) - 1 else F.relu(layer(x))
+        return F.binary_cross_entropy_with_logits(x.squeeze(1).float(), label)
+
+    @torch.no_grad()
+    def load_dlrm_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy the weights of a dlrm.model.DLRM state_dict (keys `sparse_arch.embeddings.<f>.weight`,
+        `dense_arch.mlp.layers.<i>.*`, `interaction_arch.cross.{v,u}.<l>.*`, `over_arch.mlp.layers.<i>.*`).
+
+        Raises:
+            KeyError: a key is missing. RuntimeError: a shape differs.
+        """
+        tables = [state_dict[f"sparse_arch.embeddings.{f}.weight"] for f in range(len(self.table_rows))]
+        self.weight.copy_(torch.cat(tables))
+        prefixes = ("dense_arch.mlp.layers", "interaction_arch.cross.v", "interaction_arch.cross.u")
+        for prefix, layers in zip((*prefixes, "over_arch.mlp.layers"), self.dense_modules, strict=True):
+            for i, layer in enumerate(layers):
+                for name, p in layer.named_parameters():
+                    p.copy_(state_dict[f"{prefix}.{i}.{name}"])
+
+
+def adagrad_rows_(
+    weight: torch.Tensor, state: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, lr: float, eps: float
+) -> None:
+    """Adagrad on the rows of `weight` [R, D] (and its accumulator `state` [R, D]) that `rows` [n] touched,
+    each row once with the sum of its lookups' gradients `grads` [n, D], in place; fixed shapes, no host
+    sync (CUDA-graph capturable)."""
+    sorted_rows, order = torch.sort(rows)
+    head = torch.ones_like(sorted_rows, dtype=torch.bool)
+    head[1:] = sorted_rows[1:] != sorted_rows[:-1]
+    segment = torch.cumsum(head, 0) - 1
+    sums = torch.zeros_like(grads).index_add_(0, segment, grads[order])
+    g = sums[segment] * head[:, None]  # the row's sum at its first position, zero elsewhere
+    state.index_put_((sorted_rows,), g * g, accumulate=True)
+    weight.index_put_((sorted_rows,), -lr * g / (state[sorted_rows].sqrt() + eps), accumulate=True)
+
+
+class TorchGraphedDCNStep(TorchGraphedStep):
+    """One Adagrad step of a PlainDCN per call, `step(batch) -> loss` (module docstring); the warm-up, the
+    capture and the replays are TorchGraphedStep's.
+
+    Args:
+        model: the PlainDCN, on the device that the batches are on.
+        lr: Adagrad learning rate of the dense parameters; embedding_lr that of the tables (None: lr).
+        eps: Adagrad's epsilon (train.adagrad_eps).
+        precision, compile, cuda_graph, warmup: as TorchGraphedStep's.
+    Calling it with a batch (dense [B, 13] f32, bags [B, S] i64, label [B] f32) returns the loss.
+    Raises:
+        ValueError: an unknown precision, or cuda_graph with the model off CUDA.
+    """
+
+    def __init__(
+        self,
+        model: PlainDCN,
+        lr: float,
+        embedding_lr: float | None = None,
+        eps: float = 1e-10,
+        precision: str = "fp32",
+        compile: bool = True,
+        cuda_graph: bool = True,
+        warmup: int = WARMUP_STEPS,
+    ):
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}: expected one of {PRECISIONS}")
+        if cuda_graph and model.weight.device.type != "cuda":
+            raise ValueError(f"a CUDA graph needs the model on a CUDA device, it is on {model.weight.device}")
+        self.model, self.lr, self.embedding_lr = model, lr, lr if embedding_lr is None else embedding_lr
+        self.eps, self.bf16 = eps, precision == "bf16"
+        self.params = [p for layers in model.dense_modules for p in layers.parameters()]
+        self.sums = [torch.zeros_like(p) for p in self.params]
+        self.dense_loss = torch.compile(model.dense_loss) if compile else model.dense_loss
+        self.cuda_graph, self.warmup = cuda_graph, warmup
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static: list[torch.Tensor] = []
+        self.static_loss: torch.Tensor | None = None
+        self.steps, self.capture_s = 0, 0.0
+
+    def step(self, dense: torch.Tensor, bags: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        """One uncaptured step: pooled lookup, dense part forward and backward, both Adagrad updates."""
+        model = self.model
+        rows = model.lookup_rows(bags)
+        pooled = model.pool(rows).requires_grad_()
+        loss = self.dense_loss(dense, pooled, label, self.bf16)
+        grad_pooled, *grads = torch.autograd.grad(loss, [pooled, *self.params])
+        with torch.no_grad():
+            per_lookup = grad_pooled.index_select(1, model.features).reshape(rows.numel(), -1)
+            adagrad_rows_(
+                model.weight, model.state, rows.reshape(-1), per_lookup, self.embedding_lr, self.eps
+            )
+            torch._foreach_addcmul_(self.sums, grads, grads)
+            std = torch._foreach_sqrt(self.sums)
+            torch._foreach_add_(std, self.eps)
+            torch._foreach_addcdiv_(self.params, grads, std, value=-self.lr)
+        return loss.detach()
