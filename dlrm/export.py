@@ -36,7 +36,7 @@ import torch
 from loguru import logger
 from torch import nn
 
-from dlrm.atomic import replacing
+from dlrm.atomic import check_output_file, replacing
 from dlrm.checkpoint import load_checkpoint
 from dlrm.cli_options import checkpoint_option, command, path_option
 from dlrm.config import from_dict
@@ -168,6 +168,9 @@ def main(checkpoint_path, output, device, aoti_output):
     category ids (one per feature, or a multi-hot model's bags) to the click probability (and, with
     --aoti-output, an AOTInductor package of it)."""
     with cli_errors():
+        check_output_file(output, "--output", [checkpoint_path])  # before any work
+        if aoti_output is not None:
+            check_output_file(aoti_output, "--aoti-output", [checkpoint_path, output])
         dev = resolve_device(device)
         model, config = serving_model(checkpoint_path, dev)
         program = export_program(model, dev)

@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from dlrm import aoti as aoti_cli
+from dlrm import export as export_cli
 from dlrm import finetune as finetune_cli
 from dlrm import predict as predict_cli
 from dlrm.data import binary as binary_cli
@@ -295,6 +296,26 @@ def test_aoti_checks_the_output_before_compiling(tmp_path):
         code, text = _cli(aoti_cli.main, ["--program", program, "--output", output])
         line = _one_error_line(text)
         assert code == 2 and str(output) in line and message in line, line
+    assert _tree(tmp_path) == before
+
+
+def test_export_checks_both_outputs_before_loading(tmp_path, monkeypatch):
+    monkeypatch.setattr(export_cli, "resolve_device", _never)  # the first step after the checks
+    checkpoint = tmp_path / "best.pt"
+    checkpoint.write_bytes(b"not read: the outputs are checked first")
+    existing = _user_files(tmp_path / "existing")
+    program = tmp_path / "model.pt2"
+    before = _tree(tmp_path)
+    cases = [  # (arguments after --checkpoint, the option named, what the line says)
+        (["--output", existing], existing, "is a directory"),
+        (["--output", checkpoint], checkpoint, "is the input"),
+        (["--output", program, "--aoti-output", existing], existing, "is a directory"),
+        (["--output", program, "--aoti-output", program], program, "is the input"),
+    ]
+    for args, named, message in cases:
+        code, text = _cli(export_cli.main, ["--checkpoint", checkpoint, *args])
+        line = _one_error_line(text)
+        assert code == 2 and str(named) in line and message in line, line
     assert _tree(tmp_path) == before
 
 
