@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch_graphed_step import PRECISIONS, WARMUP_STEPS, TorchGraphedStep, _linears
+from torch_graphed_step import WARMUP_STEPS, TorchGraphedStep, _linears
 
 
 class PlainDCN(nn.Module):
@@ -98,6 +98,7 @@ class PlainDCN(nn.Module):
 
     @property
     def dense_modules(self) -> list[nn.ModuleList]:
+        """The layers the dense optimizer updates, in load_dlrm_state_dict's order."""
         return [self.bottom, self.v, self.u, self.top]
 
     def lookup_rows(self, bags: torch.Tensor) -> torch.Tensor:
@@ -186,20 +187,9 @@ class TorchGraphedDCNStep(TorchGraphedStep):
         cuda_graph: bool = True,
         warmup: int = WARMUP_STEPS,
     ):
-        if precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {precision!r}: expected one of {PRECISIONS}")
-        if cuda_graph and model.weight.device.type != "cuda":
-            raise ValueError(f"a CUDA graph needs the model on a CUDA device, it is on {model.weight.device}")
-        self.model, self.lr, self.embedding_lr = model, lr, lr if embedding_lr is None else embedding_lr
-        self.eps, self.bf16 = eps, precision == "bf16"
-        self.params = [p for layers in model.dense_modules for p in layers.parameters()]
-        self.sums = [torch.zeros_like(p) for p in self.params]
-        self.dense_loss = torch.compile(model.dense_loss) if compile else model.dense_loss
-        self.cuda_graph, self.warmup = cuda_graph, warmup
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.static: list[torch.Tensor] = []
-        self.static_loss: torch.Tensor | None = None
-        self.steps, self.capture_s = 0, 0.0
+        super().__init__(model, lr, embedding_lr, precision, compile, cuda_graph, warmup)
+        self.eps = eps
+        self.sums = [torch.zeros_like(p) for p in self.params]  # Adagrad's accumulators
 
     def step(self, dense: torch.Tensor, bags: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
         """One uncaptured step: pooled lookup, dense part forward and backward, both Adagrad updates."""

@@ -81,6 +81,11 @@ class PlainDLRM(nn.Module):
         self.register_buffer("li", li)
         self.register_buffer("lj", lj)
 
+    @property
+    def dense_modules(self) -> list[nn.ModuleList]:
+        """The layers the dense optimizer updates."""
+        return [self.bottom, self.top]
+
     def lookup_rows(self, sparse: torch.Tensor) -> torch.Tensor:
         """Raw ids [B, F] i64 (-1 missing) -> rows of `weight` [B, F] i64: modulus hashing, as our model."""
         return torch.remainder(sparse + 1, self.rows) + self.offsets
@@ -160,7 +165,7 @@ class TorchGraphedStep:
             raise ValueError(f"a CUDA graph needs the model on a CUDA device, it is on {model.weight.device}")
         self.model, self.lr, self.embedding_lr = model, lr, lr if embedding_lr is None else embedding_lr
         self.bf16 = precision == "bf16"
-        self.params = [p for layers in (model.bottom, model.top) for p in layers.parameters()]
+        self.params = [p for layers in model.dense_modules for p in layers.parameters()]
         self.dense_loss = torch.compile(model.dense_loss) if compile else model.dense_loss
         self.cuda_graph, self.warmup = cuda_graph, warmup
         self.graph: torch.cuda.CUDAGraph | None = None
