@@ -14,52 +14,182 @@ PATH` restores all of it and goes on from `step`.
 The file ends in a content hash: torch.save's bytes, then `\nDLRM-SHA256:<64 hex digits>\n`, the sha256 of
 those bytes (`TRAILER`; torch.load reads past it, as zip readers do). `load_checkpoint` checks it, so a
 checkpoint changed on disk or in a copy is refused with one line instead of loading other weights.
+
+Writing stages at most dlrm.staging.CHUNK_BYTES of host memory at a time, whatever the tables' size:
+torch.save writes the file with its tensors' bytes left as holes (`torch.serialization.skip_data`: the
+pickle, the zip records and their offsets, as a plain torch.save lays them out), then each storage is
+copied into its record chunk by chunk (a device storage through one host buffer of CHUNK_BYTES; a host
+storage straight from its memory) and the sha256 taken in file order as the bytes go by. The result is
+torch.save's own format, read by torch.load like any other.
+
+`start_save` writes in a background thread (`PendingSave`) from a snapshot of the state on its own device,
+when the device has room for one (`snapshot`), so training goes on while the file is written; otherwise it
+writes at once.
 """
 
 import hashlib
+import io
 import os
 import pickle
 import re
+import shutil
+import struct
+import zipfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from loguru import logger
 
-from dlrm.atomic import replacing
+from dlrm import staging
+from dlrm.atomic import disk_full, replacing
 from dlrm.config import from_dict
 from dlrm.parallel.checkpoint import load_full
+from dlrm.staging import PendingSave, announce, snapshot
 
 TRAILER = re.compile(rb"\nDLRM-SHA256:([0-9a-f]{64})\n")
 TRAILER_BYTES = 78  # len(b"\nDLRM-SHA256:") + 64 + 1
 
 
-class _HashingWriter:
-    """A binary file for torch.save that hashes what goes through it."""
+def save_checkpoint(path: Path, links: Sequence[Path] = (), **state: Any) -> None:
+    """torch.save `state` to `path` atomically, its sha256 after it (module docstring), staging at most
+    CHUNK_BYTES of host memory at a time: a temporary file in the same directory, fsync'ed, renamed over
+    `path`, then the directory fsync'ed, so a crash or kill at any moment leaves either the old or the new
+    checkpoint under the final name, never a half-written one. Then each of `links` (e.g. best.pt) is made
+    the same file (`publish_link`), no second write.
 
-    def __init__(self, f):
-        self.f, self.sha256 = f, hashlib.sha256()
+    Raises:
+        dlrm.atomic.DiskFull: the disk is full or read-only.
+        OSError: another failure to write (an I/O error), naming `path`.
+    """
+    try:
+        with replacing(path) as tmp:
+            write_file(tmp, state)
+        fsync_directory(path.parent)
+        for link in links:
+            publish_link(path, link)
+    except OSError as err:
+        if err.filename is None and disk_full(err, path) is None:
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from err
+        raise
 
-    def write(self, data) -> int:
-        self.sha256.update(data)
-        return self.f.write(data)
 
-    def flush(self) -> None:
-        self.f.flush()
+def write_file(path: Path, state: dict[str, Any]) -> None:
+    """Write `state` into the new file `path`: torch.save's format and the sha256 trailer, the tensors'
+    bytes copied in chunks of at most CHUNK_BYTES (module docstring), fsync'ed."""
+    storages = _storages_in_save_order(state)
+    with torch.serialization.skip_data():
+        torch.save(state, path)
+    records = sorted(zip(_record_offsets(path, storages), storages, strict=True), key=lambda r: r[0])
+    sha256 = hashlib.sha256()
+    with open(path, "r+b") as f:
+        fd, size, at = f.fileno(), os.fstat(f.fileno()).st_size, 0
+        for offset, storage in records:
+            sha256.update(os.pread(fd, offset - at, at))  # torch.save's headers between the records
+            for start, chunk in _host_chunks(storage):
+                _pwrite_all(fd, chunk, offset + start)
+                sha256.update(chunk)
+            at = offset + storage.nbytes()
+        sha256.update(os.pread(fd, size - at, at))  # the zip's central directory
+        _pwrite_all(fd, b"\nDLRM-SHA256:" + sha256.hexdigest().encode() + b"\n", size)
+        os.fsync(fd)
 
 
-def save_checkpoint(path: Path, **state: Any) -> None:
-    """torch.save `state` to `path` atomically, its sha256 after it (module docstring): a temporary file in
-    the same directory, fsync'ed, renamed over `path`, then the directory fsync'ed, so a crash or kill at
-    any moment leaves either the old or the new checkpoint under the final name, never a half-written one.
-    Raises dlrm.atomic.DiskFull when the disk is full or read-only."""
-    with replacing(path) as tmp, open(tmp, "wb") as f:
-        hashing = _HashingWriter(f)
-        torch.save(state, hashing)
-        f.write(b"\nDLRM-SHA256:" + hashing.sha256.hexdigest().encode() + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_directory(path.parent)
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _storages_in_save_order(state: Any) -> list[torch.UntypedStorage]:
+    """The storages of `state`'s tensors in the order torch.save numbers its records data/0, data/1, ...:
+    their first appearance while pickling (each storage once, as torch.serialization's persistent_id
+    does)."""
+    seen: dict[int, torch.UntypedStorage] = {}
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            if isinstance(obj, torch.storage.TypedStorage):
+                obj = obj._untyped_storage
+            elif not torch.is_storage(obj):
+                return None
+            seen.setdefault(obj._cdata, obj)
+            return ("storage", obj._cdata)
+
+    with torch.serialization.skip_data():
+        Pickler(io.BytesIO(), protocol=2).dump(state)  # torch.save's default protocol
+    return list(seen.values())
+
+
+def _record_offsets(path: Path, storages: list[torch.UntypedStorage]) -> list[int]:
+    """The file offset of each storage's bytes in torch.save's zip `path` (record <archive>/data/<i>)."""
+    with zipfile.ZipFile(path) as archive, open(path, "rb") as f:
+        names = archive.namelist()
+        prefix = names[0].split("/", 1)[0]
+        offsets = []
+        for i, storage in enumerate(storages):
+            info = archive.getinfo(f"{prefix}/data/{i}")
+            if info.file_size != storage.nbytes():  # the order above is not torch.save's: a bug, not data
+                raise RuntimeError(
+                    f"{path}: record data/{i} holds {info.file_size} bytes, not {storage.nbytes()}"
+                )
+            f.seek(info.header_offset)
+            name_length, extra_length = struct.unpack("<HH", f.read(30)[26:30])
+            offsets.append(info.header_offset + 30 + name_length + extra_length)
+    return offsets
+
+
+def _host_chunks(storage: torch.UntypedStorage) -> Iterator[tuple[int, Any]]:
+    """(byte offset, host buffer) of `storage`'s bytes, staging.CHUNK_BYTES at a time: views of a host
+    storage's own memory; a device storage's bytes copied into one reused host buffer (pinned on CUDA), on
+    a side stream."""
+    chunk = staging.CHUNK_BYTES
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    total = flat.numel()
+    if flat.device.type == "cpu":
+        for start in range(0, total, chunk):
+            yield start, flat[start : start + chunk].numpy()
+        return
+    size = min(chunk, total)
+    buffer = torch.empty(size, dtype=torch.uint8, pin_memory=flat.device.type == "cuda")
+    side = None
+    if flat.device.type == "cuda":  # after the work already queued on the device (the step that wrote it)
+        side = torch.cuda.Stream(flat.device)
+        side.wait_stream(torch.cuda.current_stream(flat.device))
+    for start in range(0, total, chunk):
+        n = min(chunk, total - start)
+        if side is not None:
+            with torch.cuda.stream(side):
+                buffer[:n].copy_(flat[start : start + n], non_blocking=True)
+            side.synchronize()
+        else:
+            buffer[:n].copy_(flat[start : start + n])
+        yield start, buffer[:n].numpy()
+
+
+def publish_link(path: Path, link: Path) -> None:
+    """Make `link` name the same file as `path` (a hard link: no bytes written), atomically: an earlier
+    `link` is replaced whole. A copy where the file system has no hard links."""
+    with replacing(link) as tmp:
+        try:
+            os.link(path, tmp)
+        except OSError:  # a file system without hard links (or across devices): the bytes once more
+            shutil.copyfile(path, tmp)
+    fsync_directory(link.parent)
+
+
+def start_save(path: Path, state: dict[str, Any], links: Sequence[Path] = (), background: bool = True):
+    """Write `state` as `save_checkpoint(path, links, **state)`; with `background`, from a snapshot of its
+    tensors in a thread, when their device has room for the snapshot (`snapshot`). Returns the
+    PendingSave, or None when the checkpoint was written at once. Raises as `save_checkpoint` (written at
+    once)."""
+    copied = snapshot(state) if background else None
+    if copied is None:
+        save_checkpoint(path, links, **state)
+        return None
+    return PendingSave(lambda: save_checkpoint(path, links, **copied), announce(state, path, links))
 
 
 def fsync_directory(directory: Path) -> None:

@@ -21,7 +21,7 @@ from dlrm.choices import COMPILE_MODES, DEVICES, PRECISIONS, TRITON_MLP_KERNELS
 from dlrm.cli_options import choice_option, command, path_option, set_option
 from dlrm.config import apply_overrides, load_config, replace
 from dlrm.errors import EXIT_BAD_INPUT, Interrupted, RunStopped, cli_errors, os_error_line
-from dlrm.parallel.checkpoint import CheckpointDiskFull
+from dlrm.parallel.checkpoint import CheckpointError
 from dlrm.run.loop import train
 
 
@@ -155,8 +155,10 @@ def main(
             if isinstance(err, Interrupted) and parallel.is_distributed():
                 stop_every_rank(str(err), err.exit_code)
             raise
-        except CheckpointDiskFull as err:  # under torchrun, on every rank at once
-            stop_every_rank(os_error_line(err), EXIT_BAD_INPUT)
+        except CheckpointError as err:  # under torchrun, on every rank at once (a full disk, no room)
+            if parallel.is_distributed():
+                stop_every_rank(os_error_line(err), EXIT_BAD_INPUT)
+            raise
         except Exception as err:
             # A full disk on one rank (rank 0 writes metrics.json, TensorBoard) is its one line, as in
             # one process (`report` ends the other ranks); anything else names the rank that failed or

@@ -10,7 +10,6 @@ import struct
 from pathlib import Path
 
 import pytest
-import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
@@ -124,13 +123,13 @@ def test_a_full_disk_while_writing_a_checkpoint_is_one_line_and_keeps_the_last_g
     good = _tree(run / "checkpoints")
     before = {k: v for k, v in _tree(tmp_path).items() if not k.startswith("run/")}
 
-    real_save = torch.save
+    real_write = checkpoint._pwrite_all
 
-    def full_after_some_bytes(obj, f, *args, **kwargs):  # torch.save writes, then the disk fills
-        f.write(b"x" * 100)
-        real_save(obj, _Full(f), *args, **kwargs)
+    def full_after_some_bytes(fd, data, offset):  # the tensors' bytes go in, then the disk fills
+        real_write(fd, bytes(memoryview(data).cast("B")[:100]), offset)
+        _enospc()
 
-    monkeypatch.setattr(checkpoint.torch, "save", full_after_some_bytes)
+    monkeypatch.setattr(checkpoint, "_pwrite_all", full_after_some_bytes)
     args = ["--config", config, "--resume", run / "checkpoints" / "last.pt", "--max-steps", 4]
     code, output = _cli(train_cli.main, args)
     line = _one_error_line(output)
@@ -143,19 +142,6 @@ def test_a_full_disk_while_writing_a_checkpoint_is_one_line_and_keeps_the_last_g
     assert {k: v for k, v in _tree(tmp_path).items() if not k.startswith("run/")} == before
     monkeypatch.undo()
     assert checkpoint.load_checkpoint(run / "checkpoints" / "last.pt")["step"] == 2
-
-
-class _Full:
-    """A file whose writes fail with ENOSPC (what a full disk does), as torch.save sees it."""
-
-    def __init__(self, f):
-        self.f = f
-
-    def write(self, data):
-        _enospc()
-
-    def flush(self):
-        pass
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS])

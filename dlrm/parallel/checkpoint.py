@@ -1,20 +1,25 @@
 """Sharded checkpoints of a many-rank run with torch.distributed.checkpoint (DCP), in the tables' logical
 layout, so that a checkpoint written by N ranks loads on M ranks (any plan) and in one process.
 
-A checkpoint is a directory (e.g. runs/<run>/checkpoints/last/): DCP's files (one per rank, plus .metadata)
-and meta.json (config, table_rows, step, best evaluation, early-stopping count, loader position,
-world size and plan of the writer, and "sha256": the hash of each of DCP's files, checked before a load),
-written by rank 0. The DCP keys, flat:
+A checkpoint is a directory (e.g. runs/<run>/checkpoints/last/): DCP's files (`__<rank>_<i>.distcp`, one
+per piece of at most dlrm.staging.CHUNK_BYTES, plus .metadata) and meta.json (config, table_rows, step, best
+evaluation, early-stopping count, loader position, world size and plan of the writer, and "sha256": the
+hash of each of DCP's files, checked before a load), written by rank 0. The DCP keys, flat:
 
     model/<name>        every entry of the one-process model's state_dict, by the same names: the
                         dense part (replicated: DCP writes it once) and the tables
                         `sparse_arch.embeddings.<f>.weight` [rows_f, D], each a ShardedTensor whose shards
-                        are the plan's row ranges, written by the ranks that hold them (a replicated table:
-                        a plain tensor, written once like the dense part); with
+                        are the plan's row ranges, written by the ranks that hold them in pieces of at most
+                        CHUNK_BYTES of rows, each its own file, so a rank stages one piece at a time (a
+                        replicated table: a plain tensor, written once like the dense part); with
                         model.first_order, `first_order.tables.embeddings.<f>.weight` [rows_f, 1] the same
                         way (sharded on the same plan)
     optim/<name>        Adagrad's accumulator ("sum") of each parameter, same names and layout (tables
                         sharded, for both sparse kernels); nothing for SGD
+
+Each rank hashes its files as it writes them (`_HashingFileSystem`); rank 0 gathers the hashes into
+meta.json. `save_sharded` can write in the background: from a snapshot of the state on each rank's device
+(when every rank has room for it), in a thread whose collectives go through a gloo group of their own.
 
 Loading on M ranks builds the same keys as ShardedTensors of the new plan, views of the new shards, and
 DCP reads each shard's rows from whichever files hold them (resharding). One process (`load_full`, used by
@@ -23,12 +28,16 @@ DCP reads each shard's rows from whichever files hold them (resharding). One pro
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
+import io
 import json
 import os
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +46,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 
+from dlrm import staging
 from dlrm.atomic import DiskFull, disk_full
 from dlrm.config import from_dict
 from dlrm.model.tables import index_vocabularies
 from dlrm.parallel.group import Dist, is_communication_error
 from dlrm.parallel.planner import ShardingPlan
+from dlrm.staging import PendingSave, announce, has_room
 
 META = "meta.json"
 
@@ -80,16 +92,33 @@ def _is_dense(name: str, prefixes: list[str]) -> bool:
     return not any(name.startswith(p) and not name.startswith(f"{p}vocab_") for p in prefixes)
 
 
-def _sharded(plan: ShardingPlan, rank: int, f: int, local: Tensor | None, width: int) -> ShardedTensor:
-    """Table f [rows_f, width] as a ShardedTensor over the plan's shards; `local`: this rank's rows."""
+def _sharded(
+    plan: ShardingPlan, rank: int, f: int, local: Tensor | None, width: int, chunk_bytes: int | None = None
+) -> ShardedTensor:
+    """Table f [rows_f, width] as a ShardedTensor over the plan's shards; `local`: this rank's rows. With
+    `chunk_bytes` each shard is cut into pieces of at most that many bytes of fp32 rows (every rank cuts
+    every shard the same way), which DCP writes one by one: the same logical tensor."""
     device = "cpu" if local is None else str(local.device)
-    shards = [s for s in plan.shards if s.table == f]
-    metas = [ShardMetadata([s.row_start, 0], [s.rows, width], f"rank:{s.rank}/{device}") for s in shards]
+    step = None if chunk_bytes is None else max(1, chunk_bytes // (width * 4))
+    pieces = [  # (shard, first row within it, rows)
+        (s, start, min(step or s.rows, s.rows - start))
+        for s in plan.shards
+        if s.table == f
+        for start in range(0, s.rows, step or s.rows)
+    ]
+    metas = [
+        ShardMetadata([s.row_start + start, 0], [rows, width], f"rank:{s.rank}/{device}")
+        for s, start, rows in pieces
+    ]
     dtype = local.dtype if local is not None else torch.float32
     global_md = ShardedTensorMetadata(
         metas, torch.Size([plan.table_rows[f], width]), TensorProperties(dtype=dtype)
     )
-    mine = [Shard(local, m) for s, m in zip(shards, metas, strict=True) if s.rank == rank]
+    mine = [
+        Shard(local.narrow(0, start, rows), m)
+        for (s, start, rows), m in zip(pieces, metas, strict=True)
+        if s.rank == rank
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return ShardedTensor._init_from_local_shards_and_global_metadata(mine, global_md)
@@ -111,9 +140,11 @@ def _embedding_state(arch, optimizer: torch.optim.Optimizer) -> Tensor | None:
     return optimizer.state.get(arch.weights, {}).get("sum")
 
 
-def _state_dict(model, optimizer: torch.optim.Optimizer, dist_: Dist) -> dict[str, Any]:
+def _state_dict(
+    model, optimizer: torch.optim.Optimizer, dist_: Dist, chunk_bytes: int | None = None
+) -> dict[str, Any]:
     """The flat DCP state of this rank (module docstring): views of the live tensors, so loading fills
-    them in place."""
+    them in place; `chunk_bytes`: the sharded tables cut into pieces of at most that size (`_sharded`)."""
     sets = _table_sets(model)
     state: dict[str, Any] = {}
     for name, value in model.state_dict(keep_vars=False).items():
@@ -132,9 +163,9 @@ def _state_dict(model, optimizer: torch.optim.Optimizer, dist_: Dist) -> dict[st
             if f in plan.replicated:
                 continue
             key = table_key(f, prefix)
-            state[f"model/{key}"] = _sharded(plan, dist_.rank, f, tables.get(f), width)
+            state[f"model/{key}"] = _sharded(plan, dist_.rank, f, tables.get(f), width, chunk_bytes)
             if sums is not None:
-                state[f"optim/{key}"] = _sharded(plan, dist_.rank, f, sum_views.get(f), width)
+                state[f"optim/{key}"] = _sharded(plan, dist_.rank, f, sum_views.get(f), width, chunk_bytes)
         for key, view in _replicated_views(arch, optimizer, prefix).items():
             state[key] = view  # whole on every rank, like the dense part: DCP writes it once
     return state
@@ -155,52 +186,110 @@ def _replicated_views(arch, optimizer: torch.optim.Optimizer, prefix: str) -> di
     return views
 
 
-class CheckpointDiskFull(DiskFull):
+class CheckpointError(OSError):
+    """A checkpoint cannot be written: its writing failed on a rank (a full disk, quota or read-only file
+    system, an I/O error), or the disk has no room for the checkpoints train.checkpoint_policy keeps
+    (found before the first step). Raised on every rank at once, naming the checkpoint (directory); the
+    earlier checkpoint is unchanged."""
+
+
+class CheckpointDiskFull(CheckpointError, DiskFull):
     """The disk filled (or a quota, or it is read-only) while a sharded checkpoint was written, on any
     rank: raised on every rank at once, naming the checkpoint directory; the earlier one is unchanged."""
 
 
-def save_sharded(path: Path, model, optimizer: torch.optim.Optimizer, dist_: Dist, meta: dict) -> None:
-    """Write the checkpoint directory `path` from every rank (a collective: all ranks call it).
+_save_group = None  # the gloo group of background saves (created by every rank at its first one)
+
+
+def save_sharded(
+    path: Path,
+    model,
+    optimizer: torch.optim.Optimizer,
+    dist_: Dist,
+    meta: dict,
+    links: Sequence[Path] = (),
+    background: bool = False,
+) -> PendingSave | None:
+    """Write the checkpoint directory `path` from every rank (a collective: all ranks call it), each rank's
+    tables in pieces of at most CHUNK_BYTES (one file each: a rank stages one piece on the host at a time);
+    then each of `links` (e.g. checkpoints/best) becomes a directory of hard links to its files.
 
     Written under a temporary name and renamed into place by rank 0 once complete, so a crash never
     leaves a partial checkpoint under the final name. The directory must be on a filesystem every rank
-    sees (shared across hosts).
+    sees (shared across hosts). With `background`, when every rank's device has room for a copy of its
+    state, the copy is written by a thread (the returned PendingSave: its `wait()` raises what the writing
+    raised, on every rank alike); else the checkpoint is written now and None returned.
 
     Raises:
-        CheckpointDiskFull: on every rank, when a rank's write failed for want of space (DCP gathers each
-            rank's failure and raises it on all) or rank 0's meta.json or rename did; the temporary
-            directory is removed.
+        CheckpointError (CheckpointDiskFull for a full disk): on every rank, when a rank's write failed (DCP
+            gathers each rank's failure and raises it on all) or rank 0's meta.json or rename did; the
+            temporary directory is removed.
     """
+    state = _state_dict(model, optimizer, dist_, chunk_bytes=staging.CHUNK_BYTES)
+    plan = model.sparse_arch.plan
+    if background and _all_ranks(_state_fits(state)):
+        global _save_group
+        if _save_group is None:  # its own collectives, beside the training's on the default group
+            timeout = timedelta(seconds=max(dist_.timeout_s, 1800.0))
+            _save_group = dist.new_group(backend="gloo", timeout=timeout)
+        copied, group = _snapshot(state), _save_group
+        devices = {t.device for t in _local_tensors(copied) if t.device.type == "cuda"}
+
+        def write() -> None:
+            # The thread's own CUDA device and stream (both are per thread): the copies to the host run
+            # beside the training's kernels, and DCP's waits are on them.
+            with contextlib.ExitStack() as on:
+                for device in devices:
+                    on.enter_context(torch.cuda.device(device))
+                    on.enter_context(torch.cuda.stream(torch.cuda.Stream(device)))
+                _save(path, copied, plan, dist_, meta, links, group)
+
+        return PendingSave(write, announce(meta, path, links))
+    _save(path, state, plan, dist_, meta, links, None)
+    return None
+
+
+def _save(path: Path, state: dict, plan: ShardingPlan, dist_: Dist, meta: dict, links, group) -> None:
+    """`save_sharded`'s writing of `state` on every rank, its collectives on `group` (None: the default)."""
     tmp = path.with_name(f".{path.name}.tmp")
     if dist_.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier()
-    full = None
+    dist.barrier(group=group)
+    failure = None
     try:
+        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=False)
+        writer.fs = _HashingFileSystem()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.save(_state_dict(model, optimizer, dist_), checkpoint_id=tmp)
+            dcp.save(state, storage_writer=writer, process_group=group)
+        hashes = [None] * dist_.world_size if dist_.is_main else None
+        dist.gather_object(writer.fs.sha256, hashes, dst=0, group=group)
         if dist_.is_main:
-            _publish(tmp, path, model.sparse_arch.plan, dist_, meta)
+            _publish(tmp, path, plan, dist_, meta, {k: v for h in hashes for k, v in h.items()})
+            for link in links:
+                _link_directory(path, link)
     except (Exception, CheckpointException) as err:  # (CheckpointException is a BaseException)
         if dist_.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        full = _disk_full(err, path)
-        if full is None:
+        failure = _write_failure(err, path)
+        if failure is None:
             raise
     # Rank 0's outcome to every rank (its own steps after DCP's can fail alone), in place of a barrier.
-    outcome = [None if full is None else (full.errno, full.strerror)]
-    dist.broadcast_object_list(outcome)
+    outcome = [None if failure is None else (type(failure).__name__, failure.errno, failure.strerror)]
+    dist.broadcast_object_list(outcome, group=group)
     if outcome[0] is not None:
-        raise CheckpointDiskFull(*outcome[0], str(path))
+        kind, code, reason = outcome[0]
+        raise (CheckpointDiskFull if kind == "CheckpointDiskFull" else CheckpointError)(
+            code, reason, str(path)
+        )
 
 
-def _publish(tmp: Path, path: Path, plan: ShardingPlan, dist_: Dist, meta: dict) -> None:
-    """Rank 0, once DCP wrote `tmp`: its meta.json (with each file's sha256), then `tmp` renamed to `path`
-    (an earlier `path` moved aside first and removed last)."""
-    sha256 = {f.name: file_sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}
+def _publish(tmp: Path, path: Path, plan: ShardingPlan, dist_: Dist, meta: dict, hashes: dict) -> None:
+    """Rank 0, once DCP wrote `tmp`: its meta.json (with each file's sha256: `hashes`, taken by the ranks
+    as they wrote; any other file read here), then `tmp` renamed to `path` (an earlier `path` moved aside
+    first and removed last)."""
+    sha256 = {f.name: hashes.get(f.name) or file_sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}
     meta = {**meta, "world_size": dist_.world_size, "plan": plan.to_dict(), "sha256": sha256}
     (tmp / META).write_text(json.dumps(meta, indent=2))
     old = path.with_name(f".{path.name}.old")
@@ -211,12 +300,131 @@ def _publish(tmp: Path, path: Path, plan: ShardingPlan, dist_: Dist, meta: dict)
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _disk_full(err: BaseException, path: Path) -> DiskFull | None:
-    """dlrm.atomic.disk_full naming `path`, also for DCP's CheckpointException: the first rank's failure
-    that is a full disk."""
-    if isinstance(err, CheckpointException):
-        return next(filter(None, (disk_full(exc, path) for exc, _ in err.failures.values())), None)
-    return disk_full(err, path)
+def _link_directory(path: Path, link: Path) -> None:
+    """Rank 0: make checkpoint directory `link` hold the files of `path` (hard links: no bytes written;
+    copies where the file system has none), built as .<link>.tmp and renamed into place (an earlier
+    `link` moved aside first and removed last)."""
+    tmp, old = link.with_name(f".{link.name}.tmp"), link.with_name(f".{link.name}.old")
+    for stale in (tmp, old):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir()
+    for f in path.iterdir():
+        try:
+            os.link(f, tmp / f.name)
+        except OSError:  # a file system without hard links: the bytes once more
+            shutil.copyfile(f, tmp / f.name)
+    if link.exists():
+        os.replace(link, old)
+    os.replace(tmp, link)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_failure(err: BaseException, path: Path) -> CheckpointError | None:
+    """The CheckpointError naming `path` of a failed write (CheckpointDiskFull for a full disk: the first
+    rank's failure that is one, with the space left), also out of DCP's CheckpointException; None when no
+    rank's failure is an OSError (a bug, re-raised)."""
+    errors = [exc for exc, _ in err.failures.values()] if isinstance(err, CheckpointException) else [err]
+    full = next(filter(None, (disk_full(exc, path) for exc in errors)), None)
+    if full is not None:
+        return CheckpointDiskFull(full.errno, full.strerror, str(path))
+    for exc in errors:
+        while exc is not None and not isinstance(exc, OSError):
+            exc = exc.__cause__ or exc.__context__
+        if exc is not None:
+            return CheckpointError(exc.errno or errno.EIO, exc.strerror or str(exc), str(path))
+    return None
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's file system, each file's sha256 taken as it is written (`sha256`: {file name: hex}), so no
+    file is read back to hash it. The temporary .metadata.tmp (renamed to .metadata) is left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.sha256: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+        if not Path(path).name.endswith(".tmp"):
+            self.sha256[Path(path).name] = hashing.sha256.hexdigest()
+
+
+class _HashingStream:
+    """A binary stream that hashes what is written through it."""
+
+    def __init__(self, stream):
+        self.stream, self.sha256 = stream, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self.stream.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def _local_tensors(state: dict) -> Iterator[Tensor]:
+    """This rank's tensors of a DCP state: its local shards, and the plain (replicated) tensors."""
+    for value in state.values():
+        if isinstance(value, ShardedTensor):
+            yield from (shard.tensor for shard in value.local_shards())
+        elif isinstance(value, Tensor):
+            yield value
+
+
+def _state_fits(state: dict) -> bool:
+    """Whether each device of this rank's state has room for a copy of it (dlrm.checkpoint.has_room)."""
+    sizes: dict[torch.device, int] = {}
+    for t in _local_tensors(state):
+        sizes[t.device] = sizes.get(t.device, 0) + t.numel() * t.element_size()
+    return all(has_room(device, nbytes) for device, nbytes in sizes.items())
+
+
+def _all_ranks(flag: bool) -> bool:
+    """Whether `flag` holds on every rank (a collective)."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return bool(tensor.item())
+
+
+def _snapshot(state: dict) -> dict:
+    """A copy of this rank's DCP state that training cannot change: each local piece and plain tensor
+    cloned on its device, the ShardedTensors rebuilt around the clones with the same metadata."""
+    copied: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, ShardedTensor):
+            shards = [Shard(s.tensor.clone(), s.metadata) for s in value.local_shards()]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                copied[key] = ShardedTensor._init_from_local_shards_and_global_metadata(
+                    shards, value.metadata()
+                )
+        else:
+            copied[key] = value.clone() if isinstance(value, Tensor) else value
+    devices = {t.device for t in _local_tensors(copied) if t.device.type == "cuda"}
+    for device in devices:  # the copies are complete before the writing thread reads them
+        torch.cuda.current_stream(device).synchronize()
+    return copied
+
+
+def checkpoint_bytes(model, optimizer: torch.optim.Optimizer, dist_: Dist) -> int:
+    """Bytes of tensors this rank writes into a sharded checkpoint: its pieces of the sharded tables and
+    their optimizer state, and on rank 0 the dense part and the replicated tables (written once)."""
+    state = _state_dict(model, optimizer, dist_)
+    total = 0
+    for value in state.values():
+        if isinstance(value, ShardedTensor):
+            total += sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
+        elif isinstance(value, Tensor) and dist_.is_main:
+            total += value.numel() * value.element_size()
+    return total
 
 
 def read_meta(path: Path) -> dict:

@@ -7,6 +7,7 @@ of the others (model parallel).
     plan.costs(batch_size)         # per rank: bytes held, lookups, bytes exchanged and all-reduced per step
     plan_tables(..., bag_sizes=(3, 2, 1, ...))  # bags: k_f ids a sample per table (model.multi_hot_sizes)
     plan.to_dict()                 # what sharding_plan.json holds
+    plan.with_checkpoint_bytes([...])  # and the bytes each rank writes into a checkpoint (preflight)
 
 Sharding types, decided per table by what a step moves over the network (b: samples per rank):
 - data parallel: every rank holds the table and looks up its own b samples; the table's dense gradient
@@ -34,7 +35,7 @@ rank's lookups take many times the other's, and the other rank waits in the exch
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 STATE_BYTES_PER_VALUE = {"sgd": 0, "adagrad": 4, "rowwise_adagrad": 0}
 ID_BYTES = 8  # int64 row ids
@@ -79,6 +80,8 @@ class ShardingPlan:
     replicated: tuple[int, ...] = ()
     exchange_bytes_per_value: int = 4
     bag_sizes: tuple[int, ...] | None = None  # ids a sample per table (None: one each)
+    # Bytes of the tensors each rank writes into a checkpoint (dlrm.run.checkpoints.preflight); None: unknown.
+    checkpoint_bytes_per_rank: tuple[int, ...] | None = None
 
     def bag_size(self, table: int) -> int:
         """k_f, the ids a sample looks up in table `table` (1 without bags)."""
@@ -122,6 +125,11 @@ class ShardingPlan:
             costs.append(RankCost(held, lookups, round(ids + vectors), all_reduce))
         return costs
 
+    def with_checkpoint_bytes(self, per_rank: list[int]) -> ShardingPlan:
+        """This plan with the bytes each rank writes into a checkpoint (its tables' pieces and their
+        optimizer state; rank 0 also the dense part and the replicated tables), for sharding_plan.json."""
+        return replace(self, checkpoint_bytes_per_rank=tuple(per_rank))
+
     def to_dict(self, batch_size: int | None = None) -> dict:
         out = {
             "world_size": self.world_size,
@@ -133,6 +141,9 @@ class ShardingPlan:
             "bytes_per_rank": self.bytes_per_rank(),
             "shards": [asdict(s) for s in self.shards],
         }
+        if self.checkpoint_bytes_per_rank is not None:
+            out["checkpoint_bytes_per_rank"] = list(self.checkpoint_bytes_per_rank)
+            out["checkpoint_bytes"] = sum(self.checkpoint_bytes_per_rank)
         if batch_size is not None:
             out["predicted_per_step"] = {
                 "batch_per_rank": batch_size,

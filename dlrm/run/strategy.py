@@ -16,7 +16,7 @@ import torch
 from loguru import logger
 
 from dlrm import atomic, parallel
-from dlrm.checkpoint import load_checkpoint, save_checkpoint
+from dlrm.checkpoint import load_checkpoint, start_save
 from dlrm.config import RunConfig
 from dlrm.data.bag_source import loader_bags
 from dlrm.data.dataset import BatchLoader, ParquetDataset
@@ -33,6 +33,7 @@ from dlrm.parallel.sharded import build_sharded_model
 from dlrm.progress import TrainProgress
 from dlrm.run.directory import check_run_dir, make_run_dir, wait_past_event_files
 from dlrm.run.events import EventWriter
+from dlrm.staging import PendingSave, tensor_bytes
 
 
 def start(cfg: RunConfig) -> tuple["SingleProcess | Sharded", torch.device]:
@@ -133,11 +134,25 @@ class SingleProcess:
         """Where checkpoint `name` ("last.pt", "best.pt") of the run goes: a file."""
         return run_dir / "checkpoints" / name
 
-    def save_checkpoint(self, path: Path, model: Model, optimizer: RunOptimizer, meta: dict) -> None:
-        """Write `path` (dlrm.checkpoint.save_checkpoint): weights, optimizer states (the dense optimizer's
-        and the "triton" tables', `RunOptimizer.state_dict`) and `meta` (config, table layout, run state,
-        loader)."""
-        save_checkpoint(path, model=model.state_dict(), **optimizer.state_dict(), **meta)
+    def save_checkpoint(
+        self,
+        path: Path,
+        model: Model,
+        optimizer: RunOptimizer,
+        meta: dict,
+        links: tuple[Path, ...] = (),
+        background: bool = False,
+    ) -> PendingSave | None:
+        """Write `path` (dlrm.checkpoint.start_save): weights, optimizer states (the dense optimizer's and
+        the "triton" tables', `RunOptimizer.state_dict`) and `meta` (config, table layout, run state,
+        loader); then `links` name the same file. With `background`, in a thread when the device has room
+        for a snapshot (the PendingSave returned), else now (None)."""
+        state = {"model": model.state_dict(), **optimizer.state_dict(), **meta}
+        return start_save(path, state, links, background)
+
+    def checkpoint_bytes(self, model: Model, optimizer: RunOptimizer) -> list[int]:
+        """Bytes of the tensors a checkpoint holds, per rank (here one)."""
+        return [tensor_bytes({"model": model.state_dict(), **optimizer.state_dict()})]
 
     def read_checkpoint(self, path: Path) -> dict:
         """Checkpoint `path` (a .pt file, or a sharded directory read whole). Raises ValueError as
@@ -250,9 +265,26 @@ class Sharded:
         """A sharded directory, checkpoints/<name without .pt>/."""
         return run_dir / "checkpoints" / name.removesuffix(".pt")
 
-    def save_checkpoint(self, path: Path, model: Model, optimizer: RunOptimizer, meta: dict) -> None:
-        """Every rank writes its shards of `path` (dlrm.parallel.checkpoint.save_sharded; a collective)."""
-        sharded_checkpoint.save_sharded(path, model, optimizer, self.dist, meta)
+    def save_checkpoint(
+        self,
+        path: Path,
+        model: Model,
+        optimizer: RunOptimizer,
+        meta: dict,
+        links: tuple[Path, ...] = (),
+        background: bool = False,
+    ) -> PendingSave | None:
+        """Every rank writes its shards of `path` (dlrm.parallel.checkpoint.save_sharded; a collective), in
+        the background when every rank has room for a snapshot."""
+        return sharded_checkpoint.save_sharded(path, model, optimizer, self.dist, meta, links, background)
+
+    def checkpoint_bytes(self, model: Model, optimizer: RunOptimizer) -> list[int]:
+        """Bytes of the tensors each rank writes into a checkpoint (the dense part and replicated tables
+        counted on rank 0), in rank order (a collective); recorded in the plan (sharding_plan.json)."""
+        mine = sharded_checkpoint.checkpoint_bytes(model, optimizer, self.dist)
+        sizes = [int(n) for n in ranks.gather_floats(mine)]
+        self.plan = self.plan.with_checkpoint_bytes(sizes)
+        return sizes
 
     def read_checkpoint(self, path: Path) -> dict:
         """A sharded checkpoint's metadata (every rank reads its own rows later), or a one-process .pt."""

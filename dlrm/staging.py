@@ -1,0 +1,117 @@
+"""Checkpoints of any size: the host memory a save stages (CHUNK_BYTES at a time), and saves written in the
+background (`PendingSave`) from a snapshot of the state on its own device (`snapshot`, when `has_room`).
+Used by dlrm.checkpoint (one process's .pt) and dlrm.parallel.checkpoint (DCP's sharded directories)."""
+
+import copy
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from loguru import logger
+
+CHUNK_BYTES = 256 * 2**20  # host memory a save stages at a time (one buffer of a device storage's bytes)
+SNAPSHOT_MARGIN = 0.1  # of the device's memory left free after a background save's snapshot (at least 2 GiB)
+
+
+class PendingSave:
+    """A checkpoint written by a background thread, `write`; once written it logs `announce` (e.g. "step
+    400: checkpoint RUN/checkpoints/last.pt") and the time it took. `wait()` returns once it is written and
+    raises what the writing raised (once); a process that exits waits for it (the thread is not a
+    daemon)."""
+
+    def __init__(self, write: Callable[[], None], announce: str):
+        self.announce, self.error, self.started = announce, None, time.perf_counter()
+        self.thread = threading.Thread(target=self._run, args=(write,), name="dlrm-save")
+        self.thread.start()
+
+    def _run(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except BaseException as err:  # noqa: BLE001 - handed to the thread that waits
+            self.error = err
+        else:
+            took = time.perf_counter() - self.started
+            logger.info("{} (written in the background in {:.1f} s)", self.announce, took)
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self) -> None:
+        self.thread.join()
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+
+def announce(state: dict[str, Any], path: Path, links: Sequence[Path]) -> str:
+    """ "step <N>: checkpoint <path>[ and <link names>]": the log line of a checkpoint of `state` written."""
+    names = "".join(f" and {link.name}" for link in links)
+    return f"step {state.get('step')}: checkpoint {path}{names}"
+
+
+def tensor_bytes(state: Any) -> int:
+    """Bytes of the storages of `state`'s tensors (each storage once): what torch.save writes of them."""
+    storages: dict[int, int] = {}
+    for t in _tensors(state):
+        storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def snapshot(state: Any) -> Any:
+    """A copy of `state` that later updates of its tensors cannot change: each storage cloned on its own
+    device (views keep their layout), the rest deep-copied; None when a device lacks room for its copies
+    (`has_room`)."""
+    tensors = list(_tensors(state))
+    by_device: dict[torch.device, dict[int, int]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, {})[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    if not all(has_room(device, sum(sizes.values())) for device, sizes in by_device.items()):
+        return None
+    clones: dict[int, torch.UntypedStorage] = {}
+    memo: dict[int, Any] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage._cdata not in clones:
+            clones[storage._cdata] = storage.clone()
+        copy_ = torch.empty(0, dtype=t.dtype, device=t.device)
+        memo[id(t)] = copy_.set_(clones[storage._cdata], t.storage_offset(), t.size(), t.stride())
+    for device in by_device:  # the copies are complete before another thread reads them
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+    return copy.deepcopy(state, memo)
+
+
+def has_room(device: torch.device, nbytes: int) -> bool:
+    """Whether `nbytes` more fit in `device`'s memory leaving SNAPSHOT_MARGIN of it (at least 2 GiB)
+    free: the GPU's free memory, or the host's available memory (/proc/meminfo; False where unknown)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+    elif device.type == "cpu":
+        free, total = _host_memory()
+    else:
+        return False
+    return nbytes + max(2 * 2**30, SNAPSHOT_MARGIN * total) <= free
+
+
+def _host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory; (0, 0) where /proc/meminfo cannot be read."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        return int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
+def _tensors(state: Any) -> Iterator[torch.Tensor]:
+    """The tensors in `state` (nested dicts, lists and tuples)."""
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from _tensors(value)
+    elif isinstance(state, list | tuple):
+        for value in state:
+            yield from _tensors(value)
