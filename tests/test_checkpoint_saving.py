@@ -1,11 +1,23 @@
-"""Checkpoints of tables of any size (dlrm.checkpoint, dlrm.staging): the writers that stage a bounded share
-of the state on the host."""
+"""Checkpoints of tables of any size (dlrm.run.checkpoints, dlrm.checkpoint, dlrm.staging,
+dlrm.parallel.checkpoint's save side): the writers that stage a bounded share of the state on the host,
+best.pt as a kept step (no second write), train.checkpoint_policy, and saves written in the background whose
+failure is one line. One process in this process (tiny.json on the CPU), and 2 gloo ranks started as
+torchrun starts them."""
 
+import errno
+import json
+import os
+import re
+import threading
 import tracemalloc
 
+import pytest
 import torch
 
 from dlrm import checkpoint, staging
+from dlrm import train as train_cli
+from tests.test_faults import _cli, _config, _one_error_line
+from tests.test_faults_torchrun import _cpu_config, _start_ranks
 
 # ---------------------------------------------------------------------------------------------------------
 # Bounded host memory
@@ -44,3 +56,157 @@ def test_a_device_storage_goes_through_one_host_buffer_of_at_most_chunk_bytes(
     assert [start for start, _ in chunks] == [0, 1000, 2000]
     assert all(len(chunk) <= 1000 for _, chunk in chunks)
     assert b"".join(bytes(chunk) for _, chunk in chunks) == bytes(storage)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# best.pt: a kept step
+
+
+def test_best_is_the_checkpoint_of_its_step_kept_not_a_second_write(criteo_sample, tmp_path, monkeypatch):
+    config = _config(tmp_path, criteo_sample, max_steps=8, eval_interval=2, checkpoint_interval=3)
+    run = tmp_path / "run"
+    writes = {}  # step: the inode of the file written for it
+    real = checkpoint.write_file
+
+    def counted(path, state):
+        assert state["step"] not in writes  # one write per step
+        real(path, state)
+        writes[state["step"]] = path.stat().st_ino
+
+    monkeypatch.setattr(checkpoint, "write_file", counted)
+    assert _cli(train_cli.main, ["--config", config, "--output-dir", run])[0] == 0
+    metrics = json.loads((run / "metrics.json").read_text())
+    last, best = run / "checkpoints" / "last.pt", run / "checkpoints" / "best.pt"
+    assert sorted(p.name for p in last.parent.iterdir()) == ["best.pt", "last.pt"]
+    # One write per step checkpointed (the evaluations that improve, at 2, 4, 6 or 8; the periodic ones at
+    # 3 and 6, unless an evaluation wrote it): best.pt is the file written for its step, under a second name.
+    assert best.stat().st_ino == writes[metrics["best_step"]] and last.stat().st_ino == writes[8]
+    assert checkpoint.load_checkpoint(best)["step"] == metrics["best_step"]
+
+
+def test_the_policies_keep_what_they_say(criteo_sample, tmp_path):
+    config = _config(tmp_path, criteo_sample, max_steps=4, eval_interval=2)
+    for policy, names in (("last_only", ["last.pt"]), ("none", [])):
+        run = tmp_path / policy
+        args = [
+            "--config",
+            config,
+            "--output-dir",
+            run,
+            "--set",
+            f'train.checkpoint_policy="{policy}"',
+        ]
+        code, output = _cli(train_cli.main, args)
+        assert code == 0, output
+        held = run / "checkpoints"
+        assert (sorted(p.name for p in held.iterdir()) if held.exists() else []) == names
+        metrics = json.loads((run / "metrics.json").read_text())
+        assert metrics["best_step"] is not None  # still evaluated and selected
+        assert (metrics["test_auc"] is not None) == (metrics["best_step"] == 4)  # the best weights, if kept
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In the background
+
+
+def test_training_goes_on_while_a_checkpoint_is_written(criteo_sample, tmp_path, monkeypatch):
+    config = _config(tmp_path, criteo_sample, max_steps=6, checkpoint_interval=3, eval_interval=None)
+    run = tmp_path / "run"
+    went_on, seen = threading.Event(), []
+    real = checkpoint.write_file
+
+    def note(step):
+        if step > 3:
+            went_on.set()
+
+    def slow(path, state):  # the step-3 checkpoint is written only once step 4 ran
+        if state["step"] == 3:
+            seen.append(
+                (
+                    threading.current_thread() is not threading.main_thread(),
+                    went_on.wait(20),
+                )
+            )
+        real(path, state)
+
+    monkeypatch.setattr(train_cli.parallel, "note_progress", note)
+    monkeypatch.setattr(checkpoint, "write_file", slow)
+    assert _cli(train_cli.main, ["--config", config, "--output-dir", run])[0] == 0
+    assert seen == [(True, True)]  # in a thread, while step 4 trained
+    assert checkpoint.load_checkpoint(run / "checkpoints" / "last.pt")["step"] == 6
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO], ids=["full", "io-error"])
+def test_a_background_save_that_fails_is_one_line_and_keeps_the_last_good_checkpoint(
+    criteo_sample, tmp_path, monkeypatch, code
+):
+    config = _config(tmp_path, criteo_sample, max_steps=6, checkpoint_interval=3, eval_interval=None)
+    run = tmp_path / "run"
+    real, threads = checkpoint._pwrite_all, []
+
+    def failing(fd, data, offset):  # the second checkpoint (step 6) fails after some of its bytes
+        if threads and threads[0] is not threading.current_thread():
+            threads.append(threading.current_thread())
+            real(fd, bytes(memoryview(data).cast("B")[:100]), offset)
+            raise OSError(code, os.strerror(code))
+        threads[:1] = [threading.current_thread()]
+        real(fd, data, offset)
+
+    monkeypatch.setattr(checkpoint, "_pwrite_all", failing)
+    exit_code, output = _cli(train_cli.main, ["--config", config, "--output-dir", run])
+    line = _one_error_line(output)
+    assert exit_code == 2, output
+    assert len(threads) > 1 and all(t.name == "dlrm-save" for t in threads)  # background threads
+    reason, free = re.escape(os.strerror(code)), r"( \([\d,.]+ MiB free on .+\))?"
+    assert re.fullmatch(rf"error: {run}/checkpoints/last.pt: {reason}{free}", line), line
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.pt"]  # no temporary left
+    monkeypatch.undo()
+    assert checkpoint.load_checkpoint(run / "checkpoints" / "last.pt")["step"] == 3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Many ranks: 2 gloo processes
+
+# Run by each rank before dlrm.train: from the second checkpoint on, rank 1's writes fail with EIO.
+IO_ERROR_ON_RANK_1 = """
+import contextlib, errno, os
+from torch.distributed.checkpoint.filesystem import FileSystem
+from dlrm.parallel import checkpoint
+
+saves, save, create_stream = [], checkpoint._save, FileSystem.create_stream
+
+def counted(*args):
+    saves.append(1)
+    return save(*args)
+
+class Broken:
+    def __init__(self, stream):
+        self.stream = stream
+    def write(self, data):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+@contextlib.contextmanager
+def broken(self, path, mode):
+    with create_stream(self, path, mode) as stream:
+        yield Broken(stream) if os.environ["RANK"] == "1" and len(saves) > 1 and "w" in mode else stream
+
+checkpoint._save, FileSystem.create_stream = counted, broken
+"""
+
+
+def test_a_failed_background_save_on_one_rank_is_one_line_from_rank_0_and_exit_2_from_every_rank(
+    criteo_sample, tmp_path
+):
+    config = _cpu_config(tmp_path, criteo_sample, max_steps=4, checkpoint_interval=2, eval_interval=None)
+    run = tmp_path / "run"
+    procs = _start_ranks(config, run, IO_ERROR_ON_RANK_1)
+    err0, err1 = (p.communicate(timeout=300)[1] for p in procs)
+    assert [p.returncode for p in procs] == [2, 2], err0 + err1
+    line = _one_error_line(err0)
+    assert line == f"error: {run}/checkpoints/last: Input/output error", line
+    assert "error" not in err1 and "Traceback" not in err1, err1
+    assert "in the background" in err0  # (rank 0's log)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last"]
+    assert json.loads((run / "checkpoints" / "last" / "meta.json").read_text())["step"] == 2

@@ -1,7 +1,23 @@
 """A run's checkpoints: what checkpoints/last.pt and best.pt hold (weights, optimizer states, config,
 table layout, run state, loader position; a sharded directory on many ranks), when a periodic last.pt is
-due (train.checkpoint_interval, train.checkpoint_every_s) and which older ones are kept (train.keep_last).
-Only a finite state is written (dlrm.run.nonfinite)."""
+due (train.checkpoint_interval, train.checkpoint_every_s) and which ones the run keeps
+(train.checkpoint_policy, train.keep_last). Only a finite state is written (dlrm.run.nonfinite).
+
+train.checkpoint_policy:
+- "best_and_last": last.pt, and best.pt, the checkpoint of the best val evaluation's step. An evaluation
+  that improves writes last.pt at its step and makes best.pt the same file (a hard link; many ranks: best/
+  a directory of hard links to last/'s files), so it costs one save; the next last.pt is written beside
+  it and best.pt keeps the old file. Up to 3 checkpoints at once on disk: last, best, and the one being
+  written (under a temporary name until complete).
+- "last_only": last.pt alone (up to 2 at once); the best weights are gone once training moves past them.
+- "none": nothing written (benchmarks).
+train.keep_last earlier last.pt files kept as step-<N>.pt add as many.
+
+A checkpoint is written in the background when the device has room for a snapshot of the state
+(dlrm.staging): training goes on, a second save waits for the first (`wait_for_checkpoint`), and the
+failure of a background save is raised where the run waits for it: the next save, or the test evaluation
+at the end (dlrm.run.selection.evaluate_selected), which every run reaches.
+"""
 
 import os
 import shutil
@@ -14,6 +30,10 @@ from dlrm.config import RunConfig
 from dlrm.data.loaders import STATEFUL_LOADERS
 from dlrm.run.nonfinite import check_finite, nonfinite_stop, weights_finite
 from dlrm.run.state import Interval, Run, RunState
+from dlrm.staging import PendingSave
+
+# The checkpoint being written in the background, by run directory (at most one per run).
+_pending: dict[Path, PendingSave] = {}
 
 
 def checkpoint_due_by_steps(cfg: RunConfig, state: RunState) -> bool:
@@ -31,15 +51,38 @@ def checkpoint_due_by_time(cfg: RunConfig, state: RunState) -> bool:
 def save_last(run: Run, state: RunState, interval: Interval) -> None:
     """checkpoints/last.pt, written only for a finite state: the interval's losses are read first and the
     weights summed (NonFiniteLoss otherwise, leaving the previous last.pt). The last.pt it replaces is kept
-    as step-<N>.pt (a hard link) when train.keep_last > 0, the oldest beyond keep_last deleted."""
+    as step-<N>.pt (a hard link) when train.keep_last > 0, the oldest beyond keep_last deleted. Nothing
+    with train.checkpoint_policy "none"."""
     check_finite(run, state, interval)
-    directory = run.run_dir / "checkpoints"
-    # Many ranks write a sharded directory, checkpoints/last (keep_last is refused there: check_world).
-    last, keep = checkpoint_path(run, "last.pt"), run.cfg.train.keep_last
-    if state.last_checkpoint_state == state.checkpointed() and last.exists():
+    if run.cfg.train.checkpoint_policy == "none":
+        return
+    last = checkpoint_path(run, "last.pt")
+    written = last.exists() or run.run_dir in _pending
+    if state.last_checkpoint_state == state.checkpointed() and written:
         return  # written at this step already (the end of a run, a signal right after a periodic one)
     if not weights_finite(run.model):
         raise nonfinite_stop(run, state, f"step {state.step}: the weights are not finite")
+    write_last(run, state)
+
+
+def save_best(run: Run, state: RunState) -> None:
+    """The evaluation just made `state.best`: with train.checkpoint_policy "best_and_last", write last.pt
+    at this step and make best.pt the same file (one save); the caller has checked that the evaluation and
+    the weights are finite. Nothing with the other policies."""
+    if run.cfg.train.checkpoint_policy != "best_and_last":
+        return
+    write_last(run, state, best=True)
+    state.best_checkpoint = checkpoint_path(run, "best.pt")
+
+
+def write_last(run: Run, state: RunState, best: bool = False) -> None:
+    """Write last.pt (and with `best` make best.pt the same checkpoint), in the background where the
+    device has room for a snapshot, after the save still being written, if any (`wait_for_checkpoint`).
+    train.keep_last: the last.pt it replaces is kept as step-<N>.pt first, the oldest beyond it deleted."""
+    wait_for_checkpoint(run)
+    directory = run.run_dir / "checkpoints"
+    # Many ranks write a sharded directory, checkpoints/last (keep_last is refused there: check_world).
+    last, keep = checkpoint_path(run, "last.pt"), run.cfg.train.keep_last
     previous = state.last_checkpoint_step
     if keep and previous is not None and previous != state.step and last.exists():
         kept = directory / f"step-{previous}.pt"
@@ -48,10 +91,20 @@ def save_last(run: Run, state: RunState, interval: Interval) -> None:
             os.link(last, kept)
         except OSError:  # a file system without hard links
             shutil.copyfile(last, kept)
-    save_run_checkpoint(run, state, "last.pt")
-    state.last_checkpoint_step, state.last_checkpoint_time = state.step, time.monotonic()
+    links = (checkpoint_path(run, "best.pt"),) if best else ()
+    pending = save_run_checkpoint(run, state, "last.pt", links)
+    if pending is not None:
+        _pending[run.run_dir] = pending
+    state.last_checkpoint_step, state.last_checkpoint_time = (
+        state.step,
+        time.monotonic(),
+    )
     state.last_checkpoint_state = state.checkpointed()
-    logger.info("step {}: checkpoint {}", state.step, last)
+    names = f"{last}{''.join(f' and {link.name}' for link in links)}"
+    if pending is None:
+        logger.info("step {}: checkpoint {}", state.step, names)
+    else:
+        logger.info("step {}: writing checkpoint {} in the background", state.step, names)
     if keep:
         steps = sorted(
             int(p.stem.split("-", 1)[1]) for p in directory.glob("step-*.pt") if p.stem[5:].isdigit()
@@ -60,9 +113,25 @@ def save_last(run: Run, state: RunState, interval: Interval) -> None:
             (directory / f"step-{step}.pt").unlink(missing_ok=True)
 
 
-def save_run_checkpoint(run: Run, state: RunState, name: str) -> None:
-    """checkpoints/`name`: weights, optimizer states, config, table layout, run state, loader position.
-    Many ranks: the sharded directory checkpoints/<name without .pt>/ (dlrm.parallel.checkpoint)."""
+def wait_for_checkpoint(run: Run) -> None:
+    """Wait until the checkpoint being written in the background (if any) is complete.
+
+    Raises:
+        what its writing raised (dlrm.atomic.DiskFull, OSError naming the file; many ranks: CheckpointError
+            on every rank alike); the previous checkpoint under that name is unchanged.
+    """
+    pending = _pending.pop(run.run_dir, None)
+    if pending is not None:
+        pending.wait()
+
+
+def save_run_checkpoint(
+    run: Run, state: RunState, name: str, links: tuple[Path, ...] = ()
+) -> PendingSave | None:
+    """checkpoints/`name`: weights, optimizer states, config, table layout, run state, loader position;
+    then `links` (checkpoint paths) name the same checkpoint. Many ranks: the sharded directory
+    checkpoints/<name without .pt>/ (dlrm.parallel.checkpoint). In the background where the device has room
+    for a snapshot: returns its PendingSave, else None once written."""
     loader = run.train_loader
     meta = {
         "config": run.cfg.to_dict(),
@@ -70,7 +139,8 @@ def save_run_checkpoint(run: Run, state: RunState, name: str) -> None:
         "loader": loader.state_dict() if isinstance(loader, STATEFUL_LOADERS) else None,
         **state.checkpointed(),
     }
-    run.strategy.save_checkpoint(checkpoint_path(run, name), run.model, run.optimizer, meta)
+    path = checkpoint_path(run, name)
+    return run.strategy.save_checkpoint(path, run.model, run.optimizer, meta, links, background=True)
 
 
 def checkpoint_path(run: Run, name: str) -> Path:

@@ -12,7 +12,7 @@ from loguru import logger
 from dlrm.data.dataset import BatchLoader, load_metadata, open_split
 from dlrm.data.splits import REPORT, SELECT
 from dlrm.parallel.evaluation import ShardedEvalSplit
-from dlrm.run.checkpoints import checkpoint_path, save_run_checkpoint
+from dlrm.run.checkpoints import save_best, wait_for_checkpoint
 from dlrm.run.nonfinite import check_finite, weights_finite
 from dlrm.run.setup import check_rows
 from dlrm.run.state import Interval, Run, RunState
@@ -56,8 +56,7 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
         logger.warning("step {}: the evaluation is not finite; not a candidate for best.pt", state.step)
     if finite and (state.best is None or better(result, state.best, run.cfg.train.select_on)):
         state.best, state.evals_since_best = {**result, "step": state.step}, 0
-        save_run_checkpoint(run, state, "best.pt")
-        state.best_checkpoint = checkpoint_path(run, "best.pt")
+        save_best(run, state)  # last.pt at this step, best.pt the same file (train.checkpoint_policy)
     else:
         state.evals_since_best += 1
     interval.start += time.perf_counter() - eval_start
@@ -87,7 +86,10 @@ def evaluate_selected(run: Run, state: RunState) -> dict | None:
         checkpoint with the best weights is gone or holds another step (a warning says which).
     Raises:
         ValueError: the test split cannot be read, or is of one class only (dlrm.metrics.evaluate).
+        OSError: the checkpoint written in the background failed (dlrm.run.checkpoints.wait_for_checkpoint),
+            which every run waits for here.
     """
+    wait_for_checkpoint(run)
     if state.best is None:
         logger.warning("no finite val evaluation, so no best.pt: no test evaluation")
         return None
@@ -118,6 +120,15 @@ def load_best_weights(run: Run, state: RunState) -> bool:
     optimizer state comes along, unused). False, with a warning, when it is missing or holds another
     step than `state.best` (a resumed run's directory whose best.pt moved on)."""
     path, step = state.best_checkpoint, state.best["step"]
+    policy = run.cfg.train.checkpoint_policy
+    if path is None and policy != "best_and_last":
+        logger.warning(
+            "train.checkpoint_policy {!r} keeps no best checkpoint: the weights of step {} are gone, no test "
+            "evaluation",
+            policy,
+            step,
+        )
+        return False
     if path is None or not path.exists():
         logger.warning("{}: not found, so the weights of step {} are gone: no test evaluation", path, step)
         return False
