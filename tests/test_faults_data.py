@@ -149,6 +149,9 @@ def test_resuming_a_finished_run_says_so_in_one_line_and_writes_nothing(criteo_s
     )
     assert len(finished) == 2 and resumed == metrics
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(run.rglob("*")) if p.is_file()} == files
+    # Into another run directory it goes on as any checkpoint: evaluated, saved there (how one reshards).
+    copy = train_cli.train(load_config(config), tmp_path / "copy", resume=last)
+    assert copy["steps"] == metrics["steps"] and (tmp_path / "copy" / "checkpoints" / "last.pt").is_file()
 
 
 def test_metrics_json_of_a_nonfinite_stop_names_the_step_the_loss_went_nonfinite(criteo_sample, tmp_path):

@@ -63,8 +63,9 @@ def train(
     With `resume` (a checkpoint of a run of the same model config) training goes on from its step: weights,
     optimizer state, best evaluation and the train loader's position are restored (hyperparameters are the
     config's), and the run directory defaults to the checkpoint's. "steps" and "samples" cover the whole run.
-    A `resume` of a finished run (its step at train.max_steps, or at the end of train.epochs) logs one
-    warning line saying so and returns its metrics.json as it is ({} without one), writing nothing.
+    A `resume` of a finished run (its step at train.max_steps, or at the end of train.epochs) in its own
+    run directory logs one warning line saying so and returns its metrics.json as it is ({} without one),
+    writing nothing; into another `output_dir` it is evaluated and saved there.
     An `output_dir` that already holds a run is refused unless `resume` or `overwrite` (which empties it).
     `progress`: what it shows while it runs, "auto", "bar", "log" or "quiet" (dlrm.progress).
 

@@ -42,7 +42,7 @@ def set_up(
     tables and rank-aware loaders (dlrm.run.strategy). The run directory is checked first and written only
     once all else is set up; a `resume` checkpoint is read and checked against the config before the data
     and the model. Raises ValueError as `train`, and RunFinished for a `resume` of a run with no step left
-    (nothing written)."""
+    in its own directory (nothing written)."""
     strategy, device = start(cfg)
     cfg = resolve_cuda_graphs(cfg, device)
     t = cfg.train
@@ -85,7 +85,8 @@ def set_up(
             f"data.batch_size: {cfg.data.batch_size} leaves no batch of {train_loader.num_rows} train rows"
         )
     check_rows(data_dir, metadata, "train", train_loader.num_rows)
-    if resume is not None:
+    # Into another run directory a finished checkpoint goes on as any: evaluated, saved there (resharded).
+    if resume is not None and run_dir.resolve() == resume.parent.parent.resolve():
         check_not_finished(resume, state, cfg, train_loader, strategy.is_main)
     train_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64) if train_set is None else train_set.sparse
     logger.info("building the model ({} backend) on {}", cfg.backend, device)
@@ -233,9 +234,9 @@ class RunFinished(Exception):
 def check_not_finished(
     resume: Path, state: RunState, cfg: RunConfig, loader: TrainLoader, announce: bool
 ) -> None:
-    """Raise RunFinished when checkpoint `resume` (restored into `state`) is at or past the run's last step
-    (`total_steps`): the run is finished, and going on would only rewrite its files. One warning line says
-    so first, where `announce` (rank 0)."""
+    """Raise RunFinished when checkpoint `resume` (restored into `state`) of the run being resumed in its
+    own directory is at or past the run's last step (`total_steps`): the run is finished, and going on
+    would only rewrite its files. One warning line says so first, where `announce` (rank 0)."""
     steps = total_steps(cfg, loader)
     if state.step < steps:
         return
