@@ -1,23 +1,93 @@
 """Checkpoints of tables of any size (dlrm.run.checkpoints, dlrm.checkpoint, dlrm.staging,
-dlrm.parallel.checkpoint's save side): the writers that stage a bounded share of the state on the host,
-best.pt as a kept step (no second write), train.checkpoint_policy, and saves written in the background whose
-failure is one line. One process in this process (tiny.json on the CPU), and 2 gloo ranks started as
-torchrun starts them."""
+dlrm.parallel.checkpoint's save side): the preflight that refuses a run whose checkpoints cannot fit, the
+writers that stage a bounded share of the state on the host, best.pt as a kept step (no second write),
+train.checkpoint_policy, and saves written in the background whose failure is one line. One process in
+this process (tiny.json on the CPU), and 2 gloo ranks started as torchrun starts them."""
 
 import errno
 import json
 import os
 import re
+import shutil
 import threading
 import tracemalloc
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from dlrm import checkpoint, staging
+from dlrm import evaluate as evaluate_cli
 from dlrm import train as train_cli
+from dlrm.run import checkpoints as run_checkpoints
 from tests.test_faults import _cli, _config, _one_error_line
 from tests.test_faults_torchrun import _cpu_config, _start_ranks
+
+
+def _free(nbytes: int):
+    """A shutil.disk_usage that reports `nbytes` free."""
+    real = shutil.disk_usage
+
+    def disk_usage(path):
+        return real(path)._replace(free=nbytes)
+
+    return disk_usage
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The preflight
+
+
+def test_the_preflight_refuses_a_run_whose_checkpoints_cannot_fit_before_its_first_step(
+    criteo_sample, tmp_path, monkeypatch
+):
+    config = _config(tmp_path, criteo_sample, max_steps=2)
+    run = tmp_path / "run"
+    # 4 MiB free: room for one checkpoint of tiny.json (1.8 MiB with its allowance for headers) and the
+    # next one being written, not for a third.
+    monkeypatch.setattr(run_checkpoints.shutil, "disk_usage", _free(4 * 2**20))
+    steps = []
+    monkeypatch.setattr(train_cli.parallel, "note_progress", steps.append)  # (called at each step)
+    code, output = _cli(train_cli.main, ["--config", config, "--output-dir", run])
+    line = _one_error_line(output)
+    assert code == 2 and not steps and not run.exists()  # before the first step, nothing written
+    assert re.fullmatch(
+        rf"error: {run}/checkpoints: no room for the checkpoints: each is [\d.]+ MiB and "
+        r"train.checkpoint_policy 'best_and_last' keeps up to 3 at once \(last, best and the one being "
+        r"written\): [\d.]+ MiB needed, 4.0 MiB free on .+; free space, choose another --output-dir, or "
+        r"keep fewer: 'last_only' \([\d.]+ MiB\) or 'none' \(no checkpoints\) "
+        r"\(--set train.checkpoint_policy=...\)",
+        line,
+    ), line
+    for policy in ("last_only", "none"):  # what the policy keeps fits
+        args = ["--config", config, "--output-dir", run, "--overwrite"]
+        code, output = _cli(train_cli.main, [*args, "--set", f'train.checkpoint_policy="{policy}"'])
+        assert code == 0, output
+
+
+def test_the_estimate_bounds_what_a_checkpoint_takes_and_counts_the_checkpoints_a_run_replaces(
+    criteo_sample, tmp_path, monkeypatch
+):
+    config = _config(tmp_path, criteo_sample, max_steps=2, optimizer="adagrad")
+    run = tmp_path / "run"
+    logged = []
+    monkeypatch.setattr(run_checkpoints.logger, "info", lambda text, *args: logged.append(text.format(*args)))
+    assert _cli(train_cli.main, ["--config", config, "--output-dir", run])[0] == 0
+    line = next(text for text in logged if text.startswith("checkpoints: "))
+    each = float(re.match(r"checkpoints: ([\d.]+) MiB each", line).group(1)) * 2**20
+    written = (run / "checkpoints" / "last.pt").stat().st_size
+    assert written <= each <= written + run_checkpoints.HEADER_BYTES + 2**20, line
+    _, held, _ = run_checkpoints.room(run / "checkpoints")
+    assert held == written  # best.pt and last.pt: one file, counted once
+    # Resumed, the run replaces its own checkpoints: their bytes count as room (the margins: the logged
+    # size rounded to 0.1 MiB).
+    resume = ["--config", config, "--resume", run / "checkpoints" / "last.pt", "--max-steps", 3]
+    monkeypatch.setattr(run_checkpoints.shutil, "disk_usage", _free(int(3 * each) - written - 2**18))
+    code, output = _cli(train_cli.main, resume)
+    assert code == 2 and "no room for the checkpoints" in _one_error_line(output)
+    monkeypatch.setattr(run_checkpoints.shutil, "disk_usage", _free(int(3 * each) - written + 2**18))
+    assert _cli(train_cli.main, resume)[0] == 0
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Bounded host memory
@@ -47,9 +117,7 @@ def test_a_checkpoint_file_is_written_in_chunks_and_loads_as_torch_save_wrote_it
     assert torch.equal(loaded["embedding_optimizer_state"], table.square()) and loaded["step"] == 4
 
 
-def test_a_device_storage_goes_through_one_host_buffer_of_at_most_chunk_bytes(
-    monkeypatch,
-):
+def test_a_device_storage_goes_through_one_host_buffer_of_at_most_chunk_bytes(monkeypatch):
     monkeypatch.setattr(staging, "CHUNK_BYTES", 1000)
     storage = torch.arange(2600, dtype=torch.int16).to(torch.uint8).untyped_storage()
     chunks = list(checkpoint._host_chunks(storage))
@@ -88,14 +156,7 @@ def test_the_policies_keep_what_they_say(criteo_sample, tmp_path):
     config = _config(tmp_path, criteo_sample, max_steps=4, eval_interval=2)
     for policy, names in (("last_only", ["last.pt"]), ("none", [])):
         run = tmp_path / policy
-        args = [
-            "--config",
-            config,
-            "--output-dir",
-            run,
-            "--set",
-            f'train.checkpoint_policy="{policy}"',
-        ]
+        args = ["--config", config, "--output-dir", run, "--set", f'train.checkpoint_policy="{policy}"']
         code, output = _cli(train_cli.main, args)
         assert code == 0, output
         held = run / "checkpoints"
@@ -121,12 +182,7 @@ def test_training_goes_on_while_a_checkpoint_is_written(criteo_sample, tmp_path,
 
     def slow(path, state):  # the step-3 checkpoint is written only once step 4 ran
         if state["step"] == 3:
-            seen.append(
-                (
-                    threading.current_thread() is not threading.main_thread(),
-                    went_on.wait(20),
-                )
-            )
+            seen.append((threading.current_thread() is not threading.main_thread(), went_on.wait(20)))
         real(path, state)
 
     monkeypatch.setattr(train_cli.parallel, "note_progress", note)
@@ -166,6 +222,63 @@ def test_a_background_save_that_fails_is_one_line_and_keeps_the_last_good_checkp
 
 # ---------------------------------------------------------------------------------------------------------
 # Many ranks: 2 gloo processes
+
+# Run by each rank before dlrm.train: pieces of at most 16 KiB, and the largest buffer each rank hands to
+# the file system while it writes DCP's files of tensors, in RUN/write-<rank>.
+SMALL_PIECES = """
+import os
+from pathlib import Path
+from dlrm import staging
+from dlrm.parallel import checkpoint
+
+staging.CHUNK_BYTES = 16384
+write, largest = checkpoint._HashingStream.write, [0]
+
+def measured(self, data):
+    if self.stream.name.endswith(".distcp"):
+        largest[0] = max(largest[0], memoryview(data).nbytes)
+        run = Path(self.stream.name).parent.parent.parent
+        (run / f"write-{os.environ['RANK']}").write_text(str(largest[0]))
+    return write(self, data)
+
+checkpoint._HashingStream.write = measured
+"""
+
+
+def test_a_sharded_checkpoint_is_written_in_pieces_and_its_best_is_a_kept_step(criteo_sample, tmp_path):
+    config = _cpu_config(
+        tmp_path, criteo_sample, max_steps=4, eval_interval=4, checkpoint_interval=3, optimizer="adagrad"
+    )
+    raw = json.loads(config.read_text())
+    raw["model"].update(embedding_dim=32, bottom_mlp=[32, 32])  # tables of up to 2000 x 32 fp32: 250 KiB
+    config.write_text(json.dumps(raw))
+    run = tmp_path / "run"
+    procs = _start_ranks(config, run, SMALL_PIECES)
+    err0, err1 = (p.communicate(timeout=300)[1] for p in procs)
+    assert [p.returncode for p in procs] == [0, 0], err0 + err1
+    last, best = run / "checkpoints" / "last", run / "checkpoints" / "best"
+    stored = dcp.FileSystemReader(last).read_metadata().state_dict_metadata
+    plan = json.loads((run / "sharding_plan.json").read_text())
+    for f in set(range(26)) - set(plan["replicated"]):  # each table's rows in pieces of at most 16 KiB
+        for key in (f"model/sparse_arch.embeddings.{f}.weight", f"optim/sparse_arch.embeddings.{f}.weight"):
+            pieces = stored[key].chunks
+            assert sum(c.sizes[0] for c in pieces) == plan["table_rows"][f]
+            assert all(c.sizes[0] * 32 * 4 <= 16384 for c in pieces), key
+    files = list(last.glob("*.distcp"))
+    assert {p.name.split("_")[2] for p in files} == {"0", "1"} and len(files) > 200  # one per piece
+    for rank in (0, 1):  # no rank handed the file system a table's shard (100 KiB and more) at once
+        assert int((run / f"write-{rank}").read_text()) < 64 * 1024  # a piece, or the top MLP's 49 KiB
+    meta = json.loads((last / "meta.json").read_text())
+    assert set(meta["sha256"]) == {p.name for p in last.iterdir() if p.name != "meta.json"}
+    assert len(plan["checkpoint_bytes_per_rank"]) == 2
+    tables = 2 * sum(plan["table_rows"]) * 32 * 4  # weights and Adagrad's sums
+    assert tables < plan["checkpoint_bytes"] == sum(plan["checkpoint_bytes_per_rank"]) < 2 * tables
+    held = json.loads((best / "meta.json").read_text())
+    assert held["best"]["step"] == held["step"] == 4  # the one evaluation, at the last step
+    assert all((best / p.name).stat().st_ino == p.stat().st_ino for p in last.iterdir())  # not copies
+    code, output = _cli(evaluate_cli.main, ["--checkpoint", best, "--data", criteo_sample])
+    assert code == 0 and 0 < json.loads(output.splitlines()[-1])["auc"] < 1, output
+
 
 # Run by each rank before dlrm.train: from the second checkpoint on, rank 1's writes fail with EIO.
 IO_ERROR_ON_RANK_1 = """
@@ -210,3 +323,25 @@ def test_a_failed_background_save_on_one_rank_is_one_line_from_rank_0_and_exit_2
     assert "in the background" in err0  # (rank 0's log)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last"]
     assert json.loads((run / "checkpoints" / "last" / "meta.json").read_text())["step"] == 2
+
+
+# Run by each rank before dlrm.train: the disk has 1 MiB free.
+LITTLE_FREE_SPACE = """
+import shutil
+real = shutil.disk_usage
+shutil.disk_usage = lambda path: real(path)._replace(free=2**20)
+"""
+
+
+def test_the_preflight_on_many_ranks_is_one_line_from_rank_0_and_exit_2_from_every_rank(
+    criteo_sample, tmp_path
+):
+    config = _cpu_config(tmp_path, criteo_sample, max_steps=2)
+    run = tmp_path / "run"
+    procs = _start_ranks(config, run, LITTLE_FREE_SPACE)
+    err0, err1 = (p.communicate(timeout=300)[1] for p in procs)
+    assert [p.returncode for p in procs] == [2, 2], err0 + err1
+    line = _one_error_line(err0)
+    assert line.startswith(f"error: {run}/checkpoints: no room for the checkpoints: each is "), line
+    assert re.search(r"\(ranks [\d.]+ MiB \+ [\d.]+ MiB of tensors\)", line) and "1.0 MiB free" in line, line
+    assert "error" not in err1 and "Traceback" not in err1, err1

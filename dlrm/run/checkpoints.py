@@ -1,7 +1,8 @@
 """A run's checkpoints: what checkpoints/last.pt and best.pt hold (weights, optimizer states, config,
 table layout, run state, loader position; a sharded directory on many ranks), when a periodic last.pt is
-due (train.checkpoint_interval, train.checkpoint_every_s) and which ones the run keeps
-(train.checkpoint_policy, train.keep_last). Only a finite state is written (dlrm.run.nonfinite).
+due (train.checkpoint_interval, train.checkpoint_every_s), which ones the run keeps
+(train.checkpoint_policy, train.keep_last), and the preflight that refuses a run whose checkpoints cannot
+fit on its disk. Only a finite state is written (dlrm.run.nonfinite).
 
 train.checkpoint_policy:
 - "best_and_last": last.pt, and best.pt, the checkpoint of the best val evaluation's step. An evaluation
@@ -22,15 +23,26 @@ at the end (dlrm.run.selection.evaluate_selected), which every run reaches.
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from loguru import logger
 
-from dlrm.config import RunConfig
+from dlrm.config import RunConfig, TrainConfig
 from dlrm.data.loaders import STATEFUL_LOADERS
+from dlrm.parallel.checkpoint import CheckpointError
 from dlrm.run.nonfinite import check_finite, nonfinite_stop, weights_finite
 from dlrm.run.state import Interval, Run, RunState
 from dlrm.staging import PendingSave
+
+# Checkpoints a policy keeps at once on disk, before train.keep_last: (count, what they are).
+AT_ONCE = {
+    "best_and_last": (3, "last, best and the one being written"),
+    "last_only": (2, "last and the one being written"),
+    "none": (0, "none"),
+}
+HEADER_BYTES = 2**20  # a checkpoint's bytes besides its tensors (pickle, zip or DCP headers, meta.json) ...
+HEADER_SHARE = 1e-3  # ... plus this share of its tensor bytes
 
 # The checkpoint being written in the background, by run directory (at most one per run).
 _pending: dict[Path, PendingSave] = {}
@@ -46,6 +58,80 @@ def checkpoint_due_by_time(cfg: RunConfig, state: RunState) -> bool:
     """Whether train.checkpoint_every_s seconds have passed since the last last.pt."""
     every = cfg.train.checkpoint_every_s
     return every is not None and time.monotonic() - state.last_checkpoint_time >= every
+
+
+def checkpoints_at_once(train: TrainConfig) -> int:
+    """How many checkpoints the run may hold on disk at once (module docstring): the policy's, plus
+    train.keep_last; 0 for "none"."""
+    count = AT_ONCE[train.checkpoint_policy][0]
+    return count + train.keep_last if count else 0
+
+
+def preflight(cfg: RunConfig, strategy, model, optimizer, run_dir: Path) -> None:
+    """Before the first step: log a checkpoint's size (each rank's tensors, from its shards of the tables,
+    their dtype and optimizer state, and the dense part) and what train.checkpoint_policy keeps at once,
+    against the free space of the file system of run_dir/checkpoints (plus what earlier checkpoints there
+    hold, which the run replaces); on many ranks the size also goes into sharding_plan.json. A collective
+    on many ranks (every rank decides alike, from the least room any rank sees).
+
+    Raises:
+        CheckpointError: the checkpoints the policy keeps cannot fit: one line naming the bytes needed and
+            free, and how to change the policy.
+    """
+    per_rank = strategy.checkpoint_bytes(model, optimizer)
+    tensors = sum(per_rank)
+    each = tensors + HEADER_BYTES + int(HEADER_SHARE * tensors)
+    directory = run_dir / "checkpoints"
+    free, held, where = room(directory)
+    available = int(min(strategy.per_rank(float(free + held))))
+    t = cfg.train
+    at_once = checkpoints_at_once(t)
+    ranks = f" (ranks {' + '.join(_size(n) for n in per_rank)} of tensors)" if len(per_rank) > 1 else ""
+    kept = AT_ONCE[t.checkpoint_policy][1] + (f", {t.keep_last} of train.keep_last" if t.keep_last else "")
+    held_text = f" + {_size(held)} of earlier checkpoints there" if held else ""
+    logger.info(
+        "checkpoints: {} each{}; train.checkpoint_policy {!r} keeps up to {} at once ({}): {} of {} free on "
+        "{}{}",
+        _size(each), ranks, t.checkpoint_policy, at_once, kept, _size(at_once * each), _size(free), where,
+        held_text,
+    )  # fmt: skip
+    if at_once * each <= available:
+        return
+    options = ["'none' (no checkpoints)"]
+    if t.checkpoint_policy == "best_and_last":
+        fewer = checkpoints_at_once(replace(t, checkpoint_policy="last_only")) * each
+        options.insert(0, f"'last_only' ({_size(fewer)})")
+    if t.keep_last:
+        options.insert(0, "a lower train.keep_last")
+    raise CheckpointError(
+        None,
+        f"no room for the checkpoints: each is {_size(each)}{ranks} and train.checkpoint_policy "
+        f"{t.checkpoint_policy!r} keeps up to {at_once} at once ({kept}): {_size(at_once * each)} needed, "
+        f"{_size(available - held)} free on {where}{held_text}; free space, choose another --output-dir, or "
+        f"keep fewer: {' or '.join(options)} (--set train.checkpoint_policy=...)",
+        str(directory),
+    )
+
+
+def room(directory: Path) -> tuple[int, int, Path]:
+    """(free bytes on the file system that will hold `directory`, bytes of the checkpoint files already in
+    it, each file once however many names it has, the existing directory the free space is of)."""
+    existing = next(p for p in (directory, *directory.parents) if p.exists())
+    if not existing.is_dir():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    inodes: dict[tuple[int, int], int] = {}
+    if directory.is_dir():
+        for path in directory.rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                stat = path.stat()
+                inodes[(stat.st_dev, stat.st_ino)] = stat.st_size
+    return free, sum(inodes.values()), existing
+
+
+def _size(nbytes: float) -> str:
+    """`nbytes` in GiB (MiB below one GiB)."""
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
 
 
 def save_last(run: Run, state: RunState, interval: Interval) -> None:
@@ -95,10 +181,7 @@ def write_last(run: Run, state: RunState, best: bool = False) -> None:
     pending = save_run_checkpoint(run, state, "last.pt", links)
     if pending is not None:
         _pending[run.run_dir] = pending
-    state.last_checkpoint_step, state.last_checkpoint_time = (
-        state.step,
-        time.monotonic(),
-    )
+    state.last_checkpoint_step, state.last_checkpoint_time = state.step, time.monotonic()
     state.last_checkpoint_state = state.checkpointed()
     names = f"{last}{''.join(f' and {link.name}' for link in links)}"
     if pending is None:

@@ -24,6 +24,7 @@ from dlrm.model import Model
 from dlrm.model.dlrm import log_odds
 from dlrm.optim import RunOptimizer
 from dlrm.progress import TrainProgress
+from dlrm.run.checkpoints import preflight
 from dlrm.run.state import Run, RunState
 from dlrm.run.strategy import Strategy, start
 from dlrm.signals import StopSignals
@@ -107,6 +108,7 @@ def set_up(
     if resume is not None and resume.resolve() == (run_dir / "checkpoints" / "last.pt").resolve():
         state.last_checkpoint_step = state.step
     config_json = json.dumps(cfg.to_dict(), indent=2)
+    preflight(cfg, strategy, model, optimizer, run_dir)  # the checkpoints fit on the disk, or one line
     strategy.make_run_dir(run_dir, overwrite and resume is None, config_json, resume is not None)
     logger.info(
         "run {} | backend {} | device {} | train {} rows, val {} rows | {} params",
