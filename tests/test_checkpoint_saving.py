@@ -10,7 +10,7 @@ import os
 import re
 import shutil
 import threading
-import tracemalloc
+import time
 
 import pytest
 import torch
@@ -103,18 +103,52 @@ def test_a_checkpoint_file_is_written_in_chunks_and_loads_as_torch_save_wrote_it
         "table_rows": [3],
         "step": 4,
     }
-    path = tmp_path / "last.pt"
-    tracemalloc.start()
+    path, writes, real = tmp_path / "last.pt", [], os.pwrite
+
+    def pwrite(fd, data, offset):
+        writes.append(memoryview(data).nbytes)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
     checkpoint.save_checkpoint(path, **state)
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    assert peak < 4 * 2**20, peak  # well under the 128 MiB of tensors (torch.save to a stream: all of it)
+    monkeypatch.undo()
+    # The tensors' 128 MiB went in as pieces of at most a chunk (torch.save to a file: each storage whole).
+    assert sum(writes) >= 2 * table.numel() * 4 and max(writes) <= 2**20
     assert checkpoint.verify_checksum(path)
     loaded = torch.load(path, weights_only=True)  # torch.save's format
     assert torch.equal(loaded["model"]["w"], table) and torch.equal(loaded["model"]["view"], table[5:9])
     view, whole = loaded["model"]["view"], loaded["model"]["w"]
     assert view.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()  # one storage, as saved
     assert torch.equal(loaded["embedding_optimizer_state"], table.square()) and loaded["step"] == 4
+
+
+def _rss() -> int:
+    """This process's resident memory, bytes (/proc/self/status)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.gpu
+def test_a_checkpoint_of_gpu_tables_stages_at_most_a_chunk_in_host_memory(tmp_path):
+    tables = torch.randn(2**22, 128, device="cuda")  # 2 GiB, and as much of Adagrad's state
+    state = {"model": {"w": tables}, "embedding_optimizer_state": tables.square(), "config": {}, "step": 1}
+    torch.cuda.synchronize()
+    base, peak, writing = _rss(), [0], threading.Event()
+
+    def sample():
+        while not writing.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    checkpoint.save_checkpoint(tmp_path / "last.pt", **state)
+    writing.set()
+    sampler.join()
+    # One pinned buffer of CHUNK_BYTES (torch.save: a host copy of each 2 GiB storage).
+    assert peak[0] - base < 2 * staging.CHUNK_BYTES + 2**28, (peak[0] - base) / 2**20
+    loaded = torch.load(tmp_path / "last.pt", mmap=True, weights_only=True)
+    assert torch.equal(loaded["model"]["w"][-5:], tables[-5:].cpu())
 
 
 def test_a_device_storage_goes_through_one_host_buffer_of_at_most_chunk_bytes(monkeypatch):
@@ -224,24 +258,36 @@ def test_a_background_save_that_fails_is_one_line_and_keeps_the_last_good_checkp
 # Many ranks: 2 gloo processes
 
 # Run by each rank before dlrm.train: pieces of at most 16 KiB, and the largest buffer each rank hands to
-# the file system while it writes DCP's files of tensors, in RUN/write-<rank>.
+# the file system while it writes DCP's files of tensors, in RUN/write-<rank> (the rank's whole rows of a
+# table where they are not cut into pieces).
 SMALL_PIECES = """
-import os
+import contextlib, os
 from pathlib import Path
+from torch.distributed.checkpoint.filesystem import FileSystem
 from dlrm import staging
-from dlrm.parallel import checkpoint
 
 staging.CHUNK_BYTES = 16384
-write, largest = checkpoint._HashingStream.write, [0]
+create_stream, largest = FileSystem.create_stream, [0]
 
-def measured(self, data):
-    if self.stream.name.endswith(".distcp"):
+class Measured:
+    def __init__(self, stream):
+        self.stream = stream
+    def write(self, data):
         largest[0] = max(largest[0], memoryview(data).nbytes)
-        run = Path(self.stream.name).parent.parent.parent
-        (run / f"write-{os.environ['RANK']}").write_text(str(largest[0]))
-    return write(self, data)
+        return self.stream.write(data)
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
-checkpoint._HashingStream.write = measured
+@contextlib.contextmanager
+def measured(self, path, mode):
+    with create_stream(self, path, mode) as stream:
+        if not str(path).endswith(".distcp"):
+            yield stream
+            return
+        yield Measured(stream)
+    (Path(path).parent.parent.parent / f"write-{os.environ['RANK']}").write_text(str(largest[0]))
+
+FileSystem.create_stream = measured
 """
 
 
