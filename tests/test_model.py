@@ -10,9 +10,9 @@ import torch
 
 from dlrm.config import ModelConfig
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
-from dlrm.model import DLRM, model_from_checkpoint
+from dlrm.model import DLRM, model_from_checkpoint, sparse
 from dlrm.model.dlrm import InteractionArch
-from dlrm.model.sparse import SparseArch
+from dlrm.model.sparse import SparseArch, init_tables
 from dlrm.model.tables import build_vocabularies, resolve_table_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -200,6 +200,32 @@ def test_both_sparse_kernels_draw_fb_dlrms_uniform_tables_alike_for_a_seed():
         bound = (1.0 / n) ** 0.5
         assert table.abs().max() <= bound and table.abs().max() > 0.9 * bound  # the whole range, no wider
         assert table.requires_grad
+
+
+def test_tables_are_the_seeds_alone_in_any_split_and_leave_the_global_generator(monkeypatch):
+    """init_tables draws table f's rows block by block, each block from a generator of (seed, f, block):
+    the pieces of a table split anywhere (row shards of ranks) hold its rows, the global torch generator
+    is untouched (so the MLPs drawn after the tables start the same with tables built elsewhere), and
+    another seed gives other tables. Blocks of 5 rows here, so that pieces begin and end inside them."""
+    monkeypatch.setattr(sparse, "INIT_BLOCK_ROWS", 5)
+    rows = [3, 17, 40] + [9] * (NUM_SPARSE - 3)
+    state = torch.random.get_rng_state()
+    whole = SparseArch(4, table_rows=rows, seed=11)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    tables = [table.weight.detach() for table in whole.embeddings]
+    cuts = {0: [0, 3], 1: [0, 4, 5, 12, 17], 2: [0, 1, 7, 22, 40]}  # rows [cut_i, cut_i+1) per piece
+    pieces = [
+        (torch.full((b - a, 4), float("nan")), f, rows[f], a)
+        for f, bounds in cuts.items()
+        for a, b in zip(bounds, bounds[1:], strict=False)
+    ]
+    init_tables(pieces, 11)
+    for values, f, _, first in pieces:
+        assert torch.equal(values, tables[f][first : first + len(values)]), (f, first)
+    other = SparseArch(4, table_rows=rows, seed=12)
+    assert not torch.equal(other.embeddings[1].weight, tables[1])
+    # The tables' bounds: FB-DLRM's U(-sqrt(1/rows_f), sqrt(1/rows_f)).
+    assert all(t.abs().max() <= (1.0 / n) ** 0.5 for t, n in zip(tables, rows, strict=True))
 
 
 def test_checkpoints_move_between_sparse_kernels():

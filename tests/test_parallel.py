@@ -20,12 +20,13 @@ from dlrm import evaluate as evaluate_cli
 from dlrm import parallel
 from dlrm.checkpoint import load_checkpoint
 from dlrm.config import ModelConfig, MultiHotConfig, load_config, replace
-from dlrm.data.dataset import BatchLoader, open_split
+from dlrm.data.dataset import BatchLoader, load_metadata, open_split
+from dlrm.model import sparse
 from dlrm.model.sparse import SparseArch
 from dlrm.parallel.planner import plan_tables
 from dlrm.parallel.run import check_world
-from dlrm.parallel.sharded import ShardedSparseArch
-from dlrm.run import selection
+from dlrm.parallel.sharded import ShardedSparseArch, build_sharded_model
+from dlrm.run import selection, strategy
 from dlrm.run.loop import train
 from tests.conftest import REPO
 
@@ -210,6 +211,54 @@ def _sharded_tables_match_one_table_batch(
         torch.testing.assert_close(view, expected_rows, rtol=1e-6, atol=1e-7, msg=f"{kernel} {optimizer} {f}")
 
 
+def _starts_from_the_one_process_weights(data_dir: str, block_rows: int) -> None:
+    """On every rank, for plans that place the tables every way (whole on one rank, split by rows over
+    both, replicated; vocab hashing with first-order terms; bags, whose row shards add a padding row): the
+    model a 2-rank run starts from (set_up: torch.manual_seed(train.seed), then the strategy's build_model)
+    holds its rows of the tables and the dense weights that one process starts from with that seed.
+    `block_rows`: init_tables' block, small here so that row shards begin and end inside blocks."""
+    sparse.INIT_BLOCK_ROWS = block_rows
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    metadata, train_ids = load_metadata(Path(data_dir)), open_split(Path(data_dir), "train").sparse
+    base = replace(_config(data_dir), "train", seed=5)
+    configs = [
+        replace(base, "parallel", row_wise=False),
+        replace(
+            replace(base, "parallel", row_wise_bytes=1, data_parallel_rows=30),
+            "model",
+            hashing="vocab",
+            first_order=True,
+        ),
+        replace(replace(base, "parallel", row_wise_bytes=1), "model", multi_hot_sizes=BAGS),
+    ]
+    cpu = torch.device("cpu")
+    for cfg in configs:
+        torch.manual_seed(cfg.train.seed)
+        one = strategy.SingleProcess().build_model(cfg, metadata, train_ids, cpu)
+        torch.manual_seed(cfg.train.seed)
+        sharded, plan = build_sharded_model(cfg, metadata, train_ids, rank, world, cpu)
+        assert any(s.rows < plan.table_rows[s.table] for s in plan.shards) or not cfg.parallel.row_wise
+        expected, held = one.state_dict(), sharded.state_dict()
+        dense = [k for k in expected if not k.startswith(("sparse_arch.", "first_order.tables."))]
+        assert dense and all(torch.equal(held[k], expected[k]) for k in dense), [
+            k for k in dense if not torch.equal(held[k], expected[k])
+        ]
+        for ours, theirs in ((sharded.sparse_arch, one.sparse_arch), (sharded.first_order, one.first_order)):
+            if ours is None:
+                continue
+            ours = getattr(ours, "tables", ours)
+            theirs = [t.weight for t in getattr(theirs, "tables", theirs).embeddings]
+            pieces = [(s.table, s.row_start, s.rows) for s in ours.local_shards]
+            held_rows = [rows for *_, rows in pieces]
+            views = list(ours.weights[: sum(held_rows)].split(held_rows))
+            if ours.replicated:
+                pieces += [(f, 0, plan.table_rows[f]) for f in ours.replicated]
+                views += list(ours.replicated_weights.split([plan.table_rows[f] for f in ours.replicated]))
+            assert pieces
+            for (f, start, rows), view in zip(pieces, views, strict=True):
+                assert torch.equal(view, theirs[f][start : start + rows]), (f, start, rows)
+
+
 SCRIPTED_VAL_AUC = [0.6, 0.9, 0.7, 0.65]  # evaluations at steps 1..4: val selects step 2
 
 
@@ -232,6 +281,10 @@ def _train_with_scripted_val(cfg, run_dir: Path) -> None:
 
 def _spawn(world_size: int, jobs: list) -> None:
     mp.spawn(_rank_main, args=(world_size, _free_port(), jobs), nprocs=world_size, join=True)
+
+
+def test_two_ranks_start_from_the_one_process_weights_of_the_seed(criteo_sample):
+    _spawn(2, [(_starts_from_the_one_process_weights, (str(criteo_sample), 7))])
 
 
 # (name, train overrides, parallel overrides, model overrides, data overrides, world sizes) of the runs

@@ -18,11 +18,13 @@ def make_model(
     vocabularies: list[torch.Tensor] | None = None,
     mlp_kernel: str = "torch",
     sparse_kernel: str = "torch",
+    seed: int | None = None,
 ) -> Model:
-    """`cfg.arch`'s model: DLRM, or LogisticRegression (which has no MLPs: `mlp_kernel` unused)."""
+    """`cfg.arch`'s model: DLRM, or LogisticRegression (which has no MLPs: `mlp_kernel` unused; its tables
+    start at zero: `seed` unused). `seed`: the tables' initialization seed (DLRM's)."""
     if cfg.arch == "logistic":
         return LogisticRegression(table_rows, cfg.hashing, vocabularies, sparse_kernel)
-    return DLRM(cfg, table_rows, vocabularies, mlp_kernel, sparse_kernel)
+    return DLRM(cfg, table_rows, vocabularies, mlp_kernel, sparse_kernel, seed=seed)
 
 
 def build_model(
@@ -31,9 +33,11 @@ def build_model(
     train_sparse: torch.Tensor,
     mlp_kernel: str = "torch",
     sparse_kernel: str = "torch",
+    seed: int | None = None,
 ) -> Model:
     """A freshly initialized model (`cfg.arch`) sized from the config and the training data (a LoRA
-    fine-tuning run starts from its base checkpoint's model instead: `model_from_checkpoint`).
+    fine-tuning run starts from its base checkpoint's model instead: `model_from_checkpoint`). Its tables
+    are the seed's alone (dlrm.model.sparse.init_tables); its MLPs draw from the global torch generator.
 
     Args:
         cfg: model section of the run config.
@@ -41,8 +45,9 @@ def build_model(
         train_sparse: [rows, F] int64 raw train ids (vocabularies for vocab hashing).
         mlp_kernel: how MLP layers run: "torch", "bias_act" or "linear_act" (dlrm.model.mlp).
         sparse_kernel: how embeddings, interaction and loss run: "torch" or "triton" (dlrm.model.dlrm.DLRM).
+        seed: the tables' initialization seed (the run's train.seed; None: drawn from the global generator).
     """
-    kernels = {"mlp_kernel": mlp_kernel, "sparse_kernel": sparse_kernel}
+    kernels = {"mlp_kernel": mlp_kernel, "sparse_kernel": sparse_kernel, "seed": seed}
     if cfg.hashing == "vocab":
         vocabularies = build_vocabularies(train_sparse, cfg.max_rows, cfg.min_frequency)
         return make_model(cfg, vocabularies=vocabularies, **kernels)

@@ -192,6 +192,9 @@ class DLRM(nn.Module):
             sharded ones of dlrm.parallel); None: a SparseArch.
         overlap_sparse: run the embedding lookups on a side CUDA stream, overlapping the bottom MLP forward
             and backward (dlrm.model.side_stream; worth it where the lookups exchange between ranks).
+        seed: the tables' initialization seed (SparseArch's; the run's train.seed). The tables never draw
+            from the global torch generator (dlrm.model.sparse.init_tables), so the MLPs, which do, start
+            from the same weights whether the tables are built here or given (`sparse_arch`, sharded).
     With `cfg.first_order` the logit gains the first-order terms (`first_order`, a FirstOrder on the same
     table sizes and hashing, vocab rows hashed once by `sparse_arch`; None without), built after every
     other module so that a seed initializes the rest as without them.
@@ -207,6 +210,7 @@ class DLRM(nn.Module):
         sparse_arch: nn.Module | None = None,
         first_order_tables: nn.Module | None = None,
         overlap_sparse: bool = False,
+        seed: int | None = None,
     ):
         super().__init__()
         self.side_stream = SideStream(overlap_sparse)
@@ -220,6 +224,7 @@ class DLRM(nn.Module):
                 sparse_kernel,
                 cfg.multi_hot_sizes,
                 cfg.pooling,
+                seed,
             )
         self.sparse_arch = sparse_arch
         self.interaction_arch = InteractionArch(

@@ -65,8 +65,9 @@ class FirstOrder(nn.Module):
         tables: nn.Module | None = None,
     ):
         super().__init__()
+        # Seed 0: any, the tables are zeroed below (and the global torch generator is left as it was).
         self.tables = (
-            tables if tables is not None else SparseArch(1, table_rows, hashing, vocabularies, kernel)
+            tables if tables is not None else SparseArch(1, table_rows, hashing, vocabularies, kernel, seed=0)
         )
         self.dense = DenseTerm(bias)
         # Zero: logistic regression's usual start (p = 0.5; the loss is convex, so no symmetry to break), and

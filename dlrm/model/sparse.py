@@ -4,6 +4,8 @@
 TRITON_INTERPRET when a kernel module is imported, and a run on a CPU decides it after reading its config."""
 
 import contextlib
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -14,10 +16,48 @@ from dlrm.data.schema import NUM_SPARSE
 from dlrm.model.pooling import BagPooling
 from dlrm.model.tables import register_vocabularies, vocabulary_rows
 
-__all__ = ["SPARSE_KERNELS", "SparseArch"]
+__all__ = ["SPARSE_KERNELS", "SparseArch", "init_tables"]
 
 # The config's hashings and "index": ids that are rows already (SparseArch's docstring).
 _HASHINGS = (*HASHINGS, "index")
+
+# The rows of a table drawn from one generator by `init_tables` (a block; the last one of a table shorter).
+INIT_BLOCK_ROWS = 1 << 16
+
+
+def _block_seed(seed: int, table: int, block: int) -> int:
+    """The generator seed of rows block * INIT_BLOCK_ROWS, ... of table `table` for run seed `seed`: a hash of
+    the three (63 bits), so that nearby seeds, tables and blocks draw unrelated streams."""
+    digest = hashlib.blake2b(f"{seed}/{table}/{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def init_tables(pieces: list[tuple[torch.Tensor, int, int, int]], seed: int) -> None:
+    """Fill each (values [n, D] on any device, table f, rows_f, first row) of `pieces` with rows first ..
+    first + n - 1 of table f's initial weights for `seed`: FB-DLRM's U(-sqrt(1/rows_f), sqrt(1/rows_f)),
+    drawn on the CPU in blocks of INIT_BLOCK_ROWS rows, each block from its own generator seeded by (seed,
+    f, block). A table's weights are thus the seed's alone: the same in one process, on every kernel and
+    device, and on any number of ranks however the planner splits it (a row shard draws only the blocks it
+    overlaps, on the CPU one block at a time, and keeps its rows). The blocks are drawn by
+    torch.get_num_threads() threads; the global torch generator is not touched."""
+    jobs = []
+    for values, table, table_rows, first in pieces:
+        n = values.shape[0]
+        bound = (1.0 / table_rows) ** 0.5
+        blocks = range(first // INIT_BLOCK_ROWS, (first + n - 1) // INIT_BLOCK_ROWS + 1) if n else range(0)
+        jobs += [(values, table, bound, first, block) for block in blocks]
+
+    def fill(job: tuple[torch.Tensor, int, float, int, int]) -> None:
+        values, table, bound, first, block = job
+        start = block * INIT_BLOCK_ROWS  # the block's first row in the table
+        lo, hi = max(start, first), min(start + INIT_BLOCK_ROWS, first + values.shape[0])
+        generator = torch.Generator().manual_seed(_block_seed(seed, table, block))
+        drawn = torch.empty(hi - start, values.shape[1]).uniform_(-bound, bound, generator=generator)
+        with torch.no_grad():
+            values[lo - first : hi - first].copy_(drawn[lo - start :])
+
+    with ThreadPoolExecutor(max(1, min(torch.get_num_threads(), len(jobs)))) as pool:
+        list(pool.map(fill, jobs))
 
 
 class SparseArch(nn.Module):
@@ -39,8 +79,9 @@ class SparseArch(nn.Module):
     - "triton": one table-batched [sum of rows_f, D] weight (`weights`, table f from row offsets[f]) looked
       up by our one-launch kernel `kernels.embedding`, whose backward applies the optimizer to the touched
       rows itself (set it with `configure_optimizer`; no weight gradient is produced).
-    Both initialize identically for a seed and save the same state_dict keys (`embeddings.<f>.weight`), so
-    checkpoints move between them.
+    Both initialize identically for a seed (`init_tables`: FB-DLRM's U(-sqrt(1/rows_f), sqrt(1/rows_f)),
+    the same weights as the sharded tables of any number of ranks) and save the same state_dict keys
+    (`embeddings.<f>.weight`), so checkpoints move between them.
 
     Args:
         embedding_dim: D.
@@ -51,6 +92,8 @@ class SparseArch(nn.Module):
         multi_hot_sizes: F bag sizes (`model.multi_hot_sizes`; None or all ones: one id per feature); with
             bags, forward takes ids [B, S] (dlrm.data.bags) and pools each bag by `pooling` ("sum" or
             "mean"; dlrm.model.pooling), modulus hashing only.
+        seed: the tables' initialization seed (the run's train.seed); None draws one from the global torch
+            generator, so that torch.manual_seed decides.
     Raises:
         ValueError: wrong number of tables or vocabularies, unknown hashing or kernel, bad bags.
     """
@@ -64,6 +107,7 @@ class SparseArch(nn.Module):
         kernel: str = "torch",
         multi_hot_sizes: tuple[int, ...] | None = None,
         pooling: str = "sum",
+        seed: int | None = None,
     ):
         super().__init__()
         if kernel not in SPARSE_KERNELS:
@@ -87,14 +131,13 @@ class SparseArch(nn.Module):
         self.kernel = kernel
         if kernel == "torch":
             self.embeddings = nn.ModuleList(
-                nn.Embedding(rows, embedding_dim, sparse=True) for rows in table_rows
+                nn.Embedding(rows, embedding_dim, sparse=True, _weight=torch.empty(rows, embedding_dim))
+                for rows in table_rows
             )
             tables = [table.weight.data for table in self.embeddings]
         else:
             self.weights = nn.Parameter(torch.empty(sum(table_rows), embedding_dim))
             tables = list(self.weights.data.split(self.table_rows))
-            for table in tables:  # what nn.Embedding's constructor does, so a seed gives the same weights
-                nn.init.normal_(table)
             offsets = torch.tensor([0, *self.table_rows[:-1]]).cumsum(0)
             self.register_buffer("offsets", offsets, persistent=False)
             self.register_buffer("optimizer_state", torch.zeros(0), persistent=False)
@@ -103,9 +146,9 @@ class SparseArch(nn.Module):
             self.optimizer: tuple[str, float] | None = None  # (optimizer, eps), set by configure_optimizer
             self.register_state_dict_post_hook(_split_tables)
             self.register_load_state_dict_pre_hook(_join_tables)
-        for table in tables:
-            bound = (1.0 / table.shape[0]) ** 0.5  # FB-DLRM: U(-sqrt(1/rows), sqrt(1/rows))
-            nn.init.uniform_(table, -bound, bound)
+        if seed is None:
+            seed = int(torch.randint(2**62, ()))
+        init_tables([(table, f, table.shape[0], 0) for f, table in enumerate(tables)], seed)
         # No state: a checkpoint's keys are the same with and without bags.
         one_hot = is_one_hot(multi_hot_sizes)
         self.bags = None if one_hot else BagPooling(multi_hot_sizes, pooling, self.table_rows)

@@ -41,7 +41,7 @@ from torch.profiler import record_function
 
 from dlrm.data.bags import is_one_hot
 from dlrm.model import DLRM
-from dlrm.model.sparse import SPARSE_KERNELS, SparseArch
+from dlrm.model.sparse import SPARSE_KERNELS, SparseArch, init_tables
 from dlrm.model.tables import build_vocabularies, register_vocabularies, resolve_table_rows
 from dlrm.parallel.dense import broadcast_from_rank0
 from dlrm.parallel.planner import ShardingPlan, plan_tables
@@ -132,10 +132,10 @@ class ShardedSparseArch(nn.Module):
     `kernel`, `table_rows`, `configure_optimizer`, `optimizer_state`), but holds only the rows the plan gives
     `rank`: `weights` [rows of the local shards, D] fp32, shard i from row `offsets[i]`, and every rank
     `replicated_weights` [rows of the replicated tables, D] fp32 (None without any; dense gradients, for
-    the dense optimizer after the all-reduce: `replicated_parameters`), created on `device` (never on the
-    host first), each shard or table initialized U(-sqrt(1/rows_f), sqrt(1/rows_f)) like one process's
-    tables, from a generator of (seed, table, first row): equal on every rank, and different from a
-    one-process run of the same seed.
+    the dense optimizer after the all-reduce: `replicated_parameters`), created on `device` (never whole on
+    the host), each shard or table holding its rows of the weights a one-process SparseArch of the same
+    seed starts from (dlrm.model.sparse.init_tables: drawn on the host block by block and copied over), so
+    a run starts from the same tables on any number of ranks.
 
     Args:
         plan: the sharding plan (dlrm.parallel.planner); W = plan.world_size.
@@ -145,7 +145,7 @@ class ShardedSparseArch(nn.Module):
             (rows given: the first-order tables of a vocab model, looked up with the embeddings' rows).
         kernel: "torch" or "triton".
         device: where the shards live.
-        seed: base seed of the initialization.
+        seed: the tables' initialization seed (the run's train.seed).
         exchange_dtype: "auto" (the lookup's dtype), "fp32" or "bf16": the vectors' dtype on the wire.
         multi_hot_sizes: F bag sizes (None or all ones: one id per feature); with bags, forward takes ids
             [b, S] (dlrm.data.bags) and pools each bag by `pooling` ("sum" or "mean"), modulus hashing
@@ -213,10 +213,9 @@ class ShardedSparseArch(nn.Module):
             pieces += [
                 (f, 0, t) for f, t in zip(self.replicated, replicated.split(replicated_rows), strict=True)
             ]
-        for table, row_start, values in pieces:
-            generator = torch.Generator(device).manual_seed(seed * 1_000_003 + 7919 * table + row_start)
-            bound = (1.0 / self.table_rows[table]) ** 0.5
-            values.uniform_(-bound, bound, generator=generator)
+        init_tables(
+            [(values, table, self.table_rows[table], row_start) for table, row_start, values in pieces], seed
+        )
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
         self.register_buffer("replicated_tables", as_tensor(self.replicated), persistent=False)
         self.register_buffer(
@@ -347,8 +346,10 @@ def build_sharded_model(
     cfg, metadata: dict, train_sparse: Tensor, rank: int, world_size: int, device: torch.device
 ):
     """(DLRM with this rank's shards of the tables and the whole dense part, its ShardingPlan) for a run
-    config `cfg` (RunConfig) on `world_size` ranks. The tables are created on `device`; the dense part is
-    built like one process's (same seed, same modules) and then made equal to rank 0's.
+    config `cfg` (RunConfig) on `world_size` ranks. The tables are created on `device`, each shard holding
+    its rows of one process's tables for train.seed; the dense part is built like one process's (the same
+    modules from the same global torch generator, which the tables leave untouched: one process's weights,
+    after the same torch.manual_seed) and then made equal to rank 0's.
 
     Raises:
         ValueError: as dlrm.model.build_model and dlrm.parallel.planner.plan_tables.

@@ -67,7 +67,8 @@ class SingleProcess:
         self, cfg: RunConfig, metadata: dict, train_ids: torch.Tensor, device: torch.device
     ) -> Model:
         """The model the run starts from, on `device`: fresh (`build_model`, its tables checked to fit the
-        device first where their sizes are known before building), or with `model.lora.base` (LoRA
+        device first where their sizes are known before building, and drawn for train.seed as on any number
+        of ranks: dlrm.model.sparse.init_tables), or with `model.lora.base` (LoRA
         fine-tuning) the base checkpoint's model, its table layout and weights, with fresh adapters.
 
         Raises:
@@ -78,7 +79,7 @@ class SingleProcess:
             check_tables_fit(cfg, resolve_table_rows(cfg.model, metadata), device)
         kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
         if cfg.model.lora.base is None:
-            return build_model(cfg.model, metadata, train_ids, **kernels).to(device)
+            return build_model(cfg.model, metadata, train_ids, **kernels, seed=cfg.train.seed).to(device)
         base = load_checkpoint(Path(cfg.model.lora.base))
         table_rows, weights = base["table_rows"], base["model"]
         model = model_from_checkpoint(cfg.model, table_rows, weights, adapters_missing=True, **kernels)
