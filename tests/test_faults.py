@@ -268,6 +268,21 @@ def _wait_for(proc: subprocess.Popen, pattern: str) -> tuple[re.Match, list[str]
     pytest.fail(f"{pattern!r} never logged:\n{''.join(lines)}")
 
 
+def test_sigterm_under_checkpoint_policy_none_names_no_checkpoint_to_resume(criteo_sample, tmp_path):
+    config = _config(
+        tmp_path, criteo_sample, epochs=200, max_steps=None, log_interval=1, checkpoint_policy="none"
+    )
+    run = tmp_path / "run"
+    proc = _start(config, "--output-dir", run)
+    _wait_for(proc, r"step 3 \|")
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 143, rest
+    line = _one_error_line(rest)
+    assert "SIGTERM" in line and "wrote no checkpoint" in line and "--resume" not in line, line
+    assert not list((run / "checkpoints").glob("*"))  # nothing written, nothing to resume
+
+
 def test_sigterm_writes_last_pt_and_prints_the_resume_command(criteo_sample, tmp_path):
     config = _config(tmp_path, criteo_sample, epochs=200, max_steps=None, log_interval=1, eval_interval=2)
     run = tmp_path / "run"

@@ -307,15 +307,15 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
 
 def stop_on_signal(run: Run, state: RunState, interval: Interval, signum: int) -> None:
     """Signal `signum` came (to this rank or another): write last.pt (a finite state only; many ranks: the
-    sharded checkpoints/last), flush TensorBoard, raise Interrupted."""
+    sharded checkpoints/last; none under train.checkpoint_policy "none"), flush TensorBoard, raise
+    Interrupted."""
     checkpoint_last(run, state, interval)
     run.writer.flush()
+    stopped = f"stopped by {signal.Signals(signum).name} after step {state.step}"
+    if run.cfg.train.checkpoint_policy == "none":  # nothing to go on from
+        raise Interrupted(f"{stopped}; train.checkpoint_policy 'none' wrote no checkpoint", 128 + signum)
     checkpoint = checkpoint_path(run, "last.pt")
-    raise Interrupted(
-        f"stopped by {signal.Signals(signum).name} after step {state.step}; {checkpoint} written",
-        exit_code=128 + signum,
-        checkpoint=checkpoint,
-    )
+    raise Interrupted(f"{stopped}; {checkpoint} written", exit_code=128 + signum, checkpoint=checkpoint)
 
 
 def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None = None) -> dict:
