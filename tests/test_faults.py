@@ -408,6 +408,23 @@ def test_a_directory_holding_a_run_is_refused_unless_overwrite(criteo_sample, tm
     assert len(list(run.glob("events.out.tfevents.*"))) == 1  # the first run's events are gone
 
 
+@pytest.mark.parametrize("where", ["user_files", "working_directory"])
+def test_a_directory_of_user_files_is_refused_and_left_as_it_was(criteo_sample, tmp_path, where, monkeypatch):
+    config = _config(tmp_path, criteo_sample, max_steps=2)
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "notes.txt").write_text("my notes")
+    args = ["--config", config, "--output-dir", target]
+    if where == "working_directory":
+        monkeypatch.chdir(target)
+        args[-1] = "."
+    code, output = _cli(train_cli.main, args)
+    line = _one_error_line(output)
+    assert code == 2 and "holds no run" in line and "notes.txt" in line, line
+    assert sorted(p.name for p in target.iterdir()) == ["notes.txt"]
+    assert (target / "notes.txt").read_text() == "my notes"
+
+
 @pytest.mark.parametrize("where", ["file", "proc", "under_file"])
 def test_an_unusable_output_dir_is_refused_before_training(criteo_sample, tmp_path, where):
     config = _config(tmp_path, criteo_sample, max_steps=2)

@@ -5,7 +5,6 @@ A run writes MARKER first: --overwrite deletes only a directory that has it, hol
 run writes (`check_overwritable`), and never the working directory or one above it."""
 
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -37,7 +36,8 @@ _CHECKPOINTS = re.compile(
 
 def check_run_dir(cfg: RunConfig, output_dir: Path | None, resume: Path | None, overwrite: bool) -> Path:
     """The run directory (`output_dir`, or runs/<name>-<timestamp> when None), checked before anything is
-    set up: not a file, not holding a run unless resuming or `overwrite`, and writable (probed with a
+    set up: not a file, not a directory of other files than a run's, not holding a run unless resuming or
+    `overwrite`, and writable (probed with a
     temporary directory, removed at once). Raises ValueError naming the path and the reason."""
     if output_dir is None:
         output_dir = Path("runs") / f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
@@ -49,6 +49,14 @@ def check_run_dir(cfg: RunConfig, output_dir: Path | None, resume: Path | None, 
         any((output_dir / name).exists() for name in RUN_FILES)
         or any(output_dir.glob("events.out.tfevents.*"))
     )
+    listed = output_dir.iterdir() if output_dir.is_dir() and not holds_run else ()
+    foreign = sorted(p.name for p in listed if not _TOP.fullmatch(p.name))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ValueError(
+            f"{output_dir} is not empty and holds no run (it holds {shown}); give a new or empty directory "
+            "(--output-dir)"
+        )
     if holds_run and resume is None and not overwrite:
         sharded = (output_dir / "checkpoints" / "last").is_dir()  # a torchrun job's
         last = output_dir / "checkpoints" / ("last" if sharded else "last.pt")
@@ -129,24 +137,13 @@ def remove_stale_temporaries(run_dir: Path) -> None:
     for directory in (run_dir, checkpoints):
         for path in directory.glob(".*.tmp-*") if directory.is_dir() else ():
             pid = re.search(r"\.tmp-(\d+)", path.name)
-            if pid is not None and not _alive(int(pid.group(1))) and path.is_file():
+            if pid is not None and not atomic.process_alive(int(pid.group(1))) and path.is_file():
                 stale.append(path)
     if checkpoints.is_dir():  # (only rank 0 runs this, before any rank writes a checkpoint)
         stale += [p for p in checkpoints.glob(".*") if re.fullmatch(r"\.(last|best)\.(tmp|old)", p.name)]
     for path in stale:
         logger.info("removing {}, left by a run that was stopped while writing it", path)
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process `pid` exists (this one included)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # it exists, owned by another user
-        return True
-    return True
 
 
 def wait_past_event_files(run_dir: Path) -> None:
