@@ -49,7 +49,8 @@ def check_run_dir(cfg: RunConfig, output_dir: Path | None, resume: Path | None, 
         any((output_dir / name).exists() for name in RUN_FILES)
         or any(output_dir.glob("events.out.tfevents.*"))
     )
-    listed = output_dir.iterdir() if output_dir.is_dir() and not holds_run else ()
+    # (with --overwrite, check_overwritable below refuses such a directory, naming why it may not be emptied)
+    listed = output_dir.iterdir() if output_dir.is_dir() and not holds_run and not overwrite else ()
     foreign = sorted(p.name for p in listed if not _TOP.fullmatch(p.name))
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
