@@ -1,7 +1,8 @@
 """The rows of scripts/results/*.csv, and whether each is current: measured on the code that is here now.
 
 The rule for "current": a row is current when its `git_sha` names a commit of this repository and the code
-its file measures (`MEASURES`) has not changed since that commit, nor the config file its `config` cell names
+it measures has not changed since that commit (`code_paths`: its file's `MEASURES` entry, else the whole
+application, less kernels/ for a run that never called them), nor the config file its `config` cell names
 (`configs/NAME.json` for a bare name, as the bench scripts read it, or the path itself): a run of
 `configs/main.json` measures that file's settings too. A change is any difference in a
 non-Python file, or a Python file whose syntax tree differs once docstrings are dropped (comments are not
@@ -12,6 +13,7 @@ whose commit this repository does not hold (a shallow clone, a copy without git)
 
 import ast
 import csv
+import json
 import subprocess
 from dataclasses import dataclass
 from functools import cache
@@ -128,7 +130,33 @@ def config_path(row: Row) -> tuple[str, ...]:
     return (name,) if name.endswith(".json") else (f"configs/{name}.json",)
 
 
+def ran_our_kernels(row: Row) -> bool:
+    """Whether `row`'s run could call kernels/ (our Triton kernels): a step row (`backend` cell) whose backend
+    names triton; a training row (`overrides` cell) whose overrides or config set train.use_triton; any
+    other row, by default. The eager, compile and torch-graphed steps and a run without --use-triton never
+    import kernels/."""
+    if "backend" in row.cells:
+        return "triton" in row.cells["backend"]
+    if "overrides" not in row.cells:
+        return True
+    if "use_triton=true" in row.cells["overrides"].replace(" ", ""):
+        return True
+    config = config_path(row)
+    try:
+        return bool(config) and json.loads((REPO / config[0]).read_text())["train"].get("use_triton", False)
+    except (OSError, ValueError, KeyError):
+        return True  # a config it cannot read: count the kernels in
+
+
+def code_paths(row: Row) -> tuple[str, ...]:
+    """The code `row` measured: its file's MEASURES entry; else the whole application, less kernels/ for a
+    row whose run did not call them (`ran_our_kernels`)."""
+    if row.file in MEASURES:
+        return MEASURES[row.file]
+    return WHOLE if ran_our_kernels(row) else tuple(p for p in WHOLE if p != "kernels")
+
+
 def is_current(row: Row) -> bool:
     """Whether `row` was measured on the code (and config) that is here now."""
-    paths = MEASURES.get(row.file, WHOLE) + config_path(row)
+    paths = code_paths(row) + config_path(row)
     return commit_is_current(row.cells.get("git_sha", ""), paths)

@@ -143,3 +143,23 @@ def test_a_row_measures_the_config_file_it_names(scripts, monkeypatch):
     monkeypatch.setattr(results_rows, "commit_is_current", lambda sha, paths: seen.append(paths) or True)
     assert results_rows.is_current(row("kaggle"))
     assert seen == [(*results_rows.WHOLE, "configs/kaggle.json")]
+
+
+def test_a_row_measures_kernels_only_where_its_run_called_them(scripts):
+    """A quality run of eager PyTorch does not measure kernels/ (a kernel change leaves it current); a
+    --use-triton run or a triton step backend does; rows that say nothing measure the whole application."""
+    _, results_rows = scripts
+
+    def row(file, **cells):
+        return results_rows.Row(file, 2, {"git_sha": "abc", **cells})
+
+    dlrm_only = ("dlrm",)
+    assert results_rows.code_paths(row("quality.csv", config="configs/main.json", overrides="")) == dlrm_only
+    overrides = 'train.use_triton=true data.loader="x"'
+    triton = row("quality.csv", config="configs/kaggle.json", overrides=overrides)
+    assert results_rows.code_paths(triton) == results_rows.WHOLE
+    assert results_rows.code_paths(row("train.csv", backend="eager")) == dlrm_only
+    assert results_rows.code_paths(row("train.csv", backend="torch-graphed")) == dlrm_only
+    assert results_rows.code_paths(row("train.csv", backend="triton+graphs")) == results_rows.WHOLE
+    assert results_rows.code_paths(row("breakdown.csv")) == results_rows.WHOLE
+    assert results_rows.code_paths(row("kernels.csv", backend="eager")) == ("kernels",)
