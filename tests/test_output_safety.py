@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from dlrm import aoti as aoti_cli
 from dlrm import export as export_cli
@@ -26,6 +25,7 @@ from dlrm.data import synthetic as synthetic_cli
 from dlrm.data.output import INCOMPLETE_MARK, METADATA_FILE, load_metadata
 from dlrm.data.preprocess import preprocess
 from tests.conftest import REPO, SAMPLE_TSV
+from tests.test_faults import _cli, _one_error_line
 
 SIZES = ",".join(["2", *["1"] * 25])  # one bag of 2: the multi-hot tool at its cheapest
 DEAD_PID = 2**22 + 1  # above the default pid_max: no such process
@@ -53,18 +53,6 @@ def _tree(root: Path) -> dict[str, bytes | None]:
     return {
         str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))
     }
-
-
-def _cli(main, args: list) -> tuple[int, str]:
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
-    return result.exit_code, result.output
-
-
-def _one_error_line(output: str) -> str:
-    errors = [line for line in output.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in output, output
-    return errors[0]
 
 
 def _put_input(tool: str, where: Path, raw_lines: bytes, small_data: Path) -> list:
