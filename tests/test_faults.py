@@ -268,17 +268,23 @@ def _wait_for(proc: subprocess.Popen, pattern: str) -> tuple[re.Match, list[str]
     pytest.fail(f"{pattern!r} never logged:\n{''.join(lines)}")
 
 
-def test_sigterm_under_checkpoint_policy_none_names_no_checkpoint_to_resume(criteo_sample, tmp_path):
-    config = _config(
-        tmp_path, criteo_sample, epochs=200, max_steps=None, log_interval=1, checkpoint_policy="none"
-    )
-    run = tmp_path / "run"
+def _sigterm_after_step_3(config: Path, run: Path) -> str:
+    """Train `config` into `run` in a child, send it SIGTERM once step 3 is logged; its one error line (exit
+    143 checked)."""
     proc = _start(config, "--output-dir", run)
     _wait_for(proc, r"step 3 \|")
     proc.send_signal(signal.SIGTERM)
     rest = proc.stderr.read()
     assert proc.wait(timeout=60) == 143, rest
-    line = _one_error_line(rest)
+    return _one_error_line(rest)
+
+
+def test_sigterm_under_checkpoint_policy_none_names_no_checkpoint_to_resume(criteo_sample, tmp_path):
+    config = _config(
+        tmp_path, criteo_sample, epochs=200, max_steps=None, log_interval=1, checkpoint_policy="none"
+    )
+    run = tmp_path / "run"
+    line = _sigterm_after_step_3(config, run)
     assert "SIGTERM" in line and "wrote no checkpoint" in line and "--resume" not in line, line
     assert not list((run / "checkpoints").glob("*"))  # nothing written, nothing to resume
 
@@ -286,12 +292,7 @@ def test_sigterm_under_checkpoint_policy_none_names_no_checkpoint_to_resume(crit
 def test_sigterm_writes_last_pt_and_prints_the_resume_command(criteo_sample, tmp_path):
     config = _config(tmp_path, criteo_sample, epochs=200, max_steps=None, log_interval=1, eval_interval=2)
     run = tmp_path / "run"
-    proc = _start(config, "--output-dir", run)
-    _wait_for(proc, r"step 3 \|")
-    proc.send_signal(signal.SIGTERM)
-    rest = proc.stderr.read()
-    assert proc.wait(timeout=60) == 143, rest
-    line = _one_error_line(rest)
+    line = _sigterm_after_step_3(config, run)
     step = int(re.search(r"after step (\d+)", line).group(1))
     resume = f"{sys.executable} -m dlrm.train --config {config} --resume {run}/checkpoints/last.pt"
     assert "SIGTERM" in line and line.endswith(f"go on with: {resume}")
