@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch_graphed_step import WARMUP_STEPS, TorchGraphedStep, _linears
+from torch_graphed_step import WARMUP_STEPS, TorchGraphedStep, _linears, table_weight
 
 
 class PlainDCN(nn.Module):
@@ -84,10 +84,7 @@ class PlainDCN(nn.Module):
         self.v = nn.ModuleList(nn.Linear(width, low_rank, bias=False) for _ in range(layers))
         self.u = nn.ModuleList(nn.Linear(low_rank, width) for _ in range(layers))
         self.top = _linears(width, top_mlp)
-        self.register_buffer("weight", torch.empty(sum(self.table_rows), embedding_dim))
-        for table in self.weight.split(self.table_rows):
-            bound = (1.0 / table.shape[0]) ** 0.5
-            nn.init.uniform_(table, -bound, bound)
+        self.register_buffer("weight", table_weight(self.table_rows, embedding_dim))
         self.register_buffer("state", torch.zeros_like(self.weight))
         sizes = torch.tensor(self.bag_sizes)
         offsets = torch.tensor([0, *self.table_rows[:-1]]).cumsum(0)

@@ -71,10 +71,7 @@ class PlainDLRM(nn.Module):
         n = len(table_rows) + 1  # the F embeddings and the bottom MLP's output
         self.bottom = _linears(13, bottom_mlp)
         self.top = _linears(embedding_dim + n * (n - 1) // 2, top_mlp)
-        self.register_buffer("weight", torch.empty(sum(self.table_rows), embedding_dim))
-        for table in self.weight.split(self.table_rows):
-            bound = (1.0 / table.shape[0]) ** 0.5
-            nn.init.uniform_(table, -bound, bound)
+        self.register_buffer("weight", table_weight(self.table_rows, embedding_dim))
         self.register_buffer("rows", torch.tensor(self.table_rows))
         self.register_buffer("offsets", torch.tensor([0, *self.table_rows[:-1]]).cumsum(0))
         li, lj = torch.tril_indices(n, n, offset=-1)
@@ -120,6 +117,16 @@ class PlainDLRM(nn.Module):
             for i, layer in enumerate(layers):
                 layer.weight.copy_(state_dict[f"{prefix}.mlp.layers.{i}.weight"])
                 layer.bias.copy_(state_dict[f"{prefix}.mlp.layers.{i}.bias"])
+
+
+def table_weight(table_rows: Sequence[int], embedding_dim: int) -> torch.Tensor:
+    """The tables as one [R, D] f32 weight, table f drawn from FB-DLRM's U(-sqrt(1/rows_f),
+    sqrt(1/rows_f))."""
+    weight = torch.empty(sum(table_rows), embedding_dim)
+    for table in weight.split(list(table_rows)):
+        bound = (1.0 / table.shape[0]) ** 0.5
+        nn.init.uniform_(table, -bound, bound)
+    return weight
 
 
 def _linears(in_features: int, widths: Sequence[int]) -> nn.ModuleList:
