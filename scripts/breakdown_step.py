@@ -84,8 +84,11 @@ def kernel_parts(prof, steps: int) -> tuple[dict[str, float], dict[tuple[str, st
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     node_part: dict[int, str] = {}  # forward sequence number -> its part
     for e in events:
-        if e.sequence_nr >= 0 and not any(a.name.startswith(BACKWARD_NODE) for a in ancestors(e)):
-            part = forward_part(ancestors(e))
+        if e.sequence_nr < 0:
+            continue
+        chain = ancestors(e)
+        if not any(a.name.startswith(BACKWARD_NODE) for a in chain):
+            part = forward_part(chain)
             if part is not None:
                 node_part.setdefault(e.sequence_nr, part)
     parts: dict[str, float] = {}
