@@ -147,7 +147,7 @@ def test_a_checkpoint_of_gpu_tables_stages_at_most_a_chunk_in_host_memory(tmp_pa
     sampler.join()
     # One pinned buffer of CHUNK_BYTES (torch.save: a host copy of each 2 GiB storage).
     assert peak[0] - base < 2 * staging.CHUNK_BYTES + 2**28, (peak[0] - base) / 2**20
-    loaded = torch.load(tmp_path / "last.pt", mmap=True, weights_only=True)
+    loaded = torch.load(tmp_path / "last.pt", map_location="cpu", mmap=True, weights_only=True)
     assert torch.equal(loaded["model"]["w"][-5:], tables[-5:].cpu())
 
 
