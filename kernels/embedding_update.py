@@ -18,11 +18,11 @@ How the update runs:
   sum repeated ids exactly (up to fp32 summation order), as SGD needs nothing but the sum.
 - otherwise (adagrad, rowwise_adagrad, bf16 weights): the non-linear update needs each row's full sum
   first. The B*F indices are sorted (torch.sort, on int32 keys where the rows fit: half the radix passes);
-  sorted positions with the same row form a segment; one kernel sums dout into a [B*F, D] fp32 buffer, one
-  slot per segment, each block of 32 sorted positions reduced by a 0/1 matrix product on the tensor cores
-  (a segment inside a block is stored once; only a segment that crosses a block edge adds atomically into
-  its slot, zeroed first), a second updates each distinct row once from its segment's sum. Memory is
-  O(B F D), never O(R D).
+  sorted positions with the same row form a segment. One kernel takes 32 sorted positions a program and sums
+  each segment's gradients in the block by a 0/1 matrix product on the tensor cores; a segment inside the
+  block has its row updated right there, a segment that crosses a block edge adds its partial sum
+  atomically into its fp32 slot ([B*F, D], only those slots zeroed and touched), and a second kernel updates
+  each crossing segment's row once from its slot. Memory is O(B F D), never O(R D).
 Fixed shapes throughout (no torch.unique, no host sync), so a step can be captured in a CUDA graph.
 The PyTorch reference is ``embedding_update_ref``.
 """
@@ -134,80 +134,17 @@ def _block_segment_sums(segment, grad, SPLIT_BF16: tl.constexpr):
     return tl.dot(same, hi, sums)
 
 
-@triton.jit(do_not_specialize=["N"])
-def _segment_sum_kernel(
-    # pointers
-    order_ptr,  # [N] int64: lookup at each sorted position (argsort of the indices)
-    segment_ptr,  # [N] int64: segment (distinct row, in sorted order) of each sorted position
-    grad_ptr,  # [N, D] dout ([B, F, D] where POOLED), any float dtype
-    features_ptr,  # POOLED: [S] int64 feature of each column (not read otherwise)
-    scales_ptr,  # POOLED: [S] fp32 pooling scale of each column (not read otherwise)
-    sums_ptr,  # [N, D] fp32: one slot per segment; the slots of segments that cross a block edge zeroed
-    # sizes
-    N,
-    S,
-    F,
-    D,
-    # meta-parameters
-    POOLED: tl.constexpr,
-    SPLIT_BF16: tl.constexpr,  # the block's sums by exact bf16 pieces (False in the interpreter)
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    p, mask_p, d, mask = _lookup_block(N, D, BLOCK_N, BLOCK_D)
-    lookup = tl.load(order_ptr + p, mask=mask_p, other=0)
-    segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
-    grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, lookup, mask_p, mask, d, S, F, D, POOLED)
-    # Each position's sum over its segment's positions in this block: a segment inside the block is summed
-    # without atomics.
-    sums = _block_segment_sums(segment, grad, SPLIT_BF16)
-    next_segment = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
-    start = tl.program_id(0).to(tl.int64) * BLOCK_N
-    before_block = tl.load(segment_ptr + start - 1, mask=start > 0, other=-1)
-    first, last = tl.min(tl.where(mask_p, segment, N)), tl.max(segment)
-    ends_here = mask_p & ((segment != next_segment) | (p == start + BLOCK_N - 1))
-    # A segment that began in an earlier block or goes on into a later one gets partial sums from several
-    # blocks: those add atomically into its slot (zeroed by the launcher); every other segment is stored.
-    crosses = ((segment == first) & (first == before_block)) | ((segment == last) & (last == next_segment))
-    slots = sums_ptr + segment[:, None] * D + d[None, :]
-    tl.store(slots, sums, mask=mask & (ends_here & ~crosses)[:, None])
-    tl.atomic_add(slots, sums, mask=mask & (ends_here & crosses)[:, None])
-
-
-@triton.jit(do_not_specialize=["N", "eps"])
-def _segment_update_kernel(
-    # pointers
-    sorted_ptr,  # [N] int64 sorted global rows
-    segment_ptr,  # [N] int64 segment of each sorted position
-    sums_ptr,  # [N, D] fp32 gradient sum of each segment
-    weights_ptr,  # [R, D] fp32/bf16, updated in place
-    state_ptr,  # adagrad: [R, D] fp32; rowwise_adagrad: [R] fp32; sgd: unused
-    lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
-    # sizes
-    N,
-    D,
-    # optimizer
-    eps,
-    # meta-parameters
-    OPTIMIZER: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    p = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    valid = p < N
-    row = tl.load(sorted_ptr + p, mask=valid, other=-1)
-    previous = tl.load(sorted_ptr + p - 1, mask=(p > 0) & valid, other=-1)
-    # The first sorted position of each distinct row applies that row's update; the others do nothing.
-    head = valid & (row != previous)
-    # 1-D loads are masked by `valid`, not by the data-dependent `head`: Triton 3.6 fails to compile a
-    # load masked by `head` here (TritonGPURemoveLayoutConversions), and reading more is harmless.
-    segment = tl.load(segment_ptr + p, mask=valid, other=0)
-    d = tl.arange(0, BLOCK_D)
-    mask = head[:, None] & (d < D)[None, :]
-    grad = tl.load(sums_ptr + segment[:, None] * D + d[None, :], mask=mask, other=0.0)
+@triton.jit
+def _apply_update(
+    row, grad, valid, apply, d, weights_ptr, state_ptr, lr, eps, D, OPTIMIZER: tl.constexpr
+):  # fmt: skip
+    """One optimizer step (module docstring) of the rows `row` [BLOCK_N] whose `apply` [BLOCK_N] is set, with
+    their gradient sums `grad` [BLOCK_N, BLOCK_D] fp32; `valid` [BLOCK_N] the positions in bounds (1-D loads
+    are masked by `valid`, not by the data-dependent `apply`: Triton 3.6 fails to compile such a load
+    (TritonGPURemoveLayoutConversions), and reading more is harmless)."""
+    mask = apply[:, None] & (d < D)[None, :]
     w_ptrs = weights_ptr + row[:, None] * D + d[None, :]
     weights = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-    lr = tl.load(lr_ptr).to(tl.float32)
     if OPTIMIZER == "sgd":
         step = lr * grad
     elif OPTIMIZER == "adagrad":
@@ -217,9 +154,98 @@ def _segment_update_kernel(
         step = lr * grad / (tl.sqrt(state) + eps)
     else:
         state = tl.load(state_ptr + row, mask=valid, other=0.0) + tl.sum(grad * grad, axis=1) / D
-        tl.store(state_ptr + row, state, mask=head)
+        tl.store(state_ptr + row, state, mask=apply)
         step = lr * grad / (tl.sqrt(state)[:, None] + eps)
     tl.store(w_ptrs, (weights - step).to(weights_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["N", "eps"])
+def _segment_update_kernel(
+    # pointers
+    sorted_ptr,  # [N] int64 sorted global rows
+    order_ptr,  # [N] int64: lookup at each sorted position (argsort of the indices)
+    segment_ptr,  # [N] int64: segment (distinct row, in sorted order) of each sorted position
+    grad_ptr,  # [N, D] dout ([B, F, D] where POOLED), any float dtype
+    features_ptr,  # POOLED: [S] int64 feature of each column (not read otherwise)
+    scales_ptr,  # POOLED: [S] fp32 pooling scale of each column (not read otherwise)
+    sums_ptr,  # [N, D] fp32: a slot per segment; only those of segments that cross a block edge, zeroed
+    weights_ptr,  # [R, D] fp32/bf16, updated in place
+    state_ptr,  # adagrad: [R, D] fp32; rowwise_adagrad: [R] fp32; sgd: unused
+    lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
+    # sizes
+    N,
+    S,
+    F,
+    D,
+    # optimizer
+    eps,
+    # meta-parameters
+    OPTIMIZER: tl.constexpr,
+    POOLED: tl.constexpr,
+    SPLIT_BF16: tl.constexpr,  # the block's sums by exact bf16 pieces (False in the interpreter)
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    p, mask_p, d, mask = _lookup_block(N, D, BLOCK_N, BLOCK_D)
+    lookup = tl.load(order_ptr + p, mask=mask_p, other=0)
+    segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
+    row = tl.load(sorted_ptr + p, mask=mask_p, other=0)
+    grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, lookup, mask_p, mask, d, S, F, D, POOLED)
+    # Each position's sum over its segment's positions in this block: a segment inside the block is summed
+    # and its row updated here, without atomics and without a trip of its sum through memory.
+    sums = _block_segment_sums(segment, grad, SPLIT_BF16)
+    next_segment = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
+    start = tl.program_id(0).to(tl.int64) * BLOCK_N
+    before_block = tl.load(segment_ptr + start - 1, mask=start > 0, other=-1)
+    first, last = tl.min(tl.where(mask_p, segment, N)), tl.max(segment)
+    ends_here = mask_p & ((segment != next_segment) | (p == start + BLOCK_N - 1))
+    # A segment that began in an earlier block or goes on into a later one gets partial sums from several
+    # blocks: those add atomically into its slot (zeroed by the launcher), and _crossing_update_kernel
+    # updates its row once every block has added.
+    crosses = ((segment == first) & (first == before_block)) | ((segment == last) & (last == next_segment))
+    slots = sums_ptr + segment[:, None] * D + d[None, :]
+    tl.atomic_add(slots, sums, mask=mask & (ends_here & crosses)[:, None])
+    lr = tl.load(lr_ptr).to(tl.float32)
+    _apply_update(
+        row, sums, mask_p, ends_here & ~crosses, d, weights_ptr, state_ptr, lr, eps, D, OPTIMIZER
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["N", "eps"])
+def _crossing_update_kernel(
+    # pointers
+    sorted_ptr,  # [N] int64 sorted global rows
+    segment_ptr,  # [N] int64 segment of each sorted position
+    sums_ptr,  # [N, D] fp32: the summed gradient in the slot of each segment that crosses a block edge
+    weights_ptr,  # [R, D] fp32/bf16, updated in place
+    state_ptr,  # adagrad: [R, D] fp32; rowwise_adagrad: [R] fp32; sgd: unused
+    lr_ptr,  # [] fp32 learning rate
+    # sizes
+    N,
+    D,
+    # optimizer
+    eps,
+    # meta-parameters
+    OPTIMIZER: tl.constexpr,
+    SUM_BLOCK_N: tl.constexpr,  # the sorted positions of one _segment_update_kernel program
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    p = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    valid = p < N
+    row = tl.load(sorted_ptr + p, mask=valid, other=-1)
+    previous = tl.load(sorted_ptr + p - 1, mask=(p > 0) & valid, other=-1)
+    segment = tl.load(segment_ptr + p, mask=valid, other=0)
+    # A segment crosses a block edge when the first position of the block after its head's holds it too
+    # (positions are sorted); its head, the first sorted position of its row, applies the update.
+    next_block = (p // SUM_BLOCK_N + 1) * SUM_BLOCK_N
+    beyond = tl.load(segment_ptr + next_block, mask=valid & (next_block < N), other=-1)
+    apply = valid & (row != previous) & (beyond == segment)
+    d = tl.arange(0, BLOCK_D)
+    mask = apply[:, None] & (d < D)[None, :]
+    grad = tl.load(sums_ptr + segment[:, None] * D + d[None, :], mask=mask, other=0.0)
+    lr = tl.load(lr_ptr).to(tl.float32)
+    _apply_update(row, grad, valid, apply, d, weights_ptr, state_ptr, lr, eps, D, OPTIMIZER)
 
 
 # -- Launchers ---------------------------------------------------------------------------------------
@@ -356,14 +382,15 @@ def launch_update(
     # segment (the others are stored whole; the update reads no other slot).
     edges = torch.arange(0, n, SUM_BLOCK_N, device=index.device)
     sums.index_fill_(0, segment[torch.cat([edges, (edges + SUM_BLOCK_N - 1).clamp_(max=n - 1)])], 0.0)
-    _segment_sum_kernel[(triton.cdiv(n, SUM_BLOCK_N),)](
-        order, segment, grad, features, scales, sums, n, s, f, d, POOLED=pooled,
-        SPLIT_BF16=not INTERPRETED, BLOCK_N=SUM_BLOCK_N,
+    _segment_update_kernel[(triton.cdiv(n, SUM_BLOCK_N),)](
+        sorted_rows, order, segment, grad, features, scales, sums, weights, state, lr, n, s, f, d, eps,
+        OPTIMIZER=optimizer, POOLED=pooled, SPLIT_BF16=not INTERPRETED, BLOCK_N=SUM_BLOCK_N,
         BLOCK_D=max(16, block_d), num_warps=4,
     )  # fmt: skip
-    _segment_update_kernel[grid](
-        sorted_rows, segment, sums, weights, state, lr, n, d, eps, OPTIMIZER=optimizer, **blocks
-    )
+    _crossing_update_kernel[grid](
+        sorted_rows, segment, sums, weights, state, lr, n, d, eps, OPTIMIZER=optimizer,
+        SUM_BLOCK_N=SUM_BLOCK_N, **blocks,
+    )  # fmt: skip
 
 
 def embedding_update_ref(
