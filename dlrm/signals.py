@@ -6,7 +6,7 @@ import threading
 from typing import Any
 
 from dlrm.errors import RunStopped
-from dlrm.parallel.group import is_distributed, peers_ended
+from dlrm.parallel.faults import is_distributed, peers_ended
 
 
 class StopSignals:

@@ -3,22 +3,19 @@ tables model parallel (sharded by the planner, exchanged by all_to_all), sharded
 
     torchrun --nproc-per-node N -m dlrm.train --config C [flags]
 
-Modules, one job each: group (process group from torchrun's environment, heartbeats, fault handling),
-planner (which rank holds which table rows), sharded (the sharded SparseArch and its all_to_all exchange),
-dense (the dense gradients' all-reduce inside the step), evaluation (exact metrics over all ranks),
-checkpoint (DCP, resharding N -> M ranks, and one-process reads), run (the run's rank-aware checks and
-collectives). The training run calls these through its Sharded strategy (dlrm.run.strategy); they never call
-the run. Without torchrun nothing here runs.
+Modules, one job each: group (the process group from torchrun's environment), faults (the heartbeats, a
+rank that died or hung, each rank's one exit line), planner (which rank holds which table rows), sharded
+(the sharded SparseArch and its all_to_all exchange), dense (the dense gradients' all-reduce inside the
+step), evaluation (exact metrics over all ranks), checkpoint (DCP, resharding N -> M ranks, and one-process
+reads), run (the run's rank-aware checks and collectives). The training run calls these through its Sharded
+strategy (dlrm.run.strategy); they never call the run. Without torchrun nothing here runs.
 """
 
 from dlrm.parallel.dense import averaged_parameters, grad_averager
-from dlrm.parallel.group import (
-    SINGLE,
-    Dist,
+from dlrm.parallel.faults import (
     abort_peers,
     exit_now,
     fail,
-    init_distributed,
     is_distributed,
     note_checkpoints,
     note_progress,
@@ -26,9 +23,8 @@ from dlrm.parallel.group import (
     rank_prefix,
     resume_hint,
     set_resume_command,
-    shutdown,
-    world_from_env,
 )
+from dlrm.parallel.group import SINGLE, Dist, init_distributed, shutdown, world_from_env
 
 __all__ = [
     "SINGLE",

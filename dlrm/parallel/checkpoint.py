@@ -52,7 +52,8 @@ from dlrm import staging
 from dlrm.atomic import DiskFull, disk_full
 from dlrm.config import from_dict
 from dlrm.model.tables import index_vocabularies
-from dlrm.parallel.group import Dist, is_communication_error
+from dlrm.parallel.faults import is_communication_error
+from dlrm.parallel.group import Dist
 from dlrm.parallel.planner import ShardingPlan
 from dlrm.staging import PendingSave, announce, has_room
 
