@@ -135,27 +135,40 @@ def _block_segment_sums(segment, grad, SPLIT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _apply_update(
-    row, grad, valid, apply, d, weights_ptr, state_ptr, lr, eps, D, OPTIMIZER: tl.constexpr
+def _row_values(row, valid, mask, d, weights_ptr, state_ptr, D, OPTIMIZER: tl.constexpr):
+    """(weights [BLOCK_N, BLOCK_D] fp32, state) of the rows `row` [BLOCK_N] where `mask` [BLOCK_N, BLOCK_D]
+    is set: state [BLOCK_N, BLOCK_D] for adagrad, [BLOCK_N] for rowwise_adagrad, 0 for sgd. `valid`
+    [BLOCK_N]: the positions in bounds (the 1-D load is masked by `valid`, not by a data-dependent mask:
+    Triton 3.6 fails to compile such a load (TritonGPURemoveLayoutConversions); reading more is
+    harmless)."""
+    weights = tl.load(weights_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if OPTIMIZER == "adagrad":
+        state = tl.load(state_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0)
+    elif OPTIMIZER == "rowwise_adagrad":
+        state = tl.load(state_ptr + row, mask=valid, other=0.0)
+    else:
+        state = 0.0
+    return weights, state
+
+
+@triton.jit
+def _store_update(
+    row, grad, weights, state, apply, mask, d, weights_ptr, state_ptr, lr, eps, D, OPTIMIZER: tl.constexpr
 ):  # fmt: skip
-    """One optimizer step (module docstring) of the rows `row` [BLOCK_N] whose `apply` [BLOCK_N] is set, with
-    their gradient sums `grad` [BLOCK_N, BLOCK_D] fp32; `valid` [BLOCK_N] the positions in bounds (1-D loads
-    are masked by `valid`, not by the data-dependent `apply`: Triton 3.6 fails to compile such a load
-    (TritonGPURemoveLayoutConversions), and reading more is harmless)."""
-    mask = apply[:, None] & (d < D)[None, :]
-    w_ptrs = weights_ptr + row[:, None] * D + d[None, :]
-    weights = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+    """One optimizer step (module docstring) of the rows `row` [BLOCK_N] where `apply` [BLOCK_N] (`mask`
+    [BLOCK_N, BLOCK_D] by column) is set, from their gradient sums `grad` [BLOCK_N, BLOCK_D] fp32 and the
+    values `_row_values` loaded; stores the new weights and state."""
     if OPTIMIZER == "sgd":
         step = lr * grad
     elif OPTIMIZER == "adagrad":
-        s_ptrs = state_ptr + row[:, None] * D + d[None, :]
-        state = tl.load(s_ptrs, mask=mask, other=0.0) + grad * grad
-        tl.store(s_ptrs, state, mask=mask)
+        state = state + grad * grad
+        tl.store(state_ptr + row[:, None] * D + d[None, :], state, mask=mask)
         step = lr * grad / (tl.sqrt(state) + eps)
     else:
-        state = tl.load(state_ptr + row, mask=valid, other=0.0) + tl.sum(grad * grad, axis=1) / D
+        state = state + tl.sum(grad * grad, axis=1) / D
         tl.store(state_ptr + row, state, mask=apply)
         step = lr * grad / (tl.sqrt(state)[:, None] + eps)
+    w_ptrs = weights_ptr + row[:, None] * D + d[None, :]
     tl.store(w_ptrs, (weights - step).to(weights_ptr.dtype.element_ty), mask=mask)
 
 
@@ -190,25 +203,29 @@ def _segment_update_kernel(
     lookup = tl.load(order_ptr + p, mask=mask_p, other=0)
     segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
     row = tl.load(sorted_ptr + p, mask=mask_p, other=0)
-    grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, lookup, mask_p, mask, d, S, F, D, POOLED)
-    # Each position's sum over its segment's positions in this block: a segment inside the block is summed
-    # and its row updated here, without atomics and without a trip of its sum through memory.
-    sums = _block_segment_sums(segment, grad, SPLIT_BF16)
     next_segment = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
     start = tl.program_id(0).to(tl.int64) * BLOCK_N
     before_block = tl.load(segment_ptr + start - 1, mask=start > 0, other=-1)
     first, last = tl.min(tl.where(mask_p, segment, N)), tl.max(segment)
     ends_here = mask_p & ((segment != next_segment) | (p == start + BLOCK_N - 1))
-    # A segment that began in an earlier block or goes on into a later one gets partial sums from several
-    # blocks: those add atomically into its slot (zeroed by the launcher), and _crossing_update_kernel
-    # updates its row once every block has added.
+    # A segment inside the block is summed here and its row updated at its last position, without atomics
+    # and without a trip of its sum through memory. A segment that began in an earlier block or goes on
+    # into a later one gets partial sums from several blocks: those add atomically into its slot (zeroed by
+    # the launcher), and _crossing_update_kernel updates its row once every block has added.
     crosses = ((segment == first) & (first == before_block)) | ((segment == last) & (last == next_segment))
+    apply = ends_here & ~crosses
+    row_mask = mask & apply[:, None]
+    # The rows' values are loaded before the gradients, so both gathers are in flight together.
+    weights, state = _row_values(row, mask_p, row_mask, d, weights_ptr, state_ptr, D, OPTIMIZER)
+    grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, lookup, mask_p, mask, d, S, F, D, POOLED)
+    # Each position's sum over its segment's positions in this block.
+    sums = _block_segment_sums(segment, grad, SPLIT_BF16)
     slots = sums_ptr + segment[:, None] * D + d[None, :]
     tl.atomic_add(slots, sums, mask=mask & (ends_here & crosses)[:, None])
     lr = tl.load(lr_ptr).to(tl.float32)
-    _apply_update(
-        row, sums, mask_p, ends_here & ~crosses, d, weights_ptr, state_ptr, lr, eps, D, OPTIMIZER
-    )  # fmt: skip
+    _store_update(
+        row, sums, weights, state, apply, row_mask, d, weights_ptr, state_ptr, lr, eps, D, OPTIMIZER
+    )
 
 
 @triton.jit(do_not_specialize=["N", "eps"])
@@ -228,24 +245,25 @@ def _crossing_update_kernel(
     # meta-parameters
     OPTIMIZER: tl.constexpr,
     SUM_BLOCK_N: tl.constexpr,  # the sorted positions of one _segment_update_kernel program
-    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    p = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    valid = p < N
-    row = tl.load(sorted_ptr + p, mask=valid, other=-1)
-    previous = tl.load(sorted_ptr + p - 1, mask=(p > 0) & valid, other=-1)
-    segment = tl.load(segment_ptr + p, mask=valid, other=0)
-    # A segment crosses a block edge when the first position of the block after its head's holds it too
-    # (positions are sorted); its head, the first sorted position of its row, applies the update.
-    next_block = (p // SUM_BLOCK_N + 1) * SUM_BLOCK_N
-    beyond = tl.load(segment_ptr + next_block, mask=valid & (next_block < N), other=-1)
-    apply = valid & (row != previous) & (beyond == segment)
+    # Edge e lies between sorted positions q - 1 and q = e * SUM_BLOCK_N. A segment that holds both crosses
+    # it; the first edge that a segment crosses (the one after the block of its first position) updates it.
+    e = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E).to(tl.int64) + 1
+    q = e * SUM_BLOCK_N
+    valid = q < N
+    segment = tl.load(segment_ptr + q, mask=valid, other=-1)
+    left = tl.load(segment_ptr + q - 1, mask=valid, other=-2)
+    earlier = tl.load(segment_ptr + q - SUM_BLOCK_N - 1, mask=valid & (e > 1), other=-3)
+    apply = valid & (left == segment) & (earlier != segment)
+    row = tl.load(sorted_ptr + q, mask=valid, other=0)
     d = tl.arange(0, BLOCK_D)
     mask = apply[:, None] & (d < D)[None, :]
+    weights, state = _row_values(row, valid, mask, d, weights_ptr, state_ptr, D, OPTIMIZER)
     grad = tl.load(sums_ptr + segment[:, None] * D + d[None, :], mask=mask, other=0.0)
     lr = tl.load(lr_ptr).to(tl.float32)
-    _apply_update(row, grad, valid, apply, d, weights_ptr, state_ptr, lr, eps, D, OPTIMIZER)
+    _store_update(row, grad, weights, state, apply, mask, d, weights_ptr, state_ptr, lr, eps, D, OPTIMIZER)
 
 
 # -- Launchers ---------------------------------------------------------------------------------------
@@ -371,26 +389,29 @@ def launch_update(
     features, scales = bags if pooled else (index, grad)  # not read unless pooled
     s, f = (features.numel(), grad.shape[1]) if pooled else (1, 1)
     block_d, block_n = block_sizes(d, n)
-    grid = (triton.cdiv(n, block_n),)
-    blocks = {"BLOCK_N": block_n, "BLOCK_D": block_d}
     if optimizer == "sgd" and weights.dtype == torch.float32:
-        _sgd_kernel[grid](index, grad, features, scales, weights, lr, n, s, f, d, POOLED=pooled, **blocks)
+        _sgd_kernel[(triton.cdiv(n, block_n),)](
+            index, grad, features, scales, weights, lr, n, s, f, d, POOLED=pooled, BLOCK_N=block_n,
+            BLOCK_D=block_d,
+        )  # fmt: skip
         return
     sorted_rows, order, segment = _sorted_segments(index, weights.shape[0])
     sums = torch.empty(n, d, dtype=torch.float32, device=weights.device)
-    # Only segments that cross a block edge sum atomically: zero the slots of each block's first and last
-    # segment (the others are stored whole; the update reads no other slot).
-    edges = torch.arange(0, n, SUM_BLOCK_N, device=index.device)
-    sums.index_fill_(0, segment[torch.cat([edges, (edges + SUM_BLOCK_N - 1).clamp_(max=n - 1)])], 0.0)
-    _segment_update_kernel[(triton.cdiv(n, SUM_BLOCK_N),)](
+    # Only segments that cross a block edge sum into their slot, atomically: zero the slots of each block's
+    # first and last segment (no other segment touches its slot).
+    starts = torch.arange(0, n, SUM_BLOCK_N, device=index.device)
+    sums.index_fill_(0, segment[torch.cat([starts, (starts + SUM_BLOCK_N - 1).clamp_(max=n - 1)])], 0.0)
+    _segment_update_kernel[(len(starts),)](
         sorted_rows, order, segment, grad, features, scales, sums, weights, state, lr, n, s, f, d, eps,
         OPTIMIZER=optimizer, POOLED=pooled, SPLIT_BF16=not INTERPRETED, BLOCK_N=SUM_BLOCK_N,
         BLOCK_D=max(16, block_d), num_warps=4,
     )  # fmt: skip
-    _crossing_update_kernel[grid](
-        sorted_rows, segment, sums, weights, state, lr, n, d, eps, OPTIMIZER=optimizer,
-        SUM_BLOCK_N=SUM_BLOCK_N, **blocks,
-    )  # fmt: skip
+    edges = len(starts) - 1
+    if edges > 0:
+        _crossing_update_kernel[(triton.cdiv(edges, block_n),)](
+            sorted_rows, segment, sums, weights, state, lr, n, d, eps, OPTIMIZER=optimizer,
+            SUM_BLOCK_N=SUM_BLOCK_N, BLOCK_E=block_n, BLOCK_D=block_d,
+        )  # fmt: skip
 
 
 def embedding_update_ref(
