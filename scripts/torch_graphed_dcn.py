@@ -13,9 +13,11 @@ tables' rows together, N = (F + 1) D, r the cross layers' rank):
                                                               + x_l, top MLP, mean BCE-with-logits;
                                                               torch.compile'd
     g_pooled, *g_dense = torch.autograd.grad(loss, [pooled, *dense_params])
-    tables: exact Adagrad on the touched rows: each lookup's gradient g_pooled[b, f(c)], torch.sort of the
-            B*S rows, segment sums by index_add_, state and weights updated by index_put_ (accumulate; zero
-            at every position but a row's first), all fixed shapes
+    tables: exact Adagrad on the touched rows, each once: torch.sort of the B*S rows numbers the distinct
+            rows (segments); each lookup's gradient g_pooled[b, f(c)] summed into its segment's slot by
+            index_add_, each slot's row gathered, updated and scattered back by index_select / index_copy_
+            (slots past the last segment point at a spare row and change nothing); fixed shapes; all of it
+            but the sort torch.compile'd
     dense:  Adagrad by torch._foreach ops (torch.optim.Adagrad's update, lr_decay 0, initial accumulator 0)
 
 and all of it captured once into one CUDA graph and replayed (TorchGraphedStep's recipe: warm-up steps on a
@@ -40,7 +42,8 @@ from torch_graphed_step import WARMUP_STEPS, TorchGraphedStep, _linears, table_w
 
 
 class PlainDCN(nn.Module):
-    """DLRM-DCNv2's weights and forward in plain PyTorch, the tables as one table-batched weight.
+    """DLRM-DCNv2's weights and forward in plain PyTorch, the tables as one table-batched weight (and a
+    spare row that unused update slots write to).
 
     Args:
         embedding_dim: D.
@@ -50,8 +53,9 @@ class PlainDCN(nn.Module):
         bag_sizes: k_f of each table (F ints >= 1).
         layers, low_rank: L cross layers of rank r.
     Attributes:
-        weight: [R, D] f32 buffer, table f at rows offsets[f] .. offsets[f] + rows_f; state its Adagrad
-            accumulator [R, D] f32 (buffers: the step updates them, autograd never sees them).
+        weight: [R + 1, D] f32 buffer, table f at rows offsets[f] .. offsets[f] + rows_f, row R the spare
+            (never looked up); state its Adagrad accumulator [R + 1, D] f32 (buffers: the step updates
+            them, autograd never sees them).
         bottom, top: nn.ModuleList of nn.Linear; v, u: the cross layers' nn.Linear (V_l [r, N] without bias,
             U_l [N, r] with b_l).
     `load_dlrm_state_dict` copies a dlrm.model.DLRM's weights (the initialization here is only a start).
@@ -84,7 +88,8 @@ class PlainDCN(nn.Module):
         self.v = nn.ModuleList(nn.Linear(width, low_rank, bias=False) for _ in range(layers))
         self.u = nn.ModuleList(nn.Linear(low_rank, width) for _ in range(layers))
         self.top = _linears(width, top_mlp)
-        self.register_buffer("weight", table_weight(self.table_rows, embedding_dim))
+        spare = torch.zeros(1, embedding_dim)
+        self.register_buffer("weight", torch.cat([table_weight(self.table_rows, embedding_dim), spare]))
         self.register_buffer("state", torch.zeros_like(self.weight))
         sizes = torch.tensor(self.bag_sizes)
         offsets = torch.tensor([0, *self.table_rows[:-1]]).cumsum(0)
@@ -135,7 +140,7 @@ class PlainDCN(nn.Module):
             KeyError: a key is missing. RuntimeError: a shape differs.
         """
         tables = [state_dict[f"sparse_arch.embeddings.{f}.weight"] for f in range(len(self.table_rows))]
-        self.weight.copy_(torch.cat(tables))
+        self.weight[:-1].copy_(torch.cat(tables))
         prefixes = ("dense_arch.mlp.layers", "interaction_arch.cross.v", "interaction_arch.cross.u")
         for prefix, layers in zip((*prefixes, "over_arch.mlp.layers"), self.dense_modules, strict=True):
             for i, layer in enumerate(layers):
@@ -143,20 +148,40 @@ class PlainDCN(nn.Module):
                     p.copy_(state_dict[f"{prefix}.{i}.{name}"])
 
 
-def adagrad_rows_(
-    weight: torch.Tensor, state: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, lr: float, eps: float
-) -> None:
-    """Adagrad on the rows of `weight` [R, D] (and its accumulator `state` [R, D]) that `rows` [n] touched,
-    each row once with the sum of its lookups' gradients `grads` [n, D], in place; fixed shapes, no host
-    sync (CUDA-graph capturable)."""
+def segments(rows: torch.Tensor, spare: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(segment of each lookup [n] i64, row of each slot [n] i64) of the looked-up `rows` [n]: a segment is
+    a distinct row, numbered in sorted order; slots past the last segment hold `spare`. Fixed shapes, no
+    host sync (CUDA-graph capturable)."""
     sorted_rows, order = torch.sort(rows)
     head = torch.ones_like(sorted_rows, dtype=torch.bool)
     head[1:] = sorted_rows[1:] != sorted_rows[:-1]
     segment = torch.cumsum(head, 0) - 1
-    sums = torch.zeros_like(grads).index_add_(0, segment, grads[order])
-    g = sums[segment] * head[:, None]  # the row's sum at its first position, zero elsewhere
-    state.index_put_((sorted_rows,), g * g, accumulate=True)
-    weight.index_put_((sorted_rows,), -lr * g / (state[sorted_rows].sqrt() + eps), accumulate=True)
+    lookup_segment = torch.empty_like(segment).scatter_(0, order, segment)
+    slot_rows = torch.full_like(sorted_rows, spare).scatter_(0, segment, sorted_rows)
+    return lookup_segment, slot_rows
+
+
+def adagrad_rows_(
+    weight: torch.Tensor,
+    state: torch.Tensor,
+    grad_pooled: torch.Tensor,
+    features: torch.Tensor,
+    lookup_segment: torch.Tensor,
+    slot_rows: torch.Tensor,
+    lr: float,
+    eps: float,
+) -> None:
+    """Adagrad on the rows of `weight` [R + 1, D] (and its accumulator `state` [R + 1, D]) that the lookups
+    touched, each row once with the sum of its lookups' gradients, in place: lookup (b, c)'s gradient is
+    grad_pooled[b, features[c]] (grad_pooled [B, F, D] f32, features [S]); lookup_segment and slot_rows
+    [B * S] as `segments` gives them. An unused slot adds zero to the spare row R: its values stay."""
+    d = grad_pooled.shape[-1]
+    per_lookup = grad_pooled.index_select(1, features).reshape(-1, d)
+    sums = torch.zeros_like(per_lookup).index_add_(0, lookup_segment, per_lookup)
+    s = state.index_select(0, slot_rows).addcmul_(sums, sums)
+    state.index_copy_(0, slot_rows, s)
+    w = weight.index_select(0, slot_rows).addcdiv_(sums, s.sqrt_().add_(eps), value=-lr)
+    weight.index_copy_(0, slot_rows, w)
 
 
 class TorchGraphedDCNStep(TorchGraphedStep):
@@ -187,6 +212,7 @@ class TorchGraphedDCNStep(TorchGraphedStep):
         super().__init__(model, lr, embedding_lr, precision, compile, cuda_graph, warmup)
         self.eps = eps
         self.sums = [torch.zeros_like(p) for p in self.params]  # Adagrad's accumulators
+        self.update_rows = torch.compile(adagrad_rows_) if compile else adagrad_rows_
 
     def step(self, dense: torch.Tensor, bags: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
         """One uncaptured step: pooled lookup, dense part forward and backward, both Adagrad updates."""
@@ -196,10 +222,11 @@ class TorchGraphedDCNStep(TorchGraphedStep):
         loss = self.dense_loss(dense, pooled, label, self.bf16)
         grad_pooled, *grads = torch.autograd.grad(loss, [pooled, *self.params])
         with torch.no_grad():
-            per_lookup = grad_pooled.index_select(1, model.features).reshape(rows.numel(), -1)
-            adagrad_rows_(
-                model.weight, model.state, rows.reshape(-1), per_lookup, self.embedding_lr, self.eps
-            )
+            lookup_segment, slot_rows = segments(rows.reshape(-1), spare=len(model.weight) - 1)
+            self.update_rows(
+                model.weight, model.state, grad_pooled, model.features, lookup_segment, slot_rows,
+                self.embedding_lr, self.eps,
+            )  # fmt: skip
             torch._foreach_addcmul_(self.sums, grads, grads)
             std = torch._foreach_sqrt(self.sums)
             torch._foreach_add_(std, self.eps)
