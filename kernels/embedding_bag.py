@@ -27,10 +27,9 @@ Backward without a table-sized gradient and without materializing the [B, S, D] 
 - "sgd" with fp32 weights: one kernel over the B*S lookups, atomic adds of -lr * scale * dout[b, f(c)] into
   the looked-up rows (exact up to fp32 summation order).
 - otherwise: the B*S indices are sorted (torch.sort), sorted positions of one row form a segment; one kernel
-  sums each segment's pooled gradients block by block and updates the row of every segment inside a block
-  there; a segment that crosses a block edge sums into an fp32 slot, and a second kernel updates its row.
-  Fixed shapes, no host sync: a step can be captured in a CUDA graph. The learning rate is a one-element
-  fp32 tensor read by the kernels (a schedule writes it between steps).
+  sums each lookup's pooled gradient into its segment's fp32 slot, a second updates each distinct row once
+  from its segment's sum. Fixed shapes, no host sync: a step can be captured in a CUDA graph. The learning
+  rate is a one-element fp32 tensor read by the kernels (a schedule writes it between steps).
 The backward's launcher and reference live in kernels/embedding_bag_update.py, its kernels (shared with
 the one-id lookups) in kernels/embedding_update.py. The PyTorch references are `embedding_bag_lookup_ref`
 and `embedding_bag_update_ref`.

