@@ -19,9 +19,10 @@ and dv are [B, H, S, d] laid out as [B, S, H, d] in memory (strides (S H d, d, H
 ``o.transpose(1, 2).reshape(B, S, H * d)``, the next layer's input, is a view.
 
 Dtypes: q, k, v fp32, bf16 or fp16 (one dtype); o, dq, dk, dv in that dtype; lse fp32. Compute: fp32 on
-values cast right after load; the four products run as ``tl.dot`` in fp32 (TF32 tensor cores on the GPU for
-16-bit inputs, and for fp32 inputs exactly when ``torch.backends.cuda.matmul.allow_tf32``; IEEE in the
-interpreter). Softmax with the row maximum subtracted. Backward saves q, k, v, o, lse (and valid).
+values cast right after load; the four products run as ``tl.dot`` in fp32 on the GPU's tensor cores: one
+TF32 product for 16-bit inputs, and for fp32 inputs exactly when ``torch.backends.cuda.matmul.allow_tf32``,
+else three (3xTF32, about fp32's accuracy; ``kernels.gemm.tuning.input_precision``); plain fp32 in the
+interpreter. Softmax with the row maximum subtracted. Backward saves q, k, v, o, lse (and valid).
 
 It equals ``F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :])`` computed in fp32
 (``masked_attention_ref``), for rows with at least one valid key.
@@ -230,7 +231,7 @@ def _unit_d(t: Tensor) -> Tensor:
 
 def _meta(s: int, d: int, dtype: torch.dtype) -> dict:
     """Whole-tile blocks; the dot precision ("ieee" in the interpreter, which computes fp32 anyway)."""
-    precision = "ieee" if INTERPRETED else ("tf32" if dtype != torch.float32 else input_precision(dtype))
+    precision = "ieee" if INTERPRETED else input_precision(dtype)
     return {
         "BLOCK_S": max(16, triton.next_power_of_2(s)),
         "BLOCK_D": max(16, triton.next_power_of_2(d)),

@@ -24,8 +24,9 @@ contiguous columns (any row stride); h and U are read through TMA descriptors (`
 once into 16-byte rows where r is not a multiple of 16 bytes.
 
 Dtypes: all five tensors fp32, bf16 or fp16 (one dtype); outputs and gradients have it too. Compute: fp32
-accumulation; the GEMM operands go to ``tl.dot`` in their own dtype on the GPU (fp32 as TF32 where
-``torch.backends.cuda.matmul.allow_tf32``, as linear_act), cast to fp32 in the interpreter (``DOT_FP32``);
+accumulation; the GEMM operands go to ``tl.dot`` in their own dtype on the GPU's tensor cores (fp32 as one
+TF32 product where ``torch.backends.cuda.matmul.allow_tf32``, else as three, 3xTF32, as linear_act), cast to
+fp32 in the interpreter (``DOT_FP32``);
 the epilogues run in fp32 on values cast right after load and round once to the dtype. h, and dz before the
 backward's GEMMs, are rounded to the dtype (as PyTorch's autocast does).
 
@@ -108,7 +109,7 @@ def _cross_fwd_kernel(
     stride_out,
     # meta-parameters
     DOT_FP32: tl.constexpr,  # cast dot operands to fp32 (interpreter only)
-    INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "ieee"
+    INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "tf32x3", "ieee" interpreted
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,

@@ -17,10 +17,11 @@ Shapes (GEMM letters): x [M, K] (M rows, the batch B), weight [2N, K] (nn.Linear
 any row stride (a row-padded view is read in place); its columns must be contiguous (else it is copied).
 
 Dtypes: x, weight and bias all fp32, bf16 or fp16 (one dtype); y, z, dx, dW, dbias have that dtype.
-Compute dtype: fp32 accumulation; operands go to ``tl.dot`` in their own dtype on the GPU (fp32 as TF32
-exactly when ``torch.backends.cuda.matmul.allow_tf32``, like cuBLAS; see ``kernels/gemm/tuning.py``) and as
-fp32 in the CPU interpreter. Bias and gate in fp32 on values cast right after load; z and dz are rounded
-to the input dtype (dz before the backward GEMMs, as PyTorch does).
+Compute dtype: fp32 accumulation; operands go to ``tl.dot`` in their own dtype on the GPU's tensor cores
+(fp32 as one TF32 product exactly when ``torch.backends.cuda.matmul.allow_tf32``, like cuBLAS, else as three,
+3xTF32, about fp32's accuracy; see ``kernels/gemm/tuning.py``) and as fp32 in the CPU interpreter. Bias and
+gate in fp32 on values cast right after load; z and dz are rounded to the input dtype (dz before the backward
+GEMMs, as PyTorch does).
 
 Saved for backward: x, weight and the pre-activation z [M, 2N] (written by the forward kernel as a second
 output); the backward kernel re-forms a and b from z.
@@ -125,7 +126,7 @@ def _gated_linear_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     GATE: tl.constexpr,
     DOT_FP32: tl.constexpr,  # cast dot operands to fp32 (interpreter only)
-    INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "ieee" (torch's allow_tf32)
+    INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "tf32x3" (torch's allow_tf32), "ieee" interpreted
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # z columns per tile (even): BLOCK_N / 2 output features
     BLOCK_K: tl.constexpr,  # reduction chunk

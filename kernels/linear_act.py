@@ -19,8 +19,9 @@ descriptors): an x whose rows are not (K = 13 dense features) is copied once int
 interaction's output) are read in place; dx comes back in rows padded to 16 bytes too.
 
 Dtypes: x, W and b one of fp32, bf16, fp16; y, dx, dW, db the same. fp32 accumulation; the GEMM operands
-go to ``tl.dot`` in their own dtype (fp32 as TF32 exactly when PyTorch's matmuls may:
-``kernels.gemm.tuning.input_precision``; plain fp32 in the CPU interpreter, ``DOT_FP32``). Bias, activation
+go to ``tl.dot`` in their own dtype, on tensor cores: fp32 as one TF32 product where PyTorch's matmuls may
+use TF32, else as three (3xTF32, about fp32's accuracy; ``kernels.gemm.tuning.input_precision``); plain fp32
+in the CPU interpreter (``DOT_FP32``). Bias, activation
 and act' in fp32 on values cast right after load; dz is rounded to x's dtype before the backward GEMMs.
 
 Saved for backward besides x and W: nothing for identity; y for relu and sigmoid (``SAVES_Y``); the
@@ -108,7 +109,7 @@ def _linear_act_fwd_kernel(
     SAVE_Z: tl.constexpr,
     ACTIVATION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # cast dot operands to fp32 (interpreter only)
-    INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "ieee" (torch's allow_tf32)
+    INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "tf32x3" (torch's allow_tf32), "ieee" interpreted
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # reduction chunk

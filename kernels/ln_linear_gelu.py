@@ -19,8 +19,9 @@ to beta). x may have any row stride; its columns must be contiguous (else it is 
 Dtypes: x, ln_weight, ln_bias, weight, bias all fp32, bf16 or fp16 (one dtype); y, z and the gradients
 have that dtype; the row statistics are fp32. Compute: LayerNorm statistics and the normalization in
 fp32 on values cast right after load (two passes over the row: mean, then the variance of x - mu); a is
-stored in x's dtype and goes to ``tl.dot`` in it on the GPU (fp32 as TF32 exactly when
-``torch.backends.cuda.matmul.allow_tf32``), as fp32 in the interpreter; fp32 accumulation; bias and GELU in
+stored in x's dtype and goes to ``tl.dot`` in it on the GPU's tensor cores (fp32 as one TF32 product exactly
+when ``torch.backends.cuda.matmul.allow_tf32``, else as three, 3xTF32, about fp32's accuracy), as fp32 in the
+interpreter; fp32 accumulation; bias and GELU in
 fp32. This is what PyTorch's autocast does too: layer_norm in fp32, its output rounded for the GEMM.
 
 Forward: ``_ln_rows_kernel`` writes mu, rstd ([M] fp32 each) and a (in rows padded to 16 bytes), in one

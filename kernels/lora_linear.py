@@ -18,8 +18,9 @@ Math (nn.Linear layout; r the adapter rank, s the scale, e.g. alpha / r)
 Shapes: x [M, K], weight [N, K], lora_a [r, K], lora_b [N, r], bias [N] or None; any M >= 0, N, K >= 1,
 1 <= r <= 128. x may have any row stride (its columns contiguous, else copied).
 Dtypes: x, weight, lora_a, lora_b, bias one of fp32, bf16, fp16; outputs and gradients in that dtype; u is
-saved in it too. Compute: fp32 accumulation; dot operands in their own dtype on the GPU (fp32 as TF32 exactly
-when ``torch.backends.cuda.matmul.allow_tf32``), fp32 in the interpreter; u is rounded to the input dtype
+saved in it too. Compute: fp32 accumulation; dot operands in their own dtype on the GPU's tensor cores (fp32
+as one TF32 product exactly when ``torch.backends.cuda.matmul.allow_tf32``, else as three, 3xTF32, about
+fp32's accuracy), fp32 in the interpreter; u is rounded to the input dtype
 before its product with B (as the PyTorch expression does); bias and activation in fp32.
 
 Kernels: ``_lora_linear_fwd_kernel``, one program per [BLOCK_M, BLOCK_N] tile of y: the K loop accumulates x

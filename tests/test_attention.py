@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 
 import kernels.attention as attention_mod
+import kernels.gemm.tuning as gemm_tuning
 from kernels.attention import (
     masked_attention,
     masked_attention_bwd,
     masked_attention_fwd,
     masked_attention_ref,
 )
-from tests.test_linear_act import _assert_norm_close
+from tests.test_linear_act import _assert_norm_close, allow_tf32
 from tests.tolerances import tol
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,9 +47,9 @@ def _split(qkv):
 
 
 def _rtol(dtype: torch.dtype) -> float | None:
-    """fp16 inputs run their dots in TF32 (as fp32 does): "gemm_norm"'s 2e-3 covers one rounded product,
-    but dq and dk go through three chained ones (scores -> dp -> ds -> dq): seen 2.4e-3 of the norm at
-    (3, 2, 7, 5) on an H100, so 5e-3. bf16's 1.6e-2 already covers its coarser inputs."""
+    """fp16 inputs run their dots in TF32 (as fp32 does under allow_tf32): "gemm_norm"'s 2e-3 covers one
+    rounded product, but dq and dk go through three chained ones (scores -> dp -> ds -> dq): seen 2.4e-3 of
+    the norm at (3, 2, 7, 5) on an H100, so 5e-3. bf16's 1.6e-2 already covers its coarser inputs."""
     return 5e-3 if dtype == torch.float16 else None
 
 
@@ -66,6 +67,17 @@ def _check(b, h, s, d, dtype, device=DEVICE, seed=0, p_missing=0.3):
             torch.testing.assert_close(got, want, **tol(dtype, "gemm"), msg=lambda m, n=name: f"{n}: {m}")
         else:
             _assert_norm_close(got, want, dtype, f"{name} {(b, h, s, d)} {dtype}", rtol=_rtol(dtype))
+
+
+def test_gpu_dot_precision_follows_gemm_tuning(monkeypatch):
+    """On a GPU the four products take linear_act's dot precision: fp32 inputs 3xTF32 without allow_tf32 and
+    one TF32 product with it, 16-bit inputs one TF32 product."""
+    monkeypatch.setattr(attention_mod, "INTERPRETED", False)
+    monkeypatch.setattr(gemm_tuning, "INTERPRETED", False)
+    for tf32, fp32 in ((False, "tf32x3"), (True, "tf32")):
+        with allow_tf32(tf32):
+            assert attention_mod._meta(27, 16, torch.float32)["PRECISION"] == fp32
+            assert attention_mod._meta(27, 16, torch.bfloat16)["PRECISION"] == "tf32"
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)

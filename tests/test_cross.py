@@ -3,7 +3,8 @@ against its fp32 PyTorch reference.
 
 On CPU (no CUDA) conftest sets TRITON_INTERPRET=1: the Triton kernels run in the interpreter, whose dots are
 plain fp32, so fp32 results compare elementwise. On a GPU machine the same tests run on DEVICE = "cuda", where
-fp32 GEMMs follow allow_tf32; bf16 (on either) is checked as a relative norm.
+fp32 GEMMs follow allow_tf32 (TF32, compared as a relative norm; else 3xTF32, about fp32's accuracy, compared
+elementwise); bf16 (on either) is checked as a relative norm.
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ def test_forward_and_backward_equal_the_fp32_reference(shape, poisoned):
         for name, a, e in zip(OUTPUTS, [out, *grads], [ref, *ref_grads], strict=True):
             _assert_norm_close(a, e, tol(torch.float32, "gemm_norm")["rtol"], name)
         return
-    # IEEE fp32 GEMMs: sums over r (out, dx0), N (dxl) or M (dv, du, db) in other orders than torch's,
-    # tolerances.py's "gemm" bounds.
+    # fp32-accurate GEMMs (plain fp32 interpreted, 3xTF32 on a GPU): sums over r (out, dx0), N (dxl) or M
+    # (dv, du, db) in other orders than torch's, tolerances.py's "gemm" bounds.
     torch.testing.assert_close(out, ref, **tol(torch.float32, "gemm"))
     for name, a, e in zip(OUTPUTS[1:], grads, ref_grads, strict=True):
         torch.testing.assert_close(a, e, **tol(torch.float32, "gemm"), msg=name)

@@ -3,17 +3,19 @@ forward and backward.
 
 On CPU (no CUDA) conftest sets TRITON_INTERPRET=1, so the tests run the Triton kernels in the interpreter,
 where the GEMMs are plain fp32 and compare elementwise with the fp32 reference's autograd gradients. On a
-GPU machine the same tests run on DEVICE = "cuda", where fp32 GEMMs use TF32: there (and for bf16/fp16
-anywhere) values are checked as a relative norm, and the backward against PyTorch's own activation
-backward applied to the tensor the forward saved (so relu's kink, where TF32 rounding can flip the sign of
-z, does not count as an error of the backward kernels). bf16/fp16 run in the interpreter too; DLRM-shape
-tests are GPU-only.
+GPU machine the same tests run on DEVICE = "cuda", where fp32 GEMMs run on TF32 tensor cores (one product, or
+three: 3xTF32): there (and for bf16/fp16 anywhere) values are checked as a relative norm, and the backward
+against PyTorch's own activation backward applied to the tensor the forward saved (so relu's kink, where
+TF32 rounding can flip the sign of z, does not count as an error of the backward kernels). bf16/fp16 run
+in the interpreter too; DLRM-shape tests are GPU-only.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -80,6 +82,18 @@ def _assert_norm_close(
     ref = expected.float().norm().item()
     bound = t["rtol"] * ref + t["atol"] * math.sqrt(max(expected.numel(), 1))
     assert err <= bound, f"{what}: ||out - ref|| = {err:.3e} > {bound:.3e} (||ref|| = {ref:.3e})"
+
+
+@contextmanager
+def allow_tf32(value: bool) -> Iterator[None]:
+    """torch.backends.cuda.matmul.allow_tf32 set to `value` for the block, the previous value restored after
+    (monkeypatch cannot undo it: the flag is no attribute of the object, which forwards it to torch._C)."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = value
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _check_fwd_bwd(m, n, k, activation, has_bias, dtype, device, seed=0):
@@ -546,11 +560,11 @@ def test_dlrm_shapes_backward_methods_gpu(layer, dtype, method, needs_dx):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layer", DLRM_LAYERS, ids=lambda kn: f"{kn[0]}to{kn[1]}")
-def test_dlrm_shapes_tf32_gpu(monkeypatch, layer):
+def test_dlrm_shapes_tf32_gpu(layer):
     """fp32 with TF32 matmuls allowed: the kernel's dots switch to TF32, still within the tf32 norm bound."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     k, n = layer
-    _check_fwd_bwd(16384, n, k, "identity" if n == 1 else "relu", True, torch.float32, "cuda", seed=n + k)
+    with allow_tf32(True):
+        _check_fwd_bwd(16384, n, k, "identity" if n == 1 else "relu", True, torch.float32, "cuda", seed=n + k)
 
 
 @pytest.mark.gpu
@@ -614,9 +628,27 @@ def test_int64_offsets_gpu():
     _assert_norm_close(db, db_ref, torch.bfloat16, "db (triton)")
 
 
+def test_fp32_dots_run_on_tensor_cores_at_torchs_precision(monkeypatch):
+    """input_precision, which every fused GEMM block's dots take: for fp32 operands on a GPU one TF32 product
+    exactly where PyTorch's matmuls may use TF32, else 3xTF32 (fp32's accuracy on tensor cores), never
+    FMA-unit "ieee" dots; 16-bit operands "tf32"; in the interpreter (plain fp32 dots whatever it is given)
+    "ieee" for fp32."""
+    monkeypatch.setattr(gemm_tuning, "INTERPRETED", False)
+    with allow_tf32(False):
+        assert gemm_tuning.input_precision(torch.float32) == "tf32x3"
+        assert gemm_tuning.input_precision(torch.bfloat16) == "tf32"
+        assert gemm_tuning.input_precision(torch.float16) == "tf32"
+        monkeypatch.setattr(gemm_tuning, "INTERPRETED", True)
+        assert gemm_tuning.input_precision(torch.float32) == "ieee"
+        monkeypatch.setattr(gemm_tuning, "INTERPRETED", False)
+    with allow_tf32(True):
+        assert gemm_tuning.input_precision(torch.float32) == "tf32"
+        assert gemm_tuning.input_precision(torch.bfloat16) == "tf32"
+
+
 def test_tuned_kernel_tunes_each_key_once(monkeypatch):
-    """TunedKernel asks the autotuner once per (M bucket, N, K, dtype) and launches the tuned config
-    directly afterwards, with the same result."""
+    """TunedKernel asks the autotuner once per (M bucket, N, K, dtype, dot precision) and launches the tuned
+    config directly afterwards, with the same result."""
     kernel = linear_act_mod._linear_act_fwd_kernel
     monkeypatch.setattr(kernel, "_options", {})
     tuned = []
@@ -633,7 +665,10 @@ def test_tuned_kernel_tunes_each_key_once(monkeypatch):
     linear_act_fwd(x[:33], w, b, "relu")  # the same bucket: launched directly
     linear_act_fwd(x.bfloat16(), w.bfloat16(), b.bfloat16(), "relu")  # new dtype: tuned
     linear_act_fwd(x, w[:8], b[:8], "relu")  # new N: tuned
-    assert tuned == [(64, 24, 16, torch.float32), (64, 24, 16, torch.bfloat16), (64, 8, 16, torch.float32)]
+    with allow_tf32(not torch.backends.cuda.matmul.allow_tf32):
+        linear_act_fwd(x, w, b, "relu")  # fp32 dots in another precision: tuned
+    expected = [(64, 24, 16, torch.float32), (64, 24, 16, torch.bfloat16), (64, 8, 16, torch.float32)]
+    assert tuned == [*expected, (64, 24, 16, torch.float32)]
     assert torch.equal(first, again)
     kind = "gemm" if DEVICE == "cpu" else "gemm_norm"  # a GPU may run fp32 dots in TF32
     torch.testing.assert_close(first, linear_act_ref(x, w, b, "relu"), **tol(torch.float32, kind))

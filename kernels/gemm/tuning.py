@@ -1,10 +1,12 @@
 """How our Triton GEMM kernels (linear_act's forward and dW) are tuned and what precision their dots use.
 
-Autotuning over a few Hopper tile shapes, keyed on (M bucket, N, K): N and K are a layer's widths and the
-M bucket a power of two of the batch (``m_bucket``), so a new batch size in the same bucket reuses the
-tuned config; Triton adds the tensors' dtypes to the key itself. A kernel names its tile dims (rows,
-cols | reduction), e.g. the forward (BLOCK_M, BLOCK_N | BLOCK_K) and dW (BLOCK_N, BLOCK_K | BLOCK_M), and
-takes an ``M_BUCKET`` argument that only feeds the key. In the interpreter: one fixed small config.
+Autotuning over a few Hopper tile shapes, keyed on (M bucket, N, K) and the dots' ``INPUT_PRECISION``: N
+and K are a layer's widths and the M bucket a power of two of the batch (``m_bucket``), so a new batch size
+in the same bucket reuses the tuned config; Triton adds the tensors' dtypes to the key itself; fp32 dots as
+one TF32 product and as three (``input_precision``) are tuned apart, so a process that runs both precisions
+uses each one's own best config. A kernel names its tile dims (rows, cols | reduction), e.g. the forward
+(BLOCK_M, BLOCK_N | BLOCK_K) and dW (BLOCK_N, BLOCK_K | BLOCK_M), and takes an ``M_BUCKET`` argument that
+only feeds the key. In the interpreter: one fixed small config.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from kernels.launch import INTERPRETED
 
 __all__ = ["TunedKernel", "autotuned", "even_k", "graph_time", "input_precision", "m_bucket"]
 
-_KEY = ["M_BUCKET", "N", "K"]
+_KEY = ["M_BUCKET", "N", "K"]  # passed by position
+_PRECISION = "INPUT_PRECISION"  # passed by keyword, a constexpr of every GEMM kernel
 _M_BUCKET_MIN, _M_BUCKET_MAX = 64, 65536
 
 # Hopper configs: (tile rows, tile cols, num_warps, num_stages) plus a reduction chunk.
@@ -54,9 +57,16 @@ def even_k(k: int) -> bool:
 
 
 def input_precision(dtype: torch.dtype) -> str:
-    """How tl.dot multiplies fp32 operands: TF32 tensor cores only where PyTorch's own matmuls may
-    (``torch.backends.cuda.matmul.allow_tf32``), so every backend computes the same GEMM precision."""
-    return "tf32" if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    """How tl.dot multiplies fp32 operands, on tensor cores either way, at the precision PyTorch's own
+    matmuls have (``torch.backends.cuda.matmul.allow_tf32``), so every backend computes the same GEMM
+    precision: "tf32" (one TF32 product: operands rounded to 10 mantissa bits) where TF32 is allowed,
+    else "tf32x3" (each operand split into a TF32 high part and a TF32 low part, three products summed
+    in fp32: about fp32's accuracy, on tensor cores rather than the FMA units). bf16/fp16 operands: "tf32"
+    (ignored for them). In the interpreter, which computes plain fp32 dots whatever it is given: "ieee".
+    """
+    if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee" if INTERPRETED else "tf32x3"
 
 
 def _set_block_shapes(descriptors: dict[str, tuple[str, str]], args: dict) -> None:
@@ -118,11 +128,12 @@ class TunedKernel:
 
     The autotuner finds a launch's config by building dicts of every argument and their dtypes, per call:
     host time that launches from Python pay, several times a plain Triton launch's. This keeps each key's
-    tuned launch options, keyed as the autotuner keys our kernels: (M_BUCKET, N, K) and the operand's dtype
-    (the kernels' other tensors share it, or have a dtype of their own that never changes), and launches the
-    jitted kernel with them directly, setting its TMA descriptors' block shapes to the tuned tiles as the
-    configs' pre-hook does while tuning. Used as ``kernel[grid](*args, **constexprs)``, with M_BUCKET, N, K,
-    the operand and the descriptors passed by position.
+    tuned launch options, keyed as the autotuner keys our kernels: (M_BUCKET, N, K), the operand's dtype
+    (the kernels' other tensors share it, or have a dtype of their own that never changes) and
+    INPUT_PRECISION, and launches the jitted kernel with them directly, setting its TMA descriptors' block
+    shapes to the tuned tiles as the configs' pre-hook does while tuning. Used as
+    ``kernel[grid](*args, **constexprs)``, with M_BUCKET, N, K, the operand and the descriptors passed by
+    position and INPUT_PRECISION by keyword.
 
     Attributes:
         fn: the ``@triton.jit`` kernel.
@@ -143,7 +154,7 @@ class TunedKernel:
 
     def _launch(self, grid, *args, **kwargs) -> None:
         m_bucket_, n, k = (args[i] for i in self._key_positions)
-        key = (m_bucket_, n, k, args[self._operand_position].dtype)
+        key = (m_bucket_, n, k, args[self._operand_position].dtype, kwargs.get(_PRECISION))
         options = self._options.get(key)
         if options is None:
             self.autotuner[grid](*args, **kwargs)
@@ -180,10 +191,12 @@ def autotuned(
     descriptors = descriptors or {}
     configs = _configs(names, extra or {}, descriptors)
     if INTERPRETED:
-        return TunedKernel(triton.autotune(configs=configs, key=_KEY)(kernel), operand, descriptors)
+        return TunedKernel(
+            triton.autotune(configs=configs, key=[*_KEY, _PRECISION])(kernel), operand, descriptors
+        )
     autotuner = triton.autotune(
         configs=configs,
-        key=_KEY,
+        key=[*_KEY, _PRECISION],
         prune_configs_by={"early_config_prune": _pruner(names, dims, operand)},
         do_bench=_quick_bench,
     )(kernel)
