@@ -23,10 +23,12 @@ F.embedding_bag over the table-batched weight, exact Adagrad on the touched rows
 part); the printed line gives each backend's ratio to it when it ran earlier in the
 same invocation (the CSV keeps samples/s per backend, so the ratios follow from its rows).
 Backends ending in "+graphs" capture the whole step as a CUDA graph (dlrm.graphs; capture time reported
-apart). After warm-up (the first step, with compilation and autotuning, is timed apart) it times `--steps`
-steps with CUDA events and reports ms/step, samples/s, peak GPU memory and the ratio to the eager backend of
-the same invocation; rows go to scripts/results/train.csv. CUDA only: main() refuses to start without a GPU,
-and everything below it (random_batches, build, bench) allocates on the current CUDA device.
+apart). Every build starts from fresh dynamo state and every step runs under its precision's flags (the
+caller's restored after it), so a row's flags and compiled code do not depend on what ran before it
+(`build`). After warm-up (the first step, with compilation and autotuning, is timed apart) it times
+`--steps` steps with CUDA events and reports ms/step, samples/s, peak GPU memory and the ratio to the eager
+backend of the same invocation; rows go to scripts/results/train.csv. CUDA only: main() refuses to start
+without a GPU, and everything below it (random_batches, build, bench) allocates on the current CUDA device.
 
 Many GPUs (weak scaling: `--batches` is the batch per GPU, the global batch is N times it):
 
@@ -55,7 +57,7 @@ import torch
 from results_csv import append_rows, provenance
 from torch import nn
 from torch_graphed_dcn import PlainDCN, TorchGraphedDCNStep
-from torch_graphed_step import PlainDLRM, TorchGraphedStep
+from torch_graphed_step import PlainDLRM, TorchGraphedStep, precision_flags
 
 from dlrm import parallel
 from dlrm.config import load_config, replace
@@ -63,7 +65,6 @@ from dlrm.data.bags import is_one_hot
 from dlrm.data.dataset import Batch
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.data.synthetic_rows import CARDINALITY_PRESETS, power_law_ranks
-from dlrm.device import set_precision
 from dlrm.graphs import GraphedTrainStep
 from dlrm.model import DLRM
 from dlrm.optim import RunOptimizer
@@ -145,11 +146,16 @@ def build(
     (train.optimizer): the step is `step(model, optimizer, batch) -> loss` (graph-captured for "+graphs"
     backends), pool the batches (`ids`: one of IDS) over modulus tables of the `cardinalities` preset.
     With several ranks (`dist`) the tables are sharded (created on each rank's GPU) as the `sharding`
-    variant (SHARDINGS) says, and `batch` is the batch of each rank."""
+    variant (SHARDINGS) says, and `batch` is the batch of each rank.
+
+    No earlier build decides this one's flags or compiled code: dynamo starts afresh (no compiled code,
+    recompile counts or dynamic-shape choices of another backend, batch or precision), and every step
+    runs under the flags of `precision` and gives the caller's back (`PrecisionStep`; the baseline's
+    TorchGraphedStep does both itself)."""
+    torch._dynamo.reset()
     flags = {"precision": precision, "optimizer": optimizer, **FLAGS[backend]}
     cfg = replace(load_config(CONFIG_DIR / f"{config}.json"), "train", **flags)
     cfg = replace(cfg, "model", hashing="modulus", min_frequency=1)
-    set_precision(precision)
     cap = max_rows or cfg.model.max_rows
     table_rows = [min(rows, cap) for rows in CARDINALITY_PRESETS[cardinalities]]
     torch.manual_seed(0)
@@ -177,7 +183,26 @@ def build(
     if cfg.train.cuda_graphs:
         step = GraphedTrainStep(model, optimizer, step)
     pool = random_batches(batch, table_rows, generator, ids, bag_sizes)
-    return model, optimizer, step, pool, table_rows
+    return model, optimizer, PrecisionStep(step, precision), pool, table_rows
+
+
+class PrecisionStep:
+    """One of our model's steps, `step(model, optimizer, batch) -> loss`, run under the flags of
+    `precision` on every call (warm-up, capture, replay), with the caller's flags back after it: the
+    baseline's `precision_flags`, the flags dlrm.device.set_precision sets for a run (as
+    tests/test_torch_graphed_step.py checks). `capture_s`: the wrapped step's capture time, None for a step
+    it does not capture."""
+
+    def __init__(self, step, precision: str):
+        self.step, self.precision = step, precision
+
+    @property
+    def capture_s(self) -> float | None:
+        return getattr(self.step, "capture_s", None)
+
+    def __call__(self, model: nn.Module, optimizer, batch: Batch) -> torch.Tensor:
+        with precision_flags(self.precision):
+            return self.step(model, optimizer, batch)
 
 
 class BaselineStep:
@@ -277,7 +302,7 @@ def bench(
         "ms_per_step": round(max(per_rank), 4), "samples_per_s": round(batch * world / max(per_rank) * 1000),
         "peak_mem_gib": round(max(peaks), 2),
         "first_step_s": round(first_step_s, 2),
-        "capture_s": round(step.capture_s, 2) if isinstance(step, GraphedTrainStep | BaselineStep) else "",
+        "capture_s": "" if step.capture_s is None else round(step.capture_s, 2),
         "world_size": world, "global_batch": batch * world,
         "step_ms_min": round(min(per_rank), 4), "step_ms_max": round(max(per_rank), 4),
     }  # fmt: skip

@@ -23,14 +23,22 @@ hashing "modulus") trained by dlrm.step.train_step with SGD: the same ops in the
 "bf16" runs the MLPs and the interaction under bf16 autocast as train_step does, the loss in fp32; rows
 that occur several times in a batch sum their gradients, as nn.Embedding(sparse=True)'s gradient does in
 torch.optim.SGD. tests/test_torch_graphed_step.py checks the loss and every updated weight against our
-eager step on the CPU (uncompiled, uncaptured). TF32 ("tf32") is a process-wide switch: the caller sets
-torch.backends' flags (bench_train.py does, through dlrm.device.set_precision).
+eager step on the CPU (uncompiled, uncaptured).
+
+The step's precision flags and compiled code do not depend on what ran before it in the process: each
+call (warm-up, capture, replay, an uncaptured step) runs under the process-wide flags its precision implies
+(`precision_flags`: TF32 matmuls on for "tf32", off for "fp32" and "bf16", as dlrm.device.set_precision
+sets them for our model) and gives the caller's flags back after it; a compiled step starts from fresh
+dynamo state (torch._dynamo.reset() when it is built), so no earlier build's compiled code, recompilations
+or dynamic-shape decisions carry over to it.
 
 Left out: Adagrad, weight decay, other interactions, MLP blocks and hashings, several GPUs.
 """
 
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +46,68 @@ from torch import nn
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 WARMUP_STEPS = 3
+
+
+@contextmanager
+def precision_flags(precision: str) -> Iterator[None]:
+    """The block runs under the torch flags that `precision` (one of PRECISIONS) implies, whatever the caller
+    set, and the caller's flags are back after it: TF32 tensor-core matmuls for "tf32" (cuBLAS:
+    torch.backends.cuda.matmul.allow_tf32 and torch.set_float32_matmul_precision("high"); cuDNN:
+    torch.backends.cudnn.allow_tf32), none for "fp32" and "bf16" ("highest"; bf16's autocast regions run
+    in bf16 whatever these say, the rest in fp32). The fp32_precision properties are cleared first (the
+    setters above write the ones they govern), so one the caller set cannot override them."""
+    restore = flags_restorer()
+    for backend in _precision_backends():
+        backend.fp32_precision = "none"
+    tf32 = precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    try:
+        yield
+    finally:
+        restore()
+
+
+@functools.cache
+def _precision_backends() -> tuple:
+    """The backends with an fp32_precision property, parents before children (oneDNN's matmul precision is
+    part of the float32 matmul precision's state)."""
+    b = torch.backends
+    return (
+        b,
+        b.cuda.matmul,
+        b.cudnn,
+        b.cudnn.conv,
+        b.cudnn.rnn,
+        b.mkldnn,
+        b.mkldnn.matmul,
+        b.mkldnn.conv,
+        b.mkldnn.rnn,
+    )
+
+
+def flags_restorer() -> Callable[[], None]:
+    """A function that sets torch's fp32 precision flags back to their values now: the legacy ones (matmul
+    and cuDNN allow_tf32, the float32 matmul precision), then the fp32_precision properties, which the
+    legacy setters overwrite and which leave the legacy ones alone. Where torch refuses to read the legacy
+    ones (the caller set the fp32_precision properties against them), only the properties go back."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    try:
+        legacy = (matmul.allow_tf32, cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    except RuntimeError:  # "you have used mix of the legacy and new APIs"
+        legacy = None
+    backends = _precision_backends()
+    values = [backend.fp32_precision for backend in backends]
+
+    def restore() -> None:
+        if legacy is not None:
+            matmul.allow_tf32, cudnn.allow_tf32 = legacy[:2]
+            torch.set_float32_matmul_precision(legacy[2])  # after allow_tf32, which sets it too
+        for backend, value in zip(backends, values, strict=True):
+            backend.fp32_precision = value
+
+    return restore
 
 
 class PlainDLRM(nn.Module):
@@ -145,8 +215,9 @@ class TorchGraphedStep:
     Args:
         model: the PlainDLRM, on the device that the batches are on.
         lr: SGD learning rate of the MLPs; embedding_lr that of the tables (None: lr).
-        precision: "fp32", "tf32" (the caller sets TF32 on) or "bf16".
-        compile: torch.compile the dense part (Inductor, default mode: the CUDA graph is ours).
+        precision: "fp32", "tf32" or "bf16"; every call runs under its flags (`precision_flags`).
+        compile: torch.compile the dense part (Inductor, default mode: the CUDA graph is ours), from fresh
+            dynamo state (torch._dynamo.reset() here: process-wide, it drops every compiled function's code).
         cuda_graph: capture the whole step after `warmup` side-stream steps and replay it (CUDA only);
             a batch of another size than the captured one runs uncaptured.
     Calling it with a batch (dense [B, 13] f32, sparse [B, F] i64, label [B] f32; any sequence of the
@@ -171,8 +242,10 @@ class TorchGraphedStep:
         if cuda_graph and model.weight.device.type != "cuda":
             raise ValueError(f"a CUDA graph needs the model on a CUDA device, it is on {model.weight.device}")
         self.model, self.lr, self.embedding_lr = model, lr, lr if embedding_lr is None else embedding_lr
-        self.bf16 = precision == "bf16"
+        self.precision, self.bf16 = precision, precision == "bf16"
         self.params = [p for layers in model.dense_modules for p in layers.parameters()]
+        if compile:
+            torch._dynamo.reset()  # no earlier build's compiled code, recompile count or dynamic shapes
         self.dense_loss = torch.compile(model.dense_loss) if compile else model.dense_loss
         self.cuda_graph, self.warmup = cuda_graph, warmup
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -193,7 +266,10 @@ class TorchGraphedStep:
         return loss.detach()
 
     def __call__(self, batch: Sequence[torch.Tensor]) -> torch.Tensor:
-        dense, sparse, label = batch
+        with precision_flags(self.precision):
+            return self._call(*batch)
+
+    def _call(self, dense: torch.Tensor, sparse: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
         if not self.cuda_graph:
             return self.step(dense, sparse, label)
         self.steps += 1

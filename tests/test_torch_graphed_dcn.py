@@ -15,6 +15,7 @@ from dlrm.data.schema import NUM_DENSE
 from dlrm.model import DLRM
 from dlrm.optim import RunOptimizer
 from dlrm.step import train_step
+from tests.test_torch_graphed_step import CALLERS, REQUIRED, legacy_flags, process_flags_kept
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))  # torch_graphed_dcn imports torch_graphed_step as the scripts do
@@ -118,3 +119,26 @@ def test_bad_arguments():
     plain = baseline.PlainDCN(8, [8], [1], TABLE_ROWS, [1] * 26, 1, 2)
     with pytest.raises(ValueError, match="CUDA graph needs the model on a CUDA device"):
         baseline.TorchGraphedDCNStep(plain, lr=0.1, compile=False)
+
+
+@pytest.mark.parametrize("precision", REQUIRED)
+def test_dcn_step_inherits_the_precision_flags(precision):
+    """TorchGraphedDCNStep's calls run under its precision's flags whatever the caller left, and give the
+    caller's back, as TorchGraphedStep's (tests/test_torch_graphed_step.py)."""
+    cfg, _, _, _, step = build(precision)
+    seen = []
+    dense_loss = step.dense_loss
+
+    def recording(*args):
+        seen.append(legacy_flags())
+        return dense_loss(*args)
+
+    step.dense_loss = recording
+    generator = torch.Generator().manual_seed(5)
+    with process_flags_kept():
+        for caller in CALLERS.values():
+            caller()
+            before = legacy_flags()
+            step(batch(4, sum(cfg.model.multi_hot_sizes), generator))
+            assert before is None or legacy_flags() == before
+    assert seen == [REQUIRED[precision]] * len(CALLERS)

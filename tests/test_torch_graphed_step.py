@@ -1,7 +1,12 @@
 """Tests of the plain-PyTorch baseline step of scripts/bench_train.py (scripts/torch_graphed_step.py): on the
-CPU, uncompiled and uncaptured, its loss and updated weights equal our eager model's SGD step."""
+CPU, uncompiled and uncaptured, its loss and updated weights equal our eager model's SGD step; it and
+bench_train's steps of our model run under their precision's flags whatever the caller set, and give the
+caller's back; a compiled baseline starts from fresh dynamo state."""
 
+import functools
 import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -10,6 +15,7 @@ import torch
 from dlrm.config import load_config, replace
 from dlrm.data.dataset import Batch
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
+from dlrm.device import set_precision
 from dlrm.model import DLRM
 from dlrm.optim import RunOptimizer
 from dlrm.step import train_step
@@ -111,3 +117,193 @@ def test_bench_train_refuses_configs_the_baseline_does_not_cover(monkeypatch):
     )
     with pytest.raises(click.UsageError, match="train.optimizer='adagrad'"):
         bench_train.build_baseline(cfg, TABLE_ROWS, parallel.SINGLE)
+
+
+# The flags a step of each precision must see: TF32 matmuls (cuBLAS allow_tf32, the float32 matmul precision,
+# cuDNN allow_tf32) for "tf32" only.
+REQUIRED = {
+    "fp32": (False, False, "highest"),
+    "tf32": (True, True, "high"),
+    "bf16": (False, False, "highest"),
+}
+
+
+def legacy_flags() -> tuple[bool, bool, str] | None:
+    """(cuBLAS allow_tf32, cuDNN allow_tf32, float32 matmul precision); None where torch refuses to read
+    them (after the fp32_precision properties were set)."""
+    try:
+        return (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.get_float32_matmul_precision(),
+        )
+    except RuntimeError:
+        return None
+
+
+def _precision_backends() -> tuple:
+    b = torch.backends
+    return (
+        b,
+        b.cuda.matmul,
+        b.cudnn,
+        b.cudnn.conv,
+        b.cudnn.rnn,
+        b.mkldnn,
+        b.mkldnn.matmul,
+        b.mkldnn.conv,
+        b.mkldnn.rnn,
+    )
+
+
+def fp32_precisions() -> tuple[str, ...]:
+    """The fp32_precision properties (always readable)."""
+    return tuple(x.fp32_precision for x in _precision_backends())
+
+
+def _set_legacy(allow_tf32: bool, cudnn: bool, matmul_precision: str) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    torch.backends.cudnn.allow_tf32 = cudnn
+    torch.set_float32_matmul_precision(matmul_precision)
+
+
+def _set_fp32_precision_api() -> None:
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+
+
+def _set_fp32_precision_all() -> None:
+    torch.backends.fp32_precision = "tf32"
+
+
+# What a caller may have left: each precision's flags, a mixture, "medium", and the fp32_precision API.
+CALLERS = {
+    "tf32": functools.partial(_set_legacy, True, True, "high"),
+    "fp32": functools.partial(_set_legacy, False, False, "highest"),
+    "cudnn_tf32_only": functools.partial(_set_legacy, False, True, "highest"),
+    "medium": functools.partial(_set_legacy, True, False, "medium"),
+    "fp32_precision_api": _set_fp32_precision_api,
+    "fp32_precision_all": _set_fp32_precision_all,
+}
+
+
+@contextmanager
+def process_flags_kept() -> Iterator[None]:
+    """The process's precision flags as they were before the block, after it (the legacy setters overwrite
+    the fp32_precision properties, so those go second)."""
+    saved, properties = legacy_flags(), fp32_precisions()
+    try:
+        yield
+    finally:
+        _set_legacy(*saved)
+        for x, value in zip(_precision_backends(), properties, strict=True):
+            x.fp32_precision = value
+
+
+@pytest.fixture
+def process_flags():
+    with process_flags_kept():
+        yield
+
+
+def _recording_flags(step, seen: list):
+    """Make `step`'s dense part append the legacy flags it runs under to `seen`."""
+    dense_loss = step.dense_loss
+
+    def recording(*args, **kwargs):
+        seen.append(legacy_flags())
+        return dense_loss(*args, **kwargs)
+
+    step.dense_loss = recording
+
+
+def assert_caller_flags_back(before_legacy, before_fp32_precisions) -> None:
+    """The flags equal the caller's: the fp32_precision properties, and the legacy ones where the caller
+    could read them."""
+    assert fp32_precisions() == before_fp32_precisions
+    if before_legacy is not None:
+        assert legacy_flags() == before_legacy
+
+
+@pytest.mark.parametrize("caller", CALLERS)
+@pytest.mark.parametrize("precision", baseline.PRECISIONS)
+def test_baseline_step_sets_its_precision_flags_and_gives_the_callers_back(precision, caller, process_flags):
+    """Whatever flags the caller left, every call of the step runs under those its precision requires
+    (issue 46: torch-graphed at tf32 timed slower than at fp32 after other runs in the process), and the
+    caller's are back after it."""
+    plain = baseline.PlainDLRM(8, [32, 8], [32, 1], TABLE_ROWS)
+    step = baseline.TorchGraphedStep(plain, lr=0.1, precision=precision, compile=False, cuda_graph=False)
+    seen = []
+    _recording_flags(step, seen)
+    CALLERS[caller]()
+    before = legacy_flags(), fp32_precisions()
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        step(batch(8, generator))
+        assert_caller_flags_back(*before)
+    assert seen == [REQUIRED[precision]] * 2
+
+
+@pytest.mark.parametrize("precision", baseline.PRECISIONS)
+def test_baseline_flags_are_those_a_run_sets(precision, process_flags):
+    """The baseline's flags for a precision are those dlrm.device.set_precision sets for a run of it (our
+    model's steps in bench_train run under the former), after any run dlrm could have set up before."""
+    for earlier in baseline.PRECISIONS:
+        set_precision(earlier)
+        with baseline.precision_flags(precision):
+            inside = legacy_flags()
+        set_precision(precision)
+        assert inside == legacy_flags() == REQUIRED[precision]
+
+
+@pytest.mark.parametrize("precision", baseline.PRECISIONS)
+def test_bench_train_steps_set_their_precision_flags_and_give_the_callers_back(
+    precision, process_flags, monkeypatch
+):
+    """bench_train's steps of our model (eager, compile, triton, graphed or not) run under their precision's
+    flags on every call, whatever the caller left, and give the caller's back."""
+    monkeypatch.syspath_prepend(str(_PATH.parent))
+    import bench_train
+
+    seen = []
+
+    def inner(model, optimizer, batch):
+        seen.append(legacy_flags())
+        return torch.zeros(())
+
+    step = bench_train.PrecisionStep(inner, precision)
+    assert step.capture_s is None  # a step that does not capture: no capture time in its row
+    for caller in CALLERS.values():
+        caller()
+        before = legacy_flags(), fp32_precisions()
+        step(None, None, None)
+        assert_caller_flags_back(*before)
+    assert seen == [REQUIRED[precision]] * len(CALLERS)
+
+
+def _cache_entries(fn) -> int:
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(fn.__code__))
+
+
+def test_compiled_baselines_do_not_share_dynamo_state(monkeypatch):
+    """A compiled baseline built after another starts with none of its compiled code (nor its recompile
+    count or dynamic-shape choices): building resets dynamo. Compiled with dynamo's "eager" backend here (no
+    Inductor build on the CPU); dynamo's caches are the same."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    code = baseline.PlainDLRM.dense_loss
+    generator = torch.Generator().manual_seed(4)
+    first = baseline.TorchGraphedStep(
+        baseline.PlainDLRM(8, [32, 8], [32, 1], TABLE_ROWS), lr=0.1, cuda_graph=False
+    )
+    first(batch(8, generator))
+    first(batch(12, generator))  # another batch size: a recompilation, with dynamic shapes
+    assert _cache_entries(code) >= 1
+    second = baseline.TorchGraphedStep(
+        baseline.PlainDLRM(8, [32, 8], [32, 1], TABLE_ROWS), lr=0.1, cuda_graph=False
+    )
+    assert _cache_entries(code) == 0
+    second(batch(8, generator))
+    assert _cache_entries(code) == 1  # its own compilation only
+    torch._dynamo.reset()
