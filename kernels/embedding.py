@@ -11,10 +11,12 @@ Math (letters of dlrm/model/dlrm.py: B batch, F sparse features, D embedding dim
     backward   the optimizer's step on the touched rows, in place (``kernels.embedding_update``): no
                gradient of the weights leaves the op
 
-Shapes and dtypes: weights [R, D] fp32 or bf16 (updates computed in fp32, rounded once); state fp32 ([R, D]
-for adagrad, [R] for rowwise_adagrad, empty for sgd); ids [B, F] int64 raw category ids (-1 = missing, which
-lands in row 0); offsets, rows [F] int64; out [B, F, D] in weights' dtype; index [B, F] int64 (saved for
-backward instead of recomputing the hashing). Offsets are int64: R * D passes 2**31 at Kaggle sizes.
+Shapes and dtypes: weights [R, D] fp32 or bf16 (updates computed in fp32, rounded once: bf16 to nearest, or
+stochastically given `rounding`, kernels/embedding_update.py); state fp32 ([R, D] for adagrad, [R] for
+rowwise_adagrad, empty for sgd); ids [B, F] int64 raw category ids (-1 = missing, which lands in row 0);
+offsets, rows [F] int64; out [B, F, D] in weights' dtype or `out_dtype` (bf16 rows read as they are and
+written as fp32 exactly); index [B, F] int64 (saved for backward instead of recomputing the hashing).
+Offsets are int64: R * D passes 2**31 at Kaggle sizes.
 
 Everything has a fixed shape (no torch.unique, no host sync), so a step can be captured in a CUDA graph.
 The learning rate is a one-element fp32 tensor on the tables' device that the update kernels load, not a
@@ -30,7 +32,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.embedding_update import OPTIMIZERS, block_sizes, check_optimizer, embedding_update, update_lr
+from kernels.embedding_update import (
+    OPTIMIZERS,
+    block_sizes,
+    check_optimizer,
+    check_rounding,
+    embedding_update,
+    update_lr,
+)
 from kernels.launch import use_triton
 from kernels.op import define_op
 
@@ -207,6 +216,7 @@ def _lookup_impl(
     lr: Tensor,
     eps: float,
     out_dtype: torch.dtype,
+    rounding: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     if use_triton(weights):
         return embedding_lookup_fwd(weights, offsets, rows, ids, hashing, out_dtype)
@@ -215,32 +225,32 @@ def _lookup_impl(
     return embedding_lookup_ref(weights, offsets, rows, ids, hashing, out_dtype)
 
 
-def _lookup_fake(weights, state, offsets, rows, ids, hashing, optimizer, lr, eps, out_dtype):
+def _lookup_fake(weights, state, offsets, rows, ids, hashing, optimizer, lr, eps, out_dtype, rounding=None):
     out = torch.empty(ids.shape[0], ids.shape[1], weights.shape[1], dtype=out_dtype, device=weights.device)
     return out, torch.empty_like(ids)
 
 
-def _update_fake(weights, state, index, grad, optimizer, lr, eps) -> None:
+def _update_fake(weights, state, index, grad, optimizer, lr, eps, rounding=None) -> None:
     return None
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    weights, state, _, _, _, _, optimizer, lr, eps, _ = inputs
+    weights, state, _, _, _, _, optimizer, lr, eps, _, rounding = inputs
     _, index = output
     # The weights are saved only to be updated in backward (after they are unpacked, so autograd's
-    # saved-tensor version check still holds). The lr tensor is saved as it is, not its value: a schedule
-    # writes it between steps, never between a step's forward and backward.
-    ctx.save_for_backward(weights, state, index, lr)
+    # saved-tensor version check still holds). The lr and rounding tensors are saved as they are, not
+    # their values: their owners write them between steps, never between a step's forward and backward.
+    ctx.save_for_backward(weights, state, index, lr, rounding)
     ctx.optimizer, ctx.eps = optimizer, eps
     ctx.mark_non_differentiable(index)
 
 
 def _backward(update_fn, ctx, grad_out: Tensor, _grad_index):
     # update_fn: the update op, or the function it runs on the eager path.
-    weights, state, index, lr = ctx.saved_tensors
-    update_fn(weights, state, index, grad_out, ctx.optimizer, lr, ctx.eps)
+    weights, state, index, lr, rounding = ctx.saved_tensors
+    update_fn(weights, state, index, grad_out, ctx.optimizer, lr, ctx.eps, rounding)
     # The weights were updated in place: no gradient leaves this op.
-    return None, None, None, None, None, None, None, None, None, None
+    return (None,) * 11
 
 
 # The backward op is the in-place update dlrm::embedding_update, which returns nothing.
@@ -266,6 +276,7 @@ def embedding_lookup(
     lr: Tensor | None = None,
     eps: float = 1e-10,
     out_dtype: torch.dtype | None = None,
+    rounding: Tensor | None = None,
 ) -> Tensor:
     """Look up F tables at once from raw ids; backward updates the weights in place (fused optimizer).
 
@@ -288,7 +299,10 @@ def embedding_lookup(
             under torch.no_grad()).
         out_dtype: dtype of the result (None: weights' dtype), e.g. bf16 from fp32 tables under bf16
             autocast: the kernel rounds as it stores, with no separate cast pass forward or backward (the
-            update reads a gradient of any float dtype).
+            update reads a gradient of any float dtype). From bf16 tables, fp32 is exact.
+        rounding: for bf16 weights, [2] int64 (seed, count) on weights' device, read when backward runs:
+            the update rounds stochastically with the bits of (seed, count) (kernels/embedding_update.py;
+            the caller advances the count between steps); None: to nearest.
     Returns:
         [B, F, D] in out_dtype: out[b, f] = weights[offsets[f] + row(ids[b, f])].
     Raises:
@@ -297,5 +311,8 @@ def embedding_lookup(
     check_optimizer(optimizer)
     out_dtype = weights.dtype if out_dtype is None else out_dtype
     lr = update_lr(lr, weights, "embedding_lookup")
-    out, _ = _embedding_lookup(weights, state, offsets, rows, ids, hashing, optimizer, lr, eps, out_dtype)
+    check_rounding(rounding, weights)
+    out, _ = _embedding_lookup(
+        weights, state, offsets, rows, ids, hashing, optimizer, lr, eps, out_dtype, rounding
+    )
     return out

@@ -19,7 +19,8 @@ as in dlrm/data/bags.py)
     row in 100 bags of a batch takes one Adagrad step, not 100. "sgd" and "adagrad" equal torch.optim.SGD /
     Adagrad (initial accumulator 0) on the sparse gradient of nn.EmbeddingBag.
 
-Shapes and dtypes: weights [R, D] fp32 or bf16 (pooling and updates in fp32, rounded once); state fp32 (as
+Shapes and dtypes: weights [R, D] fp32 or bf16 (pooling and updates in fp32, rounded once: bf16 updates to
+nearest, or stochastically given `rounding`, kernels/embedding_update.py); state fp32 (as
 `kernels.embedding.optimizer_state`); ids [B, S] int64; offsets, rows, bag_sizes [F] int64; out [B, F, D] in
 weights' dtype or `out_dtype`; index [B, S] int64 (saved for backward). Offsets are int64.
 
@@ -50,7 +51,7 @@ from kernels.embedding_bag_update import (
     embedding_bag_update,
     embedding_bag_update_ref,
 )
-from kernels.embedding_update import block_sizes, check_optimizer, update_lr
+from kernels.embedding_update import block_sizes, check_optimizer, check_rounding, update_lr
 from kernels.launch import use_triton
 from kernels.op import define_op
 
@@ -222,6 +223,7 @@ def _lookup_impl(
     lr: Tensor,
     eps: float,
     out_dtype: torch.dtype,
+    rounding: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     if use_triton(weights):
         return embedding_bag_fwd(weights, offsets, rows, bag_sizes, ids, hashing, pooling, out_dtype)
@@ -231,32 +233,34 @@ def _lookup_impl(
 
 
 def _lookup_fake(
-    weights, state, offsets, rows, bag_sizes, ids, hashing, pooling, optimizer, lr, eps, out_dtype
-):
+    weights, state, offsets, rows, bag_sizes, ids, hashing, pooling, optimizer, lr, eps, out_dtype,
+    rounding=None,
+):  # fmt: skip
     out = torch.empty(
         ids.shape[0], offsets.shape[0], weights.shape[1], dtype=out_dtype, device=weights.device
     )
     return out, torch.empty_like(ids)
 
 
-def _update_fake(weights, state, index, grad, bag_sizes, pooling, optimizer, lr, eps) -> None:
+def _update_fake(weights, state, index, grad, bag_sizes, pooling, optimizer, lr, eps, rounding=None) -> None:
     return None
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    weights, state, _, _, bag_sizes, _, _, pooling, optimizer, lr, eps, _ = inputs
+    weights, state, _, _, bag_sizes, _, _, pooling, optimizer, lr, eps, _, rounding = inputs
     _, index = output
-    # The weights are saved only to be updated in backward; lr is saved as the tensor a schedule writes.
-    ctx.save_for_backward(weights, state, index, bag_sizes, lr)
+    # The weights are saved only to be updated in backward; lr and rounding are saved as the tensors their
+    # owners write between steps.
+    ctx.save_for_backward(weights, state, index, bag_sizes, lr, rounding)
     ctx.pooling, ctx.optimizer, ctx.eps = pooling, optimizer, eps
     ctx.mark_non_differentiable(index)
 
 
 def _backward(update_fn, ctx, grad_out: Tensor, _grad_index):
     # update_fn: the update op, or the function it runs on the eager path.
-    weights, state, index, bag_sizes, lr = ctx.saved_tensors
-    update_fn(weights, state, index, grad_out, bag_sizes, ctx.pooling, ctx.optimizer, lr, ctx.eps)
-    return (None,) * 12  # the weights were updated in place: no gradient leaves this op
+    weights, state, index, bag_sizes, lr, rounding = ctx.saved_tensors
+    update_fn(weights, state, index, grad_out, bag_sizes, ctx.pooling, ctx.optimizer, lr, ctx.eps, rounding)
+    return (None,) * 13  # the weights were updated in place: no gradient leaves this op
 
 
 _embedding_bag_lookup = define_op(
@@ -283,6 +287,7 @@ def embedding_bag_lookup(
     lr: Tensor | None = None,
     eps: float = 1e-10,
     out_dtype: torch.dtype | None = None,
+    rounding: Tensor | None = None,
 ) -> Tensor:
     """Look up and pool F tables' bags at once; backward updates the weights in place (fused optimizer,
     every touched row once with its summed gradient).
@@ -305,6 +310,8 @@ def embedding_bag_lookup(
         lr: the update's learning rate, a one-element fp32 tensor on weights' device (read when backward
             runs); None only for lookups without an update.
         out_dtype: dtype of the result (None: weights' dtype); pooling is in fp32, rounded once as stored.
+        rounding: for bf16 weights, [2] int64 (seed, count) on weights' device, read when backward runs:
+            the update rounds stochastically (kernels/embedding_update.py); None: to nearest.
     Returns:
         [B, F, D] in out_dtype: the pooled bags.
     Raises:
@@ -314,7 +321,9 @@ def embedding_bag_lookup(
     check_pooling(pooling)
     out_dtype = weights.dtype if out_dtype is None else out_dtype
     lr = update_lr(lr, weights, "embedding_bag_lookup")
+    check_rounding(rounding, weights)
     out, _ = _embedding_bag_lookup(
-        weights, state, offsets, rows, bag_sizes, ids, hashing, pooling, optimizer, lr, eps, out_dtype
-    )
+        weights, state, offsets, rows, bag_sizes, ids, hashing, pooling, optimizer, lr, eps, out_dtype,
+        rounding,
+    )  # fmt: skip
     return out

@@ -20,7 +20,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.embedding_update import check_lr, check_optimizer, embedding_update_ref, launch_update
+from kernels.embedding_update import (
+    check_lr,
+    check_optimizer,
+    check_rounding,
+    embedding_update_ref,
+    launch_update,
+)
 from kernels.launch import use_triton
 
 __all__ = [
@@ -64,6 +70,7 @@ def embedding_bag_update(
     optimizer: str,
     lr: Tensor,
     eps: float,
+    rounding: Tensor | None = None,
 ) -> None:
     """Apply one optimizer step to the rows of `weights` (and `state`) that `index` touched, each row once
     with the sum of its lookups' gradients, in place (module docstring).
@@ -76,6 +83,8 @@ def embedding_bag_update(
         bag_sizes: [F] int64 k_f (sum = S); pooling: "sum" or "mean".
         optimizer: "sgd", "adagrad" or "rowwise_adagrad"; eps: Adagrad's epsilon.
         lr: learning rate, a one-element fp32 tensor on weights' device, read by the kernel.
+        rounding: for bf16 weights, [2] int64 (seed, count): stochastic rounding (None: to nearest), as
+            `kernels.embedding_update.embedding_update` takes it.
     Raises:
         ValueError: unknown optimizer or pooling, or shapes/dtypes/devices that do not match.
     """
@@ -87,11 +96,14 @@ def embedding_bag_update(
             f"grad {list(grad.shape)} must be [B={b}, F={bag_sizes.shape[0]}, D={weights.shape[1]}]"
         )
     check_lr(lr, weights)
+    check_rounding(rounding, weights)
     if not use_triton(weights):
-        embedding_bag_update_ref(weights, state, index, grad, bag_sizes, pooling, optimizer, lr, eps)
+        embedding_bag_update_ref(
+            weights, state, index, grad, bag_sizes, pooling, optimizer, lr, eps, rounding
+        )
         return
     bags = bag_columns(bag_sizes, pooling, s)
-    launch_update(weights, state, index.reshape(-1), grad.contiguous(), optimizer, lr, eps, bags)
+    launch_update(weights, state, index.reshape(-1), grad.contiguous(), optimizer, lr, eps, bags, rounding)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -109,9 +121,10 @@ def embedding_bag_update_ref(
     optimizer: str,
     lr: Tensor,
     eps: float,
+    rounding: Tensor | None = None,
 ) -> None:
     """PyTorch update, in place: each lookup's gradient scale * grad[b, f(c)] ([B, S, D] fp32), then
     `kernels.embedding.embedding_update_ref` (repeated rows summed, one step each)."""
     features, scales = bag_columns(bag_sizes, pooling, index.shape[1])
     per_lookup = grad.float().index_select(1, features) * scales[:, None]
-    embedding_update_ref(weights, state, index, per_lookup, optimizer, lr, eps)
+    embedding_update_ref(weights, state, index, per_lookup, optimizer, lr, eps, rounding)

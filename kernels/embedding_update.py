@@ -13,6 +13,16 @@ Dtypes: weights fp32 or bf16 (updates computed in fp32, rounded once); state fp3
 for rowwise_adagrad, empty for sgd); the gradient of any float dtype; lr a one-element fp32 tensor that
 the kernels load (a schedule writes it in place between steps; CUDA-graph replays read the current value).
 
+Rounding of bf16 weights: to nearest, or, given `rounding` (a [2] int64 device tensor: seed, count),
+stochastically as FBGEMM rounds its fp16/bf16 weights: 16 uniform random bits are added to the updated fp32
+value's bit pattern below the bf16 mantissa and the low 16 bits dropped, so w rounds up to the next bf16
+value with probability (w - lower) / (upper - lower) and E[rounded] = w (unbiased: a table whose updates are
+smaller than half a bf16 step still moves on average, where rounding to nearest would drop them). The bits
+are Philox4x32-10 (`tl.philox`) keyed by the seed, counter (element r * D + d, count): fresh for every
+element and every count, the same for the same (seed, count). The kernels only read the tensor; its owner
+advances the count in place once a step (dlrm.optim.RunOptimizer.step), so every CUDA-graph replay draws
+new bits and a run resumed with its count continues the same stream. A NaN stays NaN.
+
 How the update runs:
 - "sgd" with fp32 weights: one kernel, atomic adds of -lr * dout straight into the touched rows. Atomic adds
   sum repeated ids exactly (up to fp32 summation order), as SGD needs nothing but the sum.
@@ -41,6 +51,7 @@ __all__ = [
     "block_sizes",
     "check_lr",
     "check_optimizer",
+    "check_rounding",
     "embedding_update",
     "embedding_update_ref",
     "launch_update",
@@ -174,6 +185,21 @@ def _segment_sum_kernel(
     tl.atomic_add(slots, sums, mask=mask & (ends_here & crosses)[:, None])
 
 
+@triton.jit
+def _stochastic_round_bf16(x, seed, count, element):
+    """x [BLOCK_N, BLOCK_D] fp32 rounded stochastically to bf16 values (returned as fp32, its low 16 bits
+    zero): 16 random bits of Philox(seed; element lo, element hi, count lo, count hi) added to x's bit
+    pattern, then truncated (module docstring). element: [BLOCK_N, BLOCK_D] int64 r * D + d; count: int64."""
+    zero = (element * 0).to(tl.uint32)
+    count_lo = (count & 0xFFFFFFFF).to(tl.uint32) + zero
+    count_hi = ((count >> 32) & 0xFFFFFFFF).to(tl.uint32) + zero
+    bits, _, _, _ = tl.philox(seed, element.to(tl.uint32), (element >> 32).to(tl.uint32), count_lo, count_hi)
+    pattern = x.to(tl.uint32, bitcast=True) + (bits & 0xFFFF)
+    rounded = (pattern & 0xFFFF0000).to(tl.float32, bitcast=True)
+    # A NaN's pattern plus the bits may carry out of the exponent (a negative NaN would wrap to a zero).
+    return tl.where(x != x, x, rounded)
+
+
 @triton.jit(do_not_specialize=["N", "eps"])
 def _segment_update_kernel(
     # pointers
@@ -183,6 +209,7 @@ def _segment_update_kernel(
     weights_ptr,  # [R, D] fp32/bf16, updated in place
     state_ptr,  # adagrad: [R, D] fp32; rowwise_adagrad: [R] fp32; sgd: unused
     lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
+    rounding_ptr,  # STOCHASTIC: [2] int64 (seed, count), read at launch time; not read otherwise
     # sizes
     N,
     D,
@@ -190,6 +217,7 @@ def _segment_update_kernel(
     eps,
     # meta-parameters
     OPTIMIZER: tl.constexpr,
+    STOCHASTIC: tl.constexpr,  # bf16 weights rounded stochastically (else to nearest, or fp32 as is)
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -219,7 +247,11 @@ def _segment_update_kernel(
         state = tl.load(state_ptr + row, mask=valid, other=0.0) + tl.sum(grad * grad, axis=1) / D
         tl.store(state_ptr + row, state, mask=head)
         step = lr * grad / (tl.sqrt(state)[:, None] + eps)
-    tl.store(w_ptrs, (weights - step).to(weights_ptr.dtype.element_ty), mask=mask)
+    updated = weights - step
+    if STOCHASTIC:
+        seed, count = tl.load(rounding_ptr), tl.load(rounding_ptr + 1)
+        updated = _stochastic_round_bf16(updated, seed, count, row[:, None] * D + d[None, :])
+    tl.store(w_ptrs, updated.to(weights_ptr.dtype.element_ty), mask=mask)
 
 
 # -- Launchers ---------------------------------------------------------------------------------------
@@ -269,6 +301,20 @@ def update_lr(lr: Tensor | None, weights: Tensor, op: str) -> Tensor:
     return lr
 
 
+def check_rounding(rounding: Tensor | None, weights: Tensor) -> None:
+    """Raises ValueError unless `rounding` is None or a [2] int64 tensor (seed, count) on weights' device."""
+    if rounding is None:
+        return
+    ok = isinstance(rounding, Tensor) and rounding.shape == (2,) and rounding.dtype == torch.int64
+    if not ok or rounding.device != weights.device:
+        got = (
+            f"{rounding.dtype} {list(rounding.shape)} on {rounding.device}"
+            if isinstance(rounding, Tensor)
+            else repr(rounding)
+        )
+        raise ValueError(f"rounding must be a [2] int64 tensor (seed, count) on {weights.device}, got {got}")
+
+
 def _check_update(weights: Tensor, state: Tensor, index: Tensor, grad: Tensor, optimizer: str) -> None:
     if optimizer == "adagrad" and tuple(state.shape) != tuple(weights.shape):
         raise ValueError(f"adagrad state must be {list(weights.shape)}, got {list(state.shape)}")
@@ -284,7 +330,14 @@ def _check_update(weights: Tensor, state: Tensor, index: Tensor, grad: Tensor, o
 
 
 def embedding_update(
-    weights: Tensor, state: Tensor, index: Tensor, grad: Tensor, optimizer: str, lr: Tensor, eps: float
+    weights: Tensor,
+    state: Tensor,
+    index: Tensor,
+    grad: Tensor,
+    optimizer: str,
+    lr: Tensor,
+    eps: float,
+    rounding: Tensor | None = None,
 ) -> None:
     """Apply one optimizer step to the rows of `weights` (and `state`) that `index` touched, in place.
 
@@ -297,17 +350,22 @@ def embedding_update(
         lr: learning rate, a one-element fp32 tensor on weights' device ([] or [1]), read by the kernel
             (no host sync; its value at launch, or at each replay of a captured graph, is the one used).
         eps: Adagrad's epsilon (unused by sgd).
+        rounding: for bf16 weights, [2] int64 (seed, count) on weights' device: round stochastically with
+            the bits of (seed, count) (module docstring; the caller advances the count between updates);
+            None: round to nearest. Unused for fp32 weights.
     Raises:
         ValueError: unknown optimizer, or shapes/dtypes/devices that do not match (message names them).
     """
     check_optimizer(optimizer)
     _check_update(weights, state, index, grad, optimizer)
     check_lr(lr, weights)
+    check_rounding(rounding, weights)
     if not use_triton(weights):
-        embedding_update_ref(weights, state, index, grad, optimizer, lr, eps)
+        embedding_update_ref(weights, state, index, grad, optimizer, lr, eps, rounding)
         return
     index = index.reshape(-1)
-    launch_update(weights, state, index, grad.reshape(index.numel(), -1).contiguous(), optimizer, lr, eps)
+    grad = grad.reshape(index.numel(), -1).contiguous()
+    launch_update(weights, state, index, grad, optimizer, lr, eps, rounding=rounding)
 
 
 def _sorted_segments(index: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -333,11 +391,12 @@ def launch_update(
     lr: Tensor,
     eps: float,
     bags: tuple[Tensor, Tensor] | None = None,
+    rounding: Tensor | None = None,
 ) -> None:
     """The update kernels (module docstring) on inputs already checked: index [N] int64 global rows; grad
     [N, D] contiguous, or for pooled bags, with `bags` = (features [S] int64, scales [S] fp32) as
     `kernels.embedding_bag_update.bag_columns` gives them, the pooled gradient [B, F, D] contiguous
-    (N = B * S, lookup b * S + c)."""
+    (N = B * S, lookup b * S + c); `rounding` as `embedding_update`'s."""
     n, d = index.numel(), weights.shape[1]
     if n == 0:
         return
@@ -361,16 +420,34 @@ def launch_update(
         SPLIT_BF16=not INTERPRETED, BLOCK_N=SUM_BLOCK_N,
         BLOCK_D=max(16, block_d), num_warps=4,
     )  # fmt: skip
+    stochastic = rounding is not None and weights.dtype == torch.bfloat16
     _segment_update_kernel[grid](
-        sorted_rows, segment, sums, weights, state, lr, n, d, eps, OPTIMIZER=optimizer, **blocks
-    )
+        sorted_rows, segment, sums, weights, state, lr, rounding if stochastic else lr, n, d, eps,
+        OPTIMIZER=optimizer, STOCHASTIC=stochastic, **blocks,
+    )  # fmt: skip
+
+
+def stochastic_round_bf16_ref(x: Tensor, noise: Tensor) -> Tensor:
+    """x fp32 rounded stochastically to bf16 with `noise` (int32 of x's shape, each in [0, 2**16)): the
+    noise added to x's bit pattern, the low 16 bits dropped (module docstring); a NaN stays NaN."""
+    pattern = (x.contiguous().view(torch.int32) + noise) & -(1 << 16)  # int32 adds wrap, as uint32 would
+    return torch.where(x.isnan(), x, pattern.view(torch.float32)).to(torch.bfloat16)
 
 
 def embedding_update_ref(
-    weights: Tensor, state: Tensor, index: Tensor, grad: Tensor, optimizer: str, lr: Tensor, eps: float
+    weights: Tensor,
+    state: Tensor,
+    index: Tensor,
+    grad: Tensor,
+    optimizer: str,
+    lr: Tensor,
+    eps: float,
+    rounding: Tensor | None = None,
 ) -> None:
     """PyTorch update of the touched rows, in place: sums repeated rows, then the module docstring's step.
-    `lr`: a one-element fp32 tensor (as `embedding_update`)."""
+    `lr`: a one-element fp32 tensor (as `embedding_update`). With `rounding` and bf16 weights, the
+    stochastic rounding's bits come from a torch.Generator seeded by (seed, count) (read on the host: the
+    reference is the CPU fallback and the tests' twin, not captured), not from the kernels' Philox."""
     d = weights.shape[1]
     lr = lr.reshape(())  # [] or [1] -> [], broadcast against the [rows, D] sums
     rows, inverse = torch.unique(index.reshape(-1), return_inverse=True)
@@ -384,4 +461,11 @@ def embedding_update_ref(
     else:
         state[rows] += (g * g).mean(dim=1)
         step = lr * g / (state[rows].sqrt()[:, None] + eps)
-    weights[rows] = (weights[rows].float() - step).to(weights.dtype)
+    updated = weights[rows].float() - step
+    if rounding is not None and weights.dtype == torch.bfloat16:
+        seed, count = (int(v) for v in rounding.tolist())
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + count) % 2**63)
+        noise = torch.randint(0, 1 << 16, updated.shape, generator=generator, dtype=torch.int32)
+        weights[rows] = stochastic_round_bf16_ref(updated, noise.to(updated.device))
+        return
+    weights[rows] = updated.to(weights.dtype)
