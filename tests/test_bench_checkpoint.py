@@ -1,0 +1,54 @@
+"""scripts/bench_checkpoint.py end to end on the CPU: its three phases on tiny tables, 2 gloo ranks under
+torchrun and one process, as it runs them on GPUs, so that a change to dlrm.train's log lines, exit codes or
+checkpoint layout that breaks its measurements fails here first."""
+
+import csv
+import subprocess
+import sys
+
+from tests.conftest import REPO
+from tests.test_faults import TINY
+
+
+def _rows(path) -> dict[tuple[str, int], dict]:
+    with path.open(newline="") as f:
+        return {(row["what"], int(row["nproc"])): row for row in csv.DictReader(f)}
+
+
+def test_the_benchmark_measures_refusal_saves_and_resumes_on_two_gloo_ranks(tmp_path):
+    results = tmp_path / "checkpoint.csv"
+    command = [
+        sys.executable, str(REPO / "scripts" / "bench_checkpoint.py"), "--nproc", "2", "--config", str(TINY),
+        "--max-rows", "2000", "--data", str(tmp_path / "data"), "--work", str(tmp_path / "work"),
+        "--save-at", "4", "--steps", "8", "--resume-steps", "3", "--no-use-triton", "--results", str(results),
+        "--set", "train.device=cpu", "--set", "train.optimizer=adagrad",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = _rows(results)
+
+    # 1. The full tiny tables into a disk reported too small (this one holds them): one line, exit 2.
+    refused = rows[("refusal_exit_code", 2)]
+    assert refused["value"] == "2" and refused["meets"] == "yes", refused
+    assert "reported to the ranks" in refused["note"] and "no room for the checkpoints" in refused["note"]
+    assert rows[("refusal_error_lines", 2)]["value"] == "1"
+    assert 0 < float(rows[("refusal_s", 2)]["value"]) < 120
+
+    # 2. Two saves (the evaluations at steps 4 and 8, in the background), each rank's RSS, step times.
+    assert {what for what, _ in rows} >= {"save_s_step_4", "save_s_step_8", "save_held_s_step_4"}
+    assert "in the background" in rows[("save_s_step_4", 2)]["note"]
+    for rank in (0, 1):
+        rss = rows[(f"rss_peak_during_save_rank{rank}", 2)]
+        assert float(rss["value"]) >= float(rss["baseline_value"]) > 0.1, rss  # GiB
+    step = rows[("step_ms_during_background_save", 2)]
+    assert float(step["value"]) > 0 and float(step["baseline_value"]) > 0, step
+
+    # 3. On the same 2 ranks the resumed run is the uninterrupted one bit for bit (gloo on the CPU is
+    # deterministic); resharded into one process, ulps apart (another order of the gradient sums).
+    for what in ("resume_weights_max_abs_diff", "resume_loss_max_abs_diff"):
+        same, one = rows[(what, 2)], rows[(what, 1)]
+        assert same["value"] == "0.0" and same["meets"] == "yes", same
+        assert 0 <= float(one["value"]) < 1e-4 and "resharded from 2 ranks" in one["note"], one
+    assert "DCP data files with the same sha256" in rows[("resume_weights_max_abs_diff", 2)]["note"]
+    assert all(row["git_sha"] and row["device"] == "cpu" for row in rows.values())
+    assert not list((tmp_path / "work").glob("*/checkpoints/*"))  # deleted at the end
