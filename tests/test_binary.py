@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from loguru import logger
 
 from dlrm.data import binary as binary_cli
 from dlrm.data.binary import binary_dir, open_binary, widen_ids, write_binary, write_binary_split
 from dlrm.data.binary_loader import BinaryLoader
 from dlrm.data.dataset import ParquetDataset, split_paths
+from dlrm.run.setup import restore_loader
 from tests.test_streaming import ROWS, flat, ids_of, write_id_files
 
 
@@ -103,6 +105,38 @@ def test_resume_gives_the_batches_of_an_uninterrupted_epoch(split, stop_at):
     resumed.load_state_dict(state)
     resumed.set_epoch(2)
     assert whole[:stop_at] + ids_of(resumed) == whole
+
+
+def test_a_position_of_two_ranks_goes_on_in_one_at_the_same_global_batch(split):
+    """2 ranks of batch 4 stopped after 3 batches; one process of batch 8 goes on at its own global batch 3
+    of the epoch, and the epoch after is the one-process epoch, whole."""
+    ranks = [loader(split, shuffle=True, seed=7, batch_size=4, rank=r, world_size=2) for r in range(2)]
+    for r in ranks:
+        r.set_epoch(1)
+        iterator = iter(r)
+        for _ in range(3):
+            next(iterator)
+    state = json.loads(json.dumps(ranks[0].state_dict()))
+    one = loader(split, shuffle=True, seed=7, batch_size=8)
+    one.load_state_dict(state)
+    assert one.other_ranks(state)
+    one.set_epoch(1)
+    assert ids_of(one) == epoch_ids(loader(split, shuffle=True, seed=7, batch_size=8), epoch=1)[3:]
+    assert epoch_ids(one, epoch=2) == epoch_ids(loader(split, shuffle=True, seed=7, batch_size=8), epoch=2)
+    with pytest.raises(ValueError, match="loader state: global batch 8 .world_size 2., this loader's is 4"):
+        loader(split, shuffle=True, seed=7, batch_size=4).load_state_dict(state)
+
+
+def test_a_resume_on_other_ranks_says_so_in_one_line(split):
+    state = loader(split, batch_size=4, world_size=2).state_dict()
+    lines = []
+    sink = logger.add(lines.append, format="{message}")
+    try:
+        restore_loader(loader(split, batch_size=8), state, log=True)
+        restore_loader(loader(split, batch_size=8), loader(split, batch_size=8).state_dict(), log=True)
+    finally:
+        logger.remove(sink)
+    assert len(lines) == 1 and "loader position is of 2 ranks, this run has 1" in lines[0]
 
 
 def test_resume_refuses_other_settings(split):

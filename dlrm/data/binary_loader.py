@@ -26,7 +26,9 @@ holds rows of the window_rows / chunk_rows chunks of its window (a random choice
 each a run of consecutive rows of the file. Without shuffle: file order.
 
 Resumption is exact and cheap: batch k of an epoch is batch k mod (window / B) of window k // (window / B),
-so `load_state_dict` ({epoch, batches}) starts at that window and skips within it.
+so `load_state_dict` ({epoch, batches}) starts at that window and skips within it. A state of W ranks
+resumes on W' others with the same global batch W B: at global batch k of the epoch in the W' ranks' order
+(that epoch's remaining rows are not exactly the saved run's; the next epochs are whole).
 
 Memory: two pinned host windows and two device windows of `window_rows` x 157 bytes (the column files'
 row width), plus the batches handed out (264 bytes a row). No thread but the caller's makes a CUDA call
@@ -91,7 +93,9 @@ class BinaryLoader(EpochPosition):
         FileNotFoundError, ValueError: as dlrm.data.binary.open_binary; a bad argument (named).
     """
 
-    # Settings that must match the loader's for a resume to be exact.
+    # Settings that must match the loader's for a resume to be exact; the per-rank ones may differ on another
+    # number of ranks with the same global batch (EpochPosition.load_state_dict).
+    RANK_KEYS = ("batch_size", "world_size", "window_rows")
     STATE_KEYS = (
         "seed",
         "shuffle",

@@ -40,13 +40,15 @@ def rank_pieces(order: Sequence[int], sizes: Sequence[int], rank: int, rows_per_
 class EpochPosition:
     """Epoch, batches handed out and where the next iteration starts, for a loader of `num_rows` rows read
     by `world_size` ranks in batches of `batch_size`. Subclasses set those attributes (and `drop_last`)
-    and list in STATE_KEYS the settings a resume must match.
+    and list in STATE_KEYS the settings a resume must match; those of them in RANK_KEYS may differ where
+    the global batch (batch_size x world_size) is the same: a resume on another number of ranks.
 
     The state is (epoch, batches consumed): `state_dict` / `load_state_dict`. An iteration calls
     `_begin()` for the batch it starts at and `_consumed += 1` before handing each batch out.
     """
 
     STATE_KEYS: tuple[str, ...] = ()
+    RANK_KEYS: tuple[str, ...] = ()
     num_rows: int
     batch_size: int
     drop_last: bool
@@ -87,11 +89,24 @@ class EpochPosition:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` (of `state_dict`): the next iteration yields the batches that followed it.
 
+        A state of another number of ranks (RANK_KEYS differ, the global batch the same) goes on at the same
+        global batch of the same epoch, in this number of ranks' order: the rest of that epoch is not the
+        rows the saved run would have read (`other_ranks` tells the caller so); later epochs are whole.
+
         Raises:
             ValueError: a setting in `state` differs from this loader's (the message names it), so the
                 batches would not be those of the saved run; or the batch count is out of range.
         """
+        if self.other_ranks(state):
+            saved = state.get("batch_size", 0) * state.get("world_size", 0)
+            if saved != self.batch_size * self.world_size:
+                raise ValueError(
+                    f"loader state: global batch {saved} (world_size {state.get('world_size')!r}), this "
+                    f"loader's is {self.batch_size * self.world_size}"
+                )
         for key in self.STATE_KEYS:
+            if key in self.RANK_KEYS and self.other_ranks(state):
+                continue
             if state.get(key) != getattr(self, key):
                 raise ValueError(
                     f"loader state: {key} is {state.get(key)!r}, this loader has {getattr(self, key)!r}"
@@ -99,6 +114,11 @@ class EpochPosition:
         if not 0 <= state["batches"] <= len(self):
             raise ValueError(f"loader state: batches must be in [0, {len(self)}], got {state['batches']}")
         self.epoch, self._consumed, self._resume_at = state["epoch"], state["batches"], state["batches"]
+
+    def other_ranks(self, state: dict[str, Any]) -> bool:
+        """Whether `state` (of `state_dict`) is of another number of ranks that this loader can go on from
+        (its RANK_KEYS allow it)."""
+        return "world_size" in self.RANK_KEYS and state.get("world_size") != self.world_size
 
     def _begin(self) -> int:
         """Start an iteration: the batch it starts at (0, or where a loaded state stopped)."""

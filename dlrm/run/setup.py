@@ -14,6 +14,7 @@ from dlrm.config import RunConfig
 from dlrm.data.bag_source import loader_bags
 from dlrm.data.dataset import ParquetDataset, load_metadata, open_split, split_paths
 from dlrm.data.loaders import TrainLoader, make_train_loader
+from dlrm.data.position import EpochPosition
 from dlrm.data.schema import NUM_SPARSE
 from dlrm.data.splits import REPORT, SELECT, require_val_test
 from dlrm.device import set_precision, use_interpreter_on_cpu
@@ -102,7 +103,7 @@ def set_up(
         load_resumable(resume, checkpoint, cfg, model, optimizer, strategy)
     step_fn = build_step(model, optimizer, cfg, device, strategy.grad_reducer(model))
     if checkpoint.get("loader") is not None:
-        train_loader.load_state_dict(checkpoint["loader"])
+        restore_loader(train_loader, checkpoint["loader"], strategy.is_main)
     val_loader = strategy.split_loader(val_set, cfg, device)
 
     if resume is not None and resume.resolve() == (run_dir / "checkpoints" / "last.pt").resolve():
@@ -288,3 +289,21 @@ def load_resumable(
     for key, (value, held) in changed.items():
         logger.info("resuming with the config's {} {} (the checkpoint had {:.6g})", key, value, held)
     logger.info("resuming from {} at step {}", path, checkpoint["step"])
+
+
+def restore_loader(loader: TrainLoader, state: dict, log: bool) -> None:
+    """Put `loader` at the checkpoint's position `state` (its load_state_dict: ValueError for a state it
+    cannot go on from). A position of another number of ranks (dlrm.data.position.EpochPosition) gets one
+    warning line (where `log`): this epoch's remaining rows are not the saved run's."""
+    loader.load_state_dict(state)
+    if log and isinstance(loader, EpochPosition) and loader.other_ranks(state):
+        logger.warning(
+            "the checkpoint's loader position is of {} ranks, this run has {}: epoch {} goes on at global "
+            "batch {} in {} ranks' order (its remaining rows are not exactly the saved run's); later epochs "
+            "are whole",
+            state["world_size"],
+            loader.world_size,
+            state["epoch"],
+            state["batches"],
+            loader.world_size,
+        )
