@@ -792,8 +792,9 @@ def resume(bench: Bench, config: Path, start: Path, stop: int, more: int) -> Non
     "--loader",
     type=click.Choice(["memory", "gpu_resident", "binary", "streaming"]),
     default="memory",
-    help="data.loader of the save and resume runs (the refusal keeps the config's); binary and "
-    "streaming resume on their own number of ranks only.",
+    help="data.loader of the save and resume runs (the refusal keeps the config's); memory reads the same "
+    "batches on any number of ranks, binary goes on in the new number of ranks' order, streaming resumes on "
+    "its own number of ranks only.",
 )
 @click.option("--phases", default="refusal,save,resume", help="Comma-separated: refusal, save, resume.")
 @click.option(
