@@ -23,9 +23,9 @@ evaluation would add a save).
    the training's own before the first save (target: within 4 GiB); for the run: each save's duration and
    the seconds training was held by it, and the median step time (the loop's own ms/step of each log line)
    while a background save runs against the steps without one (target: within 1.2x).
-   The save and resume runs read their data with `--loader` (default "memory"): the "binary" and "streaming"
-   loaders keep a position per number of ranks, so their checkpoint of N ranks resumes on N only (one
-   process refuses it with one line, `loader state: batch_size is ...`, recorded as a row).
+   The save and resume runs read their data with `--loader` (default "memory", whose batches are the same
+   on any number of ranks; "binary" goes on after a resharded resume in the new number of ranks' order, so
+   its losses differ from the whole run's; "streaming" resumes on N ranks only, one line otherwise).
 3. resume: an uninterrupted run "whole" of `--steps` + `--resume-steps` steps (train.checkpoint_policy
    "last_only"), and the save run's last checkpoint resumed for `--resume-steps` steps on N ranks
    ("resumed-N") and, resharded, in one process on one GPU ("resumed-1"). Rows per resumed run: the largest
