@@ -43,3 +43,7 @@ SCORING_PRECISIONS = ("run", *PRECISIONS)
 
 # The embedding vectors' dtype on the wire between ranks (parallel.exchange_dtype; dlrm.parallel.sharded).
 EXCHANGE_DTYPES = ("auto", "fp32", "bf16")
+
+# The embedding tables' storage (model.table_dtype; dlrm.model.sparse): "bf16" halves their bytes, its
+# updates rounded stochastically by the fused kernels (sparse kernel "triton" only).
+TABLE_DTYPES = ("fp32", "bf16")

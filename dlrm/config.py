@@ -34,6 +34,7 @@ from dlrm.choices import (
     POOLINGS,
     PRECISIONS,
     SELECT_ON,
+    TABLE_DTYPES,
     TRITON_MLP_KERNELS,
 )
 from dlrm.config_sections import (
@@ -146,6 +147,7 @@ _DLRM_ONLY = (
     "attention",
     "dcn",
     "lora",
+    "table_dtype",
 )
 
 
@@ -285,6 +287,10 @@ def validate(cfg: RunConfig) -> RunConfig:
             m.table_rows,
         )
     _check_multi_hot(cfg)
+    _require(m.table_dtype in TABLE_DTYPES, "model.table_dtype", f"one of {TABLE_DTYPES}", m.table_dtype)
+    if m.table_dtype == "bf16":  # only the fused updates round stochastically (dlrm.model.sparse)
+        expected = "'fp32' without train.use_triton (bf16 tables need the Triton sparse kernel: --use-triton)"
+        _require(t.use_triton, "model.table_dtype", expected, m.table_dtype)
     _require(m.max_rows >= 2, "model.max_rows", "an integer >= 2", m.max_rows)
     _require(
         m.min_frequency >= 1, "model.min_frequency", "an integer >= 1 (train occurrences)", m.min_frequency

@@ -116,6 +116,13 @@ class ModelConfig:
     each bag pooled in its table by `pooling`, "sum" or "mean" (dlrm.model.pooling); the data holds the
     bags (`python -m dlrm.data.multi_hot`) or `data.multi_hot` makes them. Bags need `hashing` "modulus",
     no `first_order` and the "dot", "cat" or "dcn" interaction.
+    `table_dtype`: the embedding tables' storage, "fp32" or "bf16" (dlrm.model.sparse). "bf16" halves the
+    tables' bytes (memory, checkpoints, the planner's bytes per rank) and the lookups' traffic; the optimizer
+    state stays fp32, each fused update is computed in fp32 and rounded stochastically to bf16 (unbiased,
+    its random bits drawn from train.seed and a count the checkpoints hold), and the lookups return fp32
+    (the autocast dtype under `train.precision` "bf16"). Needs `train.use_triton` (the fused updates round
+    stochastically; the eager tables' torch optimizer would round every step to nearest). The first-order
+    tables (D = 1) and, on many ranks, the replicated (data-parallel) tables stay fp32.
     """
 
     arch: str = "dlrm"
@@ -135,6 +142,7 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     multi_hot_sizes: tuple[int, ...] | None = None
     pooling: str = "sum"
+    table_dtype: str = "fp32"
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,10 @@ ScalarTensor overload, which reads the tensor in the kernel), and the learning r
 stays a Python number.
 """
 
+import hashlib
+
 import torch
+import torch.distributed as dist
 
 from dlrm.config import TrainConfig
 
@@ -203,6 +206,15 @@ class Adagrad(ScaledLrOptimizer):
 # The checkpoint keys of the table sets' fused update states, in `model.table_archs()` order: the embedding
 # tables (a logistic model's first-order tables), then a DLRM's first-order tables.
 TABLE_STATE_KEYS = ("embedding_optimizer_state", "first_order_optimizer_state")
+# The checkpoint key of the bf16 tables' stochastic-rounding count (`RunOptimizer.table_rounding`).
+ROUNDING_COUNT_KEY = "table_rounding_count"
+
+
+def rounding_seed(seed: int, rank: int = 0) -> int:
+    """The stochastic rounding's Philox key of run seed `seed` on rank `rank` (63 bits of a hash of both:
+    each rank rounds its own rows from a stream of its own)."""
+    digest = hashlib.blake2b(f"{seed}/table_rounding/{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class RunOptimizer:
@@ -222,6 +234,11 @@ class RunOptimizer:
       holds them: never rebind them): `lr_scale`, the factor on every dense group's base `lr` (the dense
       update multiplies by it), and `embedding_lr`, the fused update's rate (embedding_lr times the
       factor), one tensor that every "triton" table set reads.
+    - `table_rounding`, [2] int64 on the tables' device: (seed, count) of the stochastic rounding of bf16
+      tables' fused updates (kernels/embedding_update.py), the seed `rounding_seed(train.seed, rank)`, the
+      count advanced in place by every `step()` (inside a captured step too: each replay draws fresh
+      bits) where some table set is bf16. Checkpoints hold the count (`ROUNDING_COUNT_KEY`), so a resumed
+      run continues the stream.
 
     The groups' "lr" and "weight_decay" stay the config's base values: checkpoints save them and `--resume`
     compares them with the config's; the factor is set from the step count, which checkpoints hold.
@@ -251,8 +268,13 @@ class RunOptimizer:
         self.fused_tables = [arch for arch in self.table_sets if arch.kernel == "triton"]
         device = self.fused_tables[0].weights.device if self.fused_tables else self.lr_scale.device
         self.embedding_lr = torch.full((), self.base_embedding_lr, dtype=torch.float32, device=device)
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.table_rounding = torch.tensor([rounding_seed(train.seed, rank), 0], device=device)
         for arch in self.fused_tables:
-            arch.configure_optimizer(train.optimizer, self.embedding_lr, train.adagrad_eps)
+            arch.configure_optimizer(
+                train.optimizer, self.embedding_lr, train.adagrad_eps, self.table_rounding
+            )
+        self.rounds = any(arch.rounding is not None for arch in self.fused_tables)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -284,26 +306,31 @@ class RunOptimizer:
         self.dense.zero_grad(set_to_none=set_to_none)
 
     def step(self) -> None:
-        """The dense optimizer's step; the fused tables were updated in backward already."""
+        """The dense optimizer's step (the fused tables were updated in backward already); then, with bf16
+        tables, the stochastic rounding's count advances (on the device, no host sync)."""
         self.dense.step()
+        if self.rounds:
+            self.table_rounding[1:].add_(1)
 
     def state_dict(self) -> dict[str, dict | torch.Tensor | None]:
         """The optimizer's entries of a checkpoint (dlrm.checkpoint), by key: "optimizer", the dense
         optimizer's state_dict (torch.optim's format); then, in `TABLE_STATE_KEYS` order, each table set's
         fused update state (its `optimizer_state`: Adagrad's accumulators [rows, D], row-wise Adagrad's
-        [rows], empty for SGD; fp32), None for kernel "torch" (its state is in the dense optimizer's).
+        [rows], empty for SGD; fp32), None for kernel "torch" (its state is in the dense optimizer's);
+        and `ROUNDING_COUNT_KEY`, the stochastic rounding's count ([1] int64; 0 without bf16 tables).
         The tensors are the live ones, not copies."""
         tables = {
             key: arch.optimizer_state if arch.kernel == "triton" else None
             for key, arch in zip(TABLE_STATE_KEYS, self.table_sets, strict=False)
         }
-        return {"optimizer": self.dense.state_dict(), **tables}
+        return {"optimizer": self.dense.state_dict(), **tables, ROUNDING_COUNT_KEY: self.table_rounding[1:]}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a checkpoint's entries (`state_dict()`'s keys; other keys are ignored): "optimizer" into the
         dense optimizer unless it is None (a sharded checkpoint read whole, whose dense state loads by
         parameter name: dlrm.parallel.checkpoint.load_optimizer_by_name), and each "triton" table set's
-        state, copied in place, where the checkpoint has one (kernel "torch" checkpoints have None).
+        state, copied in place, where the checkpoint has one (kernel "torch" checkpoints have None), and
+        the stochastic rounding's count where it has one (the seed is this run's: train.seed and rank).
 
         Raises:
             ValueError: a dense state_dict of other parameter groups (torch.optim's check).
@@ -313,3 +340,5 @@ class RunOptimizer:
         for key, arch in zip(TABLE_STATE_KEYS, self.table_sets, strict=False):
             if arch.kernel == "triton" and state_dict.get(key) is not None:
                 arch.optimizer_state.copy_(state_dict[key])
+        if state_dict.get(ROUNDING_COUNT_KEY) is not None:
+            self.table_rounding[1:].copy_(state_dict[ROUNDING_COUNT_KEY].reshape(1))

@@ -335,7 +335,9 @@ def test_run_optimizer_state_dict_round_trips_dense_and_table_states(kernel):
     for arch in optimizer.fused_tables:
         arch.optimizer_state.copy_(torch.rand(arch.optimizer_state.shape, generator=g))
     saved = optimizer.state_dict()
-    assert set(saved) == {"optimizer", "embedding_optimizer_state", "first_order_optimizer_state"}
+    assert set(saved) == {
+        "optimizer", "embedding_optimizer_state", "first_order_optimizer_state", "table_rounding_count"
+    }  # fmt: skip
     if kernel == "torch":
         assert saved["embedding_optimizer_state"] is None and saved["first_order_optimizer_state"] is None
     _, fresh = _run_optimizer(kernel=kernel, seed=1)

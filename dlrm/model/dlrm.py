@@ -225,6 +225,9 @@ class DLRM(nn.Module):
                 cfg.multi_hot_sizes,
                 cfg.pooling,
                 seed,
+                # The eager kernel (e.g. a bf16 run's checkpoint scored by `--backend eager`) holds fp32
+                # tables: bf16 values load into them exactly. Training refuses the pair (dlrm.config).
+                cfg.table_dtype if sparse_kernel == "triton" else "fp32",
             )
         self.sparse_arch = sparse_arch
         self.interaction_arch = InteractionArch(

@@ -17,6 +17,7 @@ from torch import nn
 
 from dlrm.choices import POOLINGS
 from dlrm.data.bags import bag_starts, check_sizes
+from dlrm.model.tables import lookup_dtype
 
 
 class BagPooling(nn.Module):
@@ -66,8 +67,9 @@ class BagPooling(nn.Module):
 
     def triton_forward(self, arch: nn.Module, sparse: torch.Tensor) -> torch.Tensor:
         """Kernel "triton": raw ids [B, S] -> pooled [B, F, D] by `kernels.embedding_bag` on `arch`'s
-        table-batched weights, optimizer state and lr (SparseArch.configure_optimizer); under autocast in
-        the autocast dtype (rounded by the kernel as it stores)."""
+        table-batched weights, optimizer state, lr and rounding (SparseArch.configure_optimizer), in
+        `dlrm.model.tables.lookup_dtype` (fp32, or under autocast the autocast dtype, rounded by the kernel
+        as it stores)."""
         # Imported here, not with the module: importing triton must wait until dlrm.step has switched the
         # interpreter on for CPU runs (TRITON_INTERPRET is read once, when triton is first imported).
         from kernels.embedding_bag import embedding_bag_lookup
@@ -78,8 +80,7 @@ class BagPooling(nn.Module):
                 "before training (or look up under torch.no_grad())"
             )
         optimizer, eps = arch.optimizer or ("sgd", 0.0)  # lookups only: lr 0, nothing is updated
-        device = sparse.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        dtype = lookup_dtype(sparse.device)
         with torch.no_grad() if arch.frozen else contextlib.nullcontext():
             return embedding_bag_lookup(
                 arch.weights,
@@ -94,6 +95,7 @@ class BagPooling(nn.Module):
                 arch.lr,
                 eps,
                 dtype,
+                arch.rounding,
             )
 
     def forward(self, arch: nn.Module, sparse: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dlrm.choices import HASHINGS, SPARSE_KERNELS
 from dlrm.data.bags import is_one_hot
 from dlrm.data.schema import NUM_SPARSE
 from dlrm.model.pooling import BagPooling
-from dlrm.model.tables import register_vocabularies, vocabulary_rows
+from dlrm.model.tables import lookup_dtype, register_vocabularies, table_torch_dtype, vocabulary_rows
 
 __all__ = ["SPARSE_KERNELS", "SparseArch", "init_tables"]
 
@@ -78,10 +78,14 @@ class SparseArch(nn.Module):
     - "torch": F nn.Embedding tables with sparse gradients; a torch optimizer updates the looked-up rows.
     - "triton": one table-batched [sum of rows_f, D] weight (`weights`, table f from row offsets[f]) looked
       up by our one-launch kernel `kernels.embedding`, whose backward applies the optimizer to the touched
-      rows itself (set it with `configure_optimizer`; no weight gradient is produced).
+      rows itself (set it with `configure_optimizer`; no weight gradient is produced). Its weights are
+      `table_dtype`, fp32 or bf16 (`model.table_dtype`): bf16 halves the tables' bytes and the lookups'
+      traffic; the optimizer state stays fp32, each update is computed in fp32 and rounded stochastically
+      to bf16 (`configure_optimizer`'s `rounding`), and lookups return fp32 (or the autocast dtype).
     Both initialize identically for a seed (`init_tables`: FB-DLRM's U(-sqrt(1/rows_f), sqrt(1/rows_f)),
-    the same weights as the sharded tables of any number of ranks) and save the same state_dict keys
-    (`embeddings.<f>.weight`), so checkpoints move between them.
+    the same weights as the sharded tables of any number of ranks; bf16 tables hold them rounded to
+    nearest) and save the same state_dict keys (`embeddings.<f>.weight`, in the tables' dtype), so
+    checkpoints move between them (a bf16 checkpoint loads exactly into fp32 tables).
 
     Args:
         embedding_dim: D.
@@ -94,8 +98,10 @@ class SparseArch(nn.Module):
             "mean"; dlrm.model.pooling), modulus hashing only.
         seed: the tables' initialization seed (the run's train.seed); None draws one from the global torch
             generator, so that torch.manual_seed decides.
+        table_dtype: "fp32" or "bf16" (kernel "triton" only), the weights' dtype.
     Raises:
-        ValueError: wrong number of tables or vocabularies, unknown hashing or kernel, bad bags.
+        ValueError: wrong number of tables or vocabularies, unknown hashing or kernel, bad bags, bf16 tables
+            with kernel "torch".
     """
 
     def __init__(
@@ -108,10 +114,12 @@ class SparseArch(nn.Module):
         multi_hot_sizes: tuple[int, ...] | None = None,
         pooling: str = "sum",
         seed: int | None = None,
+        table_dtype: str = "fp32",
     ):
         super().__init__()
         if kernel not in SPARSE_KERNELS:
             raise ValueError(f"unknown sparse kernel {kernel!r}: expected one of {SPARSE_KERNELS}")
+        dtype = table_torch_dtype(table_dtype, kernel)
         if not is_one_hot(multi_hot_sizes) and hashing != "modulus":
             raise ValueError(f"bags (model.multi_hot_sizes) need hashing 'modulus', got {hashing!r}")
         if hashing == "vocab":
@@ -136,13 +144,15 @@ class SparseArch(nn.Module):
             )
             tables = [table.weight.data for table in self.embeddings]
         else:
-            self.weights = nn.Parameter(torch.empty(sum(table_rows), embedding_dim))
+            self.weights = nn.Parameter(torch.empty(sum(table_rows), embedding_dim, dtype=dtype))
             tables = list(self.weights.data.split(self.table_rows))
             offsets = torch.tensor([0, *self.table_rows[:-1]]).cumsum(0)
             self.register_buffer("offsets", offsets, persistent=False)
             self.register_buffer("optimizer_state", torch.zeros(0), persistent=False)
             # The update's learning rate, a 0-d fp32 tensor the kernel reads (configure_optimizer sets it).
             self.register_buffer("lr", torch.zeros(()), persistent=False)
+            # bf16 tables: the (seed, count) of the update's stochastic rounding (configure_optimizer).
+            self.rounding: torch.Tensor | None = None
             self.optimizer: tuple[str, float] | None = None  # (optimizer, eps), set by configure_optimizer
             self.register_state_dict_post_hook(_split_tables)
             self.register_load_state_dict_pre_hook(_join_tables)
@@ -153,12 +163,20 @@ class SparseArch(nn.Module):
         one_hot = is_one_hot(multi_hot_sizes)
         self.bags = None if one_hot else BagPooling(multi_hot_sizes, pooling, self.table_rows)
 
-    def configure_optimizer(self, optimizer: str, lr: float | torch.Tensor, eps: float = 1e-10) -> None:
+    def configure_optimizer(
+        self,
+        optimizer: str,
+        lr: float | torch.Tensor,
+        eps: float = 1e-10,
+        rounding: torch.Tensor | None = None,
+    ) -> None:
         """For kernel "triton": the update its backward applies, "sgd" or "adagrad" (torch.optim's
         semantics) or "rowwise_adagrad"; allocates the optimizer state next to the weights (call it after
         moving the module to its device). `lr` is the update's rate: a 0-d fp32 tensor on the weights'
         device, held as given (dlrm.optim.RunOptimizer shares one among the table sets and writes it in
-        place as the schedule goes), or a number, held in a tensor of this module's own.
+        place as the schedule goes), or a number, held in a tensor of this module's own. `rounding`: for
+        bf16 tables, the [2] int64 (seed, count) device tensor of the update's stochastic rounding, held as
+        given (RunOptimizer advances its count once a step); None rounds bf16 updates to nearest.
 
         Raises:
             ValueError: kernel "torch" (its tables take a torch optimizer), or an unknown optimizer.
@@ -174,6 +192,7 @@ class SparseArch(nn.Module):
             lr = torch.full((), lr, dtype=torch.float32, device=self.weights.device)
         self.lr = lr
         self.optimizer = (optimizer, eps)
+        self.rounding = rounding if self.weights.dtype == torch.bfloat16 else None
 
     def hash_ids(self, sparse: torch.Tensor) -> torch.Tensor:
         """Raw ids [B, F] int64 -> row indices [B, F] int64 within each table."""
@@ -184,9 +203,9 @@ class SparseArch(nn.Module):
         return vocabulary_rows(sparse, self.vocab_keys, self.vocab_starts, self.vocab_sizes, self.vocab_bases)
 
     def forward(self, sparse: torch.Tensor) -> torch.Tensor:
-        """sparse: [B, F] int64 raw ids (with bags: [B, S], each bag pooled) -> embeddings [B, F, D], the
-        tables' dtype (kernel "triton" under autocast: the autocast dtype, rounded by the kernel as it
-        stores)."""
+        """sparse: [B, F] int64 raw ids (with bags: [B, S], each bag pooled) -> embeddings [B, F, D]: kernel
+        "torch" in the tables' dtype (fp32), kernel "triton" in `lookup_dtype` (fp32, or under autocast the
+        autocast dtype, rounded by the kernel as it stores)."""
         if self.bags is not None:
             return self.bags(self, sparse)
         if self.kernel == "triton":
@@ -203,15 +222,13 @@ class SparseArch(nn.Module):
                 )
             optimizer, eps = self.optimizer or ("sgd", 0.0)  # lookups only: lr 0, nothing is updated
             state, offsets = self.optimizer_state, self.offsets
-            # Under bf16 autocast the interaction takes bf16: the kernel writes it directly, saving a cast
-            # pass over [B, F, D] forward and one back to fp32 in backward.
-            device = sparse.device.type
-            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+            dtype = lookup_dtype(sparse.device)
             # Frozen tables: no backward, whose kernel would update them.
             with torch.no_grad() if self.frozen else contextlib.nullcontext():
                 return embedding_lookup(
-                    self.weights, state, offsets, self.rows, ids, hashing, optimizer, self.lr, eps, dtype
-                )
+                    self.weights, state, offsets, self.rows, ids, hashing, optimizer, self.lr, eps, dtype,
+                    self.rounding,
+                )  # fmt: skip
         rows = self.hash_ids(sparse)
         return torch.stack([table(rows[:, f]) for f, table in enumerate(self.embeddings)], dim=1)
 

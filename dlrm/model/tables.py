@@ -1,9 +1,35 @@
-"""Embedding table sizing: rows per table for modulus hashing, vocabularies for exact (vocab) hashing."""
+"""Embedding table sizing: rows per table for modulus hashing, vocabularies for exact (vocab) hashing; the
+tables' storage dtype (`model.table_dtype`) and the dtype their lookups return."""
 
 import torch
 
+from dlrm.choices import TABLE_DTYPES
 from dlrm.config import ModelConfig
 from dlrm.data.schema import NUM_SPARSE, SPARSE_COLUMNS
+
+
+def table_torch_dtype(name: str, kernel: str) -> torch.dtype:
+    """The torch dtype of `model.table_dtype` `name` ("fp32" or "bf16") for sparse kernel `kernel`.
+
+    Raises:
+        ValueError: an unknown name, or "bf16" with kernel "torch" (its nn.Embedding tables take a torch
+            optimizer, whose update would round every step to nearest; the fused update of kernel "triton"
+            rounds stochastically).
+    """
+    if name not in TABLE_DTYPES:
+        raise ValueError(f"unknown table dtype {name!r}: expected one of {TABLE_DTYPES}")
+    if name == "bf16" and kernel != "triton":
+        raise ValueError(f"bf16 tables need kernel 'triton', got {kernel!r}")
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def lookup_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype the "triton" lookups return on `device` (a device or its type), whatever the tables'
+    dtype: the autocast dtype under autocast (the interaction takes it: the kernel writes it directly,
+    saving a cast pass over [B, F, D] forward and one back in backward), else fp32 (bf16 rows widened
+    exactly)."""
+    device = torch.device(device).type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
 
 
 def resolve_table_rows(cfg: ModelConfig, metadata: dict) -> list[int]:

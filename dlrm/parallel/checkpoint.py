@@ -8,14 +8,18 @@ hash of each of DCP's files, checked before a load), written by rank 0. The DCP 
 
     model/<name>        every entry of the one-process model's state_dict, by the same names: the
                         dense part (replicated: DCP writes it once) and the tables
-                        `sparse_arch.embeddings.<f>.weight` [rows_f, D], each a ShardedTensor whose shards
-                        are the plan's row ranges, written by the ranks that hold them in pieces of at most
-                        CHUNK_BYTES of rows, each its own file, so a rank stages one piece at a time (a
-                        replicated table: a plain tensor, written once like the dense part); with
+                        `sparse_arch.embeddings.<f>.weight` [rows_f, D] in the tables' dtype
+                        (`model.table_dtype`: fp32, or bf16, 2 bytes a value), each a ShardedTensor
+                        whose shards are the plan's row ranges, written by the ranks that hold them
+                        in pieces of at most CHUNK_BYTES of rows, each its own file, so a rank stages
+                        one piece at a time (a replicated table: a plain tensor, written once like the
+                        dense part); with
                         model.first_order, `first_order.tables.embeddings.<f>.weight` [rows_f, 1] the same
                         way (sharded on the same plan)
     optim/<name>        Adagrad's accumulator ("sum") of each parameter, same names and layout (tables
-                        sharded, for both sparse kernels); nothing for SGD
+                        sharded, for both sparse kernels; fp32); nothing for SGD
+    optim/table_rounding_count  the bf16 tables' stochastic-rounding count ([1] int64, the same on every
+                        rank: written once; dlrm.optim.RunOptimizer)
 
 Each rank hashes its files as it writes them (`_HashingFileSystem`); rank 0 gathers the hashes into
 meta.json. `save_sharded` can write in the background: from a snapshot of the state on each rank's device
@@ -52,6 +56,7 @@ from dlrm import staging
 from dlrm.atomic import DiskFull, disk_full
 from dlrm.config import from_dict
 from dlrm.model.tables import index_vocabularies
+from dlrm.optim import ROUNDING_COUNT_KEY
 from dlrm.parallel.faults import is_communication_error
 from dlrm.parallel.group import Dist
 from dlrm.parallel.planner import ShardingPlan
@@ -94,13 +99,21 @@ def _is_dense(name: str, prefixes: list[str]) -> bool:
 
 
 def _sharded(
-    plan: ShardingPlan, rank: int, f: int, local: Tensor | None, width: int, chunk_bytes: int | None = None
+    plan: ShardingPlan,
+    rank: int,
+    f: int,
+    local: Tensor | None,
+    width: int,
+    dtype: torch.dtype,
+    chunk_bytes: int | None = None,
 ) -> ShardedTensor:
-    """Table f [rows_f, width] as a ShardedTensor over the plan's shards; `local`: this rank's rows. With
-    `chunk_bytes` each shard is cut into pieces of at most that many bytes of fp32 rows (every rank cuts
-    every shard the same way), which DCP writes one by one: the same logical tensor."""
+    """Table f [rows_f, width] `dtype` (every rank's the same, holding rows of f or not) as a ShardedTensor
+    over the plan's shards; `local`: this rank's rows. With `chunk_bytes` each shard is cut into pieces of
+    at most that many bytes of rows (every rank cuts every shard the same way), which DCP writes one by one:
+    the same logical tensor."""
     device = "cpu" if local is None else str(local.device)
-    step = None if chunk_bytes is None else max(1, chunk_bytes // (width * 4))
+    row_bytes = width * torch.empty((), dtype=dtype).element_size()
+    step = None if chunk_bytes is None else max(1, chunk_bytes // row_bytes)
     pieces = [  # (shard, first row within it, rows)
         (s, start, min(step or s.rows, s.rows - start))
         for s in plan.shards
@@ -111,7 +124,6 @@ def _sharded(
         ShardMetadata([s.row_start + start, 0], [rows, width], f"rank:{s.rank}/{device}")
         for s, start, rows in pieces
     ]
-    dtype = local.dtype if local is not None else torch.float32
     global_md = ShardedTensorMetadata(
         metas, torch.Size([plan.table_rows[f], width]), TensorProperties(dtype=dtype)
     )
@@ -164,12 +176,25 @@ def _state_dict(
             if f in plan.replicated:
                 continue
             key = table_key(f, prefix)
-            state[f"model/{key}"] = _sharded(plan, dist_.rank, f, tables.get(f), width, chunk_bytes)
+            dtype = arch.weights.dtype
+            state[f"model/{key}"] = _sharded(plan, dist_.rank, f, tables.get(f), width, dtype, chunk_bytes)
             if sums is not None:
-                state[f"optim/{key}"] = _sharded(plan, dist_.rank, f, sum_views.get(f), width, chunk_bytes)
+                state[f"optim/{key}"] = _sharded(
+                    plan, dist_.rank, f, sum_views.get(f), width, torch.float32, chunk_bytes
+                )
         for key, view in _replicated_views(arch, optimizer, prefix).items():
             state[key] = view  # whole on every rank, like the dense part: DCP writes it once
+    count = _rounding_count(optimizer)
+    if count is not None:  # the same on every rank, like the dense part: DCP writes it once
+        state[f"optim/{ROUNDING_COUNT_KEY}"] = count
     return state
+
+
+def _rounding_count(optimizer) -> Tensor | None:
+    """The live [1] int64 stochastic-rounding count of a dlrm.optim.RunOptimizer (None for another
+    optimizer)."""
+    rounding = getattr(optimizer, "table_rounding", None)
+    return None if rounding is None else rounding[1:]
 
 
 def _replicated_views(arch, optimizer: torch.optim.Optimizer, prefix: str) -> dict[str, Tensor]:
@@ -485,6 +510,9 @@ def load_sharded(path: Path, model, optimizer: torch.optim.Optimizer, dist_: Dis
     """
     meta = _on_every_rank(lambda: _checked_meta(path, model, dist_))
     state = _state_dict(model, optimizer, dist_)
+    written = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if f"optim/{ROUNDING_COUNT_KEY}" not in written:  # a checkpoint of a version without it: count 0
+        state.pop(f"optim/{ROUNDING_COUNT_KEY}", None)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -499,6 +527,8 @@ def load_sharded(path: Path, model, optimizer: torch.optim.Optimizer, dist_: Dis
     live = {f"model/{name}": value for name, value in model.state_dict().items()}
     for prefix, arch, _ in _table_sets(model):
         live.update(_replicated_views(arch, optimizer, prefix))
+    if _rounding_count(optimizer) is not None:
+        live[f"optim/{ROUNDING_COUNT_KEY}"] = _rounding_count(optimizer)
     for key, value in state.items():
         if key in live and live[key].data_ptr() != value.data_ptr():
             live[key].copy_(value)
@@ -544,10 +574,11 @@ def set_steps(optimizer: torch.optim.Optimizer, step: int) -> None:
 
 def load_full(path: Path) -> dict[str, Any]:
     """Read checkpoint directory `path` whole in this process (no process group): a dict like a
-    one-process checkpoint (dlrm.checkpoint): "model" (one-process state_dict names), "optimizer" None,
-    "optimizer_by_name" ({parameter name: Adagrad sum}), "embedding_optimizer_state" (the tables' sums
-    concatenated, as the one-process "triton" kernel keeps them; None for SGD), the same of the
-    first-order tables as "first_order_optimizer_state" when there are some, and meta.json's fields.
+    one-process checkpoint (dlrm.checkpoint): "model" (one-process state_dict names; the tables in the
+    dtype they were written in), "optimizer" None, "optimizer_by_name" ({parameter name: Adagrad sum}),
+    "embedding_optimizer_state" (the tables' sums concatenated, as the one-process "triton" kernel keeps
+    them; None for SGD), the same of the first-order tables as "first_order_optimizer_state" when there are
+    some, the stochastic rounding's count as "table_rounding_count" where written, and meta.json's fields.
 
     Raises:
         ValueError: not a sharded checkpoint, or a file of it changed since it was written (`verify_files`).
@@ -564,7 +595,7 @@ def load_full(path: Path) -> dict[str, Any]:
         dcp.load(state, storage_reader=reader, no_dist=True)
     model = {k.removeprefix("model/"): v for k, v in state.items() if k.startswith("model/")}
     sums = {k.removeprefix("optim/"): v for k, v in state.items() if k.startswith("optim/")}
-    fused = {}
+    fused = {ROUNDING_COUNT_KEY: sums.pop(ROUNDING_COUNT_KEY, None)}
     for prefix, key in (EMBEDDINGS, FIRST_ORDER):
         tables = [table_key(f, prefix) for f in range(len(meta["table_rows"]))]
         if all(k in model for k in tables):  # the first-order tables: only where the model has them
@@ -621,6 +652,9 @@ def load_full_into_sharded(checkpoint: dict[str, Any], model, optimizer: torch.o
     for name in model_dense_names(model):
         if name in sums and "sum" in optimizer.state.get(names[name], {}):
             optimizer.state[names[name]]["sum"].copy_(sums[name])
+    count = _rounding_count(optimizer)
+    if count is not None and checkpoint.get(ROUNDING_COUNT_KEY) is not None:
+        count.copy_(checkpoint[ROUNDING_COUNT_KEY].reshape(1))
     set_steps(optimizer, checkpoint["step"])
 
 

@@ -9,6 +9,9 @@ of the others (model parallel).
     plan.to_dict()                 # what sharding_plan.json holds
     plan.with_checkpoint_bytes([...])  # and the bytes each rank writes into a checkpoint (preflight)
 
+A table's bytes are its weights (4 or 2 bytes a value: `model.table_dtype` fp32 or bf16, the model-parallel
+shards; replicated tables are held in fp32 whatever the dtype) plus its optimizer state (fp32).
+
 Sharding types, decided per table by what a step moves over the network (b: samples per rank):
 - data parallel: every rank holds the table and looks up its own b samples; the table's dense gradient
   [rows, D] fp32 joins the dense all-reduce (a ring all-reduce sends and receives ~2 x rows x D x 4 bytes
@@ -38,6 +41,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 STATE_BYTES_PER_VALUE = {"sgd": 0, "adagrad": 4, "rowwise_adagrad": 0}
+TABLE_BYTES = {"fp32": 4, "bf16": 2}  # bytes per weight of each model.table_dtype
 ID_BYTES = 8  # int64 row ids
 
 
@@ -55,7 +59,8 @@ class Shard:
 class RankCost:
     """What one rank holds and moves in one training step (predicted from the plan, b samples per rank).
 
-    bytes_held: weights + optimizer state of its shards and of the replicated tables.
+    bytes_held: weights (its shards in the table dtype, the replicated tables fp32) + optimizer state of its
+        shards and of the replicated tables.
     lookups: embedding rows it reads per step (forward; backward updates as many).
     exchange_bytes: bytes it sends plus receives in the step's all_to_alls (ids, vectors, gradients).
     all_reduce_bytes: bytes it sends plus receives for the replicated tables' gradients (ring all-reduce).
@@ -70,7 +75,8 @@ class RankCost:
 @dataclass(frozen=True)
 class ShardingPlan:
     """Every table's place. `table_rows`: rows of each (full) table; `replicated`: tables every rank holds
-    whole (data parallel); `shards`: the other tables' shards, ordered by rank, then table."""
+    whole (data parallel); `shards`: the other tables' shards, ordered by rank, then table, their weights
+    `table_bytes_per_value` bytes a value (4: fp32, 2: bf16; the replicated tables: fp32)."""
 
     world_size: int
     embedding_dim: int
@@ -82,6 +88,7 @@ class ShardingPlan:
     bag_sizes: tuple[int, ...] | None = None  # ids a sample per table (None: one each)
     # Bytes of the tensors each rank writes into a checkpoint (dlrm.run.checkpoints.preflight); None: unknown.
     checkpoint_bytes_per_rank: tuple[int, ...] | None = None
+    table_bytes_per_value: int = 4
 
     def bag_size(self, table: int) -> int:
         """k_f, the ids a sample looks up in table `table` (1 without bags)."""
@@ -92,10 +99,11 @@ class ShardingPlan:
         return [s for s in self.shards if s.rank == rank]
 
     def shard_bytes(self, shard: Shard) -> int:
-        return shard.rows * row_bytes(self.embedding_dim, self.optimizer)
+        return shard.rows * row_bytes(self.embedding_dim, self.optimizer, self.table_bytes_per_value)
 
     def bytes_per_rank(self) -> list[int]:
-        """Bytes of weights + optimizer state each rank holds (its shards and the replicated tables)."""
+        """Bytes of weights + optimizer state each rank holds (its shards in the table dtype, the
+        replicated tables in fp32)."""
         replicated = sum(self.table_rows[f] for f in self.replicated) * row_bytes(
             self.embedding_dim, self.optimizer
         )
@@ -135,6 +143,7 @@ class ShardingPlan:
             "world_size": self.world_size,
             "embedding_dim": self.embedding_dim,
             "optimizer": self.optimizer,
+            "table_bytes_per_value": self.table_bytes_per_value,
             "table_rows": list(self.table_rows),
             "bag_sizes": None if self.bag_sizes is None else list(self.bag_sizes),
             "replicated": list(self.replicated),
@@ -176,9 +185,10 @@ class ShardingPlan:
         return "\n".join(lines)
 
 
-def row_bytes(embedding_dim: int, optimizer: str) -> int:
-    """Bytes per table row: fp32 weights plus the optimizer state (Adagrad: one fp32 value per weight)."""
-    return embedding_dim * (4 + STATE_BYTES_PER_VALUE[optimizer])
+def row_bytes(embedding_dim: int, optimizer: str, table_bytes_per_value: int = 4) -> int:
+    """Bytes per table row: the weights (`table_bytes_per_value` each: 4 fp32, 2 bf16) plus the optimizer
+    state (Adagrad: one fp32 value per weight; row-wise Adagrad's one per row is left out, as small)."""
+    return embedding_dim * (table_bytes_per_value + STATE_BYTES_PER_VALUE[optimizer])
 
 
 def data_parallel_bound(
@@ -203,6 +213,7 @@ def plan_tables(
     data_parallel_rows: int | None = None,
     exchange_bytes_per_value: int = 4,
     bag_sizes: tuple[int, ...] | None = None,
+    table_bytes_per_value: int = 4,
 ) -> ShardingPlan:
     """Place F tables on `world_size` ranks (module docstring).
 
@@ -221,6 +232,8 @@ def plan_tables(
         bag_sizes: k_f ids a sample per table (`model.multi_hot_sizes`; None or all ones: one-hot, the same
             plan as without); they weigh the lookups that balance the ranks and raise the cost model's
             data-parallel bound of a table by its extra ids.
+        table_bytes_per_value: bytes of a model-parallel weight (`TABLE_BYTES`: 4 fp32, 2 bf16), in the
+            bytes that split tables by rows and balance the ranks.
     Raises:
         ValueError: world_size < 1, an unknown optimizer, bag sizes not one per table, or (row_wise off)
             more ranks than model-parallel tables.
@@ -254,7 +267,7 @@ def plan_tables(
             "sharding off every rank must hold a whole table; set parallel.row_wise true, lower "
             "parallel.data_parallel_rows or use fewer ranks"
         )
-    per_row = row_bytes(embedding_dim, optimizer)
+    per_row = row_bytes(embedding_dim, optimizer, table_bytes_per_value)
     total = sum(table_rows[f] for f in sharded) * per_row
     threshold = row_wise_bytes if row_wise_bytes is not None else math.ceil(total / world_size)
     pieces: list[tuple[int, list[int]]] = []  # (table, rows of each of its shards)
@@ -284,4 +297,5 @@ def plan_tables(
     return ShardingPlan(
         world_size, embedding_dim, optimizer, tuple(table_rows), tuple(shards), tuple(replicated),
         exchange_bytes_per_value, None if bag_sizes is None else tuple(bag_sizes),
+        table_bytes_per_value=table_bytes_per_value,
     )  # fmt: skip

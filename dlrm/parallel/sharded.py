@@ -42,9 +42,15 @@ from torch.profiler import record_function
 from dlrm.data.bags import is_one_hot
 from dlrm.model import DLRM
 from dlrm.model.sparse import SPARSE_KERNELS, SparseArch, init_tables
-from dlrm.model.tables import build_vocabularies, register_vocabularies, resolve_table_rows
+from dlrm.model.tables import (
+    build_vocabularies,
+    lookup_dtype,
+    register_vocabularies,
+    resolve_table_rows,
+    table_torch_dtype,
+)
 from dlrm.parallel.dense import broadcast_from_rank0
-from dlrm.parallel.planner import ShardingPlan, plan_tables
+from dlrm.parallel.planner import TABLE_BYTES, ShardingPlan, plan_tables
 from dlrm.parallel.sharded_bags import ShardedBags
 
 
@@ -130,8 +136,10 @@ class ShardedSparseArch(nn.Module):
 
     Same interface as dlrm.model.dlrm.SparseArch (forward [b, F] raw ids, or bags [b, S], -> [b, F, D];
     `kernel`, `table_rows`, `configure_optimizer`, `optimizer_state`), but holds only the rows the plan gives
-    `rank`: `weights` [rows of the local shards, D] fp32, shard i from row `offsets[i]`, and every rank
-    `replicated_weights` [rows of the replicated tables, D] fp32 (None without any; dense gradients, for
+    `rank`: `weights` [rows of the local shards, D] in `table_dtype` (fp32 or bf16, kernel "triton": its
+    fused updates round stochastically, SparseArch), shard i from row `offsets[i]`, and every rank
+    `replicated_weights` [rows of the replicated tables, D] fp32 whatever `table_dtype` (None without any;
+    dense gradients, for
     the dense optimizer after the all-reduce: `replicated_parameters`), created on `device` (never whole on
     the host), each shard or table holding its rows of the weights a one-process SparseArch of the same
     seed starts from (dlrm.model.sparse.init_tables: drawn on the host block by block and copied over), so
@@ -151,6 +159,7 @@ class ShardedSparseArch(nn.Module):
             [b, S] (dlrm.data.bags) and pools each bag by `pooling` ("sum" or "mean"), modulus hashing
             only. A rank holding a row shard then has one more row at the end of `weights`, the padding
             row that ids outside its shards look up (dlrm.parallel.sharded_bags).
+        table_dtype: "fp32" or "bf16" (kernel "triton" only), the dtype of `weights`.
     Raises:
         ValueError: unknown kernel, a plan of other tables than `vocabularies` give, bags with another
             hashing than "modulus", bad bag sizes or pooling.
@@ -169,10 +178,12 @@ class ShardedSparseArch(nn.Module):
         exchange_dtype: str = "auto",
         multi_hot_sizes: tuple[int, ...] | None = None,
         pooling: str = "sum",
+        table_dtype: str = "fp32",
     ):
         super().__init__()
         if kernel not in SPARSE_KERNELS:
             raise ValueError(f"unknown sparse kernel {kernel!r}: expected one of {SPARSE_KERNELS}")
+        dtype = table_torch_dtype(table_dtype, kernel)
         one_hot = is_one_hot(multi_hot_sizes)
         if not one_hot and hashing != "modulus":
             raise ValueError(f"bags (model.multi_hot_sizes) need hashing 'modulus', got {hashing!r}")
@@ -192,7 +203,7 @@ class ShardedSparseArch(nn.Module):
         self.partial = any(s.rows != self.table_rows[s.table] for s in self.local_shards)
         padding_row = sum(shard_rows) if self.partial and not one_hot else None
         held = sum(shard_rows) + (padding_row is not None)
-        self.weights = nn.Parameter(torch.empty(held, embedding_dim, device=device))
+        self.weights = nn.Parameter(torch.empty(held, embedding_dim, device=device, dtype=dtype))
         if padding_row is not None:
             self.weights.data[padding_row].zero_()
         self.replicated = list(plan.replicated)
@@ -248,15 +259,19 @@ class ShardedSparseArch(nn.Module):
         self.register_buffer("optimizer_state", torch.zeros(0, device=device), persistent=False)
         self.register_buffer("lr", torch.zeros((), device=device), persistent=False)
         self.optimizer: tuple[str, float] | None = None  # (optimizer, eps)
+        self.rounding: Tensor | None = None  # bf16 shards: (seed, count), set by configure_optimizer
         self._order = None
 
-    def configure_optimizer(self, optimizer: str, lr: float | Tensor, eps: float = 1e-10) -> None:
-        """For kernel "triton": the update its backward applies (see SparseArch.configure_optimizer).
+    def configure_optimizer(
+        self, optimizer: str, lr: float | Tensor, eps: float = 1e-10, rounding: Tensor | None = None
+    ) -> None:
+        """For kernel "triton": the update its backward applies, and bf16 shards' stochastic rounding
+        (see SparseArch.configure_optimizer).
 
         Raises:
             ValueError: kernel "torch", or an unknown optimizer.
         """
-        SparseArch.configure_optimizer(self, optimizer, lr, eps)
+        SparseArch.configure_optimizer(self, optimizer, lr, eps, rounding)
 
     def hash_ids(self, sparse: Tensor) -> Tensor:
         """Raw ids [b, F] int64 -> rows [b, F] int64 of the full tables (as SparseArch.hash_ids)."""
@@ -268,8 +283,9 @@ class ShardedSparseArch(nn.Module):
 
     def forward(self, sparse: Tensor) -> Tensor:
         """sparse: [b, F] int64 raw ids of this rank's samples (with bags: [b, S], each bag pooled) ->
-        embedded [b, F, D] (the lookup's dtype: fp32, or bf16 from the "triton" kernel under bf16
-        autocast). Every rank must call it with the same b: it exchanges with all of them."""
+        embedded [b, F, D] (the lookup's dtype: fp32 whatever the tables' dtype, or bf16 from the "triton"
+        kernel under bf16 autocast). Every rank must call it with the same b: it exchanges with all of
+        them."""
         b, world, n = sparse.shape[0], self.world_size, len(self.local_shards)
         bags = self.bags
         # The id columns each rank is sent (its shards' tables; with bags, their bag columns).
@@ -294,6 +310,11 @@ class ShardedSparseArch(nn.Module):
         local = self._lookup_replicated(rows) if bags is None else bags.lookup_replicated(self, rows)
         return ToTableOrder.apply(back, local, b, d, self._column_order(rows.device), b_dtype, 1.0 / world)
 
+    def lookup_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype of this rank's lookups: kernel "triton" `dlrm.model.tables.lookup_dtype` (fp32, or
+        the autocast dtype), kernel "torch" its fp32 tables'. Every rank's agrees: the exchange sends it."""
+        return lookup_dtype(device) if self.kernel == "triton" else self.weights.dtype
+
     def _column_order(self, device: torch.device):
         """The kernels' placement of the tables in the exchange's blocks, on `device` (made once)."""
         from kernels.table_order import ColumnOrder  # dlrm.model.sparse says why here
@@ -307,7 +328,7 @@ class ShardedSparseArch(nn.Module):
         """Rows [b, F] of the full tables -> the replicated tables' vectors [b, n_r, D] fp32 (dense
         gradient); [b, 0, D] without replicated tables."""
         if self.replicated_weights is None:
-            return self.weights.new_zeros(rows.shape[0], 0, self.weights.shape[1])
+            return self.weights.new_zeros(rows.shape[0], 0, self.weights.shape[1], dtype=torch.float32)
         local = rows.index_select(1, self.replicated_tables)
         return ReplicatedLookup.apply(
             self.replicated_weights, self.replicated_offsets, self.replicated_rows, local
@@ -322,7 +343,8 @@ class ShardedSparseArch(nn.Module):
             local = torch.where(valid, local, 0)
         d = self.weights.shape[1]
         if local.shape[1] == 0:  # a rank without shards still takes part in the exchange, both ways
-            return self.weights.new_zeros(local.shape[0], 0, d).requires_grad_(torch.is_grad_enabled())
+            empty = self.weights.new_zeros(local.shape[0], 0, d, dtype=self.lookup_dtype(ids.device))
+            return empty.requires_grad_(torch.is_grad_enabled())
         if self.kernel == "triton":
             from kernels.embedding import embedding_lookup  # dlrm.model.sparse says why here
 
@@ -331,11 +353,9 @@ class ShardedSparseArch(nn.Module):
                     "ShardedSparseArch(kernel='triton'): call configure_optimizer before training"
                 )
             optimizer, eps = self.optimizer or ("sgd", 0.0)
-            device = ids.device.type
-            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
             pooled = embedding_lookup(
                 self.weights, self.optimizer_state, self.offsets, self.shard_rows, local, "index",
-                optimizer, self.lr, eps, out_dtype=dtype,
+                optimizer, self.lr, eps, self.lookup_dtype(ids.device), self.rounding,
             )  # fmt: skip
         else:
             pooled = F.embedding(local + self.offsets, self.weights, sparse=True)
@@ -371,10 +391,11 @@ def build_sharded_model(
         data_parallel_rows=par.data_parallel_rows,
         exchange_bytes_per_value=exchange_bytes(cfg),
         bag_sizes=m.multi_hot_sizes,
+        table_bytes_per_value=TABLE_BYTES[m.table_dtype],
     )
     sparse = ShardedSparseArch(
         plan, rank, m.embedding_dim, m.hashing, vocabularies, cfg.sparse_kernel, device, cfg.train.seed,
-        par.exchange_dtype, m.multi_hot_sizes, m.pooling,
+        par.exchange_dtype, m.multi_hot_sizes, m.pooling, m.table_dtype,
     )  # fmt: skip
     first_order = None
     if m.first_order:  # D = 1 tables on the same plan; vocab models pass them the embeddings' rows

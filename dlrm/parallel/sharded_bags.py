@@ -146,7 +146,8 @@ class ShardedBags(nn.Module):
         dtype, the ids outside a row shard adding nothing (module docstring)."""
         n, d = self.local_sizes.shape[0], arch.weights.shape[1]
         if n == 0:  # a rank without shards still takes part in the exchange, both ways
-            return arch.weights.new_zeros(ids.shape[0], 0, d).requires_grad_(torch.is_grad_enabled())
+            empty = arch.weights.new_zeros(ids.shape[0], 0, d, dtype=arch.lookup_dtype(ids.device))
+            return empty.requires_grad_(torch.is_grad_enabled())
         local = ids - self.column_start
         if self.padding_row is not None:
             valid = (local >= 0) & (local < self.column_rows_held)
@@ -167,18 +168,16 @@ class ShardedBags(nn.Module):
         if arch.optimizer is None and torch.is_grad_enabled():
             raise ValueError("ShardedSparseArch(kernel='triton'): call configure_optimizer before training")
         optimizer, eps = arch.optimizer or ("sgd", 0.0)
-        device = local.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         return embedding_bag_lookup(
             arch.weights, arch.optimizer_state, arch.offsets, arch.shard_rows, self.local_sizes, local,
-            "index", self.pooling, optimizer, arch.lr, eps, dtype,
+            "index", self.pooling, optimizer, arch.lr, eps, arch.lookup_dtype(local.device), arch.rounding,
         )  # fmt: skip
 
     def lookup_replicated(self, arch: nn.Module, rows: Tensor) -> Tensor:
         """Rows [b, S] of the full tables -> the replicated tables' pooled bags [b, n_r, D] fp32 (dense
         gradient); [b, 0, D] without replicated tables."""
         if arch.replicated_weights is None:
-            return arch.weights.new_zeros(rows.shape[0], 0, arch.weights.shape[1])
+            return arch.weights.new_zeros(rows.shape[0], 0, arch.weights.shape[1], dtype=torch.float32)
         local = rows.index_select(1, self.replicated_columns)
         return ReplicatedBagLookup.apply(
             arch.replicated_weights, arch.replicated_offsets, arch.replicated_rows, self.replicated_sizes,
