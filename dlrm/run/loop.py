@@ -46,6 +46,7 @@ from dlrm.run.nonfinite import check_finite, nonfinite_stop
 from dlrm.run.selection import evaluate_and_select, evaluate_selected
 from dlrm.run.setup import RunFinished, set_up, total_steps
 from dlrm.run.state import Interval, Run, RunState
+from dlrm.run.timing import TimeSpent, describe
 
 
 def train(
@@ -87,6 +88,7 @@ def train(
         return finished.metrics
     except torch.OutOfMemoryError as err:
         raise out_of_memory(cfg, err, "during set-up") from None
+    state.time_spent = TimeSpent(start)  # set-up so far charged to "setup"
     try:
         with run.signals:  # Ctrl-C during set-up stops at once; from here on, after the step
             train_steps(run, state)
@@ -100,7 +102,10 @@ def train(
 
 
 def train_steps(run: Run, state: RunState) -> None:
-    """The loop: epochs, steps, and after each step `after_step`; at the end an evaluation and last.pt."""
+    """The loop: epochs, steps, and after each step `after_step`; at the end an evaluation and last.pt.
+    Its time is charged to `state.time_spent`'s parts (dlrm.run.timing): "data" while the loader is
+    waited for, "step" (or "first_steps") from then until the next batch is asked for; the functions
+    it calls charge theirs."""
     t = run.cfg.train
     loader = run.train_loader
     max_steps = total_steps(run.cfg, loader)
@@ -109,6 +114,7 @@ def train_steps(run: Run, state: RunState) -> None:
     run.model.train()
     worker = run.strategy.trace_worker
     profiler = make_profiler(run.cfg.profiler, run.run_dir, run.device, run.writer, state.step, worker)
+    spent = state.time_spent
     with profiler:
         first_epoch, skip = resume_position(loader, state.step)
         for epoch in range(first_epoch, t.epochs):
@@ -117,21 +123,29 @@ def train_steps(run: Run, state: RunState) -> None:
             loader.set_epoch(epoch)
             batches = epoch_batches(loader, skip if epoch == first_epoch else 0)
             while state.step < max_steps and not stop:
-                step_start = time.perf_counter()
+                spent.switch("data")
+                step_start = spent.since
                 with data_range(profiler):
                     batch = next(batches, None)
                 if batch is None:
                     break
+                spent.switch("step")
                 apart_since = drain_before_new_size(run, state, interval, batch)
+                if state.first_step_s is None or apart_since is not None:
+                    spent.switch("first_steps")  # until the next batch: compilation, its wait
                 # Before the step (and its graph replay), on its stream: device writes, no host sync.
                 run.lrs.set(state.step + 1)
                 loss = run.step_fn(run.model, run.optimizer, batch)
                 report_s = profiler.step()  # the window's trace, written at its last step
+                if report_s:
+                    spent.move(report_s, "log")
                 account_step(run, state, interval, loss, batch, step_start, apart_since, report_s)
                 stop = after_step(run, state, interval, epoch)
+            spent.switch("other")
             log_interval(run, state, interval, epoch)
             if not stop and state.last_eval_step != state.step:
                 stop = evaluate(run, state, interval)  # end of epoch
+    spent.switch("other")
     if state.last_eval is None:  # a resumed run whose loader had no batch left
         evaluate(run, state, interval)
     checkpoint_last(run, state, interval)
@@ -152,7 +166,11 @@ def after_step(run: Run, state: RunState, interval: Interval, epoch: int) -> boo
     if run.eval_every and state.step % run.eval_every == 0:
         stop = evaluate(run, state, interval)
     signum, timed = run.signals.received or 0, checkpoint_due_by_time(run.cfg, state)
-    signum, timed = run.strategy.agree(signum, timed, at_log_line)
+    if at_log_line:  # where many ranks agree (a collective)
+        with state.time_spent.part("collectives"):
+            signum, timed = run.strategy.agree(signum, timed, at_log_line)
+    else:
+        signum, timed = run.strategy.agree(signum, timed, at_log_line)
     if signum:
         stop_on_signal(run, state, interval, signum)
     if timed or checkpoint_due_by_steps(run.cfg, state):
@@ -181,21 +199,25 @@ def keep_interval(run: Run, state: RunState, interval: Interval) -> None:
     every rank calls it at the same step)."""
     check_finite(run, state, interval)
     state.interval_steps, state.interval_finite = interval.steps, interval.finite
-    state.interval_loss_sum = run.strategy.mean_loss(interval.loss_sum, run.device)
+    with state.time_spent.part("collectives"):
+        state.interval_loss_sum = run.strategy.mean_loss(interval.loss_sum, run.device)
 
 
 def evaluate(run: Run, state: RunState, interval: Interval) -> bool:
     """A val evaluation (dlrm.run.selection.evaluate_and_select: best.pt, early stopping; True: stop), the
-    interval's sums kept first for the best.pt it may write (`keep_interval`)."""
-    keep_interval(run, state, interval)
-    return evaluate_and_select(run, state, interval)
+    interval's sums kept first for the best.pt it may write (`keep_interval`). Charged to "eval" (its host
+    syncs, collectives, best.pt and logging to theirs)."""
+    with state.time_spent.part("eval"):
+        keep_interval(run, state, interval)
+        return evaluate_and_select(run, state, interval)
 
 
 def checkpoint_last(run: Run, state: RunState, interval: Interval) -> None:
     """checkpoints/last.pt (dlrm.run.checkpoints.save_last), the interval's sums kept first
-    (`keep_interval`)."""
-    keep_interval(run, state, interval)
-    save_last(run, state, interval)
+    (`keep_interval`). Charged to "checkpoint" (its host syncs and collectives to theirs)."""
+    with state.time_spent.part("checkpoint"):
+        keep_interval(run, state, interval)
+        save_last(run, state, interval)
 
 
 def resume_position(loader: TrainLoader, step: int) -> tuple[int, int]:
@@ -219,9 +241,10 @@ def drain_before_new_size(run: Run, state: RunState, interval: Interval, batch: 
     for any other step."""
     if state.first_step_s is None or len(batch.label) in state.batch_sizes:
         return None
-    check_finite(run, state, interval)
-    if run.device.type == "cuda":
-        torch.cuda.synchronize()
+    with state.time_spent.part("device_wait"):
+        check_finite(run, state, interval)
+        if run.device.type == "cuda":
+            torch.cuda.synchronize()
     return time.perf_counter()
 
 
@@ -276,9 +299,15 @@ def account_step(
 
 def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> None:
     """Log the steps since the last log line (its one host sync: the losses not read yet) and start a new
-    interval: the mean loss of its steps, and the throughput of those not timed apart. Raises
+    interval: the mean loss of its steps, and the throughput of those not timed apart; TensorBoard's
+    time/<part>_pct, the shares of the wall time since the last log line (dlrm.run.timing). Raises
     NonFiniteLoss as `note_losses`, and when every step of the interval was skipped (the weights
-    themselves are no longer finite)."""
+    themselves are no longer finite). Charged to "log" (the losses' read and mean to theirs)."""
+    with state.time_spent.part("log"):
+        _log_interval(run, state, interval, epoch)
+
+
+def _log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> None:
     if not interval.steps:
         interval.start = time.perf_counter()
         return
@@ -286,7 +315,8 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
     if not interval.finite:
         first = state.step - interval.steps + 1
         raise nonfinite_stop(run, state, f"steps {first}-{state.step}: every loss was skipped as non-finite")
-    state.train_loss = run.strategy.mean_loss(interval.loss_sum / interval.finite, run.device)
+    with state.time_spent.part("collectives"):
+        state.train_loss = run.strategy.mean_loss(interval.loss_sum / interval.finite, run.device)
     writer = run.writer
     writer.add_scalar("train/loss", state.train_loss, state.step)
     writer.add_scalar("train/lr", run.lrs.lr, state.step)  # the dense lr of the interval's last step
@@ -301,6 +331,8 @@ def log_interval(run: Run, state: RunState, interval: Interval, epoch: int) -> N
         rate = f" | {samples_per_s:,.0f} samples/s | {1000 * elapsed / interval.timed_steps:.2f} ms/step"
         run.progress.interval(epoch, state.train_loss, samples_per_s)
     logger.info("epoch {} step {} | loss {:.5f}{}", epoch, state.step, state.train_loss, rate)
+    for part, share in state.time_spent.shares().items():
+        writer.add_scalar(f"time/{part}_pct", share, state.step)
     interval.steps, interval.timed_steps, interval.samples, interval.start = 0, 0, 0, time.perf_counter()
     interval.read, interval.loss_sum, interval.finite = 0, 0.0, 0
 
@@ -322,11 +354,16 @@ def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None 
     """Write metrics.json (strict JSON: null for what is undefined), close the writer; return the metrics.
     `stopped`: why the run ended early, recorded as "stopped". First the selected weights are evaluated
     on the test split (`evaluate_selected`), whatever stopped the run."""
-    test = evaluate_selected(run, state) or {}
-    run.progress.close()
+    spent = state.time_spent
+    spent.switch("other")
+    with spent.part("eval"):
+        test = evaluate_selected(run, state) or {}
+    with spent.part("log"):
+        run.progress.close()
     cfg, best, last_eval = run.cfg, state.best or {}, state.last_eval or {}
     ms_per_step = 1000 * state.timed_s / state.timed_steps if state.timed_steps else None
     per_rank = run.strategy.per_rank(ms_per_step)
+    time_per_rank = run.strategy.per_rank(spent.breakdown())  # up to here: the test evaluation included
     metrics = {
         "steps": state.step,
         "samples": state.samples,
@@ -360,8 +397,12 @@ def finish(run: Run, state: RunState, wall_s: float, stopped: RunStopped | None 
         "step_ms_max": max(per_rank) if None not in per_rank else None,
         "stopped": None if stopped is None else type(stopped).__name__,
         "nonfinite_step": state.nonfinite_step,
+        # Where the wall time went, by part (dlrm.run.timing): this process's, and every rank's in rank order.
+        "time": time_per_rank[run.strategy.rank],
+        "time_per_rank": time_per_rank,
     }
     metrics = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+    logger.info(describe(time_per_rank))
     run.strategy.write_text(run.run_dir / "metrics.json", json.dumps(metrics, indent=2, allow_nan=False))
     run.writer.close()
     if stopped is None:

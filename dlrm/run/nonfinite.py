@@ -14,10 +14,12 @@ from dlrm.run.state import Interval, Run, RunState
 
 
 def check_finite(run: Run, state: RunState, interval: Interval) -> None:
-    """Read the interval's losses not read yet (one host sync) and note them (see `note_losses`)."""
+    """Read the interval's losses not read yet (one host sync, charged to "device_wait") and note them
+    (see `note_losses`)."""
     if interval.read == interval.steps:
         return
-    losses = interval.losses[interval.read : interval.steps].tolist()
+    with state.time_spent.part("device_wait"):
+        losses = interval.losses[interval.read : interval.steps].tolist()
     first = state.step - interval.steps + interval.read + 1
     interval.read = interval.steps
     finite = [x for x in losses if math.isfinite(x)]

@@ -30,7 +30,8 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     """Evaluate on the val split, log it, keep the best as checkpoints/best.pt; True when early stopping
     says stop. The evaluation's and the checkpoint's time are kept out of the interval's throughput. The
     losses since the last log line are checked first (NonFiniteLoss), and a non-finite evaluation never
-    becomes best. The test split is never read here (see `evaluate_selected`)."""
+    becomes best. The test split is never read here (see `evaluate_selected`). The caller charges its time
+    to "eval" (dlrm.run.timing); best.pt's write is charged to "checkpoint", the logging to "log"."""
     check_finite(run, state, interval)
     eval_start = time.perf_counter()
     result = evaluate_split(run, run.val_loader, SELECT)
@@ -40,23 +41,26 @@ def evaluate_and_select(run: Run, state: RunState, interval: Interval) -> bool:
     state.eval_s += eval_time
     state.first_eval_s = eval_time if state.first_eval_s is None else state.first_eval_s
     state.last_eval, state.last_eval_step = result, state.step
-    for key in ("auc", "logloss", "ne"):
-        run.writer.add_scalar(f"{SELECT}/{key}", result[key], state.step)
-    logger.info(
-        "step {} | val auc {:.4f} logloss {:.4f} ne {:.4f} | {:.2f} s",
-        state.step,
-        result["auc"],
-        result["logloss"],
-        result["ne"],
-        eval_time,
-    )
+    spent = state.time_spent
+    with spent.part("log"):
+        for key in ("auc", "logloss", "ne"):
+            run.writer.add_scalar(f"{SELECT}/{key}", result[key], state.step)
+        logger.info(
+            "step {} | val auc {:.4f} logloss {:.4f} ne {:.4f} | {:.2f} s",
+            state.step,
+            result["auc"],
+            result["logloss"],
+            result["ne"],
+            eval_time,
+        )
     # AUC can look finite (a rank statistic) on NaN logits: the logloss and the weights tell.
     finite = all(math.isfinite(result[key]) for key in ("auc", "logloss", "ne")) and weights_finite(run.model)
     if not finite:
         logger.warning("step {}: the evaluation is not finite; not a candidate for best.pt", state.step)
     if finite and (state.best is None or better(result, state.best, run.cfg.train.select_on)):
         state.best, state.evals_since_best = {**result, "step": state.step}, 0
-        save_best(run, state)  # last.pt at this step, best.pt the same file (train.checkpoint_policy)
+        with spent.part("checkpoint"):
+            save_best(run, state)  # last.pt at this step, best.pt the same file (train.checkpoint_policy)
     else:
         state.evals_since_best += 1
     interval.start += time.perf_counter() - eval_start
@@ -79,7 +83,9 @@ def evaluate_selected(run: Run, state: RunState) -> dict | None:
     """Evaluate the selected weights, best.pt's (the best val evaluation), once on the test split; log it
     and write test/auc, test/logloss, test/ne at the best step. The current weights when they are those
     (no step since the best evaluation), else best.pt's model state loaded into the model (training is
-    over). Many ranks: every rank calls it; the same path as the val evaluation.
+    over). Many ranks: every rank calls it; the same path as the val evaluation. The caller charges its time
+    to "eval" (dlrm.run.timing); the wait for a background save and the loading of best.pt's weights are
+    charged to "checkpoint", the logging to "log".
 
     Returns:
         {"auc", "logloss", "ne", "samples"}, or None when no val evaluation was finite (no best.pt) or the
@@ -89,28 +95,33 @@ def evaluate_selected(run: Run, state: RunState) -> dict | None:
         OSError: the checkpoint written in the background failed (dlrm.run.checkpoints.wait_for_checkpoint),
             which every run waits for here.
     """
-    wait_for_checkpoint(run)
+    spent = state.time_spent
+    with spent.part("checkpoint"):
+        wait_for_checkpoint(run)
     if state.best is None:
         logger.warning("no finite val evaluation, so no best.pt: no test evaluation")
         return None
     best_step = state.best["step"]
-    if state.step != best_step and not load_best_weights(run, state):
+    with spent.part("checkpoint"):
+        loaded = state.step == best_step or load_best_weights(run, state)
+    if not loaded:
         return None
     data_dir = Path(run.cfg.data.path)
     test_set = open_split(data_dir, REPORT)
     check_rows(data_dir, load_metadata(data_dir), REPORT, test_set.num_rows)
     start = time.perf_counter()
     result = evaluate_split(run, run.strategy.split_loader(test_set, run.cfg, run.device), REPORT)
-    for key in ("auc", "logloss", "ne"):
-        run.writer.add_scalar(f"{REPORT}/{key}", result[key], best_step)
-    logger.info(
-        "test (weights of step {}, selected on val) | auc {:.4f} logloss {:.4f} ne {:.4f} | {:.2f} s",
-        best_step,
-        result["auc"],
-        result["logloss"],
-        result["ne"],
-        time.perf_counter() - start,
-    )
+    with spent.part("log"):
+        for key in ("auc", "logloss", "ne"):
+            run.writer.add_scalar(f"{REPORT}/{key}", result[key], best_step)
+        logger.info(
+            "test (weights of step {}, selected on val) | auc {:.4f} logloss {:.4f} ne {:.4f} | {:.2f} s",
+            best_step,
+            result["auc"],
+            result["logloss"],
+            result["ne"],
+            time.perf_counter() - start,
+        )
     return result
 
 

@@ -21,6 +21,7 @@ from dlrm.parallel import run as ranks
 from dlrm.parallel.evaluation import ShardedEvalSplit
 from dlrm.progress import TrainProgress
 from dlrm.run.strategy import SingleProcess, Strategy
+from dlrm.run.timing import TimeSpent
 from dlrm.signals import StopSignals
 from dlrm.step import (
     StepFn,
@@ -41,7 +42,8 @@ class RunState:
     sums), from which a resumed run's first log line goes on as an uninterrupted run's. The rest are
     this process's: the step whose loss stopped the run as non-finite (nonfinite_step; the losses are read
     at log lines, so the run has done a few steps more), throughput sums, the last evaluation, when
-    last.pt was written, where best's weights are.
+    last.pt was written, where best's weights are, where its wall time went (time_spent: not in
+    checkpoints, so a resumed run counts its own process's time, as wall_s).
     """
 
     step: int = 0
@@ -74,6 +76,9 @@ class RunState:
     # The checkpoint that holds `best`'s weights: this run's best.pt once it writes one; a resumed run's
     # until then is the one beside the checkpoint it resumed from (another run directory, maybe).
     best_checkpoint: Path | None = None
+    # This process's wall time by part (dlrm.run.timing): the loop's data, step, host syncs, evaluations,
+    # checkpoints and logging; `train` starts it at its own start.
+    time_spent: TimeSpent = field(default_factory=TimeSpent)
 
     def checkpointed(self) -> dict[str, Any]:
         """The fields a resumed run goes on from."""
