@@ -11,6 +11,7 @@ sharded evaluation and DCP checkpoints); rank 0 alone writes the run directory's
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from loguru import logger
@@ -34,6 +35,8 @@ from dlrm.progress import TrainProgress
 from dlrm.run.directory import check_run_dir, make_run_dir, wait_past_event_files
 from dlrm.run.events import EventWriter
 from dlrm.staging import PendingSave, tensor_bytes
+
+T = TypeVar("T")
 
 
 def start(cfg: RunConfig) -> tuple["SingleProcess | Sharded", torch.device]:
@@ -186,8 +189,8 @@ class SingleProcess:
         """The mean loss of the global batch, from this process's mean."""
         return loss
 
-    def per_rank(self, value: float | None) -> list[float | None]:
-        """`value` of every rank, in rank order."""
+    def per_rank(self, value: T) -> list[T]:
+        """`value` (a number, None, or a dict of them) of every rank, in rank order."""
         return [value]
 
 
@@ -320,8 +323,8 @@ class Sharded:
         """The mean of the ranks' means: the global batch's mean loss."""
         return ranks.mean_over_ranks(torch.tensor(loss, device=device)).item()
 
-    def per_rank(self, value: float | None) -> list[float | None]:
-        return ranks.gather_floats(value)
+    def per_rank(self, value: T) -> list[T]:
+        return ranks.gather_floats(value)  # any picklable value (all_gather_object)
 
 
 Strategy = SingleProcess | Sharded
