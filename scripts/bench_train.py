@@ -141,9 +141,11 @@ def build(
     cardinalities: str = "kaggle",
     optimizer: str = "sgd",
     sharding: str = "auto",
+    table_dtype: str = "fp32",
 ):
     """(model, optimizer, step, pool, table_rows) for configs/<config>.json with `backend` and `optimizer`
-    (train.optimizer): the step is `step(model, optimizer, batch) -> loss` (graph-captured for "+graphs"
+    (train.optimizer) and tables of `table_dtype` (model.table_dtype; the torch-graphed baseline's stay
+    fp32): the step is `step(model, optimizer, batch) -> loss` (graph-captured for "+graphs"
     backends), pool the batches (`ids`: one of IDS) over modulus tables of the `cardinalities` preset.
     With several ranks (`dist`) the tables are sharded (created on each rank's GPU) as the `sharding`
     variant (SHARDINGS) says, and `batch` is the batch of each rank.
@@ -155,7 +157,7 @@ def build(
     torch._dynamo.reset()
     flags = {"precision": precision, "optimizer": optimizer, **FLAGS[backend]}
     cfg = replace(load_config(CONFIG_DIR / f"{config}.json"), "train", **flags)
-    cfg = replace(cfg, "model", hashing="modulus", min_frequency=1)
+    cfg = replace(cfg, "model", hashing="modulus", min_frequency=1, table_dtype=table_dtype)
     cap = max_rows or cfg.model.max_rows
     table_rows = [min(rows, cap) for rows in CARDINALITY_PRESETS[cardinalities]]
     torch.manual_seed(0)
@@ -267,13 +269,15 @@ def bench(
     cardinalities: str = "kaggle",
     optimizer: str = "sgd",
     sharding: str = "auto",
+    table_dtype: str = "fp32",
 ) -> dict:
     """Train `steps` timed steps of configs/<config>.json with `backend` and `optimizer` at batch size
     `batch` (per rank), on random batches whose sparse ids are `ids` (one of IDS) over tables of the
-    `cardinalities` preset (many ranks: sharded as `sharding` says)."""
+    `cardinalities` preset (many ranks: sharded as `sharding` says), tables of `table_dtype`."""
     model, optimizer, step, pool, table_rows = build(
-        config, backend, batch, max_rows, precision, ids, dist, cardinalities, optimizer, sharding
-    )
+        config, backend, batch, max_rows, precision, ids, dist, cardinalities, optimizer, sharding,
+        table_dtype,
+    )  # fmt: skip
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -349,9 +353,16 @@ def bench(
     help=f"Comma-separated sharding variants on many GPUs, one of {', '.join(SHARDINGS)} each: the "
     "config's parallel settings, every table model parallel, or the exchange in bf16.",
 )
+@click.option(
+    "--table-dtype",
+    type=click.Choice(["fp32", "bf16"]),
+    default="fp32",
+    help="model.table_dtype of our backends (bf16 needs a triton backend); torch-graphed keeps fp32 tables.",
+)
 def main(
-    configs, batches, backends, steps, max_rows, precisions, ids, nproc, cardinalities, optimizer, shardings
-):
+    configs, batches, backends, steps, max_rows, precisions, ids, nproc, cardinalities, optimizer, shardings,
+    table_dtype,
+):  # fmt: skip
     """Time the DLRM training step per config, backend and batch; append rows to scripts/results/train.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_train.py needs a CUDA GPU")
@@ -374,7 +385,7 @@ def main(
             for backend in backends.split(","):
                 r = bench(
                     config, backend, batch, steps, max_rows, precision, dist, ids, cardinalities, optimizer,
-                    sharding,
+                    sharding, table_dtype,
                 )  # fmt: skip
                 eager = r["samples_per_s"] if backend == "eager" else eager
                 baseline = r["samples_per_s"] if backend == BASELINE else baseline
@@ -383,6 +394,7 @@ def main(
                 ratio = round(r["samples_per_s"] / eager, 3) if eager and not graphed(backend) else None
                 vs_baseline = r["samples_per_s"] / baseline if baseline and graphed(backend) else float("nan")
                 variant = "" if sharding == "auto" else f", sharding {sharding}"
+                variant += ", bf16 tables" if table_dtype == "bf16" and backend != BASELINE else ""
                 rows.append(
                     {
                         **common,
