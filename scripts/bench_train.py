@@ -157,7 +157,8 @@ def build(
     torch._dynamo.reset()
     flags = {"precision": precision, "optimizer": optimizer, **FLAGS[backend]}
     cfg = replace(load_config(CONFIG_DIR / f"{config}.json"), "train", **flags)
-    cfg = replace(cfg, "model", hashing="modulus", min_frequency=1, table_dtype=table_dtype)
+    tables = table_dtype if cfg.train.use_triton else "fp32"  # bf16 tables are the triton kernels'
+    cfg = replace(cfg, "model", hashing="modulus", min_frequency=1, table_dtype=tables)
     cap = max_rows or cfg.model.max_rows
     table_rows = [min(rows, cap) for rows in CARDINALITY_PRESETS[cardinalities]]
     torch.manual_seed(0)
@@ -394,7 +395,7 @@ def main(
                 ratio = round(r["samples_per_s"] / eager, 3) if eager and not graphed(backend) else None
                 vs_baseline = r["samples_per_s"] / baseline if baseline and graphed(backend) else float("nan")
                 variant = "" if sharding == "auto" else f", sharding {sharding}"
-                variant += ", bf16 tables" if table_dtype == "bf16" and backend != BASELINE else ""
+                variant += ", bf16 tables" if table_dtype == "bf16" and "triton" in backend else ""
                 rows.append(
                     {
                         **common,
