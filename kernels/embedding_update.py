@@ -29,10 +29,12 @@ How the update runs:
 - otherwise (adagrad, rowwise_adagrad, bf16 weights): the non-linear update needs each row's full sum
   first. The B*F indices are sorted (torch.sort, on int32 keys where the rows fit: half the radix passes);
   sorted positions with the same row form a segment; one kernel sums dout into a [B*F, D] fp32 buffer, one
-  slot per segment, each block of 32 sorted positions reduced by a 0/1 matrix product on the tensor cores
-  (a segment inside a block is stored once; only a segment that crosses a block edge adds atomically into
-  its slot, zeroed first), a second updates each distinct row once from its segment's sum. Memory is
-  O(B F D), never O(R D).
+  slot per segment, each block of 32 sorted positions reduced by a 0/1 matrix product on the tensor cores.
+  A segment inside a block is stored there; a segment that crosses a block edge leaves one partial sum per
+  block in the next level's list, which the same kernel sums the same way (a level holds at most two
+  partials per block of the one before: 2^31 lookups take six levels), until a level fits in one block.
+  No atomics: the sums, and so the whole update, are the same bits on every run. A second kernel updates
+  each distinct row once from its segment's sum. Memory is O(B F D), never O(R D).
 Fixed shapes throughout (no torch.unique, no host sync), so a step can be captured in a CUDA graph.
 The PyTorch reference is ``embedding_update_ref``.
 """
@@ -145,20 +147,23 @@ def _block_segment_sums(segment, grad, SPLIT_BF16: tl.constexpr):
     return tl.dot(same, hi, sums)
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N", "SEGMENTS"])
 def _segment_sum_kernel(
     # pointers
-    order_ptr,  # [N] int64: lookup at each sorted position (argsort of the indices)
+    order_ptr,  # [N] int64: lookup at each sorted position (argsort of the indices; identity at level >= 1)
     segment_ptr,  # [N] int64: segment (distinct row, in sorted order) of each sorted position
-    grad_ptr,  # [N, D] dout ([B, F, D] where POOLED), any float dtype
+    grad_ptr,  # [N, D] dout ([B, F, D] where POOLED), any float dtype; level >= 1: the partial sums
     features_ptr,  # POOLED: [S] int64 feature of each column (not read otherwise)
     scales_ptr,  # POOLED: [S] fp32 pooling scale of each column (not read otherwise)
-    sums_ptr,  # [N, D] fp32: one slot per segment; the slots of segments that cross a block edge zeroed
+    sums_ptr,  # [SEGMENTS, D] fp32: each segment's sum, stored by the level where it fits in one block
+    dest_ptr,  # [2 * programs] int64: where the next level holds this block's first / last partial (or -1)
+    partial_ptr,  # [M, D] fp32: the next level's values
     # sizes
     N,
     S,
     F,
     D,
+    SEGMENTS,  # segments of level 0; a segment id at or past it marks an unused slot of a level >= 1
     # meta-parameters
     POOLED: tl.constexpr,
     SPLIT_BF16: tl.constexpr,  # the block's sums by exact bf16 pieces (False in the interpreter)
@@ -169,20 +174,24 @@ def _segment_sum_kernel(
     lookup = tl.load(order_ptr + p, mask=mask_p, other=0)
     segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
     grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, lookup, mask_p, mask, d, S, F, D, POOLED)
-    # Each position's sum over its segment's positions in this block: a segment inside the block is summed
-    # without atomics.
+    # Each position's sum over its segment's positions in this block, in a fixed order (no atomics).
     sums = _block_segment_sums(segment, grad, SPLIT_BF16)
     next_segment = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
-    start = tl.program_id(0).to(tl.int64) * BLOCK_N
+    block = tl.program_id(0).to(tl.int64)
+    start = block * BLOCK_N
     before_block = tl.load(segment_ptr + start - 1, mask=start > 0, other=-1)
-    first, last = tl.min(tl.where(mask_p, segment, N)), tl.max(segment)
+    first, last = tl.load(segment_ptr + start), tl.max(segment)  # positions are sorted
     ends_here = mask_p & ((segment != next_segment) | (p == start + BLOCK_N - 1))
-    # A segment that began in an earlier block or goes on into a later one gets partial sums from several
-    # blocks: those add atomically into its slot (zeroed by the launcher); every other segment is stored.
-    crosses = ((segment == first) & (first == before_block)) | ((segment == last) & (last == next_segment))
-    slots = sums_ptr + segment[:, None] * D + d[None, :]
-    tl.store(slots, sums, mask=mask & (ends_here & ~crosses)[:, None])
-    tl.atomic_add(slots, sums, mask=mask & (ends_here & crosses)[:, None])
+    # A segment that began in an earlier block or goes on into a later one has partial sums in several
+    # blocks: each block's partial goes to its place in the next level (`dest`, the launcher's), which sums
+    # them the same way; a segment inside the block is stored here.
+    came_in = (segment == first) & (first == before_block)
+    crosses = came_in | ((segment == last) & (last == next_segment))
+    whole = ends_here & ~crosses & (segment < SEGMENTS)
+    tl.store(sums_ptr + segment[:, None] * D + d[None, :], sums, mask=mask & whole[:, None])
+    first_dest, last_dest = tl.load(dest_ptr + 2 * block), tl.load(dest_ptr + 2 * block + 1)
+    dest = tl.where(came_in, first_dest, last_dest)
+    tl.store(partial_ptr + dest[:, None] * D + d[None, :], sums, mask=mask & (ends_here & crosses)[:, None])
 
 
 @triton.jit
@@ -382,6 +391,29 @@ def _sorted_segments(index: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
     return sorted_rows, order, segment
 
 
+def _next_level(segment: Tensor, segments: int) -> tuple[Tensor, Tensor]:
+    """For one level of the segment sums (`segment` [m] int64 sorted, cut into blocks of SUM_BLOCK_N): (dest
+    [2 * blocks] int64, next_segment [2 * blocks] int64). dest[2k] is where the next level holds block
+    k's partial sum of its first segment when that began in an earlier block, dest[2k + 1] that of its last
+    segment when it goes on into a later block (and did not begin earlier), -1 otherwise; next_segment the
+    segment of each place, in order, its unused places numbered `segments`, `segments` + 1, ... (segments
+    of their own, never stored). Fixed shapes, no host sync."""
+    m = len(segment)
+    starts = torch.arange(0, m, SUM_BLOCK_N, device=segment.device)
+    ends = (starts + SUM_BLOCK_N - 1).clamp_(max=m - 1)
+    first, last = segment[starts], segment[ends]
+    came_in = (starts > 0) & (segment[(starts - 1).clamp(min=0)] == first)
+    goes_on = (ends + 1 < m) & (segment[(ends + 1).clamp(max=m - 1)] == last) & ~(came_in & (first == last))
+    flags = torch.stack([came_in, goes_on], dim=1).reshape(-1)
+    places = torch.cumsum(flags, dim=0) - 1
+    dest = torch.where(flags, places, -1)
+    unused = segments + torch.arange(len(flags) + 1, device=segment.device)
+    next_segment = unused.scatter_(
+        0, torch.where(flags, places, len(flags)), torch.stack([first, last], 1).reshape(-1)
+    )
+    return dest, next_segment[:-1]
+
+
 def launch_update(
     weights: Tensor,
     state: Tensor,
@@ -411,15 +443,23 @@ def launch_update(
         return
     sorted_rows, order, segment = _sorted_segments(index, weights.shape[0])
     sums = torch.empty(n, d, dtype=torch.float32, device=weights.device)
-    # Only segments that cross a block edge sum atomically: zero the slots of each block's first and last
-    # segment (the others are stored whole; the update reads no other slot).
-    edges = torch.arange(0, n, SUM_BLOCK_N, device=index.device)
-    sums.index_fill_(0, segment[torch.cat([edges, (edges + SUM_BLOCK_N - 1).clamp_(max=n - 1)])], 0.0)
-    _segment_sum_kernel[(triton.cdiv(n, SUM_BLOCK_N),)](
-        order, segment, grad, features, scales, sums, n, s, f, d, POOLED=pooled,
-        SPLIT_BF16=not INTERPRETED, BLOCK_N=SUM_BLOCK_N,
-        BLOCK_D=max(16, block_d), num_warps=4,
-    )  # fmt: skip
+    # Level 0 sums the lookups' gradients; each next level sums the partial sums of the segments that
+    # crossed a block edge of the level before, until a level fits in one block (<= 6 levels for 2^31).
+    values, values_order, features_, scales_, pooled_ = grad, order, features, scales, pooled
+    level_segment, m = segment, n
+    while True:
+        dest, next_segment = _next_level(level_segment, n)
+        partials = torch.zeros(len(next_segment), d, dtype=torch.float32, device=weights.device)
+        _segment_sum_kernel[(triton.cdiv(m, SUM_BLOCK_N),)](
+            values_order, level_segment, values, features_, scales_, sums, dest, partials, m, s, f, d, n,
+            POOLED=pooled_, SPLIT_BF16=not INTERPRETED, BLOCK_N=SUM_BLOCK_N, BLOCK_D=max(16, block_d),
+            num_warps=4,
+        )  # fmt: skip
+        if m <= SUM_BLOCK_N:
+            break
+        values, level_segment, m, pooled_ = partials, next_segment, len(next_segment), False
+        values_order = torch.arange(m, device=weights.device)
+        features_, scales_ = values_order, partials  # not read
     stochastic = rounding is not None and weights.dtype == torch.bfloat16
     _segment_update_kernel[grid](
         sorted_rows, segment, sums, weights, state, lr, rounding if stochastic else lr, n, d, eps,

@@ -341,6 +341,13 @@ def test_a_row_longer_than_several_blocks_takes_one_summed_step(optimizer):
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_a_row_longer_than_a_level_of_blocks_takes_one_summed_step(optimizer):
+    """The one-row table's 1,500 lookups span 47 blocks of 32: their 47 partial sums cross the blocks of
+    the next level too, whose partials a third level sums."""
+    _check_update_against_exact([1, 7, 1000], 1500, 16, optimizer, DEVICE)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_bf16_weights(optimizer):
     """bf16 weights (fp32 state): the update is computed in fp32 and rounded once, like the reference (in the
     interpreter too: the kernel casts to fp32 right after the load)."""
@@ -372,3 +379,24 @@ def test_kaggle_cardinalities_on_gpu(d, optimizer):
     g^2, of a hot row whose thousands of terms cancel to |g| ~ 0.3 is off by ~2 |g| u n sigma, past
     rtol 1e-3 in 1 of 6 orders simulated on CPU; and the reference's copies took 70 GB at D = 128.)"""
     _check_update_against_exact(KAGGLE_ROWS, 16384, d, optimizer, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
+def test_the_update_is_the_same_bits_on_every_run_gpu(optimizer):
+    """Hot rows of tiny tables span hundreds of blocks of sorted lookups, whose partial sums an atomic add
+    would take in the order the programs finish: the level-by-level sums take them in a fixed order, so
+    two updates of the same tables by the same gradients give the same bits."""
+    rows = [3, 4, 10, 1000, 5000]
+    weights, offsets, r = _tables(rows, 128, device="cuda")
+    ids = _skewed_ids(r, 16384, torch.Generator(device="cuda").manual_seed(3))
+    grad = torch.randn(
+        *ids.shape, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)
+    )
+    index = (ids + 1) % r + offsets
+    results = []
+    for _ in range(2):
+        w, state = weights.clone(), optimizer_state(weights, optimizer)
+        embedding_update(w, state, index, grad, optimizer, _lr(0.01, "cuda"), 1e-10)
+        results.append((w, state))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
