@@ -141,24 +141,9 @@ def legacy_flags() -> tuple[bool, bool, str] | None:
         return None
 
 
-def _precision_backends() -> tuple:
-    b = torch.backends
-    return (
-        b,
-        b.cuda.matmul,
-        b.cudnn,
-        b.cudnn.conv,
-        b.cudnn.rnn,
-        b.mkldnn,
-        b.mkldnn.matmul,
-        b.mkldnn.conv,
-        b.mkldnn.rnn,
-    )
-
-
 def fp32_precisions() -> tuple[str, ...]:
     """The fp32_precision properties (always readable)."""
-    return tuple(x.fp32_precision for x in _precision_backends())
+    return tuple(x.fp32_precision for x in baseline._precision_backends())
 
 
 def _set_legacy(allow_tf32: bool, cudnn: bool, matmul_precision: str) -> None:
@@ -196,7 +181,7 @@ def process_flags_kept() -> Iterator[None]:
         yield
     finally:
         _set_legacy(*saved)
-        for x, value in zip(_precision_backends(), properties, strict=True):
+        for x, value in zip(baseline._precision_backends(), properties, strict=True):
             x.fp32_precision = value
 
 
