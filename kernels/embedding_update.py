@@ -18,10 +18,11 @@ stochastically as FBGEMM rounds its fp16/bf16 weights: 16 uniform random bits ar
 value's bit pattern below the bf16 mantissa and the low 16 bits dropped, so w rounds up to the next bf16
 value with probability (w - lower) / (upper - lower) and E[rounded] = w (unbiased: a table whose updates are
 smaller than half a bf16 step still moves on average, where rounding to nearest would drop them). The bits
-are Philox4x32-10 (`tl.philox`) keyed by the seed, counter (element r * D + d, count): fresh for every
-element and every count, the same for the same (seed, count). The kernels only read the tensor; its owner
-advances the count in place once a step (dlrm.optim.RunOptimizer.step), so every CUDA-graph replay draws
-new bits and a run resumed with its count continues the same stream. A NaN stays NaN.
+are Philox4x32-10 (`tl.philox`) keyed by the seed, counter (r * BLOCK_D / 8 + d / 8, count), each call's
+4 x 32 bits shared by 8 elements of a row, 16 bits each: fresh for every element and every count, the same
+for the same (seed, count). The kernels only read the tensor; its owner advances the count in place once a
+step (dlrm.optim.RunOptimizer.step), so every CUDA-graph replay draws new bits and a run resumed with its
+count continues the same stream. A NaN stays NaN.
 
 How the update runs:
 - "sgd" with fp32 weights: one kernel, atomic adds of -lr * dout straight into the touched rows. Atomic adds
@@ -195,15 +196,28 @@ def _segment_sum_kernel(
 
 
 @triton.jit
-def _stochastic_round_bf16(x, seed, count, element):
-    """x [BLOCK_N, BLOCK_D] fp32 rounded stochastically to bf16 values (returned as fp32, its low 16 bits
-    zero): 16 random bits of Philox(seed; element lo, element hi, count lo, count hi) added to x's bit
-    pattern, then truncated (module docstring). element: [BLOCK_N, BLOCK_D] int64 r * D + d; count: int64."""
-    zero = (element * 0).to(tl.uint32)
+def _random_bits(seed, count, row, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] uint32, 16 random bits each, for the elements (r, d) of rows `row` [BLOCK_N] int64:
+    one Philox4x32-10 call (seed; counter r * BLOCK_D / 8 + d / 8 as two 32-bit words, count as two) gives
+    its 4 x 32 bits to 8 elements of a row, 16 each (a call costs about 100 integer operations: one an
+    element would be most of the update's time)."""
+    groups: tl.constexpr = BLOCK_D // 8
+    counter = row[:, None] * groups + tl.arange(0, groups)[None, :].to(tl.int64)  # [BLOCK_N, groups]
+    zero = (counter * 0).to(tl.uint32)
     count_lo = (count & 0xFFFFFFFF).to(tl.uint32) + zero
     count_hi = ((count >> 32) & 0xFFFFFFFF).to(tl.uint32) + zero
-    bits, _, _, _ = tl.philox(seed, element.to(tl.uint32), (element >> 32).to(tl.uint32), count_lo, count_hi)
-    pattern = x.to(tl.uint32, bitcast=True) + (bits & 0xFFFF)
+    a, b, c, d = tl.philox(seed, counter.to(tl.uint32), (counter >> 32).to(tl.uint32), count_lo, count_hi)
+    ab = tl.join(tl.join(a & 0xFFFF, a >> 16), tl.join(b & 0xFFFF, b >> 16))  # [BLOCK_N, groups, 2, 2]
+    cd = tl.join(tl.join(c & 0xFFFF, c >> 16), tl.join(d & 0xFFFF, d >> 16))
+    return tl.reshape(tl.join(ab, cd), (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
+def _stochastic_round_bf16(x, bits):
+    """x [BLOCK_N, BLOCK_D] fp32 rounded stochastically to bf16 values (returned as fp32, its low 16 bits
+    zero): `bits` (16 random bits an element, `_random_bits`) added to x's bit pattern, then truncated
+    (module docstring)."""
+    pattern = x.to(tl.uint32, bitcast=True) + bits
     rounded = (pattern & 0xFFFF0000).to(tl.float32, bitcast=True)
     # A NaN's pattern plus the bits may carry out of the exponent (a negative NaN would wrap to a zero).
     return tl.where(x != x, x, rounded)
@@ -259,7 +273,7 @@ def _segment_update_kernel(
     updated = weights - step
     if STOCHASTIC:
         seed, count = tl.load(rounding_ptr), tl.load(rounding_ptr + 1)
-        updated = _stochastic_round_bf16(updated, seed, count, row[:, None] * D + d[None, :])
+        updated = _stochastic_round_bf16(updated, _random_bits(seed, count, row, BLOCK_N, BLOCK_D))
     tl.store(w_ptrs, updated.to(weights_ptr.dtype.element_ty), mask=mask)
 
 

@@ -74,6 +74,15 @@ def test_fresh_bits_for_each_count_and_the_same_for_the_same_seed(how):
         assert 0.3 < (first == other).double().mean().item() < 0.7
 
 
+@pytest.mark.parametrize("how", list(UPDATES))
+def test_neighbouring_elements_draw_apart(how):
+    """p = 1/2: any two columns of a row (the kernel shares one Philox call among 8 of them, 16 bits each)
+    agree on about half of the 64 rows, as independent draws do."""
+    draws = _draws(UPDATES[how], 1.0, 2.0**-8, seed=5, count=0)
+    for a, b in ((0, 1), (0, 7), (3, 4), (0, 8)):
+        assert 0.2 < (draws[:, a] == draws[:, b]).double().mean().item() < 0.8, (a, b)
+
+
 def test_exact_values_and_nan_stay_as_they_are():
     """An update that leaves a bf16 value exact (a zero gradient: a skipped non-finite step) rounds to
     itself whatever the bits; NaN stays NaN (a negative NaN's pattern plus the bits could wrap to zero)."""
