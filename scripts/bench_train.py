@@ -68,7 +68,7 @@ from dlrm.data.synthetic_rows import CARDINALITY_PRESETS, power_law_ranks
 from dlrm.graphs import GraphedTrainStep
 from dlrm.model import DLRM
 from dlrm.optim import RunOptimizer
-from dlrm.parallel.run import gather_floats
+from dlrm.parallel.run import gather_values
 from dlrm.parallel.sharded import build_sharded_model
 from dlrm.step import compile_dense_part, train_step
 
@@ -298,7 +298,7 @@ def bench(
     if not torch.isfinite(loss):
         raise RuntimeError(f"{config}/{backend}/B={batch}: loss is {loss.item()}")
     peak = torch.cuda.max_memory_allocated() / 2**30
-    per_rank, peaks = ([ms], [peak]) if not dist.enabled else (gather_floats(ms), gather_floats(peak))
+    per_rank, peaks = ([ms], [peak]) if not dist.enabled else (gather_values(ms), gather_values(peak))
     world = dist.world_size
     if dist.enabled and dist.is_main:
         print(f"peak GPU memory per rank: {', '.join(f'{p:.2f}' for p in peaks)} GiB", flush=True)

@@ -2,12 +2,15 @@
 work, one run directory for all ranks, rank-0-only writers, and the reductions of logged numbers."""
 
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from dlrm.config import RunConfig
 from dlrm.data.schema import NUM_SPARSE
+
+T = TypeVar("T")
 
 
 def check_world(cfg: RunConfig, world_size: int) -> None:
@@ -66,8 +69,9 @@ def max_over_ranks(values: list[int]) -> list[int]:
     return tensor.tolist()
 
 
-def gather_floats(value: float) -> list[float]:
-    """`value` of every rank, in rank order (on every rank)."""
+def gather_values(value: T) -> list[T]:
+    """`value` (any picklable value: a number, None, a dict of them) of every rank, in rank order (on every
+    rank; all_gather_object)."""
     values: list = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return values

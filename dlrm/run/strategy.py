@@ -286,7 +286,7 @@ class Sharded:
         """Bytes of the tensors each rank writes into a checkpoint (the dense part and replicated tables
         counted on rank 0), in rank order (a collective); recorded in the plan (sharding_plan.json)."""
         mine = sharded_checkpoint.checkpoint_bytes(model, optimizer, self.dist)
-        sizes = [int(n) for n in ranks.gather_floats(mine)]
+        sizes = [int(n) for n in ranks.gather_values(mine)]
         self.plan = self.plan.with_checkpoint_bytes(sizes)
         return sizes
 
@@ -324,7 +324,7 @@ class Sharded:
         return ranks.mean_over_ranks(torch.tensor(loss, device=device)).item()
 
     def per_rank(self, value: T) -> list[T]:
-        return ranks.gather_floats(value)  # any picklable value (all_gather_object)
+        return ranks.gather_values(value)
 
 
 Strategy = SingleProcess | Sharded
