@@ -22,6 +22,7 @@ Failures (README "Failures and recovery"): a non-finite loss is found where the 
 raise Interrupted; device out-of-memory becomes OutOfMemory with the numbers that matter.
 """
 
+import contextlib
 import itertools
 import json
 import math
@@ -166,10 +167,8 @@ def after_step(run: Run, state: RunState, interval: Interval, epoch: int) -> boo
     if run.eval_every and state.step % run.eval_every == 0:
         stop = evaluate(run, state, interval)
     signum, timed = run.signals.received or 0, checkpoint_due_by_time(run.cfg, state)
-    if at_log_line:  # where many ranks agree (a collective)
-        with state.time_spent.part("collectives"):
-            signum, timed = run.strategy.agree(signum, timed, at_log_line)
-    else:
+    # At log lines many ranks agree (a collective); elsewhere agree() communicates nothing.
+    with state.time_spent.part("collectives") if at_log_line else contextlib.nullcontext():
         signum, timed = run.strategy.agree(signum, timed, at_log_line)
     if signum:
         stop_on_signal(run, state, interval, signum)
