@@ -428,6 +428,39 @@ def _next_level(segment: Tensor, segments: int) -> tuple[Tensor, Tensor]:
     return dest, next_segment[:-1]
 
 
+def _segment_sums(
+    order: Tensor,
+    segment: Tensor,
+    grad: Tensor,
+    features: Tensor,
+    scales: Tensor,
+    pooled: bool,
+    s: int,
+    f: int,
+    d: int,
+    block_d: int,
+) -> Tensor:
+    """[N, D] fp32: each segment's gradient sum in its slot (module docstring), for the N sorted positions'
+    lookups `order` and segments `segment` [N] int64 of `launch_update`'s gradient. Level 0 sums the
+    lookups' gradients; each next level the partial sums of the segments that crossed a block edge of the
+    level before, until a level fits in one block."""
+    n = len(segment)
+    sums = torch.empty(n, d, dtype=torch.float32, device=grad.device)
+    while True:
+        m = len(segment)
+        dest, next_segment = _next_level(segment, n)
+        partials = torch.zeros(len(next_segment), d, dtype=torch.float32, device=grad.device)
+        _segment_sum_kernel[(triton.cdiv(m, SUM_BLOCK_N),)](
+            order, segment, grad, features, scales, sums, dest, partials, m, s, f, d, n, POOLED=pooled,
+            SPLIT_BF16=not INTERPRETED, BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
+        if m <= SUM_BLOCK_N:
+            return sums
+        order = torch.arange(len(next_segment), device=grad.device)  # a level's positions are its values
+        segment, grad, pooled = next_segment, partials, False
+        features, scales = order, partials  # not read unless pooled
+
+
 def launch_update(
     weights: Tensor,
     state: Tensor,
@@ -456,24 +489,7 @@ def launch_update(
         _sgd_kernel[grid](index, grad, features, scales, weights, lr, n, s, f, d, POOLED=pooled, **blocks)
         return
     sorted_rows, order, segment = _sorted_segments(index, weights.shape[0])
-    sums = torch.empty(n, d, dtype=torch.float32, device=weights.device)
-    # Level 0 sums the lookups' gradients; each next level sums the partial sums of the segments that
-    # crossed a block edge of the level before, until a level fits in one block (<= 6 levels for 2^31).
-    values, values_order, features_, scales_, pooled_ = grad, order, features, scales, pooled
-    level_segment, m = segment, n
-    while True:
-        dest, next_segment = _next_level(level_segment, n)
-        partials = torch.zeros(len(next_segment), d, dtype=torch.float32, device=weights.device)
-        _segment_sum_kernel[(triton.cdiv(m, SUM_BLOCK_N),)](
-            values_order, level_segment, values, features_, scales_, sums, dest, partials, m, s, f, d, n,
-            POOLED=pooled_, SPLIT_BF16=not INTERPRETED, BLOCK_N=SUM_BLOCK_N, BLOCK_D=max(16, block_d),
-            num_warps=4,
-        )  # fmt: skip
-        if m <= SUM_BLOCK_N:
-            break
-        values, level_segment, m, pooled_ = partials, next_segment, len(next_segment), False
-        values_order = torch.arange(m, device=weights.device)
-        features_, scales_ = values_order, partials  # not read
+    sums = _segment_sums(order, segment, grad, features, scales, pooled, s, f, d, max(16, block_d))
     stochastic = rounding is not None and weights.dtype == torch.bfloat16
     _segment_update_kernel[grid](
         sorted_rows, segment, sums, weights, state, lr, rounding if stochastic else lr, n, d, eps,
