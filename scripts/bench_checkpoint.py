@@ -22,7 +22,7 @@ evaluation would add a save).
    (/proc/<pid>/status) every 20 ms. Rows per rank: the peak host RSS during the saves against the peak of
    the training's own before the first save (target: within 4 GiB); for the run: each save's duration and
    the seconds training was held by it, and the median step time (the loop's own ms/step of each log line)
-   while a background save runs against the steps without one (target: within 1.2x).
+   of the steps whose iteration overlaps a background save against the other steps' (target: within 1.2x).
    The save and resume runs read their data with `--loader` (default "memory", whose batches are the same
    on any number of ranks; "binary" goes on after a resharded resume in the new number of ranks' order, so
    its losses differ from the whole run's; "streaming" resumes on N ranks only, one line otherwise).
@@ -596,7 +596,12 @@ def save_run(bench: Bench, config: Path, stop: int) -> Path:
     if gib := checkpoint_gib(result):
         bench.state_gib = gib
     written = saves(result)
-    timed = [(t, ms) for t, step, ms in steps(result) if ms is not None]
+    # Each step's loop iteration, from the step line before it to its own: (start, end, ms/step).
+    timed, since = [], result.start
+    for t, _, ms in steps(result):
+        if ms is not None:
+            timed.append((since, t, ms))
+        since = t
     first = written[0].start if written else math.inf
     background = [(s.queued, s.end) for s in written if s.queued is not None]
     for s in written:
@@ -616,8 +621,14 @@ def save_run(bench: Bench, config: Path, stop: int) -> Path:
             "s the loop waited (evaluation and snapshot included)",
             note="from the evaluation's line to the loop going on",
         )
-    during = [ms for t, ms in timed if any(a < t <= b for a, b in background)]
-    without = [ms for t, ms in timed if not any(a < t <= b for a, b in background)]
+
+    # A step is "during" a background save when its iteration overlaps the save's window: a save shorter
+    # than one step still has the step it ran beside.
+    def overlaps(t0: float, t: float) -> bool:
+        return any(t0 < b and a < t for a, b in background)
+
+    during = [ms for t0, t, ms in timed if overlaps(t0, t)]
+    without = [ms for t0, t, ms in timed if not overlaps(t0, t)]
     if during and without:
         ratio = statistics.median(during) / statistics.median(without)
         bench.row(
