@@ -87,18 +87,19 @@ def _lookup_block(N, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
 def _lookup_grad(
     grad_ptr, features_ptr, scales_ptr, lookup, mask_n, mask, d, S, F, D, POOLED: tl.constexpr
 ):  # fmt: skip
-    """The fp32 gradient [BLOCK_N, BLOCK_D] of lookups `lookup`: dout[lookup] (dout [N, D]); POOLED: the
-    pooled gradient dout[b, f(c)] (dout [B, F, D], lookup = b * S + c) scaled by its bag's 1 or 1/k."""
+    """(gradient [BLOCK_N, BLOCK_D] in dout's dtype, unscaled; scale [BLOCK_N] fp32) of lookups `lookup`:
+    dout[lookup] (dout [N, D]) and 1; POOLED: the pooled gradient dout[b, f(c)] (dout [B, F, D], lookup =
+    b * S + c) and its bag's 1 or 1/k. A lookup's gradient is the product of the two."""
     if POOLED:
         b = lookup // S
         column = lookup % S
         feature = tl.load(features_ptr + column, mask=mask_n, other=0)
         scale = tl.load(scales_ptr + column, mask=mask_n, other=0.0)
         grad = tl.load(grad_ptr + (b * F + feature)[:, None] * D + d[None, :], mask=mask, other=0.0)
-        grad = grad.to(tl.float32) * scale[:, None]
     else:
-        grad = tl.load(grad_ptr + lookup[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    return grad
+        scale = tl.full(lookup.shape, 1.0, tl.float32)
+        grad = tl.load(grad_ptr + lookup[:, None] * D + d[None, :], mask=mask, other=0.0)
+    return grad, scale
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -122,23 +123,31 @@ def _sgd_kernel(
 ):
     n, mask_n, d, mask = _lookup_block(N, D, BLOCK_N, BLOCK_D)
     index = tl.load(index_ptr + n, mask=mask_n, other=0)
-    grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, n, mask_n, mask, d, S, F, D, POOLED)
+    grad, scale = _lookup_grad(grad_ptr, features_ptr, scales_ptr, n, mask_n, mask, d, S, F, D, POOLED)
     lr = tl.load(lr_ptr).to(tl.float32)
-    tl.atomic_add(weights_ptr + index[:, None] * D + d[None, :], -lr * grad, mask=mask)
+    step = -lr * grad.to(tl.float32) * scale[:, None]
+    tl.atomic_add(weights_ptr + index[:, None] * D + d[None, :], step, mask=mask)
 
 
 @triton.jit
-def _block_segment_sums(segment, grad, SPLIT_BF16: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] fp32: at each position, the sum of `grad` [BLOCK_N, BLOCK_D] fp32 over the block's
-    positions of its segment (`segment` [BLOCK_N]), as the product of the 0/1 matrix same[i, j] = (segment_i
-    == segment_j) with grad on the tensor cores. SPLIT_BF16: grad is split into three bf16 pieces hi + mid +
-    lo that hold its fp32 value exactly, so every product is exact and only the fp32 accumulation rounds, as
-    an fp32 sum does (a segmented scan in registers costs four times as long, an IEEE fp32 dot twice). The
-    interpreter computes bf16 dots wrongly: there the dot is IEEE fp32."""
+def _block_segment_sums(segment, grad, scale, SPLIT_BF16: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] fp32: at each position, the sum of grad * scale (`grad` [BLOCK_N, BLOCK_D] in
+    dout's dtype, `scale` [BLOCK_N] fp32, `_lookup_grad`'s) over the block's positions of its segment
+    (`segment` [BLOCK_N]), as the product of the 0/1 matrix same[i, j] = (segment_i == segment_j) with the
+    gradient on the tensor cores. Every product is exact and only the fp32 accumulation rounds, as an fp32
+    sum does (a segmented scan in registers costs four times as long, an IEEE fp32 dot twice):
+    - a bf16 `grad` goes into one bf16 dot as it is, scaled after the sum (a segment is one row of one
+      table, so its positions share one scale);
+    - an fp32 one, scaled first, is split into three bf16 pieces hi + mid + lo that hold its value exactly,
+      three dots (a level's partial sums, or an fp32 dout).
+    SPLIT_BF16 False (the interpreter, whose bf16 dots are wrong): one IEEE fp32 dot."""
     if not SPLIT_BF16:
         same = (segment[:, None] == segment[None, :]).to(tl.float32)
-        return tl.dot(same, grad, input_precision="ieee")
+        return tl.dot(same, grad.to(tl.float32) * scale[:, None], input_precision="ieee")
     same = (segment[:, None] == segment[None, :]).to(tl.bfloat16)
+    if grad.dtype == tl.bfloat16:
+        return tl.dot(same, grad) * scale[:, None]
+    grad = grad.to(tl.float32) * scale[:, None]
     hi = grad.to(tl.bfloat16)
     rest = grad - hi.to(tl.float32)
     mid = rest.to(tl.bfloat16)
@@ -174,9 +183,9 @@ def _segment_sum_kernel(
     p, mask_p, d, mask = _lookup_block(N, D, BLOCK_N, BLOCK_D)
     lookup = tl.load(order_ptr + p, mask=mask_p, other=0)
     segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
-    grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, lookup, mask_p, mask, d, S, F, D, POOLED)
+    grad, scale = _lookup_grad(grad_ptr, features_ptr, scales_ptr, lookup, mask_p, mask, d, S, F, D, POOLED)
     # Each position's sum over its segment's positions in this block, in a fixed order (no atomics).
-    sums = _block_segment_sums(segment, grad, SPLIT_BF16)
+    sums = _block_segment_sums(segment, grad, scale, SPLIT_BF16)
     next_segment = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
     block = tl.program_id(0).to(tl.int64)
     start = block * BLOCK_N

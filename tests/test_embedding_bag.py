@@ -136,3 +136,26 @@ def test_bad_arguments_raise_one_line():
         embedding_bag_lookup(weights, torch.zeros(0), offsets, rows, sizes[:2], ids)
     with pytest.raises(ValueError, match="lr is required"):
         embedding_bag_lookup(weights.requires_grad_(True), torch.zeros(0), offsets, rows, sizes, ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_a_bf16_gradient_sums_as_its_fp32_value_gpu(pooling, optimizer):
+    """A bf16 pooled gradient (what a bf16 step hands the backward) goes into one bf16 dot a block, its
+    mean scale applied after the sum: each row's step within fp32 summation error of the reference's on
+    the same gradient in fp32. Skewed ids: rows in thousands of bags, sums that cross many blocks."""
+    batch, sizes, rows, d = 4096, [3, 1, 20, 2], [5, 1000, 50_000, 7], 128
+    weights, offsets, rows_t, sizes_t, _, g = _tables(batch, sizes, rows, d, torch.float32, seed=2)
+    ids = (torch.rand(batch, sum(sizes), generator=g) ** 3 * 3 * max(rows)).long()
+    weights, offsets, rows_t, sizes_t, ids = (t.cuda() for t in (weights, offsets, rows_t, sizes_t, ids))
+    state = optimizer_state(weights, optimizer) + 1.0  # a state from earlier steps
+    _, index = embedding_bag_lookup_ref(weights, offsets, rows_t, sizes_t, ids, "modulus", pooling)
+    grad = torch.randn(batch, len(sizes), d, device="cuda").to(torch.bfloat16)
+    lr = torch.tensor(0.1, device="cuda")
+    got_w, got_s = weights.clone(), state.clone()
+    embedding_bag_update(got_w, got_s, index, grad, sizes_t, pooling, optimizer, lr, 1e-8)
+    ref_w, ref_s = weights.clone(), state.clone()
+    embedding_bag_update_ref(ref_w, ref_s, index, grad.float(), sizes_t, pooling, optimizer, lr, 1e-8)
+    torch.testing.assert_close(got_s, ref_s, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-6)
