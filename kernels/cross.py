@@ -12,7 +12,8 @@ Backward, with g = dL/dx_{l+1} [M, N]:
     dU   = dz^T @ h                       [N, r]   cuBLAS
     dV   = dh^T @ x_l                     [r, N]   cuBLAS
     dx_l = g + dh @ V                     [M, N]   cuBLAS addmm (the + g in its epilogue)
-For the first layer x_l is x0 itself, and autograd adds dx0 and dx_l.
+For the first layer x_l is x0 itself, and its caller adds dx0 and dx_l: autograd for one layer, the
+kernel's own epilogue in a network of layers (``kernels.cross_net``: ADD_G, ACCUMULATE).
 
 Why recompute z instead of saving it: z is [M, N], the widest tensor of the layer (N = 3456 for the MLPerf
 model); saving it costs a write in the forward and a read in the backward, [M, N] each, and holds [M, N] per
@@ -171,12 +172,21 @@ def cross_layer_fwd(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> 
     return launch_fwd(x0, xl, v, u, b)
 
 
-def launch_fwd(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """``cross_layer_fwd`` without its input checks."""
+def launch_fwd(
+    x0: Tensor,
+    xl: Tensor,
+    v: Tensor,
+    u: Tensor,
+    b: Tensor,
+    out: Tensor | None = None,
+    h: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``cross_layer_fwd`` without its input checks; `out` [M, N] and `h` [M, r] (contiguous, x0's dtype),
+    where given, are written in place of new tensors (a cross network's buffers, kernels.cross_net)."""
     x0, xl = rows_contiguous(x0), rows_contiguous(xl)
-    h = xl @ v.t()
+    h = torch.matmul(xl, v.t(), out=h)
     m, n = x0.shape
-    out = launch.empty((m, n), x0.dtype, x0.device)
+    out = launch.empty((m, n), x0.dtype, x0.device) if out is None else out
     if m == 0:
         return out, h
 
@@ -201,7 +211,8 @@ def _cross_bwd_kernel(
     x0_ptr,  # [M, N] x0
     g_ptr,  # [M, N] g = dL/dx_{l+1}
     dz_ptr,  # [M, N] output dz = g * x0
-    dx0_ptr,  # [M, N] output dx0 = g * (z + b)
+    dx0_ptr,  # [M, N] output dx0 = g * (z + b) (+ g where ADD_G, + acc where ACCUMULATE)
+    acc_ptr,  # [M, N] ACCUMULATE: the x0 gradient of the layers after this one (not read otherwise)
     part_ptr,  # [cdiv(M, PARTIAL), N] fp32 output: sums of fp32 dz over each PARTIAL rows
     # sizes
     M,
@@ -213,10 +224,13 @@ def _cross_bwd_kernel(
     stride_g,
     stride_dz,
     stride_dx0,
+    stride_acc,
     # meta-parameters
     DOT_FP32: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     PARTIAL: tl.constexpr,  # rows per partial sum (PARTIAL_ROWS), divides BLOCK_M
+    ACCUMULATE: tl.constexpr,  # add acc (a cross network's x0 gradient, summed over its layers)
+    ADD_G: tl.constexpr,  # and + g: the first layer's x_l is x0 (the dh @ V of that path is the caller's)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -230,8 +244,16 @@ def _cross_bwd_kernel(
     g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dz = g * x0
     tl.store(dz_ptr + rows[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
-    dx0 = (g * zb).to(dx0_ptr.dtype.element_ty)
-    tl.store(dx0_ptr + rows[:, None] * stride_dx0 + cols[None, :], dx0, mask=mask)
+    dx0 = g * zb
+    if ADD_G:
+        dx0 += g
+    if ACCUMULATE:  # from another buffer than dx0: the autotuner's repeated runs give the same dx0
+        dx0 += tl.load(acc_ptr + rows[:, None] * stride_acc + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
+    tl.store(
+        dx0_ptr + rows[:, None] * stride_dx0 + cols[None, :], dx0.to(dx0_ptr.dtype.element_ty), mask=mask
+    )
     sums = tl.sum(tl.reshape(dz, (BLOCK_M // PARTIAL, PARTIAL, BLOCK_N)), axis=1)
     part_rows = pid_m.to(tl.int64) * (BLOCK_M // PARTIAL) + tl.arange(0, BLOCK_M // PARTIAL)
     part_mask = (part_rows < tl.cdiv(M, PARTIAL))[:, None] & (cols < N)[None, :]
@@ -269,23 +291,35 @@ def launch_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``cross_layer_bwd`` without its input checks."""
     g, x0 = rows_contiguous(g), rows_contiguous(x0)
-    m, n = x0.shape
-    dz = launch.empty((m, n), x0.dtype, x0.device)
-    dx0 = launch.empty((m, n), x0.dtype, x0.device)
-    part = launch.empty((triton.cdiv(m, PARTIAL_ROWS), n), torch.float32, x0.device)
-    if m > 0:
-
-        def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-
-        _cross_bwd_kernel[grid](
-            tma_descriptor(h), tma_descriptor(u), b.contiguous(), x0, g, dz, dx0, part,
-            m, n, h.shape[1], m_bucket(m), x0.stride(0), g.stride(0), dz.stride(0), dx0.stride(0),
-            DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x0.dtype), PARTIAL=PARTIAL_ROWS,
-        )  # fmt: skip
-    db = sum_partials(part, x0.dtype) if m > 0 else b.new_zeros(b.shape)
+    dx0 = launch.empty(x0.shape, x0.dtype, x0.device)
+    dz, db = launch_bwd_epilogue(g, x0, u, b, h, dx0, None, add_g=False)
     dh = dz @ u
     return dx0, torch.addmm(g, dh, v), dh.t() @ rows_contiguous(xl), dz.t() @ h, db
+
+
+def launch_bwd_epilogue(
+    g: Tensor, x0: Tensor, u: Tensor, b: Tensor, h: Tensor, dx0: Tensor, acc: Tensor | None, add_g: bool
+) -> tuple[Tensor, Tensor]:
+    """``_cross_bwd_kernel`` on rows-contiguous g and x0 [M, N]: (dz [M, N], db [N]), x0's dtype; writes
+    dx0 [M, N] (rows contiguous, not `acc`'s memory): g * (z + b), + g where `add_g`, + `acc` [M, N] where
+    given."""
+    m, n = x0.shape
+    dz = launch.empty((m, n), x0.dtype, x0.device)
+    part = launch.empty((triton.cdiv(m, PARTIAL_ROWS), n), torch.float32, x0.device)
+    if m == 0:
+        return dz, b.new_zeros(b.shape)
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    _cross_bwd_kernel[grid](
+        tma_descriptor(h), tma_descriptor(u), b.contiguous(), x0, g, dz, dx0, dx0 if acc is None else acc,
+        part, m, n, h.shape[1], m_bucket(m), x0.stride(0), g.stride(0), dz.stride(0), dx0.stride(0),
+        dx0.stride(0) if acc is None else acc.stride(0),
+        DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x0.dtype), PARTIAL=PARTIAL_ROWS,
+        ACCUMULATE=acc is not None, ADD_G=add_g,
+    )  # fmt: skip
+    return dz, sum_partials(part, x0.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -308,14 +342,14 @@ def cross_layer_ref(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> 
     return (x0f * z + xlf).to(x0.dtype)
 
 
-def _fwd_ref(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+def cross_layer_fwd_ref(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """``cross_layer_fwd`` in plain PyTorch (fp32 math, h rounded to the dtype as the kernel path's)."""
     h = (xl.float() @ v.float().t()).to(x0.dtype)
     out = x0.float() * (h.float() @ u.float().t() + b.float()) + xl.float()
     return out.to(x0.dtype), h
 
 
-def _bwd_ref(
+def cross_layer_bwd_ref(
     g: Tensor, x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor, h: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``cross_layer_bwd`` in plain PyTorch (fp32 math): analytic, since autograd does not record inside a
@@ -337,7 +371,7 @@ def _bwd_ref(
 def _forward(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """The forward's body: (out, h)."""
     check_inputs(x0, xl, v, u, b)
-    return launch_fwd(x0, xl, v, u, b) if use_triton(x0) else _fwd_ref(x0, xl, v, u, b)
+    return launch_fwd(x0, xl, v, u, b) if use_triton(x0) else cross_layer_fwd_ref(x0, xl, v, u, b)
 
 
 def _cross_fake(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -351,7 +385,7 @@ def _backward_body(
     """The backward's body: (dx0, dxl, dv, du, db), on the forward's own inputs (not checked again)."""
     if use_triton(x0):
         return launch_bwd(g, x0, xl, v, u, b, h)
-    return _bwd_ref(g, x0, xl, v, u, b, h)
+    return cross_layer_bwd_ref(g, x0, xl, v, u, b, h)
 
 
 def _cross_backward_fake(

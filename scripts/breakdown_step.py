@@ -10,7 +10,8 @@ at the config's `model.multi_hot_sizes`), then:
 2. profiles `--steps` steps of the same model launched from Python (`--backend`, default "triton": a graph
    replay hides which operation launched a kernel) and gives each CUDA kernel to the part of the step that
    launched it: forward kernels by the model's `record_function` ranges (embedding, bottom_mlp, each
-   `cross_layer_<l>` of the DCNv2 interaction, interaction, top_mlp, loss, optimizer), backward kernels by
+   `cross_layer_<l>` of the DCNv2 interaction, or `cross_net`, our backends' one op for all of them,
+   interaction, top_mlp, loss, optimizer), backward kernels by
    the autograd node that launched them, traced back to the forward range that made the node (the
    profiler's sequence numbers link the two);
 3. puts each part beside its bound, the larger of FLOPs / the measured GEMM peak of the step's precision
@@ -26,6 +27,7 @@ Counts (glossary letters; a = bytes of an activation: 2 under bf16, else 4; w = 
                       bytes 2*B*(K+N)*a + 2*K*N*4
     cross layer       fwd FLOPs 4*B*N*r (V then U), bytes 3*B*N*a (x0, x_l read, x_l+1 written) + 2*N*r*a;
                       bwd FLOPs 8*B*N*r, bytes 6*B*N*a + 4*N*r*4
+    cross_net         L cross layers, and in the backward (L-1)*B*N*a more (x0's running gradient read)
     dot interaction   fwd FLOPs 2*B*(F+1)^2*D, bytes B*(F+1)*D*a + B*out*a; bwd twice
     loss              bytes 3*B*4 each way
     optimizer         bytes P*4*5 for adagrad (weights, gradient, state read; weights, state written),
@@ -69,9 +71,10 @@ def ancestors(event) -> list:
 
 
 def forward_part(chain: list) -> str | None:
-    """The innermost part range (a cross layer before the interaction around it) of a forward event."""
+    """The innermost part range (the cross network or a cross layer before the interaction around it) of a
+    forward event."""
     for e in chain:
-        if e.name.startswith("cross_layer_") or e.name in FORWARD_PARTS:
+        if e.name.startswith("cross_layer_") or e.name in FORWARD_PARTS or e.name == "cross_net":
             return e.name
         if e.name == "optimizer":
             return "optimizer"
@@ -139,8 +142,11 @@ def distinct_rows(pool, table_rows: list[int], bag_sizes) -> float:
     return sum(counts) / len(counts)
 
 
-def part_counts(cfg, batch: int, precision: str, optimizer: str, distinct: float, dense_params: int) -> dict:
-    """{part: (FLOPs, bytes)} of one step of `cfg`'s model at `batch` (module docstring's counts)."""
+def part_counts(
+    cfg, batch: int, precision: str, optimizer: str, distinct: float, dense_params: int, cross_net: bool
+) -> dict:
+    """{part: (FLOPs, bytes)} of one step of `cfg`'s model at `batch` (module docstring's counts); the DCNv2
+    layers as one part "cross_net" where `cross_net` (our backend's one op), else a part a layer."""
     m = cfg.model
     a = 2 if precision == "bf16" else 4
     d, f = m.embedding_dim, NUM_SPARSE
@@ -158,9 +164,15 @@ def part_counts(cfg, batch: int, precision: str, optimizer: str, distinct: float
     n = (f + 1) * d
     if m.interaction == "dcn":
         r = m.dcn.low_rank
-        for layer in range(m.dcn.layers):
-            counts[f"cross_layer_{layer} fwd"] = (4 * batch * n * r, 3 * batch * n * a + 2 * n * r * a)
-            counts[f"cross_layer_{layer} bwd"] = (8 * batch * n * r, 6 * batch * n * a + 4 * n * r * 4)
+        layers = m.dcn.layers
+        fwd = (4 * batch * n * r, 3 * batch * n * a + 2 * n * r * a)
+        bwd = (8 * batch * n * r, 6 * batch * n * a + 4 * n * r * 4)
+        if cross_net:
+            counts["cross_net fwd"] = (layers * fwd[0], layers * fwd[1])
+            counts["cross_net bwd"] = (layers * bwd[0], layers * bwd[1] + (layers - 1) * batch * n * a)
+        else:
+            for layer in range(layers):
+                counts[f"cross_layer_{layer} fwd"], counts[f"cross_layer_{layer} bwd"] = fwd, bwd
         top_in = n
     else:
         top_in = d + f * (f + 1) // 2 if m.interaction == "dot" else n
@@ -214,7 +226,7 @@ def main(config, backend, graph_backend, batch, precision, optimizer, steps, max
     distinct = distinct_rows(pool, table_rows, cfg.model.multi_hot_sizes)
     dense_params = sum(p.numel() for p in model.dense_parameters())
     parts, kernels, kernel_us = profile_parts(built, steps)
-    counts = part_counts(cfg, batch, precision, optimizer, distinct, dense_params)
+    counts = part_counts(cfg, batch, precision, optimizer, distinct, dense_params, "triton" in backend)
     info = provenance(torch.cuda.get_device_name())
     lines = [
         f"# python scripts/breakdown_step.py --config {config} --batch {batch} --precision {precision} "

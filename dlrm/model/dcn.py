@@ -12,8 +12,9 @@ TorchRec's LowRankCrossNet: V_l and U_l Xavier-normal, b_l zeros (held in nn.Lin
 [r, N], `u.<l>.weight` [N, r], `u.<l>.bias` [N]).
 
 `kernel` "torch" runs each layer as PyTorch ops (Inductor fuses the elementwise tail under compile);
-"triton" runs it as our fused cross layer `kernels.cross` (the second GEMM with x0 * (z + b) + x_l in its
-epilogue, forward and backward).
+"triton" runs the whole network as one op, `kernels.cross_net`: each layer our fused cross layer
+(`kernels.cross`: the second GEMM with x0 * (z + b) + x_l in its epilogue, forward and backward), and x0's
+gradient summed over the layers inside the backward kernels rather than by autograd's adds.
 """
 
 import torch
@@ -56,14 +57,14 @@ class LowRankCrossNet(nn.Module):
         device = x0.device.type
         if torch.is_autocast_enabled(device):  # one dtype for every term, as the fused kernel takes them
             x0 = x0.to(torch.get_autocast_dtype(device))
+        if self.kernel == "triton":
+            from kernels.cross_net import cross_net
+
+            with record_function("cross_net"):  # the profiler's part (scripts/breakdown_step.py)
+                layers = ([v.weight for v in self.v], [u.weight for u in self.u], [u.bias for u in self.u])
+                return cross_net(x0, *(torch.stack(ws).to(x0.dtype) for ws in layers))
         x = x0
         for layer, (v, u) in enumerate(zip(self.v, self.u, strict=True)):
             with record_function(f"cross_layer_{layer}"):  # the profiler's parts (scripts/breakdown_step.py)
-                if self.kernel == "triton":
-                    from kernels.cross import cross_layer
-
-                    weights = (v.weight, u.weight, u.bias)
-                    x = cross_layer(x0, x, *(w.to(x0.dtype) for w in weights))
-                else:
-                    x = x0 * u(v(x)) + x
+                x = x0 * u(v(x)) + x
         return x
