@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 
@@ -224,6 +225,31 @@ def test_training_goes_on_while_a_checkpoint_is_written(criteo_sample, tmp_path,
     assert _cli(train_cli.main, ["--config", config, "--output-dir", run])[0] == 0
     assert seen == [(True, True)]  # in a thread, while step 4 trained
     assert checkpoint.load_checkpoint(run / "checkpoints" / "last.pt")["step"] == 6
+
+
+def test_threads_switch_often_while_a_save_writes_and_as_before_after():
+    """While a background save writes, the interpreter hands the GIL over every SAVING_SWITCH_INTERVAL_S
+    at most (the training thread asks for it back after each torch call); after it, at the setting it
+    found, also when the writing failed."""
+    before = sys.getswitchinterval()
+    release, seen = threading.Event(), []
+
+    def write():
+        seen.append(sys.getswitchinterval())
+        release.wait(20)
+
+    for fails in (False, True):
+        pending = staging.PendingSave(write if not fails else lambda: 1 / 0, "step 1: checkpoint x")
+        release.set()
+        if fails:
+            with pytest.raises(ZeroDivisionError):
+                pending.wait()
+        else:
+            pending.wait()
+        assert sys.getswitchinterval() == before
+    assert (
+        seen == [min(before, staging.SAVING_SWITCH_INTERVAL_S)] and before > staging.SAVING_SWITCH_INTERVAL_S
+    )
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO], ids=["full", "io-error"])
