@@ -200,23 +200,28 @@ def test_planner_counts_the_tables_bytes_in_their_dtype():
 # --------------------------------------------------------------------------------------------------
 
 
-def _sharded_round_trip(directory: str) -> None:
-    """Every table split by rows over both ranks plus replicated small ones: the sharded checkpoint holds
-    the tables in bf16 (2 bytes a value in its byte count), one process reads them whole bit-exactly, and
-    2 ranks load them back bit-exactly with the rounding count."""
+def _sharded_round_trip(directory: str, optimizer_name: str) -> None:
+    """Every table split by rows over both ranks (with Adagrad, replicated small ones too), `optimizer_name`
+    "adagrad" (state [rows, D]) or "rowwise_adagrad" (state [rows]): the sharded checkpoint holds the tables
+    in bf16 (2 bytes a value in its byte count), one process reads them and their state whole bit-exactly,
+    and 2 ranks load them back bit-exactly with the rounding count, from the checkpoint or from what one
+    process read."""
     rank = torch.distributed.get_rank()
     dist_ = Dist(rank, 2, rank)
     cfg = RunConfig(
         model=dataclasses.replace(MODEL, table_dtype="bf16"),
-        train=dataclasses.replace(TRAIN, use_triton=True),
+        train=dataclasses.replace(TRAIN, use_triton=True, optimizer=optimizer_name),
         parallel=ParallelConfig(row_wise_bytes=1, data_parallel_rows=3),
     )
     cpu = torch.device("cpu")
     model, plan = build_sharded_model(cfg, {}, None, rank, 2, cpu)
     optimizer = RunOptimizer(model, cfg.train)
     arch = model.sparse_arch
-    assert arch.weights.dtype == torch.bfloat16 and arch.replicated_weights.dtype == torch.float32
-    assert plan.table_bytes_per_value == 2 and plan.replicated
+    assert arch.weights.dtype == torch.bfloat16 and plan.table_bytes_per_value == 2
+    if optimizer_name == "adagrad":
+        assert plan.replicated and arch.replicated_weights.dtype == torch.float32
+    else:  # no table replicated (the planner's rule); one accumulator a row
+        assert not plan.replicated and arch.optimizer_state.shape == arch.weights.shape[:1]
     with torch.no_grad():  # weights and state of their own, not the seed's
         arch.weights.copy_(torch.randn(arch.weights.shape, generator=torch.Generator().manual_seed(rank)))
     arch.optimizer_state.uniform_()
@@ -226,25 +231,36 @@ def _sharded_round_trip(directory: str) -> None:
     fp32_bytes = sharded_checkpoint.checkpoint_bytes(fp32_model, RunOptimizer(fp32_model, cfg.train), dist_)
     assert fp32_bytes - sharded_checkpoint.checkpoint_bytes(model, optimizer, dist_) == held * 2
 
-    path = Path(directory) / "last"
+    path = Path(directory) / optimizer_name
     meta = {"step": 4, "table_rows": list(ROWS), "config": cfg.to_dict()}
     sharded_checkpoint.save_sharded(path, model, optimizer, dist_, meta)
     torch.distributed.barrier()
     whole = sharded_checkpoint.load_full(path)
     assert int(whole[ROUNDING_COUNT_KEY]) == 11
-    for shard, view in zip(
-        arch.local_shards, arch.weights.split([s.rows for s in arch.local_shards]), strict=True
+    # The one-process "triton" layout: every table's state concatenated.
+    assert whole["embedding_optimizer_state"].shape == (sum(ROWS), *arch.optimizer_state.shape[1:])
+    rows = [s.rows for s in arch.local_shards]
+    for shard, view, state in zip(
+        arch.local_shards, arch.weights.split(rows), arch.optimizer_state.split(rows), strict=True
     ):
-        table = whole["model"][f"sparse_arch.embeddings.{shard.table}.weight"]
-        assert table.dtype == torch.bfloat16
-        assert torch.equal(table[shard.row_start : shard.row_start + shard.rows], view)
+        key, held = (
+            f"sparse_arch.embeddings.{shard.table}.weight",
+            slice(shard.row_start, shard.row_start + shard.rows),
+        )
+        assert whole["model"][key].dtype == torch.bfloat16
+        assert torch.equal(whole["model"][key][held], view)
+        assert torch.equal(whole["optimizer_by_name"][key][held], state)
 
-    fresh, _ = build_sharded_model(cfg, {}, None, rank, 2, cpu)
-    fresh_optimizer = RunOptimizer(fresh, cfg.train)
-    sharded_checkpoint.load_sharded(path, fresh, fresh_optimizer, dist_)
-    assert torch.equal(fresh.sparse_arch.weights, arch.weights)
-    assert torch.equal(fresh.sparse_arch.optimizer_state, arch.optimizer_state)
-    assert fresh_optimizer.table_rounding.tolist() == optimizer.table_rounding.tolist()
+    for load in (
+        lambda model, optimizer: sharded_checkpoint.load_sharded(path, model, optimizer, dist_),
+        lambda model, optimizer: sharded_checkpoint.load_full_into_sharded(whole, model, optimizer),
+    ):
+        fresh, _ = build_sharded_model(cfg, {}, None, rank, 2, cpu)
+        fresh_optimizer = RunOptimizer(fresh, cfg.train)
+        load(fresh, fresh_optimizer)
+        assert torch.equal(fresh.sparse_arch.weights, arch.weights)
+        assert torch.equal(fresh.sparse_arch.optimizer_state, arch.optimizer_state)
+        assert fresh_optimizer.table_rounding.tolist() == optimizer.table_rounding.tolist()
 
 
 def _rank_main(rank: int, port: int, directory: str) -> None:
@@ -254,7 +270,8 @@ def _rank_main(rank: int, port: int, directory: str) -> None:
     )  # fmt: skip
     try:
         parallel.init_distributed("cpu", 60.0)
-        _sharded_round_trip(directory)
+        for optimizer in ("adagrad", "rowwise_adagrad"):
+            _sharded_round_trip(directory, optimizer)
     except Exception as err:
         parallel.fail(err)
     parallel.shutdown()

@@ -17,7 +17,8 @@ hash of each of DCP's files, checked before a load), written by rank 0. The DCP 
                         model.first_order, `first_order.tables.embeddings.<f>.weight` [rows_f, 1] the same
                         way (sharded on the same plan)
     optim/<name>        Adagrad's accumulator ("sum") of each parameter, same names and layout (tables
-                        sharded, for both sparse kernels; fp32); nothing for SGD
+                        sharded, for both sparse kernels; fp32); row-wise Adagrad's one value a row,
+                        [rows_f] fp32, sharded by the same row ranges; nothing for SGD
     optim/table_rounding_count  the bf16 tables' stochastic-rounding count ([1] int64, the same on every
                         rank: written once; dlrm.optim.RunOptimizer)
 
@@ -37,6 +38,7 @@ import errno
 import hashlib
 import io
 import json
+import math
 import os
 import shutil
 import warnings
@@ -103,16 +105,17 @@ def _sharded(
     rank: int,
     f: int,
     local: Tensor | None,
-    width: int,
+    tail: tuple[int, ...],
     dtype: torch.dtype,
     chunk_bytes: int | None = None,
 ) -> ShardedTensor:
-    """Table f [rows_f, width] `dtype` (every rank's the same, holding rows of f or not) as a ShardedTensor
-    over the plan's shards; `local`: this rank's rows. With `chunk_bytes` each shard is cut into pieces of
-    at most that many bytes of rows (every rank cuts every shard the same way), which DCP writes one by one:
-    the same logical tensor."""
+    """Table f's [rows_f, *tail] `dtype` tensor (every rank's the same, holding rows of f or not; tail (D,)
+    for the weights and Adagrad's state, () for row-wise Adagrad's) as a ShardedTensor over the plan's
+    shards; `local`: this rank's rows. With `chunk_bytes` each shard is cut into pieces of at most that many
+    bytes of rows (every rank cuts every shard the same way), which DCP writes one by one: the same logical
+    tensor."""
     device = "cpu" if local is None else str(local.device)
-    row_bytes = width * torch.empty((), dtype=dtype).element_size()
+    row_bytes = math.prod(tail) * torch.empty((), dtype=dtype).element_size()
     step = None if chunk_bytes is None else max(1, chunk_bytes // row_bytes)
     pieces = [  # (shard, first row within it, rows)
         (s, start, min(step or s.rows, s.rows - start))
@@ -120,12 +123,13 @@ def _sharded(
         if s.table == f
         for start in range(0, s.rows, step or s.rows)
     ]
+    zeros = [0] * len(tail)  # every piece holds whole rows
     metas = [
-        ShardMetadata([s.row_start + start, 0], [rows, width], f"rank:{s.rank}/{device}")
+        ShardMetadata([s.row_start + start, *zeros], [rows, *tail], f"rank:{s.rank}/{device}")
         for s, start, rows in pieces
     ]
     global_md = ShardedTensorMetadata(
-        metas, torch.Size([plan.table_rows[f], width]), TensorProperties(dtype=dtype)
+        metas, torch.Size([plan.table_rows[f], *tail]), TensorProperties(dtype=dtype)
     )
     mine = [
         Shard(local.narrow(0, start, rows), m)
@@ -146,8 +150,8 @@ def _table_views(tensor: Tensor, arch) -> dict[int, Tensor]:
 
 
 def _embedding_state(arch, optimizer: torch.optim.Optimizer) -> Tensor | None:
-    """The Adagrad accumulators [local rows, D] of the sharded tables `arch` (either kernel), None for
-    SGD."""
+    """The Adagrad accumulators of the sharded tables `arch` (either kernel), laid out as `arch.weights`:
+    [local rows, D], row-wise Adagrad's [local rows]; None for SGD."""
     if arch.kernel == "triton":
         return arch.optimizer_state if arch.optimizer_state.numel() else None
     return optimizer.state.get(arch.weights, {}).get("sum")
@@ -168,19 +172,20 @@ def _state_dict(
         if "sum" in optimizer.state.get(p, {}):
             state[f"optim/{names[p]}"] = optimizer.state[p]["sum"]
     for prefix, arch, _ in sets:
-        plan, width = arch.plan, arch.weights.shape[1]
-        tables = _table_views(arch.weights.detach(), arch)
+        plan, weights = arch.plan, arch.weights.detach()
+        tables = _table_views(weights, arch)
         sums = _embedding_state(arch, optimizer)
         sum_views = _table_views(sums, arch) if sums is not None else {}
         for f in range(len(plan.table_rows)):
             if f in plan.replicated:
                 continue
             key = table_key(f, prefix)
-            dtype = arch.weights.dtype
-            state[f"model/{key}"] = _sharded(plan, dist_.rank, f, tables.get(f), width, dtype, chunk_bytes)
+            state[f"model/{key}"] = _sharded(
+                plan, dist_.rank, f, tables.get(f), weights.shape[1:], weights.dtype, chunk_bytes
+            )
             if sums is not None:
                 state[f"optim/{key}"] = _sharded(
-                    plan, dist_.rank, f, sum_views.get(f), width, torch.float32, chunk_bytes
+                    plan, dist_.rank, f, sum_views.get(f), sums.shape[1:], torch.float32, chunk_bytes
                 )
         for key, view in _replicated_views(arch, optimizer, prefix).items():
             state[key] = view  # whole on every rank, like the dense part: DCP writes it once
@@ -577,8 +582,9 @@ def load_full(path: Path) -> dict[str, Any]:
     one-process checkpoint (dlrm.checkpoint): "model" (one-process state_dict names; the tables in the
     dtype they were written in), "optimizer" None, "optimizer_by_name" ({parameter name: Adagrad sum}),
     "embedding_optimizer_state" (the tables' sums concatenated, as the one-process "triton" kernel keeps
-    them; None for SGD), the same of the first-order tables as "first_order_optimizer_state" when there are
-    some, the stochastic rounding's count as "table_rounding_count" where written, and meta.json's fields.
+    them: [rows, D], row-wise Adagrad's [rows]; None for SGD), the same of the first-order tables as
+    "first_order_optimizer_state" when there are some, the stochastic rounding's count as
+    "table_rounding_count" where written, and meta.json's fields.
 
     Raises:
         ValueError: not a sharded checkpoint, or a file of it changed since it was written (`verify_files`).
