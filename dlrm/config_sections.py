@@ -164,7 +164,8 @@ class TrainConfig:
 
     `optimizer`: "sgd", "adagrad" or "rowwise_adagrad" (Adagrad with one accumulator per embedding-table
     row, the mean of the squared gradient over its D values, as FBGEMM / TorchRec's EXACT_ROWWISE_ADAGRAD:
-    the tables' optimizer state is [rows] instead of [rows, D]; the MLPs take plain Adagrad). dlrm.optim.
+    the tables' optimizer state is [rows] instead of [rows, D], on many ranks sharded and checkpointed like
+    the tables' rows; the MLPs take plain Adagrad). dlrm.optim.
     `embedding_lr` defaults to `lr`; `lr_schedule` scales both over the steps (warm-up and decay,
     LrScheduleConfig; constant by default). `adagrad_eps`: Adagrad's eps, added to sqrt(sum) in the
     denominator, for the dense weights and the tables alike (the accumulators start at 0).

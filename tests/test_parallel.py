@@ -23,6 +23,7 @@ from dlrm.config import ModelConfig, MultiHotConfig, load_config, replace
 from dlrm.data.dataset import BatchLoader, load_metadata, open_split
 from dlrm.model import sparse
 from dlrm.model.sparse import SparseArch
+from dlrm.optim import Adagrad
 from dlrm.parallel.planner import plan_tables
 from dlrm.parallel.run import check_world
 from dlrm.parallel.sharded import ShardedSparseArch, build_sharded_model
@@ -135,6 +136,13 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list) -> None:
     parallel.shutdown()
 
 
+def _table_optimizer(optimizer: str, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """A torch optimizer of tables: torch.optim's SGD or Adagrad, or dlrm.optim's row-wise Adagrad."""
+    if optimizer == "rowwise_adagrad":
+        return Adagrad([{"params": params, "rowwise": True}], lr)
+    return (torch.optim.SGD if optimizer == "sgd" else torch.optim.Adagrad)(params, lr)
+
+
 def _sharded_tables_match_one_table_batch(
     kernel: str,
     optimizer: str,
@@ -171,13 +179,13 @@ def _sharded_tables_match_one_table_batch(
     with torch.no_grad():
         for (f, start, rows), view in zip(placed, views, strict=True):
             view.copy_(tables[f"embeddings.{f}.weight"][start : start + rows])
-    make = torch.optim.SGD if optimizer == "sgd" else torch.optim.Adagrad
-    optimizers = [make(sharded.replicated_parameters(), lr)] if plan.replicated else []
+    optimizers = [_table_optimizer(optimizer, sharded.replicated_parameters(), lr)] if plan.replicated else []
     for module in (full, sharded):
         if kernel == "triton":
             module.configure_optimizer(optimizer, lr)
         else:
-            optimizers.append(make([module.weights] if module is sharded else module.parameters(), lr))
+            params = [module.weights] if module is sharded else list(module.parameters())
+            optimizers.append(_table_optimizer(optimizer, params, lr))
     generator = torch.Generator().manual_seed(1)
     mine = slice(rank * b, (rank + 1) * b)
     columns = 26 if bags is None else sum(bags)

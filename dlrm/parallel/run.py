@@ -20,8 +20,7 @@ def check_world(cfg: RunConfig, world_size: int) -> None:
         ValueError: W does not divide data.batch_size, more ranks than tables with row-wise off, or a
             failure setting not supported on many ranks yet (train.on_nonfinite "skip_batch": each rank
             would decide alone; train.keep_last: the sharded checkpoint is a directory; model.arch
-            "logistic": the planner shards the DLRM's tables only; train.optimizer "rowwise_adagrad": the
-            sharded checkpoint's optimizer state is [rows, D] per table).
+            "logistic": the planner shards the DLRM's tables only).
     """
     if cfg.train.on_nonfinite == "skip_batch":
         raise ValueError(
@@ -30,8 +29,6 @@ def check_world(cfg: RunConfig, world_size: int) -> None:
         )
     if cfg.train.keep_last:
         raise ValueError("train.keep_last: not supported on many ranks yet (sharded checkpoints); use 0")
-    if cfg.train.optimizer == "rowwise_adagrad":  # sharded checkpoints hold [rows, D] optimizer state
-        raise ValueError('train.optimizer: "rowwise_adagrad" is not supported on many ranks yet; use adagrad')
     if cfg.model.arch != "dlrm":
         raise ValueError(f"model.arch: {cfg.model.arch!r} is not supported on many ranks yet; use one GPU")
     if cfg.data.batch_size % world_size:
