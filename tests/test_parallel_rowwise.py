@@ -145,3 +145,16 @@ def test_rowwise_adagrad_on_two_ranks_trains_as_one_process_and_its_state_reshar
         if not k.startswith(TABLE_PREFIXES)
     )
     assert plan["checkpoint_bytes"] == rows * (8 * 4 + 4) + rows * (1 * 4 + 4) + dense + 8
+
+
+def test_a_rank_without_rows_still_names_its_tables_optimizer_state():
+    """The triton tables' Adagrad state of a rank the plan gives no rows is [0, D] (row-wise: [0]): still
+    the optimizer's state, whose checkpoint keys every rank must name alike (DCP plans them together), not
+    SGD's nothing."""
+    from types import SimpleNamespace
+
+    for optimizer, state in (("adagrad", torch.zeros(0, 4)), ("rowwise_adagrad", torch.zeros(0))):
+        arch = SimpleNamespace(kernel="triton", optimizer=(optimizer, 1e-8), optimizer_state=state)
+        assert sharded_checkpoint._embedding_state(arch, None) is state
+    sgd = SimpleNamespace(kernel="triton", optimizer=("sgd", 0.0), optimizer_state=torch.zeros(0))
+    assert sharded_checkpoint._embedding_state(sgd, None) is None

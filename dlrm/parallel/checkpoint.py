@@ -152,8 +152,8 @@ def _table_views(tensor: Tensor, arch) -> dict[int, Tensor]:
 def _embedding_state(arch, optimizer: torch.optim.Optimizer) -> Tensor | None:
     """The Adagrad accumulators of the sharded tables `arch` (either kernel), laid out as `arch.weights`:
     [local rows, D], row-wise Adagrad's [local rows]; None for SGD."""
-    if arch.kernel == "triton":
-        return arch.optimizer_state if arch.optimizer_state.numel() else None
+    if arch.kernel == "triton":  # by the optimizer, not the state's size: a rank may hold no rows
+        return None if arch.optimizer is None or arch.optimizer[0] == "sgd" else arch.optimizer_state
     return optimizer.state.get(arch.weights, {}).get("sum")
 
 
