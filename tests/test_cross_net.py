@@ -100,6 +100,19 @@ def test_bf16_equals_the_layers_one_by_one(shape, poisoned):
     _assert_norm_close(grads[0], ref_grads[0], 1e-2, "dx0")
 
 
+def test_the_pytorch_fallback_equals_the_reference(monkeypatch):
+    """Where the Triton kernels do not run (a CPU without the interpreter), the op's PyTorch bodies: the
+    reference's output and gradients."""
+    import kernels.cross_net
+
+    monkeypatch.setattr(kernels.cross_net, "use_triton", lambda t: False)
+    *inputs, g = _inputs(37, 45, 7, 3, torch.float32)
+    out, grads = _run(cross_net, inputs, g)
+    ref, ref_grads = _run(cross_net_ref, inputs, g)
+    for name, a, e in zip(OUTPUTS, [out, *grads], [ref, *ref_grads], strict=True):
+        torch.testing.assert_close(a, e, **tol(torch.float32, "gemm"), msg=name)
+
+
 def test_empty_batch():
     *inputs, g = _inputs(0, 9, 4, 2, torch.float32)
     out, grads = _run(cross_net, inputs, g)
