@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-import kernels.launch as launch
 from kernels.cross import cross_layer
 from kernels.cross_net import cross_net, cross_net_ref
+from tests.test_cross import _assert_norm_close, _ids, _run, poisoned  # noqa: F401 (a fixture)
 from tests.tolerances import tol
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -18,10 +18,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # each), three (the buffers in turns), primes and non-multiples of the interpreter's 32-wide tiles.
 SHAPES = [(1, 1, 1, 1), (3, 7, 5, 2), (37, 45, 7, 3), (70, 100, 33, 3)]
 OUTPUTS = ["out", "dx0", "dv", "du", "db"]
-
-
-def _ids(s):
-    return "x".join(map(str, s))
 
 
 def _inputs(m: int, n: int, r: int, layers: int, dtype: torch.dtype, seed: int = 0):
@@ -37,14 +33,6 @@ def _inputs(m: int, n: int, r: int, layers: int, dtype: torch.dtype, seed: int =
     return [t.to(device=DEVICE, dtype=dtype) for t in tensors]
 
 
-def _run(fn, inputs, g):
-    """fn(*inputs) and the gradients of its inputs for output gradient g (fresh leaves)."""
-    leaves = [t.detach().clone().requires_grad_() for t in inputs]
-    out = fn(*leaves)
-    out.backward(g)
-    return out, [t.grad for t in leaves]
-
-
 def _layer_by_layer(x0, v, u, b):
     """The network as L calls of the per-layer op, the model's way before the network op."""
     x = x0
@@ -53,25 +41,9 @@ def _layer_by_layer(x0, v, u, b):
     return x
 
 
-def _assert_norm_close(actual, expected, rtol: float, what: str):
-    """||actual - expected|| <= rtol ||expected|| + 1e-5 sqrt(numel)."""
-    err = (actual.float() - expected.float()).norm().item()
-    bound = rtol * expected.float().norm().item() + 1e-5 * math.sqrt(max(expected.numel(), 1))
-    assert err <= bound, f"{what}: ||out - ref|| = {err:.3e} > {bound:.3e}"
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Every buffer the launchers allocate filled with NaN, so an element no kernel writes shows."""
-
-    def empty(shape, dtype, device):
-        return torch.full(shape, math.nan, dtype=dtype, device=device)
-
-    monkeypatch.setattr(launch, "empty", empty)
-
-
+@pytest.mark.usefixtures("poisoned")
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)
-def test_forward_and_backward_equal_the_fp32_reference(shape, poisoned):
+def test_forward_and_backward_equal_the_fp32_reference(shape):
     """fp32: the output and the four gradients against autograd through L reference layers (x0's gradient
     summed by autograd there, inside the kernels here)."""
     *inputs, g = _inputs(*shape, torch.float32)
@@ -85,8 +57,9 @@ def test_forward_and_backward_equal_the_fp32_reference(shape, poisoned):
         torch.testing.assert_close(a, e, **tol(torch.float32, "gemm"), msg=name)
 
 
+@pytest.mark.usefixtures("poisoned")
 @pytest.mark.parametrize("shape", SHAPES[2:], ids=_ids)
-def test_bf16_equals_the_layers_one_by_one(shape, poisoned):
+def test_bf16_equals_the_layers_one_by_one(shape):
     """bf16: the same output and weight gradients as L per-layer ops (the same kernels), and x0's gradient
     within a relative 1e-2 of theirs: here its sum is fp32 inside the kernels, rounded once a layer, there
     each of the L + 1 terms and each add is rounded to bf16 (a few units of 2**-9 each)."""
