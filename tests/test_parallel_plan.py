@@ -2,16 +2,19 @@
 and moves per step, one-hot and with bags), the sharded tables' table-order copy and their checks."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
-from dlrm.parallel.planner import plan_tables, row_bytes
+from dlrm.parallel.planner import LOOKUP_BYTES_PER_S, lookup_bytes, plan_tables, row_bytes
 from dlrm.parallel.sharded import ShardedSparseArch, ToTableOrder
 from kernels.table_order import ColumnOrder
+from tests.conftest import REPO
 
 KAGGLE_LIKE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
                5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]  # fmt: skip
+DCNV2 = json.loads((REPO / "configs" / "dlrm_dcnv2.json").read_text())["model"]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8, 26])
@@ -155,3 +158,22 @@ def test_sharded_tables_refuse_bags_of_other_hashings():
         ValueError, match="^bags \\(model.multi_hot_sizes\\) need hashing 'modulus', got 'vocab'"
     ):
         ShardedSparseArch(plan, 0, 4, "vocab", vocabularies, multi_hot_sizes=(2,) * 26)
+
+
+def test_lookup_time_is_the_bag_kernels_bytes_at_its_measured_speed():
+    """A rank's predicted lookup time: for every shard, the global batch's bags at k_f (8 + D t) + D e bytes
+    each (replicated tables: its own b samples, fp32), over the bytes a second the bag kernel moved on an
+    H200; one process holding MLPerf DLRM-DCNv2 predicts the measured 2,364.4 us
+    (scripts/results/breakdown.csv:42)."""
+    rows, bags = DCNV2["table_rows"], tuple(DCNV2["multi_hot_sizes"])
+    one = plan_tables(rows, 128, "adagrad", 1, batch_size=65536, exchange_bytes_per_value=2, bag_sizes=bags)
+    assert one.costs(65536)[0].lookup_us == 2364.4
+    assert lookup_bytes(100, 128, 4, 2) == 100 * (8 + 512) + 256
+    b, world = 4096, 3
+    plan = plan_tables(rows, 128, "adagrad", world, batch_size=b, bag_sizes=bags, table_bytes_per_value=2)
+    assert plan.replicated
+    local = sum(lookup_bytes(bags[f], 128, 4, 4) for f in plan.replicated) * b
+    for rank, cost in enumerate(plan.costs(b)):
+        held = sum(lookup_bytes(bags[s.table], 128, 2, 4) for s in plan.shards_of(rank)) * world * b
+        assert cost.lookup_us == pytest.approx((held + local) / LOOKUP_BYTES_PER_S * 1e6, abs=0.05)
+    assert plan.to_dict(b)["predicted_per_step"]["ranks"][0]["lookup_us"] == plan.costs(b)[0].lookup_us

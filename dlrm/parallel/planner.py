@@ -4,7 +4,8 @@ of the others (model parallel).
     plan = plan_tables(table_rows, embedding_dim=128, optimizer="adagrad", world_size=8, batch_size=65536)
     plan.replicated                # tables every rank holds whole: looked up locally, gradients all-reduced
     plan.shards_of(rank)           # [Shard(table, rank, row_start, rows), ...] held by `rank`
-    plan.costs(batch_size)         # per rank: bytes held, lookups, bytes exchanged and all-reduced per step
+    plan.costs(batch_size)         # per rank and step: bytes held, lookups and their time, bytes exchanged
+                                   # and all-reduced
     plan_tables(..., bag_sizes=(3, 2, 1, ...))  # bags: k_f ids a sample per table (model.multi_hot_sizes)
     plan.to_dict()                 # what sharding_plan.json holds
     plan.with_checkpoint_bytes([...])  # and the bytes each rank writes into a checkpoint (preflight)
@@ -29,10 +30,13 @@ Sharding types, decided per table by what a step moves over the network (b: samp
   gives zeros for rows it does not hold: a table split k ways costs k lookups per id and k vectors per sample.
 Shards are placed greedily, largest first, each on the rank with the smallest load so far among those it
 fits on (ties: the lowest rank). A rank's load counts what it stores and what it looks up: its share of all
-bytes plus its share of all lookups (a shard looks up its table's k_f ids a sample; one-hot: 1). A shard fits
-on a rank whose bytes stay within an even share plus the largest shard, the bound greedy-by-bytes keeps.
-Bytes alone put 23 of the 26 Kaggle tables on one of 2 ranks (the other 3 are as large as all 23): that
-rank's lookups take many times the other's, and the other rank waits in the exchange.
+bytes plus its share of all lookup bytes. A shard's lookup bytes are the bag kernel's per sample of the global
+batch, k_f (8 + D t) + D e (`lookup_bytes`: k_f ids and rows of t bytes a value read, one pooled vector
+written in the exchange's dtype), which the kernel moves at `LOOKUP_BYTES_PER_S` (an H200's, measured):
+`costs` reports each rank's lookup time by it. A shard fits on a rank whose bytes stay within an even share
+plus the largest shard, the bound greedy-by-bytes keeps. Bytes alone put 23 of the 26 Kaggle tables on one
+of 2 ranks (the other 3 are as large as all 23): that rank's lookups take many times the other's, and the
+other rank waits in the exchange.
 """
 
 from __future__ import annotations
@@ -43,6 +47,12 @@ from dataclasses import asdict, dataclass, replace
 STATE_BYTES_PER_VALUE = {"sgd": 0, "adagrad": 4, "rowwise_adagrad": 0}
 TABLE_BYTES = {"fp32": 4, "bf16": 2}  # bytes per weight of each model.table_dtype
 ID_BYTES = 8  # int64 row ids
+# The bag kernel's forward on an H200 moves this many bytes a second (lookup_bytes' model): 7,729 MB in
+# 2,364.4 us at MLPerf DLRM-DCNv2, 65,536 samples x 214 ids of 128 fp32 values, 26 bf16 pooled vectors a
+# sample (scripts/results/breakdown.csv:42, "embedding fwd"; 77% of the copy bandwidth measured beside it).
+# One-hot lookups run nearer the copy bandwidth (scripts/results/sparse.csv:43: 94%, D = 128): by this rate
+# their predicted times come out about a fifth high.
+LOOKUP_BYTES_PER_S = 7729.05e6 / 2364.4e-6
 
 
 @dataclass(frozen=True)
@@ -62,12 +72,14 @@ class RankCost:
     bytes_held: weights (its shards in the table dtype, the replicated tables fp32) + optimizer state of its
         shards and of the replicated tables.
     lookups: embedding rows it reads per step (forward; backward updates as many).
+    lookup_us: its lookups' predicted forward time, microseconds (`lookup_bytes` / `LOOKUP_BYTES_PER_S`).
     exchange_bytes: bytes it sends plus receives in the step's all_to_alls (ids, vectors, gradients).
     all_reduce_bytes: bytes it sends plus receives for the replicated tables' gradients (ring all-reduce).
     """
 
     bytes_held: int
     lookups: int
+    lookup_us: float
     exchange_bytes: int
     all_reduce_bytes: int
 
@@ -114,7 +126,8 @@ class ShardingPlan:
 
     def costs(self, batch_size: int) -> list[RankCost]:
         """Each rank's predicted cost of one step with `batch_size` samples per rank (RankCost); a table's
-        lookups and ids count k_f per sample (its bag), its vectors one per sample."""
+        lookups and ids count k_f per sample (its bag), its vectors one per sample, its lookup time
+        `lookup_bytes` per sample (replicated tables: fp32 rows and vectors)."""
         w, d, e, b = self.world_size, self.embedding_dim, self.exchange_bytes_per_value, batch_size
         remote = (w - 1) / w  # the share of a rank's exchange that crosses to other ranks
         replicated_rows = sum(self.table_rows[f] for f in self.replicated)
@@ -122,15 +135,20 @@ class ShardingPlan:
         sent_ids = sum(self.bag_size(s.table) for s in self.shards) * b  # each rank: its b bags per shard
         sent_vectors = len(self.shards) * b  # vectors each rank receives back: one per sample and shard
         replicated_ids = sum(self.bag_size(f) for f in self.replicated) * b
+        replicated_bytes = sum(lookup_bytes(self.bag_size(f), d, 4, 4) for f in self.replicated) * b
         costs = []
         for rank, held in enumerate(self.bytes_per_rank()):
             mine = self.shards_of(rank)
             received_ids = sum(self.bag_size(s.table) for s in mine) * w * b  # the global batch's bags
             lookups = received_ids + replicated_ids
+            read = replicated_bytes + w * b * sum(
+                lookup_bytes(self.bag_size(s.table), d, self.table_bytes_per_value, e) for s in mine
+            )
             ids = (sent_ids + received_ids) * ID_BYTES * remote
             # forward vectors, backward gradients
             vectors = 2 * (sent_vectors + len(mine) * w * b) * d * e * remote
-            costs.append(RankCost(held, lookups, round(ids + vectors), all_reduce))
+            lookup_us = round(read / LOOKUP_BYTES_PER_S * 1e6, 1)
+            costs.append(RankCost(held, lookups, lookup_us, round(ids + vectors), all_reduce))
         return costs
 
     def with_checkpoint_bytes(self, per_rank: list[int]) -> ShardingPlan:
@@ -178,7 +196,8 @@ class ShardingPlan:
             if costs:
                 c = costs[rank]
                 line += (
-                    f"; per step {c.lookups:,} lookups, {c.exchange_bytes / 1e6:,.1f} MB exchanged, "
+                    f"; per step {c.lookups:,} lookups ({c.lookup_us / 1e3:,.2f} ms), "
+                    f"{c.exchange_bytes / 1e6:,.1f} MB exchanged, "
                     f"{c.all_reduce_bytes / 1e6:,.1f} MB all-reduced"
                 )
             lines.append(line)
@@ -189,6 +208,17 @@ def row_bytes(embedding_dim: int, optimizer: str, table_bytes_per_value: int = 4
     """Bytes per table row: the weights (`table_bytes_per_value` each: 4 fp32, 2 bf16) plus the optimizer
     state (Adagrad: one fp32 value per weight; row-wise Adagrad's one per row is left out, as small)."""
     return embedding_dim * (table_bytes_per_value + STATE_BYTES_PER_VALUE[optimizer])
+
+
+def lookup_bytes(
+    bag_size: int, embedding_dim: int, table_bytes_per_value: int, out_bytes_per_value: int
+) -> int:
+    """Bytes the bag kernel moves to pool one sample's bag of k = `bag_size` ids in one shard: k ids read
+    (8 bytes each), k rows of D values read (t = `table_bytes_per_value` bytes each) and one pooled vector of
+    D values written (o = `out_bytes_per_value`): k (8 + D t) + D o, the forward's bytes model of
+    scripts/breakdown_step.py ("embedding fwd"). One-hot: k = 1."""
+    d = embedding_dim
+    return bag_size * (ID_BYTES + d * table_bytes_per_value) + d * out_bytes_per_value
 
 
 def data_parallel_bound(
@@ -228,10 +258,11 @@ def plan_tables(
         data_parallel_rows: replicate tables of at most this many rows; None: the cost model's bound
             (`data_parallel_bound`); 0: none. Never all tables: the largest stays model parallel; none
             with "rowwise_adagrad", which the dense optimizers do not implement.
-        exchange_bytes_per_value: e, 4 (fp32) or 2 (bf16) exchanged bytes per vector value.
+        exchange_bytes_per_value: e, 4 (fp32) or 2 (bf16) exchanged bytes per vector value (also the
+            pooled vectors' bytes in the lookups' cost).
         bag_sizes: k_f ids a sample per table (`model.multi_hot_sizes`; None or all ones: one-hot, the same
-            plan as without); they weigh the lookups that balance the ranks and raise the cost model's
-            data-parallel bound of a table by its extra ids.
+            plan as without); they weigh the lookups that balance the ranks (`lookup_bytes`) and raise the
+            cost model's data-parallel bound of a table by its extra ids.
         table_bytes_per_value: bytes of a model-parallel weight (`TABLE_BYTES`: 4 fp32, 2 bf16), in the
             bytes that split tables by rows and balance the ranks.
     Raises:
@@ -276,10 +307,12 @@ def plan_tables(
         if row_wise and world_size > 1 and rows * per_row > threshold:
             k = min(world_size, rows, math.ceil(rows * per_row / threshold))
         pieces.append((table, [rows // k + (i < rows % k) for i in range(k)]))
-    lookups = sum(len(split) * sizes[table] for table, split in pieces)  # per sample, all shards
+    # Each shard's lookups: the bag kernel's bytes a sample of the global batch (lookup_bytes).
+    cost = [lookup_bytes(k, embedding_dim, table_bytes_per_value, exchange_bytes_per_value) for k in sizes]
+    all_lookups = sum(len(split) * cost[table] for table, split in pieces)  # per sample, all shards
     cap = total / world_size + max(split[0] for _, split in pieces) * per_row  # bytes a rank may hold
     stored = [0] * world_size
-    loads = [0.0] * world_size  # share of the bytes + share of the shards
+    loads = [0.0] * world_size  # share of the bytes + share of the lookups
     shards = []
     # Largest shard first; the shards of one table on distinct ranks.
     for table, split in sorted(pieces, key=lambda p: (-p[1][0], p[0])):
@@ -291,7 +324,7 @@ def plan_tables(
         for rank, rows in zip(sorted(ranks), split, strict=True):
             shards.append(Shard(table, rank, start, rows))
             stored[rank] += rows * per_row
-            loads[rank] += rows * per_row / max(total, 1) + sizes[table] / lookups
+            loads[rank] += rows * per_row / max(total, 1) + cost[table] / all_lookups
             start += rows
     shards.sort(key=lambda s: (s.rank, s.table))
     return ShardingPlan(
