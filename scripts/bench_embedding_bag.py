@@ -11,9 +11,10 @@ dlrm.data.bags makes them (heavy repeats of the first rows). For each optimizer:
            of a sample are contiguous in the [B, S] layout: offsets b * S + start_f)
     step   fwd + the update from a given pooled gradient [B, F, D], every touched row once (EXACT):
            ours: the fused backward (kernels.embedding_bag)
-           torch: the strongest capturable plain-PyTorch form: per-lookup gradients by index_select,
-           torch.sort of the B*S rows, segment sums by index_add_, the step applied by index_put_
-           (accumulate, zero at non-first positions), all fixed shapes
+           torch: the strongest capturable plain-PyTorch form, the torch-graphed DCNv2 baseline's
+           (scripts/torch_graphed_dcn.py): per-lookup gradients by index_select, torch.sort of the B*S
+           rows numbering the distinct rows, their sums by index_add_ into one slot each, each slot's row
+           gathered, stepped and scattered back by index_select / index_copy_, all fixed shapes
 Both are timed as CUDA-graph replays (triton.testing.do_bench medians) and, for ours, also as launched
 from Python. Bytes model of the forward: ids read 8 B and index written 8 B per lookup, D rows of the
 weights' dtype read per lookup, [B, F, D] written; of the step's update (on top of the forward):
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from bench_timing import graph_ms, measure_ceilings, median_ms
 from results_csv import append_rows, provenance
+from torch_graphed_dcn import segments
 
 from dlrm.data.bags import BagMaker, parse_sizes
 from dlrm.data.schema import NUM_SPARSE
@@ -54,24 +56,23 @@ def _torch_lookup(weights, offsets_in_table, rows, bag_offsets, features, ids, p
 
 
 def _torch_update(weights, state, index, grad, features, scales, optimizer):
-    """Plain PyTorch EXACT update with fixed shapes (capturable): each touched row steps once."""
+    """Plain PyTorch EXACT update with fixed shapes (capturable), as torch_graphed_dcn's: each lookup's
+    gradient summed into its segment's slot (index_add_), each slot's row gathered, stepped and scattered
+    back (index_select / index_copy_); slots past the last segment hold the spare last row of `weights`
+    [R + 1, D] (and `state`), which changes nothing."""
     d = weights.shape[1]
+    lookup_segment, slot_rows = segments(index.reshape(-1), weights.shape[0] - 1)
     per_lookup = (grad.float().index_select(1, features) * scales[:, None]).reshape(-1, d)
-    sorted_rows, order = torch.sort(index.reshape(-1))
-    head = torch.ones_like(sorted_rows, dtype=torch.bool)
-    head[1:] = sorted_rows[1:] != sorted_rows[:-1]
-    segment = torch.cumsum(head, 0) - 1
-    sums = torch.zeros_like(per_lookup).index_add_(0, segment, per_lookup[order])
-    g = sums[segment] * head[:, None]  # the row's sum at its first position, zero elsewhere
+    sums = torch.zeros_like(per_lookup).index_add_(0, lookup_segment, per_lookup)
+    w = weights.index_select(0, slot_rows).float()
     if optimizer == "sgd":
-        step = LR * g
-    elif optimizer == "adagrad":
-        state.index_put_((sorted_rows,), g * g, accumulate=True)
-        step = LR * g / (state[sorted_rows].sqrt() + EPS)
+        w.sub_(LR * sums)
     else:
-        state.index_put_((sorted_rows,), (g * g).mean(1), accumulate=True)
-        step = LR * g / (state[sorted_rows].sqrt()[:, None] + EPS)
-    weights.index_put_((sorted_rows,), (-step).to(weights.dtype), accumulate=True)
+        s = state.index_select(0, slot_rows)
+        s += sums * sums if optimizer == "adagrad" else (sums * sums).mean(1)
+        state.index_copy_(0, slot_rows, s)
+        w.sub_(LR * sums / ((s.sqrt() if optimizer == "adagrad" else s.sqrt()[:, None]) + EPS))
+    weights.index_copy_(0, slot_rows, w.to(weights.dtype))
 
 
 def bench(b: int, d: int, sizes, max_rows: int, optimizer: str, dtype, copy_gbps: float) -> list[dict]:
@@ -84,7 +85,8 @@ def bench(b: int, d: int, sizes, max_rows: int, optimizer: str, dtype, copy_gbps
     maker = BagMaker(sizes, table_rows, "pareto", 0)
     ids = [maker(torch.randint(0, 2**32, (b, NUM_SPARSE), device="cuda", generator=g)) for _ in range(ROTATE)]
     grads = [torch.randn(b, NUM_SPARSE, d, device="cuda", generator=g) for _ in range(ROTATE)]
-    weights = torch.empty(sum(table_rows), d, device="cuda", dtype=dtype).uniform_(-0.01, 0.01)
+    # One row more than the tables: the plain-PyTorch update's spare row (ours never reads it).
+    weights = torch.empty(sum(table_rows) + 1, d, device="cuda", dtype=dtype).uniform_(-0.01, 0.01)
     state = optimizer_state(weights, optimizer)
     lr = torch.full((), LR, device="cuda")
     features, scales = bag_columns(bag_sizes, "sum", s)

@@ -1,0 +1,47 @@
+"""scripts/bench_embedding_bag.py's plain-PyTorch update (its baseline) against kernels.embedding_bag's
+reference update, on the CPU: the baseline steps the rows it should, as the kernels' update does."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.embedding_bag import embedding_bag_lookup_ref, embedding_bag_update_ref
+from kernels.embedding_bag_update import bag_columns
+from kernels.embedding_update import optimizer_state
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))  # the script imports its neighbours as the scripts do
+_SPEC = importlib.util.spec_from_file_location("bench_embedding_bag", SCRIPTS / "bench_embedding_bag.py")
+bench = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bench)
+sys.path.remove(str(SCRIPTS))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_the_plain_pytorch_update_equals_the_reference(optimizer):
+    """Repeated rows in and across bags (skewed ids over small tables), a state from earlier steps; the
+    spare last row the baseline's unused slots point at stays as it was."""
+    g = torch.Generator().manual_seed(0)
+    sizes, table_rows, b, d = [3, 1, 5, 2] + [1] * 22, [7] * 26, 40, 8
+    rows, bag_sizes = torch.tensor(table_rows), torch.tensor(sizes)
+    offsets = torch.cumsum(rows, 0) - rows
+    s = sum(sizes)
+    ids = (torch.rand(b, s, generator=g) ** 3 * 20).long()
+    weights = torch.randn(sum(table_rows) + 1, d, generator=g)
+    state = optimizer_state(weights, optimizer) + 0.5
+    grad = torch.randn(b, 26, d, generator=g)
+    features, scales = bag_columns(bag_sizes, "sum", s)
+    _, index = embedding_bag_lookup_ref(weights[:-1], offsets, rows, bag_sizes, ids, "modulus", "sum")
+    got_w, got_s = weights.clone(), state.clone()
+    bench._torch_update(got_w, got_s, index, grad, features, scales, optimizer)
+    ref_w, ref_s = weights[:-1].clone(), state[: len(weights) - 1].clone()
+    lr = torch.tensor(bench.LR)
+    embedding_bag_update_ref(ref_w, ref_s, index, grad, bag_sizes, "sum", optimizer, lr, bench.EPS)
+    torch.testing.assert_close(got_w[:-1], ref_w, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got_w[-1], weights[-1])
+    if optimizer != "sgd":
+        torch.testing.assert_close(got_s[: len(weights) - 1], ref_s, rtol=1e-5, atol=1e-6)
+        assert torch.equal(got_s[-1], state[-1])
