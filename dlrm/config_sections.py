@@ -242,10 +242,11 @@ class ParallelConfig:
     """Many processes (`torchrun`, dlrm.parallel); ignored in a single process.
 
     `row_wise`: split tables larger than `row_wise_bytes` (bytes of weights + optimizer state; null: the
-    total over the world size, an even share per rank) over several ranks by rows; false places every table
-    whole on one rank (table-wise), which needs no more ranks than tables. `data_parallel_rows`: tables of
-    at most this many rows are replicated on every rank (data parallel); null: the planner's cost model
-    (tables whose gradient all-reduce moves fewer bytes than their exchange); 0: none. `exchange_dtype`:
+    total over the world size, an even share per rank, and then more rows wherever a rank would hold over a
+    tenth more bytes than another: dlrm.parallel.planner) over several ranks by rows; false places every
+    table whole on one rank (table-wise), which needs no more ranks than tables. `data_parallel_rows`:
+    tables of at most this many rows are replicated on every rank (data parallel); null: the planner's cost
+    model (tables whose gradient all-reduce moves fewer bytes than their exchange); 0: none. `exchange_dtype`:
     "auto" (the lookup's dtype), "fp32" or "bf16", the embedding vectors' and gradients' dtype on the wire.
     `overlap`: the tables' lookups and exchanges run on a side CUDA stream, overlapping the bottom MLP's
     forward and backward (dlrm.model.side_stream); false runs them in line.

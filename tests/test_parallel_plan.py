@@ -3,10 +3,13 @@ and moves per step, one-hot and with bags), the sharded tables' table-order copy
 
 import dataclasses
 import json
+import math
+import random
 
 import pytest
 import torch
 
+from dlrm.data.synthetic_rows import CARDINALITY_PRESETS
 from dlrm.parallel.planner import LOOKUP_BYTES_PER_S, lookup_bytes, plan_tables, row_bytes
 from dlrm.parallel.sharded import ShardedSparseArch, ToTableOrder
 from kernels.table_order import ColumnOrder
@@ -15,6 +18,26 @@ from tests.conftest import REPO
 KAGGLE_LIKE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
                5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]  # fmt: skip
 DCNV2 = json.loads((REPO / "configs" / "dlrm_dcnv2.json").read_text())["model"]
+
+
+def _assert_rows_once(plan):
+    """Every model-parallel table's rows held exactly once: its shards on distinct ranks, contiguous row
+    ranges handed out in rank order."""
+    for f, rows in enumerate(plan.table_rows):
+        shards = [s for s in plan.shards if s.table == f]  # ordered by rank
+        if f in plan.replicated:
+            assert shards == []
+            continue
+        assert shards[0].row_start == 0 and sum(s.rows for s in shards) == rows
+        assert all(s.rows >= 1 for s in shards)
+        assert all(a.row_start + a.rows == b.row_start for a, b in zip(shards, shards[1:], strict=False))
+        assert all(a.rank < b.rank for a, b in zip(shards, shards[1:], strict=False))
+
+
+def _within_a_tenth(plan) -> bool:
+    """Whether the most bytes a rank holds are at most 1.1 times the fewest."""
+    held = plan.bytes_per_rank()
+    return max(held) <= 1.1 * min(held)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8, 26])
@@ -158,6 +181,70 @@ def test_sharded_tables_refuse_bags_of_other_hashings():
         ValueError, match="^bags \\(model.multi_hot_sizes\\) need hashing 'modulus', got 'vocab'"
     ):
         ShardedSparseArch(plan, 0, 4, "vocab", vocabularies, multi_hot_sizes=(2,) * 26)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_dcnv2_plan_holds_bytes_within_ten_percent(world_size):
+    """MLPerf DLRM-DCNv2's 204M rows (Adagrad, fp32, its bags) at B = 65536: the five 40M-row tables (41 GB)
+    would fall 3 and 2 on 2 ranks (127 and 82 GB); the planner cuts rows off the tables of the fewest ids a
+    sample until every rank holds within 10% of every other, adding at most W - 1 shards."""
+    rows, bags, b = DCNV2["table_rows"], tuple(DCNV2["multi_hot_sizes"]), 65536 // world_size
+    plan = plan_tables(
+        rows, 128, "adagrad", world_size, batch_size=b, exchange_bytes_per_value=2, bag_sizes=bags
+    )
+    _assert_rows_once(plan)
+    assert _within_a_tenth(plan)
+    sharded = {s.table for s in plan.shards}
+    assert len(plan.shards) <= len(sharded) + world_size - 1
+    cut = {s.table for s in plan.shards if s.rows < rows[s.table]}
+    big = [f for f, n in enumerate(rows) if n == 40_000_000]
+    assert cut <= set(big) and 20 not in cut  # never the table of 100 ids a sample
+    if world_size == 2:  # the one of 3 ids a sample, the cheapest of the five to look up twice
+        assert cut == {min(big, key=lambda f: bags[f])} == {0}
+
+
+@pytest.mark.parametrize(("optimizer", "dim"), [("sgd", 16), ("adagrad", 128)])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_kaggle_plan_holds_bytes_within_ten_percent(optimizer, dim, world_size):
+    """The Kaggle cardinalities (one-hot, B = 65536): every rank's bytes within 10% of every other's."""
+    kaggle = list(CARDINALITY_PRESETS["kaggle"])
+    plan = plan_tables(kaggle, dim, optimizer, world_size, batch_size=65536 // world_size)
+    _assert_rows_once(plan)
+    assert _within_a_tenth(plan)
+    assert len(plan.shards) <= len({s.table for s in plan.shards}) + world_size - 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_plans_of_random_tables(seed):
+    """Random tables (1 to 10^7 rows, bags of 1 to 30) on 2 to 16 ranks: every row once; every rank's bytes
+    within 10% of every other's, or (rows too few) no rank more than a row above an even share; cut shards
+    at most W - 1 beyond the tables split for being larger than an even share."""
+    rng = random.Random(seed)
+    for _ in range(20):
+        rows = [int(10 ** rng.uniform(0, 7)) for _ in range(rng.randint(1, 26))]
+        bags = tuple(rng.randint(1, 30) for _ in rows)
+        world = rng.randint(2, 16)
+        plan = plan_tables(rows, 64, "adagrad", world, batch_size=4096, bag_sizes=bags)
+        _assert_rows_once(plan)
+        per_row, held = row_bytes(64, "adagrad"), plan.bytes_per_rank()
+        assert _within_a_tenth(plan) or max(held) - sum(held) / world < per_row, (rows, bags, world)
+        sharded = {s.table for s in plan.shards}
+        share = math.ceil(sum(rows[f] for f in sharded) * per_row / world)  # the row-wise threshold
+        pre_split = sum(min(world, rows[f], math.ceil(rows[f] * per_row / share)) - 1 for f in sharded)
+        assert len(plan.shards) - len(sharded) <= pre_split + world - 1
+
+
+def test_plan_where_the_tables_allow_no_balance():
+    """More ranks than rows, or rows too coarse to come within 10%: the planner still places every row once,
+    no rank more than a row above an even share."""
+    per_row = row_bytes(8, "sgd")
+    for rows, world in (([1, 2, 1], 8), ([3], 5), ([5, 5], 3)):
+        plan = plan_tables(rows, 8, "sgd", world, data_parallel_rows=0)
+        _assert_rows_once(plan)
+        held = plan.bytes_per_rank()
+        assert sum(held) == sum(rows) * per_row
+        assert max(held) > 1.1 * min(held) and max(held) - sum(held) / world < per_row
+    assert held == [3 * per_row, 4 * per_row, 3 * per_row]
 
 
 def test_lookup_time_is_the_bag_kernels_bytes_at_its_measured_speed():

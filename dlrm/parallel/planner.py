@@ -26,8 +26,9 @@ Sharding types, decided per table by what a step moves over the network (b: samp
 - table-wise: one rank holds the whole table; each rank sends it its samples' ids and gets their vectors.
 - row-wise: tables above `row_wise_bytes` (bytes of weights + optimizer state; default the model-parallel
   total over W, an even share per rank) split by rows into k = min(W, ceil(bytes / threshold)) shards of
-  near-equal rows on k different ranks. Every shard looks up the whole global batch's ids of its table and
-  gives zeros for rows it does not hold: a table split k ways costs k lookups per id and k vectors per sample.
+  near-equal rows on k different ranks (which the balancing below may resize). Every shard looks up the
+  whole global batch's ids of its table and gives zeros for rows it does not hold: a table split k ways costs
+  k lookups per id and k vectors per sample.
 Shards are placed greedily, largest first, each on the rank with the smallest load so far among those it
 fits on (ties: the lowest rank). A rank's load counts what it stores and what it looks up: its share of all
 bytes plus its share of all lookup bytes. A shard's lookup bytes are the bag kernel's per sample of the global
@@ -37,6 +38,19 @@ written in the exchange's dtype), which the kernel moves at `LOOKUP_BYTES_PER_S`
 plus the largest shard, the bound greedy-by-bytes keeps. Bytes alone put 23 of the 26 Kaggle tables on one
 of 2 ranks (the other 3 are as large as all 23): that rank's lookups take many times the other's, and the
 other rank waits in the exchange.
+Then, with `row_wise_bytes` left to its default, the bytes are balanced: while the most bytes a rank holds
+exceed the fewest by more than `BYTES_SPREAD` (10%), the rank holding the most gives rows to the one holding
+the fewest, as many as bring one of the two to an even share (whole rows, at least one from a giver a row or
+more above it). The rows go, by preference: into the taker's own shard of a table both hold (its shards'
+row ranges move, no shard is added); as a whole shard whose move brings every rank within the spread; cut
+off the shard whose table looks up the fewest bytes a sample, the new shard on the taker (every shard looks
+up its table's ids for the whole global batch, so a cut costs that table's lookups once more); else, every
+shard being smaller than the move, as the largest whole shard. Each cut brings the giver or the taker to the
+even share, so with rows to spare at most W - 1 moves cut a shard. A table's shards stay on distinct ranks,
+its rows handed out in rank order. Where the rows allow no better (tiny tables, more ranks than rows) every
+rank ends within a row of an even share. On 2 ranks the five 41 GB tables of MLPerf DLRM-DCNv2 (Adagrad,
+fp32) fall 3 and 2 (127 and 82 GB a rank); one cut of table 0 (3 ids a sample, the fewest of the five)
+evens the bytes.
 """
 
 from __future__ import annotations
@@ -47,6 +61,8 @@ from dataclasses import asdict, dataclass, replace
 STATE_BYTES_PER_VALUE = {"sgd": 0, "adagrad": 4, "rowwise_adagrad": 0}
 TABLE_BYTES = {"fp32": 4, "bf16": 2}  # bytes per weight of each model.table_dtype
 ID_BYTES = 8  # int64 row ids
+# The most bytes a rank may hold over the fewest before the planner splits more tables by rows.
+BYTES_SPREAD = 1.1
 # The bag kernel's forward on an H200 moves this many bytes a second (lookup_bytes' model): 7,729 MB in
 # 2,364.4 us at MLPerf DLRM-DCNv2, 65,536 samples x 214 ids of 128 fp32 values, 26 bf16 pooled vectors a
 # sample (scripts/results/breakdown.csv:42, "embedding fwd"; 77% of the copy bandwidth measured beside it).
@@ -253,7 +269,8 @@ def plan_tables(
         optimizer: "sgd", "adagrad" or "rowwise_adagrad" (its state counts in a table's bytes).
         world_size: W ranks.
         row_wise: allow splitting tables by rows; False places every table whole.
-        row_wise_bytes: tables above this many bytes are split; None: model-parallel bytes / W.
+        row_wise_bytes: tables above this many bytes are split, no others; None: those above the
+            model-parallel bytes / W, and more rows where the ranks' bytes differ by more than BYTES_SPREAD.
         batch_size: b, samples per rank per step: the cost model's (0: replicate nothing by default).
         data_parallel_rows: replicate tables of at most this many rows; None: the cost model's bound
             (`data_parallel_bound`); 0: none. Never all tables: the largest stays model parallel; none
@@ -320,15 +337,109 @@ def plan_tables(
         if len(fits) < len(split):  # not k ranks with room: the k emptiest
             fits = sorted(range(world_size), key=lambda r: (stored[r], r))[: len(split)]
         ranks = sorted(fits, key=lambda r: (loads[r], r))[: len(split)]
-        start = 0
-        for rank, rows in zip(sorted(ranks), split, strict=True):
-            shards.append(Shard(table, rank, start, rows))
+        for rank, rows in zip(ranks, split, strict=True):
+            shards.append(Shard(table, rank, 0, rows))  # row_start: _row_ranges
             stored[rank] += rows * per_row
             loads[rank] += rows * per_row / max(total, 1) + cost[table] / all_lookups
-            start += rows
-    shards.sort(key=lambda s: (s.rank, s.table))
+    if row_wise and row_wise_bytes is None:
+        replicated_bytes = sum(table_rows[f] for f in replicated) * row_bytes(embedding_dim, optimizer)
+        shards = _balance_bytes(shards, world_size, per_row, replicated_bytes, cost)
+    shards = _row_ranges(shards)
     return ShardingPlan(
         world_size, embedding_dim, optimizer, tuple(table_rows), tuple(shards), tuple(replicated),
         exchange_bytes_per_value, None if bag_sizes is None else tuple(bag_sizes),
         table_bytes_per_value=table_bytes_per_value,
     )  # fmt: skip
+
+
+def _balance_bytes(
+    shards: list[Shard], world_size: int, per_row: int, replicated_bytes: int, cost: list[int]
+) -> list[Shard]:
+    """`shards` with rows moved from the rank holding the most bytes to the one holding the fewest
+    (`_next_move`) until every rank holds within BYTES_SPREAD of every other, or within a row of an even
+    share (module docstring).
+
+    Args:
+        shards: the placed shards (their row_start is left to `_row_ranges`).
+        world_size: W.
+        per_row: bytes of a model-parallel row (weights + optimizer state).
+        replicated_bytes: bytes of the replicated tables, which every rank holds.
+        cost: bytes each table's shard moves to look up one sample (`lookup_bytes`): a cut repeats them.
+    """
+    shards = list(shards)
+    held = [replicated_bytes] * world_size
+    for s in shards:
+        held[s.rank] += s.rows * per_row
+    while not _within_spread(held):
+        move = _next_move(shards, held, per_row, cost)
+        if move is None:  # every rank within a row of an even share: the rows allow no better
+            break
+        i, taker, rows = move
+        s = shards[i]
+        held = _moved(held, s.rank, taker, rows * per_row)
+        same = [j for j, t in enumerate(shards) if t.rank == taker and t.table == s.table]
+        if same:  # the taker's shard of the table grows: no shard more
+            shards[same[0]] = replace(shards[same[0]], rows=shards[same[0]].rows + rows)
+        else:
+            shards.append(Shard(s.table, taker, 0, rows))
+        shards[i] = replace(s, rows=s.rows - rows)
+        shards = [t for t in shards if t.rows > 0]
+    return shards
+
+
+def _next_move(
+    shards: list[Shard], held: list[float], per_row: int, cost: list[int]
+) -> tuple[int, int, int] | None:
+    """The next move of `_balance_bytes`: (index in `shards` of the shard giving rows, the rank taking them,
+    rows), or None where no whole row moves. The rank holding the most bytes gives to the one holding the
+    fewest: rows into the taker's own shard of a table the giver holds too (the largest such shard); else a
+    whole shard whose move brings every rank within the spread (the largest); else rows cut off the shard
+    whose table looks up the fewest bytes a sample (a new shard looks up its table's ids for the whole
+    global batch); else the largest whole shard."""
+    world = len(held)
+    even = sum(held) / world
+    giver = max(range(world), key=lambda r: (held[r], -r))
+    taker = min(range(world), key=lambda r: (held[r], r))
+    excess, shortfall = held[giver] - even, even - held[taker]
+    # Whole rows, the nearest count; a giver a row or more above the even share gives at least one. Either
+    # way the ranks' distance from the even share shrinks, so the moves end.
+    rows = max(round(min(excess, shortfall) / per_row), int(excess >= per_row))
+    if rows <= 0:
+        return None
+    mine = [i for i, s in enumerate(shards) if s.rank == giver]  # some: the giver is above the even share
+    theirs = {s.table for s in shards if s.rank == taker}
+    shared = [i for i in mine if shards[i].table in theirs]
+    if shared:
+        i = max(shared, key=lambda i: (shards[i].rows, -i))
+        return i, taker, min(rows, shards[i].rows)
+    whole = [i for i in mine if shards[i].rows <= rows]
+    finishing = [i for i in whole if _within_spread(_moved(held, giver, taker, shards[i].rows * per_row))]
+    cuts = [i for i in mine if shards[i].rows > rows]
+    if finishing:
+        i = max(finishing, key=lambda i: (shards[i].rows, -i))
+    elif cuts:
+        return min(cuts, key=lambda i: (cost[shards[i].table], i)), taker, rows
+    else:
+        i = max(whole, key=lambda i: (shards[i].rows, -i))
+    return i, taker, shards[i].rows
+
+
+def _within_spread(held: list[float]) -> bool:
+    """Whether the most bytes a rank holds are at most BYTES_SPREAD times the fewest."""
+    return max(held) <= BYTES_SPREAD * min(held)
+
+
+def _moved(held: list[float], giver: int, taker: int, nbytes: int) -> list[float]:
+    """Bytes per rank once `nbytes` move from rank `giver` to rank `taker`."""
+    return [h - nbytes * (r == giver) + nbytes * (r == taker) for r, h in enumerate(held)]
+
+
+def _row_ranges(shards: list[Shard]) -> list[Shard]:
+    """`shards` ordered by rank, then table, each table's rows handed out in rank order: its shard on the
+    lowest rank from row 0, each next one from where the one before ends (contiguous, each row once)."""
+    out, next_row = [], {}
+    for s in sorted(shards, key=lambda s: (s.rank, s.table)):
+        start = next_row.get(s.table, 0)
+        out.append(replace(s, row_start=start))
+        next_row[s.table] = start + s.rows
+    return out
