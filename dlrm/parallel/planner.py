@@ -59,6 +59,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 STATE_BYTES_PER_VALUE = {"sgd": 0, "adagrad": 4, "rowwise_adagrad": 0}
+STATE_BYTES_PER_ROW = {"sgd": 0, "adagrad": 0, "rowwise_adagrad": 4}  # row-wise Adagrad: one fp32 a row
 TABLE_BYTES = {"fp32": 4, "bf16": 2}  # bytes per weight of each model.table_dtype
 ID_BYTES = 8  # int64 row ids
 # The most bytes a rank may hold over the fewest before the planner splits more tables by rows.
@@ -222,8 +223,9 @@ class ShardingPlan:
 
 def row_bytes(embedding_dim: int, optimizer: str, table_bytes_per_value: int = 4) -> int:
     """Bytes per table row: the weights (`table_bytes_per_value` each: 4 fp32, 2 bf16) plus the optimizer
-    state (Adagrad: one fp32 value per weight; row-wise Adagrad's one per row is left out, as small)."""
-    return embedding_dim * (table_bytes_per_value + STATE_BYTES_PER_VALUE[optimizer])
+    state (Adagrad: one fp32 value per weight; row-wise Adagrad: one fp32 value per row)."""
+    state = embedding_dim * STATE_BYTES_PER_VALUE[optimizer] + STATE_BYTES_PER_ROW[optimizer]
+    return embedding_dim * table_bytes_per_value + state
 
 
 def lookup_bytes(
