@@ -347,7 +347,12 @@ def bench(
     default="kaggle",
     help="Table sizes: the Criteo Kaggle or 1TB cardinalities (capped by max_rows).",
 )
-@click.option("--optimizer", type=click.Choice(["sgd", "adagrad"]), default="sgd", help="train.optimizer.")
+@click.option(
+    "--optimizer",
+    type=click.Choice(["sgd", "adagrad", "rowwise_adagrad"]),
+    default="sgd",
+    help="train.optimizer.",
+)
 @click.option(
     "--shardings",
     default="auto",
