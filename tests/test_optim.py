@@ -270,16 +270,6 @@ def test_rowwise_adagrad_trains_and_resumes(criteo_sample, tmp_path):
     assert len(run("--max-steps", "5", "--resume", str(last))) == 5
 
 
-def test_rowwise_adagrad_is_refused_on_many_ranks():
-    from dlrm.config import RunConfig, replace
-    from dlrm.parallel.run import check_world
-
-    cfg = replace(RunConfig(), "train", optimizer="rowwise_adagrad")
-    with pytest.raises(ValueError, match='^train.optimizer: "rowwise_adagrad" is not supported on many'):
-        check_world(cfg, 2)
-    check_world(replace(cfg, "train", optimizer="adagrad"), 2)
-
-
 @pytest.mark.parametrize("use_triton", [False, True], ids=["eager", "triton"])
 def test_train_adagrad_eps_reaches_both_updates(use_triton):
     """`train.adagrad_eps` is the eps of the dense Adagrad and of the tables' update (torch optimizer group
