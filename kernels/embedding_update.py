@@ -125,7 +125,7 @@ def _sgd_kernel(
     index = tl.load(index_ptr + n, mask=mask_n, other=0)
     grad, scale = _lookup_grad(grad_ptr, features_ptr, scales_ptr, n, mask_n, mask, d, S, F, D, POOLED)
     lr = tl.load(lr_ptr).to(tl.float32)
-    step = -lr * grad.to(tl.float32) * scale[:, None]
+    step = -lr * (grad.to(tl.float32) * scale[:, None])  # the scaled gradient first, as the sums take it
     tl.atomic_add(weights_ptr + index[:, None] * D + d[None, :], step, mask=mask)
 
 
