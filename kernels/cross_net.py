@@ -106,7 +106,9 @@ def _backward(
         torch.matmul(dh.t(), xl, out=dv[layer])
         torch.matmul(dz.t(), h[layer], out=du[layer])
         if layer > 0:
-            g = torch.addmm(g, dh, v[layer])
+            # autograd's g (the last layer's) is never written: addmm copies it into a new x_l gradient;
+            # a gradient this loop made takes dh @ V in place, no [M, N] copy.
+            g = torch.addmm(g, dh, v[layer]) if layer == layers - 1 else g.addmm_(dh, v[layer])
         acc = dx0
     return acc.addmm_(dh, v[0]), dv, du, db
 
