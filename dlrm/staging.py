@@ -3,7 +3,6 @@ background (`PendingSave`) from a snapshot of the state on its own device (`snap
 Used by dlrm.checkpoint (one process's .pt) and dlrm.parallel.checkpoint (DCP's sharded directories)."""
 
 import copy
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -15,25 +14,26 @@ from loguru import logger
 
 CHUNK_BYTES = 256 * 2**20  # host memory a save stages at a time (one buffer of a device storage's bytes)
 SNAPSHOT_MARGIN = 0.1  # of the device's memory left free after a background save's snapshot (at least 2 GiB)
-# The interpreter's switch interval while a save runs in the background (sys.setswitchinterval, default 5 ms):
-# the training thread releases the GIL in every torch call and asks for it back after, and while the
-# writing thread runs Python (DCP's planning, its loop over the pieces) each ask can wait a full interval.
-SAVING_SWITCH_INTERVAL_S = 0.0005
 
 
 class PendingSave:
     """A checkpoint written by a background thread, `write`; once written it logs `announce` (e.g. "step
     400: checkpoint RUN/checkpoints/last.pt") and the time it took. `wait()` returns once it is written and
     raises what the writing raised (once); a process that exits waits for it (the thread is not a
-    daemon). While it writes, the interpreter switches threads every SAVING_SWITCH_INTERVAL_S at most (its
-    own setting back after): the training thread waits less for the GIL. One save at a time (a second
-    waits for the first), so the setting it restores is the training's own."""
+    daemon). One save at a time (a second waits for the first).
+
+    While it writes, the thread that started it (the training's) runs torch's intra-op pool with one
+    thread fewer (torch.set_num_threads), leaving a core to the writing: an OpenMP parallel region waits
+    for its slowest thread, and a thread that shares its core with the writing waits out whole scheduler
+    slices (a loader's index_select on 2 cores beside a hashing thread: 3.4x slower with both threads,
+    0.9x with one). The setting is per thread, so that thread gives it back: in `settle()` once the
+    writing has ended (the loop asks after every step), or in `wait()`."""
 
     def __init__(self, write: Callable[[], None], announce: str):
         self.announce, self.error, self.started = announce, None, time.perf_counter()
         self.thread = threading.Thread(target=self._run, args=(write,), name="dlrm-save")
-        self.switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self.switch_interval, SAVING_SWITCH_INTERVAL_S))
+        self.threads: int | None = torch.get_num_threads()
+        torch.set_num_threads(max(1, self.threads - 1))
         self.thread.start()
 
     def _run(self, write: Callable[[], None]) -> None:
@@ -44,14 +44,23 @@ class PendingSave:
         else:
             took = time.perf_counter() - self.started
             logger.info("{} (written in the background in {:.1f} s)", self.announce, took)
-        finally:
-            sys.setswitchinterval(self.switch_interval)
 
-    def done(self) -> bool:
-        return not self.thread.is_alive()
+    def settle(self) -> bool:
+        """Whether the writing has ended; if so, the intra-op threads are given back (its outcome waits for
+        `wait()`). Call it from the thread that started the save."""
+        if self.thread.is_alive():
+            return False
+        self._give_back_threads()
+        return True
+
+    def _give_back_threads(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+            self.threads = None
 
     def wait(self) -> None:
         self.thread.join()
+        self._give_back_threads()
         error, self.error = self.error, None
         if error is not None:
             raise error

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import threading
 import time
 
@@ -206,50 +205,68 @@ def test_the_policies_keep_what_they_say(criteo_sample, tmp_path):
 
 
 def test_training_goes_on_while_a_checkpoint_is_written(criteo_sample, tmp_path, monkeypatch):
+    """The step-3 checkpoint is written in a thread while step 4 trains, with one intra-op thread fewer
+    for the training; once written, the step after gives the thread back (after_step's settle)."""
     config = _config(tmp_path, criteo_sample, max_steps=6, checkpoint_interval=3, eval_interval=None)
     run = tmp_path / "run"
-    went_on, seen = threading.Event(), []
+    went_on, written, seen, threads = threading.Event(), threading.Event(), [], {}
     real = checkpoint.write_file
 
     def note(step):
+        threads[step] = torch.get_num_threads()
         if step > 3:
             went_on.set()
+        if step == 5:  # the step-3 checkpoint is complete before step 5's after_step
+            written.wait(20)
 
     def slow(path, state):  # the step-3 checkpoint is written only once step 4 ran
         if state["step"] == 3:
             seen.append((threading.current_thread() is not threading.main_thread(), went_on.wait(20)))
         real(path, state)
+        written.set()
 
     monkeypatch.setattr(train_cli.parallel, "note_progress", note)
     monkeypatch.setattr(checkpoint, "write_file", slow)
-    assert _cli(train_cli.main, ["--config", config, "--output-dir", run])[0] == 0
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert _cli(train_cli.main, ["--config", config, "--output-dir", run])[0] == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
     assert seen == [(True, True)]  # in a thread, while step 4 trained
+    assert (threads[3], threads[4], threads[6]) == (2, 1, 2)
     assert checkpoint.load_checkpoint(run / "checkpoints" / "last.pt")["step"] == 6
 
 
-def test_threads_switch_often_while_a_save_writes_and_as_before_after():
-    """While a background save writes, the interpreter hands the GIL over every SAVING_SWITCH_INTERVAL_S
-    at most (the training thread asks for it back after each torch call); after it, at the setting it
-    found, also when the writing failed."""
-    before = sys.getswitchinterval()
-    release, seen = threading.Event(), []
+def test_a_save_takes_one_intra_op_thread_while_it_writes_and_gives_it_back():
+    """While a background save writes, the thread that started it runs torch's intra-op pool with one
+    thread fewer; `settle()` gives it back once the writing has ended (not before), `wait()` in any case,
+    also when the writing failed."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    release = threading.Event()
 
     def write():
-        seen.append(sys.getswitchinterval())
         release.wait(20)
 
-    for fails in (False, True):
-        pending = staging.PendingSave(write if not fails else lambda: 1 / 0, "step 1: checkpoint x")
-        release.set()
-        if fails:
-            with pytest.raises(ZeroDivisionError):
+    try:
+        for fails in (False, True):
+            pending = staging.PendingSave(write if not fails else lambda: release.wait(20) and 1 / 0, "x")
+            assert torch.get_num_threads() == 2
+            assert not pending.settle() and torch.get_num_threads() == 2
+            release.set()
+            pending.thread.join()
+            if fails:
+                with pytest.raises(ZeroDivisionError):
+                    pending.wait()
+            else:
+                assert pending.settle() and torch.get_num_threads() == 3
                 pending.wait()
-        else:
-            pending.wait()
-        assert sys.getswitchinterval() == before
-    assert (
-        seen == [min(before, staging.SAVING_SWITCH_INTERVAL_S)] and before > staging.SAVING_SWITCH_INTERVAL_S
-    )
+            assert torch.get_num_threads() == 3
+            release.clear()
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO], ids=["full", "io-error"])

@@ -208,6 +208,15 @@ def wait_for_checkpoint(run: Run) -> None:
         pending.wait()
 
 
+def settle_checkpoint(run: Run) -> None:
+    """After a step: once the checkpoint being written in the background (if any) is complete, the training
+    gets back the intra-op thread the save took (dlrm.staging.PendingSave.settle). What the writing raised
+    waits for `wait_for_checkpoint`, where every rank meets it at the same step."""
+    pending = _pending.get(run.run_dir)
+    if pending is not None:
+        pending.settle()
+
+
 def save_run_checkpoint(
     run: Run, state: RunState, name: str, links: tuple[Path, ...] = ()
 ) -> PendingSave | None:

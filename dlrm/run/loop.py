@@ -42,7 +42,13 @@ from dlrm.data.loaders import STATEFUL_LOADERS, TrainLoader
 from dlrm.errors import Interrupted, RunStopped
 from dlrm.out_of_memory import out_of_memory
 from dlrm.profiling import data_range, make_profiler
-from dlrm.run.checkpoints import checkpoint_due_by_steps, checkpoint_due_by_time, checkpoint_path, save_last
+from dlrm.run.checkpoints import (
+    checkpoint_due_by_steps,
+    checkpoint_due_by_time,
+    checkpoint_path,
+    save_last,
+    settle_checkpoint,
+)
 from dlrm.run.nonfinite import check_finite, nonfinite_stop
 from dlrm.run.selection import evaluate_and_select, evaluate_selected
 from dlrm.run.setup import RunFinished, set_up, total_steps
@@ -153,13 +159,15 @@ def train_steps(run: Run, state: RunState) -> None:
 
 
 def after_step(run: Run, state: RunState, interval: Interval, epoch: int) -> bool:
-    """What happens after a step, in this order: the log line, an evaluation, a stop signal (last.pt, then
+    """What happens after a step, in this order: a background save that has ended gives its thread back,
+    the log line, an evaluation, a stop signal (last.pt, then
     Interrupted), a periodic checkpoint. True when early stopping says stop.
 
     Many ranks: a signal and a checkpoint by wall time are decided by each rank's clock and handler, so
     they are acted on at log lines only, where the ranks agree on them (one small all-reduce), since the
     sharded checkpoint is a collective that every rank must enter at the same step."""
     t = run.cfg.train
+    settle_checkpoint(run)
     at_log_line = state.step % t.log_interval == 0
     if at_log_line:
         log_interval(run, state, interval, epoch)
