@@ -29,13 +29,14 @@ How the update runs:
   sum repeated ids exactly (up to fp32 summation order), as SGD needs nothing but the sum.
 - otherwise (adagrad, rowwise_adagrad, bf16 weights): the non-linear update needs each row's full sum
   first. The B*F indices are sorted (torch.sort, on int32 keys where the rows fit: half the radix passes);
-  sorted positions with the same row form a segment; one kernel sums dout into a [B*F, D] fp32 buffer, one
-  slot per segment, each block of 32 sorted positions reduced by a 0/1 matrix product on the tensor cores.
-  A segment inside a block is stored there; a segment that crosses a block edge leaves one partial sum per
-  block in the next level's list, which the same kernel sums the same way (a level holds at most two
-  partials per block of the one before: 2^31 lookups take six levels), until a level fits in one block.
-  No atomics: the sums, and so the whole update, are the same bits on every run. A second kernel updates
-  each distinct row once from its segment's sum. Memory is O(B F D), never O(R D).
+  sorted positions with the same row form a segment. One kernel sums dout over each block of 32 sorted
+  positions by a 0/1 matrix product on the tensor cores, and steps the row of every segment that lies
+  inside the block right there (its weights and state read and written once, no [B*F, D] buffer of sums
+  in between). A segment that crosses a block edge leaves one partial sum per block in the next level's
+  list, which the same kernel sums the same way and steps the rows whose sums it completes (a level holds
+  at most two partials per block of the one before: 2^31 lookups take six levels), until a level fits in
+  one block. No atomics: the sums, and so the whole update, are the same bits on every run. Memory is
+  O(B F D), never O(R D).
 Fixed shapes throughout (no torch.unique, no host sync), so a step can be captured in a CUDA graph.
 The PyTorch reference is ``embedding_update_ref``.
 """
@@ -157,56 +158,6 @@ def _block_segment_sums(segment, grad, scale, SPLIT_BF16: tl.constexpr):
     return tl.dot(same, hi, sums)
 
 
-@triton.jit(do_not_specialize=["N", "SEGMENTS"])
-def _segment_sum_kernel(
-    # pointers
-    rows_ptr,  # [N] int64: row of grad read at each sorted position (identity at level >= 1)
-    segment_ptr,  # [N] int64: segment (distinct row, in sorted order) of each sorted position
-    grad_ptr,  # [*, D] dout rows ([B * F, D] where POOLED), any float dtype; level >= 1: the partial sums
-    scales_ptr,  # POOLED: [F] fp32 pooling scale of each feature (not read otherwise)
-    sums_ptr,  # [SEGMENTS, D] fp32: each segment's sum, stored by the level where it fits in one block
-    dest_ptr,  # [2 * programs] int64: where the next level holds this block's first / last partial (or -1)
-    partial_ptr,  # [M, D] fp32: the next level's values
-    # sizes
-    N,
-    F,
-    D,
-    SEGMENTS,  # segments of level 0; a segment id at or past it marks an unused slot of a level >= 1
-    # meta-parameters
-    POOLED: tl.constexpr,
-    SPLIT_BF16: tl.constexpr,  # the block's sums by exact bf16 pieces (False in the interpreter)
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    p, mask_p, d, mask = _lookup_block(N, D, BLOCK_N, BLOCK_D)
-    # The gradient's row of each position comes precomputed: two dependent loads a block, not three.
-    row = tl.load(rows_ptr + p, mask=mask_p, other=0)
-    segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
-    grad = tl.load(grad_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0)
-    if POOLED:  # row = b * F + f: its bag's 1 or 1/k_f
-        scale = tl.load(scales_ptr + row % F, mask=mask_p, other=0.0)
-    else:
-        scale = tl.full(row.shape, 1.0, tl.float32)
-    # Each position's sum over its segment's positions in this block, in a fixed order (no atomics).
-    sums = _block_segment_sums(segment, grad, scale, SPLIT_BF16)
-    next_segment = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
-    block = tl.program_id(0).to(tl.int64)
-    start = block * BLOCK_N
-    before_block = tl.load(segment_ptr + start - 1, mask=start > 0, other=-1)
-    first, last = tl.load(segment_ptr + start), tl.max(segment)  # positions are sorted
-    ends_here = mask_p & ((segment != next_segment) | (p == start + BLOCK_N - 1))
-    # A segment that began in an earlier block or goes on into a later one has partial sums in several
-    # blocks: each block's partial goes to its place in the next level (`dest`, the launcher's), which sums
-    # them the same way; a segment inside the block is stored here.
-    came_in = (segment == first) & (first == before_block)
-    crosses = came_in | ((segment == last) & (last == next_segment))
-    whole = ends_here & ~crosses & (segment < SEGMENTS)
-    tl.store(sums_ptr + segment[:, None] * D + d[None, :], sums, mask=mask & whole[:, None])
-    first_dest, last_dest = tl.load(dest_ptr + 2 * block), tl.load(dest_ptr + 2 * block + 1)
-    dest = tl.where(came_in, first_dest, last_dest)
-    tl.store(partial_ptr + dest[:, None] * D + d[None, :], sums, mask=mask & (ends_here & crosses)[:, None])
-
-
 @triton.jit
 def _random_bits(seed, count, row, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """[BLOCK_N, BLOCK_D] uint32, 16 random bits each, for the elements (r, d) of rows `row` [BLOCK_N] int64:
@@ -235,39 +186,15 @@ def _stochastic_round_bf16(x, bits):
     return tl.where(x != x, x, rounded)
 
 
-@triton.jit(do_not_specialize=["N", "eps"])
-def _segment_update_kernel(
-    # pointers
-    sorted_ptr,  # [N] int64 sorted global rows
-    segment_ptr,  # [N] int64 segment of each sorted position
-    sums_ptr,  # [N, D] fp32 gradient sum of each segment
-    weights_ptr,  # [R, D] fp32/bf16, updated in place
-    state_ptr,  # adagrad: [R, D] fp32; rowwise_adagrad: [R] fp32; sgd: unused
-    lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
-    rounding_ptr,  # STOCHASTIC: [2] int64 (seed, count), read at launch time; not read otherwise
-    # sizes
-    N,
-    D,
-    # optimizer
-    eps,
-    # meta-parameters
-    OPTIMIZER: tl.constexpr,
-    STOCHASTIC: tl.constexpr,  # bf16 weights rounded stochastically (else to nearest, or fp32 as is)
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    p = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    valid = p < N
-    row = tl.load(sorted_ptr + p, mask=valid, other=-1)
-    previous = tl.load(sorted_ptr + p - 1, mask=(p > 0) & valid, other=-1)
-    # The first sorted position of each distinct row applies that row's update; the others do nothing.
-    head = valid & (row != previous)
-    # 1-D loads are masked by `valid`, not by the data-dependent `head`: Triton 3.6 fails to compile a
-    # load masked by `head` here (TritonGPURemoveLayoutConversions), and reading more is harmless.
-    segment = tl.load(segment_ptr + p, mask=valid, other=0)
+@triton.jit
+def _update_rows(
+    row, grad, mask, valid, weights_ptr, state_ptr, lr_ptr, rounding_ptr, D, eps,
+    OPTIMIZER: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The optimizer step (module docstring) of the rows `row` [BLOCK_N] int64 whose gradient sums are
+    complete in `grad` [BLOCK_N, BLOCK_D] fp32, where `mask` [BLOCK_N, BLOCK_D] holds (its rows: `valid`
+    [BLOCK_N]): each such row's weights and state read, stepped and written back once."""
     d = tl.arange(0, BLOCK_D)
-    mask = head[:, None] & (d < D)[None, :]
-    grad = tl.load(sums_ptr + segment[:, None] * D + d[None, :], mask=mask, other=0.0)
     w_ptrs = weights_ptr + row[:, None] * D + d[None, :]
     weights = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
     lr = tl.load(lr_ptr).to(tl.float32)
@@ -279,14 +206,79 @@ def _segment_update_kernel(
         tl.store(s_ptrs, state, mask=mask)
         step = lr * grad / (tl.sqrt(state) + eps)
     else:
-        state = tl.load(state_ptr + row, mask=valid, other=0.0) + tl.sum(grad * grad, axis=1) / D
-        tl.store(state_ptr + row, state, mask=head)
+        squares = tl.where(mask, grad * grad, 0.0)
+        state = tl.load(state_ptr + row) + tl.sum(squares, axis=1) / D
+        tl.store(state_ptr + row, state, mask=valid)
         step = lr * grad / (tl.sqrt(state)[:, None] + eps)
     updated = weights - step
     if STOCHASTIC:
         seed, count = tl.load(rounding_ptr), tl.load(rounding_ptr + 1)
         updated = _stochastic_round_bf16(updated, _random_bits(seed, count, row, BLOCK_N, BLOCK_D))
     tl.store(w_ptrs, updated.to(weights_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["N", "SEGMENTS", "eps"])
+def _segment_update_kernel(
+    # pointers
+    rows_ptr,  # [N] int64: row of grad read at each sorted position (identity at level >= 1)
+    segment_ptr,  # [N] int64: segment (distinct row, in sorted order) of each sorted position
+    grad_ptr,  # [*, D] dout rows ([B * F, D] where POOLED), any float dtype; level >= 1: the partial sums
+    scales_ptr,  # POOLED: [F] fp32 pooling scale of each feature (not read otherwise)
+    segment_rows_ptr,  # [SEGMENTS] int64: the table row of each segment
+    dest_ptr,  # [2 * programs] int64: where the next level holds this block's first / last partial (or -1)
+    partial_ptr,  # [M, D] fp32: the next level's values
+    weights_ptr,  # [R, D] fp32/bf16, updated in place
+    state_ptr,  # adagrad: [R, D] fp32; rowwise_adagrad: [R] fp32; sgd: unused
+    lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
+    rounding_ptr,  # STOCHASTIC: [2] int64 (seed, count), read at launch time; not read otherwise
+    # sizes
+    N,
+    F,
+    D,
+    SEGMENTS,  # segments of level 0; a segment id at or past it marks an unused slot of a level >= 1
+    # optimizer
+    eps,
+    # meta-parameters
+    POOLED: tl.constexpr,
+    SPLIT_BF16: tl.constexpr,  # the block's sums by exact bf16 pieces (False in the interpreter)
+    OPTIMIZER: tl.constexpr,
+    STOCHASTIC: tl.constexpr,  # bf16 weights rounded stochastically (else to nearest, or fp32 as is)
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    p, mask_p, d, mask = _lookup_block(N, D, BLOCK_N, BLOCK_D)
+    # The gradient's row of each position comes precomputed: two dependent loads a block, not three.
+    row = tl.load(rows_ptr + p, mask=mask_p, other=0)
+    segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
+    grad = tl.load(grad_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0)
+    if POOLED:  # row = b * F + f: its bag's 1 or 1/k_f
+        scale = tl.load(scales_ptr + row % F, mask=mask_p, other=0.0)
+    else:
+        scale = tl.full(row.shape, 1.0, tl.float32)
+    # Each position's sum over its segment's positions in this block, in a fixed order (no atomics).
+    sums = _block_segment_sums(segment, grad, scale, SPLIT_BF16)
+    next_segment = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
+    block = tl.program_id(0).to(tl.int64)
+    start = block * BLOCK_N
+    before_block = tl.load(segment_ptr + start - 1, mask=start > 0, other=-1)
+    first, last = tl.load(segment_ptr + start), tl.max(segment)  # positions are sorted
+    ends_here = mask_p & ((segment != next_segment) | (p == start + BLOCK_N - 1))
+    # A segment that began in an earlier block or goes on into a later one has partial sums in several
+    # blocks: each block's partial goes to its place in the next level (`dest`, the launcher's), which sums
+    # them the same way; a segment inside the block is complete here, and its row is stepped here.
+    came_in = (segment == first) & (first == before_block)
+    crosses = came_in | ((segment == last) & (last == next_segment))
+    whole = ends_here & ~crosses & (segment < SEGMENTS)
+    # Masked by `mask_p`, not by the data-dependent `whole`: Triton 3.6 fails to compile a 1-D load masked
+    # so (TritonGPURemoveLayoutConversions); reading more is harmless (an unused slot reads segment 0's).
+    table_row = tl.load(segment_rows_ptr + tl.where(segment < SEGMENTS, segment, 0), mask=mask_p, other=0)
+    _update_rows(
+        table_row, sums, mask & whole[:, None], whole, weights_ptr, state_ptr, lr_ptr, rounding_ptr, D, eps,
+        OPTIMIZER, STOCHASTIC, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+    first_dest, last_dest = tl.load(dest_ptr + 2 * block), tl.load(dest_ptr + 2 * block + 1)
+    dest = tl.where(came_in, first_dest, last_dest)
+    tl.store(partial_ptr + dest[:, None] * D + d[None, :], sums, mask=mask & (ends_here & crosses)[:, None])
 
 
 # -- Launchers ---------------------------------------------------------------------------------------
@@ -440,26 +432,37 @@ def _next_level(segment: Tensor, segments: int) -> tuple[Tensor, Tensor]:
     return dest, next_segment[:-1]
 
 
-def _segment_sums(
-    rows: Tensor, segment: Tensor, grad: Tensor, scales: Tensor, pooled: bool, f: int, d: int, block_d: int
-) -> Tensor:
-    """[N, D] fp32: each segment's gradient sum in its slot (module docstring), for the N sorted positions'
+def _segment_updates(
+    rows: Tensor,
+    segment: Tensor,
+    segment_rows: Tensor,
+    grad: Tensor,
+    scales: Tensor,
+    pooled: bool,
+    f: int,
+    d: int,
+    block_d: int,
+    update: dict,
+) -> None:
+    """Each segment's gradient summed and its row stepped (module docstring), for the N sorted positions'
     gradient rows `rows` and segments `segment` [N] int64 of `launch_update`'s gradient ([*, D]; pooled:
-    [B * F, D] with the features' scales [F] fp32). Level 0 sums the lookups' gradients; each next level
-    the partial sums of the segments that crossed a block edge of the level before, until a level fits in
-    one block."""
+    [B * F, D] with the features' scales [F] fp32), `segment_rows` [N] int64 the table row of each segment.
+    Level 0 sums the lookups' gradients; each next level the partial sums of the segments that crossed a
+    block edge of the level before, until a level fits in one block. A segment's row is stepped by the
+    level where its sum is complete. `update`: the kernel's weights, state, lr, rounding, eps, OPTIMIZER
+    and STOCHASTIC arguments."""
     n = len(segment)
-    sums = torch.empty(n, d, dtype=torch.float32, device=grad.device)
     while True:
         m = len(segment)
         dest, next_segment = _next_level(segment, n)
         partials = torch.zeros(len(next_segment), d, dtype=torch.float32, device=grad.device)
-        _segment_sum_kernel[(triton.cdiv(m, SUM_BLOCK_N),)](
-            rows, segment, grad, scales, sums, dest, partials, m, f, d, n, POOLED=pooled,
-            SPLIT_BF16=not INTERPRETED, BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=4,
+        _segment_update_kernel[(triton.cdiv(m, SUM_BLOCK_N),)](
+            rows, segment, grad, scales, segment_rows, dest, partials, N=m, F=f, D=d, SEGMENTS=n,
+            POOLED=pooled, SPLIT_BF16=not INTERPRETED, BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=4,
+            **update,
         )  # fmt: skip
         if m <= SUM_BLOCK_N:
-            return sums
+            return
         rows = torch.arange(len(next_segment), device=grad.device)  # a level's positions are its values
         segment, grad, pooled = next_segment, partials, False
 
@@ -498,16 +501,18 @@ def launch_update(
         grad = grad.view(-1, d)
     else:
         rows = order
-    sums = _segment_sums(rows, segment, grad, scales, pooled, f, d, max(16, block_d))
+    segment_rows = torch.empty_like(sorted_rows).scatter_(0, segment, sorted_rows)
     stochastic = rounding is not None and weights.dtype == torch.bfloat16
-    # 16 sorted positions a program, not block_sizes' 32: most positions repeat a row and do nothing,
-    # and twice the programs hide more of the row loads' latency (H200, dlrm_dcnv2's bags, Zipf ids:
-    # 1.9 vs 2.6 ms).
-    update_n = min(16, block_n)
-    _segment_update_kernel[(triton.cdiv(n, update_n),)](
-        sorted_rows, segment, sums, weights, state, lr, rounding if stochastic else lr, n, d, eps,
-        OPTIMIZER=optimizer, STOCHASTIC=stochastic, BLOCK_N=update_n, BLOCK_D=block_d,
-    )  # fmt: skip
+    update = {
+        "weights_ptr": weights,
+        "state_ptr": state,
+        "lr_ptr": lr,
+        "rounding_ptr": rounding if stochastic else lr,  # not read unless stochastic
+        "eps": eps,
+        "OPTIMIZER": optimizer,
+        "STOCHASTIC": stochastic,
+    }
+    _segment_updates(rows, segment, segment_rows, grad, scales, pooled, f, d, max(16, block_d), update)
 
 
 def stochastic_round_bf16_ref(x: Tensor, noise: Tensor) -> Tensor:
