@@ -10,9 +10,11 @@ Shapes and dtypes: logits [B] fp32/bf16/fp16, labels [B] float (0/1); loss a 0-d
 gradient [B] in the logits' dtype. Compute: fp32.
 The forward computes the gradient too (it costs one more [B] store and saves a backward kernel); backward
 only scales it by the incoming gradient of the loss. Up to 4096 samples one program reduces the whole
-batch and stores the result (one launch, nothing to zero first); past that each program adds its partial
-sum to a zeroed 0-d result with one fp32 atomic add (one program streaming a large batch alone is slower
-than several programs plus the zeroing). No second reduction pass, no host sync.
+batch and stores the result (one launch); past that each program stores its partial sum and one torch.sum
+adds the partials (one program streaming a large batch alone is slower than several programs plus the
+sum). The partials are added in a fixed order, not by atomic adds in the order the programs finish, so the
+loss is the same bits on every run (a resumed run's logged losses equal the uninterrupted run's). No host
+sync.
 The PyTorch reference is `bce_with_logits_ref`.
 """
 
@@ -39,13 +41,12 @@ def _bce_fwd_kernel(
     # pointers
     logits_ptr,  # [B]
     labels_ptr,  # [B]
-    loss_ptr,  # 0-d fp32, stored by one program or added into by several
+    loss_ptr,  # [programs] fp32: each program's partial sum of the scaled loss
     dlogits_ptr,  # [B], logits' dtype
     # sizes
     B,
     scale,  # of the loss and the gradient: 1/B, for the mean
     # meta-parameters
-    ACCUMULATE: tl.constexpr,  # atomically add into loss_ptr (several programs)
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -53,11 +54,7 @@ def _bce_fwd_kernel(
     x = tl.load(logits_ptr + i, mask=mask, other=0.0).to(tl.float32)
     y = tl.load(labels_ptr + i, mask=mask, other=0.0).to(tl.float32)
     loss = tl.maximum(x, 0.0) - x * y + tl.log(1.0 + tl.exp(-tl.abs(x)))
-    total = tl.sum(tl.where(mask, loss, 0.0), axis=0) * scale
-    if ACCUMULATE:
-        tl.atomic_add(loss_ptr, total)
-    else:
-        tl.store(loss_ptr, total)
+    tl.store(loss_ptr + tl.program_id(0), tl.sum(tl.where(mask, loss, 0.0), axis=0) * scale)
     tl.store(dlogits_ptr + i, ((sigmoid(x) - y) * scale).to(dlogits_ptr.dtype.element_ty), mask=mask)
 
 
@@ -79,23 +76,18 @@ def bce_with_logits_fwd(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]
     _check_inputs(logits, labels)
     logits, labels = logits.contiguous(), labels.contiguous()
     b = logits.shape[0]
-    # Zeroed only when several programs add into it; an empty batch gives NaN (the mean of nothing), as torch.
-    if b == 0 or b > _SINGLE_BLOCK:
-        loss = torch.full((), 0.0 if b else float("nan"), dtype=torch.float32, device=logits.device)
-    else:
-        loss = torch.empty((), dtype=torch.float32, device=logits.device)
     dlogits = torch.empty_like(logits)
-    if b == 0:
-        return loss, dlogits
+    if b == 0:  # the mean of nothing, as torch
+        return torch.full((), float("nan"), dtype=torch.float32, device=logits.device), dlogits
     # One program per _BLOCK samples, or a single program for the whole batch up to _SINGLE_BLOCK samples,
-    # which then stores the loss rather than adding to it (`loss` needs no zeroing: one launch less).
+    # whose partial sum is the loss (no second launch).
     block = min(max(16, triton.next_power_of_2(b)), _SINGLE_BLOCK) if b <= _SINGLE_BLOCK else _BLOCK
     grid = triton.cdiv(b, block)
+    partials = torch.empty(grid, dtype=torch.float32, device=logits.device)
     _bce_fwd_kernel[(grid,)](
-        logits, labels, loss, dlogits, b, 1.0 / b,
-        ACCUMULATE=grid > 1, BLOCK=block, num_warps=16 if block > 4096 else 4,
+        logits, labels, partials, dlogits, b, 1.0 / b, BLOCK=block, num_warps=16 if block > 4096 else 4,
     )  # fmt: skip
-    return loss, dlogits
+    return (partials[0] if grid == 1 else partials.sum()), dlogits
 
 
 def bce_with_logits_ref(logits: Tensor, labels: Tensor, reduction: str = "mean") -> Tensor:

@@ -21,7 +21,7 @@ def _inputs(b: int, scale: float = 4.0, seed: int = 0, device: str = DEVICE):
     return logits, labels
 
 
-@pytest.mark.parametrize("b", [1, 7, 1024, 3001, 5000])  # 5000: several programs, atomics
+@pytest.mark.parametrize("b", [1, 7, 1024, 3001, 5000])  # 5000: several programs, a sum of partials
 @pytest.mark.parametrize("scale", [1.0, 60.0])  # 60: exp(|x|) would overflow fp32 in a naive form
 def test_loss_and_gradient_match_torch(b, scale):
     logits, labels = _inputs(b, scale)
@@ -64,3 +64,15 @@ def test_bf16_logits(b):
         loss, expected, rtol=1e-5, atol=1e-6
     )  # computed in fp32 from the same bf16 values
     torch.testing.assert_close(x.grad.float(), x_ref.grad, rtol=1.6e-2, atol=1e-7)  # one bf16 rounding
+
+
+@pytest.mark.gpu
+def test_the_loss_is_the_same_bits_on_every_run_gpu():
+    """Past one program's batch the partial sums of 64 programs meet in a fixed order, not in the order
+    the programs finish (which atomic adds would take): the loss of the same batch never changes."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(65_536, generator=g) * 3).cuda()
+    labels = (torch.rand(65_536, generator=g) < 0.25).float().cuda()
+    losses = torch.stack([bce_with_logits(logits, labels) for _ in range(50)])
+    assert (losses == losses[0]).all()
+    torch.testing.assert_close(losses[0], F.binary_cross_entropy_with_logits(logits, labels))
