@@ -16,15 +16,15 @@ dlrm.data.bags makes them (heavy repeats of the first rows). For each optimizer:
            rows numbering the distinct rows, their sums by index_add_ into one slot each, each slot's row
            gathered, stepped and scattered back by index_select / index_copy_, all fixed shapes
 Both are timed as CUDA-graph replays (triton.testing.do_bench medians) and, for ours, also as launched
-from Python. Bytes model of the forward: ids read 8 B and index written 8 B per lookup, D rows of the
-weights' dtype read per lookup, [B, F, D] written; of the step's update (on top of the forward):
-index read and sorted (~3 x 8 B per lookup), the pooled gradient read once per lookup (D x 4 B), fp32
-sums written and read (2 x D x 4 B per lookup), and per touched row the weights read and written and the
-state read and written (bounded above by one row per lookup). The forward's % of the copy bandwidth is
-reported; rows are appended to scripts/results/embedding_bag.csv. Needs a CUDA GPU. Memory at the
-defaults: bf16 weights of ~163M rows x 128 (42 GB), plus per step ~7 GB of fp32 [B*S, D] sums (ours) or
-~4 such buffers (the plain-PyTorch step); "adagrad" adds an fp32 [R, D] state (83 GB): lower --max-rows
-(e.g. 4000000, the MLPerf step config's cap) where that does not fit.
+from Python. Each row's % of the copy bandwidth is its bytes model over its time (`step_bytes`): the
+forward reads 8 B of ids and writes 8 B of index per lookup, reads a row of the weights' dtype per lookup
+and writes [B, F, D]; the step adds the update: the index sorted (~3 x 8 B per lookup), the pooled
+gradient read once per lookup (D x 4 B), and per distinct row touched the weights and the optimizer state
+read and written once (SGD on fp32 weights adds atomically, no sort: a row read and written per lookup).
+Rows are appended to scripts/results/embedding_bag.csv. Needs a CUDA GPU. Memory at the defaults: bf16
+weights of ~163M rows x 128 (42 GB), plus per step the [B*S, D] buffers of the plain-PyTorch step (~4 of
+~7 GB each); "adagrad" adds an fp32 [R, D] state (83 GB): lower --max-rows (e.g. 4000000, the MLPerf step
+config's cap) where that does not fit.
 """
 
 from pathlib import Path
@@ -73,6 +73,21 @@ def _torch_update(weights, state, index, grad, features, scales, optimizer):
         state.index_copy_(0, slot_rows, s)
         w.sub_(LR * sums / ((s.sqrt() if optimizer == "adagrad" else s.sqrt()[:, None]) + EPS))
     weights.index_copy_(0, slot_rows, w.to(weights.dtype))
+
+
+def step_bytes(
+    op: str, lookups: int, distinct: int, bags: int, d: int, weight_bytes: int, optimizer: str
+) -> int:
+    """The bytes a row's op moves at least (module docstring): "fwd" the pooled lookup of `lookups` ids
+    into `bags` [B * F] pooled rows of D; "step" that plus the update of the `distinct` rows they touch."""
+    width = weight_bytes * d
+    fwd = lookups * (16 + width) + bags * width
+    if op == "fwd":
+        return fwd
+    if optimizer == "sgd" and weight_bytes == 4:  # atomic adds: a row read and written per lookup
+        return fwd + lookups * (4 * d + 2 * width)
+    state = {"sgd": 0, "adagrad": 4 * d, "rowwise_adagrad": 4}[optimizer]
+    return fwd + lookups * (24 + 4 * d) + distinct * 2 * (width + state)
 
 
 def bench(b: int, d: int, sizes, max_rows: int, optimizer: str, dtype, copy_gbps: float) -> list[dict]:
@@ -125,8 +140,14 @@ def bench(b: int, d: int, sizes, max_rows: int, optimizer: str, dtype, copy_gbps
         ("step", "ours", "graph"): graph_ms(ours_step),
         ("step", "torch", "graph"): graph_ms(torch_step),
     }
-    lookups, width = b * s, weights.element_size() * d
-    fwd_bytes = lookups * (16 + width) + b * NUM_SPARSE * width
+    lookups = b * s
+    with torch.no_grad():
+        _, index = _torch_lookup(weights, offsets, rows, bag_offsets, features, ids[0], "sum")
+    distinct = int(torch.unique(index).numel())
+
+    def moved(op: str) -> int:
+        return step_bytes(op, lookups, distinct, b * NUM_SPARSE, d, weights.element_size(), optimizer)
+
     out = []
     for (op, path, timing), ms in times.items():
         base = times.get((op, "torch", "graph")) if timing == "graph" else None
@@ -134,7 +155,7 @@ def bench(b: int, d: int, sizes, max_rows: int, optimizer: str, dtype, copy_gbps
             "op": op, "path": path, "timing": timing, "optimizer": optimizer, "dim": d, "lookups": lookups,
             "weights": str(dtype).removeprefix("torch."), "ms": round(ms, 4),
             "ratio_vs_torch_graph": round(base / ms, 2) if base else "",
-            "pct_copy_bw": round(100 * fwd_bytes / ms / 1e6 / copy_gbps, 1) if op == "fwd" else "",
+            "pct_copy_bw": round(100 * moved(op) / ms / 1e6 / copy_gbps, 1) if path == "ours" else "",
         })  # fmt: skip
     return out
 
