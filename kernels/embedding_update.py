@@ -281,6 +281,34 @@ def _segment_update_kernel(
     tl.store(partial_ptr + dest[:, None] * D + d[None, :], sums, mask=mask & (ends_here & crosses)[:, None])
 
 
+@triton.jit(do_not_specialize=["N"])
+def _gradient_rows_kernel(
+    order_ptr,  # [N] int64: the lookup at each sorted position
+    sorted_ptr,  # [N] int64: the sorted table rows
+    segment_ptr,  # [N] int64: the segment of each sorted position
+    features_ptr,  # POOLED: [S] int64 feature of each column (not read otherwise)
+    rows_ptr,  # POOLED: [N] int64 output, the pooled gradient's row of each sorted position
+    segment_rows_ptr,  # [N] int64 output: the table row of each segment (its first SEGMENTS entries)
+    N,
+    S,
+    F,
+    POOLED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """In one pass over the sorted positions: each one's gradient row (lookup b * S + c reads row
+    b * F + f(c) of the pooled gradient) and each segment's table row (stored by its first position)."""
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = p < N
+    if POOLED:
+        lookup = tl.load(order_ptr + p, mask=mask, other=0)
+        feature = tl.load(features_ptr + lookup % S, mask=mask, other=0)
+        tl.store(rows_ptr + p, (lookup // S) * F + feature, mask=mask)
+    row = tl.load(sorted_ptr + p, mask=mask, other=-1)
+    previous = tl.load(sorted_ptr + p - 1, mask=mask & (p > 0), other=-1)
+    segment = tl.load(segment_ptr + p, mask=mask, other=0)
+    tl.store(segment_rows_ptr + segment, row, mask=mask & (row != previous))
+
+
 # -- Launchers ---------------------------------------------------------------------------------------
 
 
@@ -495,13 +523,15 @@ def launch_update(
         _sgd_kernel[grid](index, grad, features, scales, weights, lr, n, s, f, d, POOLED=pooled, **blocks)
         return
     sorted_rows, order, segment = _sorted_segments(index, weights.shape[0])
-    if pooled:  # lookup b * S + c reads the pooled gradient's row b * F + f(c), scaled by f's 1 or 1/k_f
-        rows = (order // s) * f + features[order % s]
+    # Pooled: lookup b * S + c reads the pooled gradient's row b * F + f(c), scaled by f's 1 or 1/k_f.
+    rows = torch.empty_like(order) if pooled else order
+    segment_rows = torch.empty_like(sorted_rows)
+    _gradient_rows_kernel[(triton.cdiv(n, 1024),)](
+        order, sorted_rows, segment, features, rows, segment_rows, n, s, f, POOLED=pooled, BLOCK=1024
+    )
+    if pooled:
         scales = torch.zeros(f, dtype=torch.float32, device=grad.device).scatter_(0, features, scales)
         grad = grad.view(-1, d)
-    else:
-        rows = order
-    segment_rows = torch.empty_like(sorted_rows).scatter_(0, segment, sorted_rows)
     stochastic = rounding is not None and weights.dtype == torch.bfloat16
     update = {
         "weights_ptr": weights,
