@@ -60,6 +60,7 @@ from torch_graphed_dcn import PlainDCN, TorchGraphedDCNStep
 from torch_graphed_step import PlainDLRM, TorchGraphedStep, precision_flags
 
 from dlrm import parallel
+from dlrm.choices import OPTIMIZERS
 from dlrm.config import load_config, replace
 from dlrm.data.bags import is_one_hot
 from dlrm.data.dataset import Batch
@@ -347,12 +348,7 @@ def bench(
     default="kaggle",
     help="Table sizes: the Criteo Kaggle or 1TB cardinalities (capped by max_rows).",
 )
-@click.option(
-    "--optimizer",
-    type=click.Choice(["sgd", "adagrad", "rowwise_adagrad"]),
-    default="sgd",
-    help="train.optimizer.",
-)
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", help="train.optimizer.")
 @click.option(
     "--shardings",
     default="auto",
