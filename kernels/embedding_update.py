@@ -88,19 +88,18 @@ def _lookup_block(N, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
 def _lookup_grad(
     grad_ptr, features_ptr, scales_ptr, lookup, mask_n, mask, d, S, F, D, POOLED: tl.constexpr
 ):  # fmt: skip
-    """(gradient [BLOCK_N, BLOCK_D] in dout's dtype, unscaled; scale [BLOCK_N] fp32) of lookups `lookup`:
-    dout[lookup] (dout [N, D]) and 1; POOLED: the pooled gradient dout[b, f(c)] (dout [B, F, D], lookup =
-    b * S + c) and its bag's 1 or 1/k. A lookup's gradient is the product of the two."""
+    """The fp32 gradient [BLOCK_N, BLOCK_D] of lookups `lookup`: dout[lookup] (dout [N, D]); POOLED: the
+    pooled gradient dout[b, f(c)] (dout [B, F, D], lookup = b * S + c) scaled by its bag's 1 or 1/k."""
     if POOLED:
         b = lookup // S
         column = lookup % S
         feature = tl.load(features_ptr + column, mask=mask_n, other=0)
         scale = tl.load(scales_ptr + column, mask=mask_n, other=0.0)
         grad = tl.load(grad_ptr + (b * F + feature)[:, None] * D + d[None, :], mask=mask, other=0.0)
+        grad = grad.to(tl.float32) * scale[:, None]
     else:
-        scale = tl.full(lookup.shape, 1.0, tl.float32)
-        grad = tl.load(grad_ptr + lookup[:, None] * D + d[None, :], mask=mask, other=0.0)
-    return grad, scale
+        grad = tl.load(grad_ptr + lookup[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    return grad
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -124,16 +123,15 @@ def _sgd_kernel(
 ):
     n, mask_n, d, mask = _lookup_block(N, D, BLOCK_N, BLOCK_D)
     index = tl.load(index_ptr + n, mask=mask_n, other=0)
-    grad, scale = _lookup_grad(grad_ptr, features_ptr, scales_ptr, n, mask_n, mask, d, S, F, D, POOLED)
+    grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, n, mask_n, mask, d, S, F, D, POOLED)
     lr = tl.load(lr_ptr).to(tl.float32)
-    step = -lr * (grad.to(tl.float32) * scale[:, None])  # the scaled gradient first, as the sums take it
-    tl.atomic_add(weights_ptr + index[:, None] * D + d[None, :], step, mask=mask)
+    tl.atomic_add(weights_ptr + index[:, None] * D + d[None, :], -lr * grad, mask=mask)
 
 
 @triton.jit
 def _block_segment_sums(segment, grad, scale, SPLIT_BF16: tl.constexpr):
     """[BLOCK_N, BLOCK_D] fp32: at each position, the sum of grad * scale (`grad` [BLOCK_N, BLOCK_D] in
-    dout's dtype, `scale` [BLOCK_N] fp32, `_lookup_grad`'s) over the block's positions of its segment
+    dout's dtype, `scale` [BLOCK_N] fp32, its pooling scale) over the block's positions of its segment
     (`segment` [BLOCK_N]), as the product of the 0/1 matrix same[i, j] = (segment_i == segment_j) with the
     gradient on the tensor cores. Every product is exact and only the fp32 accumulation rounds, as an fp32
     sum does (a segmented scan in registers costs four times as long, an IEEE fp32 dot twice):
