@@ -41,7 +41,7 @@ def _bce_fwd_kernel(
     # pointers
     logits_ptr,  # [B]
     labels_ptr,  # [B]
-    loss_ptr,  # [programs] fp32: each program's partial sum of the scaled loss
+    partial_ptr,  # [programs] fp32 output: each program's partial sum of the scaled loss
     dlogits_ptr,  # [B], logits' dtype
     # sizes
     B,
@@ -54,7 +54,7 @@ def _bce_fwd_kernel(
     x = tl.load(logits_ptr + i, mask=mask, other=0.0).to(tl.float32)
     y = tl.load(labels_ptr + i, mask=mask, other=0.0).to(tl.float32)
     loss = tl.maximum(x, 0.0) - x * y + tl.log(1.0 + tl.exp(-tl.abs(x)))
-    tl.store(loss_ptr + tl.program_id(0), tl.sum(tl.where(mask, loss, 0.0), axis=0) * scale)
+    tl.store(partial_ptr + tl.program_id(0), tl.sum(tl.where(mask, loss, 0.0), axis=0) * scale)
     tl.store(dlogits_ptr + i, ((sigmoid(x) - y) * scale).to(dlogits_ptr.dtype.element_ty), mask=mask)
 
 

@@ -160,8 +160,8 @@ def train_steps(run: Run, state: RunState) -> None:
 
 def after_step(run: Run, state: RunState, interval: Interval, epoch: int) -> bool:
     """What happens after a step, in this order: a background save that has ended gives its thread back,
-    the log line, an evaluation, a stop signal (last.pt, then
-    Interrupted), a periodic checkpoint. True when early stopping says stop.
+    the log line, an evaluation, a stop signal (last.pt, then Interrupted), a periodic checkpoint. True
+    when early stopping says stop.
 
     Many ranks: a signal and a checkpoint by wall time are decided by each rank's clock and handler, so
     they are acted on at log lines only, where the ranks agree on them (one small all-reduce), since the
