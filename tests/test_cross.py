@@ -59,6 +59,18 @@ def _assert_norm_close(actual, expected, rtol: float, what: str):
     assert err <= bound, f"{what}: ||out - ref|| = {err:.3e} > {bound:.3e}"
 
 
+def _assert_fp32_close(names, actual, expected):
+    """fp32 results against the fp32 reference: with TF32 GEMMs on the GPU, tolerances.py's "gemm_norm" as a
+    relative norm; with fp32-accurate GEMMs (plain fp32 interpreted, 3xTF32 on a GPU), whose sums over r,
+    N or M run in other orders than torch's, its elementwise "gemm" bounds."""
+    if DEVICE == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        for name, a, e in zip(names, actual, expected, strict=True):
+            _assert_norm_close(a, e, tol(torch.float32, "gemm_norm")["rtol"], name)
+        return
+    for name, a, e in zip(names, actual, expected, strict=True):
+        torch.testing.assert_close(a, e, **tol(torch.float32, "gemm"), msg=name)
+
+
 @pytest.fixture
 def poisoned(monkeypatch):
     """Fill every buffer the launchers allocate with NaN, so an element a kernel does not write shows."""
@@ -75,15 +87,7 @@ def test_forward_and_backward_equal_the_fp32_reference(shape, poisoned):
     *inputs, g = _inputs(*shape, torch.float32)
     out, grads = _run(cross_layer, inputs, g)
     ref, ref_grads = _run(cross_layer_ref, inputs, g)
-    if DEVICE == "cuda" and torch.backends.cuda.matmul.allow_tf32:  # TF32 GEMMs: tolerances.py "gemm_norm"
-        for name, a, e in zip(OUTPUTS, [out, *grads], [ref, *ref_grads], strict=True):
-            _assert_norm_close(a, e, tol(torch.float32, "gemm_norm")["rtol"], name)
-        return
-    # fp32-accurate GEMMs (plain fp32 interpreted, 3xTF32 on a GPU): sums over r (out, dx0), N (dxl) or M
-    # (dv, du, db) in other orders than torch's, tolerances.py's "gemm" bounds.
-    torch.testing.assert_close(out, ref, **tol(torch.float32, "gemm"))
-    for name, a, e in zip(OUTPUTS[1:], grads, ref_grads, strict=True):
-        torch.testing.assert_close(a, e, **tol(torch.float32, "gemm"), msg=name)
+    _assert_fp32_close(OUTPUTS, [out, *grads], [ref, *ref_grads])
 
 
 @pytest.mark.parametrize("shape", SHAPES[2:], ids=_ids)

@@ -10,7 +10,7 @@ import torch
 
 from kernels.cross import cross_layer
 from kernels.cross_net import cross_net, cross_net_ref
-from tests.test_cross import _assert_norm_close, _ids, _run, poisoned  # noqa: F401 (a fixture)
+from tests.test_cross import _assert_fp32_close, _assert_norm_close, _ids, _run, poisoned  # noqa: F401 (a fixture)
 from tests.tolerances import tol
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,12 +49,7 @@ def test_forward_and_backward_equal_the_fp32_reference(shape):
     *inputs, g = _inputs(*shape, torch.float32)
     out, grads = _run(cross_net, inputs, g)
     ref, ref_grads = _run(cross_net_ref, inputs, g)
-    if DEVICE == "cuda" and torch.backends.cuda.matmul.allow_tf32:  # TF32 GEMMs: tolerances.py "gemm_norm"
-        for name, a, e in zip(OUTPUTS, [out, *grads], [ref, *ref_grads], strict=True):
-            _assert_norm_close(a, e, tol(torch.float32, "gemm_norm")["rtol"], name)
-        return
-    for name, a, e in zip(OUTPUTS, [out, *grads], [ref, *ref_grads], strict=True):
-        torch.testing.assert_close(a, e, **tol(torch.float32, "gemm"), msg=name)
+    _assert_fp32_close(OUTPUTS, [out, *grads], [ref, *ref_grads])
 
 
 @pytest.mark.usefixtures("poisoned")
