@@ -4,9 +4,9 @@ Math (nn.Linear layout: V [r, N], U [N, r]; * elementwise, b broadcast over rows
     h        = x_l @ V^T                  [M, r]   cuBLAS
     z        = h @ U^T                    [M, N]
     x_{l+1}  = x0 * (z + b) + x_l         [M, N]   one Triton GEMM (h @ U^T) with this epilogue
-Backward, with g = dL/dx_{l+1} [M, N]:
-    dz   = g * x0                         [M, N]   one Triton GEMM recomputing z = h @ U^T, with these three
-    dx0  = g * (z + b)                    [M, N]   in its epilogue
+Backward, with g = dL/dx_{l+1} [M, N] and zb = z + b saved by the forward:
+    dz   = g * x0                         [M, N]   one elementwise Triton kernel, with these two
+    dx0  = g * zb                         [M, N]
     db   = sum over rows of dz            [N]      (fp32 partials per 32 rows, kernels.gemm.partials)
     dh   = dz @ U                         [M, r]   cuBLAS
     dU   = dz^T @ h                       [N, r]   cuBLAS
@@ -15,21 +15,22 @@ Backward, with g = dL/dx_{l+1} [M, N]:
 For the first layer x_l is x0 itself, and its caller adds dx0 and dx_l: autograd for one layer, the
 kernel's own epilogue in a network of layers (``kernels.cross_net``: ADD_G, ACCUMULATE).
 
-Why recompute z instead of saving it: z is [M, N], the widest tensor of the layer (N = 3456 for the MLPerf
-model); saving it costs a write in the forward and a read in the backward, [M, N] each, and holds [M, N] per
-layer until the backward. Recomputing costs one GEMM of 2 M N r FLOPs, the first of the backward kernel's
-loop, with g and x0 read only in the epilogue. What the forward saves: x0, x_l, V, U, b and h [M, r].
+Why save zb rather than recompute it: recomputing z = h @ U^T in the backward is a GEMM of 2 M N r FLOPs
+(0.23 TFLOP a layer at the MLPerf shape, M = 65,536, N = 3,456, r = 512) fused with an epilogue that streams
+five [M, N] tensors; saved, the backward's epilogue is a pure stream of six [M, N] tensors and the forward
+writes one more. The cost: zb [M, N] held per layer until the backward.
 
 Shapes: x0, x_l [M, N]; V [r, N]; U [N, r]; b [N]; any M >= 0, N >= 1, r >= 1. Rows of x0, x_l and g need
 contiguous columns (any row stride); h and U are read through TMA descriptors (``kernels.launch``), copied
-once into 16-byte rows where r is not a multiple of 16 bytes.
+once into 16-byte rows where r is not a multiple of 16 bytes. The forward returns (out, h, zb): h [M, r]
+and zb [M, N] are what the backward reads besides the inputs.
 
 Dtypes: all five tensors fp32, bf16 or fp16 (one dtype); outputs and gradients have it too. Compute: fp32
 accumulation; the GEMM operands go to ``tl.dot`` in their own dtype on the GPU's tensor cores (fp32 as one
 TF32 product where ``torch.backends.cuda.matmul.allow_tf32``, else as three, 3xTF32, as linear_act), cast to
 fp32 in the interpreter (``DOT_FP32``);
-the epilogues run in fp32 on values cast right after load and round once to the dtype. h, and dz before the
-backward's GEMMs, are rounded to the dtype (as PyTorch's autocast does).
+the epilogues run in fp32 on values cast right after load and round once to the dtype. h, zb, and dz before
+the backward's GEMMs, are rounded to the dtype (as PyTorch's autocast does).
 
 It equals the PyTorch expression ``x0 * F.linear(F.linear(xl, V), U, b) + xl`` computed in fp32 and cast
 back to x0's dtype (``cross_layer_ref``), up to the GEMM precision above.
@@ -52,10 +53,10 @@ from kernels.op import define_op
 
 __all__ = ["cross_layer", "cross_layer_ref", "cross_layer_fwd", "cross_layer_bwd"]
 
-# Rows of M per row of db's partial sums: the backward kernel sums its [BLOCK_M, BLOCK_N] tile of dz in
-# blocks of this many rows (every tuned BLOCK_M is a multiple of it), so the partials' shape does not depend
-# on the tile the autotuner picks.
+# The backward kernel's tile: PARTIAL_ROWS rows (one row of db's partial sums a program) by _BWD_BLOCK_N
+# columns, 4096 elements: a pure stream of [M, N] tensors.
 PARTIAL_ROWS = 32
+_BWD_BLOCK_N = 128
 
 # The TMA descriptor arguments of both kernels and the tile dims of their block shapes.
 _DESCRIPTORS = {"h_desc": ("BLOCK_M", "BLOCK_K"), "u_desc": ("BLOCK_N", "BLOCK_K")}
@@ -76,8 +77,8 @@ def _z_and_x0(
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """What both kernels start from, for this program's output tile: (pid_m, zb = h @ U^T + b in fp32, x0
-    in fp32, rows, cols, mask), rows, cols and mask as ``linear_tile``'s."""
+    """The forward's start, for this program's output tile: (pid_m, zb = h @ U^T + b in fp32, x0 in fp32,
+    rows, cols, mask), rows, cols and mask as ``linear_tile``'s."""
     pid_m, pid_n = _tile(N, BLOCK_N)
     zb, rows, cols, mask = linear_tile(
         h_desc, u_desc, b_ptr, pid_m, pid_n, M, N, K,
@@ -99,6 +100,7 @@ def _cross_fwd_kernel(
     x0_ptr,  # [M, N] x0
     xl_ptr,  # [M, N] x_l
     out_ptr,  # [M, N] output x_{l+1}
+    zb_ptr,  # [M, N] output zb = z + b, for the backward
     # sizes
     M,
     N,
@@ -108,6 +110,7 @@ def _cross_fwd_kernel(
     stride_x0,
     stride_xl,
     stride_out,
+    stride_zb,
     # meta-parameters
     DOT_FP32: tl.constexpr,  # cast dot operands to fp32 (interpreter only)
     INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "tf32x3", "ieee" interpreted
@@ -123,6 +126,7 @@ def _cross_fwd_kernel(
     xl = tl.load(xl_ptr + rows[:, None] * stride_xl + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     out = (x0 * zb + xl).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=mask)
+    tl.store(zb_ptr + rows[:, None] * stride_zb + cols[None, :], zb.to(zb_ptr.dtype.element_ty), mask=mask)
 
 
 _cross_fwd_kernel = autotuned(_cross_fwd_kernel, "x0_ptr", descriptors=_DESCRIPTORS)
@@ -155,15 +159,16 @@ def check_inputs(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> Non
             raise ValueError(f"cross_layer: {name} is on {t.device} but x0 is on {x0.device}")
 
 
-def cross_layer_fwd(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """The forward: h = xl @ v^T (cuBLAS), then ``_cross_fwd_kernel``: out = x0 * (h @ u^T + b) + xl.
+def cross_layer_fwd(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward: h = xl @ v^T (cuBLAS), then ``_cross_fwd_kernel``: out = x0 * zb + xl, zb = h @ u^T + b.
 
     Args:
         x0, xl: [M, N] fp32/bf16/fp16, contiguous columns.
         v: [r, N]; u: [N, r]; b: [N]; x0's dtype and device.
 
     Returns:
-        (out [M, N], h [M, r]), x0's dtype; h is what the backward needs besides the inputs.
+        (out [M, N], h [M, r], zb [M, N]), x0's dtype; h and zb are what the backward needs besides the
+        inputs.
 
     Raises:
         ValueError: bad shapes, dtypes or devices.
@@ -180,98 +185,89 @@ def launch_fwd(
     b: Tensor,
     out: Tensor | None = None,
     h: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """``cross_layer_fwd`` without its input checks; `out` [M, N] and `h` [M, r] (contiguous, x0's dtype),
-    where given, are written in place of new tensors (a cross network's buffers, kernels.cross_net)."""
+    zb: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``cross_layer_fwd`` without its input checks; `out` and `zb` [M, N] and `h` [M, r] (contiguous, x0's
+    dtype), where given, are written in place of new tensors (a cross network's buffers,
+    kernels.cross_net)."""
     x0, xl = rows_contiguous(x0), rows_contiguous(xl)
     h = torch.matmul(xl, v.t(), out=h)
     m, n = x0.shape
     out = launch.empty((m, n), x0.dtype, x0.device) if out is None else out
+    zb = launch.empty((m, n), x0.dtype, x0.device) if zb is None else zb
     if m == 0:
-        return out, h
+        return out, h, zb
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
     _cross_fwd_kernel[grid](
-        tma_descriptor(h), tma_descriptor(u), b.contiguous(), x0, xl, out,
-        m, n, h.shape[1], m_bucket(m), x0.stride(0), xl.stride(0), out.stride(0),
+        tma_descriptor(h), tma_descriptor(u), b.contiguous(), x0, xl, out, zb,
+        m, n, h.shape[1], m_bucket(m), x0.stride(0), xl.stride(0), out.stride(0), zb.stride(0),
         DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x0.dtype),
     )  # fmt: skip
-    return out, h
+    return out, h, zb
 
 
 @triton.jit(do_not_specialize=["M"])
 def _cross_bwd_kernel(
-    # operands: TMA descriptors (z = h @ U^T is recomputed)
-    h_desc,  # of h [M, r], x0's dtype
-    u_desc,  # of U [N, r]
     # pointers
-    b_ptr,  # [N] bias
     x0_ptr,  # [M, N] x0
     g_ptr,  # [M, N] g = dL/dx_{l+1}
+    zb_ptr,  # [M, N] zb = z + b, the forward's
     dz_ptr,  # [M, N] output dz = g * x0
-    dx0_ptr,  # [M, N] output dx0 = g * (z + b) (+ g where ADD_G, + acc where ACCUMULATE)
+    dx0_ptr,  # [M, N] output dx0 = g * zb (+ g where ADD_G, + acc where ACCUMULATE)
     acc_ptr,  # [M, N] ACCUMULATE: the x0 gradient of the layers after this one (not read otherwise)
-    part_ptr,  # [cdiv(M, PARTIAL), N] fp32 output: sums of fp32 dz over each PARTIAL rows
+    part_ptr,  # [cdiv(M, BLOCK_M), N] fp32 output: sums of fp32 dz over each BLOCK_M rows
     # sizes
     M,
     N,
-    K,  # r
-    M_BUCKET,  # autotuning key only
     # row strides, in elements (the column stride is 1)
     stride_x0,
     stride_g,
+    stride_zb,
     stride_dz,
     stride_dx0,
     stride_acc,
     # meta-parameters
-    DOT_FP32: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    PARTIAL: tl.constexpr,  # rows per partial sum (PARTIAL_ROWS), divides BLOCK_M
     ACCUMULATE: tl.constexpr,  # add acc (a cross network's x0 gradient, summed over its layers)
     ADD_G: tl.constexpr,  # and + g: the first layer's x_l is x0 (the dh @ V of that path is the caller's)
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # PARTIAL_ROWS: one row of partial sums a program
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
-    pid_m, zb, x0, rows, cols, mask = _z_and_x0(
-        h_desc, u_desc, b_ptr, x0_ptr, stride_x0, M, N, K,
-        DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
-    # Epilogue, in fp32: dz = g * x0, dx0 = g * (z + b), and dz's column sums per PARTIAL rows. Masked rows
-    # and columns load g = 0, so they add 0 to the sums.
+    pid_m, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    # In fp32: dz = g * x0, dx0 = g * zb, and dz's column sums. Masked rows and columns load g = 0, so
+    # they add 0 to the sums.
     g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x0 = tl.load(x0_ptr + rows[:, None] * stride_x0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    zb = tl.load(zb_ptr + rows[:, None] * stride_zb + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dz = g * x0
     tl.store(dz_ptr + rows[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
     dx0 = g * zb
     if ADD_G:
         dx0 += g
-    if ACCUMULATE:  # from another buffer than dx0: the autotuner's repeated runs give the same dx0
+    if ACCUMULATE:  # from another buffer than dx0
         dx0 += tl.load(acc_ptr + rows[:, None] * stride_acc + cols[None, :], mask=mask, other=0.0).to(
             tl.float32
         )
     tl.store(
         dx0_ptr + rows[:, None] * stride_dx0 + cols[None, :], dx0.to(dx0_ptr.dtype.element_ty), mask=mask
     )
-    sums = tl.sum(tl.reshape(dz, (BLOCK_M // PARTIAL, PARTIAL, BLOCK_N)), axis=1)
-    part_rows = pid_m.to(tl.int64) * (BLOCK_M // PARTIAL) + tl.arange(0, BLOCK_M // PARTIAL)
-    part_mask = (part_rows < tl.cdiv(M, PARTIAL))[:, None] & (cols < N)[None, :]
-    tl.store(part_ptr + part_rows[:, None] * N + cols[None, :], sums, mask=part_mask)
-
-
-_cross_bwd_kernel = autotuned(_cross_bwd_kernel, "x0_ptr", descriptors=_DESCRIPTORS)
+    tl.store(part_ptr + pid_m * N + cols, tl.sum(dz, axis=0), mask=cols < N)
 
 
 def cross_layer_bwd(
-    g: Tensor, x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor, h: Tensor
+    g: Tensor, x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor, h: Tensor, zb: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward (module docstring): ``_cross_bwd_kernel`` (dz, dx0 and db's partial sums), then the
     GEMMs on cuBLAS.
 
     Args:
-        g: [M, N] gradient of the output; x0, xl, v, u, b: the forward's inputs; h: [M, r] the forward's
-            h = xl @ v^T. One dtype and device.
+        g: [M, N] gradient of the output; x0, xl, v, u, b: the forward's inputs; h: [M, r] and zb:
+            [M, N] the forward's h = xl @ v^T and zb = h @ u^T + b. One dtype and device.
 
     Returns:
         (dx0, dxl, dv, du, db): the gradients of x0 (the direct term g * (z + b) only: for the first layer,
@@ -281,43 +277,40 @@ def cross_layer_bwd(
         ValueError: bad shapes, dtypes or devices.
     """
     check_inputs(x0, xl, v, u, b)
-    if g.shape != x0.shape or h.shape != (x0.shape[0], v.shape[0]):
-        raise ValueError(f"cross_layer_bwd: g {tuple(g.shape)} or h {tuple(h.shape)} do not fit x0, v")
-    return launch_bwd(g, x0, xl, v, u, b, h)
+    if g.shape != x0.shape or zb.shape != x0.shape or h.shape != (x0.shape[0], v.shape[0]):
+        shapes = f"g {tuple(g.shape)}, h {tuple(h.shape)} or zb {tuple(zb.shape)}"
+        raise ValueError(f"cross_layer_bwd: {shapes} do not fit x0, v")
+    return launch_bwd(g, x0, xl, v, u, b, h, zb)
 
 
 def launch_bwd(
-    g: Tensor, x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor, h: Tensor
+    g: Tensor, x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor, h: Tensor, zb: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``cross_layer_bwd`` without its input checks."""
     g, x0 = rows_contiguous(g), rows_contiguous(x0)
     dx0 = launch.empty(x0.shape, x0.dtype, x0.device)
-    dz, db = launch_bwd_epilogue(g, x0, u, b, h, dx0, None, add_g=False)
+    dz, db = launch_bwd_epilogue(g, x0, zb, dx0, None, add_g=False)
     dh = dz @ u
     return dx0, torch.addmm(g, dh, v), dh.t() @ rows_contiguous(xl), dz.t() @ h, db
 
 
 def launch_bwd_epilogue(
-    g: Tensor, x0: Tensor, u: Tensor, b: Tensor, h: Tensor, dx0: Tensor, acc: Tensor | None, add_g: bool
+    g: Tensor, x0: Tensor, zb: Tensor, dx0: Tensor, acc: Tensor | None, add_g: bool
 ) -> tuple[Tensor, Tensor]:
-    """``_cross_bwd_kernel`` on rows-contiguous g and x0 [M, N]: (dz [M, N], db [N]), x0's dtype; writes
-    dx0 [M, N] (rows contiguous, not `acc`'s memory): g * (z + b), + g where `add_g`, + `acc` [M, N] where
+    """``_cross_bwd_kernel`` on rows-contiguous g, x0 and zb [M, N]: (dz [M, N], db [N]), x0's dtype; writes
+    dx0 [M, N] (rows contiguous, not `acc`'s memory): g * zb, + g where `add_g`, + `acc` [M, N] where
     given."""
     m, n = x0.shape
     dz = launch.empty((m, n), x0.dtype, x0.device)
     part = launch.empty((triton.cdiv(m, PARTIAL_ROWS), n), torch.float32, x0.device)
     if m == 0:
-        return dz, b.new_zeros(b.shape)
-
-    def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-
-    _cross_bwd_kernel[grid](
-        tma_descriptor(h), tma_descriptor(u), b.contiguous(), x0, g, dz, dx0, dx0 if acc is None else acc,
-        part, m, n, h.shape[1], m_bucket(m), x0.stride(0), g.stride(0), dz.stride(0), dx0.stride(0),
+        return dz, torch.zeros(n, dtype=x0.dtype, device=x0.device)
+    zb = rows_contiguous(zb)
+    _cross_bwd_kernel[(triton.cdiv(m, PARTIAL_ROWS), triton.cdiv(n, _BWD_BLOCK_N))](
+        x0, g, zb, dz, dx0, dx0 if acc is None else acc, part, m, n,
+        x0.stride(0), g.stride(0), zb.stride(0), dz.stride(0), dx0.stride(0),
         dx0.stride(0) if acc is None else acc.stride(0),
-        DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x0.dtype), PARTIAL=PARTIAL_ROWS,
-        ACCUMULATE=acc is not None, ADD_G=add_g,
+        ACCUMULATE=acc is not None, ADD_G=add_g, BLOCK_M=PARTIAL_ROWS, BLOCK_N=_BWD_BLOCK_N, num_warps=4,
     )  # fmt: skip
     return dz, sum_partials(part, x0.dtype)
 
@@ -342,23 +335,25 @@ def cross_layer_ref(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> 
     return (x0f * z + xlf).to(x0.dtype)
 
 
-def cross_layer_fwd_ref(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """``cross_layer_fwd`` in plain PyTorch (fp32 math, h rounded to the dtype as the kernel path's)."""
+def cross_layer_fwd_ref(
+    x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``cross_layer_fwd`` in plain PyTorch (fp32 math; h and zb rounded to the dtype, as the kernels')."""
     h = (xl.float() @ v.float().t()).to(x0.dtype)
-    out = x0.float() * (h.float() @ u.float().t() + b.float()) + xl.float()
-    return out.to(x0.dtype), h
+    zb = h.float() @ u.float().t() + b.float()
+    out = x0.float() * zb + xl.float()
+    return out.to(x0.dtype), h, zb.to(x0.dtype)
 
 
 def cross_layer_bwd_ref(
-    g: Tensor, x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor, h: Tensor
+    g: Tensor, x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor, h: Tensor, zb: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``cross_layer_bwd`` in plain PyTorch (fp32 math): analytic, since autograd does not record inside a
     custom op's implementation."""
     gf, x0f, hf, uf = g.float(), x0.float(), h.float(), u.float()
-    zb = hf @ uf.t() + b.float()
     dz = gf * x0f
     dh = dz @ uf
-    grads = (gf * zb, gf + dh @ v.float(), dh.t() @ xl.float(), dz.t() @ hf, dz.sum(0))
+    grads = (gf * zb.float(), gf + dh @ v.float(), dh.t() @ xl.float(), dz.t() @ hf, dz.sum(0))
     return tuple(t.to(x0.dtype) for t in grads)
 
 
@@ -368,39 +363,39 @@ def cross_layer_bwd_ref(
 # --------------------------------------------------------------------------------------------------
 
 
-def _forward(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """The forward's body: (out, h)."""
+def _forward(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward's body: (out, h, zb)."""
     check_inputs(x0, xl, v, u, b)
     return launch_fwd(x0, xl, v, u, b) if use_triton(x0) else cross_layer_fwd_ref(x0, xl, v, u, b)
 
 
-def _cross_fake(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+def _cross_fake(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     check_inputs(x0, xl, v, u, b)
-    return x0.new_empty(x0.shape), x0.new_empty((x0.shape[0], v.shape[0]))
+    return x0.new_empty(x0.shape), x0.new_empty((x0.shape[0], v.shape[0])), x0.new_empty(x0.shape)
 
 
 def _backward_body(
-    g: Tensor, x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor, h: Tensor
+    g: Tensor, x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor, h: Tensor, zb: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward's body: (dx0, dxl, dv, du, db), on the forward's own inputs (not checked again)."""
     if use_triton(x0):
-        return launch_bwd(g, x0, xl, v, u, b, h)
-    return cross_layer_bwd_ref(g, x0, xl, v, u, b, h)
+        return launch_bwd(g, x0, xl, v, u, b, h, zb)
+    return cross_layer_bwd_ref(g, x0, xl, v, u, b, h, zb)
 
 
 def _cross_backward_fake(
-    g: Tensor, x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor, h: Tensor
+    g: Tensor, x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor, h: Tensor, zb: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return tuple(t.new_empty(t.shape) for t in (x0, xl, v, u, b))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs, output[1])
+    ctx.save_for_backward(*inputs, output[1], output[2])
 
 
-def _gradients(backward_fn, ctx, g: Tensor | None, _dh: Tensor | None):
-    # backward_fn: the backward op, or its body on the eager path. _dh: the gradient of the internal output
-    # h, which cross_layer never exposes (None).
+def _gradients(backward_fn, ctx, g: Tensor | None, _dh: Tensor | None, _dzb: Tensor | None):
+    # backward_fn: the backward op, or its body on the eager path. _dh, _dzb: the gradients of the internal
+    # outputs h and zb, which cross_layer never exposes (None).
     return backward_fn(g, *ctx.saved_tensors)
 
 
@@ -437,5 +432,5 @@ def cross_layer(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> Tens
         ValueError: a tensor of the wrong rank or shape, an unsupported dtype, mixed dtypes or devices (the
             message names the values).
     """
-    out, _ = _cross(x0, xl, v, u, b)
+    out, _, _ = _cross(x0, xl, v, u, b)
     return out

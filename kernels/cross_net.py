@@ -16,7 +16,7 @@ no add kernels.
 
 Shapes: x0 [M, N]; v [L, r, N]; u [L, N, r]; b [L, N] (the layers' V_l, U_l, b_l stacked); one dtype (fp32,
 bf16 or fp16) and device; M >= 0, N, r, L >= 1. The forward keeps x_1 .. x_{L-1} [L-1, M, N] and every
-layer's h_l [L, M, r] for the backward, as the layers one by one would.
+layer's h_l [L, M, r] and z_l + b_l [L, M, N] for the backward, as the layers one by one would.
 """
 
 from __future__ import annotations
@@ -50,36 +50,38 @@ def check_net_inputs(x0: Tensor, v: Tensor, u: Tensor, b: Tensor) -> None:
     check_inputs(x0, x0, v[0], u[0], b[0])
 
 
-def _forward(x0: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The forward's body: (x_L [M, N], x_1 .. x_{L-1} [L-1, M, N], h [L, M, r])."""
+def _forward(x0: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The forward's body: (x_L [M, N], x_1 .. x_{L-1} [L-1, M, N], h [L, M, r], zb [L, M, N])."""
     check_net_inputs(x0, v, u, b)
     layers, (m, n), r = v.shape[0], x0.shape, v.shape[1]
     out = launch.empty((m, n), x0.dtype, x0.device)
     inner = launch.empty((layers - 1, m, n), x0.dtype, x0.device)
     h = launch.empty((layers, m, r), x0.dtype, x0.device)
+    zb = launch.empty((layers, m, n), x0.dtype, x0.device)
     x = x0
     for layer in range(layers):
         target = out if layer == layers - 1 else inner[layer]
         if use_triton(x0):
-            launch_fwd(x0, x, v[layer], u[layer], b[layer], out=target, h=h[layer])
+            launch_fwd(x0, x, v[layer], u[layer], b[layer], out=target, h=h[layer], zb=zb[layer])
         else:
-            target[:], h[layer] = cross_layer_fwd_ref(x0, x, v[layer], u[layer], b[layer])
+            target[:], h[layer], zb[layer] = cross_layer_fwd_ref(x0, x, v[layer], u[layer], b[layer])
         x = target
-    return out, inner, h
+    return out, inner, h, zb
 
 
-def _forward_fake(x0: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _forward_fake(x0: Tensor, v: Tensor, u: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     check_net_inputs(x0, v, u, b)
     m, n = x0.shape
     return (
         x0.new_empty((m, n)),
         x0.new_empty((v.shape[0] - 1, m, n)),
         x0.new_empty((v.shape[0], m, v.shape[1])),
+        x0.new_empty((v.shape[0], m, n)),
     )
 
 
 def _backward(
-    g: Tensor, x0: Tensor, v: Tensor, u: Tensor, b: Tensor, inner: Tensor, h: Tensor
+    g: Tensor, x0: Tensor, v: Tensor, u: Tensor, b: Tensor, inner: Tensor, h: Tensor, zb: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The backward's body (module docstring): (dx0 [M, N], dv [L, r, N], du [L, N, r], db [L, N])."""
     layers = v.shape[0]
@@ -89,7 +91,7 @@ def _backward(
         for layer in reversed(range(layers)):
             xl = x0 if layer == 0 else inner[layer - 1]
             direct, g, dv[layer], du[layer], db[layer] = cross_layer_bwd_ref(
-                g, x0, xl, v[layer], u[layer], b[layer], h[layer]
+                g, x0, xl, v[layer], u[layer], b[layer], h[layer], zb[layer]
             )
             dx0 += direct
         return dx0 + g, dv, du, db
@@ -101,7 +103,7 @@ def _backward(
         xl = x0 if layer == 0 else inner[layer - 1]
         dx0 = sums[layer % len(sums)]
         g = rows_contiguous(g)
-        dz, db[layer] = launch_bwd_epilogue(g, x0, u[layer], b[layer], h[layer], dx0, acc, add_g=layer == 0)
+        dz, db[layer] = launch_bwd_epilogue(g, x0, zb[layer], dx0, acc, add_g=layer == 0)
         dh = dz @ u[layer]
         torch.matmul(dh.t(), xl, out=dv[layer])
         torch.matmul(dz.t(), h[layer], out=du[layer])
@@ -114,17 +116,17 @@ def _backward(
 
 
 def _backward_fake(
-    g: Tensor, x0: Tensor, v: Tensor, u: Tensor, b: Tensor, inner: Tensor, h: Tensor
+    g: Tensor, x0: Tensor, v: Tensor, u: Tensor, b: Tensor, inner: Tensor, h: Tensor, zb: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return tuple(t.new_empty(t.shape) for t in (x0, v, u, b))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs, output[1], output[2])
+    ctx.save_for_backward(*inputs, *output[1:])
 
 
-def _gradients(backward_fn, ctx, g: Tensor | None, _inner: Tensor | None, _h: Tensor | None):
-    # _inner, _h: gradients of the saved intermediates, which cross_net never exposes (None).
+def _gradients(backward_fn, ctx, g: Tensor | None, *_saved: Tensor | None):
+    # _saved: the gradients of inner, h and zb, intermediates that cross_net never exposes (None).
     return backward_fn(g, *ctx.saved_tensors)
 
 
@@ -152,7 +154,7 @@ def cross_net(x0: Tensor, v: Tensor, u: Tensor, b: Tensor) -> Tensor:
     Raises:
         ValueError: stacks of the wrong rank or shape, an unsupported dtype, mixed dtypes or devices.
     """
-    out, _, _ = _cross_net(x0, v, u, b)
+    out, _, _, _ = _cross_net(x0, v, u, b)
     return out
 
 

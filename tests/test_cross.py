@@ -118,13 +118,15 @@ def test_first_layer_takes_x0_as_its_input():
 
 
 def test_launchers_return_what_the_backward_reads():
-    """cross_layer_fwd's h is xl V^T; cross_layer_bwd's gradients equal the op's autograd ones."""
+    """cross_layer_fwd's h is xl V^T and its zb h U^T + b; cross_layer_bwd's gradients equal the op's
+    autograd ones."""
     *inputs, g = _inputs(37, 45, 7, torch.float32)
     x0, xl, v, u, b = inputs
-    out, h = cross_layer_fwd(*inputs)
+    out, h, zb = cross_layer_fwd(*inputs)
     torch.testing.assert_close(h, xl @ v.t())
+    torch.testing.assert_close(zb, h @ u.t() + b)
     _, grads = _run(cross_layer, inputs, g)
-    for a, e in zip(cross_layer_bwd(g, *inputs, h)[1:], grads[1:], strict=True):
+    for a, e in zip(cross_layer_bwd(g, *inputs, h, zb)[1:], grads[1:], strict=True):
         torch.testing.assert_close(a, e)
     assert out.shape == (37, 45)
 
@@ -153,8 +155,9 @@ def test_custom_op_registration():
     both ops (what torch.compile and CUDA-graph capture rely on)."""
     *inputs, g = _inputs(5, 9, 3, torch.float32)
     torch.library.opcheck(torch.ops.dlrm.cross_layer.default, [t.requires_grad_() for t in inputs])
-    _, h = cross_layer_fwd(*(t.detach() for t in inputs))
-    torch.library.opcheck(torch.ops.dlrm.cross_layer_backward.default, [g, *(t.detach() for t in inputs), h])
+    _, h, zb = cross_layer_fwd(*(t.detach() for t in inputs))
+    backward_args = [g, *(t.detach() for t in inputs), h, zb]
+    torch.library.opcheck(torch.ops.dlrm.cross_layer_backward.default, backward_args)
 
 
 def test_compiled_equals_eager():
