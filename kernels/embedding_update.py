@@ -34,11 +34,11 @@ How the update runs:
   inside the block in the segment's slot of a [B*F, D] fp32 buffer. A segment that crosses a block edge
   leaves one partial sum per block in the next level's list, which the same kernel sums the same way (a
   level holds at most two partials per block of the one before: 2^31 lookups take six levels), until a
-  level fits in one block. A second kernel steps each segment's row from its slot, one program for 16
-  segments: the row's weights and state read and written once. No atomics: the sums, and so the whole
-  update, are the same bits on every run. Memory is O(B F D), never O(R D). (Stepping the rows inside the
-  summing kernel saves the buffer's write and read but measured slower on an H200: the row gathers wait
-  behind the sums, 14.9 vs 10.6 ms for dlrm_dcnv2's bags at B=65,536.)
+  level fits in one block. A second kernel steps each segment's row from its slot (the segment's first
+  sorted position does it): the row's weights and state read and written once. No atomics: the sums, and
+  so the whole update, are the same bits on every run. Memory is O(B F D), never O(R D). (Stepping the
+  rows inside the summing kernel saves the buffer's write and read but measured slower on an H200: the
+  row gathers wait behind the sums, 14.9 vs 10.6 ms for dlrm_dcnv2's bags at B=65,536.)
 Fixed shapes throughout (no torch.unique, no host sync), so a step can be captured in a CUDA graph.
 The PyTorch reference is ``embedding_update_ref``.
 """
@@ -69,8 +69,10 @@ OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 # Sorted positions a segment-sum program reduces: its [SUM_BLOCK_N, SUM_BLOCK_N] 0/1 matrix stays in
 # registers (64 spills them on an H200; tl.dot needs at least 16).
 SUM_BLOCK_N = 32
-# Segments an update program steps: 16 rows of gathered weights and state in flight per program, and
-# twice the programs of 32 to hide their latency.
+# Sorted positions an update program takes (the first of each segment steps its row): 16, not 32, as
+# most positions repeat a row and do nothing, and twice the programs hide more of the row loads' latency
+# (H200, dlrm_dcnv2's bags, Zipf ids: 1.9 vs 2.6 ms). One program a block of segments instead, every lane
+# stepping a row, measured 0.3 ms slower at B=65,536.
 UPDATE_BLOCK_N = 16
 
 
@@ -273,9 +275,9 @@ def _segment_sum_kernel(
 @triton.jit(do_not_specialize=["N", "eps"])
 def _segment_update_kernel(
     # pointers
-    segment_rows_ptr,  # [N] int64: the table row of each segment (its first SEGMENTS entries written)
-    segment_ptr,  # [N] int64: segment of each sorted position (the last one's + 1 is SEGMENTS)
-    sums_ptr,  # [N, D] fp32: each segment's gradient sum (its first SEGMENTS rows written)
+    sorted_ptr,  # [N] int64 sorted global rows
+    segment_ptr,  # [N] int64 segment of each sorted position
+    sums_ptr,  # [N, D] fp32 gradient sum of each segment
     weights_ptr,  # [R, D] fp32/bf16, updated in place
     state_ptr,  # adagrad: [R, D] fp32; rowwise_adagrad: [R] fp32; sgd: unused
     lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
@@ -291,18 +293,20 @@ def _segment_update_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # One program a block of segments (distinct rows), not of sorted positions: every lane steps a row,
-    # and the sums are read in order. The grid covers N (the segments' count is known on the device
-    # only); blocks past the last segment load nothing.
-    s, mask_s, d, _ = _lookup_block(N, D, BLOCK_N, BLOCK_D)
-    valid = s < tl.load(segment_ptr + N - 1) + 1
-    # Loaded under `mask_s` and then cleared, not masked by the data-dependent `valid`: Triton 3.6 fails
-    # to compile such a 1-D load (TritonGPURemoveLayoutConversions); an unwritten entry is never used.
-    row = tl.where(valid, tl.load(segment_rows_ptr + s, mask=mask_s, other=0), 0)
-    mask = valid[:, None] & (d < D)[None, :]
-    sums = tl.load(sums_ptr + s[:, None] * D + d[None, :], mask=mask, other=0.0)
+    p = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    valid = p < N
+    row = tl.load(sorted_ptr + p, mask=valid, other=0)
+    previous = tl.load(sorted_ptr + p - 1, mask=(p > 0) & valid, other=-1)
+    # The first sorted position of each distinct row applies that row's update; the others do nothing.
+    head = valid & (row != previous)
+    # 1-D loads are masked by `valid`, not by the data-dependent `head`: Triton 3.6 fails to compile a
+    # load masked by `head` here (TritonGPURemoveLayoutConversions), and reading more is harmless.
+    segment = tl.load(segment_ptr + p, mask=valid, other=0)
+    d = tl.arange(0, BLOCK_D)
+    mask = head[:, None] & (d < D)[None, :]
+    sums = tl.load(sums_ptr + segment[:, None] * D + d[None, :], mask=mask, other=0.0)
     _update_rows(
-        row, sums, mask, valid, weights_ptr, state_ptr, lr_ptr, rounding_ptr, D, eps,
+        row, sums, mask, head, weights_ptr, state_ptr, lr_ptr, rounding_ptr, D, eps,
         OPTIMIZER, STOCHASTIC, BLOCK_N, BLOCK_D,
     )  # fmt: skip
 
@@ -310,29 +314,20 @@ def _segment_update_kernel(
 @triton.jit(do_not_specialize=["N"])
 def _gradient_rows_kernel(
     order_ptr,  # [N] int64: the lookup at each sorted position
-    sorted_ptr,  # [N] int64: the sorted table rows
-    segment_ptr,  # [N] int64: the segment of each sorted position
-    features_ptr,  # POOLED: [S] int64 feature of each column (not read otherwise)
-    rows_ptr,  # POOLED: [N] int64 output, the pooled gradient's row of each sorted position
-    segment_rows_ptr,  # [N] int64 output: the table row of each segment (its first SEGMENTS entries)
+    features_ptr,  # [S] int64 feature of each column
+    rows_ptr,  # [N] int64 output: the pooled gradient's row of each sorted position
     N,
     S,
     F,
-    POOLED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """In one pass over the sorted positions: each one's gradient row (lookup b * S + c reads row
-    b * F + f(c) of the pooled gradient) and each segment's table row (stored by its first position)."""
+    """The pooled gradient's row of each sorted position (lookup b * S + c reads row b * F + f(c)), in one
+    pass instead of torch's division, remainder, gather, product and sum over the B*S positions."""
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = p < N
-    if POOLED:
-        lookup = tl.load(order_ptr + p, mask=mask, other=0)
-        feature = tl.load(features_ptr + lookup % S, mask=mask, other=0)
-        tl.store(rows_ptr + p, (lookup // S) * F + feature, mask=mask)
-    row = tl.load(sorted_ptr + p, mask=mask, other=-1)
-    previous = tl.load(sorted_ptr + p - 1, mask=mask & (p > 0), other=-1)
-    segment = tl.load(segment_ptr + p, mask=mask, other=0)
-    tl.store(segment_rows_ptr + segment, row, mask=mask & (row != previous))
+    lookup = tl.load(order_ptr + p, mask=mask, other=0)
+    feature = tl.load(features_ptr + lookup % S, mask=mask, other=0)
+    tl.store(rows_ptr + p, (lookup // S) * F + feature, mask=mask)
 
 
 # -- Launchers ---------------------------------------------------------------------------------------
@@ -538,19 +533,16 @@ def launch_update(
         _sgd_kernel[grid](index, grad, features, scales, weights, lr, n, s, f, d, POOLED=pooled, **blocks)
         return
     sorted_rows, order, segment = _sorted_segments(index, weights.shape[0])
-    # Pooled: lookup b * S + c reads the pooled gradient's row b * F + f(c), scaled by f's 1 or 1/k_f.
-    rows = torch.empty_like(order) if pooled else order
-    segment_rows = torch.empty_like(sorted_rows)
-    _gradient_rows_kernel[(triton.cdiv(n, 1024),)](
-        order, sorted_rows, segment, features, rows, segment_rows, n, s, f, POOLED=pooled, BLOCK=1024
-    )
-    if pooled:
+    rows = order
+    if pooled:  # lookup b * S + c reads the pooled gradient's row b * F + f(c), scaled by f's 1 or 1/k_f
+        rows = torch.empty_like(order)
+        _gradient_rows_kernel[(triton.cdiv(n, 1024),)](order, features, rows, n, s, f, BLOCK=1024)
         scales = torch.zeros(f, dtype=torch.float32, device=grad.device).scatter_(0, features, scales)
         grad = grad.view(-1, d)
     sums = _segment_sums(rows, segment, grad, scales, pooled, f, d, max(16, block_d))
     stochastic = rounding is not None and weights.dtype == torch.bfloat16
     _segment_update_kernel[(triton.cdiv(n, UPDATE_BLOCK_N),)](
-        segment_rows, segment, sums, weights, state, lr, rounding if stochastic else lr, n, d, eps,
+        sorted_rows, segment, sums, weights, state, lr, rounding if stochastic else lr, n, d, eps,
         OPTIMIZER=optimizer, STOCHASTIC=stochastic, BLOCK_N=UPDATE_BLOCK_N, BLOCK_D=block_d,
     )  # fmt: skip
 
