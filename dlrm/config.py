@@ -335,7 +335,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         _require(t.use_triton, "train.use_triton", "true with train.cuda_graphs (--use-triton)", t.use_triton)
         # Inductor's own CUDA graphs cannot be recorded inside the whole-step capture.
         mode = t.compile_mode
-        _require(mode == "default", "train.compile_mode", "'default' with train.cuda_graphs", mode)
+        ok = mode in ("auto", "default")
+        _require(ok, "train.compile_mode", "'auto' or 'default' with train.cuda_graphs", mode)
     _require(
         t.triton_mlp_kernel in TRITON_MLP_KERNELS,
         "train.triton_mlp_kernel",

@@ -176,9 +176,10 @@ class TrainConfig:
     so a model that predicts twice the click rate can win on it; logloss scores the probabilities.
     `patience`: stop after this many evaluations without a better `select_on` (null: never stop early).
     `use_torch_compile` compiles the dense part with Inductor, in `compile_mode` "default" or
-    "reduce-overhead" (Inductor also captures the compiled part as CUDA graphs). `use_triton` runs the
-    model on our Triton kernels: table-batched embeddings whose backward applies the optimizer (any of
-    the three) to the touched rows, the dot interaction, the loss, and the MLP layers, which
+    "reduce-overhead" (Inductor also captures the compiled part as CUDA graphs), or "auto" (the default):
+    the one measured faster for the run, named in the log (dlrm.step.resolve_compile_mode).
+    `use_triton` runs the model on our Triton kernels: table-batched embeddings whose backward applies the
+    optimizer (any of the three) to the touched rows, the dot interaction, the loss, and the MLP layers, which
     `triton_mlp_kernel` picks: "linear_act" (GEMM + bias + activation fused) or "bias_act" (cuBLAS GEMM,
     then fused bias + activation), or "cuda_bias_act" (bias_act's CUDA C++ twin, built with nvcc on first
     use; CUDA only).
@@ -186,7 +187,8 @@ class TrainConfig:
     replays it, and evaluations replay the forward as a graph too (dlrm.graphs); true needs `use_triton`,
     whose steps have no host sync (any optimizer).
     null (the default) takes it wherever it works: `use_triton` on CUDA devices (one or many ranks),
-    compile_mode "default" (dlrm.step.resolve_cuda_graphs; the log says why when it cannot); false: never.
+    compile_mode "auto" or "default" (dlrm.step.resolve_cuda_graphs; the log says why when it cannot);
+    false: never.
     `precision` of the training step's MLPs and interaction: "fp32", "tf32" (fp32 tensors, TF32 tensor-core
     matmuls) or "bf16" (autocast to bf16; fp32 master weights, embedding tables, loss and evaluation).
     `on_nonfinite`: what a NaN or infinite training loss does: "stop" the run (exit 3; last.pt stays the
@@ -215,7 +217,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     use_torch_compile: bool = False
-    compile_mode: str = "default"
+    compile_mode: str = "auto"
     use_triton: bool = False
     triton_mlp_kernel: str = "linear_act"
     cuda_graphs: bool | None = None

@@ -46,6 +46,39 @@ def resolve_cuda_graphs(cfg: RunConfig, device: torch.device) -> RunConfig:
         return replace(cfg, "train", cuda_graphs=False)
 
 
+# The largest batch at which Inductor's CUDA graphs ("reduce-overhead") measured faster than its default
+# mode for --use-torch-compile (H200, scripts/bench_train.py backends compile and compile-ro in one run,
+# scripts/results/train.csv: kaggle tf32 at 128, 2,048 and 16,384 rows 12-41% faster, at 65,536 even;
+# mlperf bf16 at 65,536 4% slower). Below it the compiled step is launch-bound, above its kernels' time.
+REDUCE_OVERHEAD_MAX_BATCH = 16_384
+
+
+def resolve_compile_mode(cfg: RunConfig, device: torch.device) -> RunConfig:
+    """`cfg` with `train.compile_mode` "auto" decided (after `resolve_cuda_graphs`): "reduce-overhead" for
+    `use_torch_compile` on a CUDA device at a batch of at most REDUCE_OVERHEAD_MAX_BATCH rows, where it
+    measured faster; "default" with the whole-step graph (it captures the compiled part itself, and
+    Inductor's graphs cannot be recorded inside it), with `use_triton` (measured only without), on the
+    CPU and at larger batches. One log line names the mode and why when the run compiles. Other modes
+    stay as given."""
+    t = cfg.train
+    if t.compile_mode != "auto":
+        return cfg
+    batch = cfg.data.batch_size
+    if t.cuda_graphs:
+        mode, why = "default", "the whole-step CUDA graph captures the compiled part"
+    elif t.use_triton:
+        mode, why = "default", "Inductor's CUDA graphs are measured without --use-triton only"
+    elif device.type != "cuda":
+        mode, why = "default", f"no CUDA graphs on {device.type}"
+    elif batch > REDUCE_OVERHEAD_MAX_BATCH:
+        mode, why = "default", f"at batch {batch:,} (> {REDUCE_OVERHEAD_MAX_BATCH:,}) its graphs save no time"
+    else:
+        mode, why = "reduce-overhead", f"Inductor's CUDA graphs: at batch {batch:,} the step is launch-bound"
+    if t.use_torch_compile:
+        logger.info("torch.compile mode {} (train.compile_mode auto): {}", mode, why)
+    return replace(cfg, "train", compile_mode=mode)
+
+
 def compile_dense_part(model: Model, mode: str = "default") -> None:
     """Compile the model's dense modules (the MLPs, the interaction, the first-order dense layer) with
     Inductor, in place, in torch.compile's `mode` ("default" or "reduce-overhead": CUDA graphs of the

@@ -43,8 +43,8 @@ from dlrm.run.loop import train
     "--compile-mode",
     choices=COMPILE_MODES,
     default=None,
-    help="With --use-torch-compile: torch.compile's mode; reduce-overhead adds Inductor's CUDA graphs. "
-    "Overrides train.compile_mode.",
+    help="With --use-torch-compile: torch.compile's mode; reduce-overhead adds Inductor's CUDA graphs, "
+    "auto takes the one measured faster for the run (the log names it). Overrides train.compile_mode.",
 )
 @click.option(
     "--use-triton/--no-use-triton",

@@ -87,12 +87,22 @@ def graphed(backend: str) -> bool:
 FLAGS = {
     "eager": {},
     BASELINE: {},
-    "compile": {"use_torch_compile": True},
+    "compile": {"use_torch_compile": True, "compile_mode": "default"},
     "compile-ro": {"use_torch_compile": True, "compile_mode": "reduce-overhead"},
     "triton": {"use_triton": True, "cuda_graphs": False},
-    "triton+compile": {"use_triton": True, "use_torch_compile": True, "cuda_graphs": False},
+    "triton+compile": {
+        "use_triton": True,
+        "use_torch_compile": True,
+        "cuda_graphs": False,
+        "compile_mode": "default",
+    },
     "triton+graphs": {"use_triton": True, "cuda_graphs": True},
-    "triton+compile+graphs": {"use_triton": True, "use_torch_compile": True, "cuda_graphs": True},
+    "triton+compile+graphs": {
+        "use_triton": True,
+        "use_torch_compile": True,
+        "cuda_graphs": True,
+        "compile_mode": "default",
+    },
     "triton_bias_act+graphs": {"use_triton": True, "triton_mlp_kernel": "bias_act", "cuda_graphs": True},
 }
 POOL = 8  # distinct batches cycled through

@@ -99,10 +99,13 @@ def test_main_config_is_the_fb_dlrm_kaggle_architecture():
             r"data.loader: expected 'memory' or 'gpu_resident' with model.hashing 'vocab' \(or set "
             r"model.hashing 'modulus'\), got 'streaming'",
         ),
-        ({"train": {"compile_mode": "max-autotune"}}, r"train.compile_mode: expected one of \('default'"),
+        (
+            {"train": {"compile_mode": "max-autotune"}},
+            r"train.compile_mode: expected one of \('auto', 'default'",
+        ),
         (
             {"train": {"use_triton": True, "cuda_graphs": True, "compile_mode": "reduce-overhead"}},
-            "train.compile_mode: expected 'default' with train.cuda_graphs, got 'reduce-overhead'",
+            "train.compile_mode: expected 'auto' or 'default' with train.cuda_graphs, got 'reduce-overhead'",
         ),
         ({"profiler": {"active": 0}}, "profiler.active"),
         ({"train": {"lr_schedule": {"warmup": 5}}}, "train.lr_schedule.warmup: unknown key"),

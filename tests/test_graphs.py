@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from dlrm.config import LrScheduleConfig, ModelConfig, RunConfig, TrainConfig, validate
+from dlrm.config import DataConfig, LrScheduleConfig, ModelConfig, RunConfig, TrainConfig, validate
 from dlrm.data.dataset import Batch
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.graphs import GraphedForward, GraphedTrainStep
@@ -17,7 +17,7 @@ from dlrm.metrics import evaluate, forward_logits
 from dlrm.model import DLRM
 from dlrm.model.tables import build_vocabularies
 from dlrm.optim import RunOptimizer
-from dlrm.step import resolve_cuda_graphs, train_step
+from dlrm.step import REDUCE_OVERHEAD_MAX_BATCH, resolve_compile_mode, resolve_cuda_graphs, train_step
 
 SMALL = ModelConfig(embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1), max_rows=100)
 
@@ -45,7 +45,7 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
             {"use_triton": True, "compile_mode": "reduce-overhead"},
             CUDA,
             False,
-            "train.compile_mode: expected 'default' with train.cuda_graphs",
+            "train.compile_mode: expected 'auto' or 'default' with train.cuda_graphs",
         ),
         ({"use_triton": True, "cuda_graphs": False}, CUDA, False, None),
     ],
@@ -65,6 +65,38 @@ def test_use_triton_takes_the_cuda_graph_by_default_where_it_works(train, device
     assert len(notes) == (logged is not None)
     if logged is not None:
         assert logged in notes[0]
+
+
+@pytest.mark.parametrize(
+    ("train", "device", "batch", "expected"),
+    [
+        ({"use_torch_compile": True}, CUDA, 128, "reduce-overhead"),
+        ({"use_torch_compile": True}, CUDA, REDUCE_OVERHEAD_MAX_BATCH, "reduce-overhead"),
+        ({"use_torch_compile": True}, CUDA, REDUCE_OVERHEAD_MAX_BATCH + 1, "default"),
+        ({"use_torch_compile": True}, CPU, 128, "default"),
+        ({"use_torch_compile": True, "use_triton": True}, CUDA, 128, "default"),  # the whole-step graph
+        ({"use_torch_compile": True, "use_triton": True, "cuda_graphs": False}, CUDA, 128, "default"),
+        ({"use_torch_compile": True, "compile_mode": "default"}, CUDA, 128, "default"),
+        ({"use_torch_compile": True, "compile_mode": "reduce-overhead"}, CUDA, 1 << 20, "reduce-overhead"),
+        ({}, CUDA, 128, "reduce-overhead"),  # decided, though nothing compiles: no line
+    ],
+)
+def test_compile_mode_auto_takes_inductors_graphs_where_they_measured_faster(train, device, batch, expected):
+    """ "auto" becomes a mode torch.compile takes, with one line naming it when the run compiles; a mode
+    given stays."""
+    from loguru import logger
+
+    lines: list[str] = []
+    handler = logger.add(lines.append, format="{message}")
+    try:
+        cfg = validate(RunConfig(data=DataConfig(batch_size=batch), train=TrainConfig(**train)))
+        cfg = resolve_compile_mode(resolve_cuda_graphs(cfg, device), device)
+    finally:
+        logger.remove(handler)
+    assert cfg.train.compile_mode == expected
+    notes = [line for line in lines if "torch.compile mode" in line]
+    auto = "compile_mode" not in train and train.get("use_torch_compile", False)
+    assert len(notes) == auto and all(f"torch.compile mode {expected} " in line for line in notes)
 
 
 class FakeGraph:
