@@ -103,7 +103,8 @@ def embedding_bag_update(
         )
         return
     bags = bag_columns(bag_sizes, pooling, s)
-    launch_update(weights, state, index.reshape(-1), grad.contiguous(), optimizer, lr, eps, bags, rounding)
+    # A view of the gradient (a slice of a concatenation's) is read in place: launch_update takes strides.
+    launch_update(weights, state, index.reshape(-1), grad, optimizer, lr, eps, bags, rounding)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -93,16 +93,19 @@ def _lookup_block(N, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def _lookup_grad(
-    grad_ptr, features_ptr, scales_ptr, lookup, mask_n, mask, d, S, F, D, POOLED: tl.constexpr
+    grad_ptr, features_ptr, scales_ptr, lookup, mask_n, mask, d, S, D, stride_b, stride_f,
+    POOLED: tl.constexpr,
 ):  # fmt: skip
     """The fp32 gradient [BLOCK_N, BLOCK_D] of lookups `lookup`: dout[lookup] (dout [N, D]); POOLED: the
-    pooled gradient dout[b, f(c)] (dout [B, F, D], lookup = b * S + c) scaled by its bag's 1 or 1/k."""
+    pooled gradient dout[b, f(c)] (dout [B, F, D] with strides (stride_b, stride_f, 1), lookup = b * S + c)
+    scaled by its bag's 1 or 1/k."""
     if POOLED:
         b = lookup // S
         column = lookup % S
         feature = tl.load(features_ptr + column, mask=mask_n, other=0)
         scale = tl.load(scales_ptr + column, mask=mask_n, other=0.0)
-        grad = tl.load(grad_ptr + (b * F + feature)[:, None] * D + d[None, :], mask=mask, other=0.0)
+        row = b * stride_b + feature * stride_f
+        grad = tl.load(grad_ptr + row[:, None] + d[None, :], mask=mask, other=0.0)
         grad = grad.to(tl.float32) * scale[:, None]
     else:
         grad = tl.load(grad_ptr + lookup[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -113,7 +116,7 @@ def _lookup_grad(
 def _sgd_kernel(
     # pointers
     index_ptr,  # [N] int64 global rows (N = B * F lookups, or B * S for bags)
-    grad_ptr,  # [N, D] dout ([B, F, D] where POOLED), any float dtype
+    grad_ptr,  # [N, D] dout ([B, F, D] where POOLED, strides (stride_b, stride_f, 1)), any float dtype
     features_ptr,  # POOLED: [S] int64 feature of each column (not read otherwise)
     scales_ptr,  # POOLED: [S] fp32 pooling scale of each column (not read otherwise)
     weights_ptr,  # [R, D] fp32, updated in place
@@ -121,8 +124,9 @@ def _sgd_kernel(
     # sizes
     N,
     S,
-    F,
     D,
+    stride_b,
+    stride_f,
     # meta-parameters
     POOLED: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -130,7 +134,9 @@ def _sgd_kernel(
 ):
     n, mask_n, d, mask = _lookup_block(N, D, BLOCK_N, BLOCK_D)
     index = tl.load(index_ptr + n, mask=mask_n, other=0)
-    grad = _lookup_grad(grad_ptr, features_ptr, scales_ptr, n, mask_n, mask, d, S, F, D, POOLED)
+    grad = _lookup_grad(
+        grad_ptr, features_ptr, scales_ptr, n, mask_n, mask, d, S, D, stride_b, stride_f, POOLED
+    )
     lr = tl.load(lr_ptr).to(tl.float32)
     tl.atomic_add(weights_ptr + index[:, None] * D + d[None, :], -lr * grad, mask=mask)
 
@@ -227,7 +233,7 @@ def _segment_sum_kernel(
     # pointers
     rows_ptr,  # [N] int64: row of grad read at each sorted position (identity at level >= 1)
     segment_ptr,  # [N] int64: segment (distinct row, in sorted order) of each sorted position
-    grad_ptr,  # [*, D] dout rows ([B * F, D] where POOLED), any float dtype; level >= 1: the partial sums
+    grad_ptr,  # [*, D] dout rows ([B, F, D] where POOLED), any float dtype; level >= 1: the partial sums
     scales_ptr,  # POOLED: [F] fp32 pooling scale of each feature (not read otherwise)
     sums_ptr,  # [SEGMENTS, D] fp32: each segment's sum, stored by the level where it fits in one block
     dest_ptr,  # [2 * programs] int64: where the next level holds this block's first / last partial (or -1)
@@ -237,6 +243,8 @@ def _segment_sum_kernel(
     F,
     D,
     SEGMENTS,  # segments of level 0; a segment id at or past it marks an unused slot of a level >= 1
+    stride_b,  # POOLED: dout's strides along B and F (it may be a view, e.g. a slice of a concatenation's
+    stride_f,  # gradient: read in place, not copied); D's is 1
     # meta-parameters
     POOLED: tl.constexpr,
     SPLIT_BF16: tl.constexpr,  # the block's sums by exact bf16 pieces (False in the interpreter)
@@ -247,11 +255,14 @@ def _segment_sum_kernel(
     # The gradient's row of each position comes precomputed: two dependent loads a block, not three.
     row = tl.load(rows_ptr + p, mask=mask_p, other=0)
     segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
-    grad = tl.load(grad_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0)
-    if POOLED:  # row = b * F + f: its bag's 1 or 1/k_f
-        scale = tl.load(scales_ptr + row % F, mask=mask_p, other=0.0)
+    if POOLED:  # row = b * F + f, scaled by its bag's 1 or 1/k_f
+        feature = row % F
+        offset = (row // F) * stride_b + feature * stride_f
+        scale = tl.load(scales_ptr + feature, mask=mask_p, other=0.0)
     else:
+        offset = row * D
         scale = tl.full(row.shape, 1.0, tl.float32)
+    grad = tl.load(grad_ptr + offset[:, None] + d[None, :], mask=mask, other=0.0)
     # Each position's sum over its segment's positions in this block, in a fixed order (no atomics).
     sums = _block_segment_sums(segment, grad, scale, SPLIT_BF16)
     next_segment = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
@@ -485,18 +496,19 @@ def _segment_sums(
     rows: Tensor, segment: Tensor, grad: Tensor, scales: Tensor, pooled: bool, f: int, d: int, block_d: int
 ) -> Tensor:
     """[N, D] fp32: each segment's gradient sum in its slot (module docstring), for the N sorted positions'
-    gradient rows `rows` and segments `segment` [N] int64 of `launch_update`'s gradient ([*, D]; pooled:
-    [B * F, D] with the features' scales [F] fp32). Level 0 sums the lookups' gradients; each next level
-    the partial sums of the segments that crossed a block edge of the level before, until a level fits in
-    one block."""
+    gradient rows `rows` and segments `segment` [N] int64 of `launch_update`'s gradient ([N, D]
+    contiguous; pooled: [B, F, D], D's stride 1, row b * F + f, with the features' scales [F] fp32). Level
+    0 sums the lookups' gradients; each next level the partial sums of the segments that crossed a block
+    edge of the level before, until a level fits in one block."""
     n = len(segment)
     sums = torch.empty(n, d, dtype=torch.float32, device=grad.device)
     while True:
         m = len(segment)
         dest, next_segment = _next_level(segment, n)
         partials = torch.zeros(len(next_segment), d, dtype=torch.float32, device=grad.device)
+        strides = grad.stride()[:2] if pooled else (0, 0)
         _segment_sum_kernel[(triton.cdiv(m, SUM_BLOCK_N),)](
-            rows, segment, grad, scales, sums, dest, partials, m, f, d, n, POOLED=pooled,
+            rows, segment, grad, scales, sums, dest, partials, m, f, d, n, *strides, POOLED=pooled,
             SPLIT_BF16=not INTERPRETED, BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
         if m <= SUM_BLOCK_N:
@@ -518,8 +530,8 @@ def launch_update(
 ) -> None:
     """The update kernels (module docstring) on inputs already checked: index [N] int64 global rows; grad
     [N, D] contiguous, or for pooled bags, with `bags` = (features [S] int64, scales [S] fp32) as
-    `kernels.embedding_bag_update.bag_columns` gives them, the pooled gradient [B, F, D] contiguous
-    (N = B * S, lookup b * S + c); `rounding` as `embedding_update`'s."""
+    `kernels.embedding_bag_update.bag_columns` gives them, the pooled gradient [B, F, D] with D's stride 1
+    (a view is read in place; N = B * S, lookup b * S + c); `rounding` as `embedding_update`'s."""
     n, d = index.numel(), weights.shape[1]
     if n == 0:
         return
@@ -529,8 +541,13 @@ def launch_update(
     block_d, block_n = block_sizes(d, n)
     grid = (triton.cdiv(n, block_n),)
     blocks = {"BLOCK_N": block_n, "BLOCK_D": block_d}
+    if pooled and grad.stride(2) != 1:
+        grad = grad.contiguous()
+    strides = grad.stride()[:2] if pooled else (0, 0)
     if optimizer == "sgd" and weights.dtype == torch.float32:
-        _sgd_kernel[grid](index, grad, features, scales, weights, lr, n, s, f, d, POOLED=pooled, **blocks)
+        _sgd_kernel[grid](
+            index, grad, features, scales, weights, lr, n, s, d, *strides, POOLED=pooled, **blocks
+        )
         return
     sorted_rows, order, segment = _sorted_segments(index, weights.shape[0])
     rows = order
@@ -538,7 +555,6 @@ def launch_update(
         rows = torch.empty_like(order)
         _gradient_rows_kernel[(triton.cdiv(n, 1024),)](order, features, rows, n, s, f, BLOCK=1024)
         scales = torch.zeros(f, dtype=torch.float32, device=grad.device).scatter_(0, features, scales)
-        grad = grad.view(-1, d)
     sums = _segment_sums(rows, segment, grad, scales, pooled, f, d, max(16, block_d))
     stochastic = rounding is not None and weights.dtype == torch.bfloat16
     _segment_update_kernel[(triton.cdiv(n, UPDATE_BLOCK_N),)](

@@ -139,6 +139,25 @@ def test_bad_arguments_raise_one_line():
         embedding_bag_lookup(weights.requires_grad_(True), torch.zeros(0), offsets, rows, sizes, ids)
 
 
+@pytest.mark.parametrize(("optimizer", "dtype"), [("sgd", torch.float32), ("adagrad", torch.float32),
+                                                ("rowwise_adagrad", torch.bfloat16)])  # fmt: skip
+def test_a_gradient_view_updates_as_its_contiguous_copy(optimizer, dtype):
+    """The pooled gradient as the slice of a concatenation's gradient (strides [(F + 1) D, D, 1], as the
+    "dcn" interaction hands it back) is read in place: the same update, bit for bit, as its copy."""
+    batch, sizes, rows, d = SHAPES[2]
+    weights, offsets, rows_t, sizes_t, ids, g = _tables(batch, sizes, rows, d, dtype)
+    _, index = embedding_bag_lookup_ref(weights, offsets, rows_t, sizes_t, ids, "modulus", "mean")
+    grad = torch.randn(batch, len(sizes) + 1, d, generator=g)[:, 1:]
+    assert not grad.is_contiguous()
+    results = []
+    for g_in in (grad, grad.contiguous()):
+        w, state = weights.clone(), optimizer_state(weights, optimizer)
+        embedding_bag_update(w, state, index, g_in, sizes_t, "mean", optimizer, torch.tensor(0.1), 1e-8)
+        results.append((w, state))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    assert not torch.equal(results[0][0], weights)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
