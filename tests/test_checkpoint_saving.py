@@ -216,8 +216,11 @@ def test_training_goes_on_while_a_checkpoint_is_written(criteo_sample, tmp_path,
         threads[step] = torch.get_num_threads()
         if step > 3:
             went_on.set()
-        if step == 5:  # the step-3 checkpoint is complete before step 5's after_step
+        if step == 5:  # the step-3 save has ended (its thread, not only its file) before step 5's after_step
             written.wait(20)
+            for thread in threading.enumerate():
+                if thread.name == "dlrm-save":
+                    thread.join(20)
 
     def slow(path, state):  # the step-3 checkpoint is written only once step 4 ran
         if state["step"] == 3:
