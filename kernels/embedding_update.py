@@ -256,8 +256,9 @@ def _segment_sum_kernel(
     row = tl.load(rows_ptr + p, mask=mask_p, other=0)
     segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
     if POOLED:  # row = b * F + f, scaled by its bag's 1 or 1/k_f
-        feature = row % F
-        offset = (row // F) * stride_b + feature * stride_f
+        sample = (row.to(tl.int32) // F).to(tl.int64)  # B * F < 2**31: an int32 division
+        feature = row - sample * F
+        offset = sample * stride_b + feature * stride_f
         scale = tl.load(scales_ptr + feature, mask=mask_p, other=0.0)
     else:
         offset = row * D
