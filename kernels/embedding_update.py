@@ -542,6 +542,8 @@ def launch_update(
     block_d, block_n = block_sizes(d, n)
     grid = (triton.cdiv(n, block_n),)
     blocks = {"BLOCK_N": block_n, "BLOCK_D": block_d}
+    if pooled and grad.shape[0] * grad.shape[1] >= 2**31:  # the summing kernel's int32 rows b * F + f
+        raise ValueError(f"pooled gradient {list(grad.shape)}: B * F must be below 2**31")
     if pooled and grad.stride(2) != 1:
         grad = grad.contiguous()
     strides = grad.stride()[:2] if pooled else (0, 0)
