@@ -205,7 +205,8 @@ def build_step(
     reduce_grads: Callable[[], None] | None = None,
 ) -> StepFn:
     """The run's training step: `train_step` at the config's precision (with `reduce_grads`, see
-    train_step), on a dense part compiled when `train.use_torch_compile`, replayed as one CUDA graph when
+    train_step), on a dense part compiled when `train.use_torch_compile` (compile mode "auto" decided
+    here, `resolve_compile_mode`; `train.cuda_graphs` already decided), replayed as one CUDA graph when
     `train.cuda_graphs`, guarded against non-finite losses when `train.on_nonfinite` is "skip_batch".
 
     Raises:
@@ -213,7 +214,7 @@ def build_step(
     """
     t = cfg.train
     if t.use_torch_compile:
-        compile_dense_part(model, t.compile_mode)
+        compile_dense_part(model, resolve_compile_mode(cfg, device).train.compile_mode)
     guard = NonFiniteGuard(model, optimizer, device) if t.on_nonfinite == "skip_batch" else None
     step: StepFn = functools.partial(
         train_step, precision=t.precision, guard=guard, reduce_grads=reduce_grads

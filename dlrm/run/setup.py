@@ -29,7 +29,7 @@ from dlrm.run.checkpoints import preflight
 from dlrm.run.state import Run, RunState
 from dlrm.run.strategy import Strategy, start
 from dlrm.signals import StopSignals
-from dlrm.step import build_step, resolve_compile_mode, resolve_cuda_graphs
+from dlrm.step import build_step, resolve_cuda_graphs
 
 
 def set_up(
@@ -46,7 +46,7 @@ def set_up(
     and the model. Raises ValueError as `train`, and RunFinished for a `resume` of a run with no step left
     in its own directory (nothing written)."""
     strategy, device = start(cfg)
-    cfg = resolve_compile_mode(resolve_cuda_graphs(cfg, device), device)
+    cfg = resolve_cuda_graphs(cfg, device)
     t = cfg.train
     run_dir = output_dir if output_dir or resume is None else resume.parent.parent
     run_dir = strategy.run_dir(cfg, run_dir, resume, overwrite)
