@@ -345,11 +345,11 @@ def _gradient_rows_kernel(
 # -- Launchers ---------------------------------------------------------------------------------------
 
 
-def block_sizes(d: int, n: int) -> tuple[int, int]:
+def block_sizes(d: int, n: int, elements: int = 4096) -> tuple[int, int]:
     """(BLOCK_D, rows per program) of the embedding kernels for width d and n rows: D padded to a power of
-    two, about 4096 elements per program, at least 16 rows (fewer only where n is smaller)."""
+    two, about `elements` elements per program, at least 16 rows (fewer only where n is smaller)."""
     block_d = triton.next_power_of_2(d)
-    return block_d, min(max(16, 4096 // block_d), triton.next_power_of_2(n))
+    return block_d, min(max(16, elements // block_d), triton.next_power_of_2(n))
 
 
 def check_optimizer(optimizer: str) -> None:
