@@ -27,7 +27,7 @@ import click
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_claims import BEGIN, END  # noqa: E402
 from generated_block import changed_since, markdown_table, mean_sd, write_or_check  # noqa: E402
-from results_rows import REPO, Row, read_rows  # noqa: E402
+from results_rows import REPO, Row, commit_landed, history_available, read_rows  # noqa: E402
 
 README = REPO / "README.md"
 
@@ -197,7 +197,10 @@ def quality_table(rows: list[Row]) -> list[str]:
 
 
 def block(rows: list[Row]) -> str:
-    """The generated block, markers included."""
+    """The generated block, markers included, from the rows of commits that landed (all rows where the
+    history is missing and landing cannot be told)."""
+    if history_available():
+        rows = [r for r in rows if commit_landed(r.cells.get("git_sha", ""))]
     parts = [
         BEGIN,
         "<!-- written by scripts/readme_table.py from scripts/results/*.csv: edit those, not this -->",

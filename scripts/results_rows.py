@@ -112,6 +112,20 @@ def commit_is_current(commit: str, paths: tuple[str, ...]) -> bool:
     return not untracked and all(_same_code(full, path) for path in changed)
 
 
+@cache
+def commit_landed(commit: str) -> bool:
+    """Whether `commit` is HEAD or one of its ancestors; False when this repository does not hold it. A row
+    measured on a branch that never landed (kept as the evidence for not taking it) measured code the
+    product does not have."""
+    if not commit:
+        return False
+    try:
+        _git("merge-base", "--is-ancestor", commit, "HEAD")
+    except (subprocess.CalledProcessError, OSError):  # not an ancestor, not a commit here, or no git
+        return False
+    return True
+
+
 def history_available() -> bool:
     """Whether this is a git repository with its whole history (not a shallow clone): what `is_current`
     needs to tell a current row from an old one."""

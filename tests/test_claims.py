@@ -130,6 +130,26 @@ def test_a_commit_this_repository_lacks_is_never_current(scripts):
     assert not results_rows.commit_is_current("", ("kernels",))
 
 
+def test_only_commits_in_heads_history_have_landed(scripts, monkeypatch, tmp_path):
+    _, results_rows = scripts
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q", "-b", "main")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "base")
+    base = git("rev-parse", "HEAD").strip()
+    git("checkout", "-q", "-b", "branch")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "measured only")
+    branch = git("rev-parse", "HEAD").strip()
+    git("checkout", "-q", "main")
+    monkeypatch.setattr(results_rows, "REPO", tmp_path)
+    landed = results_rows.commit_landed.__wrapped__  # uncached: another repository
+    assert landed(base) and landed(base[:7])
+    assert not landed(branch)  # held here, but on a branch HEAD does not contain
+    assert not landed("0000000") and not landed("")
+
+
 def test_a_row_measures_the_config_file_it_names(scripts, monkeypatch):
     _, results_rows = scripts
 
