@@ -263,7 +263,10 @@ def _segment_sum_kernel(
     else:
         offset = row * D
         scale = tl.full(row.shape, 1.0, tl.float32)
-    grad = tl.load(grad_ptr + offset[:, None] + d[None, :], mask=mask, other=0.0)
+    # An unused slot of a level >= 1 was never written (its buffer is not zeroed): read as zeros, since the
+    # block's sums multiply every row by a 0/1 matrix and garbage (NaN) times 0 would reach the other rows.
+    used = mask & (segment < SEGMENTS)[:, None]
+    grad = tl.load(grad_ptr + offset[:, None] + d[None, :], mask=used, other=0.0)
     # Each position's sum over its segment's positions in this block, in a fixed order (no atomics).
     sums = _block_segment_sums(segment, grad, scale, SPLIT_BF16)
     next_segment = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
@@ -287,7 +290,7 @@ def _segment_sum_kernel(
 @triton.jit(do_not_specialize=["N", "eps"])
 def _segment_update_kernel(
     # pointers
-    sorted_ptr,  # [N] int64 sorted global rows
+    sorted_ptr,  # [N] int32 (rows < 2**31) or int64 sorted global rows
     segment_ptr,  # [N] int64 segment of each sorted position
     sums_ptr,  # [N, D] fp32 gradient sum of each segment
     weights_ptr,  # [R, D] fp32/bf16, updated in place
@@ -307,8 +310,8 @@ def _segment_update_kernel(
 ):
     p = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     valid = p < N
-    row = tl.load(sorted_ptr + p, mask=valid, other=0)
-    previous = tl.load(sorted_ptr + p - 1, mask=(p > 0) & valid, other=-1)
+    row = tl.load(sorted_ptr + p, mask=valid, other=0).to(tl.int64)  # int32 where the rows fit
+    previous = tl.load(sorted_ptr + p - 1, mask=(p > 0) & valid, other=-1).to(tl.int64)
     # The first sorted position of each distinct row applies that row's update; the others do nothing.
     head = valid & (row != previous)
     # 1-D loads are masked by `valid`, not by the data-dependent `head`: Triton 3.6 fails to compile a
@@ -457,15 +460,15 @@ def embedding_update(
 
 
 def _sorted_segments(index: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(sorted rows, order, segment), each [N] int64, of the N = index.numel() global rows looked up (each in
-    [0, rows)): the rows sorted, the lookup at each sorted position (argsort), and the segment (distinct row,
-    numbered in sorted order) of each sorted position. No host sync."""
+    """(sorted rows, order, segment), each [N], of the N = index.numel() global rows looked up (each in
+    [0, rows)): the rows sorted (int32 where `rows` <= 2**31, else int64: the sort's keys, kept as sorted),
+    the lookup at each sorted position (argsort, int64), and the segment (distinct row, numbered in sorted
+    order, int64) of each sorted position. No host sync."""
     keys = index.reshape(-1)
     sorted_rows, order = torch.sort(keys.int() if rows <= 2**31 else keys)
-    sorted_rows = sorted_rows.long()
     # Segment of each sorted position: the number of row changes before it.
     changes = torch.ne(sorted_rows[1:], sorted_rows[:-1])
-    segment = torch.zeros_like(sorted_rows)
+    segment = torch.zeros(len(sorted_rows), dtype=torch.int64, device=sorted_rows.device)
     torch.cumsum(changes, dim=0, out=segment[1:])
     return sorted_rows, order, segment
 
@@ -493,6 +496,12 @@ def _next_level(segment: Tensor, segments: int) -> tuple[Tensor, Tensor]:
     return dest, next_segment[:-1]
 
 
+def _next_level_buffer(places: int, d: int, device: torch.device) -> Tensor:
+    """[places, D] fp32, not initialized: the next level's values. The summing kernel writes every used
+    place and reads the unused ones as zeros, so no pass zeroes the buffer."""
+    return torch.empty(places, d, dtype=torch.float32, device=device)
+
+
 def _segment_sums(
     rows: Tensor, segment: Tensor, grad: Tensor, scales: Tensor, pooled: bool, f: int, d: int, block_d: int
 ) -> Tensor:
@@ -506,7 +515,7 @@ def _segment_sums(
     while True:
         m = len(segment)
         dest, next_segment = _next_level(segment, n)
-        partials = torch.zeros(len(next_segment), d, dtype=torch.float32, device=grad.device)
+        partials = _next_level_buffer(len(next_segment), d, grad.device)
         strides = grad.stride()[:2] if pooled else (0, 0)
         _segment_sum_kernel[(triton.cdiv(m, SUM_BLOCK_N),)](
             rows, segment, grad, scales, sums, dest, partials, m, f, d, n, *strides, POOLED=pooled,

@@ -347,6 +347,28 @@ def test_a_row_longer_than_a_level_of_blocks_takes_one_summed_step(optimizer):
     _check_update_against_exact([1, 7, 1000], 1500, 16, optimizer, DEVICE)
 
 
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
+def test_the_sums_never_read_a_level_s_unused_places(optimizer, monkeypatch):
+    """The next levels' buffers are not zeroed: with them full of NaN (what uninitialized memory may hold)
+    the update is the same bits as with zeros, so no unused place reaches a sum (a 0/1 matrix times NaN)."""
+    import kernels.embedding_update as eu
+
+    weights, offsets, r = _tables([1, 7, 1000], 16, device=DEVICE)
+    ids = _ids(1500, [1, 7, 1000], seed=5, device=DEVICE)
+    index = (ids + 1) % r + offsets
+    grad = torch.randn(*ids.shape, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    results = []
+    for fill in (0.0, float("nan")):
+        monkeypatch.setattr(
+            eu, "_next_level_buffer", lambda n, d, device, fill=fill: torch.full((n, d), fill, device=device)
+        )
+        w, state = weights.clone(), optimizer_state(weights, optimizer)
+        embedding_update(w, state, index, grad, optimizer, _lr(0.1), 1e-10)
+        results.append((w, state))
+    assert not results[1][0].isnan().any()
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_bf16_weights(optimizer):
     """bf16 weights (fp32 state): the update is computed in fp32 and rounded once, like the reference (in the
