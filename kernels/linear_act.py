@@ -29,7 +29,10 @@ pre-activation z, a second output of the forward kernel (``SAVE_Z``), for gelu_t
 
 Kernel: ``_linear_act_fwd_kernel``, one program per [BLOCK_M, BLOCK_N] tile of y in grouped order, reducing
 over K through TMA descriptors (``kernels.gemm.tiles``), autotuned per (M bucket, N, K)
-(``kernels.gemm.tuning``); its epilogue adds the bias, stores z if saved and y = act(z).
+(``kernels.gemm.tuning``); its epilogue adds the bias, stores z if saved and y = act(z). For relu and
+identity, where cuBLAS's GEMM applies the bias and activation itself, each shape takes the faster of the two
+(``fastest_fwd``, timed once per shape on the GPU): a small batch's GEMM is a few tiles, which cuBLAS's
+kernels may finish sooner.
 Backward (``linear_act_bwd``): dz = dy * act' and db in one Triton pass, then cuBLAS's dx and dW
 (``kernels.gemm.grads.act_grads``); without dx (the first layer), the Triton dW GEMM with dz in registers
 where it is timed faster (``kernels.gemm.dw``).
@@ -62,7 +65,7 @@ from kernels.gemm.layout import (
     tma_descriptor,
 )
 from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_linear_tile
-from kernels.gemm.tuning import autotuned, input_precision, m_bucket
+from kernels.gemm.tuning import autotuned, graph_time, input_precision, m_bucket
 from kernels.launch import INTERPRETED, use_triton
 from kernels.op import define_op
 
@@ -175,7 +178,58 @@ def launch_fwd(
     x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
 ) -> tuple[Tensor, Tensor | None]:
     """``linear_act_fwd`` without its input checks, for callers that made them (the autograd op): host time
-    that every launch from Python pays."""
+    that every launch from Python pays. Our kernel, or cuBLAS where it is timed faster (``fastest_fwd``)."""
+    if fastest_fwd(x, weight, bias, activation) == "cublas":
+        return cublas_fwd(x, weight, bias, activation)
+    return triton_fwd(x, weight, bias, activation)
+
+
+# Activations cuBLAS applies in its GEMM's epilogue (torch._addmm_activation): relu, and identity (none).
+# The others save z or have no cuBLAS epilogue.
+CUBLAS_ACTIVATIONS = ("identity", "relu")
+# The forward chosen per (M bucket, N, K, dtype, GEMM precision, activation, bias).
+_FORWARD_CHOICE: dict[tuple, str] = {}
+
+
+def fastest_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> str:
+    """ "triton" (``triton_fwd``) or "cublas" (``cublas_fwd``), the faster for this shape, both timed as CUDA
+    graphs the first time a shape is seen (a small batch's GEMM is a few tiles, which cuBLAS's kernels may
+    finish sooner; a large one gains from our fused epilogue). "triton" for activations
+    outside ``CUBLAS_ACTIVATIONS``, for an unseen shape inside a CUDA graph capture (nothing can be timed
+    there), and in the interpreter (the CPU tests run our kernel)."""
+    if INTERPRETED or activation not in CUBLAS_ACTIVATIONS or x.shape[0] == 0:
+        return "triton"
+    key = (m_bucket(x.shape[0]), weight.shape[0], x.shape[1], x.dtype, input_precision(x.dtype), activation,
+           bias is not None)  # fmt: skip
+    if key not in _FORWARD_CHOICE:
+        if torch.cuda.is_current_stream_capturing():
+            return "triton"
+        times = {
+            name: graph_time(lambda fn=fn: fn(x, weight, bias, activation))
+            for name, fn in (("triton", triton_fwd), ("cublas", cublas_fwd))
+        }
+        _FORWARD_CHOICE[key] = min(times, key=times.get)
+    return _FORWARD_CHOICE[key]
+
+
+def cublas_fwd(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
+) -> tuple[Tensor, Tensor | None]:
+    """``launch_fwd`` by one cuBLAS call (activation in ``CUBLAS_ACTIVATIONS``): addmm with cuBLASLt's
+    bias + ReLU epilogue for relu (``torch._addmm_activation``), mm / addmm for identity; at the precision of
+    PyTorch's matmuls, as our kernel (``input_precision``). Same outputs as ``triton_fwd``: (y, y for relu,
+    None for identity)."""
+    w_t = weight.t()
+    if activation == "relu":
+        y = torch._addmm_activation(bias, x, w_t) if bias is not None else torch.mm(x, w_t).relu_()
+        return y, y
+    return (torch.addmm(bias, x, w_t) if bias is not None else torch.mm(x, w_t)), None
+
+
+def triton_fwd(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
+) -> tuple[Tensor, Tensor | None]:
+    """``launch_fwd`` by ``_linear_act_fwd_kernel``."""
     m, k = x.shape
     n = weight.shape[0]
     save_z = activation in SAVES_Z

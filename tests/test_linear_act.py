@@ -163,6 +163,39 @@ def test_backward_methods(shape, activation, method, needs_dx):
     _check_backward_method(*shape, activation, True, torch.float32, DEVICE, method, needs_dx)
 
 
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("activation", linear_act_mod.CUBLAS_ACTIVATIONS)
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_cublas_forward_trains_like_the_reference(monkeypatch, shape, activation, has_bias):
+    """The cuBLAS forward (what a small batch may take on the GPU, ``fastest_fwd``), run here on the CPU
+    through the autograd op: the same outputs and gradients as the reference, from the y it saves."""
+    monkeypatch.setattr(linear_act_mod, "fastest_fwd", lambda *args: "cublas")
+    _check_fwd_bwd(*shape, activation, has_bias, torch.float32, DEVICE)
+
+
+def test_cublas_forward_reads_a_row_padded_input_in_place():
+    """x as a view of a row-padded buffer (the interaction's output, NaN in the padding): the cuBLAS
+    forward gives the contiguous x's results."""
+    x, w, b, _ = _inputs(67, 33, 13, torch.float32, DEVICE, seed=9)
+    padded = torch.full((67, 16), float("nan"), device=DEVICE)
+    padded[:, :13] = x
+    y, saved = linear_act_mod.cublas_fwd(padded[:, :13], w, b, "relu")
+    assert saved is y and not y.isnan().any()
+    torch.testing.assert_close(y, linear_act_mod.cublas_fwd(x, w, b, "relu")[0], rtol=0, atol=0)
+
+
+def test_forward_choice_outside_the_gpu_and_cublas_epilogues():
+    """Our kernel wherever nothing is timed: the interpreter (the CPU tests run it), and activations with
+    no cuBLAS epilogue, which never reach the timing."""
+    x, w, b, _ = _inputs(8, 4, 4, torch.float32, DEVICE)
+    for activation in ACTIVATIONS:
+        choice = linear_act_mod.fastest_fwd(x, w, b, activation)
+        if DEVICE == "cpu" or activation not in linear_act_mod.CUBLAS_ACTIVATIONS:
+            assert choice == "triton", activation
+        else:
+            assert choice in ("triton", "cublas")
+
+
 def test_triton_backward_has_no_dx():
     x, w, b, dy = _inputs(3, 4, 5, torch.float32, DEVICE)
     with pytest.raises(ValueError, match="'triton' computes dW and db only: it needs needs_dx=False"):
@@ -539,11 +572,14 @@ DLRM_LAYERS = sorted(set(KAGGLE_LAYERS + MLPERF_LAYERS))
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("forward", ["triton", "cublas"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layer", DLRM_LAYERS, ids=lambda kn: f"{kn[0]}to{kn[1]}")
 @pytest.mark.parametrize("m", [128, 2048, 16384, 65536])
-def test_dlrm_shapes_gpu(m, layer, dtype):
-    """Every MLP layer at DLRM batch sizes: relu hidden layers, identity for the logit (N = 1)."""
+def test_dlrm_shapes_gpu(monkeypatch, m, layer, dtype, forward):
+    """Every MLP layer at DLRM batch sizes, by each forward (whichever ``fastest_fwd`` would time faster):
+    relu hidden layers, identity for the logit (N = 1)."""
+    monkeypatch.setattr(linear_act_mod, "fastest_fwd", lambda *args: forward)
     k, n = layer
     _check_fwd_bwd(m, n, k, "identity" if n == 1 else "relu", True, dtype, "cuda", seed=m + n + k)
 
@@ -565,6 +601,17 @@ def test_dlrm_shapes_tf32_gpu(layer):
     k, n = layer
     with allow_tf32(True):
         _check_fwd_bwd(16384, n, k, "identity" if n == 1 else "relu", True, torch.float32, "cuda", seed=n + k)
+
+
+@pytest.mark.gpu
+def test_forward_choice_is_timed_once_per_shape_gpu(monkeypatch):
+    """The first call of a shape times both forwards; later calls in its M bucket reuse the choice."""
+    monkeypatch.setattr(linear_act_mod, "_FORWARD_CHOICE", {})
+    x, w, b, _ = _inputs(128, 512, 256, torch.float32, "cuda", seed=11)
+    first = linear_act_mod.fastest_fwd(x, w, b, "relu")
+    assert first in ("triton", "cublas") and len(linear_act_mod._FORWARD_CHOICE) == 1
+    monkeypatch.setattr(linear_act_mod, "graph_time", lambda fn: pytest.fail("timed again"))
+    assert linear_act_mod.fastest_fwd(x[:100], w, b, "relu") == first
 
 
 @pytest.mark.gpu
