@@ -31,9 +31,11 @@ Why not torch.optim.SGD with a Tensor lr (read in torch 2.13's torch/optim/sgd.p
 back with `.item()` (aten._local_scalar_dense: a host sync, which fails inside a graph capture) unless
 torch.compile is tracing it; the single-tensor path does the same with `param.add_(grad, alpha=-lr)`. Only
 the fused path (`fused=True`, not the default) passes a Tensor lr to its kernel, and it refuses the eager
-tables' sparse gradients. Here the scale enters through `torch._foreach_mul(grads, lr_scale)` (the
-ScalarTensor overload, which reads the tensor in the kernel), and the learning rate, a constant of the run,
-stays a Python number.
+tables' sparse gradients. Here SGD's dense step calls that fused kernel itself (`torch._fused_sgd_`: one
+launch for all of a group's tensors, reading lr * scale, a 0-d device tensor, in the kernel), and the sparse
+gradients take their own step. Adagrad's scale enters through `torch._foreach_mul(steps, lr_scale)` (the
+ScalarTensor overload, which reads the tensor in the kernel), its learning rate, a constant of the run, a
+Python number.
 """
 
 import hashlib
@@ -120,7 +122,12 @@ class SGD(ScaledLrOptimizer):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
 
     def _dense_step(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        torch._foreach_add_(params, torch._foreach_mul(grads, self.lr_scale), alpha=-group["lr"])
+        # One kernel for every tensor of the group (a scaled foreach step takes two passes: the product
+        # with the scale, then the add); weight decay is already in `grads`.
+        torch._fused_sgd_(
+            params, grads, [], weight_decay=0.0, momentum=0.0, lr=self.lr_scale * group["lr"],
+            dampening=0.0, nesterov=False, maximize=False, is_first_step=False,
+        )  # fmt: skip
 
     def _sparse_step(self, group: dict, p: torch.Tensor) -> None:
         p.add_(p.grad.mul(self.lr_scale), alpha=-group["lr"])

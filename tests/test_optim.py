@@ -87,7 +87,7 @@ def test_no_host_read_in_the_step():
     optimizer.lr_scale.fill_(0.5)
     with AtenOps() as ours:
         optimizer.step()
-    assert "aten._foreach_mul.Tensor" in ours.ops and not ours.host_reads
+    assert "aten._fused_sgd_.tensor_lr" in ours.ops and not ours.host_reads
     torch_sgd = torch.optim.SGD(dense, lr=torch.tensor(0.05))
     with AtenOps() as theirs:
         torch_sgd.step()
