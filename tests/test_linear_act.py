@@ -315,6 +315,18 @@ def test_tma_descriptor():
         torch.testing.assert_close(d.base, t, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("layout_name", ["transposed", "direct"])
+def test_fp32_dx_layouts_agree(monkeypatch, layout_name):
+    """fp32 dx over a copy of W^T or over W as it is (whichever a shape times faster on the GPU): dz @ W
+    either way, through the cuBLAS backward of the autograd op."""
+    monkeypatch.setattr(grads_mod, "_fp32_dx_layout", lambda dz, w: layout_name)
+    _check_backward_method(67, 33, 16, "relu", True, torch.float32, DEVICE, "cublas")
+    x, w, b, dy = _inputs(67, 33, 16, torch.float32, DEVICE, seed=12)
+    torch.testing.assert_close(
+        grads_mod._aligned_fp32_dx(dy, w, layout_name), dy @ w, **tol(torch.float32, "gemm")
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("k", [13, 16])
 def test_gemm_grads(k, dtype):
@@ -612,6 +624,17 @@ def test_forward_choice_is_timed_once_per_shape_gpu(monkeypatch):
     assert first in ("triton", "cublas") and len(linear_act_mod._FORWARD_CHOICE) == 1
     monkeypatch.setattr(linear_act_mod, "graph_time", lambda fn: pytest.fail("timed again"))
     assert linear_act_mod.fastest_fwd(x[:100], w, b, "relu") == first
+
+
+@pytest.mark.gpu
+def test_fp32_dx_layout_is_timed_once_per_shape_gpu(monkeypatch):
+    """The first fp32 dx of a shape times both layouts; later ones in its M bucket reuse the choice."""
+    monkeypatch.setattr(grads_mod, "_DX_LAYOUT", {})
+    _, w, _, dz = _inputs(128, 512, 256, torch.float32, "cuda", seed=13)  # W [N, K], dz [M, N]
+    first = grads_mod._fp32_dx_layout(dz, w)
+    assert first in ("transposed", "direct") and len(grads_mod._DX_LAYOUT) == 1
+    monkeypatch.setattr(grads_mod, "graph_time", lambda fn: pytest.fail("timed again"))
+    assert grads_mod._fp32_dx_layout(dz[:100], w) == first
 
 
 @pytest.mark.gpu

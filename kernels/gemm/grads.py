@@ -15,6 +15,8 @@ from kernels import launch
 from kernels.activations import act_bwd
 from kernels.gemm.layout import aligned_width, leading_columns, new_padded, rows_contiguous
 from kernels.gemm.partials import row_programs, sum_partials
+from kernels.gemm.tuning import graph_time, input_precision, m_bucket
+from kernels.launch import INTERPRETED
 
 __all__ = ["act_dz", "act_grads", "gemm_grads", "grad_input"]
 
@@ -122,16 +124,45 @@ def grad_input(dz: Tensor, weight: Tensor) -> Tensor:
     kp = aligned_width(k, weight.dtype)
     # fp32: dz @ W over a contiguous W^T [Kp, N], the reduction dim contiguous in both operands, the only
     # layout that Hopper's TF32 tensor-core kernels take (cuBLAS runs slower sm80 kernels otherwise, even
-    # counting the transpose copy). 16-bit GEMMs take W as it is, faster without the copy. Where K is not a
-    # multiple of 16 bytes, W^T gets zero rows up to Kp: an aligned GEMM into
-    # [M, Kp], whose first K columns are dx.
+    # counting the transpose copy), where that is timed faster (_fp32_dx_layout: a small batch's GEMM may
+    # run sm80 kernels either way, and then the copy only costs). 16-bit GEMMs take W as it is, faster
+    # without the copy. Where K is not a multiple of 16 bytes, W^T gets zero rows up to Kp: an aligned GEMM
+    # into [M, Kp], whose first K columns are dx.
     if kp == k and weight.dtype != torch.float32:
         return torch.mm(dz, weight)
     if kp == k:
-        return torch.mm(dz, weight.t().contiguous().t())
+        return _aligned_fp32_dx(dz, weight, _fp32_dx_layout(dz, weight))
     w_t = weight.new_zeros((kp, n))
     w_t[:k].copy_(weight.t())
     return leading_columns(torch.mm(dz, w_t.t()), k)
+
+
+def _aligned_fp32_dx(dz: Tensor, weight: Tensor, layout: str) -> Tensor:
+    """dx = dz @ W for fp32 W [N, K] with K a multiple of 16 bytes: over a contiguous copy of W^T
+    ("transposed") or W as it is ("direct")."""
+    return torch.mm(dz, weight.t().contiguous().t() if layout == "transposed" else weight)
+
+
+# The fp32 dx layout chosen per (M bucket, N, K, GEMM precision).
+_DX_LAYOUT: dict[tuple, str] = {}
+
+
+def _fp32_dx_layout(dz: Tensor, weight: Tensor) -> str:
+    """ "transposed" or "direct" (``_aligned_fp32_dx``), the faster for this shape, both timed as CUDA graphs
+    the first time a shape is seen; "transposed" inside a CUDA graph capture (nothing can be timed there)
+    and in the interpreter."""
+    if INTERPRETED:
+        return "transposed"
+    key = (m_bucket(dz.shape[0]), *weight.shape, input_precision(weight.dtype))
+    if key not in _DX_LAYOUT:
+        if torch.cuda.is_current_stream_capturing():
+            return "transposed"
+        times = {
+            layout: graph_time(lambda layout=layout: _aligned_fp32_dx(dz, weight, layout))
+            for layout in ("transposed", "direct")
+        }
+        _DX_LAYOUT[key] = min(times, key=times.get)
+    return _DX_LAYOUT[key]
 
 
 def act_grads(
