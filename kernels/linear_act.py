@@ -65,7 +65,7 @@ from kernels.gemm.layout import (
     tma_descriptor,
 )
 from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_linear_tile
-from kernels.gemm.tuning import autotuned, graph_time, input_precision, m_bucket
+from kernels.gemm.tuning import autotuned, fastest, input_precision, m_bucket
 from kernels.launch import INTERPRETED, use_triton
 from kernels.op import define_op
 
@@ -201,15 +201,11 @@ def fastest_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str)
         return "triton"
     key = (m_bucket(x.shape[0]), weight.shape[0], x.shape[1], x.dtype, input_precision(x.dtype), activation,
            bias is not None)  # fmt: skip
-    if key not in _FORWARD_CHOICE:
-        if torch.cuda.is_current_stream_capturing():
-            return "triton"
-        times = {
-            name: graph_time(lambda fn=fn: fn(x, weight, bias, activation))
-            for name, fn in (("triton", triton_fwd), ("cublas", cublas_fwd))
-        }
-        _FORWARD_CHOICE[key] = min(times, key=times.get)
-    return _FORWARD_CHOICE[key]
+    candidates = {
+        "triton": lambda: triton_fwd(x, weight, bias, activation),
+        "cublas": lambda: cublas_fwd(x, weight, bias, activation),
+    }
+    return fastest(_FORWARD_CHOICE, key, candidates)
 
 
 def cublas_fwd(

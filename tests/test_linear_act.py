@@ -527,6 +527,19 @@ def test_cpu_fallback_without_triton(monkeypatch):
             _check_fwd_bwd(67, 33, 20, activation, has_bias, torch.float32, "cpu", seed=8)
 
 
+def test_fastest_times_a_key_once_and_keeps_the_winner(monkeypatch):
+    """The timed choice behind the forward, dW and fp32 dx: the candidate with the least time wins, and a
+    key seen before is not timed again."""
+    times = {"a": 2.0, "b": 1.0}
+    timed = []
+    monkeypatch.setattr(gemm_tuning, "graph_time", lambda fn: timed.append(fn()) or times[timed[-1]])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU builds raise
+    choices: dict = {}
+    candidates = {"a": lambda: "a", "b": lambda: "b"}
+    assert gemm_tuning.fastest(choices, "key", candidates) == "b" and choices == {"key": "b"}
+    assert gemm_tuning.fastest(choices, "key", candidates) == "b" and timed == ["a", "b"]
+
+
 def test_m_bucket_and_dw_splits():
     assert [gemm_tuning.m_bucket(m) for m in (1, 64, 65, 2048, 2049, 65536, 10**6)] == [
         64, 64, 128, 2048, 4096, 65536, 65536,
@@ -622,7 +635,7 @@ def test_forward_choice_is_timed_once_per_shape_gpu(monkeypatch):
     x, w, b, _ = _inputs(128, 512, 256, torch.float32, "cuda", seed=11)
     first = linear_act_mod.fastest_fwd(x, w, b, "relu")
     assert first in ("triton", "cublas") and len(linear_act_mod._FORWARD_CHOICE) == 1
-    monkeypatch.setattr(linear_act_mod, "graph_time", lambda fn: pytest.fail("timed again"))
+    monkeypatch.setattr(gemm_tuning, "graph_time", lambda fn: pytest.fail("timed again"))
     assert linear_act_mod.fastest_fwd(x[:100], w, b, "relu") == first
 
 
@@ -633,7 +646,7 @@ def test_fp32_dx_layout_is_timed_once_per_shape_gpu(monkeypatch):
     _, w, _, dz = _inputs(128, 512, 256, torch.float32, "cuda", seed=13)  # W [N, K], dz [M, N]
     first = grads_mod._fp32_dx_layout(dz, w)
     assert first in ("transposed", "direct") and len(grads_mod._DX_LAYOUT) == 1
-    monkeypatch.setattr(grads_mod, "graph_time", lambda fn: pytest.fail("timed again"))
+    monkeypatch.setattr(gemm_tuning, "graph_time", lambda fn: pytest.fail("timed again"))
     assert grads_mod._fp32_dx_layout(dz[:100], w) == first
 
 

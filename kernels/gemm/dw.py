@@ -34,7 +34,7 @@ from kernels.activations import act_bwd
 from kernels.gemm.grads import act_grads
 from kernels.gemm.layout import rows_contiguous
 from kernels.gemm.partials import sum_partials
-from kernels.gemm.tuning import autotuned, graph_time, input_precision, m_bucket
+from kernels.gemm.tuning import autotuned, fastest, input_precision, m_bucket
 from kernels.launch import INTERPRETED
 
 __all__ = ["act_dw", "fastest_dw"]
@@ -201,13 +201,8 @@ def fastest_dw(
         return "triton"
     key = (m_bucket(x.shape[0]), weight.shape[0], x.shape[1], x.dtype, input_precision(x.dtype), activation,
            has_bias)  # fmt: skip
-    if key not in _BACKWARD_CHOICE:
-        if torch.cuda.is_current_stream_capturing():
-            return "triton"
-        candidates = {
-            "triton": lambda: act_dw(dy, x, saved, activation, has_bias),
-            "cublas": lambda: act_grads(dy, x, weight, saved, activation, has_bias, False),
-        }
-        times = {name: graph_time(fn) for name, fn in candidates.items()}
-        _BACKWARD_CHOICE[key] = min(times, key=times.get)
-    return _BACKWARD_CHOICE[key]
+    candidates = {
+        "triton": lambda: act_dw(dy, x, saved, activation, has_bias),
+        "cublas": lambda: act_grads(dy, x, weight, saved, activation, has_bias, False),
+    }
+    return fastest(_BACKWARD_CHOICE, key, candidates)

@@ -15,7 +15,7 @@ from kernels import launch
 from kernels.activations import act_bwd
 from kernels.gemm.layout import aligned_width, leading_columns, new_padded, rows_contiguous
 from kernels.gemm.partials import row_programs, sum_partials
-from kernels.gemm.tuning import graph_time, input_precision, m_bucket
+from kernels.gemm.tuning import fastest, input_precision, m_bucket
 from kernels.launch import INTERPRETED
 
 __all__ = ["act_dz", "act_grads", "gemm_grads", "grad_input"]
@@ -154,15 +154,11 @@ def _fp32_dx_layout(dz: Tensor, weight: Tensor) -> str:
     if INTERPRETED:
         return "transposed"
     key = (m_bucket(dz.shape[0]), *weight.shape, input_precision(weight.dtype))
-    if key not in _DX_LAYOUT:
-        if torch.cuda.is_current_stream_capturing():
-            return "transposed"
-        times = {
-            layout: graph_time(lambda layout=layout: _aligned_fp32_dx(dz, weight, layout))
-            for layout in ("transposed", "direct")
-        }
-        _DX_LAYOUT[key] = min(times, key=times.get)
-    return _DX_LAYOUT[key]
+    candidates = {
+        "transposed": lambda: _aligned_fp32_dx(dz, weight, "transposed"),
+        "direct": lambda: _aligned_fp32_dx(dz, weight, "direct"),
+    }
+    return fastest(_DX_LAYOUT, key, candidates)
 
 
 def act_grads(

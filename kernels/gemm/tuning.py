@@ -18,7 +18,7 @@ import triton
 
 from kernels.launch import INTERPRETED
 
-__all__ = ["TunedKernel", "autotuned", "even_k", "graph_time", "input_precision", "m_bucket"]
+__all__ = ["TunedKernel", "autotuned", "even_k", "fastest", "graph_time", "input_precision", "m_bucket"]
 
 _KEY = ["M_BUCKET", "N", "K"]  # passed by position
 _PRECISION = "INPUT_PRECISION"  # passed by keyword, a constexpr of every GEMM kernel
@@ -216,3 +216,15 @@ def graph_time(fn) -> float:
     ms = do_bench(graph.replay, warmup=10, rep=40, return_mode="median")
     del graph
     return ms
+
+
+def fastest(choices: dict, key, candidates: dict) -> str:
+    """The name of the fastest of `candidates` (name -> a call without arguments) for `key`: each timed once
+    (``graph_time``) the first time the key is seen, the winner remembered in `choices`. Inside a CUDA
+    graph capture, where nothing can be timed, an unseen key takes the first candidate (not remembered)."""
+    if key not in choices:
+        if torch.cuda.is_current_stream_capturing():
+            return next(iter(candidates))
+        times = {name: graph_time(fn) for name, fn in candidates.items()}
+        choices[key] = min(times, key=times.get)
+    return choices[key]
