@@ -158,6 +158,26 @@ def test_a_gradient_view_updates_as_its_contiguous_copy(optimizer, dtype):
     assert not torch.equal(results[0][0], weights)
 
 
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])  # sgd's update sums no segments
+def test_32_and_64_bit_gather_offsets_give_the_same_update(optimizer, monkeypatch):
+    """The summing kernel gathers the gradient with 32-bit offsets where its elements fit, else 64-bit
+    ones: with the limit at 0 (every gather 64-bit) the update is the same bits, for a gradient view."""
+    import kernels.embedding_update as eu
+
+    batch, sizes, rows, d = SHAPES[2]
+    weights, offsets, rows_t, sizes_t, ids, g = _tables(batch, sizes, rows, d, torch.float32)
+    _, index = embedding_bag_lookup_ref(weights, offsets, rows_t, sizes_t, ids, "modulus", "sum")
+    grad = torch.randn(batch, len(sizes) + 1, d, generator=g)[:, 1:]
+    results = []
+    for limit in (eu.OFFSET32_LIMIT, 0):
+        monkeypatch.setattr(eu, "OFFSET32_LIMIT", limit)
+        w, state = weights.clone(), optimizer_state(weights, optimizer)
+        embedding_bag_update(w, state, index, grad, sizes_t, "sum", optimizer, torch.tensor(0.1), 1e-8)
+        results.append((w, state))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    assert not torch.equal(results[0][0], weights)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
