@@ -755,3 +755,23 @@ def test_tuned_kernel_tunes_each_key_once(monkeypatch):
     assert torch.equal(first, again)
     kind = "gemm" if DEVICE == "cpu" else "gemm_norm"  # a GPU may run fp32 dots in TF32
     torch.testing.assert_close(first, linear_act_ref(x, w, b, "relu"), **tol(torch.float32, kind))
+
+
+@pytest.mark.parametrize("m", [1, 100, 128])
+def test_act_dz_at_small_batches_writes_db_without_partials(monkeypatch, m):
+    """Up to SMALL_M rows one program along M stores db itself (no partials' sum): the same dz, and db as
+    the partials' path gives it within fp32 summation order (rows summed in another grouping)."""
+    from kernels.gemm import grads
+
+    g = torch.Generator().manual_seed(m)
+    dy, y = (torch.randn(m, 300, generator=g).to(DEVICE) for _ in range(2))
+    y = y.relu()
+    monkeypatch.setattr(grads, "sum_partials", lambda *args: pytest.fail("partials summed at a small batch"))
+    dz, db = grads.act_dz(dy, y, "relu", True, torch.float32)
+    monkeypatch.undo()
+    monkeypatch.setattr(grads, "SMALL_M", 0)
+    dz_ref, db_ref = grads.act_dz(dy, y, "relu", True, torch.float32)
+    assert torch.equal(dz, dz_ref) and db.shape == (300,) and db.dtype == torch.float32
+    # <= 128 terms of |dz| < ~4 in another order: within 128 * 4 * 2**-24 ~ 3e-5 of each other, absolute.
+    torch.testing.assert_close(db, db_ref, rtol=0, atol=3e-5)
+    torch.testing.assert_close(db, (dy * (y > 0)).sum(0), rtol=0, atol=3e-5)

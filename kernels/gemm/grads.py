@@ -20,6 +20,10 @@ from kernels.launch import INTERPRETED
 
 __all__ = ["act_dz", "act_grads", "gemm_grads", "grad_input"]
 
+# act_dz's small batches: up to this many rows one program along M covers them (a row block of the whole
+# batch, in 4096-element tiles), and stores db directly: a step at batch 128 launches no partials' sum.
+SMALL_M = 128
+
 
 # M (the batch) changes between calls: do not specialize on it (a new batch size reuses the compiled kernel).
 @triton.jit(do_not_specialize=["M"])
@@ -62,8 +66,9 @@ def _act_dz_kernel(
         tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
         if HAS_BIAS:
             db_acc += tl.where(mask, dz, 0.0)
-    if HAS_BIAS:
-        tl.store(db_part_ptr + pid_m * N + cols, tl.sum(db_acc, axis=0), mask=cols < N)
+    if HAS_BIAS:  # cast to the partials' dtype: fp32, or db's own with one program along M
+        db = tl.sum(db_acc, axis=0).to(db_part_ptr.dtype.element_ty)
+        tl.store(db_part_ptr + pid_m * N + cols, db, mask=cols < N)
 
 
 def act_dz(
@@ -72,11 +77,21 @@ def act_dz(
     """dz = dy * act' [M, N] (rounded to `dtype`) and, with has_bias, db = its column sums [N] (`dtype`), in
     one Triton pass over [M, N] (``_act_dz_kernel``) and a sum of its fp32 partials; `saved` is the
     forward's y (relu, sigmoid) or z (gelu_tanh, silu), not read for identity. M >= 1. Also the first step
-    of other ops' backwards (kernels/lora_linear.py)."""
+    of other ops' backwards (kernels/lora_linear.py). At M <= SMALL_M one row block holds every row: the
+    kernel writes db itself, no partials and no second pass."""
     m, n = dy.shape
     dy = rows_contiguous(dy)
     s = rows_contiguous(saved) if activation != "identity" else dy
     dz = launch.empty((m, n), dtype, dy.device)
+    if m <= SMALL_M:
+        block_m = max(16, triton.next_power_of_2(m))
+        block_n = max(16, min(triton.next_power_of_2(n), 4096 // block_m))
+        db = launch.empty((1, n), dtype, dy.device) if has_bias else dz
+        _act_dz_kernel[(1, triton.cdiv(n, block_n))](
+            dy, s, dz, db, m, n, dy.stride(0), s.stride(0), dz.stride(0),
+            HAS_BIAS=has_bias, ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n,
+        )  # fmt: skip
+        return dz, (db[0] if has_bias else None)
     block_n = min(128, triton.next_power_of_2(n))
     block_m = max(16, 4096 // block_n)
     col_tiles = triton.cdiv(n, block_n)
