@@ -369,6 +369,29 @@ def test_the_sums_never_read_a_level_s_unused_places(optimizer, monkeypatch):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+def test_sgd_at_a_small_batch_spreads_its_rows_and_updates_alike(monkeypatch):
+    """A small batch's SGD atomics run over more programs of fewer rows (SGD_PROGRAMS): the update equals
+    the one of block_sizes's 256-row programs (bit for bit in the interpreter, whose programs add in
+    order; within fp32 atomic order on a GPU), repeated rows included."""
+    import kernels.embedding_update as eu
+
+    weights, offsets, r = _tables([3, 50, 1000], 16)
+    ids = _ids(128 * 9, [3, 50, 1000], seed=7)  # 1,152 x 3 lookups, the small tables' rows repeated
+    index = (ids + 1) % r + offsets
+    grad = torch.randn(*ids.shape, 16, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    results = []
+    for programs in (eu.SGD_PROGRAMS, 1):
+        monkeypatch.setattr(eu, "SGD_PROGRAMS", programs)
+        w = weights.clone()
+        embedding_update(w, optimizer_state(w, "sgd"), index, grad, "sgd", _lr(0.1), 1e-10)
+        results.append(w)
+    assert not torch.equal(results[0], weights)
+    if DEVICE == "cpu":
+        assert torch.equal(results[0], results[1])
+    else:
+        torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_bf16_weights(optimizer):
     """bf16 weights (fp32 state): the update is computed in fp32 and rounded once, like the reference (in the
