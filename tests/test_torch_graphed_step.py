@@ -3,6 +3,7 @@ CPU, uncompiled and uncaptured, its loss and updated weights equal our eager mod
 bench_train's steps of our model run under their precision's flags whatever the caller set, and give the
 caller's back; a compiled baseline starts from fresh dynamo state."""
 
+import csv
 import functools
 import importlib.util
 from collections.abc import Iterator
@@ -292,3 +293,38 @@ def test_compiled_baselines_do_not_share_dynamo_state(monkeypatch):
     second(batch(8, generator))
     assert _cache_entries(code) == 1  # its own compilation only
     torch._dynamo.reset()
+
+
+def test_bench_train_keeps_the_rows_measured_before_an_interrupt(monkeypatch, tmp_path):
+    """`timeout -s INT` ends a bench_train invocation with KeyboardInterrupt: the rows measured before it
+    are written to the results file (each is whole), and the interrupt still ends the run."""
+    from dlrm import parallel
+
+    monkeypatch.syspath_prepend(str(_PATH.parent))
+    import bench_train
+
+    results = tmp_path / "train.csv"
+    calls = []
+
+    def fake_bench(config, backend, batch, *args):
+        calls.append(backend)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return {"config": config, "backend": backend, "batch": batch, "world_size": 1, "ms_per_step": 1.0,
+                "samples_per_s": batch * 1000, "peak_mem_gib": 1.0, "first_step_s": 0.1}  # fmt: skip
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "test GPU")
+    monkeypatch.setattr(bench_train.parallel, "init_distributed", lambda *a: (parallel.SINGLE, None))
+    monkeypatch.setattr(bench_train, "bench", fake_bench)
+    monkeypatch.setattr(bench_train, "RESULTS", results)
+    with pytest.raises(KeyboardInterrupt):
+        bench_train.main.callback(
+            configs="kaggle", batches="128,2048", backends="torch-graphed,triton+graphs", steps=5,
+            max_rows=None, precisions="tf32", ids="uniform", nproc="1", cardinalities="kaggle",
+            optimizer="sgd", shardings="auto", table_dtype="fp32",
+        )  # fmt: skip
+    with results.open() as f:
+        written = list(csv.DictReader(f))
+    measured = [(r["backend"], r["batch"]) for r in written]
+    assert measured == [("torch-graphed", "128"), ("triton+graphs", "128")]
