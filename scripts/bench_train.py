@@ -390,46 +390,45 @@ def main(
     data += ", terabyte cardinalities" if cardinalities == "terabyte" else ""
     common |= {"data": data, "optimizer": optimizer}
     rows = []  # each row appended as soon as it is measured
+    variants = shardings.split(",") if dist.enabled else ["auto"]  # one GPU: nothing to shard
+    sizes = [int(b) for b in batches.split(",")]
+    runs = itertools.product(configs.split(","), precisions.split(","), sizes, variants)
     try:
-        variants = shardings.split(",") if dist.enabled else ["auto"]  # one GPU: nothing to shard
-        for config, precision in itertools.product(configs.split(","), precisions.split(",")):
-            for batch, sharding in itertools.product((int(b) for b in batches.split(",")), variants):
-                eager = baseline = None
-                for backend in backends.split(","):
-                    r = bench(
-                        config, backend, batch, steps, max_rows, precision, dist, ids, cardinalities,
-                        optimizer, sharding, table_dtype,
-                    )  # fmt: skip
-                    eager = r["samples_per_s"] if backend == "eager" else eager
-                    baseline = r["samples_per_s"] if backend == BASELINE else baseline
-                    # ratio_vs_eager only for launched backends: a graph replay against launches would measure
-                    # the launch overhead; graphed backends are compared with the graphed baseline.
-                    ratio = round(r["samples_per_s"] / eager, 3) if eager and not graphed(backend) else None
-                    vs_baseline = (
-                        r["samples_per_s"] / baseline if baseline and graphed(backend) else float("nan")
+        for config, precision, batch, sharding in runs:
+            eager = baseline = None
+            for backend in backends.split(","):
+                r = bench(
+                    config, backend, batch, steps, max_rows, precision, dist, ids, cardinalities, optimizer,
+                    sharding, table_dtype,
+                )  # fmt: skip
+                eager = r["samples_per_s"] if backend == "eager" else eager
+                baseline = r["samples_per_s"] if backend == BASELINE else baseline
+                # ratio_vs_eager only for launched backends: a graph replay against launches would measure
+                # the launch overhead; graphed backends are compared with the graphed baseline.
+                ratio = round(r["samples_per_s"] / eager, 3) if eager and not graphed(backend) else None
+                vs_baseline = r["samples_per_s"] / baseline if baseline and graphed(backend) else float("nan")
+                variant = "" if sharding == "auto" else f", sharding {sharding}"
+                variant += ", bf16 tables" if table_dtype == "bf16" and "triton" in backend else ""
+                rows.append(
+                    {
+                        **common,
+                        "data": common["data"] + variant,
+                        "precision": precision,
+                        **r,
+                        "ratio_vs_eager": ratio,
+                    }
+                )
+                if dist.is_main:
+                    print(
+                        f"{config:<8}{precision:<6}{backend:<23}W={dist.world_size} B={batch:<7}"
+                        f"{sharding:<15}"
+                        f"{r['ms_per_step']:>9.3f} ms/step {r['samples_per_s']:>12,} samples/s  "
+                        f"vs eager (launched) {ratio or float('nan'):>5.2f}x  "
+                        f"vs {BASELINE} (graphed) {vs_baseline:>5.2f}x  "
+                        f"peak {r['peak_mem_gib']:>6.2f} GiB (most of a rank)  "
+                        f"first step {r['first_step_s']:.1f} s",
+                        flush=True,
                     )
-                    variant = "" if sharding == "auto" else f", sharding {sharding}"
-                    variant += ", bf16 tables" if table_dtype == "bf16" and "triton" in backend else ""
-                    rows.append(
-                        {
-                            **common,
-                            "data": common["data"] + variant,
-                            "precision": precision,
-                            **r,
-                            "ratio_vs_eager": ratio,
-                        }
-                    )
-                    if dist.is_main:
-                        print(
-                            f"{config:<8}{precision:<6}{backend:<23}W={dist.world_size} B={batch:<7}"
-                            f"{sharding:<15}"
-                            f"{r['ms_per_step']:>9.3f} ms/step {r['samples_per_s']:>12,} samples/s  "
-                            f"vs eager (launched) {ratio or float('nan'):>5.2f}x  "
-                            f"vs {BASELINE} (graphed) {vs_baseline:>5.2f}x  "
-                            f"peak {r['peak_mem_gib']:>6.2f} GiB (most of a rank)  "
-                            f"first step {r['first_step_s']:.1f} s",
-                            flush=True,
-                        )
     except KeyboardInterrupt:  # e.g. `timeout -s INT`: the rows measured before it are whole: keep them
         if dist.is_main:
             print(f"interrupted: writing the {len(rows)} rows measured before it", flush=True)
