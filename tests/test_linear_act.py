@@ -540,6 +540,33 @@ def test_fastest_times_a_key_once_and_keeps_the_winner(monkeypatch):
     assert gemm_tuning.fastest(choices, "key", candidates) == "b" and timed == ["a", "b"]
 
 
+@pytest.mark.gpu
+def test_timing_a_choice_leaves_a_live_step_graph_replaying_right():
+    """A step graph with cuBLAS GEMMs captured on ``torch.cuda.graph``'s default stream (as GraphedTrainStep
+    captures), then a new key timed mid-run (a timing graph captured and destroyed), then memory churn: the
+    step graph still replays eager's results, and the timing was captured on a stream of its own (a graph
+    destroyed on the step's stream clears the cuBLAS workspace the step graph still uses)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    a, b = (torch.randn(4096, 512, device="cuda", generator=g) for _ in range(2))
+    step = torch.cuda.CUDAGraph()
+    torch.mm(a, b.t())  # cuBLAS initialized outside the capture
+    with torch.cuda.graph(step):
+        out = torch.mm(a, b.t()) @ b
+    captured_on = torch.cuda.graph.default_capture_stream
+    timed_on = []
+    graph = torch.cuda.graph
+    spy = lambda cuda_graph, **kwargs: timed_on.append(kwargs.get("stream")) or graph(cuda_graph, **kwargs)  # noqa: E731
+    x, w = torch.randn(300, 96, device="cuda"), torch.randn(200, 96, device="cuda")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "graph", spy)
+        gemm_tuning.graph_time(lambda: torch.mm(x, w.t()))
+    assert timed_on and all(s is not None and s != captured_on for s in timed_on)
+    churn = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(64)]  # reuses what was freed
+    step.replay()
+    torch.testing.assert_close(out, torch.mm(a, b.t()) @ b)  # the same GEMMs: fp32's default tolerances
+    del churn
+
+
 def test_m_bucket_and_dw_splits():
     assert [gemm_tuning.m_bucket(m) for m in (1, 64, 65, 2048, 2049, 65536, 10**6)] == [
         64, 64, 128, 2048, 4096, 65536, 65536,

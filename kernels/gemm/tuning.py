@@ -203,15 +203,33 @@ def autotuned(
     return TunedKernel(autotuner, operand, descriptors)
 
 
+# graph_time's capture stream per device (_timing_stream).
+_TIMING_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _timing_stream() -> torch.cuda.Stream:
+    """The stream that graph_time captures on, one of its own: destroying a CUDA graph clears the cuBLAS
+    workspaces that PyTorch caches for the stream it was captured on, and a live graph captured on that
+    stream still uses them (pytorch/pytorch#193402). The training step and the evaluation forward are
+    captured on ``torch.cuda.graph``'s shared default stream, and a timing graph is destroyed mid-run (a new
+    shape seen by the evaluation): on that stream it would pull the step graph's workspace from under it
+    (its next capture invalidated, or its memory handed out twice). A high-priority stream comes from
+    PyTorch's high-priority pool, which no other stream of ours, nor that default stream, is drawn from."""
+    device = torch.cuda.current_device()
+    if device not in _TIMING_STREAMS:
+        _TIMING_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+    return _TIMING_STREAMS[device]
+
+
 def graph_time(fn) -> float:
     """Median ms of `fn()` replayed as a CUDA graph: the GPU time a graph-captured step pays, to choose
     between implementations. Timed as launched from Python instead, host overhead would decide the choice
-    for small layers, differently run to run."""
+    for small layers, differently run to run. Captured on a stream of its own (``_timing_stream``)."""
     from triton.testing import do_bench
 
     fn()  # autotuning and lazy initialization, outside the capture
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=_timing_stream()):
         fn()
     ms = do_bench(graph.replay, warmup=10, rep=40, return_mode="median")
     del graph
