@@ -10,7 +10,8 @@ dlrm.data.synthetic draws them (`--ids zipf`: P(rank k) ~ (k + 1)^-1.15, rank 0 
 table's lookups, ranks scattered over the table by a multiplicative hash as the pipeline's 32-bit id hashes
 and modulus scatter them), the skew of real click logs, where many lookups in a batch update the same rows;
 a pool of batches is generated once and cycled, so the step never waits for data. Tables: the 26 Kaggle
-cardinalities (33.8M rows; `--cardinalities terabyte`: Criteo 1TB's, 178M rows), capped by the config's
+cardinalities (33.8M rows; `--cardinalities terabyte`: Criteo 1TB's, 178M rows; `--cardinalities config`: the
+config's own model.table_rows, e.g. dlrm_dcnv2's 204M rows of the MLPerf benchmark), capped by the config's
 max_rows or `--max-rows` (e.g. 4000000 for mlperf), modulus-hashed whatever the config's `model.hashing`
 (random ids have no train vocabulary to build `vocab` tables from). SGD, or `--optimizer adagrad` (its state
 doubles the tables' bytes).
@@ -171,7 +172,7 @@ def build(
     tables = table_dtype if cfg.train.use_triton else "fp32"  # bf16 tables are the triton kernels'
     cfg = replace(cfg, "model", hashing="modulus", min_frequency=1, table_dtype=tables)
     cap = max_rows or cfg.model.max_rows
-    table_rows = [min(rows, cap) for rows in CARDINALITY_PRESETS[cardinalities]]
+    table_rows = [min(rows, cap) for rows in preset_rows(cfg, cardinalities)]
     torch.manual_seed(0)
     kernels = {"mlp_kernel": cfg.mlp_kernel, "sparse_kernel": cfg.sparse_kernel}
     reduce_grads = None
@@ -231,6 +232,16 @@ class BaselineStep:
 
     def __call__(self, model: nn.Module, optimizer: None, batch: Batch) -> torch.Tensor:
         return self.step(batch)
+
+
+def preset_rows(cfg, cardinalities: str) -> tuple[int, ...]:
+    """The uncapped rows of each table: the `cardinalities` preset (CARDINALITY_PRESETS), or "config": the
+    config's model.table_rows. Raises click.UsageError for "config" with a config that names no table_rows."""
+    if cardinalities != "config":
+        return CARDINALITY_PRESETS[cardinalities]
+    if not cfg.model.table_rows:
+        raise click.UsageError(f"--cardinalities config: config {cfg.name!r} sets no model.table_rows")
+    return cfg.model.table_rows
 
 
 def build_baseline(cfg, table_rows: list[int], dist) -> tuple[nn.Module, BaselineStep]:
@@ -354,9 +365,10 @@ def bench(
 )
 @click.option(
     "--cardinalities",
-    type=click.Choice(list(CARDINALITY_PRESETS)),
+    type=click.Choice([*CARDINALITY_PRESETS, "config"]),
     default="kaggle",
-    help="Table sizes: the Criteo Kaggle or 1TB cardinalities (capped by max_rows).",
+    help="Table sizes: the Criteo Kaggle or 1TB cardinalities, or the config's model.table_rows (capped by "
+    "max_rows).",
 )
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", help="train.optimizer.")
 @click.option(
@@ -387,7 +399,9 @@ def main(
     dist, _ = parallel.init_distributed("cuda", 600.0)  # one process without torchrun
     common = provenance(torch.cuda.get_device_name())
     data = "gpu-resident random ids" + (" (zipf 1.15)" if ids == "zipf" else "")
-    data += ", terabyte cardinalities" if cardinalities == "terabyte" else ""
+    data += {"kaggle": "", "terabyte": ", terabyte cardinalities", "config": ", the config's table rows"}[
+        cardinalities
+    ]
     common |= {"data": data, "optimizer": optimizer}
     rows = []  # each row appended as soon as it is measured
     variants = shardings.split(",") if dist.enabled else ["auto"]  # one GPU: nothing to shard

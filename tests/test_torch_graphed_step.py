@@ -120,6 +120,24 @@ def test_bench_train_refuses_configs_the_baseline_does_not_cover(monkeypatch):
         bench_train.build_baseline(cfg, TABLE_ROWS, parallel.SINGLE)
 
 
+def test_bench_train_table_rows_of_a_preset_or_of_the_config(monkeypatch):
+    """`--cardinalities config` benchmarks the config's own tables (dlrm_dcnv2: MLPerf's 204M rows, not the
+    1TB preset's 178M); a config without model.table_rows is refused by name."""
+    import click
+
+    monkeypatch.syspath_prepend(str(_PATH.parent))
+    import bench_train
+
+    configs = Path(__file__).parents[1] / "configs"
+    dcn = load_config(configs / "dlrm_dcnv2.json")
+    assert bench_train.preset_rows(dcn, "config") == tuple(dcn.model.table_rows)
+    assert sum(bench_train.preset_rows(dcn, "config")) > sum(bench_train.preset_rows(dcn, "terabyte"))
+    kaggle = load_config(configs / "kaggle.json")
+    assert len(bench_train.preset_rows(kaggle, "kaggle")) == NUM_SPARSE
+    with pytest.raises(click.UsageError, match="config 'kaggle' sets no model.table_rows"):
+        bench_train.preset_rows(kaggle, "config")
+
+
 # The flags a step of each precision must see: TF32 matmuls (cuBLAS allow_tf32, the float32 matmul precision,
 # cuDNN allow_tf32) for "tf32" only.
 REQUIRED = {
