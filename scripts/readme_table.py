@@ -50,23 +50,38 @@ def _run(row: Row) -> tuple[str, str, str]:
 BASELINES = {"torch-graphed": "torch-graphed (one CUDA graph)"}
 
 
-def _setting(row: Row) -> tuple[str, str, str, str]:
-    """(config, precision, optimizer, batch) of a train.csv row (rows before the optimizer column: SGD)."""
+def _tables(row: Row) -> str:
+    """The tables a train.csv row trained: total rows and dtype, e.g. "22.5M rows, bf16" (bench_train names
+    bf16 tables in the data column; fp32 otherwise)."""
+    rows = row.cells.get("table_rows_total") or ""
+    dtype = "bf16" if "bf16 tables" in row.cells.get("data", "") else "fp32"
+    return f"{int(rows) / 1e6:.1f}M rows, {dtype}" if rows else dtype
+
+
+def _setting(row: Row) -> tuple[str, str, str, str, str]:
+    """(config, precision, optimizer, batch, tables) of a train.csv row (rows before the optimizer column:
+    SGD)."""
     cells = row.cells
-    return cells["config"], cells["precision"], cells.get("optimizer") or "sgd", cells["batch"]
+    return cells["config"], cells["precision"], cells.get("optimizer") or "sgd", cells["batch"], _tables(row)
 
 
 def _same_run(rows: list[Row], ours: Row) -> dict[str, Row]:
-    """The rows of `ours`'s invocation (same date, machine, commit) at its config, precision, optimizer and
-    batch."""
-    return {r.cells["backend"]: r for r in rows if _run(r) == _run(ours) and _setting(r) == _setting(ours)}
+    """The rows of `ours`'s invocation (same date, machine, commit) at its config, precision, optimizer, batch
+    and table rows (the baseline's tables are fp32 whatever ours are)."""
+    return {
+        r.cells["backend"]: r
+        for r in rows
+        if _run(r) == _run(ours)
+        and _setting(r)[:4] == _setting(ours)[:4]
+        and r.cells.get("table_rows_total") == ours.cells.get("table_rows_total")
+    }
 
 
 def step_table(rows: list[Row]) -> list[str]:
-    """One GPU: triton+graphs samples/s per (config, precision, optimizer, batch) against the same run's
-    baseline, from the newest run that measured a baseline (else the newest run)."""
+    """One GPU: triton+graphs samples/s per (config, precision, optimizer, batch, tables) against the same
+    run's baseline, from the newest run that measured a baseline (else the newest run)."""
     rows = [r for r in rows if r.file == "train.csv" and r.cells.get("world_size", "1") in ("", "1")]
-    newest: dict[tuple[str, str, str, str], Row] = {}
+    newest: dict[tuple[str, str, str, str, str], Row] = {}
     for row in rows:
         if row.cells["backend"] != "triton+graphs":
             continue
@@ -75,20 +90,20 @@ def step_table(rows: list[Row]) -> list[str]:
         if has_base or key not in newest or not any(n in _same_run(rows, newest[key]) for n in BASELINES):
             newest[key] = row
     body = []
-    for (config, precision, optimizer, batch), ours in sorted(
-        newest.items(), key=lambda kv: (kv[0][:3], int(kv[0][3]))
+    for (config, precision, optimizer, batch, tables), ours in sorted(
+        newest.items(), key=lambda kv: (kv[0][:3], int(kv[0][3]), kv[0][4])
     ):
         same = _same_run(rows, ours)
         name = next((n for n in BASELINES if n in same), None)
         base = same[name] if name else None
         base_rate = _millions(base.cells["samples_per_s"]) if base else ""
         body.append(
-            [config, precision, optimizer, f"{int(batch):,}", _millions(ours.cells["samples_per_s"]),
+            [config, precision, optimizer, f"{int(batch):,}", tables, _millions(ours.cells["samples_per_s"]),
              BASELINES[name] if name else "no graphed baseline in this run", base_rate, _ratio(ours, base),
              ours.cells["device"], ours.cells["git_sha"], changed_since([ours]), ours.key]
         )  # fmt: skip
-    header = ["config", "precision", "optimizer", "batch", "ours samples/s", "baseline", "baseline samples/s",
-              "ratio", "machine", "commit", "code changed since", "row"]  # fmt: skip
+    header = ["config", "precision", "optimizer", "batch", "tables", "ours samples/s", "baseline",
+              "baseline samples/s", "ratio", "machine", "commit", "code changed since", "row"]  # fmt: skip
     return markdown_table(header, body)
 
 
@@ -205,7 +220,8 @@ def block(rows: list[Row]) -> str:
         BEGIN,
         "<!-- written by scripts/readme_table.py from scripts/results/*.csv: edit those, not this -->",
         "",
-        "Training step, one GPU (`scripts/bench_train.py`, GPU-resident random batches, Kaggle tables):",
+        "Training step, one GPU (`scripts/bench_train.py`, GPU-resident random batches; the tables column: "
+        "their rows in total and dtype):",
         "",
         *step_table(rows),
         "",

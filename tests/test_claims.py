@@ -183,3 +183,29 @@ def test_a_row_measures_kernels_only_where_its_run_called_them(scripts):
     assert results_rows.code_paths(row("train.csv", backend="triton+graphs")) == results_rows.WHOLE
     assert results_rows.code_paths(row("breakdown.csv")) == results_rows.WHOLE
     assert results_rows.code_paths(row("kernels.csv", backend="eager")) == ("kernels",)
+
+
+def test_step_table_names_the_tables_and_finds_the_fp32_baseline_of_bf16_tables(monkeypatch):
+    """bf16 and fp32 tables of one setting are rows of their own, and a bf16-table row's baseline is the
+    torch-graphed row of its invocation (fp32 tables) at the same table rows."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import readme_table
+    from results_rows import Row
+
+    monkeypatch.setattr(readme_table, "changed_since", lambda rows: "no")
+
+    def row(line: int, backend: str, data: str, rate: int, run: str = "t1") -> Row:
+        cells = {"date": run, "device": "H200", "git_sha": "abc1234", "config": "dlrm_dcnv2",
+                 "precision": "bf16", "optimizer": "adagrad", "batch": "65536",
+                 "table_rows_total": "22487036", "backend": backend, "data": data,
+                 "samples_per_s": str(rate), "world_size": "1"}  # fmt: skip
+        return Row("train.csv", line, cells)
+
+    rows = [
+        row(2, "torch-graphed", "random", 1_500_000),
+        row(3, "triton+graphs", "random, bf16 tables", 3_000_000),
+        row(4, "triton+graphs", "random", 2_400_000, run="t2"),
+    ]
+    table = "\n".join(readme_table.step_table(rows))
+    assert "| 22.5M rows, bf16 | 3.00M | torch-graphed (one CUDA graph) | 1.50M | 2.00x |" in table
+    assert "| 22.5M rows, fp32 | 2.40M | no graphed baseline in this run |" in table
