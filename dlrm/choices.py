@@ -32,9 +32,14 @@ SELECT_ON = ("logloss", "auc")  # train.select_on
 CHECKPOINT_POLICIES = ("best_and_last", "last_only", "none")  # train.checkpoint_policy (dlrm.run.checkpoints)
 
 # How the model runs: its MLP layers (dlrm.model.mlp) and its embeddings, interaction and loss
-# (dlrm.model.dlrm); "torch" is plain PyTorch, the others our kernels (RunConfig.mlp_kernel, .sparse_kernel).
+# (dlrm.model.dlrm); "torch" is plain PyTorch, the others our kernels (RunConfig.mlp_kernel, .sparse_kernel),
+# but "torch_fused": plain PyTorch whose table lookups update the tables in their backward
+# (dlrm.model.fused_update), as "triton"'s do, so the whole step can be one CUDA graph.
 MLP_KERNELS = ("torch", *TRITON_MLP_KERNELS)
-SPARSE_KERNELS = ("torch", "triton")
+SPARSE_KERNELS = ("torch", "torch_fused", "triton")
+# The sparse kernels whose tables are table-batched and updated in their lookups' backward (no weight
+# gradient, no torch optimizer): SparseArch.configure_optimizer sets their update.
+FUSED_UPDATE_KERNELS = ("torch_fused", "triton")
 
 # Scoring a checkpoint (dlrm.scoring: `--backend`, `--precision` of dlrm.evaluate and dlrm.predict);
 # "run" takes the run's own.

@@ -330,9 +330,17 @@ def validate(cfg: RunConfig) -> RunConfig:
     _require(t.device in DEVICES, "train.device", f"one of {DEVICES}", t.device)
     _require(t.precision in PRECISIONS, "train.precision", f"one of {PRECISIONS}", t.precision)
     _require(t.compile_mode in COMPILE_MODES, "train.compile_mode", f"one of {COMPILE_MODES}", t.compile_mode)
-    # The eager embeddings' sparse gradients are coalesced with a host sync: no CUDA graph can capture it.
+    # Kernel "torch"'s sparse gradients are coalesced with a host sync: no CUDA graph can capture it. The
+    # whole-step graph runs our kernels, or under --use-torch-compile alone the plain-PyTorch tables that
+    # update themselves in backward (sparse kernel "torch_fused": one id a feature).
     if t.cuda_graphs:
-        _require(t.use_triton, "train.use_triton", "true with train.cuda_graphs (--use-triton)", t.use_triton)
+        ok = t.use_triton or t.use_torch_compile
+        expected = "true (--use-triton), or train.use_torch_compile true, with train.cuda_graphs"
+        _require(ok, "train.use_triton", expected, t.use_triton)
+        sizes = m.multi_hot_sizes
+        ok = t.use_triton or sizes is None or all(k == 1 for k in sizes)
+        expected = "one id a feature with train.cuda_graphs under --use-torch-compile (bags: --use-triton)"
+        _require(ok, "model.multi_hot_sizes", expected, sizes)
         # Inductor's own CUDA graphs cannot be recorded inside the whole-step capture.
         mode = t.compile_mode
         ok = mode in ("auto", "default")

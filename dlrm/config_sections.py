@@ -185,10 +185,12 @@ class TrainConfig:
     use; CUDA only).
     Both flags may be set. `cuda_graphs` captures the whole training step once as a CUDA graph and
     replays it, and evaluations replay the forward as a graph too (dlrm.graphs); true needs `use_triton`,
-    whose steps have no host sync (any optimizer).
+    whose steps have no host sync (any optimizer), or `use_torch_compile` (the compiled dense part inside
+    the graph, the tables plain PyTorch that update themselves in backward: RunConfig.sparse_kernel
+    "torch_fused"; one id a feature, one rank).
     null (the default) takes it wherever it works: `use_triton` on CUDA devices (one or many ranks),
-    compile_mode "auto" or "default" (dlrm.step.resolve_cuda_graphs; the log says why when it cannot);
-    false: never.
+    `use_torch_compile` on one CUDA device, compile_mode "auto" or "default" (dlrm.step.resolve_cuda_graphs;
+    the log says why when it cannot); false: never.
     `precision` of the training step's MLPs and interaction: "fp32", "tf32" (fp32 tensors, TF32 tensor-core
     matmuls) or "bf16" (autocast to bf16; fp32 master weights, embedding tables, loss and evaluation).
     `on_nonfinite`: what a NaN or infinite training loss does: "stop" the run (exit 3; last.pt stays the
@@ -293,5 +295,10 @@ class RunConfig:
 
     @property
     def sparse_kernel(self) -> str:
-        """How the embeddings, interaction and loss run (dlrm.choices.SPARSE_KERNELS)."""
-        return "triton" if self.train.use_triton else "torch"
+        """How the embeddings, interaction and loss run (dlrm.choices.SPARSE_KERNELS): "triton" for
+        use_triton; "torch_fused" for use_torch_compile with cuda_graphs (the whole-step graph needs tables
+        that update themselves in backward, with no host sync); else "torch"."""
+        t = self.train
+        if t.use_triton:
+            return "triton"
+        return "torch_fused" if t.use_torch_compile and t.cuda_graphs else "torch"

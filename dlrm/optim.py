@@ -43,6 +43,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from dlrm.choices import FUSED_UPDATE_KERNELS
 from dlrm.config import TrainConfig
 
 
@@ -233,10 +234,11 @@ class RunOptimizer:
       kernel "torch", or a sharded model's replicated tables; `embedding_lr`, no weight decay: decaying
       every row each step would make the update dense) in group 1; "rowwise_adagrad" makes that group
       row-wise (one accumulator per row; the MLPs keep the elementwise update).
-    - The "triton" table sets (`model.table_archs()` of kernel "triton", the first-order tables among them)
-      update their touched rows in their own backward (kernels/embedding_update.py): configured here with
-      the train config's optimizer and `adagrad_eps`; their state lives in each set's `optimizer_state`
-      buffer, which the kernel updates in place and `state_dict()` holds for checkpoints.
+    - The fused table sets (`model.table_archs()` of kernel "triton" or "torch_fused", the first-order tables
+      among them) update their touched rows in their own backward (kernels/embedding_update.py,
+      dlrm.model.fused_update): configured here with the train config's optimizer and `adagrad_eps`; their
+      state lives in each set's `optimizer_state` buffer, which the update changes in place and
+      `state_dict()` holds for checkpoints.
     - The learning rates, two 0-d fp32 device tensors written in place by `set_scale` (a captured step
       holds them: never rebind them): `lr_scale`, the factor on every dense group's base `lr` (the dense
       update multiplies by it), and `embedding_lr`, the fused update's rate (embedding_lr times the
@@ -272,7 +274,7 @@ class RunOptimizer:
         self.lr_scale = self.dense.lr_scale
         self.scale = 1.0  # the factor the tensors hold
         self.table_sets = model.table_archs()
-        self.fused_tables = [arch for arch in self.table_sets if arch.kernel == "triton"]
+        self.fused_tables = [arch for arch in self.table_sets if arch.kernel in FUSED_UPDATE_KERNELS]
         device = self.fused_tables[0].weights.device if self.fused_tables else self.lr_scale.device
         self.embedding_lr = torch.full((), self.base_embedding_lr, dtype=torch.float32, device=device)
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -327,7 +329,7 @@ class RunOptimizer:
         and `ROUNDING_COUNT_KEY`, the stochastic rounding's count ([1] int64; 0 without bf16 tables).
         The tensors are the live ones, not copies."""
         tables = {
-            key: arch.optimizer_state if arch.kernel == "triton" else None
+            key: arch.optimizer_state if arch.kernel in FUSED_UPDATE_KERNELS else None
             for key, arch in zip(TABLE_STATE_KEYS, self.table_sets, strict=False)
         }
         return {"optimizer": self.dense.state_dict(), **tables, ROUNDING_COUNT_KEY: self.table_rounding[1:]}
@@ -345,7 +347,7 @@ class RunOptimizer:
         if state_dict.get("optimizer") is not None:
             self.dense.load_state_dict(state_dict["optimizer"])
         for key, arch in zip(TABLE_STATE_KEYS, self.table_sets, strict=False):
-            if arch.kernel == "triton" and state_dict.get(key) is not None:
+            if arch.kernel in FUSED_UPDATE_KERNELS and state_dict.get(key) is not None:
                 arch.optimizer_state.copy_(state_dict[key])
         if state_dict.get(ROUNDING_COUNT_KEY) is not None:
             self.table_rounding[1:].copy_(state_dict[ROUNDING_COUNT_KEY].reshape(1))

@@ -27,22 +27,38 @@ from dlrm.optim import RunOptimizer
 StepFn = Callable[[Model, RunOptimizer, Batch], torch.Tensor]
 
 
-def resolve_cuda_graphs(cfg: RunConfig, device: torch.device) -> RunConfig:
-    """`cfg` with `train.cuda_graphs` decided: null (the default) becomes true for `use_triton` on a CUDA
-    device where the whole-step graph works, else false, with one log line saying why when `use_triton` on
-    CUDA runs without it (launched from Python, our custom ops cost more host time than they save).
-    "Works" is what dlrm.config accepts for `cuda_graphs` true (its rules, one place), on one GPU or many
-    ranks alike (there the exchanges and the dense all-reduce are captured in the graph too).
-    True or false stay as given (true is validated by dlrm.config)."""
+def resolve_cuda_graphs(cfg: RunConfig, device: torch.device, ranks: int = 1) -> RunConfig:
+    """`cfg` with `train.cuda_graphs` decided: null (the default) becomes true where the whole-step graph
+    works, else false: `use_triton` on a CUDA device (one rank or many: there the exchanges and the dense
+    all-reduce are captured in the graph too), and `use_torch_compile` alone on one CUDA device (its tables
+    then update themselves in backward in plain PyTorch, sparse kernel "torch_fused", which do not shard).
+    One log line says why when such a run goes without it (launched from Python, our custom ops cost more
+    host time than they save; kernel "torch"'s sparse update syncs the host every step). "Works" is what
+    dlrm.config accepts for `cuda_graphs` true (its rules, one place) on `ranks` ranks. True or false stay
+    as given (true is validated by dlrm.config).
+
+    Raises:
+        ValueError: `cuda_graphs` true under `use_torch_compile` alone on more than one rank.
+    """
     t = cfg.train
+    compiled_alone = t.use_torch_compile and not t.use_triton
     if t.cuda_graphs is not None:
+        if t.cuda_graphs and compiled_alone and ranks > 1:
+            raise ValueError(
+                f"train.cuda_graphs: expected false or null with --use-torch-compile on {ranks} ranks (its "
+                "whole-step graph runs on one; --use-triton graphs many)"
+            )
         return cfg
-    if not (t.use_triton and device.type == "cuda"):
+    if device.type != "cuda" or not (t.use_triton or t.use_torch_compile):
+        return replace(cfg, "train", cuda_graphs=False)
+    flag = "--use-triton" if t.use_triton else "--use-torch-compile"
+    if compiled_alone and ranks > 1:
+        logger.info("{} without the whole-step CUDA graph: it runs on one rank, not {}", flag, ranks)
         return replace(cfg, "train", cuda_graphs=False)
     try:
         return replace(cfg, "train", cuda_graphs=True)
     except ValueError as why:  # the config's reason, naming the key
-        logger.info("--use-triton without the whole-step CUDA graph: {}", why)
+        logger.info("{} without the whole-step CUDA graph: {}", flag, why)
         return replace(cfg, "train", cuda_graphs=False)
 
 

@@ -15,7 +15,9 @@ config's own model.table_rows, e.g. dlrm_dcnv2's 204M rows of the MLPerf benchma
 max_rows or `--max-rows` (e.g. 4000000 for mlperf), modulus-hashed whatever the config's `model.hashing`
 (random ids have no train vocabulary to build `vocab` tables from). SGD, or `--optimizer adagrad` (its state
 doubles the tables' bytes).
-"compile-ro" is torch.compile's mode="reduce-overhead" (Inductor's CUDA graphs of the compiled dense part).
+"compile-ro" is torch.compile's mode="reduce-overhead" (Inductor's CUDA graphs of the compiled dense part);
+"compile+graphs" what `--use-torch-compile` runs on one GPU by default: the whole step one CUDA graph around
+the compiled dense part, the tables plain PyTorch that update themselves in backward ("torch_fused").
 "torch-graphed" is the strongest plain-PyTorch step, the baseline that the README's step ratios are stated
 against (scripts/torch_graphed_step.py: one table-batched weight looked up by index_select and updated by
 index_add_, the dense part torch.compile'd, the whole step one CUDA graph; SGD, "dot", modulus hashing,
@@ -90,6 +92,7 @@ FLAGS = {
     BASELINE: {},
     "compile": {"use_torch_compile": True, "compile_mode": "default"},
     "compile-ro": {"use_torch_compile": True, "compile_mode": "reduce-overhead"},
+    "compile+graphs": {"use_torch_compile": True, "cuda_graphs": True, "compile_mode": "default"},
     "triton": {"use_triton": True, "cuda_graphs": False},
     "triton+compile": {
         "use_triton": True,

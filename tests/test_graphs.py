@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from dlrm.config import DataConfig, LrScheduleConfig, ModelConfig, RunConfig, TrainConfig, validate
+from dlrm.config import DataConfig, LrScheduleConfig, ModelConfig, RunConfig, TrainConfig, replace, validate
 from dlrm.data.dataset import Batch
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.graphs import GraphedForward, GraphedTrainStep
@@ -22,13 +22,24 @@ from dlrm.step import REDUCE_OVERHEAD_MAX_BATCH, resolve_compile_mode, resolve_c
 SMALL = ModelConfig(embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1), max_rows=100)
 
 
-def test_config_requires_triton():
+def test_config_requires_triton_or_compile():
+    """The whole-step graph runs our kernels, or torch.compile's dense part with the "torch_fused" tables
+    (one id a feature): never kernel "torch"'s sparse gradients."""
     with pytest.raises(
-        ValueError, match=r"train.use_triton: expected true with train.cuda_graphs .*got False"
+        ValueError,
+        match=r"train.use_triton: expected true \(--use-triton\), or train.use_torch_compile .*got False",
     ):
         validate(RunConfig(train=TrainConfig(cuda_graphs=True)))
     for optimizer in ("sgd", "adagrad"):
         validate(RunConfig(train=TrainConfig(cuda_graphs=True, use_triton=True, optimizer=optimizer)))
+    compiled = validate(RunConfig(train=TrainConfig(cuda_graphs=True, use_torch_compile=True)))
+    assert compiled.sparse_kernel == "torch_fused"
+    assert replace(compiled, "train", cuda_graphs=False).sparse_kernel == "torch"
+    bags = ModelConfig(multi_hot_sizes=(2,) * NUM_SPARSE)
+    with pytest.raises(
+        ValueError, match=r"model.multi_hot_sizes: expected one id a feature with train.cuda_graphs"
+    ):
+        validate(RunConfig(model=bags, train=TrainConfig(cuda_graphs=True, use_torch_compile=True)))
 
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
@@ -48,31 +59,58 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
             "train.compile_mode: expected 'auto' or 'default' with train.cuda_graphs",
         ),
         ({"use_triton": True, "cuda_graphs": False}, CUDA, False, None),
+        ({"use_torch_compile": True}, CUDA, True, None),
+        ({"use_torch_compile": True}, CPU, False, None),
+        (
+            {"use_torch_compile": True, "compile_mode": "reduce-overhead"},
+            CUDA,
+            False,
+            "train.compile_mode: expected 'auto' or 'default' with train.cuda_graphs",
+        ),
     ],
 )
-def test_use_triton_takes_the_cuda_graph_by_default_where_it_works(train, device, expected, logged):
-    """On one GPU or many alike: the rule does not depend on the number of ranks."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_use_triton_takes_the_cuda_graph_by_default_where_it_works(train, device, expected, logged, ranks):
+    """--use-triton: on one GPU or many alike. --use-torch-compile alone: on one GPU (its "torch_fused"
+    tables do not shard), one line saying so on many."""
     from loguru import logger
 
+    if ranks > 1 and train.get("use_torch_compile") and device == CUDA:
+        expected, logged = False, "it runs on one rank, not 2"
     lines: list[str] = []
     handler = logger.add(lines.append, format="{message}")
     try:
-        cfg = resolve_cuda_graphs(validate(RunConfig(train=TrainConfig(**train))), device)
+        cfg = resolve_cuda_graphs(validate(RunConfig(train=TrainConfig(**train))), device, ranks)
     finally:
         logger.remove(handler)
     assert cfg.train.cuda_graphs is expected
-    notes = [line for line in lines if "--use-triton without the whole-step CUDA graph" in line]
+    notes = [line for line in lines if "without the whole-step CUDA graph" in line]
     assert len(notes) == (logged is not None)
     if logged is not None:
         assert logged in notes[0]
 
 
+def test_compiles_whole_step_graph_is_refused_on_many_ranks():
+    cfg = validate(RunConfig(train=TrainConfig(use_torch_compile=True, cuda_graphs=True)))
+    assert resolve_cuda_graphs(cfg, CUDA, 1) is cfg
+    with pytest.raises(
+        ValueError, match="train.cuda_graphs: expected false or null with --use-torch-compile on 2"
+    ):
+        resolve_cuda_graphs(cfg, CUDA, 2)
+
+
 @pytest.mark.parametrize(
     ("train", "device", "batch", "expected"),
     [
-        ({"use_torch_compile": True}, CUDA, 128, "reduce-overhead"),
-        ({"use_torch_compile": True}, CUDA, REDUCE_OVERHEAD_MAX_BATCH, "reduce-overhead"),
-        ({"use_torch_compile": True}, CUDA, REDUCE_OVERHEAD_MAX_BATCH + 1, "default"),
+        ({"use_torch_compile": True}, CUDA, 128, "default"),  # the whole-step graph
+        ({"use_torch_compile": True, "cuda_graphs": False}, CUDA, 128, "reduce-overhead"),
+        (
+            {"use_torch_compile": True, "cuda_graphs": False},
+            CUDA,
+            REDUCE_OVERHEAD_MAX_BATCH,
+            "reduce-overhead",
+        ),
+        ({"use_torch_compile": True, "cuda_graphs": False}, CUDA, REDUCE_OVERHEAD_MAX_BATCH + 1, "default"),
         ({"use_torch_compile": True}, CPU, 128, "default"),
         ({"use_torch_compile": True, "use_triton": True}, CUDA, 128, "default"),  # the whole-step graph
         ({"use_torch_compile": True, "use_triton": True, "cuda_graphs": False}, CUDA, 128, "default"),

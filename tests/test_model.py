@@ -150,26 +150,28 @@ def test_embedding_gradients_are_sparse():
 @pytest.mark.parametrize(
     ("optimizer", "hashing"), [("sgd", "modulus"), ("adagrad", "modulus"), ("sgd", "vocab")]
 )
-def test_triton_sparse_kernels_train_like_eager(optimizer, hashing):
+@pytest.mark.parametrize("fused", ["triton", "torch_fused"])
+def test_triton_sparse_kernels_train_like_eager(optimizer, hashing, fused):
     """Same seed -> same initial weights and state_dict keys; three steps with the embedding update fused
-    into backward (kernels.embedding) and the interaction/loss kernels end at eager's weights."""
+    into backward (kernels.embedding; "torch_fused": dlrm.model.fused_update, with torch's interaction
+    and loss) and the interaction/loss kernels end at eager's weights."""
     g = torch.Generator().manual_seed(5)
     cfg = ModelConfig(**{**SMALL.__dict__, "hashing": hashing})
     ids = [_ids(g, 24) for _ in range(3)]
     kwargs = {"vocabularies": build_vocabularies(ids[0], cfg.max_rows)} if hashing == "vocab" else {}
     kwargs.setdefault("table_rows", [7, 1, 50] + [13] * (NUM_SPARSE - 3))
     models, optimizers = {}, {}
-    for kernel in ("torch", "triton"):
+    for kernel in ("torch", fused):
         torch.manual_seed(0)
         model = DLRM(cfg, sparse_kernel=kernel, **kwargs)
         groups = [{"params": model.dense_parameters()}]
-        if kernel == "triton":
+        if kernel == fused:
             model.sparse_arch.configure_optimizer(optimizer, 0.1)
         else:
             groups.append({"params": model.embedding_parameters()})
         models[kernel] = model
         optimizers[kernel] = (torch.optim.SGD if optimizer == "sgd" else torch.optim.Adagrad)(groups, lr=0.1)
-    eager, triton = models["torch"].state_dict(), models["triton"].state_dict()
+    eager, triton = models["torch"].state_dict(), models[fused].state_dict()
     assert eager.keys() == triton.keys() and all(torch.equal(eager[k], triton[k]) for k in eager)
     initial = eager["sparse_arch.embeddings.2.weight"].clone()
     for step_ids in ids:
@@ -179,7 +181,7 @@ def test_triton_sparse_kernels_train_like_eager(optimizer, hashing):
             optimizers[kernel].zero_grad()
             model.loss(model(dense, step_ids), labels).backward()
             optimizers[kernel].step()
-    eager, triton = models["torch"].state_dict(), models["triton"].state_dict()
+    eager, triton = models["torch"].state_dict(), models[fused].state_dict()
     assert not torch.equal(eager["sparse_arch.embeddings.2.weight"], initial)  # the tables did train
     # atol 1e-5: the interaction kernel sums its dot products in another fp32 order than bmm, and Adagrad
     # divides each gradient by its own running norm, which turns that rounding in small gradients into
@@ -244,7 +246,7 @@ def test_checkpoints_move_between_sparse_kernels():
         triton.sparse_arch(ids)
     with torch.no_grad():
         assert torch.equal(triton.sparse_arch(ids), eager.sparse_arch(ids))
-    with pytest.raises(ValueError, match="configure_optimizer is for kernel 'triton'"):
+    with pytest.raises(ValueError, match="configure_optimizer is for kernels"):
         eager.sparse_arch.configure_optimizer("sgd", 0.1)
 
 
@@ -253,7 +255,7 @@ def test_triton_sparse_path_falls_back_to_pytorch_without_triton(tmp_path):
     code = (
         "import torch; from tests.test_model import test_triton_sparse_kernels_train_like_eager as t; "
         "from kernels.launch import INTERPRETED; assert not INTERPRETED; "
-        "t('adagrad', 'modulus'); t('sgd', 'vocab')"
+        "t('adagrad', 'modulus', 'triton'); t('sgd', 'vocab', 'triton')"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)

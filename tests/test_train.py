@@ -346,6 +346,28 @@ def test_backends_give_the_same_loss_curve(criteo_sample, tmp_path, initial_weig
     assert_updates_agree(initial_weights, [tmp_path / name for name in runs], rtol=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_compile_takes_the_whole_step_graph_and_trains_like_eager(
+    criteo_sample, tmp_path, initial_weights, optimizer
+):
+    """--use-torch-compile on one GPU: the whole step one CUDA graph around the compiled dense part, the
+    tables plain PyTorch that update themselves in backward ("torch_fused"); the losses and updates of
+    eager's (fp32, tolerances of test_backends_give_the_same_loss_curve; the fused update sums repeated
+    rows in another order than the sparse optimizer's coalescing)."""
+    runs = {
+        "eager": {"optimizer": optimizer, "lr": 0.05},
+        "compile": {"optimizer": optimizer, "lr": 0.05, "use_torch_compile": True},
+    }
+    curves = _loss_curves(criteo_sample, tmp_path, runs)
+    resolved = json.loads((tmp_path / "compile" / "config.json").read_text())["train"]
+    assert resolved["cuda_graphs"] is True
+    metrics = json.loads((tmp_path / "compile" / "metrics.json").read_text())
+    assert metrics["sparse_kernel"] == "torch_fused"
+    torch.testing.assert_close(curves["compile"], curves["eager"], rtol=1e-5, atol=1e-5)
+    assert_updates_agree(initial_weights, [tmp_path / name for name in runs], rtol=1e-5)
+
+
 def test_adagrad_and_vocab_hashing_train(criteo_sample, tmp_path):
     cfg = _tiny(criteo_sample, optimizer="adagrad", lr=0.05)
     cfg = replace(cfg, "model", hashing="vocab")

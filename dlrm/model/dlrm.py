@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from dlrm.choices import INTERACTIONS, SPARSE_KERNELS
+from dlrm.choices import FUSED_UPDATE_KERNELS, INTERACTIONS, SPARSE_KERNELS
 from dlrm.config import AttentionConfig, DcnConfig, ModelConfig
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
 from dlrm.model.dcn import LowRankCrossNet
@@ -184,7 +184,8 @@ class DLRM(nn.Module):
         table_rows: rows per table (F ints), already resolved from config/metadata and capped.
         vocabularies: F sorted id tensors when cfg.hashing == "vocab".
         mlp_kernel: how MLP layers run: "torch", "bias_act" or "linear_act" (dlrm.model.mlp).
-        sparse_kernel: how the embeddings, the interaction and the loss run: "torch" or "triton" (our
+        sparse_kernel: how the embeddings, the interaction and the loss run: "torch", "torch_fused" (plain
+            PyTorch, the tables updated in their lookups' backward: dlrm.model.sparse) or "triton" (our
             table-batched embedding with the fused optimizer update, interaction and loss kernels).
         sparse_arch: the embedding tables to use instead of building a SparseArch (the sharded tables of
             dlrm.parallel, same interface); table_rows and vocabularies are then unused.
@@ -304,7 +305,8 @@ class DLRM(nn.Module):
 
     def embedding_parameters(self) -> list[nn.Parameter]:
         """Embedding tables (and first-order tables) for a torch optimizer (sparse gradients); none for the
-        "triton" sparse kernel, whose backward updates its tables itself (SparseArch.configure_optimizer)."""
+        "triton" and "torch_fused" sparse kernels, whose backward updates their tables itself
+        (SparseArch.configure_optimizer)."""
         return embedding_parameters(self.table_archs())
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -313,14 +315,17 @@ class DLRM(nn.Module):
 
 
 def embedding_parameters(table_archs: list[nn.Module]) -> list[nn.Parameter]:
-    """The parameters of the tables that a torch optimizer updates: not frozen; of kernel "triton" tables
-    only the replicated ones of a sharded model (dense gradients: `replicated_parameters`)."""
+    """The parameters of the tables that a torch optimizer updates: not frozen; of the tables updated in
+    their backward (kernels "triton" and "torch_fused": FUSED_UPDATE_KERNELS) only the replicated ones of a
+    sharded model (dense gradients: `replicated_parameters`)."""
     return [
         p
         for arch in table_archs
         if not getattr(arch, "frozen", False)
         for p in (
-            arch.parameters() if arch.kernel != "triton" else getattr(arch, "replicated_parameters", list)()
+            arch.parameters()
+            if arch.kernel not in FUSED_UPDATE_KERNELS
+            else getattr(arch, "replicated_parameters", list)()
         )
     ]
 

@@ -28,8 +28,9 @@ class LogisticRegression(nn.Module):
         table_rows: rows_f per table (F ints), resolved from config/metadata and capped.
         hashing: "modulus" or "vocab" (SparseArch).
         vocabularies: F sorted id tensors for "vocab".
-        sparse_kernel: "torch" (sparse gradients, a torch optimizer) or "triton" (our embedding kernel
-            with the optimizer fused into its backward, and our loss kernel).
+        sparse_kernel: "torch" (sparse gradients, a torch optimizer), "torch_fused" (plain PyTorch, the
+            optimizer in the lookup's backward) or "triton" (our embedding kernel with the optimizer fused
+            into its backward, and our loss kernel).
     Raises:
         ValueError: as SparseArch.
     """

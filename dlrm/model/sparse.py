@@ -10,9 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from dlrm.choices import HASHINGS, SPARSE_KERNELS
+from dlrm.choices import FUSED_UPDATE_KERNELS, HASHINGS, SPARSE_KERNELS
 from dlrm.data.bags import is_one_hot
 from dlrm.data.schema import NUM_SPARSE
+from dlrm.model.fused_update import lookup as fused_lookup
 from dlrm.model.pooling import BagPooling
 from dlrm.model.tables import lookup_dtype, register_vocabularies, table_torch_dtype, vocabulary_rows
 
@@ -82,6 +83,10 @@ class SparseArch(nn.Module):
       `table_dtype`, fp32 or bf16 (`model.table_dtype`): bf16 halves the tables' bytes and the lookups'
       traffic; the optimizer state stays fp32, each update is computed in fp32 and rounded stochastically
       to bf16 (`configure_optimizer`'s `rounding`), and lookups return fp32 (or the autocast dtype).
+    - "torch_fused": "triton"'s table-batched fp32 weights and update in backward, in plain PyTorch ops of
+      fixed shapes (dlrm.model.fused_update: index_select forward, the update by sort and index_add_): no
+      host sync, so the whole step can be captured as one CUDA graph around the compiled dense part
+      (`--use-torch-compile`). One id a feature only (no bags); lookups return fp32.
     Both initialize identically for a seed (`init_tables`: FB-DLRM's U(-sqrt(1/rows_f), sqrt(1/rows_f)),
     the same weights as the sharded tables of any number of ranks; bf16 tables hold them rounded to
     nearest) and save the same state_dict keys (`embeddings.<f>.weight`, in the tables' dtype), so
@@ -92,7 +97,7 @@ class SparseArch(nn.Module):
         table_rows: rows_f per table (F ints). Ignored for "vocab", which takes len(vocabulary) + 1.
         hashing: "modulus", "vocab" or "index".
         vocabularies: for "vocab", F sorted int64 tensors of known ids.
-        kernel: "torch" or "triton".
+        kernel: "torch", "torch_fused" or "triton".
         multi_hot_sizes: F bag sizes (`model.multi_hot_sizes`; None or all ones: one id per feature); with
             bags, forward takes ids [B, S] (dlrm.data.bags) and pools each bag by `pooling` ("sum" or
             "mean"; dlrm.model.pooling), modulus hashing only.
@@ -100,8 +105,8 @@ class SparseArch(nn.Module):
             generator, so that torch.manual_seed decides.
         table_dtype: "fp32" or "bf16" (kernel "triton" only), the weights' dtype.
     Raises:
-        ValueError: wrong number of tables or vocabularies, unknown hashing or kernel, bad bags, bf16 tables
-            with kernel "torch".
+        ValueError: wrong number of tables or vocabularies, unknown hashing or kernel, bad bags, bags with
+            kernel "torch_fused", bf16 tables with a kernel other than "triton".
     """
 
     def __init__(
@@ -122,6 +127,8 @@ class SparseArch(nn.Module):
         dtype = table_torch_dtype(table_dtype, kernel)
         if not is_one_hot(multi_hot_sizes) and hashing != "modulus":
             raise ValueError(f"bags (model.multi_hot_sizes) need hashing 'modulus', got {hashing!r}")
+        if not is_one_hot(multi_hot_sizes) and kernel == "torch_fused":
+            raise ValueError("bags (model.multi_hot_sizes) need sparse kernel 'torch' or 'triton'")
         if hashing == "vocab":
             if vocabularies is None or len(vocabularies) != NUM_SPARSE:
                 raise ValueError(f"hashing 'vocab' needs {NUM_SPARSE} vocabularies")
@@ -170,20 +177,22 @@ class SparseArch(nn.Module):
         eps: float = 1e-10,
         rounding: torch.Tensor | None = None,
     ) -> None:
-        """For kernel "triton": the update its backward applies, "sgd" or "adagrad" (torch.optim's
-        semantics) or "rowwise_adagrad"; allocates the optimizer state next to the weights (call it after
-        moving the module to its device). `lr` is the update's rate: a 0-d fp32 tensor on the weights'
-        device, held as given (dlrm.optim.RunOptimizer shares one among the table sets and writes it in
-        place as the schedule goes), or a number, held in a tensor of this module's own. `rounding`: for
-        bf16 tables, the [2] int64 (seed, count) device tensor of the update's stochastic rounding, held as
-        given (RunOptimizer advances its count once a step); None rounds bf16 updates to nearest.
+        """For kernels "triton" and "torch_fused": the update their backward applies, "sgd" or "adagrad"
+        (torch.optim's semantics) or "rowwise_adagrad"; allocates the optimizer state next to the weights
+        (call it after moving the module to its device). `lr` is the update's rate: a 0-d fp32 tensor on
+        the weights' device, held as given (dlrm.optim.RunOptimizer shares one among the table sets and
+        writes it in place as the schedule goes), or a number, held in a tensor of this module's own.
+        `rounding`: for bf16 tables, the [2] int64 (seed, count) device tensor of the update's stochastic
+        rounding, held as given (RunOptimizer advances its count once a step); None rounds bf16 updates to
+        nearest.
 
         Raises:
             ValueError: kernel "torch" (its tables take a torch optimizer), or an unknown optimizer.
         """
-        if self.kernel != "triton":
+        if self.kernel not in FUSED_UPDATE_KERNELS:
             raise ValueError(
-                "configure_optimizer is for kernel 'triton'; give kernel 'torch' tables to a torch optimizer"
+                f"configure_optimizer is for kernels {FUSED_UPDATE_KERNELS}; give kernel 'torch' tables to a "
+                "torch optimizer"
             )
         from kernels.embedding_update import optimizer_state
 
@@ -230,7 +239,22 @@ class SparseArch(nn.Module):
                     self.rounding,
                 )  # fmt: skip
         rows = self.hash_ids(sparse)
+        if self.kernel == "torch_fused":
+            return self._fused_lookup(rows)
         return torch.stack([table(rows[:, f]) for f, table in enumerate(self.embeddings)], dim=1)
+
+    def _fused_lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """Kernel "torch_fused": rows [B, F] within each table -> [B, F, D] fp32, updated in backward."""
+        if self.frozen or not torch.is_grad_enabled():
+            return self.weights.detach()[rows + self.offsets]
+        if self.optimizer is None:
+            raise ValueError(
+                "SparseArch(kernel='torch_fused') updates its tables in backward: call configure_optimizer "
+                "before training (or look up under torch.no_grad())"
+            )
+        optimizer, eps = self.optimizer
+        index = rows + self.offsets
+        return fused_lookup(self.weights, self.optimizer_state, index, optimizer, self.lr, eps)
 
 
 def _split_tables(module: SparseArch, state_dict: dict, prefix: str, local_metadata: dict) -> None:

@@ -41,7 +41,7 @@ from torch.profiler import record_function
 
 from dlrm.data.bags import is_one_hot
 from dlrm.model import DLRM
-from dlrm.model.sparse import SPARSE_KERNELS, SparseArch, init_tables
+from dlrm.model.sparse import SparseArch, init_tables
 from dlrm.model.tables import (
     build_vocabularies,
     lookup_dtype,
@@ -52,6 +52,10 @@ from dlrm.model.tables import (
 from dlrm.parallel.dense import broadcast_from_rank0
 from dlrm.parallel.planner import TABLE_BYTES, ShardingPlan, plan_tables
 from dlrm.parallel.sharded_bags import ShardedBags
+
+# The sparse kernels whose tables shard ("torch_fused", the plain-PyTorch fused update of one process's
+# tables, does not: --use-torch-compile's whole-step graph runs on one rank, dlrm.step.resolve_cuda_graphs).
+SHARDED_KERNELS = ("torch", "triton")
 
 
 class AllToAll(torch.autograd.Function):
@@ -181,8 +185,8 @@ class ShardedSparseArch(nn.Module):
         table_dtype: str = "fp32",
     ):
         super().__init__()
-        if kernel not in SPARSE_KERNELS:
-            raise ValueError(f"unknown sparse kernel {kernel!r}: expected one of {SPARSE_KERNELS}")
+        if kernel not in SHARDED_KERNELS:
+            raise ValueError(f"sparse kernel {kernel!r} on many ranks: expected one of {SHARDED_KERNELS}")
         dtype = table_torch_dtype(table_dtype, kernel)
         one_hot = is_one_hot(multi_hot_sizes)
         if not one_hot and hashing != "modulus":

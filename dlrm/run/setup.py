@@ -46,7 +46,7 @@ def set_up(
     and the model. Raises ValueError as `train`, and RunFinished for a `resume` of a run with no step left
     in its own directory (nothing written)."""
     strategy, device = start(cfg)
-    cfg = resolve_cuda_graphs(cfg, device)
+    cfg = resolve_cuda_graphs(cfg, device, strategy.world_size)
     t = cfg.train
     run_dir = output_dir if output_dir or resume is None else resume.parent.parent
     run_dir = strategy.run_dir(cfg, run_dir, resume, overwrite)
