@@ -255,3 +255,12 @@ def test_bad_overrides_name_the_override_and_the_key(overrides, message):
     with pytest.raises(ValueError, match=message) as err:
         apply_overrides(RunConfig(), overrides)
     assert "\n" not in str(err.value)
+
+
+def test_the_large_batch_recipe_is_kaggles_model():
+    """configs/kaggle_large_batch.json changes the optimization only (docs/quality.md: the batch, Adagrad
+    and its rate, the evaluations); the model is kaggle.json's."""
+    configs = Path(__file__).parents[1] / "configs"
+    kaggle, large = (load_config(configs / name) for name in ("kaggle.json", "kaggle_large_batch.json"))
+    assert large.model == kaggle.model and large.data.path == kaggle.data.path
+    assert large.data.batch_size == 65536 and large.train.optimizer == "adagrad"
