@@ -5,8 +5,11 @@ updated the same way, repeated rows summed first, with no host sync."""
 import pytest
 import torch
 
+from dlrm import train as train_cli
+from dlrm.config import RunConfig, load_config, replace
 from dlrm.model import fused_update
 from kernels.embedding_update import embedding_update_ref, optimizer_state
+from tests.conftest import REPO
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 
@@ -85,3 +88,32 @@ def test_unknown_optimizer():
     weights, index, grad = _case(5)
     with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
         fused_update.apply_update(weights, torch.zeros(0), index, grad, "lamb", torch.tensor(0.1), 1e-8)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_a_run_of_fused_tables_resumes_to_the_weights_of_an_uninterrupted_run(
+    criteo_sample, tmp_path, monkeypatch, optimizer
+):
+    """The loop with "torch_fused" tables (what --use-torch-compile's whole-step graph trains, here without
+    the graph, on the CPU): the tables' optimizer state goes into the checkpoint and back, so 4 + 4 steps
+    resumed end at the weights of 8 (the table rows too)."""
+    monkeypatch.setattr(RunConfig, "sparse_kernel", property(lambda self: "torch_fused"))
+    cfg = load_config(REPO / "configs" / "tiny.json")
+    cfg = replace(cfg, "data", path=str(criteo_sample))
+    cfg = replace(cfg, "train", optimizer=optimizer, lr=0.05)
+
+    def run(name: str, steps: int, resume=None) -> dict:
+        metrics = train_cli.train(replace(cfg, "train", max_steps=steps), tmp_path / name, resume=resume)
+        assert metrics["sparse_kernel"] == "torch_fused"
+        return torch.load(tmp_path / name / "checkpoints" / "last.pt", weights_only=True)
+
+    whole = run("whole", 8)
+    run("first_half", 4)
+    resumed = run("second_half", 8, resume=tmp_path / "first_half" / "checkpoints" / "last.pt")
+    assert resumed["step"] == whole["step"] == 8
+    for key, value in whole["model"].items():
+        torch.testing.assert_close(resumed["model"][key], value, rtol=1e-6, atol=1e-7, msg=key)
+    if optimizer == "adagrad":
+        state = whole["embedding_optimizer_state"]
+        assert state.any()
+        torch.testing.assert_close(resumed["embedding_optimizer_state"], state, rtol=1e-6, atol=1e-7)
