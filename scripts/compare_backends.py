@@ -9,6 +9,9 @@ per backend to scripts/results/backends-val-test.csv with the device name, torch
 sha. The ratio column is samples/s over the eager run of the same invocation. (scripts/results/backends.csv
 holds the rows of before the train / val / test protocol, whose eval_auc selected and reported on one
 split.)
+"compile" is the product's `--use-torch-compile` as a user runs it (on one GPU: the whole-step CUDA graph
+around the compiled dense part, dlrm.step.resolve_cuda_graphs); "compile-ro" Inductor's own CUDA graphs of
+the compiled part, the tables eager.
 """
 
 import dataclasses
@@ -32,6 +35,7 @@ RESULTS = Path(__file__).parent / "results" / "backends-val-test.csv"
 FLAGS = {
     "eager": {},
     "compile": {"use_torch_compile": True},
+    "compile-ro": {"use_torch_compile": True, "compile_mode": "reduce-overhead"},
     "triton": {"use_triton": True, "cuda_graphs": False},
     "triton_bias_act": {"use_triton": True, "triton_mlp_kernel": "bias_act", "cuda_graphs": False},
     "triton+compile": {"use_triton": True, "use_torch_compile": True, "cuda_graphs": False},
