@@ -100,10 +100,10 @@ def step_table(rows: list[Row]) -> list[str]:
         body.append(
             [config, precision, optimizer, f"{int(batch):,}", tables, _millions(ours.cells["samples_per_s"]),
              BASELINES[name] if name else "no graphed baseline in this run", base_rate, _ratio(ours, base),
-             ours.cells["device"], ours.cells["git_sha"], changed_since([ours]), ours.key]
+             ours.cells["device"], changed_since([ours]), ours.key]
         )  # fmt: skip
     header = ["config", "precision", "optimizer", "batch", "tables", "ours samples/s", "baseline",
-              "baseline samples/s", "ratio", "machine", "commit", "code changed since", "row"]  # fmt: skip
+              "baseline samples/s", "ratio", "machine", "code changed since", "row"]  # fmt: skip
     return markdown_table(header, body)
 
 
@@ -136,10 +136,10 @@ def scaling_table(rows: list[Row]) -> list[str]:
         scaling = f"{float(ours.cells['scaling_vs_1gpu']):.2f}x"
         body.append(
             [config, precision, f"{int(batch):,}", world, _millions(ours.cells["samples_per_s"]), base_rate,
-             scaling, ours.cells["device"], ours.cells["git_sha"], changed_since([ours]), ours.key]
+             scaling, ours.cells["device"], changed_since([ours]), ours.key]
         )  # fmt: skip
     header = ["config", "precision", "batch per GPU", "GPUs", "samples/s", "1 GPU samples/s", "scaling",
-              "machine", "commit", "code changed since", "row"]  # fmt: skip
+              "machine", "code changed since", "row"]  # fmt: skip
     return markdown_table(header, body)
 
 
@@ -153,11 +153,10 @@ def sample_table(rows: list[Row]) -> list[str]:
         body.append(
             [backend, ours.cells["config"], ours.cells["batch"], f"{float(ours.cells['val_auc']):.4f}",
              f"{float(ours.cells['test_auc']):.4f}", f"{float(ours.cells['samples_per_s']):,.0f}",
-             _ratio(ours, eager), ours.cells["device"], ours.cells["git_sha"], changed_since([ours]),
-             ours.key]
+             _ratio(ours, eager), ours.cells["device"], changed_since([ours]), ours.key]
         )  # fmt: skip
     header = ["backend", "config", "batch", "val AUC", "test AUC", "samples/s", "vs eager (same run)",
-              "machine", "commit", "code changed since", "row"]  # fmt: skip
+              "machine", "code changed since", "row"]  # fmt: skip
     return markdown_table(header, body)
 
 
@@ -197,17 +196,15 @@ def quality_table(rows: list[Row]) -> list[str]:
             if reference
             else ("not measured", "not measured")
         )
-        commits = list(dict.fromkeys(r.cells["git_sha"] for r in runs))  # in file order
         body.append(
             [window, config, ",".join(r.cells["seed"] for r in runs),
              mean_sd([float(r.cells["test_auc"]) for r in runs]),
              mean_sd([float(r.cells["test_ne"]) for r in runs]), ref_auc, ref_ne, _planted(runs),
-             runs[0].cells["device"],
-             " ".join(commits), changed_since(runs),
+             runs[0].cells["device"], changed_since(runs),
              f"{runs[0].key}-{runs[-1].line}" if len(runs) > 1 else runs[0].key]
         )  # fmt: skip
     header = ["data", "config", "seeds", "test AUC", "test NE", "L2 LR test AUC (same data)", "L2 LR test NE",
-              "planted model's test AUC", "machine", "commits", "code changed since", "rows"]  # fmt: skip
+              "planted model's test AUC", "machine", "code changed since", "rows"]  # fmt: skip
     return markdown_table(header, body)
 
 

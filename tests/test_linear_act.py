@@ -555,7 +555,11 @@ def test_timing_a_choice_leaves_a_live_step_graph_replaying_right():
     captured_on = torch.cuda.graph.default_capture_stream
     timed_on = []
     graph = torch.cuda.graph
-    spy = lambda cuda_graph, **kwargs: timed_on.append(kwargs.get("stream")) or graph(cuda_graph, **kwargs)  # noqa: E731
+
+    def spy(cuda_graph, **kwargs):
+        timed_on.append(kwargs.get("stream"))
+        return graph(cuda_graph, **kwargs)
+
     x, w = torch.randn(300, 96, device="cuda"), torch.randn(200, 96, device="cuda")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.cuda, "graph", spy)
