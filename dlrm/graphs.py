@@ -10,7 +10,8 @@ What can be captured: every op of the step must run without a host sync and with
 for the `--use-triton` model (the table-batched embedding applies its optimizer update inside backward,
 with no data-dependent shapes) and dlrm.optim's SGD and Adagrad for the dense parameters (foreach ops, the
 lr scale a device tensor); it does not hold for the eager embeddings (sparse gradients are coalesced with a
-host sync), so the config requires `use_triton`.
+host sync): the config requires `use_triton`, or `use_torch_compile` on one device, whose tables then update
+themselves in backward in plain PyTorch (sparse kernel "torch_fused").
 
 Every number that changes during a run lives in a device tensor that the captured kernels read, never in a
 kernel argument: the learning rates (dlrm.optim.RunOptimizer's `embedding_lr`, which the embedding kernels
@@ -24,6 +25,10 @@ own: a size that comes after the warm-up (an epoch's last, partial batch) runs o
 compiles and tunes its kernels (that cannot happen inside a capture), is captured the next time it comes,
 and replays from then on. Each graph keeps its own memory pool: a partial batch's graph adds at most the
 activation memory of one full step.
+
+Captures are thread-local (`capture`): a background checkpoint's writer copies its snapshot to the host while
+training goes on, and under CUDA's default global capture mode any such call from another thread during a
+capture (a new batch size's, an evaluation's) invalidates it.
 """
 
 import time
@@ -51,6 +56,12 @@ def _on_side_stream(fn: Callable, *args):
         result = fn(*args)
     torch.cuda.current_stream().wait_stream(side)
     return result
+
+
+def capture(graph: torch.cuda.CUDAGraph):
+    """torch.cuda.graph(graph) in the thread-local capture mode: unsafe CUDA calls of this thread still fail
+    the capture; another thread's (a checkpoint writer's device-to-host copies, on its own stream) do not."""
+    return torch.cuda.graph(graph, capture_error_mode="thread_local")
 
 
 class _Captured(NamedTuple):
@@ -116,7 +127,7 @@ class GraphedTrainStep:
         static = Batch(*(t.clone() for t in batch))
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with capture(graph):
             loss = self.step_fn(self.model, self.optimizer, static)
         took = time.perf_counter() - start
         self.capture_s += took
@@ -166,7 +177,7 @@ class GraphedForward:
         if captured is None:
             dense, sparse = dense.clone(), sparse.clone()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with capture(graph):
                 logits = self.forward(dense, sparse)
             logger.info("captured the evaluation forward at batch size {} as a CUDA graph", rows)
             captured = self.captured[rows] = _CapturedForward(graph, dense, sparse, logits)

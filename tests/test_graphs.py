@@ -4,6 +4,7 @@ run everywhere."""
 
 import contextlib
 import functools
+import threading
 
 import pytest
 import torch
@@ -153,7 +154,7 @@ def fake_graphs(monkeypatch):
     capturing = []
 
     @contextlib.contextmanager
-    def fake_capture(graph):
+    def fake_capture(graph, capture_error_mode="global"):
         capturing.append(graph)
         yield
         capturing.pop()
@@ -306,6 +307,39 @@ def test_graphed_steps_match_plain_steps(compiled, algorithm):
         if graphed:
             assert set(step.captured) == {64, 10}
     _assert_same_runs(runs[True], runs[False])
+
+
+@pytest.mark.gpu
+def test_a_capture_survives_another_threads_device_to_host_copies():
+    """A background checkpoint's writer copies device memory to the host (dlrm.checkpoint, on its thread's
+    default stream) while training goes on: the steps captured meanwhile (the first, and a new batch size's)
+    still record and replay (CUDA's global capture mode fails a capture on any other thread's copy)."""
+    cfg = RunConfig(model=SMALL, train=TrainConfig(use_triton=True, lr=0.1))
+    model = _small_triton_dlrm()
+    optimizer = RunOptimizer(model, cfg.train)
+    step = GraphedTrainStep(model, optimizer, train_step)
+    batches = _cuda_batches(6)
+    batches += [Batch(*(t[:10] for t in batches[0])), batches[1], Batch(*(t[10:20] for t in batches[2]))]
+    source = torch.randn(2**22, device="cuda")
+    buffer = torch.empty(2**22, pin_memory=True)
+    stop, copies = threading.Event(), []
+
+    def write():
+        while not stop.is_set():
+            buffer.copy_(source, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            copies.append(1)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        losses = torch.stack([step(model, optimizer, b).clone() for b in batches])
+        torch.cuda.synchronize()
+    finally:
+        stop.set()
+        writer.join()
+    assert set(step.captured) == {64, 10} and len(copies) > 0
+    assert torch.isfinite(losses).all()
 
 
 @pytest.mark.gpu
