@@ -26,9 +26,9 @@ compiles and tunes its kernels (that cannot happen inside a capture), is capture
 and replays from then on. Each graph keeps its own memory pool: a partial batch's graph adds at most the
 activation memory of one full step.
 
-Captures are thread-local (`capture`): a background checkpoint's writer copies its snapshot to the host while
-training goes on, and under CUDA's default global capture mode any such call from another thread during a
-capture (a new batch size's, an evaluation's) invalidates it.
+Captures are thread-local and on a stream of each owner's own (`capture`): a background checkpoint's writer
+copies its snapshot to the host while training goes on, and under CUDA's default global capture mode any such
+call from another thread during a capture (a new batch size's, an evaluation's) invalidates it.
 """
 
 import time
@@ -58,10 +58,16 @@ def _on_side_stream(fn: Callable, *args):
     return result
 
 
-def capture(graph: torch.cuda.CUDAGraph):
-    """torch.cuda.graph(graph) in the thread-local capture mode: unsafe CUDA calls of this thread still fail
-    the capture; another thread's (a checkpoint writer's device-to-host copies, on its own stream) do not."""
-    return torch.cuda.graph(graph, capture_error_mode="thread_local")
+def capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream):
+    """torch.cuda.graph(graph) on `stream`, in the thread-local capture mode: unsafe CUDA calls of this
+    thread still fail the capture; another thread's (a checkpoint writer's device-to-host copies) do not.
+
+    Each owner of graphs captures on a stream of its own, not torch.cuda.graph's one shared default: when
+    a graph is destroyed PyTorch drops the cuBLAS workspace cached for its capture stream
+    (pytorch/pytorch#193402), which a live graph captured on the same stream still uses (a CUDA
+    graph of an earlier training in the process, freed during a later one's capture, failed that capture
+    in cublasSgemmStridedBatched)."""
+    return torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local")
 
 
 class _Captured(NamedTuple):
@@ -89,6 +95,7 @@ class GraphedTrainStep:
     def __init__(self, model: DLRM, optimizer: RunOptimizer, step_fn, warmup: int = WARMUP_STEPS):
         self.model, self.optimizer, self.step_fn, self.warmup = model, optimizer, step_fn, warmup
         self.captured: dict[int, _Captured] = {}  # by batch size
+        self.capture_stream: torch.cuda.Stream | None = None  # made at the first capture (`capture`)
         self.warmed: set[int] = set()  # batch sizes that ran uncaptured: their kernels are compiled
         self.steps = 0
         self.capture_s = 0.0
@@ -127,7 +134,8 @@ class GraphedTrainStep:
         static = Batch(*(t.clone() for t in batch))
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
-        with capture(graph):
+        self.capture_stream = self.capture_stream or torch.cuda.Stream()
+        with capture(graph, self.capture_stream):
             loss = self.step_fn(self.model, self.optimizer, static)
         took = time.perf_counter() - start
         self.capture_s += took
@@ -166,6 +174,7 @@ class GraphedForward:
     def __init__(self, forward: Callable[[Tensor, Tensor], Tensor]):
         self.forward = forward
         self.captured: dict[int, _CapturedForward] = {}
+        self.capture_stream: torch.cuda.Stream | None = None  # made at the first capture (`capture`)
         self.warmed: set[int] = set()
 
     def __call__(self, dense: Tensor, sparse: Tensor) -> Tensor:
@@ -177,7 +186,8 @@ class GraphedForward:
         if captured is None:
             dense, sparse = dense.clone(), sparse.clone()
             graph = torch.cuda.CUDAGraph()
-            with capture(graph):
+            self.capture_stream = self.capture_stream or torch.cuda.Stream()
+            with capture(graph, self.capture_stream):
                 logits = self.forward(dense, sparse)
             logger.info("captured the evaluation forward at batch size {} as a CUDA graph", rows)
             captured = self.captured[rows] = _CapturedForward(graph, dense, sparse, logits)

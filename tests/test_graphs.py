@@ -154,7 +154,7 @@ def fake_graphs(monkeypatch):
     capturing = []
 
     @contextlib.contextmanager
-    def fake_capture(graph, capture_error_mode="global"):
+    def fake_capture(graph, stream=None, capture_error_mode="global"):
         capturing.append(graph)
         yield
         capturing.pop()

@@ -353,8 +353,10 @@ def test_compile_takes_the_whole_step_graph_and_trains_like_eager(
 ):
     """--use-torch-compile on one GPU: the whole step one CUDA graph around the compiled dense part, the
     tables plain PyTorch that update themselves in backward ("torch_fused"); the losses and updates of
-    eager's (fp32, tolerances of test_backends_give_the_same_loss_curve; the fused update sums repeated
-    rows in another order than the sparse optimizer's coalescing)."""
+    eager's (fp32: the loss curve to test_backends_give_the_same_loss_curve's 1e-5; the updates to the GPU's
+    fp32 UPDATE_RTOL: the fused update sums a row's repeats with atomics, in an order that changes run to run,
+    and Adagrad's first step g / (|g| + eps) turns the rounding of a sum that nearly cancels into a step of
+    up to lr: 1.1e-5 of the update's norm in one of two H200 runs of the same code)."""
     runs = {
         "eager": {"optimizer": optimizer, "lr": 0.05},
         "compile": {"optimizer": optimizer, "lr": 0.05, "use_torch_compile": True},
@@ -365,7 +367,7 @@ def test_compile_takes_the_whole_step_graph_and_trains_like_eager(
     metrics = json.loads((tmp_path / "compile" / "metrics.json").read_text())
     assert metrics["sparse_kernel"] == "torch_fused"
     torch.testing.assert_close(curves["compile"], curves["eager"], rtol=1e-5, atol=1e-5)
-    assert_updates_agree(initial_weights, [tmp_path / name for name in runs], rtol=1e-5)
+    assert_updates_agree(initial_weights, [tmp_path / name for name in runs], UPDATE_RTOL["fp32"])
 
 
 def test_adagrad_and_vocab_hashing_train(criteo_sample, tmp_path):
