@@ -38,13 +38,18 @@ Backward (``linear_act_bwd``): dz = dy * act' and db in one Triton pass, then cu
 where it is timed faster (``kernels.gemm.dw``).
 Autograd: under torch.compile each layer is the custom op ``dlrm::linear_act``; eager calls run the same
 bodies in one autograd.Function for a whole stack of layers (``linear_act_stack``, an MLP; ``linear_act``
-is a stack of one), so an MLP launched from Python pays the autograd glue once.
+is a stack of one), so an MLP launched from Python pays the autograd glue once. In a stack's backward on the
+GPU at batches of at most ``SIDE_DW_MAX_M`` rows, each layer's cuBLAS dW runs on a second stream
+(``kernels.gemm.grads.dw_stream``) beside the chain of dz and dx that the layers below wait for, joined once
+at the end: a small batch's GEMMs fill a few SMs each, so the two run side by side.
 
 It equals the PyTorch expression ``act(F.linear(x, W, b))`` computed in fp32 and cast back to x's dtype
 (see ``linear_act_ref``), up to the GEMM precision above.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -56,7 +61,7 @@ from kernels import launch
 from kernels.activations import ACTIVATIONS, act_bwd_ref, act_fwd, act_ref, check_activation
 from kernels.gemm.checks import check_like, check_linear
 from kernels.gemm.dw import act_dw, fastest_dw
-from kernels.gemm.grads import act_grads
+from kernels.gemm.grads import act_grads, dw_stream
 from kernels.gemm.layout import (
     aligned_copy,
     has_contiguous_rows,
@@ -83,6 +88,9 @@ __all__ = [
 
 SAVES_Y = ("relu", "sigmoid")  # act' is a function of y = act(z)
 SAVES_Z = ("gelu_tanh", "silu")  # act' needs z
+# The largest batch at which a stack's backward runs its dW GEMMs on a second stream (module docstring):
+# where a step is a chain of latency-bound kernels. Larger GEMMs fill the GPU by themselves.
+SIDE_DW_MAX_M = 2048
 
 
 # -- Kernel ------------------------------------------------------------------------------------------
@@ -305,11 +313,13 @@ def launch_bwd(
     activation: str,
     has_bias: bool,
     needs_dx: bool,
+    side: torch.cuda.Stream | None = None,
 ) -> tuple[Tensor | None, Tensor, Tensor | None]:
     """``linear_act_bwd`` with method "auto" and without its input checks, for the autograd op, whose
-    backward inputs are its own forward's: host time that every launch from Python pays."""
+    backward inputs are its own forward's: host time that every launch from Python pays. With `side`,
+    cuBLAS's dW runs on that stream (``kernels.gemm.grads.gemm_grads``: the caller joins it)."""
     if needs_dx or fastest_dw(dy, x, weight, saved, activation, has_bias) == "cublas":
-        return act_grads(dy, x, weight, saved, activation, has_bias, needs_dx)
+        return act_grads(dy, x, weight, saved, activation, has_bias, needs_dx, side)
     return None, *act_dw(dy, x, saved, activation, has_bias)
 
 
@@ -449,13 +459,25 @@ class _LinearActStack(torch.autograd.Function):
         if dy is None:
             return None, None, *grads
         saved = ctx.saved_tensors
+        device, side = dy.device, _side_stream(dy)
         for i in reversed(range(n_layers)):
             x, weight, act_input = saved[3 * i : 3 * i + 3]
             needs_dx = i > 0 or ctx.needs_input_grad[0]  # layer 0's input is often data
-            dy, grads[2 * i], grads[2 * i + 1] = _backward_body(
+            body = _backward_body if side is None else functools.partial(launch_bwd, side=side)
+            dy, grads[2 * i], grads[2 * i + 1] = body(
                 dy, x, weight, act_input, ctx.activations[i], ctx.has_bias[i], needs_dx
             )
+        if side is not None:  # every dW is read after this (the optimizer, a gradient all-reduce)
+            torch.cuda.current_stream(device).wait_stream(side)
         return (dy if ctx.needs_input_grad[0] else None), None, *grads
+
+
+def _side_stream(dy: Tensor) -> torch.cuda.Stream | None:
+    """The stream for a stack backward's dW GEMMs (module docstring): on the GPU, at most SIDE_DW_MAX_M
+    rows; None otherwise (everything on the current stream)."""
+    if dy.device.type != "cuda" or dy.shape[0] > SIDE_DW_MAX_M:
+        return None
+    return dw_stream(dy.device)
 
 
 def _one_layer(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str):

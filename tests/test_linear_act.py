@@ -35,6 +35,7 @@ from kernels.linear_act import (
     linear_act_bwd,
     linear_act_fwd,
     linear_act_ref,
+    linear_act_stack,
 )
 from tests.tolerances import tol
 
@@ -806,3 +807,51 @@ def test_act_dz_at_small_batches_writes_db_without_partials(monkeypatch, m):
     # <= 128 terms of |dz| < ~4 in another order: within 128 * 4 * 2**-24 ~ 3e-5 of each other, absolute.
     torch.testing.assert_close(db, db_ref, rtol=0, atol=3e-5)
     torch.testing.assert_close(db, (dy * (y > 0)).sum(0), rtol=0, atol=3e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stack_backward_with_dw_on_a_second_stream_gives_one_streams_gradients(dtype, monkeypatch):
+    """At a small batch a stack's backward runs its dW GEMMs on a second stream (SIDE_DW_MAX_M): the same
+    gradients, bit for bit (the same cuBLAS calls), as with everything on one stream, launched and replayed
+    from a CUDA graph, whose capture records the fork and the join."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    widths = [13, 512, 256, 64, 16]  # kaggle's bottom MLP, whose first layer's input rows get padded
+    x = torch.randn(128, widths[0], device="cuda", generator=g).to(dtype)
+    weights = [
+        (torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)).to(dtype).requires_grad_()
+        for k, n in zip(widths[:-1], widths[1:], strict=True)
+    ]
+    biases = [torch.randn(n, device="cuda", generator=g).to(dtype).requires_grad_() for n in widths[1:]]
+    activations = ["relu"] * (len(weights) - 1) + ["identity"]
+    dy = torch.randn(128, widths[-1], device="cuda", generator=g).to(dtype)
+    params = weights + biases
+
+    def backward():
+        for p in params:
+            p.grad = None
+        linear_act_stack(x, weights, biases, activations).backward(dy)
+
+    used = []
+
+    def spy(device):
+        used.append(device)
+        return grads_mod.dw_stream(device)
+
+    monkeypatch.setattr(linear_act_mod, "dw_stream", spy)
+    backward()
+    assert used, "the dW GEMMs did not take the second stream"
+    two_streams = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        linear_act_stack(x, weights, biases, activations).backward(dy)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [p.grad.clone() for p in params]
+    monkeypatch.setattr(linear_act_mod, "SIDE_DW_MAX_M", 0)
+    backward()
+    for i, p in enumerate(params):
+        assert torch.equal(two_streams[i], p.grad), f"parameter {i}: two streams differ from one"
+        assert torch.equal(replayed[i], p.grad), f"parameter {i}: the graph's replay differs from one stream"

@@ -18,7 +18,7 @@ from kernels.gemm.partials import row_programs, sum_partials
 from kernels.gemm.tuning import fastest, input_precision, m_bucket
 from kernels.launch import INTERPRETED
 
-__all__ = ["act_dz", "act_grads", "gemm_grads", "grad_input"]
+__all__ = ["act_dz", "act_grads", "dw_stream", "gemm_grads", "grad_input"]
 
 # act_dz's small batches: up to this many rows one program along M covers them (a row block of the whole
 # batch, in 4096-element tiles), and stores db directly: a step at batch 128 launches no partials' sum.
@@ -113,23 +113,54 @@ def _rows_padded_to(x: Tensor, kp: int) -> bool:
     return x.stride(0) == kp and x.untyped_storage().nbytes() >= end
 
 
-def gemm_grads(dz: Tensor, x: Tensor, weight: Tensor, needs_dx: bool) -> tuple[Tensor | None, Tensor]:
+def gemm_grads(
+    dz: Tensor, x: Tensor, weight: Tensor, needs_dx: bool, side: torch.cuda.Stream | None = None
+) -> tuple[Tensor | None, Tensor]:
     """(dx, dW) of ``z = x @ W^T`` by cuBLAS: dx = dz @ W (``grad_input``; None unless needs_dx); dW =
     dz^T @ x [N, K], contiguous. dz [M, N] contiguous, x [M, K] with contiguous rows, W [N, K]; one dtype.
     Shared by the GEMM ops whose backward is cuBLAS's (linear_act, ln_linear_gelu through it, gated_linear),
-    each with its own dz."""
+    each with its own dz.
+
+    With `side` (a CUDA stream, `dw_stream`), dW is computed there, concurrently with dx and whatever the
+    current stream runs next; the caller makes the current stream wait for `side` before dW is read."""
+    if side is None:
+        return (grad_input(dz, weight) if needs_dx else None), _weight_grad(dz, x)
+    current = torch.cuda.current_stream(dz.device)
+    dw = x.new_empty(weight.shape)  # the current stream's memory: freed and reused there, after the join
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        _weight_grad(dz, x, out=dw)
+    # dz and x are read on `side`: their memory is not reused until its reads are done.
+    dz.record_stream(side)
+    x.record_stream(side)
+    return (grad_input(dz, weight) if needs_dx else None), dw
+
+
+def _weight_grad(dz: Tensor, x: Tensor, out: Tensor | None = None) -> Tensor:
+    """dW = dz^T @ x [N, K] by cuBLAS on the current stream (``gemm_grads``), into `out` [N, K] contiguous
+    when given."""
     m, k = x.shape
     kp = aligned_width(k, x.dtype)
-    dx = grad_input(dz, weight) if needs_dx else None
     # dW [N, K] with K not a multiple of 16 bytes (13 dense features, the 367-wide interaction) makes cuBLAS
     # take its slow align1 kernels, so when x's rows are padded
     # (the op's copy, the interaction's output) the GEMM reads [M, Kp] in place and the extra columns of dW,
     # products with the padding, are dropped.
     if kp != k and _rows_padded_to(x, kp):
-        dw = torch.mm(dz.t(), x.as_strided((m, kp), (kp, 1)))[:, :k].contiguous()
-    else:
-        dw = torch.mm(dz.t(), x)
-    return dx, dw
+        dw = torch.mm(dz.t(), x.as_strided((m, kp), (kp, 1)))[:, :k]
+        return dw.contiguous() if out is None else out.copy_(dw)
+    return torch.mm(dz.t(), x) if out is None else torch.mm(dz.t(), x, out=out)
+
+
+# One stream a device for the weight gradients (`dw_stream`), made once: a stream is a pool slot, and the
+# cuBLAS workspace cached for it is made outside any capture by the first (warm-up) backward.
+_DW_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def dw_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream on which a backward's weight gradients run beside its input gradients on `device` (CUDA)."""
+    if device not in _DW_STREAMS:
+        _DW_STREAMS[device] = torch.cuda.Stream(device)
+    return _DW_STREAMS[device]
 
 
 def grad_input(dz: Tensor, weight: Tensor) -> Tensor:
@@ -184,16 +215,17 @@ def act_grads(
     activation: str,
     has_bias: bool,
     needs_dx: bool,
+    side: torch.cuda.Stream | None = None,
 ) -> tuple[Tensor | None, Tensor, Tensor | None]:
     """(dx, dW, db) of ``y = act(x @ W^T + b)``: dz and db partials in one Triton pass over [M, N]
-    (``act_dz``), then dx = dz @ W and dW = dz^T @ x by cuBLAS (``gemm_grads``). dy, saved [M, N]; x [M, K]
-    with contiguous rows; W [N, K]; one dtype. dx is None unless needs_dx (rows padded to 16 bytes), db None
-    unless has_bias; dW and db are zeros when M == 0."""
+    (``act_dz``), then dx = dz @ W and dW = dz^T @ x by cuBLAS (``gemm_grads``, dW on `side` when given).
+    dy, saved [M, N]; x [M, K] with contiguous rows; W [N, K]; one dtype. dx is None unless needs_dx (rows
+    padded to 16 bytes), db None unless has_bias; dW and db are zeros when M == 0."""
     m, k = x.shape
     n = weight.shape[0]
     if m == 0:
         db = torch.zeros(n, dtype=x.dtype, device=x.device) if has_bias else None
         return (new_padded(m, k, x) if needs_dx else None), x.new_zeros(n, k), db
     dz, db = act_dz(dy, saved, activation, has_bias, x.dtype)
-    dx, dw = gemm_grads(dz, x, weight, needs_dx)
+    dx, dw = gemm_grads(dz, x, weight, needs_dx, side)
     return dx, dw, db
