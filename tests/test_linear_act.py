@@ -543,10 +543,11 @@ def test_fastest_times_a_key_once_and_keeps_the_winner(monkeypatch):
 
 @pytest.mark.gpu
 def test_timing_a_choice_leaves_a_live_step_graph_replaying_right():
-    """A step graph with cuBLAS GEMMs captured on ``torch.cuda.graph``'s default stream (as GraphedTrainStep
-    captures), then a new key timed mid-run (a timing graph captured and destroyed), then memory churn: the
-    step graph still replays eager's results, and the timing was captured on a stream of its own (a graph
-    destroyed on the step's stream clears the cuBLAS workspace the step graph still uses)."""
+    """A step graph with cuBLAS GEMMs captured on ``torch.cuda.graph``'s default stream (a stream of the
+    default-priority pool, as dlrm.graphs' are), then a new key timed mid-run (a timing graph captured and
+    destroyed), then memory churn: the step graph still replays eager's results, and the timing was
+    captured on a stream of its own (a graph destroyed on the step's stream clears the cuBLAS workspace the
+    step graph still uses)."""
     g = torch.Generator(device="cuda").manual_seed(3)
     a, b = (torch.randn(4096, 512, device="cuda", generator=g) for _ in range(2))
     step = torch.cuda.CUDAGraph()

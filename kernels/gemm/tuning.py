@@ -211,10 +211,11 @@ def _timing_stream() -> torch.cuda.Stream:
     """The stream that graph_time captures on, one of its own: destroying a CUDA graph clears the cuBLAS
     workspaces that PyTorch caches for the stream it was captured on, and a live graph captured on that
     stream still uses them (pytorch/pytorch#193402). The training step and the evaluation forward are
-    captured on ``torch.cuda.graph``'s shared default stream, and a timing graph is destroyed mid-run (a new
-    shape seen by the evaluation): on that stream it would pull the step graph's workspace from under it
-    (its next capture invalidated, or its memory handed out twice). A high-priority stream comes from
-    PyTorch's high-priority pool, which no other stream of ours, nor that default stream, is drawn from."""
+    captured on streams of PyTorch's (default-priority) pool (dlrm.graphs), and a timing graph is destroyed
+    mid-run (a new shape seen by the evaluation): on one of their streams it would pull the step graph's
+    workspace from under it (its next capture invalidated, or its memory handed out twice). A
+    high-priority stream comes from PyTorch's high-priority pool, which no other stream of ours is drawn
+    from."""
     device = torch.cuda.current_device()
     if device not in _TIMING_STREAMS:
         _TIMING_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
@@ -229,7 +230,8 @@ def graph_time(fn) -> float:
 
     fn()  # autotuning and lazy initialization, outside the capture
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=_timing_stream()):
+    # Thread-local: a loader's or a checkpoint writer's CUDA calls on another thread do not fail it.
+    with torch.cuda.graph(graph, stream=_timing_stream(), capture_error_mode="thread_local"):
         fn()
     ms = do_bench(graph.replay, warmup=10, rep=40, return_mode="median")
     del graph
