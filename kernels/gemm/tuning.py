@@ -214,8 +214,8 @@ def _timing_stream() -> torch.cuda.Stream:
     captured on streams of PyTorch's (default-priority) pool (dlrm.graphs), and a timing graph is destroyed
     mid-run (a new shape seen by the evaluation): on one of their streams it would pull the step graph's
     workspace from under it (its next capture invalidated, or its memory handed out twice). A
-    high-priority stream comes from PyTorch's high-priority pool, which no other stream of ours is drawn
-    from."""
+    high-priority stream comes from PyTorch's high-priority pool, from which only one other stream of ours
+    is drawn, once (kernels.gemm.grads.dw_stream): a different one."""
     device = torch.cuda.current_device()
     if device not in _TIMING_STREAMS:
         _TIMING_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
