@@ -62,6 +62,7 @@ __all__ = [
     "embedding_update_ref",
     "launch_update",
     "optimizer_state",
+    "sorted_segments",
     "update_lr",
 ]
 
@@ -463,7 +464,7 @@ def embedding_update(
     launch_update(weights, state, index, grad, optimizer, lr, eps, rounding=rounding)
 
 
-def _sorted_segments(index: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+def sorted_segments(index: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
     """(sorted rows, order, segment), each [N], of the N = index.numel() global rows looked up (each in
     [0, rows)): the rows sorted (int32 where `rows` <= 2**31, else int64: the sort's keys, kept as sorted),
     the lookup at each sorted position (argsort, int64), and the segment (distinct row, numbered in sorted
@@ -581,7 +582,7 @@ def launch_update(
             BLOCK_D=block_d,
         )  # fmt: skip
         return
-    sorted_rows, order, segment = _sorted_segments(index, weights.shape[0])
+    sorted_rows, order, segment = sorted_segments(index, weights.shape[0])
     rows = order
     if pooled:  # lookup b * S + c reads the pooled gradient's row b * F + f(c), scaled by f's 1 or 1/k_f
         rows = torch.empty_like(order)

@@ -146,20 +146,26 @@ def config_path(row: Row) -> tuple[str, ...]:
 
 def ran_our_kernels(row: Row) -> bool:
     """Whether `row`'s run could call kernels/ (our Triton kernels): a step row (`backend` cell) whose backend
-    names triton; a training row (`overrides` cell) whose overrides or config set train.use_triton; any
-    other row, by default. The eager, compile and torch-graphed steps and a run without --use-triton never
-    import kernels/."""
+    names triton, or compile on a GPU; a training row (`overrides` cell) whose overrides or config set
+    train.use_triton, or train.use_torch_compile on a GPU; any other row, by default. On one GPU
+    --use-torch-compile takes the whole-step graph, whose tables (sparse kernel "torch_fused") keep the
+    optimizer state that kernels/embedding_update makes. The eager and torch-graphed steps, and a run on the
+    CPU without --use-triton, never import kernels/."""
+    on_gpu = row.cells.get("device", "cpu") != "cpu"
     if "backend" in row.cells:
-        return "triton" in row.cells["backend"]
+        backend = row.cells["backend"]
+        return "triton" in backend or ("compile" in backend and on_gpu)
     if "overrides" not in row.cells:
         return True
-    if "use_triton=true" in row.cells["overrides"].replace(" ", ""):
+    overrides = row.cells["overrides"].replace(" ", "")
+    if "use_triton=true" in overrides or ("use_torch_compile=true" in overrides and on_gpu):
         return True
     config = config_path(row)
     try:
-        return bool(config) and json.loads((REPO / config[0]).read_text())["train"].get("use_triton", False)
+        train = json.loads((REPO / config[0]).read_text())["train"] if config else {}
     except (OSError, ValueError, KeyError):
         return True  # a config it cannot read: count the kernels in
+    return bool(train.get("use_triton", False) or (train.get("use_torch_compile", False) and on_gpu))
 
 
 def code_paths(row: Row) -> tuple[str, ...]:

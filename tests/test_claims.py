@@ -167,7 +167,8 @@ def test_a_row_measures_the_config_file_it_names(scripts, monkeypatch):
 
 def test_a_row_measures_kernels_only_where_its_run_called_them(scripts):
     """A quality run of eager PyTorch does not measure kernels/ (a kernel change leaves it current); a
-    --use-triton run or a triton step backend does; rows that say nothing measure the whole application."""
+    --use-triton run or a triton step backend does, and so does --use-torch-compile on a GPU; rows that say
+    nothing measure the whole application."""
     _, results_rows = scripts
 
     def row(file, **cells):
@@ -181,6 +182,15 @@ def test_a_row_measures_kernels_only_where_its_run_called_them(scripts):
     assert results_rows.code_paths(row("train.csv", backend="eager")) == dlrm_only
     assert results_rows.code_paths(row("train.csv", backend="torch-graphed")) == dlrm_only
     assert results_rows.code_paths(row("train.csv", backend="triton+graphs")) == results_rows.WHOLE
+    # --use-torch-compile on a GPU takes the whole-step graph, whose tables' state kernels/ makes
+    graphed = row("train.csv", backend="compile+graphs", device="H200")
+    assert results_rows.code_paths(graphed) == results_rows.WHOLE
+    assert results_rows.code_paths(row("train.csv", backend="compile", device="cpu")) == dlrm_only
+    compiled = 'train.use_torch_compile=true data.loader="x"'
+    gpu = row("quality.csv", config="configs/kaggle.json", overrides=compiled, device="H200")
+    assert results_rows.code_paths(gpu) == results_rows.WHOLE
+    cpu = row("quality.csv", config="configs/kaggle.json", overrides=compiled, device="cpu")
+    assert results_rows.code_paths(cpu) == dlrm_only
     assert results_rows.code_paths(row("breakdown.csv")) == results_rows.WHOLE
     assert results_rows.code_paths(row("kernels.csv", backend="eager")) == ("kernels",)
 

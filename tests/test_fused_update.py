@@ -25,7 +25,7 @@ def _case(seed: int, rows: int = 40, d: int = 8, lookups: int = 300):
 
 def test_segment_sums_are_each_distinct_rows_sum_then_zeros():
     weights, index, grad = _case(1)
-    rows, sums = fused_update.segment_sums(index, grad)
+    rows, sums = fused_update.segment_sums(index, grad, len(weights))
     distinct = torch.unique(index)
     u = len(distinct)
     assert torch.equal(rows[:u], distinct) and not rows[u:].any() and not sums[u:].any()

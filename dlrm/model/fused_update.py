@@ -19,21 +19,22 @@ and its step is zero.
 import torch
 from torch import Tensor
 
+from kernels.embedding_update import sorted_segments
+
 __all__ = ["apply_update", "lookup", "segment_sums"]
 
 
-def segment_sums(index: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
-    """(rows [N] int64, sums [N, D] fp32) for the N = index.numel() looked-up rows `index` and their
-    gradients `grad` [N, D]: sums[u] is the sum of the gradients of distinct row rows[u] (distinct rows in
-    ascending order at u < U); places u >= U hold row 0 and zeros. Fixed shapes, no host sync."""
-    flat = index.reshape(-1)
-    n = flat.numel()
-    sorted_rows, order = torch.sort(flat)
-    segment = torch.zeros(n, dtype=torch.int64, device=flat.device)
-    torch.cumsum(sorted_rows[1:] != sorted_rows[:-1], dim=0, out=segment[1:])
+def segment_sums(index: Tensor, grad: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+    """(rows [N] int64, sums [N, D] fp32) for the N = index.numel() looked-up rows `index` (each in
+    [0, num_rows)) and their gradients `grad` [N, D]: sums[u] is the sum of the gradients of distinct row
+    rows[u] (distinct rows in ascending order at u < U); places u >= U hold row 0 and zeros. The sort and the
+    segments are the Triton update's (kernels.embedding_update.sorted_segments). Fixed shapes, no host
+    sync."""
+    n = index.numel()
+    sorted_rows, order, segment = sorted_segments(index, num_rows)
     sums = torch.zeros(n, grad.shape[-1], dtype=torch.float32, device=grad.device)
     sums.index_add_(0, segment, grad.reshape(n, -1)[order].float())
-    rows = torch.zeros(n, dtype=torch.int64, device=flat.device).scatter_(0, segment, sorted_rows)
+    rows = torch.zeros(n, dtype=torch.int64, device=index.device).scatter_(0, segment, sorted_rows.long())
     return rows, sums
 
 
@@ -50,7 +51,7 @@ def apply_update(
         return
     if optimizer not in ("adagrad", "rowwise_adagrad"):
         raise ValueError(f"unknown optimizer {optimizer!r}: expected sgd, adagrad or rowwise_adagrad")
-    rows, sums = segment_sums(index, grad)
+    rows, sums = segment_sums(index, grad, weights.shape[0])
     squares = sums * sums
     state.index_add_(0, rows, squares if optimizer == "adagrad" else squares.mean(dim=1))
     scale = state[rows].sqrt().add_(eps)

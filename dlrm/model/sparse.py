@@ -245,15 +245,15 @@ class SparseArch(nn.Module):
 
     def _fused_lookup(self, rows: torch.Tensor) -> torch.Tensor:
         """Kernel "torch_fused": rows [B, F] within each table -> [B, F, D] fp32, updated in backward."""
+        index = rows + self.offsets
         if self.frozen or not torch.is_grad_enabled():
-            return self.weights.detach()[rows + self.offsets]
+            return self.weights.detach()[index]
         if self.optimizer is None:
             raise ValueError(
                 "SparseArch(kernel='torch_fused') updates its tables in backward: call configure_optimizer "
                 "before training (or look up under torch.no_grad())"
             )
         optimizer, eps = self.optimizer
-        index = rows + self.offsets
         return fused_lookup(self.weights, self.optimizer_state, index, optimizer, self.lr, eps)
 
 
