@@ -179,18 +179,21 @@ def _planted(runs: list[Row]) -> str:
 
 def quality_table(rows: list[Row]) -> list[str]:
     """Test AUC and NE over seeds per dataset (the `window` column: a window of the sample or a data
-    directory) and config, the newest run of each seed, beside scikit-learn's val-tuned L2 logistic
+    directory), config and label (a label other than the config's name marks a run with its own overrides,
+    shown beside the config), the newest run of each seed, beside scikit-learn's val-tuned L2 logistic
     regression on the same data (`scripts/quality.py --sklearn`) where measured."""
     rows = [r for r in rows if r.file == "quality.csv" and r.cells.get("window")]
-    groups: dict[tuple[str, str], list[Row]] = {}
+    groups: dict[tuple[str, str, str], list[Row]] = {}
     for row in rows:
-        groups.setdefault((row.cells["window"], row.cells["config"]), []).append(row)
+        groups.setdefault((row.cells["window"], row.cells["config"], row.cells["label"]), []).append(row)
     body = []
-    for (window, config), group in groups.items():
+    for (window, config, label), group in groups.items():
         if config == "sklearn_l2":
             continue
         runs = _latest_seeds(group)
-        reference = _latest_seeds(groups.get((window, "sklearn_l2"), []))
+        reference = _latest_seeds(groups.get((window, "sklearn_l2", "sklearn_l2"), []))
+        if label != Path(config).stem:  # a setting of its own (overrides), e.g. another batch or table dtype
+            config = f"{config} ({label})"
         ref_auc, ref_ne = (
             (mean_sd([float(r.cells[f"test_{m}"]) for r in reference]) for m in ("auc", "ne"))
             if reference

@@ -219,3 +219,24 @@ def test_step_table_names_the_tables_and_finds_the_fp32_baseline_of_bf16_tables(
     table = "\n".join(readme_table.step_table(rows))
     assert "| 22.5M rows, bf16 | 3.00M | torch-graphed (one CUDA graph) | 1.50M | 2.00x |" in table
     assert "| 22.5M rows, fp32 | 2.40M | no graphed baseline in this run |" in table
+
+
+def test_quality_table_keeps_a_labelled_setting_of_one_config_as_a_row_of_its_own(monkeypatch):
+    """Two settings of one config on one dataset (another batch by --set, its own --label) are two rows, the
+    label beside the config; neither hides the other as an older seed would."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import readme_table
+    from results_rows import Row
+
+    monkeypatch.setattr(readme_table, "changed_since", lambda rows: "no")
+
+    def row(line: int, label: str, auc: str) -> Row:
+        cells = {"window": "syn45m", "config": "configs/kaggle_large_batch.json", "label": label,
+                 "seed": "0", "test_auc": auc, "test_ne": "0.73", "device": "H200",
+                 "oracle_test_auc": "0.8608"}  # fmt: skip
+        return Row("quality.csv", line, cells)
+
+    rows = [row(2, "kaggle_large_batch", "0.8576"), row(3, "kaggle_large_batch_b131072", "0.8548")]
+    table = "\n".join(readme_table.quality_table(rows))
+    assert "| syn45m | configs/kaggle_large_batch.json | 0 | 0.8576 +- 0.0000 |" in table
+    assert "| configs/kaggle_large_batch.json (kaggle_large_batch_b131072) | 0 | 0.8548 +- 0.0000 |" in table
