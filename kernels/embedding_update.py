@@ -29,16 +29,18 @@ How the update runs:
   sum repeated ids exactly (up to fp32 summation order), as SGD needs nothing but the sum.
 - otherwise (adagrad, rowwise_adagrad, bf16 weights): the non-linear update needs each row's full sum
   first. The B*F indices are sorted (torch.sort, on int32 keys where the rows fit: half the radix passes);
-  sorted positions with the same row form a segment. One kernel sums dout over each block of 32 sorted
-  positions by a 0/1 matrix product on the tensor cores and stores the sum of each segment that lies
-  inside the block in the segment's slot of a [B*F, D] fp32 buffer. A segment that crosses a block edge
-  leaves one partial sum per block in the next level's list, which the same kernel sums the same way (a
-  level holds at most two partials per block of the one before: 2^31 lookups take six levels), until a
-  level fits in one block. A second kernel steps each segment's row from its slot (the segment's first
-  sorted position does it): the row's weights and state read and written once. No atomics: the sums, and
-  so the whole update, are the same bits on every run. Memory is O(B F D), never O(R D). (Stepping the
-  rows inside the summing kernel saves the buffer's write and read but measured slower on an H200: the
-  row gathers wait behind the sums, 14.9 vs 10.6 ms for dlrm_dcnv2's bags at B=65,536.)
+  sorted positions with the same row form a segment, and a small kernel writes where each segment starts.
+  A segment of at most SHORT_SEGMENT positions (most rows of a large table) is summed where its row is
+  stepped: the step kernel takes a few segments at a time, adds their positions' gradients in sorted order
+  in registers, and reads and writes the row's weights and state once. Longer segments (small tables, hot
+  rows) are summed first, by a kernel that reduces each block of 32 sorted positions by a 0/1 matrix
+  product on the tensor cores and stores the sum of each long segment that lies inside the block in the
+  segment's slot of a [B*F, D] fp32 buffer; a segment that crosses a block edge leaves one partial sum per
+  block in the next level's list, which the same kernel sums the same way (a level holds at most two
+  partials per block of the one before: 2^31 lookups take six levels), until a level fits in one block.
+  A block without a long segment ends at once. The step kernel then reads a long segment's sum from its
+  slot. No atomics: the sums, and so the whole update, are the same bits on every run. Memory is O(B F D),
+  never O(R D).
 Fixed shapes throughout (no torch.unique, no host sync), so a step can be captured in a CUDA graph.
 The PyTorch reference is ``embedding_update_ref``.
 """
@@ -70,11 +72,14 @@ OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 # Sorted positions a segment-sum program reduces: its [SUM_BLOCK_N, SUM_BLOCK_N] 0/1 matrix stays in
 # registers (64 spills them on an H200; tl.dot needs at least 16).
 SUM_BLOCK_N = 32
-# Sorted positions an update program takes (the first of each segment steps its row): 16, not 32, as
-# most positions repeat a row and do nothing, and twice the programs hide more of the row loads' latency
-# (H200, dlrm_dcnv2's bags, Zipf ids: 1.9 vs 2.6 ms). One program a block of segments instead, every lane
-# stepping a row, measured 0.3 ms slower at B=65,536.
-UPDATE_BLOCK_N = 16
+# Segments of at most SHORT_SEGMENT sorted positions (most rows of large tables) are summed by the step
+# kernel in a loop over their positions, never stored; longer ones (small tables, hot rows) by the summing
+# kernel's 0/1 products, through the [N, D] buffer.
+SHORT_SEGMENT = 32
+# Segments a step program takes at a time, its warps, and its programs an SM (persistent).
+STEP_SEGMENTS = 4
+STEP_WARPS = 4
+STEP_PROGRAMS_PER_SM = 8
 
 
 # -- Kernels -----------------------------------------------------------------------------------------
@@ -229,6 +234,19 @@ def _update_rows(
     tl.store(w_ptrs, updated.to(weights_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _gradient_offsets(row, mask, scales_ptr, F, D, stride_b, stride_f, POOLED: tl.constexpr):
+    """(element offset [BLOCK] int64 of each gradient row `row` [BLOCK] int64 in dout, its scale [BLOCK]
+    fp32): POOLED: row b * F + f of dout [B, F, D] (strides stride_b, stride_f, 1), scaled by its bag's 1 or
+    1/k_f; otherwise row r of dout [*, D], scale 1."""
+    if POOLED:
+        sample = (row.to(tl.int32) // F).to(tl.int64)  # B * F < 2**31: an int32 division
+        feature = row - sample * F
+        scale = tl.load(scales_ptr + feature, mask=mask, other=0.0)
+        return sample * stride_b + feature * stride_f, scale
+    return row * D, tl.full(row.shape, 1.0, tl.float32)
+
+
 @triton.jit(do_not_specialize=["N", "SEGMENTS"])
 def _segment_sum_kernel(
     # pointers
@@ -236,9 +254,10 @@ def _segment_sum_kernel(
     segment_ptr,  # [N] int64: segment (distinct row, in sorted order) of each sorted position
     grad_ptr,  # [*, D] dout rows ([B, F, D] where POOLED), any float dtype; level >= 1: the partial sums
     scales_ptr,  # POOLED: [F] fp32 pooling scale of each feature (not read otherwise)
-    sums_ptr,  # [SEGMENTS, D] fp32: each segment's sum, stored by the level where it fits in one block
+    sums_ptr,  # [SEGMENTS, D] fp32: each long segment's sum, stored by the level where it fits in a block
     dest_ptr,  # [2 * programs] int64: where the next level holds this block's first / last partial (or -1)
     partial_ptr,  # [M, D] fp32: the next level's values
+    starts_ptr,  # [SEGMENTS + 1] int64: each segment's first sorted position of level 0, then N of level 0
     # sizes
     N,
     F,
@@ -250,24 +269,26 @@ def _segment_sum_kernel(
     POOLED: tl.constexpr,
     SPLIT_BF16: tl.constexpr,  # the block's sums by exact bf16 pieces (False in the interpreter)
     OFFSET32: tl.constexpr,  # every element of grad at an offset < 2**31: the gather's offsets in 32 bits
+    SHORT: tl.constexpr,  # segments of at most SHORT positions are the step kernel's: skipped here
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     p, mask_p, d, mask = _lookup_block(N, D, BLOCK_N, BLOCK_D)
-    # The gradient's row of each position comes precomputed: two dependent loads a block, not three.
-    row = tl.load(rows_ptr + p, mask=mask_p, other=0)
     segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
-    if POOLED:  # row = b * F + f, scaled by its bag's 1 or 1/k_f
-        sample = (row.to(tl.int32) // F).to(tl.int64)  # B * F < 2**31: an int32 division
-        feature = row - sample * F
-        offset = sample * stride_b + feature * stride_f
-        scale = tl.load(scales_ptr + feature, mask=mask_p, other=0.0)
-    else:
-        offset = row * D
-        scale = tl.full(row.shape, 1.0, tl.float32)
-    # An unused slot of a level >= 1 was never written (its buffer is not zeroed): read as zeros, since the
-    # block's sums multiply every row by a 0/1 matrix and garbage (NaN) times 0 would reach the other rows.
-    used = mask & (segment < SEGMENTS)[:, None]
+    # Only long segments are summed here; a block without one (most blocks) ends before its gathers.
+    # An unused slot of a level >= 1 (segment >= SEGMENTS) was never written (its buffer is not zeroed):
+    # read as zeros, since the block's sums multiply every row by a 0/1 matrix and garbage (NaN) times 0
+    # would reach the other rows. So are the short segments' places, which no level writes.
+    known = mask_p & (segment >= 0) & (segment < SEGMENTS)
+    start = tl.load(starts_ptr + segment, mask=known, other=0)
+    end = tl.load(starts_ptr + segment + 1, mask=known, other=0)
+    long = known & (end - start > SHORT)
+    if tl.max(long.to(tl.int32)) == 0:
+        return
+    # The gradient's row of each position comes precomputed: two dependent loads a block, not three.
+    row = tl.load(rows_ptr + p, mask=long, other=0)
+    offset, scale = _gradient_offsets(row, long, scales_ptr, F, D, stride_b, stride_f, POOLED)
+    used = mask & long[:, None]
     if OFFSET32:  # the [BLOCK_N, BLOCK_D] offsets in half the registers (measured faster, H200)
         grad = tl.load(grad_ptr + (offset.to(tl.int32)[:, None] + d[None, :]), mask=used, other=0.0)
     else:
@@ -285,50 +306,86 @@ def _segment_sum_kernel(
     # them the same way; a segment inside the block is complete, and stored here.
     came_in = (segment == first) & (first == before_block)
     crosses = came_in | ((segment == last) & (last == next_segment))
-    whole = ends_here & ~crosses & (segment < SEGMENTS)
+    whole = ends_here & ~crosses & long
     tl.store(sums_ptr + segment[:, None] * D + d[None, :], sums, mask=mask & whole[:, None])
     first_dest, last_dest = tl.load(dest_ptr + 2 * block), tl.load(dest_ptr + 2 * block + 1)
     dest = tl.where(came_in, first_dest, last_dest)
-    tl.store(partial_ptr + dest[:, None] * D + d[None, :], sums, mask=mask & (ends_here & crosses)[:, None])
+    partial = ends_here & crosses & long
+    tl.store(partial_ptr + dest[:, None] * D + d[None, :], sums, mask=mask & partial[:, None])
 
 
-@triton.jit(do_not_specialize=["N", "eps"])
-def _segment_update_kernel(
-    # pointers
-    sorted_ptr,  # [N] int32 (rows < 2**31) or int64 sorted global rows
+@triton.jit(do_not_specialize=["N"])
+def _segment_starts_kernel(
     segment_ptr,  # [N] int64 segment of each sorted position
-    sums_ptr,  # [N, D] fp32 gradient sum of each segment
+    starts_ptr,  # [N + 1] int64, N everywhere: each segment's first sorted position is written over it
+    N,
+    BLOCK: tl.constexpr,
+):
+    """starts[s] = the first sorted position of segment s; the places past the last segment keep N, so
+    a segment's positions are starts[s] .. starts[s + 1] - 1."""
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    valid = p < N
+    segment = tl.load(segment_ptr + p, mask=valid, other=0)
+    previous = tl.load(segment_ptr + p - 1, mask=valid & (p > 0), other=-1)
+    tl.store(starts_ptr + segment, p, mask=valid & (segment != previous))
+
+
+@triton.jit(do_not_specialize=["N", "F", "eps"])
+def _segment_step_kernel(
+    # pointers
+    starts_ptr,  # [N + 1] int64: each segment's first sorted position (`_segment_starts_kernel`)
+    segment_ptr,  # [N] int64 segment of each sorted position (its last + 1 is the number of segments)
+    sorted_ptr,  # [N] int32 (rows < 2**31) or int64 sorted global rows
+    rows_ptr,  # [N] int64: row of grad read at each sorted position
+    grad_ptr,  # [*, D] dout rows ([B, F, D] where POOLED), any float dtype
+    scales_ptr,  # POOLED: [F] fp32 pooling scale of each feature (not read otherwise)
+    sums_ptr,  # [N, D] fp32: each long segment's sum (the summing kernel's); short ones' slots unused
     weights_ptr,  # [R, D] fp32/bf16, updated in place
     state_ptr,  # adagrad: [R, D] fp32; rowwise_adagrad: [R] fp32; sgd: unused
     lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
     rounding_ptr,  # STOCHASTIC: [2] int64 (seed, count), read at launch time; not read otherwise
     # sizes
     N,
+    F,
     D,
+    stride_b,  # POOLED: dout's strides along B and F; D's is 1
+    stride_f,
     # optimizer
     eps,
     # meta-parameters
+    POOLED: tl.constexpr,
     OPTIMIZER: tl.constexpr,
     STOCHASTIC: tl.constexpr,  # bf16 weights rounded stochastically (else to nearest, or fp32 as is)
-    BLOCK_N: tl.constexpr,
+    SHORT: tl.constexpr,  # segments of at most SHORT positions are summed here, longer ones read
+    BLOCK_S: tl.constexpr,  # segments a program steps at a time
     BLOCK_D: tl.constexpr,
 ):
-    p = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    valid = p < N
-    row = tl.load(sorted_ptr + p, mask=valid, other=0).to(tl.int64)  # int32 where the rows fit
-    previous = tl.load(sorted_ptr + p - 1, mask=(p > 0) & valid, other=-1).to(tl.int64)
-    # The first sorted position of each distinct row applies that row's update; the others do nothing.
-    head = valid & (row != previous)
-    # 1-D loads are masked by `valid`, not by the data-dependent `head`: Triton 3.6 fails to compile a
-    # load masked by `head` here (TritonGPURemoveLayoutConversions), and reading more is harmless.
-    segment = tl.load(segment_ptr + p, mask=valid, other=0)
+    """Each segment's row stepped once: a short segment's gradient summed here, position by position in
+    sorted order (fp32), a long one's read from `sums`. Persistent: programs stride over the groups of
+    BLOCK_S segments, whose number only the device knows."""
+    segments = tl.load(segment_ptr + N - 1) + 1
     d = tl.arange(0, BLOCK_D)
-    mask = head[:, None] & (d < D)[None, :]
-    sums = tl.load(sums_ptr + segment[:, None] * D + d[None, :], mask=mask, other=0.0)
-    _update_rows(
-        row, sums, mask, head, weights_ptr, state_ptr, lr_ptr, rounding_ptr, D, eps,
-        OPTIMIZER, STOCHASTIC, BLOCK_N, BLOCK_D,
-    )  # fmt: skip
+    mask_d = (d < D)[None, :]
+    for group in range(tl.program_id(0), tl.cdiv(segments, BLOCK_S), tl.num_programs(0)):
+        # int64 before the product (`group` is a Python int in the interpreter, int32 compiled).
+        s = (tl.zeros([BLOCK_S], tl.int64) + group) * BLOCK_S + tl.arange(0, BLOCK_S)
+        valid = s < segments
+        start = tl.load(starts_ptr + s, mask=valid, other=0)
+        length = tl.load(starts_ptr + s + 1, mask=valid, other=0) - start
+        short = valid & (length <= SHORT)
+        long = (valid & ~short)[:, None] & mask_d
+        grad = tl.load(sums_ptr + s[:, None] * D + d[None, :], mask=long, other=0.0)
+        for j in range(0, tl.max(tl.where(short, length, 0))):
+            take = short & (j < length)
+            row = tl.load(rows_ptr + start + j, mask=take, other=0)
+            offset, scale = _gradient_offsets(row, take, scales_ptr, F, D, stride_b, stride_f, POOLED)
+            g = tl.load(grad_ptr + offset[:, None] + d[None, :], mask=take[:, None] & mask_d, other=0.0)
+            grad += g.to(tl.float32) * scale[:, None]
+        row = tl.load(sorted_ptr + start, mask=valid, other=0).to(tl.int64)
+        _update_rows(
+            row, grad, valid[:, None] & mask_d, valid, weights_ptr, state_ptr, lr_ptr, rounding_ptr, D, eps,
+            OPTIMIZER, STOCHASTIC, BLOCK_S, BLOCK_D,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -501,9 +558,10 @@ def _next_level(segment: Tensor, segments: int) -> tuple[Tensor, Tensor]:
     return dest, next_segment[:-1]
 
 
-def _next_level_buffer(places: int, d: int, device: torch.device) -> Tensor:
-    """[places, D] fp32, not initialized: the next level's values. The summing kernel writes every used
-    place and reads the unused ones as zeros, so no pass zeroes the buffer."""
+def _sums_buffer(places: int, d: int, device: torch.device) -> Tensor:
+    """[places, D] fp32, not initialized: the long segments' sums, or a level's partial sums. The kernels
+    read only the places written (the step kernel the long segments' slots; the summing kernel reads the
+    rest as zeros), so no pass zeroes the buffer."""
     return torch.empty(places, d, dtype=torch.float32, device=device)
 
 
@@ -520,7 +578,15 @@ def _last_offset(t: Tensor) -> int:
 
 
 def _segment_sums(
-    rows: Tensor, segment: Tensor, grad: Tensor, scales: Tensor, pooled: bool, f: int, d: int, block_d: int
+    rows: Tensor,
+    segment: Tensor,
+    grad: Tensor,
+    scales: Tensor,
+    starts: Tensor,
+    pooled: bool,
+    f: int,
+    d: int,
+    block_d: int,
 ) -> Tensor:
     """[N, D] fp32: each segment's gradient sum in its slot (module docstring), for the N sorted positions'
     gradient rows `rows` and segments `segment` [N] int64 of `launch_update`'s gradient ([N, D]
@@ -528,16 +594,16 @@ def _segment_sums(
     0 sums the lookups' gradients; each next level the partial sums of the segments that crossed a block
     edge of the level before, until a level fits in one block."""
     n = len(segment)
-    sums = torch.empty(n, d, dtype=torch.float32, device=grad.device)
+    sums = _sums_buffer(n, d, grad.device)
     while True:
         m = len(segment)
         dest, next_segment = _next_level(segment, n)
-        partials = _next_level_buffer(len(next_segment), d, grad.device)
+        partials = _sums_buffer(len(next_segment), d, grad.device)
         strides = grad.stride()[:2] if pooled else (0, 0)
         _segment_sum_kernel[(triton.cdiv(m, SUM_BLOCK_N),)](
-            rows, segment, grad, scales, sums, dest, partials, m, f, d, n, *strides, POOLED=pooled,
-            SPLIT_BF16=not INTERPRETED, OFFSET32=_last_offset(grad) < OFFSET32_LIMIT, BLOCK_N=SUM_BLOCK_N,
-            BLOCK_D=block_d, num_warps=4,
+            rows, segment, grad, scales, sums, dest, partials, starts, m, f, d, n, *strides, POOLED=pooled,
+            SPLIT_BF16=not INTERPRETED, OFFSET32=_last_offset(grad) < OFFSET32_LIMIT, SHORT=SHORT_SEGMENT,
+            BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
         if m <= SUM_BLOCK_N:
             return sums
@@ -588,12 +654,25 @@ def launch_update(
         rows = torch.empty_like(order)
         _gradient_rows_kernel[(triton.cdiv(n, 1024),)](order, features, rows, n, s, f, BLOCK=1024)
         scales = torch.zeros(f, dtype=torch.float32, device=grad.device).scatter_(0, features, scales)
-    sums = _segment_sums(rows, segment, grad, scales, pooled, f, d, max(16, block_d))
+    starts = torch.full((n + 1,), n, dtype=torch.int64, device=grad.device)
+    _segment_starts_kernel[(triton.cdiv(n, 1024),)](segment, starts, n, BLOCK=1024)
+    sums = _segment_sums(rows, segment, grad, scales, starts, pooled, f, d, max(16, block_d))
     stochastic = rounding is not None and weights.dtype == torch.bfloat16
-    _segment_update_kernel[(triton.cdiv(n, UPDATE_BLOCK_N),)](
-        sorted_rows, segment, sums, weights, state, lr, rounding if stochastic else lr, n, d, eps,
-        OPTIMIZER=optimizer, STOCHASTIC=stochastic, BLOCK_N=UPDATE_BLOCK_N, BLOCK_D=block_d,
+    _segment_step_kernel[(_step_programs(n, grad.device),)](
+        starts, segment, sorted_rows, rows, grad, scales, sums, weights, state, lr,
+        rounding if stochastic else lr, n, f, d, *strides, eps, POOLED=pooled, OPTIMIZER=optimizer,
+        STOCHASTIC=stochastic, SHORT=SHORT_SEGMENT, BLOCK_S=STEP_SEGMENTS, BLOCK_D=block_d,
+        num_warps=STEP_WARPS,
     )  # fmt: skip
+
+
+def _step_programs(n: int, device: torch.device) -> int:
+    """The step kernel's persistent grid for n sorted positions (at most n segments): STEP_PROGRAMS_PER_SM
+    an SM, fewer where the segments cannot fill them (the interpreter: one program a group, up to 64)."""
+    groups = triton.cdiv(n, STEP_SEGMENTS)
+    if device.type != "cuda":
+        return min(groups, 64)
+    return min(groups, STEP_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def stochastic_round_bf16_ref(x: Tensor, noise: Tensor) -> Tensor:

@@ -348,9 +348,23 @@ def test_a_row_longer_than_a_level_of_blocks_takes_one_summed_step(optimizer):
 
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
-def test_the_sums_never_read_a_level_s_unused_places(optimizer, monkeypatch):
-    """The next levels' buffers are not zeroed: with them full of NaN (what uninitialized memory may hold)
-    the update is the same bits as with zeros, so no unused place reaches a sum (a 0/1 matrix times NaN)."""
+@pytest.mark.parametrize("short", [0, 3, 10**6])
+def test_short_and_long_segments_take_the_same_summed_step(optimizer, short, monkeypatch):
+    """Segments of at most SHORT_SEGMENT positions are summed by the step kernel's loop, longer ones by
+    the summing kernel: with every segment long (0), a mix (3: the 1,000-row table's rows short, the small
+    tables' long) and every segment short (a million: the one-row table's 1,500 lookups in one loop), the
+    update stays within fp32 summation error of the exact one."""
+    import kernels.embedding_update as eu
+
+    monkeypatch.setattr(eu, "SHORT_SEGMENT", short)
+    _check_update_against_exact([1, 7, 1000], 1500, 16, optimizer, DEVICE)
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
+def test_the_sums_never_read_an_unused_place(optimizer, monkeypatch):
+    """The sums' buffers are not zeroed: with them full of NaN (what uninitialized memory may hold) the
+    update is the same bits as with zeros, so no unused place of a level reaches a sum (a 0/1 matrix times
+    NaN) and no short segment's slot is read."""
     import kernels.embedding_update as eu
 
     weights, offsets, r = _tables([1, 7, 1000], 16, device=DEVICE)
@@ -360,7 +374,7 @@ def test_the_sums_never_read_a_level_s_unused_places(optimizer, monkeypatch):
     results = []
     for fill in (0.0, float("nan")):
         monkeypatch.setattr(
-            eu, "_next_level_buffer", lambda n, d, device, fill=fill: torch.full((n, d), fill, device=device)
+            eu, "_sums_buffer", lambda n, d, device, fill=fill: torch.full((n, d), fill, device=device)
         )
         w, state = weights.clone(), optimizer_state(weights, optimizer)
         embedding_update(w, state, index, grad, optimizer, _lr(0.1), 1e-10)
