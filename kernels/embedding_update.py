@@ -247,6 +247,18 @@ def _gradient_offsets(row, mask, scales_ptr, F, D, stride_b, stride_f, POOLED: t
     return row * D, tl.full(row.shape, 1.0, tl.float32)
 
 
+@triton.jit
+def _holds_a_long_segment(segment_ptr, starts_ptr, start, N, SHORT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Whether the block of sorted positions start .. start + BLOCK_N - 1 holds a position of a segment of
+    more than SHORT >= BLOCK_N positions: such a segment cannot lie inside the block, so it is the segment
+    of the block's first or last position (four scalar loads, not a gather per position). 1 or 0."""
+    first = tl.load(segment_ptr + start)
+    last = tl.load(segment_ptr + tl.minimum(start + BLOCK_N, N) - 1)
+    first_length = tl.load(starts_ptr + first + 1) - tl.load(starts_ptr + first)
+    last_length = tl.load(starts_ptr + last + 1) - tl.load(starts_ptr + last)
+    return ((first_length > SHORT) | (last_length > SHORT)).to(tl.int32)
+
+
 @triton.jit(do_not_specialize=["N", "SEGMENTS"])
 def _segment_sum_kernel(
     # pointers
@@ -257,7 +269,7 @@ def _segment_sum_kernel(
     sums_ptr,  # [SEGMENTS, D] fp32: each long segment's sum, stored by the level where it fits in a block
     dest_ptr,  # [2 * programs] int64: where the next level holds this block's first / last partial (or -1)
     partial_ptr,  # [M, D] fp32: the next level's values
-    starts_ptr,  # [SEGMENTS + 1] int64: each segment's first sorted position of level 0, then N of level 0
+    starts_ptr,  # [SEGMENTS + 1] int64: the first sorted position of each segment of level 0
     # sizes
     N,
     F,
@@ -269,26 +281,30 @@ def _segment_sum_kernel(
     POOLED: tl.constexpr,
     SPLIT_BF16: tl.constexpr,  # the block's sums by exact bf16 pieces (False in the interpreter)
     OFFSET32: tl.constexpr,  # every element of grad at an offset < 2**31: the gather's offsets in 32 bits
-    SHORT: tl.constexpr,  # segments of at most SHORT positions are the step kernel's: skipped here
+    SHORT: tl.constexpr,  # segments of at most SHORT (>= BLOCK_N) positions are the step kernel's
+    LEVEL0: tl.constexpr,  # level 0: a block without a long segment is skipped
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     p, mask_p, d, mask = _lookup_block(N, D, BLOCK_N, BLOCK_D)
-    segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
-    # Only long segments are summed here; a block without one (most blocks) ends before its gathers.
-    # An unused slot of a level >= 1 (segment >= SEGMENTS) was never written (its buffer is not zeroed):
-    # read as zeros, since the block's sums multiply every row by a 0/1 matrix and garbage (NaN) times 0
-    # would reach the other rows. So are the short segments' places, which no level writes.
-    known = mask_p & (segment >= 0) & (segment < SEGMENTS)
-    start = tl.load(starts_ptr + segment, mask=known, other=0)
-    end = tl.load(starts_ptr + segment + 1, mask=known, other=0)
-    long = known & (end - start > SHORT)
-    if tl.max(long.to(tl.int32)) == 0:
-        return
+    block = tl.program_id(0).to(tl.int64)
+    start = block * BLOCK_N
+    if LEVEL0:
+        if _holds_a_long_segment(segment_ptr, starts_ptr, start, N, SHORT, BLOCK_N) == 0:
+            # The step kernel sums this block's segments. The next level reads the places of its partials
+            # (the 0/1 products would spread garbage such as NaN to the other segments there): zeros.
+            for k in tl.static_range(2):
+                place = tl.load(dest_ptr + 2 * block + k)
+                zeros = tl.zeros([BLOCK_D], tl.float32)
+                tl.store(partial_ptr + place * D + d, zeros, mask=(place >= 0) & (d < D))
+            return
     # The gradient's row of each position comes precomputed: two dependent loads a block, not three.
-    row = tl.load(rows_ptr + p, mask=long, other=0)
-    offset, scale = _gradient_offsets(row, long, scales_ptr, F, D, stride_b, stride_f, POOLED)
-    used = mask & long[:, None]
+    row = tl.load(rows_ptr + p, mask=mask_p, other=0)
+    segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
+    offset, scale = _gradient_offsets(row, mask_p, scales_ptr, F, D, stride_b, stride_f, POOLED)
+    # An unused slot of a level >= 1 was never written (its buffer is not zeroed): read as zeros, since the
+    # block's sums multiply every row by a 0/1 matrix and garbage (NaN) times 0 would reach the other rows.
+    used = mask & (segment < SEGMENTS)[:, None]
     if OFFSET32:  # the [BLOCK_N, BLOCK_D] offsets in half the registers (measured faster, H200)
         grad = tl.load(grad_ptr + (offset.to(tl.int32)[:, None] + d[None, :]), mask=used, other=0.0)
     else:
@@ -296,8 +312,6 @@ def _segment_sum_kernel(
     # Each position's sum over its segment's positions in this block, in a fixed order (no atomics).
     sums = _block_segment_sums(segment, grad, scale, SPLIT_BF16)
     next_segment = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
-    block = tl.program_id(0).to(tl.int64)
-    start = block * BLOCK_N
     before_block = tl.load(segment_ptr + start - 1, mask=start > 0, other=-1)
     first, last = tl.load(segment_ptr + start), tl.max(segment)  # positions are sorted
     ends_here = mask_p & ((segment != next_segment) | (p == start + BLOCK_N - 1))
@@ -306,12 +320,11 @@ def _segment_sum_kernel(
     # them the same way; a segment inside the block is complete, and stored here.
     came_in = (segment == first) & (first == before_block)
     crosses = came_in | ((segment == last) & (last == next_segment))
-    whole = ends_here & ~crosses & long
+    whole = ends_here & ~crosses & (segment < SEGMENTS)
     tl.store(sums_ptr + segment[:, None] * D + d[None, :], sums, mask=mask & whole[:, None])
     first_dest, last_dest = tl.load(dest_ptr + 2 * block), tl.load(dest_ptr + 2 * block + 1)
     dest = tl.where(came_in, first_dest, last_dest)
-    partial = ends_here & crosses & long
-    tl.store(partial_ptr + dest[:, None] * D + d[None, :], sums, mask=mask & partial[:, None])
+    tl.store(partial_ptr + dest[:, None] * D + d[None, :], sums, mask=mask & (ends_here & crosses)[:, None])
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -603,7 +616,7 @@ def _segment_sums(
         _segment_sum_kernel[(triton.cdiv(m, SUM_BLOCK_N),)](
             rows, segment, grad, scales, sums, dest, partials, starts, m, f, d, n, *strides, POOLED=pooled,
             SPLIT_BF16=not INTERPRETED, OFFSET32=_last_offset(grad) < OFFSET32_LIMIT, SHORT=SHORT_SEGMENT,
-            BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=4,
+            LEVEL0=m == n, BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
         if m <= SUM_BLOCK_N:
             return sums
@@ -629,6 +642,7 @@ def launch_update(
     n, d = index.numel(), weights.shape[1]
     if n == 0:
         return
+    assert SHORT_SEGMENT >= SUM_BLOCK_N, "a long segment must not fit inside a summing block"
     pooled = bags is not None
     features, scales = bags if pooled else (index, grad)  # not read unless pooled
     s, f = (features.numel(), grad.shape[1]) if pooled else (1, 1)
