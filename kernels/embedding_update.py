@@ -204,34 +204,45 @@ def _stochastic_round_bf16(x, bits):
 
 
 @triton.jit
-def _update_rows(
-    row, grad, mask, valid, weights_ptr, state_ptr, lr_ptr, rounding_ptr, D, eps,
+def _load_rows(row, mask, valid, weights_ptr, state_ptr, D, OPTIMIZER: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(weights [BLOCK_N, BLOCK_D] fp32, state: [BLOCK_N, BLOCK_D] for adagrad, [BLOCK_N] for
+    rowwise_adagrad, the weights again for sgd) of the rows `row` [BLOCK_N] int64 where `mask` holds."""
+    d = tl.arange(0, BLOCK_D)
+    weights = tl.load(weights_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if OPTIMIZER == "adagrad":
+        state = tl.load(state_ptr + row[:, None] * D + d[None, :], mask=mask, other=0.0)
+    elif OPTIMIZER == "rowwise_adagrad":
+        state = tl.load(state_ptr + row, mask=valid, other=0.0)
+    else:
+        state = weights
+    return weights, state
+
+
+@triton.jit
+def _step_rows(
+    row, grad, weights, state, mask, valid, weights_ptr, state_ptr, lr_ptr, rounding_ptr, D, eps,
     OPTIMIZER: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """The optimizer step (module docstring) of the rows `row` [BLOCK_N] int64 whose gradient sums are
-    complete in `grad` [BLOCK_N, BLOCK_D] fp32, where `mask` [BLOCK_N, BLOCK_D] holds (its rows: `valid`
-    [BLOCK_N]): each such row's weights and state read, stepped and written back once."""
+    complete in `grad` [BLOCK_N, BLOCK_D] fp32, from their `weights` and `state` (`_load_rows`), where
+    `mask` [BLOCK_N, BLOCK_D] holds (its rows: `valid` [BLOCK_N]): the new weights and state stored."""
     d = tl.arange(0, BLOCK_D)
-    w_ptrs = weights_ptr + row[:, None] * D + d[None, :]
-    weights = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
     lr = tl.load(lr_ptr).to(tl.float32)
     if OPTIMIZER == "sgd":
         step = lr * grad
     elif OPTIMIZER == "adagrad":
-        s_ptrs = state_ptr + row[:, None] * D + d[None, :]
-        state = tl.load(s_ptrs, mask=mask, other=0.0) + grad * grad
-        tl.store(s_ptrs, state, mask=mask)
+        state += grad * grad
+        tl.store(state_ptr + row[:, None] * D + d[None, :], state, mask=mask)
         step = lr * grad / (tl.sqrt(state) + eps)
     else:
-        squares = tl.where(mask, grad * grad, 0.0)
-        state = tl.load(state_ptr + row) + tl.sum(squares, axis=1) / D
+        state += tl.sum(tl.where(mask, grad * grad, 0.0), axis=1) / D
         tl.store(state_ptr + row, state, mask=valid)
         step = lr * grad / (tl.sqrt(state)[:, None] + eps)
     updated = weights - step
     if STOCHASTIC:
         seed, count = tl.load(rounding_ptr), tl.load(rounding_ptr + 1)
         updated = _stochastic_round_bf16(updated, _random_bits(seed, count, row, BLOCK_N, BLOCK_D))
-    tl.store(w_ptrs, updated.to(weights_ptr.dtype.element_ty), mask=mask)
+    tl.store(weights_ptr + row[:, None] * D + d[None, :], updated.to(weights_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -327,6 +338,19 @@ def _segment_sum_kernel(
     tl.store(partial_ptr + dest[:, None] * D + d[None, :], sums, mask=mask & (ends_here & crosses)[:, None])
 
 
+@triton.jit
+def _position_grad(
+    row, take, grad_ptr, scales_ptr, F, D, stride_b, stride_f, POOLED: tl.constexpr, BLOCK_D: tl.constexpr
+):  # fmt: skip
+    """[BLOCK_S, BLOCK_D] fp32: the scaled gradient rows `row` [BLOCK_S] int64 (`_gradient_offsets`) where
+    `take` [BLOCK_S] holds, zeros elsewhere."""
+    d = tl.arange(0, BLOCK_D)
+    offset, scale = _gradient_offsets(row, take, scales_ptr, F, D, stride_b, stride_f, POOLED)
+    mask = take[:, None] & (d < D)[None, :]
+    g = tl.load(grad_ptr + offset[:, None] + d[None, :], mask=mask, other=0.0)
+    return g.to(tl.float32) * scale[:, None]
+
+
 @triton.jit(do_not_specialize=["N"])
 def _segment_starts_kernel(
     segment_ptr,  # [N] int64 segment of each sorted position
@@ -386,17 +410,27 @@ def _segment_step_kernel(
         start = tl.load(starts_ptr + s, mask=valid, other=0)
         length = tl.load(starts_ptr + s + 1, mask=valid, other=0) - start
         short = valid & (length <= SHORT)
+        # Most segments hold one or two positions: their gradient rows, the row's weights and state and a
+        # long segment's sum are loaded at once (three dependent rounds of loads, not one a position).
+        row = tl.load(sorted_ptr + start, mask=valid, other=0).to(tl.int64)
+        first = short & (length > 0)
+        second = short & (length > 1)
+        row0 = tl.load(rows_ptr + start, mask=first, other=0)
+        row1 = tl.load(rows_ptr + start + 1, mask=second, other=0)
+        mask = valid[:, None] & mask_d
+        weights, state = _load_rows(row, mask, valid, weights_ptr, state_ptr, D, OPTIMIZER, BLOCK_D)
         long = (valid & ~short)[:, None] & mask_d
         grad = tl.load(sums_ptr + s[:, None] * D + d[None, :], mask=long, other=0.0)
-        for j in range(0, tl.max(tl.where(short, length, 0))):
+        grad += _position_grad(row0, first, grad_ptr, scales_ptr, F, D, stride_b, stride_f, POOLED, BLOCK_D)
+        grad += _position_grad(row1, second, grad_ptr, scales_ptr, F, D, stride_b, stride_f, POOLED, BLOCK_D)
+        for j in range(2, tl.max(tl.where(short, length, 0))):
             take = short & (j < length)
-            row = tl.load(rows_ptr + start + j, mask=take, other=0)
-            offset, scale = _gradient_offsets(row, take, scales_ptr, F, D, stride_b, stride_f, POOLED)
-            g = tl.load(grad_ptr + offset[:, None] + d[None, :], mask=take[:, None] & mask_d, other=0.0)
-            grad += g.to(tl.float32) * scale[:, None]
-        row = tl.load(sorted_ptr + start, mask=valid, other=0).to(tl.int64)
-        _update_rows(
-            row, grad, valid[:, None] & mask_d, valid, weights_ptr, state_ptr, lr_ptr, rounding_ptr, D, eps,
+            row_j = tl.load(rows_ptr + start + j, mask=take, other=0)
+            grad += _position_grad(
+                row_j, take, grad_ptr, scales_ptr, F, D, stride_b, stride_f, POOLED, BLOCK_D
+            )  # fmt: skip
+        _step_rows(
+            row, grad, weights, state, mask, valid, weights_ptr, state_ptr, lr_ptr, rounding_ptr, D, eps,
             OPTIMIZER, STOCHASTIC, BLOCK_S, BLOCK_D,
         )  # fmt: skip
 
