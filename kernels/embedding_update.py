@@ -79,7 +79,7 @@ SHORT_SEGMENT = 32
 # Segments a step program takes at a time, its warps, and its programs an SM (persistent).
 STEP_SEGMENTS = 4
 STEP_WARPS = 4
-STEP_PROGRAMS_PER_SM = 8
+STEP_PROGRAMS_PER_SM = 4
 
 
 # -- Kernels -----------------------------------------------------------------------------------------
