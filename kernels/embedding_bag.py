@@ -27,10 +27,11 @@ weights' dtype or `out_dtype`; index [B, S] int64 (saved for backward). Offsets 
 Backward without a table-sized gradient and without materializing the [B, S, D] per-lookup gradients:
 - "sgd" with fp32 weights: one kernel over the B*S lookups, atomic adds of -lr * scale * dout[b, f(c)] into
   the looked-up rows (exact up to fp32 summation order).
-- otherwise: the B*S indices are sorted (torch.sort), sorted positions of one row form a segment; one kernel
-  sums each lookup's pooled gradient into its segment's fp32 slot, a second updates each distinct row once
-  from its segment's sum. Fixed shapes, no host sync: a step can be captured in a CUDA graph. The learning
-  rate is a one-element fp32 tensor read by the kernels (a schedule writes it between steps).
+- otherwise: the B*S indices are sorted (torch.sort), sorted positions of one row form a segment; a kernel
+  steps each distinct row once, summing a short segment's pooled gradients itself and reading a long one's
+  sum (small tables, hot rows) from the summing kernel's fp32 slot. Fixed shapes, no host sync: a step can
+  be captured in a CUDA graph. The learning rate is a one-element fp32 tensor read by the kernels (a
+  schedule writes it between steps).
 The backward's launcher and reference live in kernels/embedding_bag_update.py, its kernels (shared with
 the one-id lookups) in kernels/embedding_update.py. The PyTorch references are `embedding_bag_lookup_ref`
 and `embedding_bag_update_ref`.
