@@ -38,9 +38,10 @@ How the update runs:
   segment's slot of a [B*F, D] fp32 buffer; a segment that crosses a block edge leaves one partial sum per
   block in the next level's list, which the same kernel sums the same way (a level holds at most two
   partials per block of the one before: 2^31 lookups take six levels), until a level fits in one block.
-  A block without a long segment ends at once. The step kernel then reads a long segment's sum from its
-  slot. No atomics: the sums, and so the whole update, are the same bits on every run. Memory is O(B F D),
-  never O(R D).
+  Only the blocks holding a long segment are summed: the launcher lists them on the device and the
+  kernel's persistent programs stride over the list. The step kernel then reads a long segment's sum
+  from its slot. No atomics: the sums, and so the whole update, are the same bits on every run. Memory
+  is O(B F D), never O(R D).
 Fixed shapes throughout (no torch.unique, no host sync), so a step can be captured in a CUDA graph.
 The PyTorch reference is ``embedding_update_ref``.
 """
@@ -72,6 +73,8 @@ OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 # Sorted positions a segment-sum program reduces: its [SUM_BLOCK_N, SUM_BLOCK_N] 0/1 matrix stays in
 # registers (64 spills them on an H200; tl.dot needs at least 16).
 SUM_BLOCK_N = 32
+# The summing kernel's persistent programs an SM: two fit at once (~200 registers a thread, 4 warps).
+SUM_PROGRAMS_PER_SM = 2
 # Segments of at most SHORT_SEGMENT sorted positions (most rows of large tables) are summed by the step
 # kernel in a loop over their positions, never stored; longer ones (small tables, hot rows) by the summing
 # kernel's 0/1 products, through the [N, D] buffer.
@@ -223,14 +226,14 @@ def _load_rows(row, mask, valid, weights_ptr, state_ptr, D, OPTIMIZER: tl.conste
 
 @triton.jit
 def _step_rows(
-    row, grad, weights, state, mask, valid, weights_ptr, state_ptr, lr_ptr, rounding_ptr, D, eps,
+    row, grad, weights, state, mask, valid, weights_ptr, state_ptr, lr, seed, count, D, eps,
     OPTIMIZER: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """The optimizer step (module docstring) of the rows `row` [BLOCK_N] int64 whose gradient sums are
     complete in `grad` [BLOCK_N, BLOCK_D] fp32, from their `weights` and `state` (`_load_rows`), where
-    `mask` [BLOCK_N, BLOCK_D] holds (its rows: `valid` [BLOCK_N]): the new weights and state stored."""
+    `mask` [BLOCK_N, BLOCK_D] holds (its rows: `valid` [BLOCK_N]): the new weights and state stored. `lr`
+    fp32; STOCHASTIC: the rounding's `seed` and `count` (`_random_bits`)."""
     d = tl.arange(0, BLOCK_D)
-    lr = tl.load(lr_ptr).to(tl.float32)
     if OPTIMIZER == "sgd":
         step = lr * grad
     elif OPTIMIZER == "adagrad":
@@ -243,7 +246,6 @@ def _step_rows(
         step = lr * grad / (tl.sqrt(state)[:, None] + eps)
     updated = weights - step
     if STOCHASTIC:
-        seed, count = tl.load(rounding_ptr), tl.load(rounding_ptr + 1)
         updated = _stochastic_round_bf16(updated, _random_bits(seed, count, row, BLOCK_N, BLOCK_D))
     tl.store(weights_ptr + row[:, None] * D + d[None, :], updated.to(weights_ptr.dtype.element_ty), mask=mask)
 
@@ -261,18 +263,6 @@ def _gradient_offsets(row, mask, scales_ptr, F, D, stride_b, stride_f, POOLED: t
     return row * D, tl.full(row.shape, 1.0, tl.float32)
 
 
-@triton.jit
-def _holds_a_long_segment(segment_ptr, starts_ptr, start, N, SHORT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Whether the block of sorted positions start .. start + BLOCK_N - 1 holds a position of a segment of
-    more than SHORT >= BLOCK_N positions: such a segment cannot lie inside the block, so it is the segment
-    of the block's first or last position (four scalar loads, not a gather per position). 1 or 0."""
-    first = tl.load(segment_ptr + start)
-    last = tl.load(segment_ptr + tl.minimum(start + BLOCK_N, N) - 1)
-    first_length = tl.load(starts_ptr + first + 1) - tl.load(starts_ptr + first)
-    last_length = tl.load(starts_ptr + last + 1) - tl.load(starts_ptr + last)
-    return ((first_length > SHORT) | (last_length > SHORT)).to(tl.int32)
-
-
 @triton.jit(do_not_specialize=["N", "SEGMENTS"])
 def _segment_sum_kernel(
     # pointers
@@ -281,9 +271,10 @@ def _segment_sum_kernel(
     grad_ptr,  # [*, D] dout rows ([B, F, D] where POOLED), any float dtype; level >= 1: the partial sums
     scales_ptr,  # POOLED: [F] fp32 pooling scale of each feature (not read otherwise)
     sums_ptr,  # [SEGMENTS, D] fp32: each long segment's sum, stored by the level where it fits in a block
-    dest_ptr,  # [2 * programs] int64: where the next level holds this block's first / last partial (or -1)
+    dest_ptr,  # [2 * blocks] int64: where the next level holds a block's first / last partial (or -1)
     partial_ptr,  # [M, D] fp32: the next level's values
-    starts_ptr,  # [SEGMENTS + 1] int64: the first sorted position of each segment of level 0
+    blocks_ptr,  # [blocks] int64: the blocks to sum first (`_blocks_to_sum`), then the others
+    count_ptr,  # [1] int64: how many blocks of blocks_ptr to sum
     # sizes
     N,
     F,
@@ -295,50 +286,50 @@ def _segment_sum_kernel(
     POOLED: tl.constexpr,
     SPLIT_BF16: tl.constexpr,  # the block's sums by exact bf16 pieces (False in the interpreter)
     OFFSET32: tl.constexpr,  # every element of grad at an offset < 2**31: the gather's offsets in 32 bits
-    SHORT: tl.constexpr,  # segments of at most SHORT (>= BLOCK_N) positions are the step kernel's
-    LEVEL0: tl.constexpr,  # level 0: a block without a long segment is skipped
+    LEVEL0: tl.constexpr,  # level 0: a segment inside a block is short (the step kernel's), never stored
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    p, mask_p, d, mask = _lookup_block(N, D, BLOCK_N, BLOCK_D)
-    block = tl.program_id(0).to(tl.int64)
-    start = block * BLOCK_N
-    if LEVEL0:
-        if _holds_a_long_segment(segment_ptr, starts_ptr, start, N, SHORT, BLOCK_N) == 0:
-            # The step kernel sums this block's segments. The next level reads the places of its partials
-            # (the 0/1 products would spread garbage such as NaN to the other segments there): zeros.
-            for k in tl.static_range(2):
-                place = tl.load(dest_ptr + 2 * block + k)
-                zeros = tl.zeros([BLOCK_D], tl.float32)
-                tl.store(partial_ptr + place * D + d, zeros, mask=(place >= 0) & (d < D))
-            return
-    # The gradient's row of each position comes precomputed: two dependent loads a block, not three.
-    row = tl.load(rows_ptr + p, mask=mask_p, other=0)
-    segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
-    offset, scale = _gradient_offsets(row, mask_p, scales_ptr, F, D, stride_b, stride_f, POOLED)
-    # An unused slot of a level >= 1 was never written (its buffer is not zeroed): read as zeros, since the
-    # block's sums multiply every row by a 0/1 matrix and garbage (NaN) times 0 would reach the other rows.
-    used = mask & (segment < SEGMENTS)[:, None]
-    if OFFSET32:  # the [BLOCK_N, BLOCK_D] offsets in half the registers (measured faster, H200)
-        grad = tl.load(grad_ptr + (offset.to(tl.int32)[:, None] + d[None, :]), mask=used, other=0.0)
-    else:
-        grad = tl.load(grad_ptr + offset[:, None] + d[None, :], mask=used, other=0.0)
-    # Each position's sum over its segment's positions in this block, in a fixed order (no atomics).
-    sums = _block_segment_sums(segment, grad, scale, SPLIT_BF16)
-    next_segment = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
-    before_block = tl.load(segment_ptr + start - 1, mask=start > 0, other=-1)
-    first, last = tl.load(segment_ptr + start), tl.max(segment)  # positions are sorted
-    ends_here = mask_p & ((segment != next_segment) | (p == start + BLOCK_N - 1))
-    # A segment that began in an earlier block or goes on into a later one has partial sums in several
-    # blocks: each block's partial goes to its place in the next level (`dest`, the launcher's), which sums
-    # them the same way; a segment inside the block is complete, and stored here.
-    came_in = (segment == first) & (first == before_block)
-    crosses = came_in | ((segment == last) & (last == next_segment))
-    whole = ends_here & ~crosses & (segment < SEGMENTS)
-    tl.store(sums_ptr + segment[:, None] * D + d[None, :], sums, mask=mask & whole[:, None])
-    first_dest, last_dest = tl.load(dest_ptr + 2 * block), tl.load(dest_ptr + 2 * block + 1)
-    dest = tl.where(came_in, first_dest, last_dest)
-    tl.store(partial_ptr + dest[:, None] * D + d[None, :], sums, mask=mask & (ends_here & crosses)[:, None])
+    """Persistent: the programs stride over the listed blocks, whose number only the device knows."""
+    d = tl.arange(0, BLOCK_D)
+    mask_d = (d < D)[None, :]
+    for i in range(tl.program_id(0), tl.load(count_ptr), tl.num_programs(0)):
+        start = tl.load(blocks_ptr + i) * BLOCK_N
+        p = start + tl.arange(0, BLOCK_N).to(tl.int64)
+        mask_p = p < N
+        mask = mask_p[:, None] & mask_d
+        # The gradient's row of each position comes precomputed: two dependent loads a block, not three.
+        row = tl.load(rows_ptr + p, mask=mask_p, other=0)
+        segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
+        offset, scale = _gradient_offsets(row, mask_p, scales_ptr, F, D, stride_b, stride_f, POOLED)
+        # An unused slot of a level >= 1 was never written (its buffer is not zeroed): read as zeros, since
+        # the block's sums multiply every row by a 0/1 matrix and garbage (NaN) times 0 would reach the
+        # other rows.
+        used = mask & (segment < SEGMENTS)[:, None]
+        if OFFSET32:  # the [BLOCK_N, BLOCK_D] offsets in half the registers (measured faster, H200)
+            grad = tl.load(grad_ptr + (offset.to(tl.int32)[:, None] + d[None, :]), mask=used, other=0.0)
+        else:
+            grad = tl.load(grad_ptr + offset[:, None] + d[None, :], mask=used, other=0.0)
+        # Each position's sum over its segment's positions in this block, in a fixed order (no atomics).
+        sums = _block_segment_sums(segment, grad, scale, SPLIT_BF16)
+        next_segment = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
+        before_block = tl.load(segment_ptr + start - 1, mask=start > 0, other=-1)
+        first, last = tl.load(segment_ptr + start), tl.max(segment)  # positions are sorted
+        ends_here = mask_p & ((segment != next_segment) | (p == start + BLOCK_N - 1))
+        # A segment that began in an earlier block or goes on into a later one has partial sums in several
+        # blocks: each block's partial goes to its place in the next level (`dest`, the launcher's; -1 for
+        # a short segment at level 0), which sums them the same way; a segment inside the block is complete,
+        # and stored here from level 1 on.
+        came_in = (segment == first) & (first == before_block)
+        crosses = came_in | ((segment == last) & (last == next_segment))
+        if not LEVEL0:
+            whole = ends_here & ~crosses & (segment < SEGMENTS)
+            tl.store(sums_ptr + segment[:, None] * D + d[None, :], sums, mask=mask & whole[:, None])
+        block = start // BLOCK_N
+        first_dest, last_dest = tl.load(dest_ptr + 2 * block), tl.load(dest_ptr + 2 * block + 1)
+        dest = tl.where(came_in, first_dest, last_dest)
+        placed = ends_here & crosses & (dest >= 0)
+        tl.store(partial_ptr + dest[:, None] * D + d[None, :], sums, mask=mask & placed[:, None])
 
 
 @triton.jit
@@ -404,6 +395,10 @@ def _segment_step_kernel(
     sorted order (fp32), a long one's read from `sums`. Persistent: programs stride over the groups of
     BLOCK_S segments, whose number only the device knows."""
     segments = tl.load(segment_ptr + N - 1) + 1
+    lr = tl.load(lr_ptr).to(tl.float32)
+    seed, count = lr, lr  # not read unless STOCHASTIC
+    if STOCHASTIC:
+        seed, count = tl.load(rounding_ptr), tl.load(rounding_ptr + 1)
     d = tl.arange(0, BLOCK_D)
     mask_d = (d < D)[None, :]
     for group in range(tl.program_id(0), tl.cdiv(segments, BLOCK_S), tl.num_programs(0)):
@@ -433,7 +428,7 @@ def _segment_step_kernel(
                 row_j, take, grad_ptr, scales_ptr, F, D, stride_b, stride_f, POOLED, BLOCK_D
             )  # fmt: skip
         _step_rows(
-            row, grad, weights, state, mask, valid, weights_ptr, state_ptr, lr_ptr, rounding_ptr, D, eps,
+            row, grad, weights, state, mask, valid, weights_ptr, state_ptr, lr, seed, count, D, eps,
             OPTIMIZER, STOCHASTIC, BLOCK_S, BLOCK_D,
         )  # fmt: skip
 
@@ -585,19 +580,25 @@ def sorted_segments(index: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
     return sorted_rows, order, segment
 
 
-def _next_level(segment: Tensor, segments: int) -> tuple[Tensor, Tensor]:
+def _next_level(segment: Tensor, segments: int, starts: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """For one level of the segment sums (`segment` [m] int64 sorted, cut into blocks of SUM_BLOCK_N): (dest
-    [2 * blocks] int64, next_segment [2 * blocks] int64). dest[2k] is where the next level holds block
-    k's partial sum of its first segment when that began in an earlier block, dest[2k + 1] that of its last
-    segment when it goes on into a later block (and did not begin earlier), -1 otherwise; next_segment the
-    segment of each place, in order, its unused places numbered `segments`, `segments` + 1, ... (segments
-    of their own, never stored). Fixed shapes, no host sync."""
+    [2 * blocks] int64, next_segment [2 * blocks] int64, places [1] int64). dest[2k] is where the next level
+    holds block k's partial sum of its first segment when that began in an earlier block, dest[2k + 1] that
+    of its last segment when it goes on into a later block (and did not begin earlier), -1 otherwise;
+    next_segment the segment of each place, in order, the `places` used ones first, its unused places
+    numbered `segments`, `segments` + 1, ... (segments of their own, never stored). At level 0 (`starts`
+    [N + 1], `_segment_starts_kernel`'s, given) only a long segment (more than SHORT_SEGMENT positions) has
+    places: the step kernel sums the short ones itself. Fixed shapes, no host sync."""
     m = len(segment)
-    starts = torch.arange(0, m, SUM_BLOCK_N, device=segment.device)
-    ends = (starts + SUM_BLOCK_N - 1).clamp_(max=m - 1)
-    first, last = segment[starts], segment[ends]
-    came_in = (starts > 0) & (segment[(starts - 1).clamp(min=0)] == first)
+    begins = torch.arange(0, m, SUM_BLOCK_N, device=segment.device)
+    ends = (begins + SUM_BLOCK_N - 1).clamp_(max=m - 1)
+    first, last = segment[begins], segment[ends]
+    came_in = (begins > 0) & (segment[(begins - 1).clamp(min=0)] == first)
     goes_on = (ends + 1 < m) & (segment[(ends + 1).clamp(max=m - 1)] == last) & ~(came_in & (first == last))
+    if starts is not None:
+        length = starts[1:] - starts[:-1]
+        came_in &= length[first] > SHORT_SEGMENT
+        goes_on &= length[last] > SHORT_SEGMENT
     flags = torch.stack([came_in, goes_on], dim=1).reshape(-1)
     places = torch.cumsum(flags, dim=0) - 1
     dest = torch.where(flags, places, -1)
@@ -605,7 +606,23 @@ def _next_level(segment: Tensor, segments: int) -> tuple[Tensor, Tensor]:
     next_segment = unused.scatter_(
         0, torch.where(flags, places, len(flags)), torch.stack([first, last], 1).reshape(-1)
     )
-    return dest, next_segment[:-1]
+    return dest, next_segment[:-1], places[-1:] + 1
+
+
+def _blocks_to_sum(dest: Tensor, used: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(blocks [k] int64, count [1] int64) of a level's k blocks (`dest` [2k], `_next_level`'s): the summing
+    kernel sums blocks[:count]. Level 0 (`used` None): the blocks with a place in the next level, in order,
+    which are those holding a long segment (one cannot lie inside a block of SUM_BLOCK_N <= SHORT_SEGMENT
+    positions: it is the first or last segment of each block it touches, and has a place there). A level
+    >= 1: its first blocks, up to its `used` [1] positions (the places the level before used)."""
+    k = len(dest) // 2
+    if used is not None:
+        return torch.arange(k, device=dest.device), (used + SUM_BLOCK_N - 1) // SUM_BLOCK_N
+    listed = (dest.view(k, 2) >= 0).any(dim=1)
+    slot = torch.cumsum(listed, dim=0) - 1
+    blocks = torch.zeros(k + 1, dtype=torch.int64, device=dest.device)
+    blocks.scatter_(0, torch.where(listed, slot, k), torch.arange(k, device=dest.device))
+    return blocks[:-1], slot[-1:] + 1
 
 
 def _sums_buffer(places: int, d: int, device: torch.device) -> Tensor:
@@ -638,27 +655,38 @@ def _segment_sums(
     d: int,
     block_d: int,
 ) -> Tensor:
-    """[N, D] fp32: each segment's gradient sum in its slot (module docstring), for the N sorted positions'
-    gradient rows `rows` and segments `segment` [N] int64 of `launch_update`'s gradient ([N, D]
-    contiguous; pooled: [B, F, D], D's stride 1, row b * F + f, with the features' scales [F] fp32). Level
-    0 sums the lookups' gradients; each next level the partial sums of the segments that crossed a block
-    edge of the level before, until a level fits in one block."""
+    """[N, D] fp32: each long segment's gradient sum in its slot (module docstring; the short segments'
+    slots are not written), for the N sorted positions' gradient rows `rows`, segments `segment` [N] int64
+    and their `starts` [N + 1] int64 of `launch_update`'s gradient ([N, D] contiguous; pooled: [B, F, D],
+    D's stride 1, row b * F + f, with the features' scales [F] fp32). Level 0 sums the lookups' gradients
+    in the blocks that hold a long segment; each next level the partial sums of the long segments that
+    crossed a block edge of the level before, until a level fits in one block."""
     n = len(segment)
     sums = _sums_buffer(n, d, grad.device)
+    level_starts, used = starts, None
     while True:
         m = len(segment)
-        dest, next_segment = _next_level(segment, n)
+        dest, next_segment, places = _next_level(segment, n, level_starts)
+        blocks, count = _blocks_to_sum(dest, used)
         partials = _sums_buffer(len(next_segment), d, grad.device)
         strides = grad.stride()[:2] if pooled else (0, 0)
-        _segment_sum_kernel[(triton.cdiv(m, SUM_BLOCK_N),)](
-            rows, segment, grad, scales, sums, dest, partials, starts, m, f, d, n, *strides, POOLED=pooled,
-            SPLIT_BF16=not INTERPRETED, OFFSET32=_last_offset(grad) < OFFSET32_LIMIT, SHORT=SHORT_SEGMENT,
-            LEVEL0=m == n, BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=4,
+        _segment_sum_kernel[(_sum_programs(len(blocks), grad.device),)](
+            rows, segment, grad, scales, sums, dest, partials, blocks, count, m, f, d, n, *strides,
+            POOLED=pooled, SPLIT_BF16=not INTERPRETED, OFFSET32=_last_offset(grad) < OFFSET32_LIMIT,
+            LEVEL0=used is None, BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
         if m <= SUM_BLOCK_N:
             return sums
         rows = torch.arange(len(next_segment), device=grad.device)  # a level's positions are its values
-        segment, grad, pooled = next_segment, partials, False
+        segment, grad, pooled, level_starts, used = next_segment, partials, False, None, places
+
+
+def _sum_programs(blocks: int, device: torch.device) -> int:
+    """The summing kernel's persistent grid for a level of `blocks` blocks: SUM_PROGRAMS_PER_SM an SM, fewer
+    where the blocks cannot fill them (the interpreter: one program a block, up to 64)."""
+    if device.type != "cuda":
+        return min(blocks, 64)
+    return min(blocks, SUM_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def launch_update(

@@ -361,6 +361,27 @@ def test_short_and_long_segments_take_the_same_summed_step(optimizer, short, mon
     _check_update_against_exact([1, 7, 40, 1000], 1500, 16, optimizer, DEVICE)
 
 
+def test_level_zero_sums_only_the_blocks_of_long_segments():
+    """Level 0 gives a place in the next level to the long segments' partial sums only, and the summing
+    kernel's list holds exactly the blocks (of 32 sorted positions) that hold a long segment, in order:
+    against a count by hand of segments around SHORT_SEGMENT = 32 positions."""
+    import kernels.embedding_update as eu
+
+    lengths = [1, 40, 3, 33, 2, 100, 1, 32, 5, 70, 2, 2]
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    n = len(segment)
+    starts = torch.full((n + 1,), n)
+    starts[: len(lengths)] = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    dest, next_segment, places = eu._next_level(segment, n, starts)
+    blocks, count = eu._blocks_to_sum(dest, None)
+    long = {s for s, length in enumerate(lengths) if length > eu.SHORT_SEGMENT}
+    b = eu.SUM_BLOCK_N
+    expected = [k for k in range(-(-n // b)) if long & set(segment[k * b : (k + 1) * b].tolist())]
+    assert blocks[: int(count)].tolist() == expected
+    assert set(next_segment[: int(places)].tolist()) == long
+    assert (next_segment[int(places) :] >= n).all()  # the unused places: segments of their own
+
+
 @pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
 def test_the_sums_never_read_an_unused_place(optimizer, monkeypatch):
     """The sums' buffers are not zeroed: with them full of NaN (what uninitialized memory may hold) the
