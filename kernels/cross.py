@@ -20,10 +20,11 @@ Why save zb rather than recompute it: recomputing z = h @ U^T in the backward is
 five [M, N] tensors; saved, the backward's epilogue is a pure stream of six [M, N] tensors and the forward
 writes one more. The cost: zb [M, N] held per layer until the backward.
 
-Shapes: x0, x_l [M, N]; V [r, N]; U [N, r]; b [N]; any M >= 0, N >= 1, r >= 1. Rows of x0, x_l and g need
-contiguous columns (any row stride); h and U are read through TMA descriptors (``kernels.launch``), copied
-once into 16-byte rows where r is not a multiple of 16 bytes. The forward returns (out, h, zb): h [M, r]
-and zb [M, N] are what the backward reads besides the inputs.
+Shapes: x0, x_l [M, N]; V [r, N]; U [N, r]; b [N]; any M >= 0, 1 <= N < MAX_N (2**23), r >= 1. The forward
+reads x0 and x_l with one row stride, N (copied where their rows lie further apart); the backward takes
+rows of x0 and g with contiguous columns (any row stride); h and U are read through TMA descriptors
+(``kernels.launch``), copied once into 16-byte rows where r is not a multiple of 16 bytes. The forward
+returns (out, h, zb): h [M, r] and zb [M, N] are what the backward reads besides the inputs.
 
 Dtypes: all five tensors fp32, bf16 or fp16 (one dtype); outputs and gradients have it too. Compute: fp32
 accumulation; the GEMM operands go to ``tl.dot`` in their own dtype on the GPU's tensor cores (fp32 as one
@@ -46,7 +47,7 @@ from torch import Tensor
 from kernels import launch
 from kernels.gemm.layout import rows_contiguous, tma_descriptor
 from kernels.gemm.partials import sum_partials
-from kernels.gemm.tiles import linear_tile
+from kernels.gemm.tiles import matmul_tile
 from kernels.gemm.tuning import autotuned, input_precision, m_bucket
 from kernels.launch import DTYPES, INTERPRETED, use_triton
 from kernels.op import define_op
@@ -57,6 +58,9 @@ __all__ = ["cross_layer", "cross_layer_ref", "cross_layer_fwd", "cross_layer_bwd
 # columns, 4096 elements: a pure stream of [M, N] tensors.
 PARTIAL_ROWS = 32
 _BWD_BLOCK_N = 128
+
+# The forward kernel's offsets inside a tile are 32-bit: up to 256 rows of N elements.
+MAX_N = 2**31 // 256
 
 # The TMA descriptor arguments of both kernels and the tile dims of their block shapes.
 _DESCRIPTORS = {"h_desc": ("BLOCK_M", "BLOCK_K"), "u_desc": ("BLOCK_N", "BLOCK_K")}
@@ -72,20 +76,29 @@ def _tile(N, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _z_and_x0(
-    h_desc, u_desc, b_ptr, x0_ptr, stride_x0, M, N, K,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _halves(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The left and right [BLOCK_M, BLOCK_N // 2] halves of x [BLOCK_M, BLOCK_N]."""
+    return tl.split(tl.permute(tl.reshape(x, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _fwd_epilogue(
+    z, off_m, off_n, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """The forward's start, for this program's output tile: (pid_m, zb = h @ U^T + b in fp32, x0 in fp32,
-    rows, cols, mask), rows, cols and mask as ``linear_tile``'s."""
-    pid_m, pid_n = _tile(N, BLOCK_N)
-    zb, rows, cols, mask = linear_tile(
-        h_desc, u_desc, b_ptr, pid_m, pid_n, M, N, K,
-        True, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
-    x0 = tl.load(x0_ptr + rows[:, None] * stride_x0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    return pid_m, zb, x0, rows, cols, mask
+    """The forward's epilogue on z [BLOCK_M, BLOCK_N] fp32 (h @ U^T), the columns off_n .. of the rows off_m
+    ..: zb = z + b and out = x0 * zb + x_l stored. The four [M, N] tensors share one row stride, and the
+    offsets inside the tile are 32-bit (the tile's first row is added to the base pointers in 64 bits)."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, BLOCK_N)
+    mask = (off_m + rows < M)[:, None] & (cols < N)[None, :]
+    offset = rows[:, None] * stride + cols[None, :]
+    base = off_m.to(tl.int64) * stride
+    zb = z + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    x0 = tl.load(x0_ptr + base + offset, mask=mask, other=0.0).to(tl.float32)
+    xl = tl.load(xl_ptr + base + offset, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + base + offset, (x0 * zb + xl).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(zb_ptr + base + offset, zb.to(zb_ptr.dtype.element_ty), mask=mask)
 
 
 # M (the batch) changes between calls: do not specialize on it, so a new batch size reuses the compiled
@@ -106,11 +119,7 @@ def _cross_fwd_kernel(
     N,
     K,  # r
     M_BUCKET,  # autotuning key only
-    # row strides, in elements (the column stride is 1)
-    stride_x0,
-    stride_xl,
-    stride_out,
-    stride_zb,
+    stride,  # the row stride of x0, x_l, out and zb, in elements (the column stride is 1)
     # meta-parameters
     DOT_FP32: tl.constexpr,  # cast dot operands to fp32 (interpreter only)
     INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "tf32x3", "ieee" interpreted
@@ -118,15 +127,20 @@ def _cross_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    _, zb, x0, rows, cols, mask = _z_and_x0(
-        h_desc, u_desc, b_ptr, x0_ptr, stride_x0, M, N, K,
-        DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
-    # Epilogue, in fp32: x0 * (z + b) + x_l.
-    xl = tl.load(xl_ptr + rows[:, None] * stride_xl + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    out = (x0 * zb + xl).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=mask)
-    tl.store(zb_ptr + rows[:, None] * stride_zb + cols[None, :], zb.to(zb_ptr.dtype.element_ty), mask=mask)
+    pid_m, pid_n = _tile(N, BLOCK_N)
+    off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+    z = matmul_tile(h_desc, u_desc, off_m, off_n, K, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    # The epilogue, in fp32, a quarter of the tile's columns at a time: on the whole tile, its z, x0, x_l and
+    # their addresses spill registers in every config (ptxas for sm_90a: kilobytes a thread); in quarters,
+    # with 32-bit offsets, none do.
+    q: tl.constexpr = BLOCK_N // 4
+    left, right = _halves(z, BLOCK_M, BLOCK_N)
+    z0, z1 = _halves(left, BLOCK_M, 2 * q)
+    _fwd_epilogue(z0, off_m, off_n, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
+    _fwd_epilogue(z1, off_m, off_n + q, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
+    z2, z3 = _halves(right, BLOCK_M, 2 * q)
+    _fwd_epilogue(z2, off_m, off_n + 2 * q, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
+    _fwd_epilogue(z3, off_m, off_n + 3 * q, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
 
 
 _cross_fwd_kernel = autotuned(_cross_fwd_kernel, "x0_ptr", descriptors=_DESCRIPTORS)
@@ -150,6 +164,8 @@ def check_inputs(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> Non
             )
     if n < 1 or r < 1:
         raise ValueError(f"cross_layer: need N >= 1 and r >= 1, got x0 {tuple(x0.shape)}, v {tuple(v.shape)}")
+    if n >= MAX_N:
+        raise ValueError(f"cross_layer: N must be below {MAX_N} (32-bit offsets inside a tile), got {n}")
     if x0.dtype not in DTYPES:
         raise ValueError(f"cross_layer: x0 dtype must be one of {DTYPES}, got {x0.dtype}")
     for name, t in named.items():
@@ -189,12 +205,14 @@ def launch_fwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``cross_layer_fwd`` without its input checks; `out` and `zb` [M, N] and `h` [M, r] (contiguous, x0's
     dtype), where given, are written in place of new tensors (a cross network's buffers,
-    kernels.cross_net)."""
-    x0, xl = rows_contiguous(x0), rows_contiguous(xl)
+    kernels.cross_net). x0 and xl are copied where their rows are not N apart: the kernel takes one row
+    stride for its four [M, N] tensors."""
+    x0, xl = x0.contiguous(), xl.contiguous()
     h = torch.matmul(xl, v.t(), out=h)
     m, n = x0.shape
     out = launch.empty((m, n), x0.dtype, x0.device) if out is None else out
     zb = launch.empty((m, n), x0.dtype, x0.device) if zb is None else zb
+    assert out.is_contiguous() and zb.is_contiguous(), "the kernel's four [M, N] tensors share one row stride"
     if m == 0:
         return out, h, zb
 
@@ -203,8 +221,7 @@ def launch_fwd(
 
     _cross_fwd_kernel[grid](
         tma_descriptor(h), tma_descriptor(u), b.contiguous(), x0, xl, out, zb,
-        m, n, h.shape[1], m_bucket(m), x0.stride(0), xl.stride(0), out.stride(0), zb.stride(0),
-        DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x0.dtype),
+        m, n, h.shape[1], m_bucket(m), n, DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x0.dtype),
     )  # fmt: skip
     return out, h, zb
 

@@ -150,6 +150,29 @@ def test_bad_inputs_raise_naming_the_values():
         cross_layer(*(t.double() for t in (x0, xl, v, u, b)))
 
 
+def test_too_wide_rows_raise(monkeypatch):
+    """The forward's offsets inside a tile are 32-bit: N at or past MAX_N is refused, by name."""
+    import kernels.cross as cross
+
+    monkeypatch.setattr(cross, "MAX_N", 7)
+    x0, xl, v, u, b, _ = _inputs(3, 7, 5, torch.float32)
+    with pytest.raises(ValueError, match="N must be below 7"):
+        cross_layer(x0, xl, v, u, b)
+
+
+def test_rows_further_apart_give_the_same_forward():
+    """x0 and x_l as views of wider rows (the forward's kernel takes one row stride, N: they are copied) give
+    the same bits as contiguous ones."""
+    x0, xl, v, u, b, _ = _inputs(37, 45, 7, torch.float32)
+    wide = [torch.full((37, 50), math.nan, device=DEVICE) for _ in range(2)]
+    for buffer, t in zip(wide, (x0, xl), strict=True):
+        buffer[:, :45] = t
+    expected = cross_layer_fwd(x0, xl, v, u, b)
+    actual = cross_layer_fwd(wide[0][:, :45], wide[1][:, :45], v, u, b)
+    for a, e in zip(actual, expected, strict=True):
+        assert torch.equal(a, e)
+
+
 def test_custom_op_registration():
     """torch.library.opcheck: the fake's shapes and strides, the autograd registration and the schema, on
     both ops (what torch.compile and CUDA-graph capture rely on)."""
