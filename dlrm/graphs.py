@@ -26,9 +26,14 @@ compiles and tunes its kernels (that cannot happen inside a capture), is capture
 and replays from then on. Each graph keeps its own memory pool: a partial batch's graph adds at most the
 activation memory of one full step.
 
-Captures are thread-local and on a stream of each owner's own (`capture`): a background checkpoint's writer
-copies its snapshot to the host while training goes on, and under CUDA's default global capture mode any such
-call from another thread during a capture (a new batch size's, an evaluation's) invalidates it.
+Captures are thread-local (`kernels.launch.capture`): a background checkpoint's writer copies its snapshot to
+the host while training goes on, and under CUDA's default global capture mode any such call from another
+thread during a capture (a new batch size's, an evaluation's) invalidates it. Each owner of graphs (the
+training step's, the evaluation's) captures on a stream of its own, not torch.cuda.graph's one shared
+default: when a graph is destroyed PyTorch drops the cuBLAS workspace cached for its capture stream
+(pytorch/pytorch#193402), which a live graph captured on the same stream still uses (a CUDA graph of an
+earlier training in the process, freed during a later one's capture, failed that capture in
+cublasSgemmStridedBatched).
 """
 
 import time
@@ -43,6 +48,7 @@ from dlrm.data.dataset import Batch
 from dlrm.model import DLRM
 from dlrm.optim import RunOptimizer
 from dlrm.profiling import graph_replay_range
+from kernels.launch import capture
 
 WARMUP_STEPS = 3
 
@@ -56,18 +62,6 @@ def _on_side_stream(fn: Callable, *args):
         result = fn(*args)
     torch.cuda.current_stream().wait_stream(side)
     return result
-
-
-def capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream):
-    """torch.cuda.graph(graph) on `stream`, in the thread-local capture mode: unsafe CUDA calls of this
-    thread still fail the capture; another thread's (a checkpoint writer's device-to-host copies) do not.
-
-    Each owner of graphs captures on a stream of its own, not torch.cuda.graph's one shared default: when
-    a graph is destroyed PyTorch drops the cuBLAS workspace cached for its capture stream
-    (pytorch/pytorch#193402), which a live graph captured on the same stream still uses (a CUDA
-    graph of an earlier training in the process, freed during a later one's capture, failed that capture
-    in cublasSgemmStridedBatched)."""
-    return torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local")
 
 
 class _Captured(NamedTuple):
@@ -95,7 +89,7 @@ class GraphedTrainStep:
     def __init__(self, model: DLRM, optimizer: RunOptimizer, step_fn, warmup: int = WARMUP_STEPS):
         self.model, self.optimizer, self.step_fn, self.warmup = model, optimizer, step_fn, warmup
         self.captured: dict[int, _Captured] = {}  # by batch size
-        self.capture_stream: torch.cuda.Stream | None = None  # made at the first capture (`capture`)
+        self.capture_stream: torch.cuda.Stream | None = None  # made at its first capture
         self.warmed: set[int] = set()  # batch sizes that ran uncaptured: their kernels are compiled
         self.steps = 0
         self.capture_s = 0.0
@@ -174,7 +168,7 @@ class GraphedForward:
     def __init__(self, forward: Callable[[Tensor, Tensor], Tensor]):
         self.forward = forward
         self.captured: dict[int, _CapturedForward] = {}
-        self.capture_stream: torch.cuda.Stream | None = None  # made at the first capture (`capture`)
+        self.capture_stream: torch.cuda.Stream | None = None  # made at its first capture
         self.warmed: set[int] = set()
 
     def __call__(self, dense: Tensor, sparse: Tensor) -> Tensor:

@@ -460,10 +460,10 @@ class _LinearActStack(torch.autograd.Function):
             return None, None, *grads
         saved = ctx.saved_tensors
         device, side = dy.device, _side_stream(dy)
+        body = _backward_body if side is None else functools.partial(launch_bwd, side=side)
         for i in reversed(range(n_layers)):
             x, weight, act_input = saved[3 * i : 3 * i + 3]
             needs_dx = i > 0 or ctx.needs_input_grad[0]  # layer 0's input is often data
-            body = _backward_body if side is None else functools.partial(launch_bwd, side=side)
             dy, grads[2 * i], grads[2 * i + 1] = body(
                 dy, x, weight, act_input, ctx.activations[i], ctx.has_bias[i], needs_dx
             )

@@ -16,7 +16,7 @@ from kernels.activations import act_bwd
 from kernels.gemm.layout import aligned_width, leading_columns, new_padded, rows_contiguous
 from kernels.gemm.partials import row_programs, sum_partials
 from kernels.gemm.tuning import fastest, input_precision, m_bucket
-from kernels.launch import INTERPRETED
+from kernels.launch import INTERPRETED, own_stream
 
 __all__ = ["act_dz", "act_grads", "dw_stream", "gemm_grads", "grad_input"]
 
@@ -151,21 +151,12 @@ def _weight_grad(dz: Tensor, x: Tensor, out: Tensor | None = None) -> Tensor:
     return torch.mm(dz.t(), x) if out is None else torch.mm(dz.t(), x, out=out)
 
 
-# One stream a device for the weight gradients (`dw_stream`), made once, so the cuBLAS workspace cached for
-# it is made outside any capture, by the first (warm-up) backward.
-_DW_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
 def dw_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream on which a backward's weight gradients run beside its input gradients on `device` (CUDA).
-
-    From PyTorch's high-priority pool, as kernels.gemm.tuning's timing stream (drawn once each, so they are
-    two streams): the graphs of dlrm.graphs are captured on streams of the default-priority pool, and
-    destroying a graph drops the cuBLAS workspace cached for its capture stream (pytorch/pytorch#193402),
-    which the dW GEMMs of every live graph captured with this stream read."""
-    if device not in _DW_STREAMS:
-        _DW_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
-    return _DW_STREAMS[device]
+    """The stream on which a backward's weight gradients run beside its input gradients on `device` (CUDA):
+    one of its own (``kernels.launch.own_stream``), since the dW GEMMs of every live graph captured with it
+    read the cuBLAS workspace cached for it."""
+    index = torch.device(device).index
+    return own_stream(torch.cuda.current_device() if index is None else index, "dw")
 
 
 def grad_input(dz: Tensor, weight: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ from functools import partial
 import torch
 import triton
 
-from kernels.launch import INTERPRETED
+from kernels.launch import INTERPRETED, capture, own_stream
 
 __all__ = ["TunedKernel", "autotuned", "even_k", "fastest", "graph_time", "input_precision", "m_bucket"]
 
@@ -203,35 +203,17 @@ def autotuned(
     return TunedKernel(autotuner, operand, descriptors)
 
 
-# graph_time's capture stream per device (_timing_stream).
-_TIMING_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _timing_stream() -> torch.cuda.Stream:
-    """The stream that graph_time captures on, one of its own: destroying a CUDA graph clears the cuBLAS
-    workspaces that PyTorch caches for the stream it was captured on, and a live graph captured on that
-    stream still uses them (pytorch/pytorch#193402). The training step and the evaluation forward are
-    captured on streams of PyTorch's (default-priority) pool (dlrm.graphs), and a timing graph is destroyed
-    mid-run (a new shape seen by the evaluation): on one of their streams it would pull the step graph's
-    workspace from under it (its next capture invalidated, or its memory handed out twice). A
-    high-priority stream comes from PyTorch's high-priority pool, from which only one other stream of ours
-    is drawn, once (kernels.gemm.grads.dw_stream): a different one."""
-    device = torch.cuda.current_device()
-    if device not in _TIMING_STREAMS:
-        _TIMING_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
-    return _TIMING_STREAMS[device]
-
-
 def graph_time(fn) -> float:
     """Median ms of `fn()` replayed as a CUDA graph: the GPU time a graph-captured step pays, to choose
     between implementations. Timed as launched from Python instead, host overhead would decide the choice
-    for small layers, differently run to run. Captured on a stream of its own (``_timing_stream``)."""
+    for small layers, differently run to run. Captured on a stream of its own (``kernels.launch.own_stream``):
+    a timing graph is destroyed mid-run (a new shape seen by the evaluation), and on the training step's or
+    the evaluation's capture stream it would pull their graphs' cuBLAS workspace from under them."""
     from triton.testing import do_bench
 
     fn()  # autotuning and lazy initialization, outside the capture
     graph = torch.cuda.CUDAGraph()
-    # Thread-local: a loader's or a checkpoint writer's CUDA calls on another thread do not fail it.
-    with torch.cuda.graph(graph, stream=_timing_stream(), capture_error_mode="thread_local"):
+    with capture(graph, own_stream(torch.cuda.current_device(), "timing")):
         fn()
     ms = do_bench(graph.replay, warmup=10, rep=40, return_mode="median")
     del graph
