@@ -2,7 +2,7 @@
 memory and the step time of background saves, and resuming bit-exactly on N ranks and, resharded, on one.
 
     python scripts/bench_checkpoint.py --nproc 2 [--config configs/dlrm_dcnv2.json] [--max-rows 12000000] \
-        [--data /tmp/bench_checkpoint_data] [--work /tmp/bench_checkpoint]
+        [--data /tmp/bench_checkpoint_data] [--work /tmp/bench_checkpoint] [--repeat-whole]
 
 Data: synthetic rows shaped as Criteo 1TB's (python -m dlrm.data.synthetic --cardinalities terabyte, then
 python -m dlrm.data.binary when the config's loader is "binary"), generated into `--data` when it holds none:
@@ -31,15 +31,18 @@ evaluation would add a save).
    ("resumed-N") and, resharded, in one process on one GPU ("resumed-1"). Rows per resumed run: the largest
    absolute difference of the weights (every model tensor of the final checkpoints, read tensor by tensor)
    and of the per-step losses (TensorBoard's train/loss) from the whole run's, against 0 (bit-exact); on N
-   ranks also how many of DCP's data files have the whole run's sha256. Nondeterministic GPU kernels (atomic
-   adds whose order varies) can make two uninterrupted runs differ too; those differences are ulps.
+   ranks also how many of DCP's data files have the whole run's sha256. With `--repeat-whole`, a second
+   uninterrupted run "whole-again" (as many steps and GPU-seconds again) is compared with "whole" the same
+   way: the run-to-run noise of the runs' kernels, against which a resumed run's difference reads (0 where
+   every kernel sums in a fixed order; a kernel of atomic adds makes two runs differ by ulps from the first
+   step on, and training compounds them: a resumed run cannot be closer to "whole" than that).
 
 The checkpoints the runs keep at once (the save run's 3 by its preflight, then the save run's last, the whole
-run's last and a resumed run's 2) must fit on `--work`'s disk: `--max-rows` is lowered to the largest cap
-that fits, with a line saying so (`--no-fit-disk` keeps it and lets the preflight refuse). Rows go to
-scripts/results/checkpoint.csv (`--results`): machine, config, nproc, max_rows, the state's GiB, what,
-value, unit, baseline and its value, target, whether it is met, a note. Each run's log is kept in
-`--work`/<run>.log; the checkpoints are deleted at the end unless `--keep`. A run still going at
+run's last and a resumed run's 2, or whole-again's 2) must fit on `--work`'s disk: `--max-rows` is lowered
+to the largest cap that fits, with a line saying so (`--no-fit-disk` keeps it and lets the preflight
+refuse). Rows go to scripts/results/checkpoint.csv (`--results`): machine, config, nproc, max_rows, the
+state's GiB, what, value, unit, baseline and its value, target, whether it is met, a note. Each run's log
+is kept in `--work`/<run>.log; the checkpoints are deleted at the end unless `--keep`. A run still going at
 `--deadline-s` after the start is killed and the rows measured until then are kept.
 """
 
@@ -488,6 +491,7 @@ class Bench:
         self.work, self.env, self.train_flags, self.deadline = work, env, train_flags, deadline
         self.rows: list[dict] = []
         self.state_gib = state_bytes(_capped(cfg, max_rows)) / GIB
+        self.repeat_whole = False  # --repeat-whole
 
     def row(self, what, value, unit, baseline="", baseline_value="", target="", meets="", note="", **where):
         row = {
@@ -691,6 +695,8 @@ def resume(bench: Bench, config: Path, start: Path, stop: int, more: int) -> Non
         )
     reference = whole_dir / "checkpoints" / ("last" if bench.nproc > 1 else "last.pt")
     expected = losses(whole_dir)
+    if bench.repeat_whole:
+        repeat_whole(bench, config, reference, expected, end)
     for nproc in sorted({bench.nproc, 1}, reverse=True):
         name = f"resumed-{nproc}"
         run_dir = bench.work / name
@@ -721,6 +727,8 @@ def resume(bench: Bench, config: Path, start: Path, stop: int, more: int) -> Non
             note = f"{equal} of {count} model tensors bitwise equal"
             note += f"; {same} of {files} DCP data files with the same sha256" if files > 0 else ""
         note += f"; {how}; steps {stop + 1}-{end}"
+        if not bench.repeat_whole:
+            note += "; two uninterrupted runs not compared (--repeat-whole)"
         if nproc != bench.nproc:
             note += (
                 " (one process sums the dense gradients of the global batch in another order than "
@@ -753,6 +761,43 @@ def resume(bench: Bench, config: Path, start: Path, stop: int, more: int) -> Non
             nproc=nproc,
         )
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # (disk for the next one)
+
+
+def repeat_whole(bench: Bench, config: Path, reference: Path, expected: dict[int, float], end: int) -> None:
+    """`--repeat-whole`: a second uninterrupted run of `end` steps, compared with the first (`reference`, its
+    `expected` losses): the run-to-run noise the resumed runs' rows read against."""
+    name, run_dir = "whole-again", bench.work / "whole-again"
+    result = bench.run(name, bench.nproc, ["--config", config, "--output-dir", run_dir, "--max-steps", end])
+    if result.code != 0:
+        raise click.ClickException(f"{name} failed (exit {result.code}): see {bench.work}/{name}.log")
+    last = run_dir / "checkpoints" / ("last" if bench.nproc > 1 else "last.pt")
+    worst, equal, count = compare_weights(last, reference)
+    got = losses(run_dir)
+    diffs = [abs(got[s] - expected[s]) for s in range(1, end + 1) if s in got and s in expected]
+    first = next((s for s in range(1, end + 1) if got.get(s) != expected.get(s)), None)
+    note = f"a second uninterrupted run of the same config, steps 1-{end}: run-to-run noise"
+    bench.row(
+        "repeat_weights_max_abs_diff",
+        worst,
+        "max |w - w_whole|",
+        baseline="uninterrupted run",
+        baseline_value=0.0,
+        target="0 (bit-exact)",
+        meets=worst == 0.0,
+        note=f"{note}; {equal} of {count} model tensors bitwise equal",
+    )
+    loss_diff = max(diffs) if len(diffs) == end else math.nan
+    bench.row(
+        "repeat_loss_max_abs_diff",
+        loss_diff,
+        "max |loss - loss_whole| per step",
+        baseline="uninterrupted run",
+        baseline_value=0.0,
+        target="0 (bit-exact)",
+        meets=loss_diff == 0.0,
+        note=f"{note}; {len(diffs)} steps of TensorBoard's train/loss; first differing step: {first}",
+    )
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # (disk for the resumed runs)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -819,6 +864,12 @@ def resume(bench: Bench, config: Path, start: Path, stop: int, more: int) -> Non
     "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Config overrides for every run."
 )
 @click.option("--results", type=click.Path(path_type=Path), default=RESULTS, help="CSV the rows go to.")
+@click.option(
+    "--repeat-whole",
+    is_flag=True,
+    help="Also run the uninterrupted run a second time and compare the two: the run-to-run noise the resumes "
+    "read against (as many steps and GPU-seconds again).",
+)
 @click.option("--keep", is_flag=True, help="Keep the checkpoints (deleted at the end by default).")
 @click.option(
     "--deadline-s",
@@ -843,6 +894,7 @@ def main(
     use_triton,
     overrides,
     results,
+    repeat_whole,
     keep,
     deadline_s,
 ):
@@ -892,6 +944,7 @@ def main(
             )
     train_flags = ["--use-triton" if use_triton else "--no-use-triton"]
     bench = Bench(nproc, config_path.stem, base, max_rows, work, env, train_flags, started + deadline_s)
+    bench.repeat_whole = repeat_whole and "resume" in phases
     run_overrides = [
         f"model.max_rows={max_rows}",
         "train.log_interval=1",

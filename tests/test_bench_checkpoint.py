@@ -21,7 +21,7 @@ def test_the_benchmark_measures_refusal_saves_and_resumes_on_two_gloo_ranks(tmp_
         sys.executable, str(REPO / "scripts" / "bench_checkpoint.py"), "--nproc", "2", "--config", str(TINY),
         "--max-rows", "2000", "--data", str(tmp_path / "data"), "--work", str(tmp_path / "work"),
         "--save-at", "4", "--steps", "8", "--resume-steps", "3", "--no-use-triton", "--results", str(results),
-        "--set", "train.device=cpu", "--set", "train.optimizer=adagrad",
+        "--set", "train.device=cpu", "--set", "train.optimizer=adagrad", "--repeat-whole",
     ]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -50,5 +50,10 @@ def test_the_benchmark_measures_refusal_saves_and_resumes_on_two_gloo_ranks(tmp_
         assert same["value"] == "0.0" and same["meets"] == "yes", same
         assert 0 <= float(one["value"]) < 1e-4 and "resharded from 2 ranks" in one["note"], one
     assert "DCP data files with the same sha256" in rows[("resume_weights_max_abs_diff", 2)]["note"]
+    # --repeat-whole: a second uninterrupted run, compared with the first (the noise the resumes read
+    # against): the same bits here, every sum in a fixed order.
+    for what in ("repeat_weights_max_abs_diff", "repeat_loss_max_abs_diff"):
+        row = rows[(what, 2)]
+        assert row["value"] == "0.0" and row["meets"] == "yes" and "run-to-run noise" in row["note"], row
     assert all(row["git_sha"] and row["device"] == "cpu" for row in rows.values())
     assert not list((tmp_path / "work").glob("*/checkpoints/*"))  # deleted at the end
