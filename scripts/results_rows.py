@@ -2,7 +2,8 @@
 
 The rule for "current": a row is current when its `git_sha` names a commit of this repository and the code
 it measures has not changed since that commit (`code_paths`: its file's `MEASURES` entry, else the whole
-application, less kernels/ for a run that never called them), nor the config file its `config` cell names
+application, less kernels/ for a run that never called them, the sharded model's code for a run of one
+process and the CUDA graphs' for a run on the CPU), nor the config file its `config` cell names
 (`configs/NAME.json` for a bare name, as the bench scripts read it, or the path itself): a run of
 `configs/main.json` measures that file's settings too. A change is any difference in a
 non-Python file, or a Python file whose syntax tree differs once docstrings are dropped (comments are not
@@ -25,6 +26,12 @@ RESULTS = REPO / "scripts" / "results"
 # The code each results file measures (paths relative to the repository root). A file not listed here
 # measures the whole application.
 WHOLE = ("dlrm", "kernels")
+# Code that only a run of several ranks executes (dlrm.run.strategy's Sharded builds the sharded model, and
+# nothing else imports these): a one-process row did not measure it.
+SEVERAL_RANKS_ONLY = ("dlrm/parallel/sharded.py", "dlrm/parallel/sharded_bags.py")
+# Code that only a run on a CUDA GPU executes (CUDA graphs: dlrm.config refuses train.cuda_graphs elsewhere):
+# a CPU row did not measure it.
+GPU_ONLY = ("dlrm/graphs.py",)
 MEASURES: dict[str, tuple[str, ...]] = {
     "preprocess.csv": ("dlrm/data",),
     "loader.csv": ("dlrm/data",),
@@ -168,12 +175,26 @@ def ran_our_kernels(row: Row) -> bool:
     return bool(train.get("use_triton", False) or (train.get("use_torch_compile", False) and on_gpu))
 
 
+def one_process(row: Row) -> bool:
+    """Whether `row`'s run was one process: its world_size (train.csv) or nproc (checkpoint.csv) cell is 1,
+    or it has neither (quality runs, one-process benchmarks)."""
+    return (row.cells.get("world_size") or row.cells.get("nproc") or "1") == "1"
+
+
 def code_paths(row: Row) -> tuple[str, ...]:
-    """The code `row` measured: its file's MEASURES entry; else the whole application, less kernels/ for a
-    row whose run did not call them (`ran_our_kernels`)."""
+    """The code `row` measured, as git pathspecs: its file's MEASURES entry; else the whole application, less
+    kernels/ for a row whose run did not call them (`ran_our_kernels`), less SEVERAL_RANKS_ONLY for a run
+    of one process (`one_process`) and less GPU_ONLY for a run on the CPU."""
     if row.file in MEASURES:
         return MEASURES[row.file]
-    return WHOLE if ran_our_kernels(row) else tuple(p for p in WHOLE if p != "kernels")
+    paths = WHOLE if ran_our_kernels(row) else tuple(p for p in WHOLE if p != "kernels")
+    skipped = (SEVERAL_RANKS_ONLY if one_process(row) else ()) + (GPU_ONLY if on_cpu(row) else ())
+    return paths + tuple(f":(exclude){path}" for path in skipped)
+
+
+def on_cpu(row: Row) -> bool:
+    """Whether `row`'s run was on the CPU: its device cell says "cpu" (a row without one is not counted)."""
+    return row.cells.get("device", "") == "cpu"
 
 
 def is_current(row: Row) -> bool:
