@@ -71,6 +71,7 @@ def embedding_bag_update(
     lr: Tensor,
     eps: float,
     rounding: Tensor | None = None,
+    in_order: bool = False,
 ) -> None:
     """Apply one optimizer step to the rows of `weights` (and `state`) that `index` touched, each row once
     with the sum of its lookups' gradients, in place (module docstring).
@@ -85,6 +86,7 @@ def embedding_bag_update(
         lr: learning rate, a one-element fp32 tensor on weights' device, read by the kernel.
         rounding: for bf16 weights, [2] int64 (seed, count): stochastic rounding (None: to nearest), as
             `kernels.embedding_update.embedding_update` takes it.
+        in_order: as `kernels.embedding_update.embedding_update`'s (SGD on fp32 weights without atomic adds).
     Raises:
         ValueError: unknown optimizer or pooling, or shapes/dtypes/devices that do not match.
     """
@@ -104,7 +106,7 @@ def embedding_bag_update(
         return
     bags = bag_columns(bag_sizes, pooling, s)
     # A view of the gradient (a slice of a concatenation's) is read in place: launch_update takes strides.
-    launch_update(weights, state, index.reshape(-1), grad, optimizer, lr, eps, bags, rounding)
+    launch_update(weights, state, index.reshape(-1), grad, optimizer, lr, eps, bags, rounding, in_order)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ count continues the same stream. A NaN stays NaN.
 
 How the update runs:
 - "sgd" with fp32 weights: one kernel, atomic adds of -lr * dout straight into the touched rows. Atomic adds
-  sum repeated ids exactly (up to fp32 summation order), as SGD needs nothing but the sum.
+  sum repeated ids exactly (up to fp32 summation order, which varies run to run on a GPU), as SGD needs
+  nothing but the sum; `in_order` sends it down the sorted path below instead (the same bits every run).
 - otherwise (adagrad, rowwise_adagrad, bf16 weights): the non-linear update needs each row's full sum
   first. The B*F indices are sorted (torch.sort, on int32 keys where the rows fit: half the radix passes);
   sorted positions with the same row form a segment, and a small kernel writes where each segment starts.
@@ -538,6 +539,7 @@ def embedding_update(
     lr: Tensor,
     eps: float,
     rounding: Tensor | None = None,
+    in_order: bool = False,
 ) -> None:
     """Apply one optimizer step to the rows of `weights` (and `state`) that `index` touched, in place.
 
@@ -553,6 +555,9 @@ def embedding_update(
         rounding: for bf16 weights, [2] int64 (seed, count) on weights' device: round stochastically with
             the bits of (seed, count) (module docstring; the caller advances the count between updates);
             None: round to nearest. Unused for fp32 weights.
+        in_order: SGD on fp32 weights too sums each row's lookups in sorted order before its step, as every
+            other update does, not by atomic adds in whatever order a GPU's threads come: the same bits on
+            every run, for the cost of the sort.
     Raises:
         ValueError: unknown optimizer, or shapes/dtypes/devices that do not match (message names them).
     """
@@ -565,7 +570,7 @@ def embedding_update(
         return
     index = index.reshape(-1)
     grad = grad.reshape(index.numel(), -1).contiguous()
-    launch_update(weights, state, index, grad, optimizer, lr, eps, rounding=rounding)
+    launch_update(weights, state, index, grad, optimizer, lr, eps, rounding=rounding, in_order=in_order)
 
 
 def sorted_segments(index: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -701,11 +706,13 @@ def launch_update(
     eps: float,
     bags: tuple[Tensor, Tensor] | None = None,
     rounding: Tensor | None = None,
+    in_order: bool = False,
 ) -> None:
     """The update kernels (module docstring) on inputs already checked: index [N] int64 global rows; grad
     [N, D] contiguous, or for pooled bags, with `bags` = (features [S] int64, scales [S] fp32) as
     `kernels.embedding_bag_update.bag_columns` gives them, the pooled gradient [B, F, D] with D's stride 1
-    (a view is read in place; N = B * S, lookup b * S + c); `rounding` as `embedding_update`'s."""
+    (a view is read in place; N = B * S, lookup b * S + c); `rounding` and `in_order` as
+    `embedding_update`'s."""
     n, d = index.numel(), weights.shape[1]
     if n == 0:
         return
@@ -719,7 +726,7 @@ def launch_update(
     if pooled and grad.stride(2) != 1:
         grad = grad.contiguous()
     strides = grad.stride()[:2] if pooled else (0, 0)
-    if optimizer == "sgd" and weights.dtype == torch.float32:
+    if optimizer == "sgd" and weights.dtype == torch.float32 and not in_order:
         # Few lookups (small batches): fewer rows a program, so the atomics spread over SGD_PROGRAMS programs
         # rather than a handful of SMs (kaggle B=128, D=16: 13 programs of 256 rows took 6.3 us of a step,
         # torch's index_add_ 2.2 us); large batches keep `block_sizes`'s rows.

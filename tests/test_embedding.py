@@ -405,6 +405,32 @@ def test_the_sums_never_read_an_unused_place(optimizer, monkeypatch):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+def test_sgd_in_order_sums_without_atomics_and_takes_the_same_step(monkeypatch):
+    """`in_order`: SGD on fp32 weights goes down the sorted path (the atomic kernel refuses to run here) and
+    steps each row by its summed gradient, as the atomic adds do (within fp32 summation order), repeated
+    rows of small tables included."""
+    import kernels.embedding_update as eu
+
+    weights, offsets, r = _tables([3, 50, 1000], 16, device=DEVICE)
+    ids = _ids(600, [3, 50, 1000], seed=9, device=DEVICE)
+    index = (ids + 1) % r + offsets
+    grad = torch.randn(*ids.shape, 16, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    atomic = weights.clone()
+    embedding_update(atomic, optimizer_state(atomic, "sgd"), index, grad, "sgd", _lr(0.1), 1e-10)
+
+    class Refused:
+        def __getitem__(self, grid):
+            raise AssertionError("in_order went through the atomic adds")
+
+    monkeypatch.setattr(eu, "_sgd_kernel", Refused())
+    in_order = weights.clone()
+    embedding_update(
+        in_order, optimizer_state(in_order, "sgd"), index, grad, "sgd", _lr(0.1), 1e-10, in_order=True
+    )
+    assert not torch.equal(in_order, weights)
+    torch.testing.assert_close(in_order, atomic, rtol=1e-6, atol=1e-6)
+
+
 def test_sgd_at_a_small_batch_spreads_its_rows_and_updates_alike(monkeypatch):
     """A small batch's SGD atomics run over more programs of fewer rows (SGD_PROGRAMS): the update equals
     the one of block_sizes's 256-row programs (bit for bit in the interpreter, whose programs add in

@@ -51,7 +51,7 @@ from dlrm.model.tables import (
 )
 from dlrm.parallel.dense import broadcast_from_rank0
 from dlrm.parallel.planner import TABLE_BYTES, ShardingPlan, plan_tables
-from dlrm.parallel.sharded_bags import ShardedBags, replicated_gradient
+from dlrm.parallel.sharded_bags import ShardedBags
 
 # The sparse kernels whose tables shard ("torch_fused", the plain-PyTorch fused update of one process's
 # tables, does not: --use-torch-compile's whole-step graph runs on one rank, dlrm.step.resolve_cuda_graphs).
@@ -95,10 +95,12 @@ class ToTableOrder(torch.autograd.Function):
 class ReplicatedLookup(torch.autograd.Function):
     """The replicated tables' lookup: weights [R_r, D] fp32 (table-batched, table j from row offsets[j] of
     rows[j]), rows [b, n_r] int64 within each table -> vectors [b, n_r, D] fp32; backward gives the dense
-    gradient [R_r, D] fp32, each row's summed gradient (dlrm.parallel.sharded_bags.replicated_gradient, bags
-    of one: the same bits on every run). On a GPU the lookup is the embedding kernel: torch's embedding is
-    several times slower there at the batches a GPU runs (its forward gathers D-value rows one thread block
-    each)."""
+    gradient [R_r, D] fp32, each row's summed gradient. On a GPU both are the embedding kernels: the lookup,
+    and the SGD update with lr -1 into zeros, each row's lookups summed in sorted order (`in_order`), not by
+    atomic adds: those sum in whatever order a GPU's threads come, and the gradient's last bits, then a
+    whole many-GPU run, would differ from run to run of one seed (one process has no replicated tables).
+    torch's embedding is several times slower there at the batches a GPU runs: its forward gathers D-value
+    rows one thread block each."""
 
     @staticmethod
     def forward(ctx, weights: Tensor, offsets: Tensor, table_rows: Tensor, rows: Tensor) -> Tensor:
@@ -116,9 +118,16 @@ class ReplicatedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        from kernels.embedding_update import embedding_update, optimizer_state
+
         (index,) = ctx.saved_tensors
-        ones = torch.ones(index.shape[1], dtype=torch.int64, device=index.device)  # bags of one lookup
-        return replicated_gradient(index, grad, ones, "sum", ctx.shape[0]), None, None, None
+        grad_weights = grad.new_zeros(ctx.shape, dtype=torch.float32)
+        minus_one = torch.full((), -1.0, device=grad.device)
+        embedding_update(
+            grad_weights, optimizer_state(grad_weights, "sgd"), index, grad, "sgd", minus_one, 0.0,
+            in_order=True,
+        )  # fmt: skip
+        return grad_weights, None, None, None
 
 
 def exchange(x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:

@@ -36,9 +36,10 @@ from dlrm.parallel.planner import Shard
 class ReplicatedBagLookup(torch.autograd.Function):
     """The replicated tables' pooled bags: weights [R_r, D] fp32 (table j from row offsets[j] of rows[j]),
     rows [b, L_r] int64 within each table (table j's bag in bag_sizes[j] consecutive columns) -> pooled
-    [b, n_r, D] fp32; backward gives the dense gradient [R_r, D] fp32, each row's summed gradient
-    (`replicated_gradient`: the same bits on every run). The forward is the bag kernel's where Triton runs
-    (`kernels.launch.use_triton`), elsewhere its PyTorch reference."""
+    [b, n_r, D] fp32; backward gives the dense gradient [R_r, D] fp32, each row's summed gradient. Triton
+    where it runs (`kernels.launch.use_triton`): the bag kernel's forward, and its SGD update with lr -1 into
+    zeros, each row's lookups summed in sorted order (`in_order`: the same bits on every run, as
+    `dlrm.parallel.sharded.ReplicatedLookup` says why); elsewhere their PyTorch references."""
 
     @staticmethod
     def forward(ctx, weights: Tensor, offsets: Tensor, table_rows: Tensor, bag_sizes: Tensor, rows: Tensor,
@@ -55,34 +56,17 @@ class ReplicatedBagLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        from kernels.embedding_bag import embedding_bag_update
+        from kernels.embedding_update import optimizer_state
+
         index, bag_sizes = ctx.saved_tensors
-        grad_weights = replicated_gradient(index, grad, bag_sizes, ctx.pooling, ctx.shape[0])
+        grad_weights = grad.new_zeros(ctx.shape, dtype=torch.float32)
+        minus_one = torch.full((), -1.0, device=grad.device)
+        state = optimizer_state(grad_weights, "sgd")
+        embedding_bag_update(
+            grad_weights, state, index, grad, bag_sizes, ctx.pooling, "sgd", minus_one, 0.0, in_order=True
+        )
         return grad_weights, None, None, None, None, None
-
-
-def replicated_gradient(
-    index: Tensor, grad: Tensor, bag_sizes: Tensor, pooling: str, num_rows: int
-) -> Tensor:
-    """The dense gradient [num_rows, D] fp32 of pooled lookups: `index` [b, L] int64 rows of the weights
-    (bag j in bag_sizes[j] consecutive columns; one-hot lookups are bags of 1), `grad` [b, n, D] the pooled
-    vectors' gradient ("sum", or "mean": each lookup's share 1 / k_j) -> each row's summed gradient.
-
-    The same bits on every run, so that two runs of a seed on many GPUs can train alike: torch's
-    embedding-bag backward sorts the lookups by row (a stable radix sort) and sums each row's gradients in
-    that order (partial sums over fixed runs of its lookups, then their sum; with offset2bag given, its CUDA
-    code takes no atomic-add path). The SGD update kernel with lr -1 into zeros that this replaces added them
-    by atomic adds, in whatever order the GPU's threads came: the replicated tables' gradients could differ
-    in their last bits from run to run, every step, and two runs of one seed drift apart from there (the
-    one step of a many-GPU run that one process does not run). Fixed shapes and no host sync (PyTorch's
-    EmbeddingBag.cu): the step's CUDA graph captures it."""
-    b, n = grad.shape[0], grad.shape[1]
-    features = torch.arange(n, device=index.device).repeat_interleave(bag_sizes, output_size=index.shape[1])
-    offset2bag = (torch.arange(b, device=index.device).unsqueeze(1) * n + features).reshape(-1)
-    mode = {"sum": 0, "mean": 1}[pooling]  # (torch's EmbeddingBag modes)
-    return torch.ops.aten._embedding_bag_dense_backward(
-        grad.reshape(b * n, -1).float(), index.reshape(-1), offset2bag, bag_sizes.repeat(b),
-        index.new_empty(0), num_rows, False, mode, None, -1,
-    )  # fmt: skip
 
 
 class ShardedBags(nn.Module):
