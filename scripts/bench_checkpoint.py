@@ -734,32 +734,13 @@ def resume(bench: Bench, config: Path, start: Path, stop: int, more: int) -> Non
                 " (one process sums the dense gradients of the global batch in another order than "
                 f"{bench.nproc} ranks' all-reduce of theirs: ulps apart, as tests/test_parallel.py allows)"
             )
-        bench.row(
-            "resume_weights_max_abs_diff",
-            worst,
-            "max |w - w_whole|",
-            baseline="uninterrupted run",
-            baseline_value=0.0,
-            target="0 (bit-exact)",
-            meets=worst == 0.0,
-            note=note,
-            nproc=nproc,
-        )
         got = losses(run_dir)
         diffs = [abs(got[s] - expected[s]) for s in range(stop + 1, end + 1) if s in got and s in expected]
-        loss_diff = max(diffs) if len(diffs) == more else math.nan
-        bench.row(
-            "resume_loss_max_abs_diff",
-            loss_diff,
-            "max |loss - loss_whole| per step",
-            baseline="uninterrupted run",
-            baseline_value=0.0,
-            target="0 (bit-exact)",
-            meets=loss_diff == 0.0,
-            note=f"{len(diffs)} steps ({stop + 1}-{end}) of TensorBoard's "
-            f"train/loss; {how}; load and {more} steps: {result.wall_s:.1f} s wall",
-            nproc=nproc,
+        loss_note = (
+            f"{len(diffs)} steps ({stop + 1}-{end}) of TensorBoard's train/loss; {how}; "
+            f"load and {more} steps: {result.wall_s:.1f} s wall"
         )
+        _against_whole_rows(bench, "resume", worst, diffs, more, note, loss_note, nproc=nproc)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # (disk for the next one)
 
 
@@ -776,28 +757,29 @@ def repeat_whole(bench: Bench, config: Path, reference: Path, expected: dict[int
     diffs = [abs(got[s] - expected[s]) for s in range(1, end + 1) if s in got and s in expected]
     first = next((s for s in range(1, end + 1) if got.get(s) != expected.get(s)), None)
     note = f"a second uninterrupted run of the same config, steps 1-{end}: run-to-run noise"
-    bench.row(
-        "repeat_weights_max_abs_diff",
-        worst,
-        "max |w - w_whole|",
-        baseline="uninterrupted run",
-        baseline_value=0.0,
-        target="0 (bit-exact)",
-        meets=worst == 0.0,
-        note=f"{note}; {equal} of {count} model tensors bitwise equal",
-    )
-    loss_diff = max(diffs) if len(diffs) == end else math.nan
-    bench.row(
-        "repeat_loss_max_abs_diff",
-        loss_diff,
-        "max |loss - loss_whole| per step",
-        baseline="uninterrupted run",
-        baseline_value=0.0,
-        target="0 (bit-exact)",
-        meets=loss_diff == 0.0,
-        note=f"{note}; {len(diffs)} steps of TensorBoard's train/loss; first differing step: {first}",
-    )
+    _against_whole_rows(
+        bench, "repeat", worst, diffs, end, f"{note}; {equal} of {count} model tensors bitwise equal",
+        f"{note}; {len(diffs)} steps of TensorBoard's train/loss; first differing step: {first}",
+    )  # fmt: skip
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # (disk for the resumed runs)
+
+
+def _against_whole_rows(
+    bench: Bench, what: str, worst: float, diffs: list[float], steps: int, weights_note: str, loss_note: str,
+    **where,
+) -> None:  # fmt: skip
+    """The two rows of a run compared with the uninterrupted one, against 0 (bit-exact): `what`_weights_
+    max_abs_diff (`worst`) and `what`_loss_max_abs_diff (the largest of the per-step `diffs`; NaN unless all
+    `steps` steps were compared)."""
+    loss_diff = max(diffs) if len(diffs) == steps else math.nan
+    for name, value, unit, note in (
+        ("weights", worst, "max |w - w_whole|", weights_note),
+        ("loss", loss_diff, "max |loss - loss_whole| per step", loss_note),
+    ):
+        bench.row(
+            f"{what}_{name}_max_abs_diff", value, unit, baseline="uninterrupted run", baseline_value=0.0,
+            target="0 (bit-exact)", meets=value == 0.0, note=note, **where,
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------
