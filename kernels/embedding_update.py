@@ -276,8 +276,8 @@ def _segment_sum_kernel(
     sums_ptr,  # [SEGMENTS, D] fp32: each long segment's sum, stored by the level where it fits in a block
     dest_ptr,  # [2 * blocks] int64: where the next level holds a block's first / last partial (or -1)
     partial_ptr,  # [M, D] fp32: the next level's values
-    blocks_ptr,  # [blocks] int64: the blocks to sum first (`_blocks_to_sum`), then the others
-    count_ptr,  # [1] int64: how many blocks of blocks_ptr to sum
+    blocks_ptr,  # [blocks] int64: in its first `count` places, the blocks to sum (`_blocks_to_sum`)
+    count_ptr,  # [1] int64: count
     # sizes
     N,
     F,
