@@ -44,8 +44,10 @@ evaluate: $(STAMP) $(SAMPLE)
 tensorboard: $(STAMP)
 	$(VENV)/bin/tensorboard --logdir runs --port $(PORT)
 
+# One pytest worker a core, up to 4 (pytest-xdist): the suite is ~85 CPU-minutes, mostly the Triton
+# interpreter; the multi-rank tests start 2-3 processes each, so more workers would only oversubscribe.
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --maxprocesses 4
 
 # Several pytest workers share the GPU: the tests are small and mostly wait on compilation (Triton JIT, nvcc).
 GPU_WORKERS ?= 6
