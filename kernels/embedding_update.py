@@ -297,7 +297,8 @@ def _segment_sum_kernel(
     d = tl.arange(0, BLOCK_D)
     mask_d = (d < D)[None, :]
     for i in range(tl.program_id(0), tl.load(count_ptr), tl.num_programs(0)):
-        start = tl.load(blocks_ptr + i) * BLOCK_N
+        block = tl.load(blocks_ptr + i)
+        start = block * BLOCK_N
         p = start + tl.arange(0, BLOCK_N).to(tl.int64)
         mask_p = p < N
         mask = mask_p[:, None] & mask_d
@@ -328,7 +329,6 @@ def _segment_sum_kernel(
         if not LEVEL0:
             whole = ends_here & ~crosses & (segment < SEGMENTS)
             tl.store(sums_ptr + segment[:, None] * D + d[None, :], sums, mask=mask & whole[:, None])
-        block = start // BLOCK_N
         first_dest, last_dest = tl.load(dest_ptr + 2 * block), tl.load(dest_ptr + 2 * block + 1)
         dest = tl.where(came_in, first_dest, last_dest)
         placed = ends_here & crosses & (dest >= 0)
@@ -677,7 +677,7 @@ def _segment_sums(
         blocks, count = _blocks_to_sum(dest, used)
         partials = _sums_buffer(len(next_segment), d, grad.device)
         strides = grad.stride()[:2] if pooled else (0, 0)
-        _segment_sum_kernel[(_sum_programs(len(blocks), grad.device),)](
+        _segment_sum_kernel[(_persistent_grid(len(blocks), SUM_PROGRAMS_PER_SM, grad.device),)](
             rows, segment, grad, scales, sums, dest, partials, blocks, count, m, f, d, n, *strides,
             POOLED=pooled, SPLIT_BF16=not INTERPRETED, OFFSET32=_last_offset(grad) < OFFSET32_LIMIT,
             LEVEL0=used is None, BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=4,
@@ -686,14 +686,6 @@ def _segment_sums(
             return sums
         rows = torch.arange(len(next_segment), device=grad.device)  # a level's positions are its values
         segment, grad, pooled, level_starts, used = next_segment, partials, False, None, places
-
-
-def _sum_programs(blocks: int, device: torch.device) -> int:
-    """The summing kernel's persistent grid for a level of `blocks` blocks: SUM_PROGRAMS_PER_SM an SM, fewer
-    where the blocks cannot fill them (the interpreter: one program a block, up to 64)."""
-    if device.type != "cuda":
-        return min(blocks, 64)
-    return min(blocks, SUM_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def launch_update(
@@ -746,7 +738,8 @@ def launch_update(
     _segment_starts_kernel[(triton.cdiv(n, 1024),)](segment, starts, n, BLOCK=1024)
     sums = _segment_sums(rows, segment, grad, scales, starts, pooled, f, d, max(16, block_d))
     stochastic = rounding is not None and weights.dtype == torch.bfloat16
-    _segment_step_kernel[(_step_programs(n, grad.device),)](
+    programs = _persistent_grid(triton.cdiv(n, STEP_SEGMENTS), STEP_PROGRAMS_PER_SM, grad.device)
+    _segment_step_kernel[(programs,)](
         starts, segment, sorted_rows, rows, grad, scales, sums, weights, state, lr,
         rounding if stochastic else lr, n, f, d, *strides, eps, POOLED=pooled, OPTIMIZER=optimizer,
         STOCHASTIC=stochastic, SHORT=SHORT_SEGMENT, BLOCK_S=STEP_SEGMENTS, BLOCK_D=block_d,
@@ -754,13 +747,13 @@ def launch_update(
     )  # fmt: skip
 
 
-def _step_programs(n: int, device: torch.device) -> int:
-    """The step kernel's persistent grid for n sorted positions (at most n segments): STEP_PROGRAMS_PER_SM
-    an SM, fewer where the segments cannot fill them (the interpreter: one program a group, up to 64)."""
-    groups = triton.cdiv(n, STEP_SEGMENTS)
+def _persistent_grid(items: int, per_sm: int, device: torch.device) -> int:
+    """A persistent kernel's programs for `items` work items (the step kernel's groups of segments, the
+    summing kernel's blocks): `per_sm` an SM, fewer where the items cannot fill them (the interpreter: one
+    program an item, up to 64)."""
     if device.type != "cuda":
-        return min(groups, 64)
-    return min(groups, STEP_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
+        return min(items, 64)
+    return min(items, per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def stochastic_round_bf16_ref(x: Tensor, noise: Tensor) -> Tensor:
