@@ -90,6 +90,11 @@ from dlrm.run.loop import train
     help="Go on from this checkpoint (e.g. runs/<run>/checkpoints/last.pt, or .../last of a torchrun run, on "
     "any number of ranks), in its run directory.",
 )
+@path_option(
+    "--kernel-choices",
+    help="Launch the kernels that this checkpoint's run tuned (same GPU model and Triton; as many ranks), "
+    "to repeat that run bit for bit; a --resume takes its checkpoint's by default.",
+)
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after N training steps.")
 @choice_option(
     "--device",
@@ -117,6 +122,7 @@ def main(
     output_dir,
     overwrite,
     resume,
+    kernel_choices,
     max_steps,
     device,
     seed,
@@ -147,7 +153,14 @@ def main(
         # Under torchrun, what a rank that ends the job for a dead peer says to go on (dlrm.parallel).
         parallel.set_resume_command(functools.partial(resume_command, click.get_current_context()))
         try:
-            train(replace(cfg, "train", **flags), output_dir, resume, overwrite=overwrite, progress=mode)
+            train(
+                replace(cfg, "train", **flags),
+                output_dir,
+                resume,
+                overwrite=overwrite,
+                progress=mode,
+                kernel_choices=kernel_choices,
+            )
         except RunStopped as err:
             if err.checkpoint is not None:
                 command = resume_command(click.get_current_context(), err.checkpoint)
@@ -193,8 +206,9 @@ def stop_every_rank(message: str, code: int) -> None:
 
 def resume_command(ctx: click.Context, checkpoint: Path) -> str:
     """The command line that goes on from `checkpoint`: this one's options (as parsed), without
-    --output-dir, --overwrite and --resume, plus `--resume checkpoint`; under torchrun, a torchrun of as
-    many processes (a sharded checkpoint also resumes on any other number, or in one process)."""
+    --output-dir, --overwrite, --resume and --kernel-choices (the checkpoint holds the run's), plus
+    `--resume checkpoint`; under torchrun, a torchrun of as many processes (a sharded checkpoint also
+    resumes on any other number, or in one process)."""
     args = [sys.executable, "-m", "dlrm.train"]
     _, world_size, _ = parallel.world_from_env()
     if world_size > 1:
@@ -203,7 +217,7 @@ def resume_command(ctx: click.Context, checkpoint: Path) -> str:
         args = ["torchrun", *nodes, "--nproc-per-node", str(per_node), "-m", "dlrm.train"]
     for param in ctx.command.params:
         value = ctx.params.get(param.name)
-        if param.name in ("output_dir", "overwrite", "resume") or value is None:
+        if param.name in ("output_dir", "overwrite", "resume", "kernel_choices") or value is None:
             continue
         if value is False:  # an unset flag, or the off side of a pair such as --no-cuda-graphs
             args += param.secondary_opts[:1]

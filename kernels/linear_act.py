@@ -70,7 +70,7 @@ from kernels.gemm.layout import (
     tma_descriptor,
 )
 from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_linear_tile
-from kernels.gemm.tuning import autotuned, fastest, input_precision, m_bucket
+from kernels.gemm.tuning import ChoiceTable, autotuned, fastest, input_precision, m_bucket
 from kernels.launch import INTERPRETED, use_triton
 from kernels.op import define_op
 
@@ -196,7 +196,7 @@ def launch_fwd(
 # The others save z or have no cuBLAS epilogue.
 CUBLAS_ACTIVATIONS = ("identity", "relu")
 # The forward chosen per (M bucket, N, K, dtype, GEMM precision, activation, bias).
-_FORWARD_CHOICE: dict[tuple, str] = {}
+_FORWARD_CHOICE = ChoiceTable("linear_act forward")
 
 
 def fastest_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> str:

@@ -35,7 +35,9 @@ evaluation would add a save).
    uninterrupted run "whole-again" (as many steps and GPU-seconds again) is compared with "whole" the same
    way: the run-to-run noise of the runs' kernels, against which a resumed run's difference reads (0 where
    every kernel sums in a fixed order; a kernel of atomic adds makes two runs differ by ulps from the first
-   step on, and training compounds them: a resumed run cannot be closer to "whole" than that).
+   step on, and training compounds them: a resumed run cannot be closer to "whole" than that). The whole
+   runs launch the save run's kernels (`--kernel-choices` its last checkpoint), as a resume does: GEMMs
+   tuned by timing choose apart run to run on a busy GPU, and two choices sum in different orders.
 
 The checkpoints the runs keep at once (the save run's 3 by its preflight, then the save run's last, the whole
 run's last and a resumed run's 2, or whole-again's 2) must fit on `--work`'s disk: `--max-rows` is lowered
@@ -686,9 +688,8 @@ def resume(bench: Bench, config: Path, start: Path, stop: int, more: int) -> Non
     """Phase 3: the uninterrupted run, and `start` resumed on N ranks and in one process."""
     end = stop + more
     whole_dir = bench.work / "whole"
-    whole = bench.run(
-        "whole", bench.nproc, ["--config", config, "--output-dir", whole_dir, "--max-steps", end]
-    )
+    args = ["--config", config, "--output-dir", whole_dir, "--max-steps", end, "--kernel-choices", start]
+    whole = bench.run("whole", bench.nproc, args)
     if whole.code != 0:
         raise click.ClickException(
             f"the uninterrupted run failed (exit {whole.code}): see {bench.work}/whole.log"
@@ -696,7 +697,7 @@ def resume(bench: Bench, config: Path, start: Path, stop: int, more: int) -> Non
     reference = whole_dir / "checkpoints" / ("last" if bench.nproc > 1 else "last.pt")
     expected = losses(whole_dir)
     if bench.repeat_whole:
-        repeat_whole(bench, config, reference, expected, end)
+        repeat_whole(bench, config, start, reference, expected, end)
     for nproc in sorted({bench.nproc, 1}, reverse=True):
         name = f"resumed-{nproc}"
         run_dir = bench.work / name
@@ -744,11 +745,15 @@ def resume(bench: Bench, config: Path, start: Path, stop: int, more: int) -> Non
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # (disk for the next one)
 
 
-def repeat_whole(bench: Bench, config: Path, reference: Path, expected: dict[int, float], end: int) -> None:
-    """`--repeat-whole`: a second uninterrupted run of `end` steps, compared with the first (`reference`, its
-    `expected` losses): the run-to-run noise the resumed runs' rows read against."""
+def repeat_whole(
+    bench: Bench, config: Path, start: Path, reference: Path, expected: dict[int, float], end: int
+) -> None:
+    """`--repeat-whole`: a second uninterrupted run of `end` steps with the kernels of checkpoint `start`'s
+    run, compared with the first (`reference`, its `expected` losses): the run-to-run noise the resumed
+    runs' rows read against."""
     name, run_dir = "whole-again", bench.work / "whole-again"
-    result = bench.run(name, bench.nproc, ["--config", config, "--output-dir", run_dir, "--max-steps", end])
+    args = ["--config", config, "--output-dir", run_dir, "--max-steps", end, "--kernel-choices", start]
+    result = bench.run(name, bench.nproc, args)
     if result.code != 0:
         raise click.ClickException(f"{name} failed (exit {result.code}): see {bench.work}/{name}.log")
     last = run_dir / "checkpoints" / ("last" if bench.nproc > 1 else "last.pt")

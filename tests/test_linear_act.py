@@ -528,19 +528,6 @@ def test_cpu_fallback_without_triton(monkeypatch):
             _check_fwd_bwd(67, 33, 20, activation, has_bias, torch.float32, "cpu", seed=8)
 
 
-def test_fastest_times_a_key_once_and_keeps_the_winner(monkeypatch):
-    """The timed choice behind the forward, dW and fp32 dx: the candidate with the least time wins, and a
-    key seen before is not timed again."""
-    times = {"a": 2.0, "b": 1.0}
-    timed = []
-    monkeypatch.setattr(gemm_tuning, "graph_time", lambda fn: timed.append(fn()) or times[timed[-1]])
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU builds raise
-    choices: dict = {}
-    candidates = {"a": lambda: "a", "b": lambda: "b"}
-    assert gemm_tuning.fastest(choices, "key", candidates) == "b" and choices == {"key": "b"}
-    assert gemm_tuning.fastest(choices, "key", candidates) == "b" and timed == ["a", "b"]
-
-
 @pytest.mark.gpu
 def test_timing_a_choice_leaves_a_live_step_graph_replaying_right():
     """A step graph with cuBLAS GEMMs captured on ``torch.cuda.graph``'s default stream (a stream of the
@@ -664,7 +651,8 @@ def test_dlrm_shapes_tf32_gpu(layer):
 @pytest.mark.gpu
 def test_forward_choice_is_timed_once_per_shape_gpu(monkeypatch):
     """The first call of a shape times both forwards; later calls in its M bucket reuse the choice."""
-    monkeypatch.setattr(linear_act_mod, "_FORWARD_CHOICE", {})
+    monkeypatch.setattr(gemm_tuning, "_TABLES", {})
+    monkeypatch.setattr(linear_act_mod, "_FORWARD_CHOICE", gemm_tuning.ChoiceTable("linear_act forward"))
     x, w, b, _ = _inputs(128, 512, 256, torch.float32, "cuda", seed=11)
     first = linear_act_mod.fastest_fwd(x, w, b, "relu")
     assert first in ("triton", "cublas") and len(linear_act_mod._FORWARD_CHOICE) == 1
@@ -675,7 +663,8 @@ def test_forward_choice_is_timed_once_per_shape_gpu(monkeypatch):
 @pytest.mark.gpu
 def test_fp32_dx_layout_is_timed_once_per_shape_gpu(monkeypatch):
     """The first fp32 dx of a shape times both layouts; later ones in its M bucket reuse the choice."""
-    monkeypatch.setattr(grads_mod, "_DX_LAYOUT", {})
+    monkeypatch.setattr(gemm_tuning, "_TABLES", {})
+    monkeypatch.setattr(grads_mod, "_DX_LAYOUT", gemm_tuning.ChoiceTable("fp32 dx layout"))
     _, w, _, dz = _inputs(128, 512, 256, torch.float32, "cuda", seed=13)  # W [N, K], dz [M, N]
     first = grads_mod._fp32_dx_layout(dz, w)
     assert first in ("transposed", "direct") and len(grads_mod._DX_LAYOUT) == 1
@@ -766,7 +755,8 @@ def test_tuned_kernel_tunes_each_key_once(monkeypatch):
     """TunedKernel asks the autotuner once per (M bucket, N, K, dtype, dot precision) and launches the tuned
     config directly afterwards, with the same result."""
     kernel = linear_act_mod._linear_act_fwd_kernel
-    monkeypatch.setattr(kernel, "_options", {})
+    monkeypatch.setattr(gemm_tuning, "_TABLES", {})
+    monkeypatch.setattr(kernel, "_options", gemm_tuning.ChoiceTable("_linear_act_fwd_kernel"))
     tuned = []
     run = kernel.autotuner.run
 

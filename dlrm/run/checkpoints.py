@@ -1,6 +1,6 @@
 """A run's checkpoints: what checkpoints/last.pt and best.pt hold (weights, optimizer states, config,
-table layout, run state, loader position; a sharded directory on many ranks), when a periodic last.pt is
-due (train.checkpoint_interval, train.checkpoint_every_s), which ones the run keeps
+table layout, run state, loader position, kernel choices; a sharded directory on many ranks), when a
+periodic last.pt is due (train.checkpoint_interval, train.checkpoint_every_s), which ones the run keeps
 (train.checkpoint_policy, train.keep_last), and the preflight that refuses a run whose checkpoints cannot
 fit on its disk. Only a finite state is written (dlrm.run.nonfinite).
 
@@ -31,6 +31,7 @@ from loguru import logger
 from dlrm.config import RunConfig, TrainConfig
 from dlrm.data.loaders import STATEFUL_LOADERS
 from dlrm.parallel.checkpoint import CheckpointError
+from dlrm.run import kernel_choices
 from dlrm.run.nonfinite import check_finite, nonfinite_stop, weights_finite
 from dlrm.run.state import Interval, Run, RunState
 from dlrm.staging import PendingSave
@@ -220,15 +221,17 @@ def settle_checkpoint(run: Run) -> None:
 def save_run_checkpoint(
     run: Run, state: RunState, name: str, links: tuple[Path, ...] = ()
 ) -> PendingSave | None:
-    """checkpoints/`name`: weights, optimizer states, config, table layout, run state, loader position;
-    then `links` (checkpoint paths) name the same checkpoint. Many ranks: the sharded directory
-    checkpoints/<name without .pt>/ (dlrm.parallel.checkpoint). In the background where the device has room
-    for a snapshot: returns its PendingSave, else None once written."""
+    """checkpoints/`name`: weights, optimizer states, config, table layout, run state, loader position,
+    each rank's kernel choices (dlrm.run.kernel_choices); then `links` (checkpoint paths) name the same
+    checkpoint. Many ranks: the sharded directory checkpoints/<name without .pt>/ (dlrm.parallel.checkpoint).
+    In the background where the device has room for a snapshot: returns its PendingSave, else None once
+    written."""
     loader = run.train_loader
     meta = {
         "config": run.cfg.to_dict(),
         "table_rows": run.model.sparse_arch.table_rows,
         "loader": loader.state_dict() if isinstance(loader, STATEFUL_LOADERS) else None,
+        kernel_choices.KEY: kernel_choices.record(run.strategy),
         **state.checkpointed(),
     }
     path = checkpoint_path(run, name)

@@ -62,6 +62,7 @@ def train(
     resume: Path | None = None,
     overwrite: bool = False,
     progress: str = "auto",
+    kernel_choices: Path | None = None,
 ) -> dict:
     """Train per `cfg`, writing everything into the run directory; returns the metrics.json contents:
     {"steps", "samples", "train_loss", "val_auc", "val_logloss", "val_ne", "best_step", "test_auc",
@@ -76,6 +77,8 @@ def train(
     writing nothing; into another `output_dir` it is evaluated and saved there.
     An `output_dir` that already holds a run is refused unless `resume` or `overwrite` (which empties it).
     `progress`: what it shows while it runs, "auto", "bar", "log" or "quiet" (dlrm.progress).
+    `kernel_choices`: a checkpoint whose tuned kernel choices the run takes (dlrm.run.kernel_choices);
+    None: `resume`'s, else timed as kernels are first launched.
 
     Under torchrun (dlrm.parallel) every rank runs this same loop on its part of each global batch; rank 0
     writes the run directory's files (checkpoints: every rank, sharded).
@@ -90,7 +93,7 @@ def train(
     """
     start = time.perf_counter()
     try:
-        run, state = set_up(cfg, output_dir, resume, overwrite, progress)
+        run, state = set_up(cfg, output_dir, resume, overwrite, progress, kernel_choices)
     except RunFinished as finished:  # a resume with no step left: its one line logged, nothing written
         return finished.metrics
     except torch.OutOfMemoryError as err:

@@ -26,6 +26,7 @@ from dlrm.model.dlrm import log_odds
 from dlrm.optim import RunOptimizer
 from dlrm.progress import TrainProgress
 from dlrm.run.checkpoints import preflight
+from dlrm.run.kernel_choices import take as take_kernel_choices
 from dlrm.run.state import Run, RunState
 from dlrm.run.strategy import Strategy, start
 from dlrm.signals import StopSignals
@@ -38,13 +39,15 @@ def set_up(
     resume: Path | None,
     overwrite: bool = False,
     progress: str = "auto",
+    kernel_choices: Path | None = None,
 ) -> tuple[Run, RunState]:
     """Data, model, optimizer, step, loaders, run directory, TensorBoard writer and progress bar of a run,
-    and its state (restored from `resume` when given). Under torchrun: the process group, the sharded
-    tables and rank-aware loaders (dlrm.run.strategy). The run directory is checked first and written only
-    once all else is set up; a `resume` checkpoint is read and checked against the config before the data
-    and the model. Raises ValueError as `train`, and RunFinished for a `resume` of a run with no step left
-    in its own directory (nothing written)."""
+        and its state (restored from `resume` when given). Under torchrun: the process group, the sharded
+        tables and rank-aware loaders (dlrm.run.strategy). The run directory is checked first and written only
+        once all else is set up; a `resume` checkpoint is read and checked against the config before the data
+        and the model. Raises ValueError as `train`, and RunFinished for a `resume` of a run with no step left
+        in its own directory (nothing written). The kernels' tuned choices come from `kernel_choices` (a
+    checkpoint), else from `resume` (dlrm.run.kernel_choices)."""
     strategy, device = start(cfg)
     cfg = resolve_cuda_graphs(cfg, device, strategy.world_size)
     t = cfg.train
@@ -58,6 +61,10 @@ def set_up(
     if resume is not None:
         state.best_checkpoint = resume.parent / ("best" if resume.is_dir() else "best.pt")
         check_not_stopped_early(resume, state, t.patience)
+    if kernel_choices is not None:
+        take_kernel_choices(strategy.read_checkpoint(kernel_choices), kernel_choices, strategy)
+    elif resume is not None:
+        take_kernel_choices(checkpoint, resume, strategy)
     use_interpreter_on_cpu(cfg, device)
     set_precision(t.precision)
     torch.manual_seed(t.seed)

@@ -34,7 +34,7 @@ from kernels.activations import act_bwd
 from kernels.gemm.grads import act_grads
 from kernels.gemm.layout import rows_contiguous
 from kernels.gemm.partials import sum_partials
-from kernels.gemm.tuning import autotuned, fastest, input_precision, m_bucket
+from kernels.gemm.tuning import ChoiceTable, autotuned, fastest, input_precision, m_bucket
 from kernels.launch import INTERPRETED
 
 __all__ = ["act_dw", "fastest_dw"]
@@ -186,7 +186,7 @@ def act_dw(
 
 # The backward implementation chosen per (M bucket, N, K, dtype, GEMM precision, activation, bias), for
 # layers whose dx is not needed.
-_BACKWARD_CHOICE: dict[tuple, str] = {}
+_BACKWARD_CHOICE = ChoiceTable("dW backward")
 
 
 def fastest_dw(

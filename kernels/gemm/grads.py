@@ -15,7 +15,7 @@ from kernels import launch
 from kernels.activations import act_bwd
 from kernels.gemm.layout import aligned_width, leading_columns, new_padded, rows_contiguous
 from kernels.gemm.partials import row_programs, sum_partials
-from kernels.gemm.tuning import fastest, input_precision, m_bucket
+from kernels.gemm.tuning import ChoiceTable, fastest, input_precision, m_bucket
 from kernels.launch import INTERPRETED, own_stream
 
 __all__ = ["act_dz", "act_grads", "dw_stream", "gemm_grads", "grad_input"]
@@ -186,7 +186,7 @@ def _aligned_fp32_dx(dz: Tensor, weight: Tensor, layout: str) -> Tensor:
 
 
 # The fp32 dx layout chosen per (M bucket, N, K, GEMM precision).
-_DX_LAYOUT: dict[tuple, str] = {}
+_DX_LAYOUT = ChoiceTable("fp32 dx layout")
 
 
 def _fp32_dx_layout(dz: Tensor, weight: Tensor) -> str:

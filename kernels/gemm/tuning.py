@@ -15,10 +15,22 @@ from functools import partial
 
 import torch
 import triton
+from triton import __version__ as TRITON_VERSION
 
 from kernels.launch import INTERPRETED, capture, own_stream
 
-__all__ = ["TunedKernel", "autotuned", "even_k", "fastest", "graph_time", "input_precision", "m_bucket"]
+__all__ = [
+    "ChoiceTable",
+    "TunedKernel",
+    "autotuned",
+    "chosen",
+    "even_k",
+    "fastest",
+    "graph_time",
+    "input_precision",
+    "m_bucket",
+    "use_chosen",
+]
 
 _KEY = ["M_BUCKET", "N", "K"]  # passed by position
 _PRECISION = "INPUT_PRECISION"  # passed by keyword, a constexpr of every GEMM kernel
@@ -43,6 +55,50 @@ _RED_BY_ELEMENT_SIZE = {2: 64, 4: 32}
 # The interpreter pays a fixed cost per program and takes one config: 32-wide tiles, so the tests' small
 # shapes still span several tiles (and partial ones) in every dimension.
 _INTERPRETER_SHAPE = (32, 32, 32, 4, 1)
+
+
+class ChoiceTable(dict):
+    """The choices of one kind made by timing, by key (a tuple of sizes, dtypes and flags), registered under
+    a process-wide unique `name` so that ``chosen`` lists it and ``use_chosen`` can fill it."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        if name in _TABLES:
+            raise ValueError(f"a choice table named {name!r} exists already")
+        self.name = name
+        _TABLES[name] = self
+
+    def preset(self, key):
+        """The choice `use_chosen` gave for `key` (matched by its repr), or None."""
+        return _PRESET.get(self.name, {}).get(repr(key))
+
+
+_TABLES: dict[str, ChoiceTable] = {}
+_PRESET: dict[str, dict] = {}  # use_chosen's choices: table name -> repr(key) -> choice
+
+
+def _machine() -> dict:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": device, "triton": TRITON_VERSION, "interpreted": INTERPRETED}
+
+
+def chosen() -> dict:
+    """This process's choices: {"device", "triton", "interpreted", "choices": {table name: {repr(key):
+    choice}}}, JSON-able (a choice is a name or a dict of launch options)."""
+    tables = {name: {repr(k): v for k, v in table.items()} for name, table in _TABLES.items() if table}
+    return {**_machine(), "choices": tables}
+
+
+def use_chosen(record: dict) -> bool:
+    """Take `record` (a ``chosen()`` of another process) for every key not yet chosen here: a launch whose
+    key it holds uses its choice and times nothing. False, taking nothing, where the record is of another
+    GPU model, Triton version or interpreter setting (its timings do not carry over, nor might its launch
+    options)."""
+    if {k: record.get(k) for k in _machine()} != _machine():
+        return False
+    _PRESET.clear()
+    _PRESET.update(record.get("choices", {}))
+    return True
 
 
 def m_bucket(m: int) -> int:
@@ -147,7 +203,7 @@ class TunedKernel:
         self._key_positions = tuple(names.index(k) for k in _KEY)
         self._operand_position = names.index(operand)
         self._descriptors = [(names.index(name), dims) for name, dims in descriptors.items()]
-        self._options: dict[tuple, dict] = {}
+        self._options = ChoiceTable(self.fn.__name__)
 
     def __getitem__(self, grid):
         return partial(self._launch, grid)
@@ -156,6 +212,10 @@ class TunedKernel:
         m_bucket_, n, k = (args[i] for i in self._key_positions)
         key = (m_bucket_, n, k, args[self._operand_position].dtype, kwargs.get(_PRECISION))
         options = self._options.get(key)
+        if options is None:
+            options = self._options.preset(key)
+            if options is not None:
+                self._options[key] = options
         if options is None:
             self.autotuner[grid](*args, **kwargs)
             self._options[key] = self.autotuner.best_config.all_kwargs()
@@ -220,10 +280,13 @@ def graph_time(fn) -> float:
     return ms
 
 
-def fastest(choices: dict, key, candidates: dict) -> str:
+def fastest(choices: ChoiceTable, key, candidates: dict) -> str:
     """The name of the fastest of `candidates` (name -> a call without arguments) for `key`: each timed once
-    (``graph_time``) the first time the key is seen, the winner remembered in `choices`. Inside a CUDA
-    graph capture, where nothing can be timed, an unseen key takes the first candidate (not remembered)."""
+    (``graph_time``) the first time the key is seen, the winner remembered in `choices`; a key whose choice
+    ``use_chosen`` gave takes it untimed. Inside a CUDA graph capture, where nothing can be timed, an unseen
+    key takes the first candidate (not remembered)."""
+    if key not in choices and choices.preset(key) in candidates:
+        choices[key] = choices.preset(key)
     if key not in choices:
         if torch.cuda.is_current_stream_capturing():
             return next(iter(candidates))
