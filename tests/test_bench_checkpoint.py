@@ -42,6 +42,7 @@ def test_the_benchmark_measures_refusal_saves_and_resumes_on_two_gloo_ranks(tmp_
         assert float(rss["value"]) >= float(rss["baseline_value"]) > 0.1, rss  # GiB
     step = rows[("step_ms_during_background_save", 2)]
     assert float(step["value"]) > 0 and float(step["baseline_value"]) > 0, step
+    assert step["baseline"] == "step_ms_same_steps_uninterrupted" and "steps 5-" in step["note"], step
 
     # 3. On the same 2 ranks the resumed run is the uninterrupted one bit for bit (gloo on the CPU is
     # deterministic); resharded into one process, ulps apart (another order of the gradient sums).

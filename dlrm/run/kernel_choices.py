@@ -10,37 +10,44 @@ GPU) and of the ranks' shapes: a checkpoint of another number of ranks has other
 (and one on another GPU model or Triton version) times its kernels anew, as it says.
 """
 
+import sys
 from pathlib import Path
 
 from loguru import logger
 
-from kernels.gemm import tuning
+KEY = "kernel_choices"  # the checkpoint's entry: one kernels.gemm.tuning.chosen() a rank, in rank order
+TUNING = "kernels.gemm.tuning"  # imported where a kernel is first called, never here (tests/test_imports.py)
 
-KEY = "kernel_choices"  # the checkpoint's entry: one tuning.chosen() a rank, in rank order
 
-
-def record(strategy) -> list[dict]:
-    """Every rank's kernel choices so far, in rank order (under torchrun a collective: every rank calls it
-    at the same point, as it does a checkpoint save)."""
-    return strategy.per_rank(tuning.chosen())
+def record(strategy) -> list[dict | None]:
+    """Every rank's kernel choices so far, in rank order; None for a rank that has launched no tuned kernel
+    (under torchrun a collective: every rank calls it at the same point, as it does a checkpoint save)."""
+    tuning = sys.modules.get(TUNING)
+    return strategy.per_rank(tuning.chosen() if tuning is not None else None)
 
 
 def take(checkpoint: dict, source: Path, strategy) -> None:
     """Make this rank launch the kernels that `checkpoint` (read from `source`) records for its rank, where
-    it was written by as many ranks on the same GPU model with the same Triton; otherwise (or a checkpoint
-    that records none) the kernels are timed anew, and rank 0 says why in one line."""
-    records = checkpoint.get(KEY)
-    if not records:
-        reason = "it records none"
-    elif len(records) != strategy.world_size:
-        reason = f"they are of {len(records)} ranks' GEMM sizes, this run has {strategy.world_size}"
-    elif not tuning.use_chosen(records[strategy.rank]):
-        theirs = records[strategy.rank]
-        reason = f"they were timed on {theirs.get('device')} with Triton {theirs.get('triton')}"
-    else:
-        if strategy.is_main:
-            count = sum(len(table) for table in records[0].get("choices", {}).values())
-            logger.info("kernels: the {} tuned choices of {} (its GPU model and Triton)", count, source)
+    it was written by as many ranks on the same GPU model with the same Triton; otherwise the kernels are
+    timed anew, and rank 0 says why in one line (nothing for a checkpoint that records no tuned kernel).
+    Call it once the Triton interpreter is settled (dlrm.device.use_interpreter_on_cpu): it imports our
+    kernels' tuning."""
+    records = checkpoint.get(KEY) or []
+    if not any(records):
         return
-    if strategy.is_main:
+    reason = None
+    if len(records) != strategy.world_size:
+        reason = f"they are of {len(records)} ranks' GEMM sizes, this run has {strategy.world_size}"
+    elif records[strategy.rank] is not None:
+        from kernels.gemm import tuning
+
+        if not tuning.use_chosen(records[strategy.rank]):
+            theirs = records[strategy.rank]
+            reason = f"they were timed on {theirs.get('device')} with Triton {theirs.get('triton')}"
+    if not strategy.is_main:
+        return
+    if reason is None:
+        count = sum(len(table) for table in (records[0] or {}).get("choices", {}).values())
+        logger.info("kernels: the {} tuned choices of {} (its GPU model and Triton)", count, source)
+    else:
         logger.info("kernels: timed anew, not taken from {}: {}", source, reason)

@@ -61,11 +61,11 @@ def set_up(
     if resume is not None:
         state.best_checkpoint = resume.parent / ("best" if resume.is_dir() else "best.pt")
         check_not_stopped_early(resume, state, t.patience)
+    use_interpreter_on_cpu(cfg, device)
     if kernel_choices is not None:
         take_kernel_choices(strategy.read_checkpoint(kernel_choices), kernel_choices, strategy)
     elif resume is not None:
         take_kernel_choices(checkpoint, resume, strategy)
-    use_interpreter_on_cpu(cfg, device)
     set_precision(t.precision)
     torch.manual_seed(t.seed)
     data_dir = Path(cfg.data.path)
