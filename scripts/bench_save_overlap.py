@@ -1,0 +1,256 @@
+"""What a checkpoint written in the background costs the training step beside it, part by part.
+
+    python scripts/bench_save_overlap.py [--gib 4] [--step-ms 20] [--dir /tmp/bench_save_overlap]
+
+A stand-in for the training step runs in the main thread, back to back, the host waiting for each (as
+dlrm.train's loop does when it logs every step): on a GPU one CUDA graph of bf16 GEMMs sized to take about
+`--step-ms`, on the CPU a loop of fp32 matmuls. Beside it a second thread does one part of what
+dlrm.parallel.checkpoint's background save does with a snapshot of `--gib` GiB, chunk by chunk
+(dlrm.staging.CHUNK_BYTES), in the thread's own CUDA stream as the save does:
+
+- d2h_pageable: each chunk to a new host tensor (`.cpu()`, what DCP's file writer does with a GPU tensor);
+- d2h_pinned: each chunk into one reused page-locked buffer (non_blocking, an event waited on);
+- sha256: hashlib over a host chunk (the save hashes every byte it writes);
+- write_fsync: a host chunk written to a file in `--dir` and fsynced (DCP's sync_files);
+- writer: d2h_pageable, sha256 and write_fsync of each chunk in turn (the save's writing without DCP);
+- dcp: torch.distributed.checkpoint.save of the chunks (one gloo rank), as the save calls it.
+
+Each condition's row: the median step while the thread worked against the median step alone, measured
+right before it in the same process. Which part slows the step says where a fix belongs (a pinned staging
+buffer, the hashing, the disk, DCP's own Python). Rows to scripts/results/save_overlap.csv.
+"""
+
+import hashlib
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_csv import append_rows, provenance  # noqa: E402
+
+from dlrm.staging import CHUNK_BYTES  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "save_overlap.csv"
+GIB = 2**30
+CONDITIONS = ("d2h_pageable", "d2h_pinned", "sha256", "write_fsync", "writer", "dcp")
+CUDA_ONLY = ("d2h_pageable", "d2h_pinned")
+ALONE_STEPS = 30
+
+
+def make_step(device: torch.device, step_ms: float) -> Callable[[], None]:
+    """A call that runs one step and waits for it: a replayed CUDA graph of bf16 [8192, 8192] GEMMs (enough
+    of them to take about `step_ms`), or on the CPU fp32 [256, 256] matmuls."""
+    if device.type == "cpu":
+        x, w = torch.randn(256, 256), torch.randn(256, 256) / 16
+
+        def cpu_step() -> None:
+            y = x
+            for _ in range(max(1, round(step_ms / 2))):
+                y = torch.tanh(y @ w)
+
+        return cpu_step
+    x = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    w = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) / 90
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        torch.tanh(x @ w)
+    end.record()
+    end.synchronize()
+    gemms = max(1, round(step_ms / (start.elapsed_time(end) / 10)))
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch.cuda.graphs asks
+        y = x
+        for _ in range(gemms):
+            y = torch.tanh(y @ w)
+    torch.cuda.current_stream(device).wait_stream(side)
+    with torch.cuda.graph(graph):
+        y = x
+        for _ in range(gemms):
+            y = torch.tanh(y @ w)
+
+    def gpu_step() -> None:
+        graph.replay()
+        torch.cuda.current_stream(device).synchronize()
+
+    return gpu_step
+
+
+def chunks_of(device: torch.device, gib: float) -> list[torch.Tensor]:
+    """The snapshot: `gib` GiB of random uint8 chunks of CHUNK_BYTES on `device`."""
+    total, out = int(gib * GIB), []
+    while total > 0:
+        n = min(CHUNK_BYTES, total)
+        out.append(torch.randint(0, 256, (n,), dtype=torch.uint8, device=device))
+        total -= n
+    return out
+
+
+def part(condition: str, chunks: list[torch.Tensor], directory: Path) -> Callable[[], None]:
+    """The thread's work for `condition` (module docstring) over `chunks`."""
+    host = [c.cpu() for c in chunks] if condition in ("sha256", "write_fsync") else None
+
+    def d2h_pageable() -> None:
+        for c in chunks:
+            c.cpu()
+
+    def d2h_pinned() -> None:
+        staging = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+        for c in chunks:
+            staging[: c.numel()].copy_(c, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+
+    def sha256() -> None:
+        digest = hashlib.sha256()
+        for c in host:
+            digest.update(c.numpy())
+
+    def write(data: list, hashing: bool) -> None:
+        digest = hashlib.sha256()
+        for i, c in enumerate(data):
+            array = (c.cpu() if c.device.type != "cpu" else c).numpy()
+            if hashing:
+                digest.update(array)
+            path = directory / f"chunk{i}"
+            with path.open("wb") as f:
+                f.write(array)
+                f.flush()
+                os.fsync(f.fileno())
+            path.unlink()
+
+    def dcp() -> None:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp_
+
+        if not dist.is_initialized():  # one rank: an in-process store, no port
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        with tempfile.TemporaryDirectory(dir=directory) as out:
+            dcp_.save({f"chunk{i}": c for i, c in enumerate(chunks)}, checkpoint_id=out)
+
+    works = {
+        "d2h_pageable": d2h_pageable,
+        "d2h_pinned": d2h_pinned,
+        "sha256": sha256,
+        "write_fsync": lambda: write(host, hashing=False),
+        "writer": lambda: write(chunks, hashing=True),
+        "dcp": dcp,
+    }
+    return works[condition]
+
+
+def in_thread(work: Callable[[], None], device: torch.device) -> tuple[threading.Thread, list]:
+    """`work` started in a thread with its own CUDA stream (as the save's writer); the list gets its time
+    in seconds."""
+    took: list[float] = []
+
+    def run() -> None:
+        start = time.perf_counter()
+        if device.type == "cuda":
+            with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+                work()
+        else:
+            work()
+        took.append(time.perf_counter() - start)
+
+    thread = threading.Thread(target=run, name="bench-save")
+    thread.start()
+    return thread, took
+
+
+def median_ms(step: Callable[[], None], steps: int | None = None, until=None) -> tuple[float, int]:
+    """(median ms, count) of `steps` steps, or of the steps run while `until()` holds."""
+    times = []
+    while (steps is not None and len(times) < steps) or (until is not None and until()):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1000)
+    return (statistics.median(times) if times else float("nan")), len(times)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--gib",
+    type=click.FloatRange(min=0.001),
+    default=4.0,
+    show_default=True,
+    help="Size of the snapshot the thread works through.",
+)
+@click.option(
+    "--step-ms",
+    type=click.FloatRange(min=1),
+    default=20.0,
+    show_default=True,
+    help="About how long the stand-in step takes.",
+)
+@click.option(
+    "--conditions",
+    default=",".join(CONDITIONS),
+    show_default=True,
+    help="Comma-separated, of: " + ", ".join(CONDITIONS) + " (the d2h ones need a GPU).",
+)
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(path_type=Path),
+    default=Path("/tmp/bench_save_overlap"),
+    show_default=True,
+    help="Where write_fsync and dcp write (their files are removed).",
+)
+@click.option(
+    "--results",
+    type=click.Path(path_type=Path),
+    default=RESULTS,
+    show_default=True,
+    help="CSV the rows go to.",
+)
+def main(gib: float, step_ms: float, conditions: str, directory: Path, results: Path) -> None:
+    """Time a stand-in training step beside each part of a background save; rows to save_overlap.csv."""
+    wanted = [c.strip() for c in conditions.split(",") if c.strip()]
+    unknown = sorted(set(wanted) - set(CONDITIONS))
+    if unknown:
+        raise click.BadParameter(
+            f"unknown {unknown}; expected some of {', '.join(CONDITIONS)}", param_hint="--conditions"
+        )
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)  # as under torchrun (OMP_NUM_THREADS=1)
+    step, chunks = make_step(device, step_ms), chunks_of(device, gib)
+    median_ms(step, steps=5)  # warm-up
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    rows = []
+    for condition in wanted:
+        if condition in CUDA_ONLY and device.type != "cuda":
+            print(f"{condition}: skipped (needs a GPU)")
+            continue
+        work = part(condition, chunks, directory)
+        alone, _ = median_ms(step, steps=ALONE_STEPS)
+        thread, took = in_thread(work, device)
+        beside, count = median_ms(step, until=thread.is_alive)
+        thread.join()
+        ratio = beside / alone
+        print(
+            f"{condition}: step {beside:.2f} ms beside it vs {alone:.2f} alone ({ratio:.2f}x, "
+            f"{count} steps); the part took {took[0]:.2f} s ({gib / took[0]:.2f} GiB/s)"
+        )
+        rows.append({
+            **provenance(name), "condition": condition, "gib": gib, "chunk_mib": CHUNK_BYTES // 2**20,
+            "step_ms_beside": round(beside, 3), "step_ms_alone": round(alone, 3), "ratio": round(ratio, 3),
+            "steps_beside": count, "part_s": round(took[0], 3), "gib_per_s": round(gib / took[0], 3),
+        })  # fmt: skip
+    append_rows(results, rows)
+    print(f"{len(rows)} rows -> {results}")
+
+
+if __name__ == "__main__":
+    main()
