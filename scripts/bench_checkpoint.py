@@ -489,12 +489,12 @@ class OutOfTime(Exception):
 class Bench:
     """The invocation's settings and the rows measured so far."""
 
-    def __init__(self, nproc, config_name, cfg, max_rows, work, env, train_flags, deadline):
+    def __init__(self, nproc, config_name, cfg, max_rows, work, env, train_flags, deadline, repeat_whole):
         self.nproc, self.config_name, self.cfg, self.max_rows = nproc, config_name, cfg, max_rows
         self.work, self.env, self.train_flags, self.deadline = work, env, train_flags, deadline
+        self.repeat_whole = repeat_whole  # --repeat-whole
         self.rows: list[dict] = []
         self.state_gib = state_bytes(_capped(cfg, max_rows)) / GIB
-        self.repeat_whole = False  # --repeat-whole
         self.during_save: dict[int, float] = {}  # the save run's steps beside a background save: ms
 
     def row(self, what, value, unit, baseline="", baseline_value="", target="", meets="", note="", **where):
@@ -941,8 +941,10 @@ def main(
                 f"{work}: {free / GIB:.1f} GiB free holds no checkpoint of this config"
             )
     train_flags = ["--use-triton" if use_triton else "--no-use-triton"]
-    bench = Bench(nproc, config_path.stem, base, max_rows, work, env, train_flags, started + deadline_s)
-    bench.repeat_whole = repeat_whole and "resume" in phases
+    bench = Bench(
+        nproc, config_path.stem, base, max_rows, work, env, train_flags, started + deadline_s,
+        repeat_whole=repeat_whole and "resume" in phases,
+    )  # fmt: skip
     run_overrides = [
         f"model.max_rows={max_rows}",
         "train.log_interval=1",

@@ -285,8 +285,8 @@ def fastest(choices: ChoiceTable, key, candidates: dict) -> str:
     (``graph_time``) the first time the key is seen, the winner remembered in `choices`; a key whose choice
     ``use_chosen`` gave takes it untimed. Inside a CUDA graph capture, where nothing can be timed, an unseen
     key takes the first candidate (not remembered)."""
-    if key not in choices and choices.preset(key) in candidates:
-        choices[key] = choices.preset(key)
+    if key not in choices and (preset := choices.preset(key)) in candidates:
+        choices[key] = preset
     if key not in choices:
         if torch.cuda.is_current_stream_capturing():
             return next(iter(candidates))
