@@ -8,19 +8,25 @@ dlrm.train's loop does when it logs every step): on a GPU one CUDA graph of bf16
 dlrm.parallel.checkpoint's background save does with a snapshot of `--gib` GiB, chunk by chunk
 (dlrm.staging.CHUNK_BYTES), in the thread's own CUDA stream as the save does:
 
-- d2h_pageable: each chunk to a new host tensor (`.cpu()`, what DCP's file writer does with a GPU tensor);
+- d2h_pageable: each chunk to a new pageable host tensor (`.cpu()`);
+- d2h_nonblocking: each chunk by `.to("cpu", non_blocking=True)` and a wait on the stream, what DCP's file
+  writer does with a GPU tensor on a machine with CUDA (the copy lands in page-locked memory from torch's
+  caching host allocator: page-locking a new block is a driver call);
 - d2h_pinned: each chunk into one reused page-locked buffer (non_blocking, an event waited on);
 - sha256: hashlib over a host chunk (the save hashes every byte it writes);
 - write_fsync: a host chunk written to a file in `--dir` and fsynced (DCP's sync_files);
-- writer: d2h_pageable, sha256 and write_fsync of each chunk in turn (the save's writing without DCP);
+- writer: d2h_nonblocking, sha256 and write_fsync of each chunk in turn (the save's writing without DCP);
 - dcp: torch.distributed.checkpoint.save of the chunks (one gloo rank), as the save calls it.
 
-Each condition's row: the median step while the thread worked against the median step alone, measured
-right before it in the same process. Which part slows the step says where a fix belongs (a pinned staging
-buffer, the hashing, the disk, DCP's own Python). Rows to scripts/results/save_overlap.csv.
+torch's cache of page-locked blocks is emptied before each condition, so each starts as a process's first
+save does. Each condition's row: the median (and the longest) step while the thread worked against the
+median step alone, measured right before it in the same process. Which part slows the step says where a fix
+belongs (a reused page-locked buffer, the hashing, the disk, DCP's own Python). Rows to
+scripts/results/save_overlap.csv.
 """
 
 import hashlib
+import math
 import os
 import statistics
 import sys
@@ -40,8 +46,8 @@ from dlrm.staging import CHUNK_BYTES  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "save_overlap.csv"
 GIB = 2**30
-CONDITIONS = ("d2h_pageable", "d2h_pinned", "sha256", "write_fsync", "writer", "dcp")
-CUDA_ONLY = ("d2h_pageable", "d2h_pinned")
+CONDITIONS = ("d2h_pageable", "d2h_nonblocking", "d2h_pinned", "sha256", "write_fsync", "writer", "dcp")
+CUDA_ONLY = ("d2h_pageable", "d2h_nonblocking", "d2h_pinned")
 ALONE_STEPS = 30
 
 
@@ -103,6 +109,12 @@ def part(condition: str, chunks: list[torch.Tensor], directory: Path) -> Callabl
         for c in chunks:
             c.cpu()
 
+    def d2h_nonblocking() -> None:
+        stream = torch.cuda.current_stream()
+        for c in chunks:
+            c.to("cpu", non_blocking=True)
+            stream.synchronize()
+
     def d2h_pinned() -> None:
         staging = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
         for c in chunks:
@@ -119,7 +131,10 @@ def part(condition: str, chunks: list[torch.Tensor], directory: Path) -> Callabl
     def write(data: list, hashing: bool) -> None:
         digest = hashlib.sha256()
         for i, c in enumerate(data):
-            array = (c.cpu() if c.device.type != "cpu" else c).numpy()
+            if c.device.type == "cuda":  # as DCP copies (d2h_nonblocking)
+                c = c.to("cpu", non_blocking=True)
+                torch.cuda.current_stream().synchronize()
+            array = c.numpy()
             if hashing:
                 digest.update(array)
             path = directory / f"chunk{i}"
@@ -140,6 +155,7 @@ def part(condition: str, chunks: list[torch.Tensor], directory: Path) -> Callabl
 
     works = {
         "d2h_pageable": d2h_pageable,
+        "d2h_nonblocking": d2h_nonblocking,
         "d2h_pinned": d2h_pinned,
         "sha256": sha256,
         "write_fsync": lambda: write(host, hashing=False),
@@ -168,14 +184,14 @@ def in_thread(work: Callable[[], None], device: torch.device) -> tuple[threading
     return thread, took
 
 
-def median_ms(step: Callable[[], None], steps: int | None = None, until=None) -> tuple[float, int]:
-    """(median ms, count) of `steps` steps, or of the steps run while `until()` holds."""
+def time_steps(step: Callable[[], None], steps: int | None = None, until=None) -> list[float]:
+    """The ms of each of `steps` steps, or of each step run while `until()` holds."""
     times = []
     while (steps is not None and len(times) < steps) or (until is not None and until()):
         start = time.perf_counter()
         step()
         times.append((time.perf_counter() - start) * 1000)
-    return (statistics.median(times) if times else float("nan")), len(times)
+    return times
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -226,7 +242,7 @@ def main(gib: float, step_ms: float, conditions: str, directory: Path, results: 
     directory.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)  # as under torchrun (OMP_NUM_THREADS=1)
     step, chunks = make_step(device, step_ms), chunks_of(device, gib)
-    median_ms(step, steps=5)  # warm-up
+    time_steps(step, steps=5)  # warm-up
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     rows = []
     for condition in wanted:
@@ -234,19 +250,23 @@ def main(gib: float, step_ms: float, conditions: str, directory: Path, results: 
             print(f"{condition}: skipped (needs a GPU)")
             continue
         work = part(condition, chunks, directory)
-        alone, _ = median_ms(step, steps=ALONE_STEPS)
+        if device.type == "cuda":
+            torch._C._host_emptyCache()  # the page-locked blocks of the conditions before
+        alone = statistics.median(time_steps(step, steps=ALONE_STEPS))
         thread, took = in_thread(work, device)
-        beside, count = median_ms(step, until=thread.is_alive)
+        beside = time_steps(step, until=thread.is_alive)
         thread.join()
-        ratio = beside / alone
+        median, longest = (statistics.median(beside), max(beside)) if beside else (math.nan, math.nan)
         print(
-            f"{condition}: step {beside:.2f} ms beside it vs {alone:.2f} alone ({ratio:.2f}x, "
-            f"{count} steps); the part took {took[0]:.2f} s ({gib / took[0]:.2f} GiB/s)"
+            f"{condition}: step {median:.2f} ms beside it (longest {longest:.1f}) vs {alone:.2f} alone "
+            f"({median / alone:.2f}x, {len(beside)} steps); the part took {took[0]:.2f} s "
+            f"({gib / took[0]:.2f} GiB/s)"
         )
         rows.append({
             **provenance(name), "condition": condition, "gib": gib, "chunk_mib": CHUNK_BYTES // 2**20,
-            "step_ms_beside": round(beside, 3), "step_ms_alone": round(alone, 3), "ratio": round(ratio, 3),
-            "steps_beside": count, "part_s": round(took[0], 3), "gib_per_s": round(gib / took[0], 3),
+            "step_ms_beside": round(median, 3), "step_ms_beside_longest": round(longest, 3),
+            "step_ms_alone": round(alone, 3), "ratio": round(median / alone, 3), "steps_beside": len(beside),
+            "part_s": round(took[0], 3), "gib_per_s": round(gib / took[0], 3),
         })  # fmt: skip
     append_rows(results, rows)
     print(f"{len(rows)} rows -> {results}")

@@ -24,6 +24,7 @@ def test_each_part_of_a_background_save_gets_a_row_beside_the_step(tmp_path):
         assert float(row["step_ms_alone"]) > 0 and float(row["part_s"]) > 0, row
         beside = float(row["step_ms_beside"])  # nan when the part ended before a step did
         assert beside != beside or abs(float(row["ratio"]) - beside / float(row["step_ms_alone"])) < 1e-2, row
+        assert beside != beside or float(row["step_ms_beside_longest"]) >= beside, row
         assert row["device"] == "cpu" and row["git_sha"], row
     assert not list((tmp_path / "out").iterdir())  # the parts remove what they wrote
 
