@@ -16,7 +16,13 @@ dlrm.parallel.checkpoint's background save does with a snapshot of `--gib` GiB, 
 - sha256: hashlib over a host chunk (the save hashes every byte it writes);
 - write_fsync: a host chunk written to a file in `--dir` and fsynced (DCP's sync_files);
 - writer: d2h_nonblocking, sha256 and write_fsync of each chunk in turn (the save's writing without DCP);
-- dcp: torch.distributed.checkpoint.save of the chunks (one gloo rank), as the save calls it.
+- dcp: dlrm.parallel.checkpoint's own writing (DCP, each file hashed, meta.json) of a rank's state over
+  the snapshot's bytes: TABLES tables' bf16 weights and fp32 Adagrad state as ShardedTensors in pieces of
+  CHUNK_BYTES (one gloo rank).
+
+`--switch-interval` sets Python's (sys.setswitchinterval, 5 ms by default): how long a thread that wants
+the GIL waits before the one holding it is asked to let go. A step that waits for the GIL after each CUDA
+call it makes pays up to that much each time the other thread runs Python.
 
 torch's cache of page-locked blocks is emptied before each condition, so each starts as a process's first
 save does. Each condition's row: the median (and the longest) step while the thread worked against the
@@ -38,13 +44,18 @@ from pathlib import Path
 
 import click
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_csv import append_rows, provenance  # noqa: E402
 
+from dlrm.parallel.checkpoint import _save, _sharded, table_key  # noqa: E402
+from dlrm.parallel.group import SINGLE  # noqa: E402
+from dlrm.parallel.planner import ShardingPlan, plan_tables  # noqa: E402
 from dlrm.staging import CHUNK_BYTES  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "save_overlap.csv"
+TABLES, DIM = 6, 128  # the dcp part's tables (a rank of dlrm_dcnv2 on 2 GPUs holds about as many)
 GIB = 2**30
 CONDITIONS = ("d2h_pageable", "d2h_nonblocking", "d2h_pinned", "sha256", "write_fsync", "writer", "dcp")
 CUDA_ONLY = ("d2h_pageable", "d2h_nonblocking", "d2h_pinned")
@@ -101,6 +112,23 @@ def chunks_of(device: torch.device, gib: float) -> list[torch.Tensor]:
     return out
 
 
+def sharded_state(chunks: list[torch.Tensor]) -> tuple[dict, ShardingPlan]:
+    """A rank's checkpoint state as dlrm.parallel.checkpoint writes it, over the snapshot's bytes: TABLES
+    tables of bf16 weights [R, D] and fp32 Adagrad state [R, D] (views of `chunks`, cut again into pieces of
+    CHUNK_BYTES as the save cuts them), all on one rank."""
+    flat = torch.cat([c.view(-1) for c in chunks]) if len(chunks) > 1 else chunks[0]
+    rows = max(1, flat.numel() // (TABLES * DIM * (2 + 4)))
+    plan = plan_tables([rows] * TABLES, DIM, "adagrad", 1)
+    state, at = {}, 0
+    for f in range(TABLES):
+        for name, dtype in (("model", torch.bfloat16), ("optim", torch.float32)):
+            size = rows * DIM * dtype.itemsize
+            local = flat[at : at + size].view(dtype).view(rows, DIM)
+            state[f"{name}/{table_key(f)}"] = _sharded(plan, 0, f, local, (DIM,), dtype, CHUNK_BYTES)
+            at += size
+    return state, plan
+
+
 def part(condition: str, chunks: list[torch.Tensor], directory: Path) -> Callable[[], None]:
     """The thread's work for `condition` (module docstring) over `chunks`."""
     host = [c.cpu() for c in chunks] if condition in ("sha256", "write_fsync") else None
@@ -144,14 +172,14 @@ def part(condition: str, chunks: list[torch.Tensor], directory: Path) -> Callabl
                 os.fsync(f.fileno())
             path.unlink()
 
-    def dcp() -> None:
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp_
-
+    if condition == "dcp":  # built before the thread starts, as the save builds it in the loop's thread
         if not dist.is_initialized():  # one rank: an in-process store, no port
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        state, plan = sharded_state(chunks)
+
+    def dcp() -> None:
         with tempfile.TemporaryDirectory(dir=directory) as out:
-            dcp_.save({f"chunk{i}": c for i, c in enumerate(chunks)}, checkpoint_id=out)
+            _save(Path(out) / "checkpoint", state, plan, SINGLE, {"step": 0}, (), None)
 
     works = {
         "d2h_pageable": d2h_pageable,
@@ -167,16 +195,20 @@ def part(condition: str, chunks: list[torch.Tensor], directory: Path) -> Callabl
 
 def in_thread(work: Callable[[], None], device: torch.device) -> tuple[threading.Thread, list]:
     """`work` started in a thread with its own CUDA stream (as the save's writer); the list gets its time
-    in seconds."""
-    took: list[float] = []
+    in seconds, or what it raised."""
+    took: list = []
 
     def run() -> None:
         start = time.perf_counter()
-        if device.type == "cuda":
-            with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+        try:
+            if device.type == "cuda":
+                with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+                    work()
+            else:
                 work()
-        else:
-            work()
+        except Exception as err:  # noqa: BLE001 - raised again in the main thread
+            took.append(err)
+            return
         took.append(time.perf_counter() - start)
 
     thread = threading.Thread(target=run, name="bench-save")
@@ -224,13 +256,22 @@ def time_steps(step: Callable[[], None], steps: int | None = None, until=None) -
     help="Where write_fsync and dcp write (their files are removed).",
 )
 @click.option(
+    "--switch-interval",
+    "switch_ms",
+    type=click.FloatRange(min=0.01),
+    default=None,
+    help="Python's GIL switch interval in ms for the whole run  [default: Python's, 5 ms].",
+)
+@click.option(
     "--results",
     type=click.Path(path_type=Path),
     default=RESULTS,
     show_default=True,
     help="CSV the rows go to.",
 )
-def main(gib: float, step_ms: float, conditions: str, directory: Path, results: Path) -> None:
+def main(
+    gib: float, step_ms: float, conditions: str, directory: Path, switch_ms: float | None, results: Path
+) -> None:
     """Time a stand-in training step beside each part of a background save; rows to save_overlap.csv."""
     wanted = [c.strip() for c in conditions.split(",") if c.strip()]
     unknown = sorted(set(wanted) - set(CONDITIONS))
@@ -241,6 +282,8 @@ def main(gib: float, step_ms: float, conditions: str, directory: Path, results: 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     directory.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)  # as under torchrun (OMP_NUM_THREADS=1)
+    if switch_ms is not None:
+        sys.setswitchinterval(switch_ms / 1000)
     step, chunks = make_step(device, step_ms), chunks_of(device, gib)
     time_steps(step, steps=5)  # warm-up
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -256,6 +299,8 @@ def main(gib: float, step_ms: float, conditions: str, directory: Path, results: 
         thread, took = in_thread(work, device)
         beside = time_steps(step, until=thread.is_alive)
         thread.join()
+        if isinstance(took[0], Exception):
+            raise took[0]
         median, longest = (statistics.median(beside), max(beside)) if beside else (math.nan, math.nan)
         print(
             f"{condition}: step {median:.2f} ms beside it (longest {longest:.1f}) vs {alone:.2f} alone "
@@ -264,6 +309,7 @@ def main(gib: float, step_ms: float, conditions: str, directory: Path, results: 
         )
         rows.append({
             **provenance(name), "condition": condition, "gib": gib, "chunk_mib": CHUNK_BYTES // 2**20,
+            "switch_ms": round(sys.getswitchinterval() * 1000, 3),
             "step_ms_beside": round(median, 3), "step_ms_beside_longest": round(longest, 3),
             "step_ms_alone": round(alone, 3), "ratio": round(median / alone, 3), "steps_beside": len(beside),
             "part_s": round(took[0], 3), "gib_per_s": round(gib / took[0], 3),

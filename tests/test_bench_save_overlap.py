@@ -12,7 +12,7 @@ def test_each_part_of_a_background_save_gets_a_row_beside_the_step(tmp_path):
     results = tmp_path / "save_overlap.csv"
     command = [
         sys.executable, str(REPO / "scripts" / "bench_save_overlap.py"), "--gib", "0.01", "--step-ms", "2",
-        "--dir", str(tmp_path / "out"), "--results", str(results),
+        "--dir", str(tmp_path / "out"), "--results", str(results), "--switch-interval", "0.5",
     ]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -25,7 +25,7 @@ def test_each_part_of_a_background_save_gets_a_row_beside_the_step(tmp_path):
         beside = float(row["step_ms_beside"])  # nan when the part ended before a step did
         assert beside != beside or abs(float(row["ratio"]) - beside / float(row["step_ms_alone"])) < 1e-2, row
         assert beside != beside or float(row["step_ms_beside_longest"]) >= beside, row
-        assert row["device"] == "cpu" and row["git_sha"], row
+        assert row["device"] == "cpu" and row["git_sha"] and row["switch_ms"] == "0.5", row
     assert not list((tmp_path / "out").iterdir())  # the parts remove what they wrote
 
 
