@@ -33,10 +33,11 @@ evaluation would add a save).
    absolute difference of the weights (every model tensor of the final checkpoints, read tensor by tensor)
    and of the per-step losses (TensorBoard's train/loss) from the whole run's, against 0 (bit-exact); on N
    ranks also how many of DCP's data files have the whole run's sha256. With `--repeat-whole`, a second
-   uninterrupted run "whole-again" (as many steps and GPU-seconds again) is compared with "whole" the same
-   way: the run-to-run noise of the runs' kernels, against which a resumed run's difference reads (0 where
-   every kernel sums in a fixed order; a kernel of atomic adds makes two runs differ by ulps from the first
-   step on, and training compounds them: a resumed run cannot be closer to "whole" than that). The whole
+   uninterrupted run "whole-again" (as many steps and GPU-seconds again; after the resumes, so that
+   `--deadline-s` cuts it first) is compared with "whole" the same way: the run-to-run noise of the
+   runs' kernels, against which a resumed run's difference reads (0 where every kernel sums in a fixed
+   order; a kernel of atomic adds makes two runs differ by ulps from the first step on, and training
+   compounds them: a resumed run cannot be closer to "whole" than that). The whole
    runs launch the save run's kernels (`--kernel-choices` its last checkpoint), as a resume does: GEMMs
    tuned by timing choose apart run to run on a busy GPU, and two choices sum in different orders.
 
@@ -665,7 +666,8 @@ def save_run(bench: Bench, config: Path, stop: int) -> Path:
 
 
 def resume(bench: Bench, config: Path, start: Path, stop: int, more: int) -> None:
-    """Phase 3: the uninterrupted run, and `start` resumed on N ranks and in one process."""
+    """Phase 3: the uninterrupted run, `start` resumed on N ranks and in one process, then (--repeat-whole)
+    the uninterrupted run again."""
     end = stop + more
     whole_dir = bench.work / "whole"
     args = ["--config", config, "--output-dir", whole_dir, "--max-steps", end, "--kernel-choices", start]
@@ -677,8 +679,6 @@ def resume(bench: Bench, config: Path, start: Path, stop: int, more: int) -> Non
     step_time_row(bench, whole)
     reference = whole_dir / "checkpoints" / ("last" if bench.nproc > 1 else "last.pt")
     expected = losses(whole_dir)
-    if bench.repeat_whole:
-        repeat_whole(bench, config, start, reference, expected, end)
     for nproc in sorted({bench.nproc, 1}, reverse=True):
         name = f"resumed-{nproc}"
         run_dir = bench.work / name
@@ -724,6 +724,10 @@ def resume(bench: Bench, config: Path, start: Path, stop: int, more: int) -> Non
         )
         _against_whole_rows(bench, "resume", worst, diffs, more, note, loss_note, nproc=nproc)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # (disk for the next one)
+    # Last: the resumes are what the targets ask for, the second uninterrupted run the noise they read
+    # against, so --deadline-s cuts it first.
+    if bench.repeat_whole:
+        repeat_whole(bench, config, start, reference, expected, end)
 
 
 def step_time_row(bench: Bench, whole: Launch) -> None:
