@@ -102,35 +102,34 @@ def make_step(device: torch.device, step_ms: float) -> Callable[[], None]:
     return gpu_step
 
 
-def chunks_of(device: torch.device, gib: float) -> list[torch.Tensor]:
-    """The snapshot: `gib` GiB of random uint8 chunks of CHUNK_BYTES on `device`."""
-    total, out = int(gib * GIB), []
-    while total > 0:
-        n = min(CHUNK_BYTES, total)
-        out.append(torch.randint(0, 256, (n,), dtype=torch.uint8, device=device))
-        total -= n
-    return out
-
-
-def sharded_state(chunks: list[torch.Tensor]) -> tuple[dict, ShardingPlan]:
-    """A rank's checkpoint state as dlrm.parallel.checkpoint writes it, over the snapshot's bytes: TABLES
-    tables of bf16 weights [R, D] and fp32 Adagrad state [R, D] (views of `chunks`, cut again into pieces of
-    CHUNK_BYTES as the save cuts them), all on one rank."""
-    flat = torch.cat([c.view(-1) for c in chunks]) if len(chunks) > 1 else chunks[0]
-    rows = max(1, flat.numel() // (TABLES * DIM * (2 + 4)))
+def sharded_state(snapshot: torch.Tensor) -> tuple[dict, ShardingPlan]:
+    """A rank's checkpoint state as dlrm.parallel.checkpoint writes it, over the snapshot's bytes (uint8
+    [n]): TABLES tables of bf16 weights [R, D] and fp32 Adagrad state [R, D] (views of `snapshot`, cut into
+    pieces of CHUNK_BYTES as the save cuts them), all on one rank."""
+    rows = max(1, snapshot.numel() // (TABLES * DIM * (2 + 4)))
     plan = plan_tables([rows] * TABLES, DIM, "adagrad", 1)
     state, at = {}, 0
     for f in range(TABLES):
         for name, dtype in (("model", torch.bfloat16), ("optim", torch.float32)):
             size = rows * DIM * dtype.itemsize
-            local = flat[at : at + size].view(dtype).view(rows, DIM)
+            local = snapshot[at : at + size].view(dtype).view(rows, DIM)
             state[f"{name}/{table_key(f)}"] = _sharded(plan, 0, f, local, (DIM,), dtype, CHUNK_BYTES)
             at += size
     return state, plan
 
 
-def part(condition: str, chunks: list[torch.Tensor], directory: Path) -> Callable[[], None]:
-    """The thread's work for `condition` (module docstring) over `chunks`."""
+def to_host_as_dcp(chunk: torch.Tensor) -> torch.Tensor:
+    """`chunk` copied to the host as DCP's file writer copies a GPU tensor: into torch's page-locked cache
+    (non_blocking), the thread's stream waited on."""
+    host = chunk.to("cpu", non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    return host
+
+
+def part(condition: str, snapshot: torch.Tensor, directory: Path) -> Callable[[], None]:
+    """The thread's work for `condition` (module docstring) over `snapshot` (uint8 [n]), in CHUNK_BYTES
+    pieces."""
+    chunks = snapshot.split(CHUNK_BYTES)
     host = [c.cpu() for c in chunks] if condition in ("sha256", "write_fsync") else None
 
     def d2h_pageable() -> None:
@@ -138,10 +137,8 @@ def part(condition: str, chunks: list[torch.Tensor], directory: Path) -> Callabl
             c.cpu()
 
     def d2h_nonblocking() -> None:
-        stream = torch.cuda.current_stream()
         for c in chunks:
-            c.to("cpu", non_blocking=True)
-            stream.synchronize()
+            to_host_as_dcp(c)
 
     def d2h_pinned() -> None:
         staging = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
@@ -159,10 +156,7 @@ def part(condition: str, chunks: list[torch.Tensor], directory: Path) -> Callabl
     def write(data: list, hashing: bool) -> None:
         digest = hashlib.sha256()
         for i, c in enumerate(data):
-            if c.device.type == "cuda":  # as DCP copies (d2h_nonblocking)
-                c = c.to("cpu", non_blocking=True)
-                torch.cuda.current_stream().synchronize()
-            array = c.numpy()
+            array = (to_host_as_dcp(c) if c.device.type == "cuda" else c).numpy()
             if hashing:
                 digest.update(array)
             path = directory / f"chunk{i}"
@@ -175,7 +169,7 @@ def part(condition: str, chunks: list[torch.Tensor], directory: Path) -> Callabl
     if condition == "dcp":  # built before the thread starts, as the save builds it in the loop's thread
         if not dist.is_initialized():  # one rank: an in-process store, no port
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        state, plan = sharded_state(chunks)
+        state, plan = sharded_state(snapshot)
 
     def dcp() -> None:
         with tempfile.TemporaryDirectory(dir=directory) as out:
@@ -284,7 +278,8 @@ def main(
     torch.set_num_threads(1)  # as under torchrun (OMP_NUM_THREADS=1)
     if switch_ms is not None:
         sys.setswitchinterval(switch_ms / 1000)
-    step, chunks = make_step(device, step_ms), chunks_of(device, gib)
+    step = make_step(device, step_ms)
+    snapshot = torch.randint(0, 256, (int(gib * GIB),), dtype=torch.uint8, device=device)
     time_steps(step, steps=5)  # warm-up
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     rows = []
@@ -292,7 +287,7 @@ def main(
         if condition in CUDA_ONLY and device.type != "cuda":
             print(f"{condition}: skipped (needs a GPU)")
             continue
-        work = part(condition, chunks, directory)
+        work = part(condition, snapshot, directory)
         if device.type == "cuda":
             torch._C._host_emptyCache()  # the page-locked blocks of the conditions before
         alone = statistics.median(time_steps(step, steps=ALONE_STEPS))
