@@ -26,9 +26,11 @@ compiles and tunes its kernels (that cannot happen inside a capture), is capture
 and replays from then on. Each graph keeps its own memory pool: a partial batch's graph adds at most the
 activation memory of one full step.
 
-Captures are thread-local (`kernels.launch.capture`): a background checkpoint's writer copies its snapshot to
-the host while training goes on, and under CUDA's default global capture mode any such call from another
-thread during a capture (a new batch size's, an evaluation's) invalidates it. Each owner of graphs (the
+Captures are thread-local (`kernels.launch.capture`): a loader's thread copies batches to the device while
+training goes on, and under CUDA's default global capture mode any such call from another thread during a
+capture (a new batch size's, an evaluation's) invalidates it. A background checkpoint's writer allocates
+page-locked memory, which fails a capture in any mode: a capture waits for the writing to end
+(dlrm.staging.CAPTURE_LOCK). Each owner of graphs (the
 training step's, the evaluation's) captures on a stream of its own, not torch.cuda.graph's one shared
 default: when a graph is destroyed PyTorch drops the cuBLAS workspace cached for its capture stream
 (pytorch/pytorch#193402), which a live graph captured on the same stream still uses (a CUDA graph of an
@@ -48,6 +50,7 @@ from dlrm.data.dataset import Batch
 from dlrm.model import DLRM
 from dlrm.optim import RunOptimizer
 from dlrm.profiling import graph_replay_range
+from dlrm.staging import CAPTURE_LOCK
 from kernels.launch import capture
 
 WARMUP_STEPS = 3
@@ -129,7 +132,7 @@ class GraphedTrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         self.capture_stream = self.capture_stream or torch.cuda.Stream()
-        with capture(graph, self.capture_stream):
+        with CAPTURE_LOCK, capture(graph, self.capture_stream):
             loss = self.step_fn(self.model, self.optimizer, static)
         took = time.perf_counter() - start
         self.capture_s += took
@@ -181,7 +184,7 @@ class GraphedForward:
             dense, sparse = dense.clone(), sparse.clone()
             graph = torch.cuda.CUDAGraph()
             self.capture_stream = self.capture_stream or torch.cuda.Stream()
-            with capture(graph, self.capture_stream):
+            with CAPTURE_LOCK, capture(graph, self.capture_stream):
                 logits = self.forward(dense, sparse)
             logger.info("captured the evaluation forward at batch size {} as a CUDA graph", rows)
             captured = self.captured[rows] = _CapturedForward(graph, dense, sparse, logits)

@@ -16,34 +16,51 @@ CHUNK_BYTES = 256 * 2**20  # host memory a save stages at a time (one buffer of 
 SNAPSHOT_MARGIN = 0.1  # of the device's memory left free after a background save's snapshot (at least 2 GiB)
 
 
+# Held by a background save while it writes and by each CUDA graph capture (dlrm.graphs): page-locked
+# memory allocated by the writer during another thread's capture fails ("invalid argument", H200, torch
+# 2.11) and the capture with it, whatever its capture mode. Captures are rare (a new batch size, the first
+# evaluation), so one waiting for a save to end costs little.
+CAPTURE_LOCK = threading.Lock()
+
+
 class PendingSave:
     """A checkpoint written by a background thread, `write`; once written it logs `announce` (e.g. "step
     400: checkpoint RUN/checkpoints/last.pt") and the time it took. `wait()` returns once it is written and
     raises what the writing raised (once); a process that exits waits for it (the thread is not a
     daemon). One save at a time (a second waits for the first).
 
-    While it writes, the thread that started it (the training's) runs torch's intra-op pool with one
-    thread fewer (torch.set_num_threads), leaving a core to the writing: an OpenMP parallel region waits
-    for its slowest thread, and a thread that shares its core with the writing waits out whole scheduler
-    slices (a loader's index_select on 2 cores beside a hashing thread: 3.4x slower with both threads,
-    0.9x with one). The setting is per thread, so that thread gives it back: in `settle()` once the
-    writing has ended (the loop asks after every step), or in `wait()`."""
+    `yield_core()`: while it writes, the thread that started it runs torch's intra-op pool with one thread
+    fewer (torch.set_num_threads), leaving a core to the writing: an OpenMP parallel region waits for its
+    slowest thread, and a thread that shares its core with the writing waits out whole scheduler slices (a
+    loader's index_select on 2 cores beside a hashing thread: 3.4x slower with both threads, 0.9x with
+    one). The setting is per thread, so that thread gives it back: in `settle()` once the writing has
+    ended (the loop asks after every step), or in `wait()`. Not for a run that compiles: Dynamo guards on
+    the thread count, so a change recompiles every compiled region.
+
+    The writing holds CAPTURE_LOCK: a CUDA graph capture (dlrm.graphs) waits for it to end."""
 
     def __init__(self, write: Callable[[], None], announce: str):
         self.announce, self.error, self.started = announce, None, time.perf_counter()
         self.thread = threading.Thread(target=self._run, args=(write,), name="dlrm-save")
-        self.threads: int | None = torch.get_num_threads()
-        torch.set_num_threads(max(1, self.threads - 1))
+        self.threads: int | None = None  # the calling thread's intra-op threads while a core is yielded
         self.thread.start()
 
     def _run(self, write: Callable[[], None]) -> None:
         try:
-            write()
+            with CAPTURE_LOCK:
+                write()
         except BaseException as err:  # noqa: BLE001 - handed to the thread that waits
             self.error = err
         else:
             took = time.perf_counter() - self.started
             logger.info("{} (written in the background in {:.1f} s)", self.announce, took)
+
+    def yield_core(self) -> None:
+        """Run the calling thread's intra-op pool with one thread fewer until `settle()` or `wait()` gives it
+        back (class docstring)."""
+        if self.threads is None:
+            self.threads = torch.get_num_threads()
+            torch.set_num_threads(max(1, self.threads - 1))
 
     def settle(self) -> bool:
         """Whether the writing has ended; if so, the intra-op threads are given back (its outcome waits for

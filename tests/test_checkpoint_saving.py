@@ -240,10 +240,42 @@ def test_training_goes_on_while_a_checkpoint_is_written(criteo_sample, tmp_path,
     assert checkpoint.load_checkpoint(run / "checkpoints" / "last.pt")["step"] == 6
 
 
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_a_compiled_run_saves_without_changing_the_thread_count_and_inductor_graphs_in_the_foreground(
+    criteo_sample, tmp_path, monkeypatch, mode
+):
+    """--use-torch-compile: Dynamo guards on torch's thread count (a change recompiles every compiled
+    region), so a background save leaves it as it is; with Inductor's own CUDA graphs ("reduce-overhead",
+    recorded at moments the run does not see) the checkpoint is written in the foreground."""
+    config = _config(tmp_path, criteo_sample, max_steps=4, checkpoint_interval=3, eval_interval=None)
+    threads, writers = {}, []
+    real = checkpoint.write_file
+
+    def note(step):
+        threads[step] = torch.get_num_threads()
+
+    def record(path, state):
+        writers.append(threading.current_thread() is threading.main_thread())
+        real(path, state)
+
+    monkeypatch.setattr(train_cli.parallel, "note_progress", note)
+    monkeypatch.setattr(checkpoint, "write_file", record)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        args = ["--config", config, "--output-dir", tmp_path / "run", "--use-torch-compile"]
+        code, output = _cli(train_cli.main, [*args, "--set", f'train.compile_mode="{mode}"'])
+    finally:
+        torch.set_num_threads(before)
+    assert code == 0, output
+    assert set(threads.values()) == {2}
+    assert writers[0] == (mode == "reduce-overhead")  # step 3's save: in the main thread or not
+
+
 def test_a_save_takes_one_intra_op_thread_while_it_writes_and_gives_it_back():
     """While a background save writes, the thread that started it runs torch's intra-op pool with one
-    thread fewer; `settle()` gives it back once the writing has ended (not before), `wait()` in any case,
-    also when the writing failed."""
+    thread fewer once it yields a core; `settle()` gives it back once the writing has ended (not before),
+    `wait()` in any case, also when the writing failed."""
     before = torch.get_num_threads()
     torch.set_num_threads(3)
     release = threading.Event()
@@ -254,6 +286,8 @@ def test_a_save_takes_one_intra_op_thread_while_it_writes_and_gives_it_back():
     try:
         for fails in (False, True):
             pending = staging.PendingSave(write if not fails else lambda: release.wait(20) and 1 / 0, "x")
+            assert torch.get_num_threads() == 3
+            pending.yield_core()
             assert torch.get_num_threads() == 2
             assert not pending.settle() and torch.get_num_threads() == 2
             release.set()

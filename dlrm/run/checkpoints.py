@@ -15,9 +15,10 @@ train.checkpoint_policy:
 train.keep_last earlier last.pt files kept as step-<N>.pt add as many.
 
 A checkpoint is written in the background when the device has room for a snapshot of the state
-(dlrm.staging): training goes on, a second save waits for the first (`wait_for_checkpoint`), and the
-failure of a background save is raised where the run waits for it: the next save, or the test evaluation
-at the end (dlrm.run.selection.evaluate_selected), which every run reaches.
+(dlrm.staging) and Inductor records no CUDA graphs of its own: training goes on, a second save waits for
+the first (`wait_for_checkpoint`), and the failure of a background save is raised where the run waits for
+it: the next save, or the test evaluation at the end (dlrm.run.selection.evaluate_selected), which every
+run reaches.
 """
 
 import os
@@ -224,8 +225,8 @@ def save_run_checkpoint(
     """checkpoints/`name`: weights, optimizer states, config, table layout, run state, loader position,
     each rank's kernel choices (dlrm.run.kernel_choices); then `links` (checkpoint paths) name the same
     checkpoint. Many ranks: the sharded directory checkpoints/<name without .pt>/ (dlrm.parallel.checkpoint).
-    In the background where the device has room for a snapshot: returns its PendingSave, else None once
-    written."""
+    In the background where the device has room for a snapshot and Inductor records no CUDA graphs of its
+    own: returns its PendingSave, else None once written."""
     loader = run.train_loader
     meta = {
         "config": run.cfg.to_dict(),
@@ -235,7 +236,14 @@ def save_run_checkpoint(
         **state.checkpointed(),
     }
     path = checkpoint_path(run, name)
-    return run.strategy.save_checkpoint(path, run.model, run.optimizer, meta, links, background=True)
+    t = run.cfg.train
+    # Inductor records its CUDA graphs ("reduce-overhead") at moments the run does not see (a new shape, a
+    # failed guard), and a writer's page-locked allocation during a capture fails it (dlrm.staging).
+    background = not (t.use_torch_compile and t.compile_mode == "reduce-overhead")
+    pending = run.strategy.save_checkpoint(path, run.model, run.optimizer, meta, links, background)
+    if pending is not None and not t.use_torch_compile:  # Dynamo guards on the thread count
+        pending.yield_core()
+    return pending
 
 
 def checkpoint_path(run: Run, name: str) -> Path:
