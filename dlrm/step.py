@@ -70,29 +70,40 @@ REDUCE_OVERHEAD_MAX_BATCH = 16_384
 
 
 def resolve_compile_mode(cfg: RunConfig, device: torch.device) -> RunConfig:
-    """`cfg` with `train.compile_mode` "auto" decided (after `resolve_cuda_graphs`): "reduce-overhead" for
+    """`cfg` with `train.compile_mode` "auto" decided (`auto_compile_mode`); one log line names the mode and
+    why when the run compiles. Other modes stay as given."""
+    if cfg.train.compile_mode != "auto":
+        return cfg
+    mode, why = auto_compile_mode(cfg, device)
+    if cfg.train.use_torch_compile:
+        logger.info("torch.compile mode {} (train.compile_mode auto): {}", mode, why)
+    return replace(cfg, "train", compile_mode=mode)
+
+
+def auto_compile_mode(cfg: RunConfig, device: torch.device) -> tuple[str, str]:
+    """(mode, why) of `train.compile_mode` "auto" (after `resolve_cuda_graphs`): "reduce-overhead" for
     `use_torch_compile` on a CUDA device at a batch of at most REDUCE_OVERHEAD_MAX_BATCH rows, where it
     measured faster; "default" with the whole-step graph (it captures the compiled part itself, and
     Inductor's graphs cannot be recorded inside it), with `use_triton` (measured only without), on the
-    CPU and at larger batches. One log line names the mode and why when the run compiles. Other modes
-    stay as given."""
-    t = cfg.train
-    if t.compile_mode != "auto":
-        return cfg
-    batch = cfg.data.batch_size
+    CPU and at larger batches."""
+    t, batch = cfg.train, cfg.data.batch_size
     if t.cuda_graphs:
-        mode, why = "default", "the whole-step CUDA graph captures the compiled part"
-    elif t.use_triton:
-        mode, why = "default", "Inductor's CUDA graphs are measured without --use-triton only"
-    elif device.type != "cuda":
-        mode, why = "default", f"no CUDA graphs on {device.type}"
-    elif batch > REDUCE_OVERHEAD_MAX_BATCH:
-        mode, why = "default", f"at batch {batch:,} (> {REDUCE_OVERHEAD_MAX_BATCH:,}) its graphs save no time"
-    else:
-        mode, why = "reduce-overhead", f"Inductor's CUDA graphs: at batch {batch:,} the step is launch-bound"
-    if t.use_torch_compile:
-        logger.info("torch.compile mode {} (train.compile_mode auto): {}", mode, why)
-    return replace(cfg, "train", compile_mode=mode)
+        return "default", "the whole-step CUDA graph captures the compiled part"
+    if t.use_triton:
+        return "default", "Inductor's CUDA graphs are measured without --use-triton only"
+    if device.type != "cuda":
+        return "default", f"no CUDA graphs on {device.type}"
+    if batch > REDUCE_OVERHEAD_MAX_BATCH:
+        return "default", f"at batch {batch:,} (> {REDUCE_OVERHEAD_MAX_BATCH:,}) its graphs save no time"
+    return "reduce-overhead", f"Inductor's CUDA graphs: at batch {batch:,} the step is launch-bound"
+
+
+def inductor_cuda_graphs(cfg: RunConfig, device: torch.device) -> bool:
+    """Whether Inductor records CUDA graphs of its own in the run (`use_torch_compile` in compile mode
+    "reduce-overhead", given or decided by "auto")."""
+    t = cfg.train
+    mode = auto_compile_mode(cfg, device)[0] if t.compile_mode == "auto" else t.compile_mode
+    return t.use_torch_compile and mode == "reduce-overhead"
 
 
 def compile_dense_part(model: Model, mode: str = "default") -> None:

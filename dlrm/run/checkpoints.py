@@ -36,6 +36,7 @@ from dlrm.run import kernel_choices
 from dlrm.run.nonfinite import check_finite, nonfinite_stop, weights_finite
 from dlrm.run.state import Interval, Run, RunState
 from dlrm.staging import PendingSave
+from dlrm.step import inductor_cuda_graphs
 
 # Checkpoints a policy keeps at once on disk, before train.keep_last: (count, what they are).
 AT_ONCE = {
@@ -236,12 +237,11 @@ def save_run_checkpoint(
         **state.checkpointed(),
     }
     path = checkpoint_path(run, name)
-    t = run.cfg.train
-    # Inductor records its CUDA graphs ("reduce-overhead") at moments the run does not see (a new shape, a
-    # failed guard), and a writer's page-locked allocation during a capture fails it (dlrm.staging).
-    background = not (t.use_torch_compile and t.compile_mode == "reduce-overhead")
+    # Inductor records its CUDA graphs at moments the run does not see (a new shape, a failed guard), and a
+    # writer's page-locked allocation during a capture fails it (dlrm.staging).
+    background = not inductor_cuda_graphs(run.cfg, run.device)
     pending = run.strategy.save_checkpoint(path, run.model, run.optimizer, meta, links, background)
-    if pending is not None and not t.use_torch_compile:  # Dynamo guards on the thread count
+    if pending is not None and not run.cfg.train.use_torch_compile:  # Dynamo guards on the thread count
         pending.yield_core()
     return pending
 

@@ -30,7 +30,7 @@ from dlrm.run.kernel_choices import take as take_kernel_choices
 from dlrm.run.state import Run, RunState
 from dlrm.run.strategy import Strategy, start
 from dlrm.signals import StopSignals
-from dlrm.step import build_step, resolve_compile_mode, resolve_cuda_graphs
+from dlrm.step import build_step, resolve_cuda_graphs
 
 
 def set_up(
@@ -49,7 +49,7 @@ def set_up(
         in its own directory (nothing written). The kernels' tuned choices come from `kernel_choices` (a
     checkpoint), else from `resume` (dlrm.run.kernel_choices)."""
     strategy, device = start(cfg)
-    cfg = resolve_compile_mode(resolve_cuda_graphs(cfg, device, strategy.world_size), device)
+    cfg = resolve_cuda_graphs(cfg, device, strategy.world_size)
     t = cfg.train
     run_dir = output_dir if output_dir or resume is None else resume.parent.parent
     run_dir = strategy.run_dir(cfg, run_dir, resume, overwrite)
