@@ -47,7 +47,8 @@ to the largest cap that fits, with a line saying so (`--no-fit-disk` keeps it an
 refuse). Rows go to scripts/results/checkpoint.csv (`--results`): machine, config, nproc, max_rows, the
 state's GiB, what, value, unit, baseline and its value, target, whether it is met, a note. Each run's log
 is kept in `--work`/<run>.log; the checkpoints are deleted at the end unless `--keep`. A run still going at
-`--deadline-s` after the start is killed and the rows measured until then are kept.
+`--deadline-s` after the start is killed and the rows measured until then are kept, as they are when the
+benchmark itself is stopped by SIGTERM (e.g. `timeout`) or Ctrl-C, which kill the run going on.
 """
 
 import json
@@ -225,8 +226,9 @@ def launch(
     log.write(" ".join(map(str, command)) + "\n")
     result.start = time.monotonic()
     proc = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-    )
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        start_new_session=True,
+    )  # fmt: skip
     done = threading.Event()
     sampler = threading.Thread(target=_sample_rss, args=(proc, nproc, result, done), daemon=True)
     sampler.start()
@@ -235,20 +237,20 @@ def launch(
         if done.wait(max(0.0, deadline - time.monotonic())):
             return
         result.timed_out = True
-        for pid in [*result.ranks, proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill(proc.pid, result.ranks)
 
     killer = threading.Thread(target=kill_at_deadline, daemon=True)
     killer.start()
-    for line in proc.stdout:
-        line = line.rstrip("\n")
-        result.lines.append((time.monotonic(), line))
-        log.write(line + "\n")
-        if _worth_showing(line):
-            print(f"[{name}] {line}", flush=True)
+    try:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            result.lines.append((time.monotonic(), line))
+            log.write(line + "\n")
+            if _worth_showing(line):
+                print(f"[{name}] {line}", flush=True)
+    except BaseException:  # the bench itself stopped (SIGTERM, Ctrl-C): its run goes with it
+        _kill(proc.pid, result.ranks)
+        raise
     result.code = proc.wait()
     result.wall_s = time.monotonic() - result.start
     done.set()
@@ -258,6 +260,20 @@ def launch(
     late = " (killed at the deadline, --deadline-s)" if result.timed_out else ""
     print(f"[{name}] exit {result.code} after {result.wall_s:.1f} s{late}", flush=True)
     return result
+
+
+def _kill(leader: int, ranks: dict[int, int]) -> None:
+    """SIGKILL to the session `leader` heads (a launch: torchrun or the one process, and everything they
+    started, e.g. Inductor's compile workers, which hold the run's stdout open) and to each rank of `ranks`
+    (pid -> rank) with its own process group, if it made one."""
+    for pid in (leader, *ranks):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:  # gone, or no group of its own: the process alone
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _worth_showing(line: str) -> bool:
@@ -536,6 +552,10 @@ class Bench:
             )
             raise OutOfTime(f"{name} was killed at the deadline (--deadline-s)")
         return result
+
+
+def _stopped(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _size(nbytes: float) -> str:
@@ -909,6 +929,7 @@ def main(
         raise click.UsageError("--phases: resume needs save (it resumes the save run's checkpoint)")
     if not save_at < steps:
         raise click.UsageError("--steps must be above --save-at: the first save runs while training goes on")
+    signal.signal(signal.SIGTERM, _stopped)  # as Ctrl-C: the `finally` below keeps the rows measured
     started = time.monotonic()
     work.mkdir(parents=True, exist_ok=True)
     for entry in work.iterdir():  # the runs of an earlier invocation (their checkpoints fill the disk)

@@ -3,8 +3,11 @@ torchrun and one process, as it runs them on GPUs, so that a change to dlrm.trai
 checkpoint layout that breaks its measurements fails here first."""
 
 import csv
+import importlib.util
+import os
 import subprocess
 import sys
+import time
 
 from tests.conftest import REPO
 from tests.test_faults import TINY
@@ -61,3 +64,25 @@ def test_the_benchmark_measures_refusal_saves_and_resumes_on_two_gloo_ranks(tmp_
         assert row["value"] == "0.0" and row["meets"] == "yes" and "run-to-run noise" in row["note"], row
     assert all(row["git_sha"] and row["device"] == "cpu" for row in rows.values())
     assert not list((tmp_path / "work").glob("*/checkpoints/*"))  # deleted at the end
+
+
+def test_a_run_past_the_deadline_is_killed_with_what_it_started(tmp_path, monkeypatch):
+    """A launch still going at its deadline ends at once, also when a process it started holds its stdout
+    open (Inductor's compile workers under the ranks): the whole session is killed, not its leader alone."""
+    scripts = REPO / "scripts"
+    sys.path.insert(0, str(scripts))  # the script imports its neighbours as the scripts do
+    try:
+        spec = importlib.util.spec_from_file_location("bench_checkpoint", scripts / "bench_checkpoint.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(scripts))
+    fake = tmp_path / "python"  # stands in for the interpreter: whatever the arguments, it hangs
+    fake.write_text("#!/bin/sh\necho started\nsleep 120 &\nsleep 120\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    start = time.monotonic()
+    result = bench.launch("hang", 1, [], tmp_path, dict(os.environ), deadline=start + 2)
+    assert result.timed_out and result.code != 0
+    assert time.monotonic() - start < 30  # not the 120 s of the orphan holding the pipe
+    assert result.lines and result.lines[0][1] == "started"
