@@ -1,7 +1,7 @@
 """Where a training step's time goes, part by part, each part beside its own bound.
 
     python scripts/breakdown_step.py --config dlrm_dcnv2 --cardinalities terabyte --max-rows 4000000 \
-        --batch 65536 --precision bf16 --optimizer adagrad
+        --batch 65536 --precision bf16 --optimizer adagrad [--table-dtype bf16]
 
 Builds the step as scripts/bench_train.py does (its model, optimizer and GPU-resident random batches, bags
 at the config's `model.multi_hot_sizes`), then:
@@ -18,7 +18,8 @@ at the config's `model.multi_hot_sizes`), then:
    and bytes / the measured copy bandwidth (scripts/bench_timing.measure_ceilings), with the byte and FLOP
    counts below.
 
-Counts (glossary letters; a = bytes of an activation: 2 under bf16, else 4; w = 4, the fp32 tables):
+Counts (glossary letters; a = bytes of an activation: 2 under bf16, else 4; w = bytes of a table element,
+`--table-dtype`: 4 for fp32, 2 for bf16):
     embedding fwd     bytes B*S*8 (ids) + B*S*D*w (rows gathered) + B*F*D*a (pooled out)
     embedding bwd     bytes B*F*D*a (pooled gradient) + B*S*8 (ids) + U*(2*D*w + 2*state) (each touched row's
                       weights and optimizer state read and written once; U = distinct rows of the batch,
@@ -34,7 +35,7 @@ Counts (glossary letters; a = bytes of an activation: 2 under bf16, else 4; w = 
                       P*4*3 for sgd
 A part's measured time is its kernels' GPU time per step; parts on the side stream (the embedding) overlap
 others, so the parts can add up to more than the step. The table goes to
-scripts/results/breakdown_<config>_<precision>_<B>[_zipf].txt and one row per part to
+scripts/results/breakdown_<config>_<precision>_<B>[_zipf][_bf16tables].txt and one row per part to
 scripts/results/breakdown.csv.
 Needs a CUDA GPU, one process.
 """
@@ -143,7 +144,14 @@ def distinct_rows(pool, table_rows: list[int], bag_sizes) -> float:
 
 
 def part_counts(
-    cfg, batch: int, precision: str, optimizer: str, distinct: float, dense_params: int, cross_net: bool
+    cfg,
+    batch: int,
+    precision: str,
+    optimizer: str,
+    distinct: float,
+    dense_params: int,
+    cross_net: bool,
+    table_bytes: int = 4,
 ) -> dict:
     """{part: (FLOPs, bytes)} of one step of `cfg`'s model at `batch` (module docstring's counts); the DCNv2
     layers as one part "cross_net" where `cross_net` (our backend's one op), else a part a layer."""
@@ -153,8 +161,11 @@ def part_counts(
     s = f if is_one_hot(m.multi_hot_sizes) else sum(m.multi_hot_sizes)
     state = {"adagrad": d * 4, "rowwise_adagrad": 4}.get(optimizer, 0)
     counts = {
-        "embedding fwd": (0.0, batch * s * 8 + batch * s * d * 4 + batch * f * d * a),
-        "embedding bwd": (0.0, batch * f * d * a + batch * s * 8 + distinct * (2 * d * 4 + 2 * state)),
+        "embedding fwd": (0.0, batch * s * 8 + batch * s * d * table_bytes + batch * f * d * a),
+        "embedding bwd": (
+            0.0,
+            batch * f * d * a + batch * s * 8 + distinct * (2 * d * table_bytes + 2 * state),
+        ),
         "loss fwd": (0.0, 3 * batch * 4),
         "loss bwd": (0.0, 3 * batch * 4),
         "optimizer": (0.0, dense_params * 4 * (5 if optimizer != "sgd" else 3)),
@@ -211,26 +222,37 @@ def profile_parts(built, steps: int) -> tuple[dict[str, float], dict[tuple[str, 
 @click.option("--max-rows", type=click.IntRange(min=2), default=4_000_000, help="Cap on rows per table.")
 @click.option("--ids", type=click.Choice(IDS), default="uniform", help="Sparse ids, as bench_train's --ids.")
 @click.option("--cardinalities", type=click.Choice(list(CARDINALITY_PRESETS)), default="terabyte")
-def main(config, backend, graph_backend, batch, precision, optimizer, steps, max_rows, ids, cardinalities):
+@click.option(
+    "--table-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32",
+    help="model.table_dtype of the step (bf16 needs a triton backend), as bench_train's --table-dtype.",
+)  # fmt: skip
+def main(
+    config, backend, graph_backend, batch, precision, optimizer, steps, max_rows, ids, cardinalities,
+    table_dtype,
+):  # fmt: skip
     """Break one training step down part by part, each part beside its bound; rows to breakdown.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("breakdown_step.py needs a CUDA GPU")
     ceilings = measure_ceilings()
     peak = ceilings["gemm_tflops_bf16" if precision == "bf16" else "gemm_tflops_tf32"]
     step = bench(config, graph_backend, batch, 50, max_rows, precision, ids=ids, cardinalities=cardinalities,
-                 optimizer=optimizer)  # fmt: skip
+                 optimizer=optimizer, table_dtype=table_dtype)  # fmt: skip
     built = build(config, backend, batch, max_rows, precision, ids, cardinalities=cardinalities,
-                  optimizer=optimizer)  # fmt: skip
+                  optimizer=optimizer, table_dtype=table_dtype)  # fmt: skip
     model, _, _, pool, table_rows = built
     cfg = load_config(CONFIG_DIR / f"{config}.json")
     distinct = distinct_rows(pool, table_rows, cfg.model.multi_hot_sizes)
     dense_params = sum(p.numel() for p in model.dense_parameters())
     parts, kernels, kernel_us = profile_parts(built, steps)
-    counts = part_counts(cfg, batch, precision, optimizer, distinct, dense_params, "triton" in backend)
+    table_bytes = 2 if table_dtype == "bf16" else 4
+    counts = part_counts(
+        cfg, batch, precision, optimizer, distinct, dense_params, "triton" in backend, table_bytes
+    )
     info = provenance(torch.cuda.get_device_name())
     lines = [
         f"# python scripts/breakdown_step.py --config {config} --batch {batch} --precision {precision} "
-        f"--optimizer {optimizer} --max-rows {max_rows} --ids {ids} --cardinalities {cardinalities}: "
+        f"--optimizer {optimizer} --max-rows {max_rows} --ids {ids} --cardinalities {cardinalities} "
+        f"--table-dtype {table_dtype}: "
         f"{info['device']}, torch {info['torch']}, triton {info['triton']}, git {info['git_sha']}",
         f"# ceilings: copy {ceilings['copy_gbps']:,.0f} GB/s, GEMM {peak:,.0f} TFLOP/s ({precision}); "
         f"distinct rows a batch {distinct:,.0f}",
@@ -249,7 +271,8 @@ def main(config, backend, graph_backend, batch, precision, optimizer, steps, max
         gflop, mbytes = flops / 1e9, nbytes / 1e6
         lines.append(f"{part:<24}{us:>10.1f}{bound:>10.1f}{share:>9.0%}{gflop:>9.1f}{mbytes:>9.1f}  {limit}")
         rows.append({
-            "config": config, "precision": precision, "optimizer": optimizer, "batch": batch,
+            "config": config, "precision": precision, "optimizer": optimizer, "table_dtype": table_dtype,
+            "batch": batch,
             "max_rows": max_rows, "ids": ids, "part": part, "us_per_step": round(us, 1),
             "bound_us": "" if math.isnan(bound) else round(bound, 1), "bound_by": limit,
             "gflop": "" if math.isnan(flops) else round(flops / 1e9, 2),
@@ -263,7 +286,7 @@ def main(config, backend, graph_backend, batch, precision, optimizer, steps, max
         lines += [f"{part:<24}{us:>10.1f}  {name[:90]}" for us, name in mine[:TOP_KERNELS]]
     text = "\n".join(lines) + "\n"
     print(text)
-    suffix = "_zipf" if ids == "zipf" else ""
+    suffix = ("_zipf" if ids == "zipf" else "") + ("_bf16tables" if table_dtype == "bf16" else "")
     (RESULTS / f"breakdown_{config}_{precision}_{batch}{suffix}.txt").write_text(text)
     append_rows(RESULTS / "breakdown.csv", [dict(info, **r) for r in rows])
 
