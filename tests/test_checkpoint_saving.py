@@ -204,6 +204,21 @@ def test_the_policies_keep_what_they_say(criteo_sample, tmp_path):
 # In the background
 
 
+def _train_on_two_threads(monkeypatch, note, write, args) -> tuple[int, str]:
+    """dlrm.train's CLI with `args` on 2 intra-op threads, `note(step)` after each step and `write(path,
+    state)` as the checkpoint file writer: (exit code, output); the thread count is 2 again at its end."""
+    monkeypatch.setattr(train_cli.parallel, "note_progress", note)
+    monkeypatch.setattr(checkpoint, "write_file", write)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        code, output = _cli(train_cli.main, args)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    return code, output
+
+
 def test_training_goes_on_while_a_checkpoint_is_written(criteo_sample, tmp_path, monkeypatch):
     """The step-3 checkpoint is written in a thread while step 4 trains, with one intra-op thread fewer
     for the training; once written, the step after gives the thread back (after_step's settle)."""
@@ -226,15 +241,8 @@ def test_training_goes_on_while_a_checkpoint_is_written(criteo_sample, tmp_path,
             seen.append((threading.current_thread() is not threading.main_thread(), went_on.wait(20)))
         real(path, state)
 
-    monkeypatch.setattr(train_cli.parallel, "note_progress", note)
-    monkeypatch.setattr(checkpoint, "write_file", slow)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert _cli(train_cli.main, ["--config", config, "--output-dir", run])[0] == 0
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
+    code, output = _train_on_two_threads(monkeypatch, note, slow, ["--config", config, "--output-dir", run])
+    assert code == 0, output
     assert seen == [(True, True)]  # in a thread, while step 4 trained
     assert (threads[3], threads[4], threads[6]) == (2, 1, 2)
     assert checkpoint.load_checkpoint(run / "checkpoints" / "last.pt")["step"] == 6
@@ -258,15 +266,10 @@ def test_a_compiled_run_saves_without_changing_the_thread_count_and_inductor_gra
         writers.append(threading.current_thread() is threading.main_thread())
         real(path, state)
 
-    monkeypatch.setattr(train_cli.parallel, "note_progress", note)
-    monkeypatch.setattr(checkpoint, "write_file", record)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        args = ["--config", config, "--output-dir", tmp_path / "run", "--use-torch-compile"]
-        code, output = _cli(train_cli.main, [*args, "--set", f'train.compile_mode="{mode}"'])
-    finally:
-        torch.set_num_threads(before)
+    args = ["--config", config, "--output-dir", tmp_path / "run", "--use-torch-compile"]
+    code, output = _train_on_two_threads(
+        monkeypatch, note, record, [*args, "--set", f'train.compile_mode="{mode}"']
+    )
     assert code == 0, output
     assert set(threads.values()) == {2}
     assert writers[0] == (mode == "reduce-overhead")  # step 3's save: in the main thread or not
