@@ -21,9 +21,12 @@ at the config's `model.multi_hot_sizes`), then:
 Counts (glossary letters; a = bytes of an activation: 2 under bf16, else 4; w = bytes of a table element,
 `--table-dtype`: 4 for fp32, 2 for bf16):
     embedding fwd     bytes B*S*8 (ids) + B*S*D*w (rows gathered) + B*F*D*a (pooled out)
-    embedding bwd     bytes B*F*D*a (pooled gradient) + B*S*8 (ids) + U*(2*D*w + 2*state) (each touched row's
-                      weights and optimizer state read and written once; U = distinct rows of the batch,
-                      counted on the profiled batches; state = D*4 for adagrad, 4 for rowwise_adagrad)
+    embedding bwd     bytes B*S*D*a (each lookup's bag gradient row: the update sums a row's gradient over
+                      its lookups, sorted by row, so a bag's row is read once for each of its S/F lookups
+                      a feature, out of L2's reach at these sizes) + B*S*8 (ids) + U*(2*D*w + 2*state)
+                      (each touched row's weights and optimizer state read and written once; U = distinct
+                      rows of the batch, counted on the profiled batches; state = D*4 for adagrad, 4 for
+                      rowwise_adagrad)
     MLP layer K->N    fwd FLOPs 2*B*K*N, bytes B*(K+N)*a + K*N*a; bwd twice the FLOPs (dX and dW),
                       bytes 2*B*(K+N)*a + 2*K*N*4
     cross layer       fwd FLOPs 4*B*N*r (V then U), bytes 3*B*N*a (x0, x_l read, x_l+1 written) + 2*N*r*a;
@@ -164,7 +167,7 @@ def part_counts(
         "embedding fwd": (0.0, batch * s * 8 + batch * s * d * table_bytes + batch * f * d * a),
         "embedding bwd": (
             0.0,
-            batch * f * d * a + batch * s * 8 + distinct * (2 * d * table_bytes + 2 * state),
+            batch * s * d * a + batch * s * 8 + distinct * (2 * d * table_bytes + 2 * state),
         ),
         "loss fwd": (0.0, 3 * batch * 4),
         "loss bwd": (0.0, 3 * batch * 4),
