@@ -32,7 +32,10 @@ evaluation would add a save).
    ("resumed-N") and, resharded, in one process on one GPU ("resumed-1"). Rows per resumed run: the largest
    absolute difference of the weights (every model tensor of the final checkpoints, read tensor by tensor)
    and of the per-step losses (TensorBoard's train/loss) from the whole run's, against 0 (bit-exact); on N
-   ranks also how many of DCP's data files have the whole run's sha256. With `--repeat-whole`, a second
+   ranks also how many of DCP's data files have the whole run's sha256. On N > 1 ranks, "resharded-1" loads
+   the save run's checkpoint into one process and saves it there with no step between: its model tensors
+   against the checkpoint's, bit for bit (a resumed one-process run's steps sum in another order than N
+   ranks', so only the load can be exact). With `--repeat-whole`, a second
    uninterrupted run "whole-again" (as many steps and GPU-seconds again; after the resumes, so that
    `--deadline-s` cuts it first) is compared with "whole" the same way: the run-to-run noise of the
    runs' kernels, against which a resumed run's difference reads (0 where every kernel sums in a fixed
@@ -744,10 +747,39 @@ def resume(bench: Bench, config: Path, start: Path, stop: int, more: int) -> Non
         )
         _against_whole_rows(bench, "resume", worst, diffs, more, note, loss_note, nproc=nproc)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # (disk for the next one)
+    if bench.nproc > 1:
+        reshard(bench, config, start, stop)
     # Last: the resumes are what the targets ask for, the second uninterrupted run the noise they read
     # against, so --deadline-s cuts it first.
     if bench.repeat_whole:
         repeat_whole(bench, config, start, reference, expected, end)
+
+
+def reshard(bench: Bench, config: Path, start: Path, stop: int) -> None:
+    """The N ranks' checkpoint `start` loaded into one process and saved there with no step between
+    (dlrm.train resumed into another run directory at its last step: evaluated, then saved): its model
+    tensors against `start`'s, bit for bit. The resumed runs' rows cannot say this for one process, whose
+    steps sum in another order than N ranks'."""
+    name, run_dir = "resharded-1", bench.work / "resharded-1"
+    args = ["--config", config, "--output-dir", run_dir, "--resume", start, "--max-steps", stop]
+    result = bench.run(name, 1, args)
+    last = run_dir / "checkpoints" / "last.pt"
+    if result.code != 0 or not last.is_file():
+        errors = result.errors()
+        bench.row(
+            "reshard_exit_code", result.code, "exit status", target="0", meets=False, nproc=1,
+            note=errors[0] if errors else f"no {last}; see {bench.work}/{name}.log",
+        )  # fmt: skip
+        return
+    worst, equal, count = compare_weights(last, start)
+    bench.row(
+        "reshard_weights_max_abs_diff", worst, "max |w - w_saved|",
+        baseline=f"{bench.nproc} ranks' checkpoint", baseline_value=0.0, target="0 (bit-exact)",
+        meets=worst == 0.0, nproc=1,
+        note=f"{equal} of {count} model tensors bitwise equal; loaded into one process and saved at step "
+        f"{stop}, no step between; load and save: {result.wall_s:.1f} s wall",
+    )  # fmt: skip
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # (disk for the next one)
 
 
 def step_time_row(bench: Bench, whole: Launch) -> None:

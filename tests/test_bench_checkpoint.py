@@ -26,9 +26,9 @@ def test_the_benchmark_measures_refusal_saves_and_resumes_on_two_gloo_ranks(tmp_
         "--save-at", "4", "--steps", "8", "--resume-steps", "3", "--no-use-triton", "--results", str(results),
         "--set", "train.device=cpu", "--set", "train.optimizer=adagrad", "--repeat-whole",
     ]  # fmt: skip
-    # Six launches of dlrm.train (refusal, save, whole, whole again, two resumes), each ~15 s of imports and
-    # start-up on an idle 2-core machine (~100 s in all); CI's parallel workers make it ~3x that. The bound
-    # only catches a hang.
+    # Seven launches of dlrm.train (refusal, save, whole, whole again, two resumes, the reshard), each ~15 s
+    # of imports and start-up on an idle 2-core machine (~120 s in all); CI's parallel workers make it ~3x
+    # that. The bound only catches a hang.
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     rows = _rows(results)
@@ -57,6 +57,11 @@ def test_the_benchmark_measures_refusal_saves_and_resumes_on_two_gloo_ranks(tmp_
         assert same["value"] == "0.0" and same["meets"] == "yes", same
         assert 0 <= float(one["value"]) < 1e-4 and "resharded from 2 ranks" in one["note"], one
     assert "DCP data files with the same sha256" in rows[("resume_weights_max_abs_diff", 2)]["note"]
+    # Loaded into one process and saved with no step between: the 2 ranks' weights bit for bit.
+    reshard = rows[("reshard_weights_max_abs_diff", 1)]
+    assert reshard["value"] == "0.0" and reshard["meets"] == "yes", reshard
+    equal, _, count = reshard["note"].split(" model tensors")[0].split()
+    assert equal == count and int(count) > 0, reshard
     # --repeat-whole: a second uninterrupted run, compared with the first (the noise the resumes read
     # against): the same bits here, every sum in a fixed order.
     for what in ("repeat_weights_max_abs_diff", "repeat_loss_max_abs_diff"):
