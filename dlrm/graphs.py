@@ -38,6 +38,7 @@ earlier training in the process, freed during a later one's capture, failed that
 cublasSgemmStridedBatched).
 """
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -54,6 +55,19 @@ from dlrm.staging import CAPTURE_LOCK
 from kernels.launch import capture
 
 WARMUP_STEPS = 3
+
+
+@contextlib.contextmanager
+def _no_save_running():
+    """Hold dlrm.staging.CAPTURE_LOCK (module docstring), with a log line when a background save makes the
+    capture wait for it."""
+    if not CAPTURE_LOCK.acquire(blocking=False):
+        logger.info("a CUDA graph capture waits for the checkpoint being written in the background")
+        CAPTURE_LOCK.acquire()
+    try:
+        yield
+    finally:
+        CAPTURE_LOCK.release()
 
 
 def _on_side_stream(fn: Callable, *args):
@@ -132,7 +146,7 @@ class GraphedTrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         self.capture_stream = self.capture_stream or torch.cuda.Stream()
-        with CAPTURE_LOCK, capture(graph, self.capture_stream):
+        with _no_save_running(), capture(graph, self.capture_stream):
             loss = self.step_fn(self.model, self.optimizer, static)
         took = time.perf_counter() - start
         self.capture_s += took
@@ -184,7 +198,7 @@ class GraphedForward:
             dense, sparse = dense.clone(), sparse.clone()
             graph = torch.cuda.CUDAGraph()
             self.capture_stream = self.capture_stream or torch.cuda.Stream()
-            with CAPTURE_LOCK, capture(graph, self.capture_stream):
+            with _no_save_running(), capture(graph, self.capture_stream):
                 logits = self.forward(dense, sparse)
             logger.info("captured the evaluation forward at batch size {} as a CUDA graph", rows)
             captured = self.captured[rows] = _CapturedForward(graph, dense, sparse, logits)

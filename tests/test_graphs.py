@@ -8,7 +8,9 @@ import threading
 
 import pytest
 import torch
+from loguru import logger
 
+from dlrm import graphs
 from dlrm.config import DataConfig, LrScheduleConfig, ModelConfig, RunConfig, TrainConfig, replace, validate
 from dlrm.data.dataset import Batch
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
@@ -18,6 +20,7 @@ from dlrm.metrics import evaluate, forward_logits
 from dlrm.model import DLRM
 from dlrm.model.tables import build_vocabularies
 from dlrm.optim import RunOptimizer
+from dlrm.staging import PendingSave
 from dlrm.step import REDUCE_OVERHEAD_MAX_BATCH, resolve_compile_mode, resolve_cuda_graphs, train_step
 
 SMALL = ModelConfig(embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1), max_rows=100)
@@ -441,3 +444,27 @@ def test_loading_weights_keeps_every_tensor_a_graph_reads_where_it_was(sparse_ke
         assert torch.equal(loaded[name], tensor), name
     probe = ids[:9] + 1000  # ids of `best`'s vocabularies: rows that `live`'s old lookup would not find
     assert torch.equal(live.sparse_arch.hash_ids(probe), best.sparse_arch.hash_ids(probe))
+
+
+def test_a_capture_waits_for_the_background_save_being_written_and_says_so():
+    """A CUDA graph capture never overlaps a background save's writing (dlrm.staging.CAPTURE_LOCK): the
+    writer's page-locked allocations would fail it. It waits for the writing to end, with a log line; with
+    no save running it goes on at once, silently."""
+    release, written, lines = threading.Event(), threading.Event(), []
+
+    def write():
+        release.wait(20)
+        written.set()
+
+    sink = logger.add(lines.append, format="{message}")
+    try:
+        pending = PendingSave(write, "x")
+        threading.Timer(0.3, release.set).start()
+        with graphs._no_save_running():
+            assert written.is_set()  # the writing ended first
+        with graphs._no_save_running():
+            pass
+    finally:
+        logger.remove(sink)
+    pending.wait()
+    assert sum("waits for the checkpoint being written" in line for line in lines) == 1
