@@ -63,7 +63,7 @@ from torch_graphed_dcn import PlainDCN, TorchGraphedDCNStep
 from torch_graphed_step import PlainDLRM, TorchGraphedStep, precision_flags
 
 from dlrm import parallel
-from dlrm.choices import OPTIMIZERS
+from dlrm.choices import OPTIMIZERS, TABLE_DTYPES
 from dlrm.config import load_config, replace
 from dlrm.data.bags import is_one_hot
 from dlrm.data.dataset import Batch
@@ -382,7 +382,7 @@ def bench(
 )
 @click.option(
     "--table-dtype",
-    type=click.Choice(["fp32", "bf16"]),
+    type=click.Choice(list(TABLE_DTYPES)),
     default="fp32",
     help="model.table_dtype of our backends (bf16 needs a triton backend); torch-graphed keeps fp32 tables.",
 )

@@ -53,6 +53,7 @@ from bench_train import FLAGS, IDS, POOL, bench, build
 from results_csv import append_rows, provenance
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from dlrm.choices import TABLE_DTYPES
 from dlrm.config import load_config
 from dlrm.data.bags import bag_starts, is_one_hot
 from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
@@ -226,7 +227,7 @@ def profile_parts(built, steps: int) -> tuple[dict[str, float], dict[tuple[str, 
 @click.option("--ids", type=click.Choice(IDS), default="uniform", help="Sparse ids, as bench_train's --ids.")
 @click.option("--cardinalities", type=click.Choice(list(CARDINALITY_PRESETS)), default="terabyte")
 @click.option(
-    "--table-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32",
+    "--table-dtype", type=click.Choice(list(TABLE_DTYPES)), default="fp32",
     help="model.table_dtype of the step (bf16 needs a triton backend), as bench_train's --table-dtype.",
 )  # fmt: skip
 def main(
@@ -247,7 +248,7 @@ def main(
     distinct = distinct_rows(pool, table_rows, cfg.model.multi_hot_sizes)
     dense_params = sum(p.numel() for p in model.dense_parameters())
     parts, kernels, kernel_us = profile_parts(built, steps)
-    table_bytes = 2 if table_dtype == "bf16" else 4
+    table_bytes = next(model.sparse_arch.parameters()).element_size()  # the built tables' element
     counts = part_counts(
         cfg, batch, precision, optimizer, distinct, dense_params, "triton" in backend, table_bytes
     )
