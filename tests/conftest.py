@@ -36,6 +36,25 @@ def _release_cached_gpu_memory():
 
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module, imported with scripts/ on sys.path as the scripts import their
+    neighbours (results_csv, bench_train, ...)."""
+    import importlib.util
+    import sys
+
+    scripts = str(REPO / "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(scripts)
+    return module
+
+
 SAMPLE_TSV = REPO / "data" / "day_0_head10k.tsv.gz"
 
 

@@ -3,13 +3,12 @@ torchrun and one process, as it runs them on GPUs, so that a change to dlrm.trai
 checkpoint layout that breaks its measurements fails here first."""
 
 import csv
-import importlib.util
 import os
 import subprocess
 import sys
 import time
 
-from tests.conftest import REPO
+from tests.conftest import REPO, load_script
 from tests.test_faults import TINY
 
 
@@ -74,14 +73,7 @@ def test_the_benchmark_measures_refusal_saves_and_resumes_on_two_gloo_ranks(tmp_
 def test_a_run_past_the_deadline_is_killed_with_what_it_started(tmp_path, monkeypatch):
     """A launch still going at its deadline ends at once, also when a process it started holds its stdout
     open (Inductor's compile workers under the ranks): the whole session is killed, not its leader alone."""
-    scripts = REPO / "scripts"
-    sys.path.insert(0, str(scripts))  # the script imports its neighbours as the scripts do
-    try:
-        spec = importlib.util.spec_from_file_location("bench_checkpoint", scripts / "bench_checkpoint.py")
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-    finally:
-        sys.path.remove(str(scripts))
+    bench = load_script("bench_checkpoint")
     fake = tmp_path / "python"  # stands in for the interpreter: whatever the arguments, it hangs
     fake.write_text("#!/bin/sh\necho started\nsleep 120 &\nsleep 120\n")
     fake.chmod(0o755)

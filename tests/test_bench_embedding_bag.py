@@ -1,23 +1,15 @@
 """scripts/bench_embedding_bag.py's plain-PyTorch update (its baseline) against kernels.embedding_bag's
 reference update, on the CPU: the baseline steps the rows it should, as the kernels' update does."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from kernels.embedding_bag import embedding_bag_lookup_ref, embedding_bag_update_ref
 from kernels.embedding_bag_update import bag_columns
 from kernels.embedding_update import optimizer_state
+from tests.conftest import load_script
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))  # the script imports its neighbours as the scripts do
-_SPEC = importlib.util.spec_from_file_location("bench_embedding_bag", SCRIPTS / "bench_embedding_bag.py")
-bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench)
-sys.path.remove(str(SCRIPTS))
+bench = load_script("bench_embedding_bag")
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])

@@ -2,8 +2,6 @@
 (scripts/torch_graphed_dcn.py): on the CPU, uncompiled and uncaptured, its loss and updated weights equal our
 eager model's Adagrad step."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,14 +13,10 @@ from dlrm.data.schema import NUM_DENSE
 from dlrm.model import DLRM
 from dlrm.optim import RunOptimizer
 from dlrm.step import train_step
+from tests.conftest import load_script
 from tests.test_torch_graphed_step import CALLERS, REQUIRED, legacy_flags, process_flags_kept
 
-SCRIPTS = Path(__file__).parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))  # torch_graphed_dcn imports torch_graphed_step as the scripts do
-_SPEC = importlib.util.spec_from_file_location("torch_graphed_dcn", SCRIPTS / "torch_graphed_dcn.py")
-baseline = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(baseline)
-sys.path.remove(str(SCRIPTS))
+baseline = load_script("torch_graphed_dcn")  # it imports torch_graphed_step as the scripts do
 
 # Small primes and a 1-row table; MLPerf's bag sizes, a small width (D = 8) and rank.
 TABLE_ROWS = [

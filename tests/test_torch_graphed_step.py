@@ -5,7 +5,6 @@ caller's back; a compiled baseline starts from fresh dynamo state."""
 
 import csv
 import functools
-import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,11 +19,10 @@ from dlrm.device import set_precision
 from dlrm.model import DLRM
 from dlrm.optim import RunOptimizer
 from dlrm.step import train_step
+from tests.conftest import load_script
 
 _PATH = Path(__file__).parents[1] / "scripts" / "torch_graphed_step.py"
-_SPEC = importlib.util.spec_from_file_location("torch_graphed_step", _PATH)
-baseline = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(baseline)
+baseline = load_script("torch_graphed_step")
 
 # Small primes and a 1-row table; the tiny config's widths (D = 8).
 TABLE_ROWS = [
