@@ -219,7 +219,7 @@ ROUNDING_COUNT_KEY = "table_rounding_count"
 
 
 def rounding_seed(seed: int, rank: int = 0) -> int:
-    """The stochastic rounding's Philox key of run seed `seed` on rank `rank` (63 bits of a hash of both:
+    """The stochastic rounding's key of run seed `seed` on rank `rank` (63 bits of a hash of both:
     each rank rounds its own rows from a stream of its own)."""
     digest = hashlib.blake2b(f"{seed}/table_rounding/{rank}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1

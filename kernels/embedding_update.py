@@ -18,11 +18,10 @@ stochastically as FBGEMM rounds its fp16/bf16 weights: 16 uniform random bits ar
 value's bit pattern below the bf16 mantissa and the low 16 bits dropped, so w rounds up to the next bf16
 value with probability (w - lower) / (upper - lower) and E[rounded] = w (unbiased: a table whose updates are
 smaller than half a bf16 step still moves on average, where rounding to nearest would drop them). The bits
-are Philox4x32-10 (`tl.philox`) keyed by the seed, counter (r * BLOCK_D / 8 + d / 8, count), each call's
-4 x 32 bits shared by 8 elements of a row, 16 bits each: fresh for every element and every count, the same
-for the same (seed, count). The kernels only read the tensor; its owner advances the count in place once a
-step (dlrm.optim.RunOptimizer.step), so every CUDA-graph replay draws new bits and a run resumed with its
-count continues the same stream. A NaN stays NaN.
+are a keyed hash of the element (`_random_bits`: element r * BLOCK_D + d, key (seed, count)), 16 bits each:
+fresh for every element and every count, the same for the same (seed, count). The kernels only read the
+tensor; its owner advances the count in place once a step (dlrm.optim.RunOptimizer.step), so every
+CUDA-graph replay draws new bits and a run resumed with its count continues the same stream. A NaN stays NaN.
 
 How the update runs:
 - "sgd" with fp32 weights: one kernel, atomic adds of -lr * dout straight into the touched rows. Atomic adds
@@ -185,20 +184,32 @@ def _block_segment_sums(segment, grad, scale, SPLIT_BF16: tl.constexpr):
 
 
 @triton.jit
+def _mix32(x):
+    """lowbias32 of uint32 `x` (any shape): a bijection of the 32-bit words in which flipping any input bit
+    flips each output bit with probability close to 1/2 (C. Wellons, "Prospecting for Hash Functions",
+    2018: xor-shift 16, multiply, xor-shift 15, multiply, xor-shift 16)."""
+    x ^= x >> 16
+    x *= 0x7FEB352D
+    x ^= x >> 15
+    x *= 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
 def _random_bits(seed, count, row, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """[BLOCK_N, BLOCK_D] uint32, 16 random bits each, for the elements (r, d) of rows `row` [BLOCK_N] int64:
-    one Philox4x32-10 call (seed; counter r * BLOCK_D / 8 + d / 8 as two 32-bit words, count as two) gives
-    its 4 x 32 bits to 8 elements of a row, 16 each (a call costs about 100 integer operations: one an
-    element would be most of the update's time)."""
-    groups: tl.constexpr = BLOCK_D // 8
-    counter = row[:, None] * groups + tl.arange(0, groups)[None, :].to(tl.int64)  # [BLOCK_N, groups]
-    zero = (counter * 0).to(tl.uint32)
-    count_lo = (count & 0xFFFFFFFF).to(tl.uint32) + zero
-    count_hi = ((count >> 32) & 0xFFFFFFFF).to(tl.uint32) + zero
-    a, b, c, d = tl.philox(seed, counter.to(tl.uint32), (counter >> 32).to(tl.uint32), count_lo, count_hi)
-    ab = tl.join(tl.join(a & 0xFFFF, a >> 16), tl.join(b & 0xFFFF, b >> 16))  # [BLOCK_N, groups, 2, 2]
-    cd = tl.join(tl.join(c & 0xFFFF, c >> 16), tl.join(d & 0xFFFF, d >> 16))
-    return tl.reshape(tl.join(ab, cd), (BLOCK_N, BLOCK_D))
+    element e = r * BLOCK_D + d hashed with the key of (seed, count), bits = mix(mix(e_lo ^ k0) ^ e_hi ^ k1)
+    >> 16 (`_mix32`; e_lo, e_hi the low and high 32 bits of e; k0, k1 two words of (seed, count), mixed
+    once a program). A hash an element, not a counter-based generator such as Philox4x32-10: its call
+    gives 128 bits that 8 elements share through cross-lane shuffles, and that made the MLPerf bf16 bag
+    update compute-bound (scripts/bench_embedding_bag.py, stochastic rounding against rounding to nearest)."""
+    seed_lo, seed_hi = (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    count_lo, count_hi = (count & 0xFFFFFFFF).to(tl.uint32), ((count >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    k0 = _mix32(seed_lo ^ _mix32(count_lo ^ _mix32(count_hi)))
+    k1 = _mix32(seed_hi ^ _mix32(k0 ^ 0x9E3779B9))
+    element = row[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :].to(tl.int64)
+    low, high = (element & 0xFFFFFFFF).to(tl.uint32), ((element >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    return _mix32(_mix32(low ^ k0) ^ high ^ k1) >> 16
 
 
 @triton.jit
@@ -776,7 +787,7 @@ def embedding_update_ref(
     """PyTorch update of the touched rows, in place: sums repeated rows, then the module docstring's step.
     `lr`: a one-element fp32 tensor (as `embedding_update`). With `rounding` and bf16 weights, the
     stochastic rounding's bits come from a torch.Generator seeded by (seed, count) (read on the host: the
-    reference is the CPU fallback and the tests' twin, not captured), not from the kernels' Philox."""
+    reference is the CPU fallback and the tests' twin, not captured), not from the kernels' hash."""
     d = weights.shape[1]
     lr = lr.reshape(())  # [] or [1] -> [], broadcast against the [rows, D] sums
     rows, inverse = torch.unique(index.reshape(-1), return_inverse=True)

@@ -10,7 +10,8 @@ dlrm.data.bags makes them (heavy repeats of the first rows). For each optimizer:
            torch: the same pooled lookup as one F.embedding_bag over the table-batched weight (the bags
            of a sample are contiguous in the [B, S] layout: offsets b * S + start_f)
     step   fwd + the update from a given pooled gradient [B, F, D], every touched row once (EXACT):
-           ours: the fused backward (kernels.embedding_bag)
+           ours: the fused backward (kernels.embedding_bag); bf16 weights rounded stochastically, as a
+           run's bf16 tables are (the plain-PyTorch step rounds to nearest, the cheaper)
            torch: the strongest capturable plain-PyTorch form, the torch-graphed DCNv2 baseline's
            (scripts/torch_graphed_dcn.py): per-lookup gradients by index_select, torch.sort of the B*S
            rows numbering the distinct rows, their sums by index_add_ into one slot each, each slot's row
@@ -104,6 +105,8 @@ def bench(b: int, d: int, sizes, max_rows: int, optimizer: str, dtype, copy_gbps
     weights = torch.empty(sum(table_rows) + 1, d, device="cuda", dtype=dtype).uniform_(-0.01, 0.01)
     state = optimizer_state(weights, optimizer)
     lr = torch.full((), LR, device="cuda")
+    # bf16 weights round stochastically, as a run's bf16 tables do (dlrm.optim.RunOptimizer.table_rounding).
+    rounding = torch.tensor([1, 0], device="cuda") if dtype == torch.bfloat16 else None
     features, scales = bag_columns(bag_sizes, "sum", s)
     starts = torch.cumsum(bag_sizes, 0) - bag_sizes
     bag_offsets = (torch.arange(b, device="cuda")[:, None] * s + starts).reshape(-1)
@@ -118,7 +121,18 @@ def bench(b: int, d: int, sizes, max_rows: int, optimizer: str, dtype, copy_gbps
     def ours_step():
         i = next(it) % ROTATE
         out = embedding_bag_lookup(
-            leaf, state, offsets, rows, bag_sizes, ids[i], "modulus", "sum", optimizer, lr, EPS
+            leaf,
+            state,
+            offsets,
+            rows,
+            bag_sizes,
+            ids[i],
+            "modulus",
+            "sum",
+            optimizer,
+            lr,
+            EPS,
+            rounding=rounding,
         )
         out.backward(grads[i])
 

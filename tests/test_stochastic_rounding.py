@@ -1,8 +1,8 @@
 """The stochastic rounding of bf16 tables in the fused embedding updates (kernels/embedding_update.py):
 unbiased, one of the two neighbouring bf16 values, fresh bits for every count, the same bits for the same
 (seed, count), through the one-id lookup's and the bags' backward. On CPU the kernels run in the Triton
-interpreter (conftest); the reference draws its bits from a torch.Generator instead of Philox, so both are
-held to the same properties rather than compared bit for bit."""
+interpreter (conftest); the reference draws its bits from a torch.Generator instead of the kernels' hash,
+so both are held to the same properties rather than compared bit for bit."""
 
 from __future__ import annotations
 
@@ -76,8 +76,8 @@ def test_fresh_bits_for_each_count_and_the_same_for_the_same_seed(how):
 
 @pytest.mark.parametrize("how", list(UPDATES))
 def test_neighbouring_elements_draw_apart(how):
-    """p = 1/2: any two columns of a row (the kernel shares one Philox call among 8 of them, 16 bits each)
-    agree on about half of the 64 rows, as independent draws do."""
+    """p = 1/2: any two columns of a row (neighbouring elements of the kernel's hash) agree on about half
+    of the 64 rows, as independent draws do."""
     draws = _draws(UPDATES[how], 1.0, 2.0**-8, seed=5, count=0)
     for a, b in ((0, 1), (0, 7), (3, 4), (0, 8)):
         assert 0.2 < (draws[:, a] == draws[:, b]).double().mean().item() < 0.8, (a, b)
