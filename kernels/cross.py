@@ -11,7 +11,8 @@ Backward, with g = dL/dx_{l+1} [M, N] and zb = z + b saved by the forward:
     dh   = dz @ U                         [M, r]   cuBLAS
     dU   = dz^T @ h                       [N, r]   cuBLAS
     dV   = dh^T @ x_l                     [r, N]   cuBLAS
-    dx_l = g + dh @ V                     [M, N]   cuBLAS addmm (the + g in its epilogue)
+    dx_l = g + dh @ V                     [M, N]   cuBLAS addmm_ onto the copy of g that the kernel above
+                                                   writes (the + g in its epilogue)
 For the first layer x_l is x0 itself, and its caller adds dx0 and dx_l: autograd for one layer, the
 kernel's own epilogue in a network of layers (``kernels.cross_net``: ADD_G, ACCUMULATE).
 
@@ -235,6 +236,7 @@ def _cross_bwd_kernel(
     dz_ptr,  # [M, N] output dz = g * x0
     dx0_ptr,  # [M, N] output dx0 = g * zb (+ g where ADD_G, + acc where ACCUMULATE)
     acc_ptr,  # [M, N] ACCUMULATE: the x0 gradient of the layers after this one (not read otherwise)
+    copy_ptr,  # [M, N] COPY_G: output, a copy of g (not written otherwise)
     part_ptr,  # [cdiv(M, BLOCK_M), N] fp32 output: sums of fp32 dz over each BLOCK_M rows
     # sizes
     M,
@@ -246,9 +248,11 @@ def _cross_bwd_kernel(
     stride_dz,
     stride_dx0,
     stride_acc,
+    stride_copy,
     # meta-parameters
     ACCUMULATE: tl.constexpr,  # add acc (a cross network's x0 gradient, summed over its layers)
     ADD_G: tl.constexpr,  # and + g: the first layer's x_l is x0 (the dh @ V of that path is the caller's)
+    COPY_G: tl.constexpr,  # write g's copy, on which the caller adds dh @ V in place (x_l's gradient)
     BLOCK_M: tl.constexpr,  # PARTIAL_ROWS: one row of partial sums a program
     BLOCK_N: tl.constexpr,
 ):
@@ -258,7 +262,10 @@ def _cross_bwd_kernel(
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     # In fp32: dz = g * x0, dx0 = g * zb, and dz's column sums. Masked rows and columns load g = 0, so
     # they add 0 to the sums.
-    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+    if COPY_G:
+        tl.store(copy_ptr + rows[:, None] * stride_copy + cols[None, :], g, mask=mask)
+    g = g.to(tl.float32)
     x0 = tl.load(x0_ptr + rows[:, None] * stride_x0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     zb = tl.load(zb_ptr + rows[:, None] * stride_zb + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dz = g * x0
@@ -305,18 +312,26 @@ def launch_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``cross_layer_bwd`` without its input checks."""
     g, x0 = rows_contiguous(g), rows_contiguous(x0)
-    dx0 = launch.empty(x0.shape, x0.dtype, x0.device)
-    dz, db = launch_bwd_epilogue(g, x0, zb, dx0, None, add_g=False)
+    dx0, dxl = (launch.empty(x0.shape, x0.dtype, x0.device) for _ in range(2))
+    dz, db = launch_bwd_epilogue(g, x0, zb, dx0, None, add_g=False, copy=dxl)
     dh = dz @ u
-    return dx0, torch.addmm(g, dh, v), dh.t() @ rows_contiguous(xl), dz.t() @ h, db
+    return dx0, dxl.addmm_(dh, v), dh.t() @ rows_contiguous(xl), dz.t() @ h, db
 
 
 def launch_bwd_epilogue(
-    g: Tensor, x0: Tensor, zb: Tensor, dx0: Tensor, acc: Tensor | None, add_g: bool
+    g: Tensor,
+    x0: Tensor,
+    zb: Tensor,
+    dx0: Tensor,
+    acc: Tensor | None,
+    add_g: bool,
+    copy: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``_cross_bwd_kernel`` on rows-contiguous g, x0 and zb [M, N]: (dz [M, N], db [N]), x0's dtype; writes
     dx0 [M, N] (rows contiguous, not `acc`'s memory): g * zb, + g where `add_g`, + `acc` [M, N] where
-    given."""
+    given; and g into `copy` [M, N] (rows contiguous) where given: x_l's gradient g + dh @ V then takes
+    dh @ V in place (an addmm onto g itself would first copy g, a pass of its own over two [M, N]
+    tensors; here the copy is one more store of values the kernel loads anyway)."""
     m, n = x0.shape
     dz = launch.empty((m, n), x0.dtype, x0.device)
     part = launch.empty((triton.cdiv(m, PARTIAL_ROWS), n), torch.float32, x0.device)
@@ -324,10 +339,11 @@ def launch_bwd_epilogue(
         return dz, torch.zeros(n, dtype=x0.dtype, device=x0.device)
     zb = rows_contiguous(zb)
     _cross_bwd_kernel[(triton.cdiv(m, PARTIAL_ROWS), triton.cdiv(n, _BWD_BLOCK_N))](
-        x0, g, zb, dz, dx0, dx0 if acc is None else acc, part, m, n,
+        x0, g, zb, dz, dx0, dx0 if acc is None else acc, dz if copy is None else copy, part, m, n,
         x0.stride(0), g.stride(0), zb.stride(0), dz.stride(0), dx0.stride(0),
-        dx0.stride(0) if acc is None else acc.stride(0),
-        ACCUMULATE=acc is not None, ADD_G=add_g, BLOCK_M=PARTIAL_ROWS, BLOCK_N=_BWD_BLOCK_N, num_warps=4,
+        dx0.stride(0) if acc is None else acc.stride(0), dz.stride(0) if copy is None else copy.stride(0),
+        ACCUMULATE=acc is not None, ADD_G=add_g, COPY_G=copy is not None, BLOCK_M=PARTIAL_ROWS,
+        BLOCK_N=_BWD_BLOCK_N, num_warps=4,
     )  # fmt: skip
     return dz, sum_partials(part, x0.dtype)
 

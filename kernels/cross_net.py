@@ -103,14 +103,15 @@ def _backward(
         xl = x0 if layer == 0 else inner[layer - 1]
         dx0 = sums[layer % len(sums)]
         g = rows_contiguous(g)
-        dz, db[layer] = launch_bwd_epilogue(g, x0, zb[layer], dx0, acc, add_g=layer == 0)
+        # autograd's g (the last layer's) is never written: the epilogue copies it into a new x_l gradient;
+        # a gradient this loop made takes dh @ V in place.
+        copy = launch.empty(x0.shape, x0.dtype, x0.device) if 0 < layer == layers - 1 else None
+        dz, db[layer] = launch_bwd_epilogue(g, x0, zb[layer], dx0, acc, add_g=layer == 0, copy=copy)
         dh = dz @ u[layer]
         torch.matmul(dh.t(), xl, out=dv[layer])
         torch.matmul(dz.t(), h[layer], out=du[layer])
         if layer > 0:
-            # autograd's g (the last layer's) is never written: addmm copies it into a new x_l gradient;
-            # a gradient this loop made takes dh @ V in place, no [M, N] copy.
-            g = torch.addmm(g, dh, v[layer]) if layer == layers - 1 else g.addmm_(dh, v[layer])
+            g = (g if copy is None else copy).addmm_(dh, v[layer])
         acc = dx0
     return acc.addmm_(dh, v[0]), dv, du, db
 

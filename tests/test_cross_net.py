@@ -52,6 +52,16 @@ def test_forward_and_backward_equal_the_fp32_reference(shape):
     _assert_fp32_close(OUTPUTS, [out, *grads], [ref, *ref_grads])
 
 
+@pytest.mark.parametrize("op", [cross_net, _layer_by_layer], ids=["network", "layers"])
+def test_backward_leaves_the_incoming_gradient_as_it_was(op):
+    """x_l's gradient g + dh @ V is built on the kernel's copy of autograd's g, never on g itself (another
+    consumer of the gradient may hold it), through the network op and through the single-layer op."""
+    *inputs, g = _inputs(37, 45, 7, 3, torch.float32)
+    kept = g.clone()
+    _run(op, inputs, g)
+    assert torch.equal(g, kept)
+
+
 @pytest.mark.usefixtures("poisoned")
 @pytest.mark.parametrize("shape", SHAPES[2:], ids=_ids)
 def test_bf16_equals_the_layers_one_by_one(shape):
