@@ -35,7 +35,8 @@ tables' sparse gradients. Here SGD's dense step calls that fused kernel itself (
 launch for all of a group's tensors, reading lr * scale, a 0-d device tensor, in the kernel), and the sparse
 gradients take their own step. Adagrad's scale enters through `torch._foreach_mul(steps, lr_scale)` (the
 ScalarTensor overload, which reads the tensor in the kernel), its learning rate, a constant of the run, a
-Python number.
+Python number; with `train.use_triton` its large dense tensors take kernels/adagrad.py's one-pass step
+instead (the same operations in the same order).
 """
 
 import hashlib
@@ -45,6 +46,12 @@ import torch.distributed as dist
 
 from dlrm.choices import FUSED_UPDATE_KERNELS
 from dlrm.config import TrainConfig
+from kernels.adagrad import adagrad_step
+
+# The dense Adagrad of kernel "triton" steps a tensor of at least this many elements with our one-pass
+# kernel (kernels/adagrad.py) and the smaller ones with the foreach ops, a few launches for all of them: a
+# Triton launch a tensor costs the host more than a small tensor's passes cost the GPU.
+ADAGRAD_KERNEL_MIN_ELEMENTS = 1 << 20
 
 
 class ScaledLrOptimizer(torch.optim.Optimizer):
@@ -148,6 +155,8 @@ class Adagrad(ScaledLrOptimizer):
         eps: added to sqrt(sum) in the denominator (torch.optim.Adagrad's default 1e-10).
         initial_accumulator_value: the accumulators' start (>= 0).
         weight_decay: L2 penalty of groups that do not set one (>= 0), added to dense gradients.
+        kernel: how the dense step runs: "torch" (foreach ops) or "triton" (tensors of at least
+            ADAGRAD_KERNEL_MIN_ELEMENTS by kernels/adagrad.py, the same update in one pass).
 
     Raises:
         ValueError: lr <= 0, weight_decay < 0, eps < 0 or initial_accumulator_value < 0, a "rowwise" group
@@ -161,8 +170,10 @@ class Adagrad(ScaledLrOptimizer):
         eps: float = 1e-10,
         initial_accumulator_value: float = 0.0,
         weight_decay: float = 0.0,
+        kernel: str = "torch",
     ):
         self._check(lr, weight_decay, "Adagrad")
+        self.kernel = kernel
         if not (eps >= 0 and initial_accumulator_value >= 0):
             got = f"{eps}, {initial_accumulator_value}"
             raise ValueError(f"Adagrad: eps and initial_accumulator_value must be >= 0, got {got}")
@@ -182,6 +193,16 @@ class Adagrad(ScaledLrOptimizer):
                 self._rowwise_step(group, p, torch.arange(p.shape[0], device=p.device), grad)
             return
         sums = [self.state[p]["sum"] for p in params]
+        if self.kernel == "triton":
+            small = []
+            for p, grad, state_sum in zip(params, grads, sums, strict=True):
+                if p.numel() >= ADAGRAD_KERNEL_MIN_ELEMENTS and grad.is_contiguous():
+                    adagrad_step(p, grad, state_sum, group["lr"], self.lr_scale, group["eps"])
+                else:
+                    small.append((p, grad, state_sum))
+            if not small:
+                return
+            params, grads, sums = (list(column) for column in zip(*small, strict=True))
         torch._foreach_addcmul_(sums, grads, grads)
         std = torch._foreach_sqrt(sums)
         torch._foreach_add_(std, group["eps"])
@@ -270,7 +291,8 @@ class RunOptimizer:
         if train.optimizer == "sgd":
             self.dense: ScaledLrOptimizer = SGD(groups, lr=train.lr)
         else:
-            self.dense = Adagrad(groups, lr=train.lr, eps=train.adagrad_eps)
+            kernel = "triton" if train.use_triton else "torch"
+            self.dense = Adagrad(groups, lr=train.lr, eps=train.adagrad_eps, kernel=kernel)
         self.lr_scale = self.dense.lr_scale
         self.scale = 1.0  # the factor the tensors hold
         self.table_sets = model.table_archs()

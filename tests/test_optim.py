@@ -7,8 +7,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dlrm import optim
 from dlrm.data.schema import NUM_SPARSE
 from dlrm.optim import SGD, Adagrad, RunOptimizer
+from kernels.adagrad import adagrad_step
 
 
 class AtenOps(TorchDispatchMode):
@@ -145,6 +147,51 @@ def test_adagrad_reads_lr_scale_without_a_host_read():
     for d0, d25, d1 in zip(deltas[0.0], deltas[0.25], deltas[1.0], strict=True):
         assert torch.equal(d0, torch.zeros_like(d0)) and d1.abs().max() > 0
         torch.testing.assert_close(d25, 0.25 * d1, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_adagrad_triton_kernel_is_the_foreach_step(monkeypatch, weight_decay):
+    """Kernel "triton": the tensors of at least ADAGRAD_KERNEL_MIN_ELEMENTS (lowered here to 30: the
+    [127, 5] one) step in kernels/adagrad.py, the rest by the foreach ops; three steps at lr_scale 0.5 end
+    at the weights and accumulators of kernel "torch" to fp32 rounding (the same operations in the same
+    order, IEEE square root and division; a multiply-add may fuse on one side only), with no device value
+    read on the host."""
+    monkeypatch.setattr(optim, "ADAGRAD_KERNEL_MIN_ELEMENTS", 30)
+    stepped = []
+
+    def counted(p, *args):
+        stepped.append(p.numel())
+        adagrad_step(p, *args)
+
+    monkeypatch.setattr(optim, "adagrad_step", counted)
+    ours, theirs = _params()[0], _params()[0]
+    a = Adagrad([{"params": ours, "weight_decay": weight_decay}], lr=0.1, eps=1e-8, kernel="triton")
+    b = Adagrad([{"params": theirs, "weight_decay": weight_decay}], lr=0.1, eps=1e-8)
+    a.lr_scale.fill_(0.5)
+    b.lr_scale.fill_(0.5)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        with AtenOps() as ops:
+            a.step()
+        assert not ops.host_reads
+        b.step()
+        for x, y in zip(ours, theirs, strict=True):
+            x.grad = torch.randn(x.shape, generator=g)
+            y.grad = x.grad.clone()
+    assert stepped == [635] * 3
+    for x, y in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a.state[x]["sum"], b.state[y]["sum"], rtol=1e-6, atol=0)
+
+
+def test_adagrad_kernel_refuses_mismatched_tensors():
+    p, scale = torch.zeros(4, 3), torch.ones(())
+    with pytest.raises(ValueError, match=r"contiguous fp32 .* got gradient torch.float32 \[3, 4\]"):
+        adagrad_step(p, torch.zeros(3, 4), torch.zeros(4, 3), 0.1, scale, 1e-8)
+    with pytest.raises(ValueError, match=r"got accumulator torch.float64"):
+        adagrad_step(p, torch.zeros(4, 3), torch.zeros(4, 3, dtype=torch.float64), 0.1, scale, 1e-8)
+    with pytest.raises(ValueError, match=r"got scale torch.float32 \[2\]"):
+        adagrad_step(p, torch.zeros(4, 3), torch.zeros(4, 3), 0.1, torch.ones(2), 1e-8)
 
 
 def test_adagrad_bad_arguments():
