@@ -614,9 +614,9 @@ def _next_level(segment: Tensor, segments: int, starts: Tensor | None) -> tuple[
     came_in = (begins > 0) & (segment[(begins - 1).clamp(min=0)] == first)
     goes_on = (ends + 1 < m) & (segment[(ends + 1).clamp(max=m - 1)] == last) & ~(came_in & (first == last))
     if starts is not None:
-        length = starts[1:] - starts[:-1]
-        came_in &= length[first] > SHORT_SEGMENT
-        goes_on &= length[last] > SHORT_SEGMENT
+        # The lengths of the blocks' first and last segments only (every segment's: a pass over [N]).
+        came_in &= starts[first + 1] - starts[first] > SHORT_SEGMENT
+        goes_on &= starts[last + 1] - starts[last] > SHORT_SEGMENT
     flags = torch.stack([came_in, goes_on], dim=1).reshape(-1)
     places = torch.cumsum(flags, dim=0) - 1
     dest = torch.where(flags, places, -1)
