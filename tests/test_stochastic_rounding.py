@@ -89,9 +89,10 @@ def test_exact_values_and_nan_stay_as_they_are():
     weights = torch.randn(16, 8, device=DEVICE).to(torch.bfloat16)
     weights[3, 2], weights[5, 1] = float("nan"), -float("nan")
     before = weights.clone()
-    state, index, lr = optimizer_state(weights, "adagrad"), torch.arange(16, device=DEVICE), torch.ones(())
+    state, index = optimizer_state(weights, "adagrad"), torch.arange(16, device=DEVICE)
+    lr, grad = torch.ones((), device=DEVICE), torch.zeros(16, 8, device=DEVICE)
     for count in range(3):
-        embedding_update(weights, state, index, torch.zeros(16, 8), "adagrad", lr, 1e-10, _rounding(1, count))
+        embedding_update(weights, state, index, grad, "adagrad", lr, 1e-10, _rounding(1, count))
     assert torch.equal(weights.isnan(), before.isnan())
     assert torch.equal(weights[~before.isnan()], before[~before.isnan()])
 
@@ -156,5 +157,6 @@ def test_rounding_must_be_two_int64_on_the_tables_device():
     weights = torch.zeros(4, 2, dtype=torch.bfloat16, device=DEVICE)
     for bad in (torch.zeros(2, device=DEVICE), torch.zeros(3, dtype=torch.int64, device=DEVICE)):
         with pytest.raises(ValueError, match=r"rounding must be a \[2\] int64 tensor \(seed, count\)"):
-            embedding_update(weights, optimizer_state(weights, "sgd"), torch.zeros(1, dtype=torch.int64),
-                             torch.zeros(1, 2), "sgd", torch.ones(()), 0.0, bad)  # fmt: skip
+            embedding_update(weights, optimizer_state(weights, "sgd"), torch.zeros(1, dtype=torch.int64,
+                             device=DEVICE), torch.zeros(1, 2, device=DEVICE), "sgd",
+                             torch.ones((), device=DEVICE), 0.0, bad)  # fmt: skip
