@@ -82,11 +82,12 @@ SUM_PROGRAMS_PER_SM = 8
 # kernel's 0/1 products, through the [N, D] buffer.
 SHORT_SEGMENT = 32
 # Segments a step program takes at a time, its warps, and its persistent programs an SM. The kernel waits on
-# its loads: more programs than fit at once still measured faster (H200, dlrm_dcnv2's bags, 4 segments and
-# 4 warps: 64 programs an SM 9.4 ms a bag step with uniform bags, 6.8 with pareto ones; 4, all resident:
-# 13.2 and 7.5; 8 segments and 8 warps: 9.7 and 6.9).
+# its loads: more programs than fit at once measured faster, and 2 warps faster than 4 (H200, dlrm_dcnv2's
+# uniform bags, 4M-row cap, Adagrad, the bag lookup and update: bf16 tables 7.39 ms with 2 warps, 7.69 with
+# 4, 9.12 with 2 segments, 7.50 with 8; fp32 tables 8.47 and 8.55; 64 programs an SM against 4, all
+# resident, with 4 warps: 9.4 and 13.2 ms with uniform bags, 6.8 and 7.5 with pareto ones).
 STEP_SEGMENTS = 4
-STEP_WARPS = 4
+STEP_WARPS = 2
 STEP_PROGRAMS_PER_SM = 64
 
 
@@ -200,9 +201,9 @@ def _random_bits(seed, count, row, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr)
     """[BLOCK_N, BLOCK_D] uint32, 16 random bits each, for the elements (r, d) of rows `row` [BLOCK_N] int64:
     element e = r * BLOCK_D + d hashed with the key of (seed, count), bits = mix(mix(e_lo ^ k0) ^ e_hi ^ k1)
     >> 16 (`_mix32`; e_lo, e_hi the low and high 32 bits of e; k0, k1 two words of (seed, count), mixed
-    once a program). A hash an element, not a counter-based generator such as Philox4x32-10: its call
-    gives 128 bits that 8 elements share through cross-lane shuffles, and that made the MLPerf bf16 bag
-    update compute-bound (scripts/bench_embedding_bag.py, stochastic rounding against rounding to nearest)."""
+    once a program). A hash an element, not a counter-based generator such as Philox4x32-10, whose call
+    gives 128 bits that 8 elements share through cross-lane shuffles: on an H200 that made the bf16 update
+    of the MLPerf bags markedly slower than rounding to nearest, where these two mixes cost little."""
     seed_lo, seed_hi = (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     count_lo, count_hi = (count & 0xFFFFFFFF).to(tl.uint32), ((count >> 32) & 0xFFFFFFFF).to(tl.uint32)
     k0 = _mix32(seed_lo ^ _mix32(count_lo ^ _mix32(count_hi)))
