@@ -428,7 +428,9 @@ def test_sgd_in_order_sums_without_atomics_and_takes_the_same_step(monkeypatch):
         in_order, optimizer_state(in_order, "sgd"), index, grad, "sgd", _lr(0.1), 1e-10, in_order=True
     )
     assert not torch.equal(in_order, weights)
-    torch.testing.assert_close(in_order, atomic, rtol=1e-6, atol=1e-6)
+    # The atomic adds round the weight at each of a small table's ~200 lookups a row, in whatever order a
+    # GPU's threads come: ~sqrt(200) half-ulps of a weight near 1, a few 1e-6.
+    torch.testing.assert_close(in_order, atomic, rtol=1e-5, atol=1e-5)
 
 
 def test_sgd_at_a_small_batch_spreads_its_rows_and_updates_alike(monkeypatch):
