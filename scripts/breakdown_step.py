@@ -86,19 +86,30 @@ def forward_part(chain: list) -> str | None:
     return None
 
 
-def kernel_parts(prof, steps: int) -> tuple[dict[str, float], dict[tuple[str, str], float], float]:
-    """({part: kernel us per step}, {(part, kernel name): us per step}, all CUDA kernels' us per step) of a
-    profile of launched steps."""
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
-    node_part: dict[int, str] = {}  # forward sequence number -> its part
-    for e in events:
+def node_parts(events) -> dict[int, str]:
+    """{sequence number: part} of the autograd nodes that `events` (CPU events of launched steps) made, by
+    the forward part of the event that made each. Every op the autograd dispatch key sees records the
+    number the next node will take, whether it makes one or not: an op made under no_grad before the
+    forward (the optimizer's, a step's first ops) carries the number of the forward's first node. The op
+    that makes the node takes that number last (the next op reads the next number), so in time order the
+    latest forward event with a number names its node's part."""
+    node_part: dict[int, str] = {}
+    for e in sorted(events, key=lambda e: e.time_range.start):
         if e.sequence_nr < 0:
             continue
         chain = ancestors(e)
         if not any(a.name.startswith(BACKWARD_NODE) for a in chain):
             part = forward_part(chain)
             if part is not None:
-                node_part.setdefault(e.sequence_nr, part)
+                node_part[e.sequence_nr] = part
+    return node_part
+
+
+def kernel_parts(prof, steps: int) -> tuple[dict[str, float], dict[tuple[str, str], float], float]:
+    """({part: kernel us per step}, {(part, kernel name): us per step}, all CUDA kernels' us per step) of a
+    profile of launched steps."""
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    node_part = node_parts(events)
     parts: dict[str, float] = {}
     kernels: dict[tuple[str, str], float] = {}
     for e in events:
