@@ -11,7 +11,7 @@ dlrm.data.bags makes them (heavy repeats of the first rows). For each optimizer:
            of a sample are contiguous in the [B, S] layout: offsets b * S + start_f)
     step   fwd + the update from a given pooled gradient [B, F, D], every touched row once (EXACT):
            ours: the fused backward (kernels.embedding_bag); bf16 weights rounded stochastically, as a
-           run's bf16 tables are (the plain-PyTorch step rounds to nearest, the cheaper)
+           run's bf16 tables are, or to nearest (`--rounding`; the plain-PyTorch step rounds to nearest)
            torch: the strongest capturable plain-PyTorch form, the torch-graphed DCNv2 baseline's
            (scripts/torch_graphed_dcn.py): per-lookup gradients by index_select, torch.sort of the B*S
            rows numbering the distinct rows, their sums by index_add_ into one slot each, each slot's row
@@ -91,7 +91,9 @@ def step_bytes(
     return fwd + lookups * (24 + 4 * d) + distinct * 2 * (width + state)
 
 
-def bench(b: int, d: int, sizes, max_rows: int, optimizer: str, dtype, copy_gbps: float) -> list[dict]:
+def bench(
+    b: int, d: int, sizes, max_rows: int, optimizer: str, dtype, copy_gbps: float, rounding: str
+) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     table_rows = [min(k + 1, max_rows) for k in TERABYTE_CARDINALITIES]
     rows = torch.tensor(table_rows, device="cuda")
@@ -105,8 +107,9 @@ def bench(b: int, d: int, sizes, max_rows: int, optimizer: str, dtype, copy_gbps
     weights = torch.empty(sum(table_rows) + 1, d, device="cuda", dtype=dtype).uniform_(-0.01, 0.01)
     state = optimizer_state(weights, optimizer)
     lr = torch.full((), LR, device="cuda")
-    # bf16 weights round stochastically, as a run's bf16 tables do (dlrm.optim.RunOptimizer.table_rounding).
-    rounding = torch.tensor([1, 0], device="cuda") if dtype == torch.bfloat16 else None
+    # bf16 weights round stochastically by default, as a run's bf16 tables do (RunOptimizer.table_rounding).
+    stochastic = dtype == torch.bfloat16 and rounding == "stochastic"
+    seed_count = torch.tensor([1, 0], device="cuda") if stochastic else None
     features, scales = bag_columns(bag_sizes, "sum", s)
     starts = torch.cumsum(bag_sizes, 0) - bag_sizes
     bag_offsets = (torch.arange(b, device="cuda")[:, None] * s + starts).reshape(-1)
@@ -132,7 +135,7 @@ def bench(b: int, d: int, sizes, max_rows: int, optimizer: str, dtype, copy_gbps
             optimizer,
             lr,
             EPS,
-            rounding=rounding,
+            rounding=seed_count,
         )
         out.backward(grads[i])
 
@@ -163,11 +166,14 @@ def bench(b: int, d: int, sizes, max_rows: int, optimizer: str, dtype, copy_gbps
         return step_bytes(op, lookups, distinct, b * NUM_SPARSE, d, weights.element_size(), optimizer)
 
     out = []
+    updated = dtype == torch.bfloat16  # a bf16 step row names how its update rounds
     for (op, path, timing), ms in times.items():
         base = times.get((op, "torch", "graph")) if timing == "graph" else None
         out.append({
             "op": op, "path": path, "timing": timing, "optimizer": optimizer, "dim": d, "lookups": lookups,
-            "weights": str(dtype).removeprefix("torch."), "ms": round(ms, 4),
+            "weights": str(dtype).removeprefix("torch."),
+            "rounding": "" if op == "fwd" or not updated else rounding if path == "ours" else "nearest",
+            "ms": round(ms, 4),
             "ratio_vs_torch_graph": round(base / ms, 2) if base else "",
             "pct_copy_bw": round(100 * moved(op) / ms / 1e6 / copy_gbps, 1) if path == "ours" else "",
         })  # fmt: skip
@@ -185,7 +191,11 @@ def bench(b: int, d: int, sizes, max_rows: int, optimizer: str, dtype, copy_gbps
     help="Fused optimizers to time (adagrad: + R x D fp32 state).",
 )
 @click.option("--weights", "weights_dtype", type=click.Choice(["bf16", "fp32"]), default="bf16")
-def main(batch, dim, sizes, max_rows, optimizers, weights_dtype):
+@click.option(
+    "--rounding", type=click.Choice(["stochastic", "nearest"]), default="stochastic",
+    help="How our update rounds bf16 weights (the plain-PyTorch step rounds to nearest).",
+)  # fmt: skip
+def main(batch, dim, sizes, max_rows, optimizers, weights_dtype, rounding):
     """Time the bag kernel against capturable plain PyTorch; rows go to scripts/results/embedding_bag.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_embedding_bag.py needs a CUDA GPU")
@@ -196,7 +206,7 @@ def main(batch, dim, sizes, max_rows, optimizers, weights_dtype):
     print(f"{gpu}: copy {copy_gbps:.0f} GB/s, B={batch}, D={dim}, S={sum(sizes)}, rows cap {max_rows:,}")
     rows = []
     for optimizer in optimizers.split(","):
-        rows += bench(batch, dim, sizes, max_rows, optimizer, dtype, copy_gbps)
+        rows += bench(batch, dim, sizes, max_rows, optimizer, dtype, copy_gbps, rounding)
         torch.cuda.empty_cache()
     common = provenance(gpu)
     for r in rows:
