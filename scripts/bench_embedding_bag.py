@@ -108,8 +108,8 @@ def bench(
     state = optimizer_state(weights, optimizer)
     lr = torch.full((), LR, device="cuda")
     # bf16 weights round stochastically by default, as a run's bf16 tables do (RunOptimizer.table_rounding).
-    stochastic = dtype == torch.bfloat16 and rounding == "stochastic"
-    seed_count = torch.tensor([1, 0], device="cuda") if stochastic else None
+    bf16 = dtype == torch.bfloat16
+    seed_count = torch.tensor([1, 0], device="cuda") if bf16 and rounding == "stochastic" else None
     features, scales = bag_columns(bag_sizes, "sum", s)
     starts = torch.cumsum(bag_sizes, 0) - bag_sizes
     bag_offsets = (torch.arange(b, device="cuda")[:, None] * s + starts).reshape(-1)
@@ -166,13 +166,12 @@ def bench(
         return step_bytes(op, lookups, distinct, b * NUM_SPARSE, d, weights.element_size(), optimizer)
 
     out = []
-    updated = dtype == torch.bfloat16  # a bf16 step row names how its update rounds
     for (op, path, timing), ms in times.items():
         base = times.get((op, "torch", "graph")) if timing == "graph" else None
         out.append({
             "op": op, "path": path, "timing": timing, "optimizer": optimizer, "dim": d, "lookups": lookups,
             "weights": str(dtype).removeprefix("torch."),
-            "rounding": "" if op == "fwd" or not updated else rounding if path == "ours" else "nearest",
+            "rounding": "" if op == "fwd" or not bf16 else rounding if path == "ours" else "nearest",
             "ms": round(ms, 4),
             "ratio_vs_torch_graph": round(base / ms, 2) if base else "",
             "pct_copy_bw": round(100 * moved(op) / ms / 1e6 / copy_gbps, 1) if path == "ours" else "",
