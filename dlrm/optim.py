@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from dlrm.choices import FUSED_UPDATE_KERNELS
 from dlrm.config import TrainConfig
-from kernels.adagrad import adagrad_step
+from kernels.adagrad import adagrad_step, adagrad_step_takes
 
 # The dense Adagrad of kernel "triton" steps a tensor of at least this many elements with our one-pass
 # kernel (kernels/adagrad.py) and the smaller ones with the foreach ops, a few launches for all of them: a
@@ -159,8 +159,9 @@ class Adagrad(ScaledLrOptimizer):
             ADAGRAD_KERNEL_MIN_ELEMENTS by kernels/adagrad.py, the same update in one pass).
 
     Raises:
-        ValueError: lr <= 0, weight_decay < 0, eps < 0 or initial_accumulator_value < 0, a "rowwise" group
-            with a parameter that is not 2-D, or parameters on more than one device.
+        ValueError: lr <= 0, weight_decay < 0, eps < 0 or initial_accumulator_value < 0, a kernel other
+            than "torch" or "triton", a "rowwise" group with a parameter that is not 2-D, or parameters on
+            more than one device.
     """
 
     def __init__(
@@ -173,6 +174,8 @@ class Adagrad(ScaledLrOptimizer):
         kernel: str = "torch",
     ):
         self._check(lr, weight_decay, "Adagrad")
+        if kernel not in ("torch", "triton"):
+            raise ValueError(f'Adagrad: kernel must be "torch" or "triton", got {kernel!r}')
         self.kernel = kernel
         if not (eps >= 0 and initial_accumulator_value >= 0):
             got = f"{eps}, {initial_accumulator_value}"
@@ -196,7 +199,7 @@ class Adagrad(ScaledLrOptimizer):
         if self.kernel == "triton":
             small = []
             for p, grad, state_sum in zip(params, grads, sums, strict=True):
-                if p.numel() >= ADAGRAD_KERNEL_MIN_ELEMENTS and grad.is_contiguous():
+                if p.numel() >= ADAGRAD_KERNEL_MIN_ELEMENTS and adagrad_step_takes(p, grad, state_sum):
                     adagrad_step(p, grad, state_sum, group["lr"], self.lr_scale, group["eps"])
                 else:
                     small.append((p, grad, state_sum))

@@ -49,13 +49,22 @@ def _adagrad_kernel(
     tl.store(p_ptr + i, p - lr * step, mask=mask)
 
 
-def _check(p: Tensor, g: Tensor, s: Tensor, scale: Tensor) -> None:
+def _bad_tensors(p: Tensor, g: Tensor, s: Tensor) -> list[str]:
     tensors = {"parameter": p, "gradient": g, "accumulator": s}
-    bad = [
+    return [
         f"{name} {t.dtype} {list(t.shape)} on {t.device}"
         for name, t in tensors.items()
         if t.dtype != torch.float32 or t.shape != p.shape or t.device != p.device or not t.is_contiguous()
     ]
+
+
+def adagrad_step_takes(p: Tensor, g: Tensor, s: Tensor) -> bool:
+    """Whether adagrad_step takes these tensors: p, g and s contiguous fp32 of one shape and device."""
+    return not _bad_tensors(p, g, s)
+
+
+def _check(p: Tensor, g: Tensor, s: Tensor, scale: Tensor) -> None:
+    bad = _bad_tensors(p, g, s)
     if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != p.device:
         bad.append(f"scale {scale.dtype} {list(scale.shape)} on {scale.device}")
     if bad:

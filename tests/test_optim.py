@@ -194,9 +194,31 @@ def test_adagrad_kernel_refuses_mismatched_tensors():
         adagrad_step(p, torch.zeros(4, 3), torch.zeros(4, 3), 0.1, torch.ones(2), 1e-8)
 
 
+def test_adagrad_triton_kernel_leaves_what_it_cannot_take_to_the_foreach_step(monkeypatch):
+    """A tensor above the size floor that the kernel cannot take (a transposed view as the parameter, its
+    gradient and accumulator contiguous) steps by the foreach ops, as kernel "torch" would."""
+    monkeypatch.setattr(optim, "ADAGRAD_KERNEL_MIN_ELEMENTS", 1)
+    stepped = []
+    monkeypatch.setattr(optim, "adagrad_step", lambda p, *args: stepped.append(p.numel()))
+    base = torch.randn(5, 7)
+    ours = base.clone().t().requires_grad_()
+    theirs = base.clone().t().requires_grad_()
+    a = Adagrad([ours], lr=0.1, kernel="triton")
+    b = Adagrad([theirs], lr=0.1)
+    ours.grad = torch.randn(7, 5)
+    assert not ours.is_contiguous() and ours.grad.is_contiguous()
+    theirs.grad = ours.grad.clone()
+    a.step()
+    b.step()
+    assert stepped == []
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
 def test_adagrad_bad_arguments():
     with pytest.raises(ValueError, match="lr must be > 0"):
         Adagrad([torch.zeros(1, requires_grad=True)], lr=0.0)
+    with pytest.raises(ValueError, match='kernel must be "torch" or "triton", got \'cuda\''):
+        Adagrad([torch.zeros(1, requires_grad=True)], lr=0.1, kernel="cuda")
     with pytest.raises(ValueError, match="initial_accumulator_value must be >= 0"):
         Adagrad([torch.zeros(1, requires_grad=True)], lr=0.1, initial_accumulator_value=-1.0)
 
