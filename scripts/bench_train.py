@@ -30,7 +30,8 @@ apart). Every build starts from fresh dynamo state and every step runs under its
 caller's restored after it), so a row's flags and compiled code do not depend on what ran before it
 (`build`). After warm-up (the first step, with compilation and autotuning, is timed apart) it times
 `--steps` steps with CUDA events and reports ms/step, samples/s, peak GPU memory and the ratio to the eager
-backend of the same invocation; rows go to scripts/results/train.csv. CUDA only: main() refuses to start
+backend of the same invocation; rows go to scripts/results/train.csv at the end, and a Ctrl-C or SIGTERM
+(`timeout`) writes the rows measured before it. CUDA only: main() refuses to start
 without a GPU, and everything below it (random_batches, build, bench) allocates on the current CUDA device.
 
 Many GPUs (weak scaling: `--batches` is the batch per GPU, the global batch is N times it):
@@ -49,6 +50,7 @@ import functools
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -394,6 +396,7 @@ def main(
     if not torch.cuda.is_available():
         raise click.UsageError("bench_train.py needs a CUDA GPU")
     counts = [int(n) for n in nproc.split(",")]
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `timeout`'s SIGTERM keeps rows as Ctrl-C does
     if unknown := set(shardings.split(",")) - set(SHARDINGS):
         raise click.UsageError(f"--shardings: unknown {sorted(unknown)}; expected some of {list(SHARDINGS)}")
     if counts != [1] and "WORLD_SIZE" not in os.environ:
@@ -446,7 +449,7 @@ def main(
                         f"first step {r['first_step_s']:.1f} s",
                         flush=True,
                     )
-    except KeyboardInterrupt:  # e.g. `timeout -s INT`: the rows measured before it are whole: keep them
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (`timeout`): the rows measured before it are whole
         if dist.is_main:
             print(f"interrupted: writing the {len(rows)} rows measured before it", flush=True)
             _write_rows(rows)
