@@ -29,20 +29,20 @@ evaluation would add a save).
    its losses differ from the whole run's; "streaming" resumes on N ranks only, one line otherwise).
 3. resume: an uninterrupted run "whole" of `--steps` + `--resume-steps` steps (train.checkpoint_policy
    "last_only"), and the save run's last checkpoint resumed for `--resume-steps` steps on N ranks
-   ("resumed-N") and, resharded, in one process on one GPU ("resumed-1"). Rows per resumed run: the largest
-   absolute difference of the weights (every model tensor of the final checkpoints, read tensor by tensor)
-   and of the per-step losses (TensorBoard's train/loss) from the whole run's, against 0 (bit-exact); on N
-   ranks also how many of DCP's data files have the whole run's sha256. On N > 1 ranks, "resharded-1" loads
-   the save run's checkpoint into one process and saves it there with no step between: its model tensors
-   against the checkpoint's, bit for bit (a resumed one-process run's steps sum in another order than N
-   ranks', so only the load can be exact). With `--repeat-whole`, a second
-   uninterrupted run "whole-again" (as many steps and GPU-seconds again; after the resumes, so that
-   `--deadline-s` cuts it first) is compared with "whole" the same way: the run-to-run noise of the
-   runs' kernels, against which a resumed run's difference reads (0 where every kernel sums in a fixed
-   order; a kernel of atomic adds makes two runs differ by ulps from the first step on, and training
-   compounds them: a resumed run cannot be closer to "whole" than that). The whole
-   runs launch the save run's kernels (`--kernel-choices` its last checkpoint), as a resume does: GEMMs
-   tuned by timing choose apart run to run on a busy GPU, and two choices sum in different orders.
+   ("resumed-N") and, resharded, in one process on one GPU ("resumed-1", after "resharded-1" below, so that
+   `--deadline-s` cuts it first: only a resharded load can be bit-exact). Rows per resumed run: the largest
+   absolute difference of the weights (every model tensor of the final checkpoints, read tensor by tensor) and
+   of the per-step losses (TensorBoard's train/loss) from the whole run's, against 0 (bit-exact); on N ranks
+   also how many of DCP's data files have the whole run's sha256. On N > 1 ranks, "resharded-1" loads the save
+   run's checkpoint into one process and saves it there with no step between: its model tensors against the
+   checkpoint's, bit for bit (a resumed one-process run's steps sum in another order than N ranks', so only
+   the load can be exact). With `--repeat-whole`, a second uninterrupted run "whole-again" (as many steps and
+   GPU-seconds again; after the resumes, so that `--deadline-s` cuts it first) is compared with "whole" the
+   same way: the run-to-run noise of the runs' kernels, against which a resumed run's difference reads (0
+   where every kernel sums in a fixed order; a kernel of atomic adds makes two runs differ by ulps from the
+   first step on, and training compounds them: a resumed run cannot be closer to "whole" than that). The whole
+   runs launch the save run's kernels (`--kernel-choices` its last checkpoint), as a resume does: GEMMs tuned
+   by timing choose apart run to run on a busy GPU, and two choices sum in different orders.
 
 The checkpoints the runs keep at once (the save run's 3 by its preflight, then the save run's last, the whole
 run's last and a resumed run's 2, or whole-again's 2) must fit on `--work`'s disk: `--max-rows` is lowered
@@ -703,6 +703,8 @@ def resume(bench: Bench, config: Path, start: Path, stop: int, more: int) -> Non
     reference = whole_dir / "checkpoints" / ("last" if bench.nproc > 1 else "last.pt")
     expected = losses(whole_dir)
     for nproc in sorted({bench.nproc, 1}, reverse=True):
+        if nproc != bench.nproc:  # the load's bit-exact row (a target) before the steps' (never exact)
+            reshard(bench, config, start, stop)
         name = f"resumed-{nproc}"
         run_dir = bench.work / name
         args = ["--config", config, "--output-dir", run_dir, "--resume", start, "--max-steps", end]
@@ -747,8 +749,6 @@ def resume(bench: Bench, config: Path, start: Path, stop: int, more: int) -> Non
         )
         _against_whole_rows(bench, "resume", worst, diffs, more, note, loss_note, nproc=nproc)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # (disk for the next one)
-    if bench.nproc > 1:
-        reshard(bench, config, start, stop)
     # Last: the resumes are what the targets ask for, the second uninterrupted run the noise they read
     # against, so --deadline-s cuts it first.
     if bench.repeat_whole:
