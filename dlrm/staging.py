@@ -3,6 +3,7 @@ background (`PendingSave`) from a snapshot of the state on its own device (`snap
 Used by dlrm.checkpoint (one process's .pt) and dlrm.parallel.checkpoint (DCP's sharded directories)."""
 
 import copy
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -14,6 +15,7 @@ from loguru import logger
 
 CHUNK_BYTES = 256 * 2**20  # host memory a save stages at a time (one buffer of a device storage's bytes)
 SNAPSHOT_MARGIN = 0.1  # of the device's memory left free after a background save's snapshot (at least 2 GiB)
+SAVE_SWITCH_INTERVAL_S = 1e-4  # Python's thread switch interval while a background save writes (PendingSave)
 
 
 # Held by a background save while it writes and by each CUDA graph capture (dlrm.graphs): page-locked
@@ -37,12 +39,22 @@ class PendingSave:
     ended (the loop asks after every step), or in `wait()`. Not for a run that compiles: Dynamo guards on
     the thread count, so a change recompiles every compiled region.
 
+    While it writes, Python's thread switch interval is SAVE_SWITCH_INTERVAL_S (sys.setswitchinterval; 5 ms
+    by default), the caller's set back once the writing ends: the writing's Python-bound parts (DCP's
+    planning, pickling) keep the GIL until another thread has waited a whole interval, and the training
+    thread takes the GIL back after each torch call and each wait for the GPU, a few times a step. On this
+    project's 2-core CPU machine, a step of 10 small torch ops between 1.5 ms waits beside a pure-Python
+    thread: 15.7x slower than alone at 5 ms, 3.8x at 1 ms, 1.28x at 0.1 ms, the Python thread's own
+    throughput 3% lower at 0.1 ms than at 5 ms.
+
     The writing holds CAPTURE_LOCK: a CUDA graph capture (dlrm.graphs) waits for it to end."""
 
     def __init__(self, write: Callable[[], None], announce: str):
         self.announce, self.error, self.started = announce, None, time.perf_counter()
         self.thread = threading.Thread(target=self._run, args=(write,), name="dlrm-save")
         self.threads: int | None = None  # the calling thread's intra-op threads while a core is yielded
+        self.switch_interval = sys.getswitchinterval()  # set back when the writing ends
+        sys.setswitchinterval(SAVE_SWITCH_INTERVAL_S)
         self.thread.start()
 
     def _run(self, write: Callable[[], None]) -> None:
@@ -54,6 +66,8 @@ class PendingSave:
         else:
             took = time.perf_counter() - self.started
             logger.info("{} (written in the background in {:.1f} s)", self.announce, took)
+        finally:
+            sys.setswitchinterval(self.switch_interval)
 
     def yield_core(self) -> None:
         """Run the calling thread's intra-op pool with one thread fewer until `settle()` or `wait()` gives it

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 
@@ -305,6 +306,38 @@ def test_a_save_takes_one_intra_op_thread_while_it_writes_and_gives_it_back():
             release.clear()
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_save_shortens_the_thread_switch_interval_while_it_writes():
+    """While a background save writes, Python's switch interval is SAVE_SWITCH_INTERVAL_S (a training thread
+    takes the GIL back within it); the caller's interval is set back once the writing ends, also when it
+    failed."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.003)
+    release, seen = threading.Event(), []
+
+    def write():
+        seen.append(sys.getswitchinterval())
+        release.wait(20)
+
+    def failing():
+        write()
+        raise OSError("disk")
+
+    try:
+        for fn in (write, failing):
+            pending = staging.PendingSave(fn, "x")
+            assert sys.getswitchinterval() == pytest.approx(staging.SAVE_SWITCH_INTERVAL_S)
+            release.set()
+            pending.thread.join()
+            assert sys.getswitchinterval() == pytest.approx(0.003)
+            if fn is failing:
+                with pytest.raises(OSError, match="disk"):
+                    pending.wait()
+            release.clear()
+        assert seen == [pytest.approx(staging.SAVE_SWITCH_INTERVAL_S)] * 2
+    finally:
+        sys.setswitchinterval(before)
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO], ids=["full", "io-error"])
