@@ -37,7 +37,9 @@ Counts (glossary letters; a = bytes of an activation: 2 under bf16, else 4; w = 
     optimizer         bytes P*4*5 for adagrad (weights, gradient, state read; weights, state written),
                       P*4*3 for sgd
 A part's measured time is its kernels' GPU time per step; parts on the side stream (the embedding) overlap
-others, so the parts can add up to more than the step. The table goes to
+others, so the parts can add up to more than the step. Under the table, the slowest parts' kernels, each
+with its launches a step and the operation that launched it (an aten op, or the range or Python op that
+called a Triton kernel), until they make up KERNEL_SHARE of the part's time. The table goes to
 scripts/results/breakdown_<config>_<precision>_<B>[_zipf][_bf16tables].txt and one row per part to
 scripts/results/breakdown.csv.
 Needs a CUDA GPU, one process.
@@ -63,7 +65,12 @@ RESULTS = Path(__file__).parent / "results"
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 FORWARD_PARTS = ("embedding", "bottom_mlp", "interaction", "top_mlp", "first_order", "loss")
 BACKWARD_NODE = "autograd::engine::evaluate_function"
-TOP_PARTS, TOP_KERNELS = 5, 6  # the slowest parts' kernels listed under the table
+TOP_PARTS = 5  # the slowest parts' kernels listed under the table: those that make up KERNEL_SHARE of the
+KERNEL_SHARE, MOST_KERNELS = 0.95, 16  # part's time, at most MOST_KERNELS, the rest summed on one line
+RUNTIME_PREFIXES = ("cuda", "cu")  # the CUDA runtime/driver calls a profile shows launching a kernel
+Kernels = dict[
+    tuple[str, str, str], list[float]
+]  # (part, launching op, kernel name) -> [us, launches] a step
 
 
 def ancestors(event) -> list:
@@ -105,13 +112,20 @@ def node_parts(events) -> dict[int, str]:
     return node_part
 
 
-def kernel_parts(prof, steps: int) -> tuple[dict[str, float], dict[tuple[str, str], float], float]:
-    """({part: kernel us per step}, {(part, kernel name): us per step}, all CUDA kernels' us per step) of a
-    profile of launched steps."""
+def launching_op(chain: list) -> str:
+    """The operation that launched a kernel: the innermost event of `chain` (the event holding the kernel
+    and its ancestors, innermost first) that is not a CUDA runtime or driver call (a Triton kernel is
+    launched by cuLaunchKernel under the range or op that called it)."""
+    return next((e.name for e in chain if not e.name.startswith(RUNTIME_PREFIXES)), chain[0].name)
+
+
+def kernel_parts(prof, steps: int) -> tuple[dict[str, float], Kernels, float]:
+    """({part: kernel us per step}, {(part, launching op, kernel name): [us, launches] per step}, all CUDA
+    kernels' us per step) of a profile of launched steps."""
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     node_part = node_parts(events)
     parts: dict[str, float] = {}
-    kernels: dict[tuple[str, str], float] = {}
+    kernels: Kernels = {}
     for e in events:
         if not e.kernels:
             continue
@@ -129,8 +143,11 @@ def kernel_parts(prof, steps: int) -> tuple[dict[str, float], dict[tuple[str, st
             owner = forward_part(chain)
             part = "other" if owner is None else owner if owner == "optimizer" else f"{owner} fwd"
         parts[part] = parts.get(part, 0.0) + sum(k.duration for k in e.kernels) / steps
+        op = launching_op([e, *chain])
         for k in e.kernels:
-            kernels[part, k.name] = kernels.get((part, k.name), 0.0) + k.duration / steps
+            entry = kernels.setdefault((part, op, k.name), [0.0, 0.0])
+            entry[0] += k.duration / steps
+            entry[1] += 1 / steps
     total = sum(
         e.time_range.elapsed_us() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
     )
@@ -210,7 +227,26 @@ def part_counts(
     return counts
 
 
-def profile_parts(built, steps: int) -> tuple[dict[str, float], dict[tuple[str, str], float], float]:
+def part_kernels(kernels: Kernels, part: str) -> tuple[list[tuple[float, float, str, str]], int, float]:
+    """(listed, rest, rest_us) of `part`: its kernels (us, launches, op, name) a step, slowest first, until
+    they make up KERNEL_SHARE of the part's time or MOST_KERNELS are listed; how many are left and their
+    us."""
+    mine = sorted(
+        ((us, calls, op, name) for (p, op, name), (us, calls) in kernels.items() if p == part), reverse=True
+    )
+    total, listed, covered = sum(k[0] for k in mine), [], 0.0
+    for kernel in mine:
+        if covered >= KERNEL_SHARE * total or len(listed) == MOST_KERNELS:
+            break
+        listed.append(kernel)
+        covered += kernel[0]
+    rest = mine[len(listed) :]
+    return listed, len(rest), sum(k[0] for k in rest)
+
+
+def profile_parts(
+    built, steps: int
+) -> tuple[dict[str, float], dict[tuple[str, str, str], list[float]], float]:
     """kernel_parts of `steps` launched steps of `built` (bench_train.build), after its warm-up."""
     model, optimizer, step, pool, _ = built
     for i in range(2 * POOL):
@@ -295,10 +331,18 @@ def main(
             "step_ms": step["ms_per_step"], "step_backend": graph_backend,
             "copy_gbps": round(ceilings["copy_gbps"]), "gemm_tflops": round(peak),
         })  # fmt: skip
-    lines.append(f"# the kernels of the {TOP_PARTS} slowest parts, us/step")
+    lines.append(
+        f"# the kernels of the {TOP_PARTS} slowest parts (those that make up {KERNEL_SHARE:.0%} of a part's "
+        f"time, at most {MOST_KERNELS}): us/step, launches/step, the op that launched it, the kernel"
+    )
     for part in sorted(parts, key=lambda p: -parts[p])[:TOP_PARTS]:
-        mine = sorted(((us, name) for (p, name), us in kernels.items() if p == part), reverse=True)
-        lines += [f"{part:<24}{us:>10.1f}  {name[:90]}" for us, name in mine[:TOP_KERNELS]]
+        listed, rest, rest_us = part_kernels(kernels, part)
+        lines += [
+            f"{part:<24}{us:>10.1f}{calls:>6.0f}  {op[:40]:<40}  {name[:80]}"
+            for us, calls, op, name in listed
+        ]
+        if rest:
+            lines.append(f"{part:<24}{rest_us:>10.1f}{'':>6}  ({rest} more kernels)")
     text = "\n".join(lines) + "\n"
     print(text)
     suffix = ("_zipf" if ids == "zipf" else "") + ("_bf16tables" if table_dtype == "bf16" else "")

@@ -31,3 +31,34 @@ def test_a_node_goes_to_the_part_of_the_op_that_made_it():
     assert len(nodes) == 3
     assert sorted(parts[seq] for seq in nodes) == ["embedding", "top_mlp", "top_mlp"]
     assert parts[min(nodes)] == "embedding"
+
+
+def test_a_part_lists_its_kernels_until_they_make_up_its_share_and_sums_the_rest(monkeypatch):
+    monkeypatch.setattr(breakdown, "KERNEL_SHARE", 0.9)
+    monkeypatch.setattr(breakdown, "MOST_KERNELS", 3)
+    kernels = {
+        ("embedding bwd", "aten::sort", "radix"): [50.0, 2.0],
+        ("embedding bwd", "embedding_bag_update", "_step"): [30.0, 1.0],
+        ("embedding bwd", "aten::cumsum", "scan"): [12.0, 1.0],
+        ("embedding bwd", "aten::ne", "ne"): [5.0, 1.0],
+        ("embedding bwd", "aten::zeros", "fill"): [3.0, 1.0],
+        ("top_mlp bwd", "aten::mm", "gemm"): [99.0, 1.0],
+    }
+    listed, rest, rest_us = breakdown.part_kernels(kernels, "embedding bwd")
+    # 50 + 30 = 80 < 90% of 100, with 12 more: 92 >= 90, so three are listed and two summed.
+    assert listed == [(50.0, 2.0, "aten::sort", "radix"), (30.0, 1.0, "embedding_bag_update", "_step"),
+                      (12.0, 1.0, "aten::cumsum", "scan")]  # fmt: skip
+    assert (rest, rest_us) == (2, 8.0)
+    monkeypatch.setattr(breakdown, "MOST_KERNELS", 2)
+    listed, rest, rest_us = breakdown.part_kernels(kernels, "embedding bwd")
+    assert len(listed) == 2 and (rest, rest_us) == (3, 20.0)
+
+
+def test_a_kernel_goes_to_the_innermost_op_that_is_not_a_runtime_call():
+    def event(name):
+        return type("Event", (), {"name": name})()
+
+    chain = [event("cuLaunchKernelEx"), event("embedding_bag_update"), event("autograd::engine::x")]
+    assert breakdown.launching_op(chain) == "embedding_bag_update"
+    assert breakdown.launching_op([event("aten::cumsum"), event("top_mlp")]) == "aten::cumsum"
+    assert breakdown.launching_op([event("cudaLaunchKernel")]) == "cudaLaunchKernel"
