@@ -68,9 +68,8 @@ BACKWARD_NODE = "autograd::engine::evaluate_function"
 TOP_PARTS = 5  # the slowest parts' kernels listed under the table: those that make up KERNEL_SHARE of the
 KERNEL_SHARE, MOST_KERNELS = 0.95, 16  # part's time, at most MOST_KERNELS, the rest summed on one line
 RUNTIME_PREFIXES = ("cuda", "cu")  # the CUDA runtime/driver calls a profile shows launching a kernel
-Kernels = dict[
-    tuple[str, str, str], list[float]
-]  # (part, launching op, kernel name) -> [us, launches] a step
+# (part, launching op, kernel name) -> [us, launches] a step
+Kernels = dict[tuple[str, str, str], list[float]]
 
 
 def ancestors(event) -> list:
@@ -143,7 +142,7 @@ def kernel_parts(prof, steps: int) -> tuple[dict[str, float], Kernels, float]:
             owner = forward_part(chain)
             part = "other" if owner is None else owner if owner == "optimizer" else f"{owner} fwd"
         parts[part] = parts.get(part, 0.0) + sum(k.duration for k in e.kernels) / steps
-        op = launching_op([e, *chain])
+        op = launching_op(chain)
         for k in e.kernels:
             entry = kernels.setdefault((part, op, k.name), [0.0, 0.0])
             entry[0] += k.duration / steps
