@@ -25,6 +25,30 @@ SAVE_SWITCH_INTERVAL_S = 1e-4  # Python's thread switch interval while a backgro
 CAPTURE_LOCK = threading.Lock()
 
 
+class _SwitchInterval:
+    """Python's switch interval at SAVE_SWITCH_INTERVAL_S while any background save writes (saves of
+    several runs of one process can overlap), the interval before the first set back when the last ends."""
+
+    def __init__(self):
+        self.lock, self.writing, self.before = threading.Lock(), 0, None
+
+    def writing_starts(self) -> None:
+        with self.lock:
+            if self.writing == 0:
+                self.before = sys.getswitchinterval()
+                sys.setswitchinterval(SAVE_SWITCH_INTERVAL_S)
+            self.writing += 1
+
+    def writing_ends(self) -> None:
+        with self.lock:
+            self.writing -= 1
+            if self.writing == 0:
+                sys.setswitchinterval(self.before)
+
+
+_switch_interval = _SwitchInterval()
+
+
 class PendingSave:
     """A checkpoint written by a background thread, `write`; once written it logs `announce` (e.g. "step
     400: checkpoint RUN/checkpoints/last.pt") and the time it took. `wait()` returns once it is written and
@@ -40,12 +64,12 @@ class PendingSave:
     the thread count, so a change recompiles every compiled region.
 
     While it writes, Python's thread switch interval is SAVE_SWITCH_INTERVAL_S (sys.setswitchinterval; 5 ms
-    by default), the caller's set back once the writing ends: the writing's Python-bound parts (DCP's
-    planning, pickling) keep the GIL until another thread has waited a whole interval, and the training
-    thread takes the GIL back after each torch call and each wait for the GPU, a few times a step. On this
-    project's 2-core CPU machine, a step of 10 small torch ops between 1.5 ms waits beside a pure-Python
-    thread: 15.7x slower than alone at 5 ms, 3.8x at 1 ms, 1.28x at 0.1 ms, the Python thread's own
-    throughput 3% lower at 0.1 ms than at 5 ms.
+    by default), the process's own set back once no save writes (`_SwitchInterval`): the writing's
+    Python-bound parts (DCP's planning, pickling) keep the GIL until another thread has waited a whole
+    interval, and the training thread takes the GIL back after each torch call and each wait for the GPU, a
+    few times a step. On this project's 2-core CPU machine, a step of 10 small torch ops between 1.5 ms
+    waits beside a pure-Python thread: 15.7x slower than alone at 5 ms, 3.8x at 1 ms, 1.28x at 0.1 ms, the
+    Python thread's own throughput 3% lower at 0.1 ms than at 5 ms.
 
     The writing holds CAPTURE_LOCK: a CUDA graph capture (dlrm.graphs) waits for it to end."""
 
@@ -53,8 +77,7 @@ class PendingSave:
         self.announce, self.error, self.started = announce, None, time.perf_counter()
         self.thread = threading.Thread(target=self._run, args=(write,), name="dlrm-save")
         self.threads: int | None = None  # the calling thread's intra-op threads while a core is yielded
-        self.switch_interval = sys.getswitchinterval()  # set back when the writing ends
-        sys.setswitchinterval(SAVE_SWITCH_INTERVAL_S)
+        _switch_interval.writing_starts()
         self.thread.start()
 
     def _run(self, write: Callable[[], None]) -> None:
@@ -67,7 +90,7 @@ class PendingSave:
             took = time.perf_counter() - self.started
             logger.info("{} (written in the background in {:.1f} s)", self.announce, took)
         finally:
-            sys.setswitchinterval(self.switch_interval)
+            _switch_interval.writing_ends()
 
     def yield_core(self) -> None:
         """Run the calling thread's intra-op pool with one thread fewer until `settle()` or `wait()` gives it

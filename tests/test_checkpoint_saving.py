@@ -310,8 +310,8 @@ def test_a_save_takes_one_intra_op_thread_while_it_writes_and_gives_it_back():
 
 def test_a_save_shortens_the_thread_switch_interval_while_it_writes():
     """While a background save writes, Python's switch interval is SAVE_SWITCH_INTERVAL_S (a training thread
-    takes the GIL back within it); the caller's interval is set back once the writing ends, also when it
-    failed."""
+    takes the GIL back within it); the process's interval is set back once the writing ends, also when it
+    failed, and only when the last of two overlapping saves ends."""
     before = sys.getswitchinterval()
     sys.setswitchinterval(0.003)
     release, seen = threading.Event(), []
@@ -336,6 +336,15 @@ def test_a_save_shortens_the_thread_switch_interval_while_it_writes():
                     pending.wait()
             release.clear()
         assert seen == [pytest.approx(staging.SAVE_SWITCH_INTERVAL_S)] * 2
+        first_release, second_release = threading.Event(), threading.Event()
+        first = staging.PendingSave(lambda: first_release.wait(20), "first")
+        second = staging.PendingSave(lambda: second_release.wait(20), "second")
+        first_release.set()
+        first.wait()
+        assert sys.getswitchinterval() == pytest.approx(staging.SAVE_SWITCH_INTERVAL_S)
+        second_release.set()
+        second.wait()
+        assert sys.getswitchinterval() == pytest.approx(0.003)
     finally:
         sys.setswitchinterval(before)
 
