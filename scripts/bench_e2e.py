@@ -1,7 +1,8 @@
 """End-to-end training throughput per loader, data included, against the bare step of the same config.
 
     python scripts/bench_e2e.py --config kaggle --rows 16000000 --batch 65536 --precision bf16 \
-        [--loaders gpu_resident,memory,streaming,binary] [--graphs on,off] [--steps 200] [--data DIR]
+        [--loaders gpu_resident,memory,streaming,binary] [--graphs on,off] [--steps 200] [--data DIR] \
+        [--nproc 1,2]
 
 Generates `--rows` synthetic rows (python -m dlrm.data.synthetic --output-dir, Kaggle cardinalities) into
 `--data` once, writes their binary splits (python -m dlrm.data.binary), then per loader and with/without
@@ -17,9 +18,16 @@ triton for those without: like with like) and reports each run's ratio to it and
 the same graph setting (whatever the loaders' order), and profiles 10 such bare steps for their GPU idle
 share: the gaps between the kernels of a replayed graph, which no data path can remove (`step_gpu_idle_share`;
 what a run's share has above it is what its loop and data path leave idle).
+`--nproc 1,2` runs each training once per GPU count, N > 1 under `torchrun --standalone --nproc-per-node N`
+(weak scaling: `--batch` is the batch per GPU, `data.batch_size` the global N x `--batch`, as
+scripts/bench_train.py's `--nproc` counts it), beside the bare step of the same N (bench_train under
+torchrun, its W=N row); a row's `time` is the run's own breakdown of its wall time (metrics.json's
+`time_per_rank`, dlrm.run.timing's line: rank 0 and the range over the ranks), where a sharded rank's loader
+waits, exchanges, logging and evaluations show.
 Rows go to scripts/results/e2e.csv.
 """
 
+import itertools
 import json
 import os
 import subprocess
@@ -29,16 +37,42 @@ from pathlib import Path
 
 import click
 import torch
-from bench_train import bench, build
+from bench_train import ROWS_ENV, bench, build
 from profile_step import profile_steps
 from results_csv import append_rows, provenance
 
 from dlrm.config import load_config
+from dlrm.run.timing import describe
 
 RESULTS = Path(__file__).parent / "results" / "e2e.csv"
 # The bare step each train run is compared with: graph replays with graph replays, launches with launches.
 BARE_STEP = {"on": "triton+graphs", "off": "triton"}
 REPO = Path(__file__).parents[1]
+
+
+def launcher(nproc: int) -> list[str]:
+    """The command prefix that runs a Python module or script on `nproc` GPUs of this host: the interpreter
+    itself for one, torchrun --standalone for more."""
+    if nproc == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
+def bare_step(config: str, backend: str, batch: int, precision: str, nproc: int) -> float:
+    """Samples/s of the bare step (bench_train's `bench`, GPU-resident random batches with Zipf ids, 50 timed
+    steps) on `nproc` GPUs, `batch` each: in this process for one, bench_train under torchrun for more (its
+    row handed back through ROWS_ENV, not written to train.csv)."""
+    if nproc == 1:
+        return bench(config, backend, batch, 50, None, precision, ids="zipf")["samples_per_s"]
+    script = Path(__file__).parent / "bench_train.py"
+    args = ["--configs", config, "--batches", str(batch), "--precisions", precision, "--backends", backend,
+            "--ids", "zipf", "--steps", "50"]  # fmt: skip
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run(
+            [*launcher(nproc), str(script), *args], env={**os.environ, ROWS_ENV: out.name}, check=True
+        )
+        (row,) = json.loads(Path(out.name).read_text())
+    return row["samples_per_s"]
 
 
 def gpu_idle_share(trace: Path) -> float:
@@ -90,24 +124,34 @@ def ensure_data(data: Path, rows: int) -> None:
         subprocess.run([sys.executable, "-m", "dlrm.data.binary", "--data", str(data)], check=True)
 
 
-def train_run(
-    config: str, data: Path, loader: str, graphs: bool, batch: int, precision: str, steps: int
-) -> dict:
-    """One `python -m dlrm.train` run; its metrics.json plus the GPU idle share of its trace."""
+def run_config(config: str, data: Path, loader: str, batch: int, steps: int, nproc: int = 1) -> dict:
+    """configs/<config>.json as a training run of `steps` steps on `data` takes it, `batch` rows a GPU on
+    `nproc` GPUs (data.batch_size the global batch)."""
     cfg = load_config(REPO / "configs" / f"{config}.json").to_dict()
-    cfg["data"] |= {"path": str(data), "batch_size": batch, "eval_batch_size": batch, "loader": loader}
+    global_batch = batch * nproc
+    cfg["data"] |= {"path": str(data), "batch_size": global_batch, "eval_batch_size": global_batch}
+    cfg["data"]["loader"] = loader
     cfg["model"] |= {"hashing": "modulus", "min_frequency": 1}
     train_rows = json.loads((data / "metadata.json").read_text())["rows"]["train"]
     # As many epochs as `steps` needs: a one-epoch run of a small split is over before its start-up (the
     # loader's first reads, the graph's capture) stops weighing on its samples/s.
-    epochs = -(-steps * batch // train_rows)
+    epochs = -(-steps * global_batch // train_rows)
     cfg["train"] |= {"epochs": epochs, "max_steps": steps, "log_interval": 50}
     cfg["profiler"] = {"enabled": True, "wait": steps // 2, "warmup": 3, "active": 10}
     cfg["train"]["eval_interval"] = steps // 4  # several evaluations: the first pays for JIT, the rest not
+    return cfg
+
+
+def train_run(
+    config: str, data: Path, loader: str, graphs: bool, batch: int, precision: str, steps: int, nproc: int = 1
+) -> dict:
+    """One `python -m dlrm.train` run on `nproc` GPUs (`batch` each); its metrics.json plus the GPU idle share
+    of its (rank 0's) trace."""
+    cfg = run_config(config, data, loader, batch, steps, nproc)
     with tempfile.TemporaryDirectory() as tmp:
         config_path, run_dir = Path(tmp) / "config.json", Path(tmp) / "run"
         config_path.write_text(json.dumps(cfg))
-        command = [sys.executable, "-m", "dlrm.train", "--config", str(config_path), "--use-triton",
+        command = [*launcher(nproc), "-m", "dlrm.train", "--config", str(config_path), "--use-triton",
                    "--precision", precision, "--output-dir", str(run_dir)]  # fmt: skip
         subprocess.run([*command, "--cuda-graphs" if graphs else "--no-cuda-graphs"], check=True)
         metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -125,55 +169,65 @@ def train_run(
 @click.option("--loaders", default="gpu_resident,memory,streaming,binary", help="Comma-separated.")
 @click.option("--graphs", default="on,off", help="Comma-separated: on (--cuda-graphs), off.")
 @click.option("--steps", type=click.IntRange(min=20), default=200, help="Training steps per run.")
-def main(config, rows, data, batch, precision, loaders, graphs, steps):
+@click.option(
+    "--nproc", default="1", help="Comma-separated GPU counts (N > 1: torchrun; --batch per GPU, N x global)."
+)
+def main(config, rows, data, batch, precision, loaders, graphs, steps, nproc):
     """Train per loader with data included; compare with the bare step; append to scripts/results/e2e.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_e2e.py needs a CUDA GPU")
+    counts = [int(n) for n in nproc.split(",")]
+    if max(counts) > torch.cuda.device_count() or min(counts) < 1:
+        raise click.UsageError(f"--nproc {nproc}: this host has {torch.cuda.device_count()} GPUs")
     data = data or Path(tempfile.gettempdir()) / f"e2e-{rows}"
     ensure_data(data, rows)
     # The bare step on random batches with the data's id skew (dlrm.data.synthetic's Zipf ranks), so that
     # the ratios compare the same embedding traffic: uniform ids have no hot rows.
-    steps_by_graph = {
-        graph: bench(config, BARE_STEP[graph], batch, 50, None, precision, ids="zipf")["samples_per_s"]
+    bare = {
+        (graph, n): bare_step(config, BARE_STEP[graph], batch, precision, n)
         for graph in graphs.split(",")
+        for n in counts
     }
     step_idle = step_idle_share(config, batch, precision)
     print(
-        f"bare step (resident random batches, Zipf ids): {steps_by_graph} samples/s by graphs on/off, "
-        f"GPU idle {step_idle:.1%} with graphs (the gaps between the replayed graph's kernels)",
+        f"bare step (resident random batches, Zipf ids): {bare} samples/s by (graphs, GPUs), one GPU idle "
+        f"{step_idle:.1%} with graphs (the gaps between the replayed graph's kernels)",
         flush=True,
     )
     common = provenance(torch.cuda.get_device_name()) | {"cpus": os.cpu_count(), "config": config}
     common |= {"rows": rows, "batch": batch, "precision": precision}
     out = []
-    for graph in graphs.split(","):
-        for loader in loaders.split(","):
-            m = train_run(config, data, loader, graph == "on", batch, precision, steps)
-            step = steps_by_graph[graph]
-            later_evals = m["evals"] - 1
-            later_s = m["eval_s"] - m["first_eval_s"]
-            row = {
-                **common, "step_samples_per_s": step, "loader": loader, "cuda_graphs": graph,
-                "steps": m["steps"], "samples_per_s": round(m["samples_per_s"]),
-                "vs_step": round(m["samples_per_s"] / step, 3), "vs_gpu_resident": "",
-                "gpu_idle_share": round(m["gpu_idle_share"], 4),
-                "step_gpu_idle_share": round(step_idle, 4),
-                "first_eval_s": round(m["first_eval_s"], 2),
-                "eval_samples_per_s": round(later_evals * m["val_samples"] / later_s) if later_evals else "",
-                "peak_rss_gib": round(m["peak_rss_gib"], 2),
-                "first_step_s": round(m["first_step_s"], 1),
-            }  # fmt: skip
-            out.append(row)
-    resident = {r["cuda_graphs"]: r["samples_per_s"] for r in out if r["loader"] == "gpu_resident"}
+    for n, graph, loader in itertools.product(counts, graphs.split(","), loaders.split(",")):
+        m = train_run(config, data, loader, graph == "on", batch, precision, steps, n)
+        step = bare[graph, n]
+        later_evals = m["evals"] - 1
+        later_s = m["eval_s"] - m["first_eval_s"]
+        row = {
+            **common, "step_samples_per_s": step, "loader": loader, "cuda_graphs": graph,
+            "steps": m["steps"], "samples_per_s": round(m["samples_per_s"]),
+            "vs_step": round(m["samples_per_s"] / step, 3), "vs_gpu_resident": "",
+            "gpu_idle_share": round(m["gpu_idle_share"], 4),
+            "step_gpu_idle_share": round(step_idle, 4),
+            "first_eval_s": round(m["first_eval_s"], 2),
+            "eval_samples_per_s": round(later_evals * m["val_samples"] / later_s) if later_evals else "",
+            "peak_rss_gib": round(m["peak_rss_gib"], 2),
+            "first_step_s": round(m["first_step_s"], 1),
+            "world_size": n, "global_batch": batch * n, "time": describe(m["time_per_rank"]),
+        }  # fmt: skip
+        out.append(row)
+    resident = {
+        (r["cuda_graphs"], r["world_size"]): r["samples_per_s"] for r in out if r["loader"] == "gpu_resident"
+    }
     for row in out:
-        if row["cuda_graphs"] in resident:
-            row["vs_gpu_resident"] = round(row["samples_per_s"] / resident[row["cuda_graphs"]], 3)
+        if (key := (row["cuda_graphs"], row["world_size"])) in resident:
+            row["vs_gpu_resident"] = round(row["samples_per_s"] / resident[key], 3)
         print(
-            f"{row['loader']:<13} graphs {row['cuda_graphs']:<4} {row['samples_per_s']:>12,} samples/s  "
+            f"W={row['world_size']} {row['loader']:<13} graphs {row['cuda_graphs']:<4} "
+            f"{row['samples_per_s']:>12,} samples/s  "
             f"{row['vs_step']:.3f}x step  {row['vs_gpu_resident'] or float('nan'):.3f}x resident  "
             f"GPU idle {row['gpu_idle_share']:.1%}  "
             f"first eval {row['first_eval_s']} s, then {row['eval_samples_per_s'] or 0:,} samples/s  "
-            f"RSS {row['peak_rss_gib']} GiB",
+            f"RSS {row['peak_rss_gib']} GiB\n  {row['time']}",
             flush=True,
         )
     append_rows(RESULTS, out)

@@ -1,0 +1,28 @@
+"""scripts/bench_e2e.py's runs: weak scaling over GPUs (the batch a GPU, the global batch N times it)."""
+
+import json
+import sys
+
+from dlrm.config import load_config
+from tests.conftest import load_script
+
+e2e = load_script("bench_e2e")
+
+
+def test_a_run_of_n_gpus_trains_n_times_the_batch_for_as_many_steps(tmp_path):
+    (tmp_path / "metadata.json").write_text(json.dumps({"rows": {"train": 1000}}))
+    one = e2e.run_config("kaggle", tmp_path, "binary", 64, 40, nproc=1)
+    two = e2e.run_config("kaggle", tmp_path, "binary", 64, 40, nproc=2)
+    assert (one["data"]["batch_size"], two["data"]["batch_size"]) == (64, 128)
+    assert two["data"]["eval_batch_size"] == 128 and two["data"]["loader"] == "binary"
+    # 40 steps of 64 rows over 1,000 train rows: 3 epochs; of 128: 6.
+    assert (one["train"]["epochs"], two["train"]["epochs"]) == (3, 6)
+    assert two["train"]["max_steps"] == 40
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps(two))
+    assert load_config(path).data.batch_size == 128  # a config dlrm.train takes
+
+
+def test_many_gpus_launch_under_torchrun():
+    assert e2e.launcher(1) == [sys.executable]
+    assert e2e.launcher(2)[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
