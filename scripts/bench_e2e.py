@@ -37,7 +37,7 @@ from pathlib import Path
 
 import click
 import torch
-from bench_train import ROWS_ENV, bench, build
+from bench_train import bench, build, launch_each, launcher
 from profile_step import profile_steps
 from results_csv import append_rows, provenance
 
@@ -50,28 +50,15 @@ BARE_STEP = {"on": "triton+graphs", "off": "triton"}
 REPO = Path(__file__).parents[1]
 
 
-def launcher(nproc: int) -> list[str]:
-    """The command prefix that runs a Python module or script on `nproc` GPUs of this host: the interpreter
-    itself for one, torchrun --standalone for more."""
-    if nproc == 1:
-        return [sys.executable]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-
-
 def bare_step(config: str, backend: str, batch: int, precision: str, nproc: int) -> float:
     """Samples/s of the bare step (bench_train's `bench`, GPU-resident random batches with Zipf ids, 50 timed
     steps) on `nproc` GPUs, `batch` each: in this process for one, bench_train under torchrun for more (its
-    row handed back through ROWS_ENV, not written to train.csv)."""
+    W=N row handed back, not written to train.csv)."""
     if nproc == 1:
         return bench(config, backend, batch, 50, None, precision, ids="zipf")["samples_per_s"]
-    script = Path(__file__).parent / "bench_train.py"
     args = ["--configs", config, "--batches", str(batch), "--precisions", precision, "--backends", backend,
             "--ids", "zipf", "--steps", "50"]  # fmt: skip
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run(
-            [*launcher(nproc), str(script), *args], env={**os.environ, ROWS_ENV: out.name}, check=True
-        )
-        (row,) = json.loads(Path(out.name).read_text())
+    (row,) = launch_each([nproc], args)
     return row["samples_per_s"]
 
 

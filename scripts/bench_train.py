@@ -470,21 +470,27 @@ def _write_rows(rows: list[dict]) -> None:
 ROWS_ENV = "DLRM_BENCH_ROWS"
 
 
-def launch_each(counts: list[int]) -> list[dict]:
-    """Run this script once per GPU count (N > 1 under torchrun --standalone); the rows of all runs."""
+def launcher(nproc: int) -> list[str]:
+    """The command prefix that runs a Python module or script on `nproc` GPUs of this host: the interpreter
+    itself for one, torchrun --standalone for more."""
+    if nproc == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
+def launch_each(counts: list[int], args: list[str] | None = None) -> list[dict]:
+    """Run this script once per GPU count (N > 1 under torchrun --standalone) with `args` (default: this
+    invocation's, less --nproc); the rows of all runs, handed back through ROWS_ENV (not written)."""
+    if args is None:
+        args = [a for a in sys.argv[1:] if not a.startswith("--nproc")]
+        if "--nproc" in sys.argv[1:]:  # "--nproc N" as two arguments
+            i = sys.argv[1:].index("--nproc")
+            args = sys.argv[1 : i + 1] + sys.argv[i + 3 :]
     rows = []
-    args = [a for a in sys.argv[1:] if not a.startswith("--nproc")]
-    if "--nproc" in sys.argv[1:]:  # "--nproc N" as two arguments
-        i = sys.argv[1:].index("--nproc")
-        args = sys.argv[1 : i + 1] + sys.argv[i + 3 :]
     for n in counts:
-        launcher = (
-            [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        )
-        launcher += [] if n == 1 else [f"--nproc-per-node={n}"]
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             env = {**os.environ, ROWS_ENV: out.name}
-            subprocess.run([*launcher, __file__, *args], env=env, check=True)
+            subprocess.run([*launcher(n), __file__, *args], env=env, check=True)
             rows += json.loads(Path(out.name).read_text())
     return rows
 

@@ -67,7 +67,7 @@ FORWARD_PARTS = ("embedding", "bottom_mlp", "interaction", "top_mlp", "first_ord
 BACKWARD_NODE = "autograd::engine::evaluate_function"
 TOP_PARTS = 5  # the slowest parts' kernels listed under the table: those that make up KERNEL_SHARE of the
 KERNEL_SHARE, MOST_KERNELS = 0.95, 16  # part's time, at most MOST_KERNELS, the rest summed on one line
-RUNTIME_PREFIXES = ("cuda", "cu")  # the CUDA runtime/driver calls a profile shows launching a kernel
+RUNTIME_PREFIXES = ("cuda", "cuLaunch")  # the runtime and driver calls a profile shows launching a kernel
 # (part, launching op, kernel name) -> [us, launches] a step
 Kernels = dict[tuple[str, str, str], list[float]]
 
@@ -243,9 +243,7 @@ def part_kernels(kernels: Kernels, part: str) -> tuple[list[tuple[float, float, 
     return listed, len(rest), sum(k[0] for k in rest)
 
 
-def profile_parts(
-    built, steps: int
-) -> tuple[dict[str, float], dict[tuple[str, str, str], list[float]], float]:
+def profile_parts(built, steps: int) -> tuple[dict[str, float], Kernels, float]:
     """kernel_parts of `steps` launched steps of `built` (bench_train.build), after its warm-up."""
     model, optimizer, step, pool, _ = built
     for i in range(2 * POOL):
