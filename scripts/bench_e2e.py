@@ -2,7 +2,7 @@
 
     python scripts/bench_e2e.py --config kaggle --rows 16000000 --batch 65536 --precision bf16 \
         [--loaders gpu_resident,memory,streaming,binary] [--graphs on,off] [--steps 200] [--data DIR] \
-        [--nproc 1,2]
+        [--nproc 1,2] [--train-settings bench|config]
 
 Generates `--rows` synthetic rows (python -m dlrm.data.synthetic --output-dir, Kaggle cardinalities) into
 `--data` once, writes their binary splits (python -m dlrm.data.binary), then per loader and with/without
@@ -24,6 +24,11 @@ scripts/bench_train.py's `--nproc` counts it), beside the bare step of the same 
 torchrun, its W=N row); a row's `time` is the run's own breakdown of its wall time (metrics.json's
 `time_per_rank`, dlrm.run.timing's line: rank 0 and the range over the ranks), where a sharded rank's loader
 waits, exchanges, logging and evaluations show.
+`--train-settings config` trains with the config's own train and profiler sections instead (its epochs, log
+and evaluation cadence, checkpoint policy, profiler window; `--steps` unused): the run a user launches, with
+only the data (path, batch, loader) and the hashing set, as `--set` would. The default, "bench", runs
+`--steps` steps with a log line every 50, an evaluation every steps / 4 (each better one a background save of
+best.pt) and the profiler's window mid-run: the same run for every loader.
 Rows go to scripts/results/e2e.csv.
 """
 
@@ -111,14 +116,19 @@ def ensure_data(data: Path, rows: int) -> None:
         subprocess.run([sys.executable, "-m", "dlrm.data.binary", "--data", str(data)], check=True)
 
 
-def run_config(config: str, data: Path, loader: str, batch: int, steps: int, nproc: int = 1) -> dict:
-    """configs/<config>.json as a training run of `steps` steps on `data` takes it, `batch` rows a GPU on
-    `nproc` GPUs (data.batch_size the global batch)."""
+def run_config(
+    config: str, data: Path, loader: str, batch: int, steps: int, nproc: int = 1, settings: str = "bench"
+) -> dict:
+    """configs/<config>.json as a training run on `data` takes it, `batch` rows a GPU on `nproc` GPUs
+    (data.batch_size the global batch): with `settings` "bench", `steps` steps at the bench's cadence
+    (module docstring); with "config", the config's own train and profiler sections."""
     cfg = load_config(REPO / "configs" / f"{config}.json").to_dict()
     global_batch = batch * nproc
     cfg["data"] |= {"path": str(data), "batch_size": global_batch, "eval_batch_size": global_batch}
     cfg["data"]["loader"] = loader
     cfg["model"] |= {"hashing": "modulus", "min_frequency": 1}
+    if settings == "config":
+        return cfg
     train_rows = json.loads((data / "metadata.json").read_text())["rows"]["train"]
     # As many epochs as `steps` needs: a one-epoch run of a small split is over before its start-up (the
     # loader's first reads, the graph's capture) stops weighing on its samples/s.
@@ -130,11 +140,20 @@ def run_config(config: str, data: Path, loader: str, batch: int, steps: int, npr
 
 
 def train_run(
-    config: str, data: Path, loader: str, graphs: bool, batch: int, precision: str, steps: int, nproc: int = 1
+    config: str,
+    data: Path,
+    loader: str,
+    graphs: bool,
+    batch: int,
+    precision: str,
+    steps: int,
+    nproc: int = 1,
+    settings: str = "bench",
 ) -> dict:
-    """One `python -m dlrm.train` run on `nproc` GPUs (`batch` each); its metrics.json plus the GPU idle share
-    of its (rank 0's) trace."""
-    cfg = run_config(config, data, loader, batch, steps, nproc)
+    """One `python -m dlrm.train` run on `nproc` GPUs (`batch` each, `settings` as `run_config`'s); its
+    metrics.json plus the GPU idle share of its (rank 0's) trace (NaN when the run ended before the
+    profiler's window)."""
+    cfg = run_config(config, data, loader, batch, steps, nproc, settings)
     with tempfile.TemporaryDirectory() as tmp:
         config_path, run_dir = Path(tmp) / "config.json", Path(tmp) / "run"
         config_path.write_text(json.dumps(cfg))
@@ -159,7 +178,13 @@ def train_run(
 @click.option(
     "--nproc", default="1", help="Comma-separated GPU counts (N > 1: torchrun; --batch per GPU, N x global)."
 )
-def main(config, rows, data, batch, precision, loaders, graphs, steps, nproc):
+@click.option(
+    "--train-settings",
+    type=click.Choice(["bench", "config"]),
+    default="bench",
+    help="bench: --steps steps at the bench's log and evaluation cadence; config: the config's own.",
+)
+def main(config, rows, data, batch, precision, loaders, graphs, steps, nproc, train_settings):
     """Train per loader with data included; compare with the bare step; append to scripts/results/e2e.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_e2e.py needs a CUDA GPU")
@@ -185,7 +210,7 @@ def main(config, rows, data, batch, precision, loaders, graphs, steps, nproc):
     common |= {"rows": rows, "batch": batch, "precision": precision}
     out = []
     for n, graph, loader in itertools.product(counts, graphs.split(","), loaders.split(",")):
-        m = train_run(config, data, loader, graph == "on", batch, precision, steps, n)
+        m = train_run(config, data, loader, graph == "on", batch, precision, steps, n, train_settings)
         step = bare[graph, n]
         later_evals = m["evals"] - 1
         later_s = m["eval_s"] - m["first_eval_s"]
@@ -200,6 +225,7 @@ def main(config, rows, data, batch, precision, loaders, graphs, steps, nproc):
             "peak_rss_gib": round(m["peak_rss_gib"], 2),
             "first_step_s": round(m["first_step_s"], 1),
             "world_size": n, "global_batch": batch * n, "time": describe(m["time_per_rank"]),
+            "train_settings": train_settings,
         }  # fmt: skip
         out.append(row)
     resident = {

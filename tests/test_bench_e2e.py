@@ -26,3 +26,16 @@ def test_a_run_of_n_gpus_trains_n_times_the_batch_for_as_many_steps(tmp_path):
 def test_many_gpus_launch_under_torchrun():
     assert e2e.launcher(1) == [sys.executable]
     assert e2e.launcher(2)[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+
+
+def test_the_config_settings_keep_the_configs_own_cadence(tmp_path):
+    (tmp_path / "metadata.json").write_text(json.dumps({"rows": {"train": 1000}}))
+    own = load_config(e2e.REPO / "configs" / "kaggle.json").to_dict()
+    cfg = e2e.run_config("kaggle", tmp_path, "binary", 64, 40, nproc=2, settings="config")
+    assert cfg["train"] == own["train"] and cfg["profiler"] == own["profiler"]
+    assert (cfg["data"]["batch_size"], cfg["data"]["path"], cfg["model"]["hashing"]) == (
+        128,
+        str(tmp_path),
+        "modulus",
+    )
+    assert e2e.run_config("kaggle", tmp_path, "binary", 64, 40, nproc=2)["train"] != own["train"]
