@@ -2,7 +2,7 @@
 
     python scripts/bench_e2e.py --config kaggle --rows 16000000 --batch 65536 --precision bf16 \
         [--loaders gpu_resident,memory,streaming,binary] [--graphs on,off] [--steps 200] [--data DIR] \
-        [--nproc 1,2] [--train-settings bench|config]
+        [--nproc 1,2] [--train-settings bench|config] [--set KEY=VALUE ...]
 
 Generates `--rows` synthetic rows (python -m dlrm.data.synthetic --output-dir, Kaggle cardinalities) into
 `--data` once, writes their binary splits (python -m dlrm.data.binary), then per loader and with/without
@@ -28,7 +28,9 @@ waits, exchanges, logging and evaluations show.
 and evaluation cadence, checkpoint policy, profiler window; `--steps` unused): the run a user launches, with
 only the data (path, batch, loader) and the hashing set, as `--set` would. The default, "bench", runs
 `--steps` steps with a log line every 50, an evaluation every steps / 4 (each better one a background save of
-best.pt) and the profiler's window mid-run: the same run for every loader.
+best.pt) and the profiler's window mid-run: the same run for every loader. `--set KEY=VALUE` (repeatable)
+goes to every run's `dlrm.train --set`, after those settings (e.g. `train.checkpoint_policy="none"`: the same
+run with no save beside its steps); a row's `train_settings` names the settings and the overrides.
 Rows go to scripts/results/e2e.csv.
 """
 
@@ -149,16 +151,18 @@ def train_run(
     steps: int,
     nproc: int = 1,
     settings: str = "bench",
+    overrides: tuple[str, ...] = (),
 ) -> dict:
-    """One `python -m dlrm.train` run on `nproc` GPUs (`batch` each, `settings` as `run_config`'s); its
-    metrics.json plus the GPU idle share of its (rank 0's) trace (NaN when the run ended before the
-    profiler's window)."""
+    """One `python -m dlrm.train` run on `nproc` GPUs (`batch` each, `settings` as `run_config`'s, then each
+    KEY=VALUE of `overrides` as `--set`); its metrics.json plus the GPU idle share of its (rank 0's) trace
+    (NaN when the run ended before the profiler's window)."""
     cfg = run_config(config, data, loader, batch, steps, nproc, settings)
     with tempfile.TemporaryDirectory() as tmp:
         config_path, run_dir = Path(tmp) / "config.json", Path(tmp) / "run"
         config_path.write_text(json.dumps(cfg))
         command = [*launcher(nproc), "-m", "dlrm.train", "--config", str(config_path), "--use-triton",
-                   "--precision", precision, "--output-dir", str(run_dir)]  # fmt: skip
+                   "--precision", precision, "--output-dir", str(run_dir),
+                   *(arg for override in overrides for arg in ("--set", override))]  # fmt: skip
         subprocess.run([*command, "--cuda-graphs" if graphs else "--no-cuda-graphs"], check=True)
         metrics = json.loads((run_dir / "metrics.json").read_text())
         traces = sorted(run_dir.glob("*.pt.trace.json"))
@@ -184,7 +188,10 @@ def train_run(
     default="bench",
     help="bench: --steps steps at the bench's log and evaluation cadence; config: the config's own.",
 )
-def main(config, rows, data, batch, precision, loaders, graphs, steps, nproc, train_settings):
+@click.option(
+    "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="dlrm.train --set for every run, last."
+)
+def main(config, rows, data, batch, precision, loaders, graphs, steps, nproc, train_settings, overrides):
     """Train per loader with data included; compare with the bare step; append to scripts/results/e2e.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_e2e.py needs a CUDA GPU")
@@ -210,7 +217,9 @@ def main(config, rows, data, batch, precision, loaders, graphs, steps, nproc, tr
     common |= {"rows": rows, "batch": batch, "precision": precision}
     out = []
     for n, graph, loader in itertools.product(counts, graphs.split(","), loaders.split(",")):
-        m = train_run(config, data, loader, graph == "on", batch, precision, steps, n, train_settings)
+        m = train_run(
+            config, data, loader, graph == "on", batch, precision, steps, n, train_settings, overrides
+        )
         step = bare[graph, n]
         later_evals = m["evals"] - 1
         later_s = m["eval_s"] - m["first_eval_s"]
@@ -225,7 +234,7 @@ def main(config, rows, data, batch, precision, loaders, graphs, steps, nproc, tr
             "peak_rss_gib": round(m["peak_rss_gib"], 2),
             "first_step_s": round(m["first_step_s"], 1),
             "world_size": n, "global_batch": batch * n, "time": describe(m["time_per_rank"]),
-            "train_settings": train_settings,
+            "train_settings": " ".join([train_settings, *overrides]),
         }  # fmt: skip
         out.append(row)
     resident = {

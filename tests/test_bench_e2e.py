@@ -1,7 +1,9 @@
 """scripts/bench_e2e.py's runs: weak scaling over GPUs (the batch a GPU, the global batch N times it)."""
 
 import json
+import math
 import sys
+from pathlib import Path
 
 from dlrm.config import load_config
 from tests.conftest import load_script
@@ -39,3 +41,21 @@ def test_the_config_settings_keep_the_configs_own_cadence(tmp_path):
         "modulus",
     )
     assert e2e.run_config("kaggle", tmp_path, "binary", 64, 40, nproc=2)["train"] != own["train"]
+
+
+def test_each_override_reaches_the_run_as_set_after_the_settings(tmp_path, monkeypatch):
+    (tmp_path / "metadata.json").write_text(json.dumps({"rows": {"train": 1000}}))
+    seen = {}
+
+    def run(command, check):
+        seen["command"] = command
+        run_dir = Path(command[command.index("--output-dir") + 1])
+        run_dir.mkdir()
+        (run_dir / "metrics.json").write_text(json.dumps({"steps": 40}))
+
+    monkeypatch.setattr(e2e.subprocess, "run", run)
+    policy = 'train.checkpoint_policy="none"'
+    metrics = e2e.train_run("kaggle", tmp_path, "binary", True, 64, "tf32", 40, overrides=(policy,))
+    command = seen["command"]
+    assert command[command.index("--set") : command.index("--set") + 2] == ["--set", policy]
+    assert metrics["steps"] == 40 and math.isnan(metrics["gpu_idle_share"])  # no trace: no window
