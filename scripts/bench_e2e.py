@@ -2,7 +2,7 @@
 
     python scripts/bench_e2e.py --config kaggle --rows 16000000 --batch 65536 --precision bf16 \
         [--loaders gpu_resident,memory,streaming,binary] [--graphs on,off] [--steps 200] [--data DIR] \
-        [--nproc 1,2] [--train-settings bench|config] [--set KEY=VALUE ...]
+        [--nproc 1,2] [--train-settings bench|config] [--set KEY=VALUE ...] [--keep-runs DIR]
 
 Generates `--rows` synthetic rows (python -m dlrm.data.synthetic --output-dir, Kaggle cardinalities) into
 `--data` once, writes their binary splits (python -m dlrm.data.binary), then per loader and with/without
@@ -31,12 +31,15 @@ only the data (path, batch, loader) and the hashing set, as `--set` would. The d
 best.pt) and the profiler's window mid-run: the same run for every loader. `--set KEY=VALUE` (repeatable)
 goes to every run's `dlrm.train --set`, after those settings (e.g. `train.checkpoint_policy="none"`: the same
 run with no save beside its steps); a row's `train_settings` names the settings and the overrides.
+`--keep-runs DIR` keeps each run's directory (its log, metrics.json, TensorBoard events and rank 0's profiler
+trace, where the host's part of each step shows) under DIR; the runs' checkpoints are left out.
 Rows go to scripts/results/e2e.csv.
 """
 
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -152,10 +155,12 @@ def train_run(
     nproc: int = 1,
     settings: str = "bench",
     overrides: tuple[str, ...] = (),
+    keep: Path | None = None,
 ) -> dict:
     """One `python -m dlrm.train` run on `nproc` GPUs (`batch` each, `settings` as `run_config`'s, then each
     KEY=VALUE of `overrides` as `--set`); its metrics.json plus the GPU idle share of its (rank 0's) trace
-    (NaN when the run ended before the profiler's window)."""
+    (NaN when the run ended before the profiler's window). With `keep`, the run directory is copied there,
+    its checkpoints left out (gigabytes of tables)."""
     cfg = run_config(config, data, loader, batch, steps, nproc, settings)
     with tempfile.TemporaryDirectory() as tmp:
         config_path, run_dir = Path(tmp) / "config.json", Path(tmp) / "run"
@@ -167,6 +172,8 @@ def train_run(
         metrics = json.loads((run_dir / "metrics.json").read_text())
         traces = sorted(run_dir.glob("*.pt.trace.json"))
         metrics["gpu_idle_share"] = gpu_idle_share(traces[0]) if traces else float("nan")
+        if keep is not None:
+            shutil.copytree(run_dir, keep, ignore=shutil.ignore_patterns("checkpoints"), dirs_exist_ok=True)
     return metrics
 
 
@@ -191,7 +198,16 @@ def train_run(
 @click.option(
     "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="dlrm.train --set for every run, last."
 )
-def main(config, rows, data, batch, precision, loaders, graphs, steps, nproc, train_settings, overrides):
+@click.option(
+    "--keep-runs",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Keep each run's directory (log, metrics.json, events, profiler traces; no checkpoints) under "
+    "DIR/w<N>_<loader>_graphs-<on|off>.",
+)
+def main(
+    config, rows, data, batch, precision, loaders, graphs, steps, nproc, train_settings, overrides, keep_runs
+):
     """Train per loader with data included; compare with the bare step; append to scripts/results/e2e.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_e2e.py needs a CUDA GPU")

@@ -43,7 +43,7 @@ def test_the_config_settings_keep_the_configs_own_cadence(tmp_path):
     assert e2e.run_config("kaggle", tmp_path, "binary", 64, 40, nproc=2)["train"] != own["train"]
 
 
-def test_each_override_reaches_the_run_as_set_after_the_settings(tmp_path, monkeypatch):
+def test_each_override_reaches_the_run_as_set_and_the_run_directory_is_kept(tmp_path, monkeypatch):
     (tmp_path / "metadata.json").write_text(json.dumps({"rows": {"train": 1000}}))
     seen = {}
 
@@ -52,10 +52,17 @@ def test_each_override_reaches_the_run_as_set_after_the_settings(tmp_path, monke
         run_dir = Path(command[command.index("--output-dir") + 1])
         run_dir.mkdir()
         (run_dir / "metrics.json").write_text(json.dumps({"steps": 40}))
+        (run_dir / "checkpoints").mkdir()
+        (run_dir / "checkpoints" / "last.pt").write_bytes(b"tables")
 
     monkeypatch.setattr(e2e.subprocess, "run", run)
     policy = 'train.checkpoint_policy="none"'
-    metrics = e2e.train_run("kaggle", tmp_path, "binary", True, 64, "tf32", 40, overrides=(policy,))
+    kept = tmp_path / "kept" / "w1_binary_graphs-on"
+    metrics = e2e.train_run(
+        "kaggle", tmp_path, "binary", True, 64, "tf32", 40, overrides=(policy,), keep=kept
+    )
     command = seen["command"]
     assert command[command.index("--set") : command.index("--set") + 2] == ["--set", policy]
     assert metrics["steps"] == 40 and math.isnan(metrics["gpu_idle_share"])  # no trace: no window
+    # The run directory is kept, without its checkpoints.
+    assert (kept / "metrics.json").is_file() and not (kept / "checkpoints").exists()
