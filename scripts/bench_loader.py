@@ -1,7 +1,8 @@
 """Benchmark the train loaders alone (no model): samples/s of each `data.loader` mode per batch size.
 
     python scripts/bench_loader.py [--rows 4000000] [--device cuda|cpu] [--batches 2048,16384,65536] \
-        [--modes memory,gpu_resident,streaming,streaming_sync] [--shuffle-buffer 1000000] [--prefetch 8] \
+        [--modes memory,gpu_resident,streaming,binary,streaming_sync] [--shuffle-buffer 1000000] \
+        [--prefetch 8] \
         [--repeats 3] [--data-dir DIR]
 
 Writes (once, reused after) a synthetic parquet data directory of `--rows` rows with the Kaggle cardinalities
@@ -11,6 +12,9 @@ of its train split (80% of the rows) per mode:
     gpu_resident    ResidentLoader: split in device memory, device randperm, a device gather per batch
     streaming       StreamingLoader with a background thread `--prefetch` batches ahead (the row-group reads,
                     decoding, shuffle buffer, pinning and side-stream copies all in that thread)
+    binary          BinaryLoader: the split's binary column files (python -m dlrm.data.binary, written once
+                    beside the parquet), read by threads a window at a time into pinned memory, one
+                    host-to-device copy a window, the shuffle and batch gathers on the device
     streaming_sync  StreamingLoader without the thread (prefetch 0): the same work in the consumer
 A mode's epoch is timed by the wall clock from the first `next` to the last batch on the device
 (synchronized), after one untimed warm-up epoch (page cache, allocator, CUDA context); the median of
@@ -34,6 +38,7 @@ from results_csv import append_rows, provenance
 
 from dlrm.choices import LOADERS
 from dlrm.config import DataConfig
+from dlrm.data.binary import binary_dir, write_binary
 from dlrm.data.dataset import open_split
 from dlrm.data.loaders import make_train_loader
 from dlrm.data.synthetic_output import write_parquet
@@ -45,12 +50,16 @@ MODES = (*LOADERS, "streaming_sync")
 ROW_GROUP_ROWS = 1 << 16
 
 
-def synthetic_dir(rows: int, data_dir: Path | None) -> Path:
-    """A synthetic parquet data directory of `rows` rows (written when missing)."""
+def synthetic_dir(rows: int, data_dir: Path | None, binary: bool = False) -> Path:
+    """A synthetic parquet data directory of `rows` rows (written when missing), with its train split's
+    binary column files where `binary` (written when missing)."""
     path = data_dir or Path(tempfile.gettempdir()) / f"dlrm-bench-loader-{rows}"
     if not (path / "metadata.json").is_file():
         print(f"writing {rows:,} synthetic rows to {path} ...", flush=True)
         write_parquet(SyntheticConfig(), rows, path, block_size=ROW_GROUP_ROWS, overwrite=True)
+    if binary and not (binary_dir(path, "train") / "format.json").is_file():
+        print(f"writing the train split's binary files under {path} ...", flush=True)
+        write_binary(path, ["train"])
     return path
 
 
@@ -127,7 +136,7 @@ def main(rows, data_dir, device, batches, modes, shuffle_buffer, prefetch, repea
         raise click.UsageError("--device cuda needs a CUDA GPU (use --device cpu)")
     dev = torch.device(device)
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    data_dir = synthetic_dir(rows, data_dir)
+    data_dir = synthetic_dir(rows, data_dir, binary="binary" in modes)
     start = time.perf_counter()
     train_set = open_split(data_dir, "train") if {"memory", "gpu_resident"} & set(modes) else None
     load_s = time.perf_counter() - start
