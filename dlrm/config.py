@@ -231,6 +231,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _require(d.eval_batch_size > 0, "data.eval_batch_size", "a positive integer", d.eval_batch_size)
     _require(d.loader in LOADERS, "data.loader", f"one of {LOADERS}", d.loader)
     _require(d.shuffle_buffer >= 0, "data.shuffle_buffer", "an integer >= 0 (rows)", d.shuffle_buffer)
+    binary_window = 'an integer >= 1 with data.loader "binary" (the rows of a window)'
+    _require(
+        d.loader != "binary" or d.shuffle_buffer >= 1, "data.shuffle_buffer", binary_window, d.shuffle_buffer
+    )
     _require(d.prefetch >= 0, "data.prefetch", "an integer >= 0 (batches)", d.prefetch)
     _require(m.arch in ARCHS, "model.arch", f"one of {ARCHS}", m.arch)
     if m.arch == "logistic":  # first: its own message before the DLRM-only keys' checks

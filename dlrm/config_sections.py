@@ -34,7 +34,8 @@ class DataConfig:
     The val and test splits are read whole, in batches of `eval_batch_size` (on a GPU held in device
     memory when they fit, else in host memory; dlrm.run.strategy's split_loader). `shuffle_buffer`: for
     "streaming" the rows mixed across row groups (0: rows shuffled within their row group only); for
-    "binary" the rows of a window, read and shuffled together (rounded down to a multiple of the batch).
+    "binary" the rows of a window, read and shuffled together (at least 1; rounded down to a multiple of the
+    batch).
     `prefetch` ("streaming" only): batches read ahead by a background thread (0: read in the training
     loop). `multi_hot`: bags of `model.multi_hot_sizes` made on the fly from one-hot data by every loader
     (MultiHotConfig).

@@ -93,6 +93,11 @@ def test_main_config_is_the_fb_dlrm_kaggle_architecture():
         ),
         ({"data": {"shuffle_buffer": -1}}, r"data.shuffle_buffer: expected an integer >= 0 \(rows\), got -1"),
         ({"data": {"shuffle_buffer": 1.5}}, "data.shuffle_buffer: expected an integer"),
+        (
+            {"data": {"loader": "binary", "shuffle_buffer": 0}, "model": {"hashing": "modulus"}},
+            r'data.shuffle_buffer: expected an integer >= 1 with data.loader "binary" \(the rows of a '
+            r"window\), got 0",
+        ),
         ({"data": {"prefetch": -2}}, r"data.prefetch: expected an integer >= 0 \(batches\), got -2"),
         (
             {"data": {"loader": "streaming"}, "model": {"hashing": "vocab"}},
