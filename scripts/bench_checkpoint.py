@@ -44,6 +44,9 @@ evaluation would add a save).
    runs launch the save run's kernels (`--kernel-choices` its last checkpoint), as a resume does: GEMMs tuned
    by timing choose apart run to run on a busy GPU, and two choices sum in different orders.
 
+Each run starts once the page cache's writes of the runs before it are on disk (os.sync, its seconds
+printed): the writeback of a save run's checkpoints slowed the uninterrupted run's steps, the baseline, by up
+to 2x.
 The checkpoints the runs keep at once (the save run's 3 by its preflight, then the save run's last, the whole
 run's last and a resumed run's 2, or whole-again's 2) must fit on `--work`'s disk: `--max-rows` is lowered
 to the largest cap that fits, with a line saying so (`--no-fit-disk` keeps it and lets the preflight
@@ -207,7 +210,8 @@ def launch(
     name: str, nproc: int, args: list, work: Path, env: dict, deadline: float, fake_free: int | None = None
 ) -> Launch:
     """Run `dlrm.train` with `args` on `nproc` ranks (torchrun --standalone; one process: python -m
-    dlrm.train), its output to work/<name>.log and its key lines to stdout; with `fake_free`, every rank
+    dlrm.train) once the page cache's writes are on disk (os.sync), its output to work/<name>.log and its
+    key lines to stdout; with `fake_free`, every rank
     sees that many bytes free on its disk. At `deadline` (time.monotonic) its ranks and torchrun are killed
     (SIGKILL, by pid) and the Launch says `timed_out`."""
     python = [sys.executable]
@@ -224,6 +228,11 @@ def launch(
     command = [*runner, *train, *map(str, args)]
     shown = command if fake_free is None else [*runner, "-c", "<FAKE_FREE>", *map(str, args)]
     print(f"[{name}] {' '.join(shown)}", flush=True)
+    # Earlier runs' checkpoints still in the page cache are written back first (sync waits for it): a run
+    # started beside their writeback has slower steps, and the uninterrupted run's steps are a baseline.
+    flushing = time.monotonic()
+    os.sync()
+    print(f"[{name}] earlier writes flushed to disk in {time.monotonic() - flushing:.1f} s", flush=True)
     result = Launch(name)
     log = (work / f"{name}.log").open("w")
     log.write(" ".join(map(str, command)) + "\n")

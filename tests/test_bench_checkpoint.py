@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import REPO, load_script
 from tests.test_faults import TINY
 
@@ -83,3 +85,20 @@ def test_a_run_past_the_deadline_is_killed_with_what_it_started(tmp_path, monkey
     assert result.timed_out and result.code != 0
     assert time.monotonic() - start < 30  # not the 120 s of the orphan holding the pipe
     assert result.lines and result.lines[0][1] == "started"
+
+
+def test_a_run_starts_once_earlier_writes_are_on_disk(tmp_path, monkeypatch):
+    """The page cache's writeback of an earlier run's checkpoints would run beside the next run's steps
+    (the uninterrupted run's are the baseline): each launch syncs first."""
+    bench = load_script("bench_checkpoint")
+    calls = []
+    monkeypatch.setattr(bench.os, "sync", lambda: calls.append("sync"))
+
+    def popen(*args, **kwargs):
+        calls.append("run")
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    with pytest.raises(RuntimeError, match="not started"):
+        bench.launch("whole", 1, [], tmp_path, dict(os.environ), deadline=time.monotonic() + 60)
+    assert calls == ["sync", "run"]
