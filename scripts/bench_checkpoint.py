@@ -45,8 +45,8 @@ evaluation would add a save).
    by timing choose apart run to run on a busy GPU, and two choices sum in different orders.
 
 Each run starts once the page cache's writes of the runs before it are on disk (os.sync, its seconds
-printed): the writeback of a save run's checkpoints slowed the uninterrupted run's steps, the baseline, by up
-to 2x.
+printed), so that no run's steps, the uninterrupted run's baseline among them, run beside an earlier run's
+writeback of its checkpoints.
 The checkpoints the runs keep at once (the save run's 3 by its preflight, then the save run's last, the whole
 run's last and a resumed run's 2, or whole-again's 2) must fit on `--work`'s disk: `--max-rows` is lowered
 to the largest cap that fits, with a line saying so (`--no-fit-disk` keeps it and lets the preflight
