@@ -1,5 +1,6 @@
 """dlrm.model.mlp under autocast: the "linear_act" stack casts its fp32 weights and biases to the autocast
-dtype together (one multi-tensor copy each way), with the values and gradients that a cast a tensor gives."""
+dtype together (one launch each way, kernels/cast.py), with the values and gradients that a cast a tensor
+gives."""
 
 import torch
 
@@ -51,3 +52,18 @@ def test_linear_act_mlp_under_bf16_autocast_as_with_a_cast_a_tensor(monkeypatch)
     (y, grads), (y_ref, grads_ref) = runs
     assert y.dtype == torch.bfloat16 and torch.equal(y, y_ref)
     assert all(g.dtype == torch.float32 and torch.equal(g, r) for g, r in zip(grads, grads_ref, strict=True))
+
+
+def test_each_way_is_one_launch_of_the_cast_kernel(monkeypatch):
+    """Where our Triton kernels run (the GPU; the CPU under the tests' interpreter), the casts are
+    kernels.cast's, one call forward and one backward."""
+    import kernels.cast
+
+    calls = []
+    real = kernels.cast.cast_together
+    monkeypatch.setattr(
+        kernels.cast, "cast_together", lambda ts, dtype: calls.append(dtype) or real(ts, dtype)
+    )
+    out = _cast_together(torch.bfloat16, _leaves(4))
+    torch.autograd.backward(out, [torch.ones_like(o) for o in out])
+    assert calls == [torch.bfloat16, torch.float32]

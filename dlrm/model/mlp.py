@@ -210,30 +210,45 @@ def _autocast(x: torch.Tensor, layer: nn.Linear) -> tuple[torch.Tensor, torch.Te
 
 def _cast_together(dtype: torch.dtype, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """`tensors` (one dtype, e.g. a stack's fp32 weights and biases) in `dtype`, as `t.to(dtype)` each
-    would give them, with their gradients back in the tensors' dtype: one multi-tensor copy kernel each way
-    (torch._foreach_copy_) where a cast a tensor launches 2L small kernels each way (kaggle, bf16, batch 128:
-    the casts took ~47 us of a 175 us step, scripts/results/profile_kaggle_triton_graphs_128_bf16.txt)."""
+    would give them, with their gradients back in the tensors' dtype: one launch each way (`_cast`) where a
+    cast a tensor launches 2L small kernels each way."""
     if all(t.dtype == dtype for t in tensors):
         return tensors
     return list(_CastTogether.apply(dtype, *tensors))
+
+
+def _cast(tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """Contiguous `tensors`, each in its dtype of `dtypes`, as new tensors: kernels.cast's one launch where
+    our Triton kernels run, for up to its MAX_TENSORS tensors of one dtype to one dtype, outside
+    torch.compile's tracing (which takes the plain op); else one torch._foreach_copy_ (a multi-tensor
+    kernel with a block per 65,536 elements: too few blocks for an MLP stack's parameters, kernels/cast.py
+    says why)."""
+    # Kernels import here, not at module load: TRITON_INTERPRET must be decided before they are decorated.
+    from kernels.cast import MAX_TENSORS, cast_together
+    from kernels.launch import use_triton
+
+    one_dtype = len({t.dtype for t in tensors}) == 1 and len(set(dtypes)) == 1
+    if (
+        one_dtype
+        and len(tensors) <= MAX_TENSORS
+        and use_triton(tensors[0])
+        and not torch.compiler.is_compiling()
+    ):
+        return cast_together(tensors, dtypes[0])
+    out = [torch.empty_like(t, dtype=dtype) for t, dtype in zip(tensors, dtypes, strict=True)]
+    torch._foreach_copy_(out, tensors)
+    return out
 
 
 class _CastTogether(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dtype: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.dtypes = [t.dtype for t in tensors]
-        out = [torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format) for t in tensors]
-        torch._foreach_copy_(out, list(tensors))
-        return tuple(out)
+        return tuple(_cast([t.contiguous() for t in tensors], [dtype] * len(tensors)))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        out = [
-            torch.empty_like(g, dtype=dtype, memory_format=torch.contiguous_format)
-            for g, dtype in zip(grads, ctx.dtypes, strict=True)
-        ]
-        torch._foreach_copy_(out, [g.contiguous() for g in grads])
-        return (None, *out)
+        return (None, *_cast([g.contiguous() for g in grads], ctx.dtypes))
 
 
 def _init_fb_dlrm(layer: nn.Linear) -> None:

@@ -1,0 +1,67 @@
+"""kernels/cast.py: many tensors cast in one launch, each equal to Tensor.to's cast."""
+
+import pytest
+import torch
+
+from kernels.cast import BLOCK, MAX_TENSORS, cast_together
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _tensors(shapes, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(*s, generator=g) * 100).to(DEVICE, dtype) for s in shapes]
+
+
+# Sizes around the block (one element, a partial block, several blocks and a tail), an empty tensor among
+# them, and every slot used.
+SHAPES = [(1,), (3, 5), (BLOCK,), (2, BLOCK + 7), (0, 4), (367, 512)]
+
+
+@pytest.mark.parametrize(
+    "src, dst",
+    [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float16)],
+)
+def test_each_result_is_the_tensors_own_cast(src, dst):
+    tensors = _tensors(SHAPES, src)
+    out = cast_together(tensors, dst)
+    for t, o in zip(tensors, out, strict=True):
+        assert o.dtype == dst and o.shape == t.shape and o.is_contiguous()
+        assert torch.equal(o, t.to(dst))
+
+
+def test_bf16_rounds_to_nearest_even_with_inf_and_nan_kept():
+    """Ties, the largest finite values (rounding up to inf), infinities, NaN, subnormals and signed zeros."""
+    words = [0x3F808000, 0x3F818000, 0x3F80C000, 0x7F7FFFFF, 0xFF7F8000, 0x7F800000, 0xFF800000, 0x7FC00001]
+    words += [0x00008000, 0x00018000, 0x80000001, 0x80000000, 0x00000000]
+    x = torch.tensor(words, dtype=torch.int64).to(torch.int32).view(torch.float32).to(DEVICE)
+    (out,) = cast_together([x], torch.bfloat16)
+    ref = x.to(torch.bfloat16)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out[~ref.isnan()].view(torch.int16), ref[~ref.isnan()].view(torch.int16))
+
+
+def test_all_slots_used():
+    tensors = _tensors([(i + 1, 3) for i in range(MAX_TENSORS)], torch.float32, seed=1)
+    out = cast_together(tensors, torch.bfloat16)
+    assert all(torch.equal(o, t.to(torch.bfloat16)) for t, o in zip(tensors, out, strict=True))
+
+
+def test_only_empty_tensors():
+    out = cast_together(_tensors([(0,), (2, 0)], torch.float32), torch.bfloat16)
+    assert [tuple(o.shape) for o in out] == [(0,), (2, 0)] and all(o.dtype == torch.bfloat16 for o in out)
+
+
+@pytest.mark.parametrize(
+    "tensors, message",
+    [
+        ([], "1 to 16 tensors, got 0"),
+        (_tensors([(2,)] * (MAX_TENSORS + 1), torch.float32), "1 to 16 tensors, got 17"),
+        ([*_tensors([(2,)], torch.float32), *_tensors([(2,)], torch.bfloat16)], "tensor 1 is torch.bfloat16"),
+        (_tensors([(4, 4)], torch.float32)[0].t()[None], "tensor 0 must be contiguous"),
+        ([torch.zeros(2, dtype=torch.int64, device=DEVICE)], "dtypes must be among"),
+    ],
+)
+def test_bad_input_is_refused_by_name(tensors, message):
+    with pytest.raises(ValueError, match=message):
+        cast_together(list(tensors), torch.bfloat16)
