@@ -25,18 +25,19 @@ for the host.
 Why not torch.optim.Adagrad: its step count lives on the host (or as a tensor read with `.item()`), which a
 graph capture cannot hold; with lr_decay 0 the count changes nothing, so this Adagrad keeps none.
 
-Why not torch.optim.SGD with a Tensor lr (read in torch 2.13's torch/optim/sgd.py; the GPU machines run
-2.11): its default CUDA path (`_multi_tensor_sgd`, foreach) ends in
-`torch._foreach_add_(params, grads, alpha=-lr)`, and `alpha` is a Python number, so a tensor lr is read
-back with `.item()` (aten._local_scalar_dense: a host sync, which fails inside a graph capture) unless
-torch.compile is tracing it; the single-tensor path does the same with `param.add_(grad, alpha=-lr)`. Only
-the fused path (`fused=True`, not the default) passes a Tensor lr to its kernel, and it refuses the eager
-tables' sparse gradients. Here SGD's dense step calls that fused kernel itself (`torch._fused_sgd_`: one
-launch for all of a group's tensors, reading lr * scale, a 0-d device tensor, in the kernel), and the sparse
-gradients take their own step. Adagrad's scale enters through `torch._foreach_mul(steps, lr_scale)` (the
-ScalarTensor overload, which reads the tensor in the kernel), its learning rate, a constant of the run, a
-Python number; with `train.use_triton` its large dense tensors take kernels/adagrad.py's one-pass step
-instead (the same operations in the same order).
+Why not torch.optim.SGD with a Tensor lr (read in torch 2.13's torch/optim/sgd.py; the GPU machines run 2.11):
+its default CUDA path (`_multi_tensor_sgd`, foreach) ends in `torch._foreach_add_(params, grads, alpha=-lr)`,
+and `alpha` is a Python number, so a tensor lr is read back with `.item()` (aten._local_scalar_dense: a host
+sync, which fails inside a graph capture) unless torch.compile is tracing it; the single-tensor path does the
+same with `param.add_(grad, alpha=-lr)`. Only the fused path (`fused=True`, not the default) passes a Tensor
+lr to its kernel, and it refuses the eager tables' sparse gradients. Here SGD's dense step calls that fused
+kernel itself (`torch._fused_sgd_`: one launch for all of a group's tensors, reading lr * scale, a 0-d device
+tensor, in the kernel; with `train.use_triton`, kernels/multi_tensor.py's launch of the same update, which
+gives a small model's tensors many more thread blocks), and the sparse gradients take their own step.
+Adagrad's scale enters through `torch._foreach_mul(steps, lr_scale)` (the ScalarTensor overload, which reads
+the tensor in the kernel), its learning rate, a constant of the run, a Python number; with `train.use_triton`
+its large dense tensors take kernels/adagrad.py's one-pass step instead (the same operations in the same
+order).
 """
 
 import hashlib
@@ -47,6 +48,7 @@ import torch.distributed as dist
 from dlrm.choices import FUSED_UPDATE_KERNELS
 from dlrm.config import TrainConfig
 from kernels.adagrad import adagrad_step, adagrad_step_takes
+from kernels.multi_tensor import sgd_step_takes, sgd_step_together
 
 # The dense Adagrad of kernel "triton" steps a tensor of at least this many elements with our one-pass
 # kernel (kernels/adagrad.py) and the smaller ones with the foreach ops, a few launches for all of them: a
@@ -120,16 +122,26 @@ class SGD(ScaledLrOptimizer):
         weight_decay: L2 penalty of groups that do not set one (>= 0), added to the gradient as in
             torch.optim.SGD; not applied to sparse gradients (dlrm.optim.RunOptimizer gives the eager
             embedding tables, the only sparse ones, weight decay 0).
+        kernel: how the dense step runs: "torch" (torch._fused_sgd_) or "triton" (a group that
+            kernels.multi_tensor.sgd_step_takes, up to 16 fp32 tensors, by its one launch: the same
+            update, with a program a block of each tensor).
 
     Raises:
-        ValueError: lr <= 0 or weight_decay < 0, or parameters on more than one device.
+        ValueError: lr <= 0 or weight_decay < 0, a kernel other than "torch" or "triton", or parameters on
+            more than one device.
     """
 
-    def __init__(self, params, lr: float, weight_decay: float = 0.0):
+    def __init__(self, params, lr: float, weight_decay: float = 0.0, kernel: str = "torch"):
         self._check(lr, weight_decay, "SGD")
+        if kernel not in ("torch", "triton"):
+            raise ValueError(f'SGD: kernel must be "torch" or "triton", got {kernel!r}')
+        self.kernel = kernel
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
 
     def _dense_step(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        if self.kernel == "triton" and sgd_step_takes(params, grads):
+            sgd_step_together(params, grads, group["lr"], self.lr_scale)
+            return
         # One kernel for every tensor of the group (a scaled foreach step takes two passes: the product
         # with the scale, then the add); weight decay is already in `grads`.
         torch._fused_sgd_(
@@ -291,10 +303,10 @@ class RunOptimizer:
         if tables := model.embedding_parameters():
             group = {"params": tables, "lr": self.base_embedding_lr, "weight_decay": 0.0}
             groups.append({**group, "rowwise": True} if train.optimizer == "rowwise_adagrad" else group)
+        kernel = "triton" if train.use_triton else "torch"
         if train.optimizer == "sgd":
-            self.dense: ScaledLrOptimizer = SGD(groups, lr=train.lr)
+            self.dense: ScaledLrOptimizer = SGD(groups, lr=train.lr, kernel=kernel)
         else:
-            kernel = "triton" if train.use_triton else "torch"
             self.dense = Adagrad(groups, lr=train.lr, eps=train.adagrad_eps, kernel=kernel)
         self.lr_scale = self.dense.lr_scale
         self.scale = 1.0  # the factor the tensors hold

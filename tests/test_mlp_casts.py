@@ -1,6 +1,6 @@
 """dlrm.model.mlp under autocast: the "linear_act" stack casts its fp32 weights and biases to the autocast
-dtype together (one launch each way, kernels/cast.py), with the values and gradients that a cast a tensor
-gives."""
+dtype together (one launch each way, kernels/multi_tensor.py), with the values and gradients that a cast a
+tensor gives."""
 
 import torch
 
@@ -56,13 +56,13 @@ def test_linear_act_mlp_under_bf16_autocast_as_with_a_cast_a_tensor(monkeypatch)
 
 def test_each_way_is_one_launch_of_the_cast_kernel(monkeypatch):
     """Where our Triton kernels run (the GPU; the CPU under the tests' interpreter), the casts are
-    kernels.cast's, one call forward and one backward."""
-    import kernels.cast
+    kernels.multi_tensor's, one call forward and one backward."""
+    import kernels.multi_tensor
 
     calls = []
-    real = kernels.cast.cast_together
+    real = kernels.multi_tensor.cast_together
     monkeypatch.setattr(
-        kernels.cast, "cast_together", lambda ts, dtype: calls.append(dtype) or real(ts, dtype)
+        kernels.multi_tensor, "cast_together", lambda ts, dtype: calls.append(dtype) or real(ts, dtype)
     )
     out = _cast_together(torch.bfloat16, _leaves(4))
     torch.autograd.backward(out, [torch.ones_like(o) for o in out])

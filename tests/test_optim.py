@@ -101,6 +101,47 @@ def test_bad_arguments():
         SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
     with pytest.raises(ValueError, match="weight_decay must be >= 0"):
         SGD([torch.zeros(1, requires_grad=True)], lr=0.1, weight_decay=-1.0)
+    with pytest.raises(ValueError, match='kernel must be "torch" or "triton", got \'cuda\''):
+        SGD([torch.zeros(1, requires_grad=True)], lr=0.1, kernel="cuda")
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_sgd_triton_kernel_is_the_fused_step(monkeypatch, weight_decay):
+    """Kernel "triton": the dense group steps in kernels/multi_tensor.py's one launch (the sparse table by
+    its own step); three steps at lr_scale 0.5 end at kernel "torch"'s weights to fp32 rounding (the same
+    product and difference; a multiply-add may fuse on one side only), with no device value read on the
+    host."""
+    launches = []
+    real = optim.sgd_step_together
+    monkeypatch.setattr(
+        optim, "sgd_step_together", lambda p, *args: launches.append(len(p)) or real(p, *args)
+    )
+    ours, theirs = _params(), _params()
+    a = SGD(_groups(*ours, weight_decay), lr=0.1, kernel="triton")
+    b = SGD(_groups(*theirs, weight_decay), lr=0.1)
+    a.lr_scale.fill_(0.5)
+    b.lr_scale.fill_(0.5)
+    for _ in range(3):
+        with AtenOps() as ops:
+            a.step()
+        assert not ops.host_reads
+        b.step()
+    assert launches == [3] * 3
+    for x, y in zip([*ours[0], ours[1]], [*theirs[0], theirs[1]], strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_sgd_triton_kernel_leaves_what_it_cannot_take_to_torchs_step(monkeypatch):
+    """A group the one launch cannot take (a transposed view as a parameter) steps by torch._fused_sgd_,
+    as kernel "torch" would."""
+    monkeypatch.setattr(optim, "sgd_step_together", lambda *args: pytest.fail("launched"))
+    base = torch.randn(5, 7)
+    ours, theirs = base.clone().t().requires_grad_(), base.clone().t().requires_grad_()
+    ours.grad = torch.randn(7, 5)
+    theirs.grad = ours.grad.clone()
+    SGD([ours], lr=0.1, kernel="triton").step()
+    SGD([theirs], lr=0.1).step()
+    assert torch.equal(ours, theirs)
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])

@@ -218,14 +218,14 @@ def _cast_together(dtype: torch.dtype, tensors: list[torch.Tensor]) -> list[torc
 
 
 def _cast(tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
-    """Contiguous `tensors`, each in its dtype of `dtypes`, as new tensors: kernels.cast's one launch where
-    our Triton kernels run, for up to its MAX_TENSORS tensors of one dtype to one dtype, outside
-    torch.compile's tracing (which takes the plain op); else one torch._foreach_copy_ (a multi-tensor
-    kernel with a block per 65,536 elements: too few blocks for an MLP stack's parameters, kernels/cast.py
-    says why)."""
+    """Contiguous `tensors`, each in its dtype of `dtypes`, as new tensors: kernels.multi_tensor's one
+    launch where our Triton kernels run, for up to its MAX_TENSORS tensors of one dtype to one dtype,
+    outside torch.compile's tracing (which takes the plain op); else one torch._foreach_copy_ (a
+    multi-tensor kernel with a block per 65,536 elements: too few blocks for an MLP stack's parameters,
+    kernels/multi_tensor.py says why)."""
     # Kernels import here, not at module load: TRITON_INTERPRET must be decided before they are decorated.
-    from kernels.cast import MAX_TENSORS, cast_together
     from kernels.launch import use_triton
+    from kernels.multi_tensor import MAX_TENSORS, cast_together
 
     one_dtype = len({t.dtype for t in tensors}) == 1 and len(set(dtypes)) == 1
     if (

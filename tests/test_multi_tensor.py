@@ -1,9 +1,10 @@
-"""kernels/cast.py: many tensors cast in one launch, each equal to Tensor.to's cast."""
+"""kernels/multi_tensor.py: many tensors cast, or stepped by SGD, in one launch, as Tensor.to and
+torch._fused_sgd_ give them."""
 
 import pytest
 import torch
 
-from kernels.cast import BLOCK, MAX_TENSORS, cast_together
+from kernels.multi_tensor import BLOCK, MAX_TENSORS, cast_together, sgd_step_together
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -65,3 +66,46 @@ def test_only_empty_tensors():
 def test_bad_input_is_refused_by_name(tensors, message):
     with pytest.raises(ValueError, match=message):
         cast_together(list(tensors), torch.bfloat16)
+
+
+def _sgd_pairs(shapes, seed):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(*s, generator=g).to(DEVICE) for s in shapes]
+    grads = [torch.randn(*s, generator=g).to(DEVICE) for s in shapes]
+    return params, grads
+
+
+def test_sgd_step_is_torchs_fused_sgd_with_the_scaled_rate():
+    ours, grads = _sgd_pairs(SHAPES, 3)
+    theirs = [p.clone() for p in ours]
+    scale = torch.tensor(0.37, device=DEVICE)
+    sgd_step_together(ours, grads, 0.05, scale)
+    torch._fused_sgd_(
+        theirs, grads, [], weight_decay=0.0, momentum=0.0, lr=scale * 0.05, dampening=0.0, nesterov=False,
+        maximize=False, is_first_step=False,
+    )  # fmt: skip
+    # The same product and difference in fp32; a GPU may fuse p - rate * g into one multiply-add on
+    # either side, one rounding apart.
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1.2e-7, atol=1e-7)
+    assert not torch.equal(ours[-1], _sgd_pairs(SHAPES, 3)[0][-1])  # it moved
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda p, g: (p, g[:-1]),
+        lambda p, g: (p, [x.double() for x in g]),
+        lambda p, g: ([x.t() for x in p], g),
+        lambda p, g: (p * 9, g * 9),
+    ],
+)
+def test_sgd_step_refuses_what_it_cannot_take(change):
+    params, grads = change(*_sgd_pairs([(3, 4), (4, 3)], 4))
+    with pytest.raises(ValueError, match="1 to 16 fp32 contiguous parameters"):
+        sgd_step_together(params, grads, 0.1, torch.tensor(1.0, device=DEVICE))
+
+
+def test_sgd_step_refuses_a_scale_that_is_not_0d_fp32():
+    with pytest.raises(ValueError, match="scale must be a 0-d fp32 tensor"):
+        sgd_step_together(*_sgd_pairs([(2,)], 5), 0.1, torch.ones(1, device=DEVICE))
