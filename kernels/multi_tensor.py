@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import DTYPES
+from kernels.launch import DTYPES, use_triton
 
 __all__ = ["MAX_TENSORS", "cast_together", "sgd_step_takes", "sgd_step_together"]
 
@@ -162,10 +162,12 @@ def cast_together(tensors: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
 
 
 def sgd_step_takes(params: list[Tensor], grads: list[Tensor]) -> bool:
-    """Whether `sgd_step_together` takes these: 1 to MAX_TENSORS fp32 contiguous parameters on one device,
-    each gradient of its parameter's shape, dtype and device and contiguous."""
+    """Whether `sgd_step_together` takes these: 1 to MAX_TENSORS fp32 contiguous parameters on one device
+    where our Triton kernels run (CUDA, or the CPU under TRITON_INTERPRET=1), each gradient of its
+    parameter's shape, dtype and device and contiguous."""
     return (
         1 <= len(params) == len(grads) <= MAX_TENSORS
+        and use_triton(params[0])
         and all(p.dtype == torch.float32 and p.is_contiguous() and p.numel() < 2**31 for p in params)
         and all(p.device == params[0].device for p in params)
         and all(
@@ -192,8 +194,8 @@ def sgd_step_together(params: list[Tensor], grads: list[Tensor], lr: float, scal
     """
     if not sgd_step_takes(params, grads):
         raise ValueError(
-            f"sgd_step_together: 1 to {MAX_TENSORS} fp32 contiguous parameters on one device, each gradient "
-            "of its parameter's shape, dtype and device"
+            f"sgd_step_together: 1 to {MAX_TENSORS} fp32 contiguous parameters on one device where Triton "
+            "runs, each gradient of its parameter's shape, dtype and device"
         )
     if scale.shape != () or scale.dtype != torch.float32 or scale.device != params[0].device:
         raise ValueError(

@@ -109,3 +109,13 @@ def test_sgd_step_refuses_what_it_cannot_take(change):
 def test_sgd_step_refuses_a_scale_that_is_not_0d_fp32():
     with pytest.raises(ValueError, match="scale must be a 0-d fp32 tensor"):
         sgd_step_together(*_sgd_pairs([(2,)], 5), 0.1, torch.ones(1, device=DEVICE))
+
+
+def test_sgd_step_takes_only_tensors_where_triton_runs(monkeypatch):
+    """A CPU run without the interpreter has no Triton: its SGD keeps torch's step (dlrm.optim.SGD asks)."""
+    import kernels.multi_tensor
+
+    params, grads = _sgd_pairs([(3, 4)], 6)
+    assert kernels.multi_tensor.sgd_step_takes(params, grads)
+    monkeypatch.setattr(kernels.multi_tensor, "use_triton", lambda t: False)
+    assert not kernels.multi_tensor.sgd_step_takes(params, grads)
