@@ -233,8 +233,9 @@ def main(
     common |= {"rows": rows, "batch": batch, "precision": precision}
     out = []
     for n, graph, loader in itertools.product(counts, graphs.split(","), loaders.split(",")):
+        keep = keep_runs / f"w{n}_{loader}_graphs-{graph}" if keep_runs else None
         m = train_run(
-            config, data, loader, graph == "on", batch, precision, steps, n, train_settings, overrides
+            config, data, loader, graph == "on", batch, precision, steps, n, train_settings, overrides, keep
         )
         step = bare[graph, n]
         later_evals = m["evals"] - 1

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from dlrm.config import load_config
+from dlrm.run.timing import PARTS
 from tests.conftest import load_script
 
 e2e = load_script("bench_e2e")
@@ -66,3 +67,30 @@ def test_each_override_reaches_the_run_as_set_and_the_run_directory_is_kept(tmp_
     assert metrics["steps"] == 40 and math.isnan(metrics["gpu_idle_share"])  # no trace: no window
     # The run directory is kept, without its checkpoints.
     assert (kept / "metrics.json").is_file() and not (kept / "checkpoints").exists()
+
+
+def test_keep_runs_gives_each_run_its_own_directory(tmp_path, monkeypatch):
+    """`--keep-runs DIR` reaches every training run as DIR/w<N>_<loader>_graphs-<on|off>."""
+    from click.testing import CliRunner
+
+    kept = []
+
+    def train_run(*args):
+        kept.append(args[-1])
+        spent = {"wall_s": 1.0} | {f"{part}_s": 0.1 for part in PARTS}
+        return {"evals": 1, "eval_s": 0.1, "first_eval_s": 0.1, "steps": 20, "samples_per_s": 10.0,
+                "gpu_idle_share": 0.0, "val_samples": 5, "peak_rss_gib": 1.0, "first_step_s": 1.0,
+                "time_per_rank": [spent]}  # fmt: skip
+
+    monkeypatch.setattr(e2e.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(e2e.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(e2e.torch.cuda, "get_device_name", lambda: "fake")
+    for name, fake in {"ensure_data": lambda data, rows: None, "bare_step": lambda *args: 10.0,
+                       "step_idle_share": lambda *args: 0.0, "train_run": train_run,
+                       "append_rows": lambda path, rows: None}.items():  # fmt: skip
+        monkeypatch.setattr(e2e, name, fake)
+    args = ["--loaders", "binary", "--graphs", "on,off", "--nproc", "1,2", "--keep-runs", str(tmp_path)]
+    result = CliRunner().invoke(e2e.main, args)
+    assert result.exit_code == 0, result.output
+    names = ["w1_binary_graphs-on", "w1_binary_graphs-off", "w2_binary_graphs-on", "w2_binary_graphs-off"]
+    assert kept == [tmp_path / name for name in names]
