@@ -107,17 +107,18 @@ def _multi_tensor_kernel(
         _apply(a15, b15, n15, offsets, scale_ptr, lr, OP)
 
 
-def _check_list(tensors: list[Tensor], op: str) -> None:
+def _list_problem(tensors: list[Tensor]) -> str | None:
+    """What keeps `tensors` from one launch (a count outside 1..MAX_TENSORS, mixed dtypes or devices, a
+    tensor not contiguous or of 2**31 elements or more), or None."""
     if not 1 <= len(tensors) <= MAX_TENSORS:
-        raise ValueError(f"{op}: 1 to {MAX_TENSORS} tensors, got {len(tensors)}")
+        return f"1 to {MAX_TENSORS} tensors, got {len(tensors)}"
     first = tensors[0]
     for i, t in enumerate(tensors):
         if t.dtype != first.dtype or t.device != first.device:
-            raise ValueError(
-                f"{op}: tensor {i} is {t.dtype} on {t.device}, tensor 0 {first.dtype} on {first.device}"
-            )
+            return f"tensor {i} is {t.dtype} on {t.device}, tensor 0 {first.dtype} on {first.device}"
         if not t.is_contiguous() or t.numel() >= 2**31:
-            raise ValueError(f"{op}: tensor {i} must be contiguous with < 2**31 elements")
+            return f"tensor {i} must be contiguous with < 2**31 elements"
+    return None
 
 
 def _launch(a: list[Tensor], b: list[Tensor], scale: Tensor | None, lr: float, op: str) -> None:
@@ -151,7 +152,8 @@ def cast_together(tensors: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
         ValueError: no tensors or more than MAX_TENSORS, mixed dtypes or devices, a dtype outside DTYPES,
             a tensor that is not contiguous or has 2**31 elements or more.
     """
-    _check_list(tensors, "cast_together")
+    if problem := _list_problem(tensors):
+        raise ValueError(f"cast_together: {problem}")
     if tensors[0].dtype not in DTYPES or dtype not in DTYPES:
         raise ValueError(f"cast_together: dtypes must be among {DTYPES}, got {tensors[0].dtype} -> {dtype}")
     out = [torch.empty_like(t, dtype=dtype) for t in tensors]
@@ -166,10 +168,10 @@ def sgd_step_takes(params: list[Tensor], grads: list[Tensor]) -> bool:
     where our Triton kernels run (CUDA, or the CPU under TRITON_INTERPRET=1), each gradient of its
     parameter's shape, dtype and device and contiguous."""
     return (
-        1 <= len(params) == len(grads) <= MAX_TENSORS
+        _list_problem(params) is None
+        and params[0].dtype == torch.float32
         and use_triton(params[0])
-        and all(p.dtype == torch.float32 and p.is_contiguous() and p.numel() < 2**31 for p in params)
-        and all(p.device == params[0].device for p in params)
+        and len(grads) == len(params)
         and all(
             g.dtype == p.dtype and g.shape == p.shape and g.device == p.device and g.is_contiguous()
             for p, g in zip(params, grads, strict=True)
