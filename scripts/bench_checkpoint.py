@@ -47,6 +47,7 @@ evaluation would add a save).
 Each run starts once the page cache's writes of the runs before it are on disk (os.sync, its seconds
 printed), so that no run's steps, the uninterrupted run's baseline among them, run beside an earlier run's
 writeback of its checkpoints.
+
 The checkpoints the runs keep at once (the save run's 3 by its preflight, then the save run's last, the whole
 run's last and a resumed run's 2, or whole-again's 2) must fit on `--work`'s disk: `--max-rows` is lowered
 to the largest cap that fits, with a line saying so (`--no-fit-disk` keeps it and lets the preflight
@@ -211,9 +212,8 @@ def launch(
 ) -> Launch:
     """Run `dlrm.train` with `args` on `nproc` ranks (torchrun --standalone; one process: python -m
     dlrm.train) once the page cache's writes are on disk (os.sync), its output to work/<name>.log and its
-    key lines to stdout; with `fake_free`, every rank
-    sees that many bytes free on its disk. At `deadline` (time.monotonic) its ranks and torchrun are killed
-    (SIGKILL, by pid) and the Launch says `timed_out`."""
+    key lines to stdout; with `fake_free`, every rank sees that many bytes free on its disk. At `deadline`
+    (time.monotonic) its ranks and torchrun are killed (SIGKILL, by pid) and the Launch says `timed_out`."""
     python = [sys.executable]
     if fake_free is not None:
         train = ["-c", FAKE_FREE.format(free=fake_free)]
