@@ -281,14 +281,14 @@ def _gradient_offsets(row, mask, scales_ptr, F, D, stride_b, stride_f, POOLED: t
 @triton.jit(do_not_specialize=["N", "SEGMENTS"])
 def _segment_sum_kernel(
     # pointers
-    rows_ptr,  # [N] int64: row of grad read at each sorted position (identity at level >= 1)
+    rows_ptr,  # level 0: [N] int64 row of grad read at each sorted position (a level >= 1 reads row p at p)
     segment_ptr,  # [N] int64: segment (distinct row, in sorted order) of each sorted position
     grad_ptr,  # [*, D] dout rows ([B, F, D] where POOLED), any float dtype; level >= 1: the partial sums
     scales_ptr,  # POOLED: [F] fp32 pooling scale of each feature (not read otherwise)
     sums_ptr,  # [SEGMENTS, D] fp32: each long segment's sum, stored by the level where it fits in a block
     dest_ptr,  # [2 * blocks] int64: where the next level holds a block's first / last partial (or -1)
     partial_ptr,  # [M, D] fp32: the next level's values
-    blocks_ptr,  # [blocks] int64: in its first `count` places, the blocks to sum (`_blocks_to_sum`)
+    blocks_ptr,  # [blocks] int64: in its first `count` places, the blocks to sum (`_level_plan`)
     count_ptr,  # [1] int64: count
     # sizes
     N,
@@ -315,7 +315,10 @@ def _segment_sum_kernel(
         mask_p = p < N
         mask = mask_p[:, None] & mask_d
         # The gradient's row of each position comes precomputed: two dependent loads a block, not three.
-        row = tl.load(rows_ptr + p, mask=mask_p, other=0)
+        if LEVEL0:
+            row = tl.load(rows_ptr + p, mask=mask_p, other=0)
+        else:
+            row = p
         segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
         offset, scale = _gradient_offsets(row, mask_p, scales_ptr, F, D, stride_b, stride_f, POOLED)
         # An unused slot of a level >= 1 was never written (its buffer is not zeroed): read as zeros, since
@@ -374,6 +377,93 @@ def _segment_starts_kernel(
     segment = tl.load(segment_ptr + p, mask=valid, other=0)
     previous = tl.load(segment_ptr + p - 1, mask=valid & (p > 0), other=-1)
     tl.store(starts_ptr + segment, p, mask=valid & (segment != previous))
+
+
+@triton.jit(do_not_specialize=["M", "K"])
+def _level_flags_kernel(
+    segment_ptr,  # [M] int64: the level's segment of each position, sorted
+    starts_ptr,  # LEVEL0: [N + 1] int64 each segment's first sorted position (not read otherwise)
+    scan_ptr,  # [2, 2K] int64 output: row 0 the flags, row 1 (LEVEL0) each block's "listed", then zeros
+    values_ptr,  # [2K] int64 output: each block's first and last segment
+    M,
+    K,  # blocks of BLOCK_N positions
+    LEVEL0: tl.constexpr,
+    SHORT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """For blocks k of BLOCK_N positions: flag 2k, its first segment began in an earlier block; flag
+    2k + 1, its last segment goes on into a later one (and did not come in); at level 0 only a long
+    segment's (more than SHORT positions). Row 1 (level 0): whether block k has either flag, the blocks
+    the summing kernel sums, and zeros past K so that one scan takes both rows."""
+    k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = k < K
+    begin = k * BLOCK_N
+    end = tl.minimum(begin + BLOCK_N - 1, M - 1)
+    first = tl.load(segment_ptr + begin, mask=mask, other=0)
+    last = tl.load(segment_ptr + end, mask=mask, other=0)
+    before = tl.load(segment_ptr + begin - 1, mask=mask & (begin > 0), other=-1)
+    after = tl.load(segment_ptr + end + 1, mask=mask & (end + 1 < M), other=-1)
+    came_in = (before == first) & (begin > 0)
+    goes_on = (after == last) & (end + 1 < M) & ~(came_in & (first == last))
+    if LEVEL0:
+        first_length = tl.load(starts_ptr + first + 1, mask=mask, other=0) - tl.load(
+            starts_ptr + first, mask=mask, other=0
+        )
+        last_length = tl.load(starts_ptr + last + 1, mask=mask, other=0) - tl.load(
+            starts_ptr + last, mask=mask, other=0
+        )
+        came_in = came_in & (first_length > SHORT)
+        goes_on = goes_on & (last_length > SHORT)
+        tl.store(scan_ptr + 2 * K + k, (came_in | goes_on).to(tl.int64), mask=mask)
+        tl.store(scan_ptr + 3 * K + k, tl.zeros_like(k), mask=mask)
+    tl.store(scan_ptr + 2 * k, came_in.to(tl.int64), mask=mask)
+    tl.store(scan_ptr + 2 * k + 1, goes_on.to(tl.int64), mask=mask)
+    tl.store(values_ptr + 2 * k, first, mask=mask)
+    tl.store(values_ptr + 2 * k + 1, last, mask=mask)
+
+
+@triton.jit(do_not_specialize=["K", "SEGMENTS"])
+def _level_places_kernel(
+    flags_ptr,  # [2, 2K] int64: `_level_flags_kernel`'s rows
+    scan_ptr,  # [2, 2K] int64: their inclusive prefix sums, row by row
+    values_ptr,  # [2K] int64: each block's first and last segment
+    used_ptr,  # level >= 1: [1] int64, the positions of this level in use (the level before's places)
+    dest_ptr,  # [2K] int64 output: the place of each flag in the next level, or -1
+    next_ptr,  # [2K] int64 output: the next level's segment of each place
+    places_ptr,  # [1] int64 output: the places in use
+    blocks_ptr,  # [K] int64 output: the blocks to sum, in its first `count` places
+    count_ptr,  # [1] int64 output: count
+    K,
+    SEGMENTS,  # segments of level 0; the unused places get SEGMENTS, SEGMENTS + 1, ...
+    LEVEL0: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Each flagged place gets the next place in order and its segment there; the unused places after
+    them segments of their own (>= SEGMENTS, never stored). The blocks to sum: at level 0 the listed
+    ones, in order; at a level >= 1 its first blocks, up to its used positions."""
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = j < 2 * K
+    flag = tl.load(flags_ptr + j, mask=mask, other=0) != 0
+    place = tl.load(scan_ptr + j, mask=mask, other=0) - 1
+    places = tl.load(scan_ptr + 2 * K - 1)
+    tl.store(dest_ptr + j, tl.where(flag, place, -1), mask=mask)
+    value = tl.load(values_ptr + j, mask=mask & flag, other=0)
+    tl.store(next_ptr + place, value, mask=mask & flag)
+    tl.store(next_ptr + j, SEGMENTS + j, mask=mask & (j >= places))
+    block = mask & (j < K)
+    if LEVEL0:
+        listed = tl.load(flags_ptr + 2 * K + j, mask=block, other=0) != 0
+        slot = tl.load(scan_ptr + 2 * K + j, mask=block, other=0) - 1
+        tl.store(blocks_ptr + slot, j, mask=block & listed)
+        count = tl.load(scan_ptr + 3 * K - 1)
+    else:
+        tl.store(blocks_ptr + j, j, mask=block)
+        count = (tl.load(used_ptr) + BLOCK_N - 1) // BLOCK_N
+    if tl.program_id(0) == 0:
+        tl.store(places_ptr, places)
+        tl.store(count_ptr, count)
 
 
 @triton.jit(do_not_specialize=["N", "F", "eps"])
@@ -599,49 +689,43 @@ def sorted_segments(index: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
     return sorted_rows, order, segment
 
 
-def _next_level(segment: Tensor, segments: int, starts: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """For one level of the segment sums (`segment` [m] int64 sorted, cut into blocks of SUM_BLOCK_N): (dest
-    [2 * blocks] int64, next_segment [2 * blocks] int64, places [1] int64). dest[2k] is where the next level
-    holds block k's partial sum of its first segment when that began in an earlier block, dest[2k + 1] that
-    of its last segment when it goes on into a later block (and did not begin earlier), -1 otherwise;
+def _level_plan(
+    segment: Tensor, segments: int, starts: Tensor | None, used: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One level of the segment sums (`segment` [m] int64 sorted, cut into k blocks of SUM_BLOCK_N):
+    (dest [2k], next_segment [2k], places [1], blocks [k], count [1]), all int64. dest[2j] is where the next
+    level holds block j's partial sum of its first segment when that began in an earlier block, dest[2j + 1]
+    that of its last segment when it goes on into a later block (and did not begin earlier), -1 otherwise;
     next_segment the segment of each place, in order, the `places` used ones first, its unused places
-    numbered `segments`, `segments` + 1, ... (segments of their own, never stored). At level 0 (`starts`
-    [N + 1], `_segment_starts_kernel`'s, given) only a long segment (more than SHORT_SEGMENT positions) has
-    places: the step kernel sums the short ones itself. Fixed shapes, no host sync."""
-    m = len(segment)
-    begins = torch.arange(0, m, SUM_BLOCK_N, device=segment.device)
-    ends = (begins + SUM_BLOCK_N - 1).clamp_(max=m - 1)
-    first, last = segment[begins], segment[ends]
-    came_in = (begins > 0) & (segment[(begins - 1).clamp(min=0)] == first)
-    goes_on = (ends + 1 < m) & (segment[(ends + 1).clamp(max=m - 1)] == last) & ~(came_in & (first == last))
-    if starts is not None:
-        # The lengths of the blocks' first and last segments only (every segment's: a pass over [N]).
-        came_in &= starts[first + 1] - starts[first] > SHORT_SEGMENT
-        goes_on &= starts[last + 1] - starts[last] > SHORT_SEGMENT
-    flags = torch.stack([came_in, goes_on], dim=1).reshape(-1)
-    places = torch.cumsum(flags, dim=0) - 1
-    dest = torch.where(flags, places, -1)
-    unused = segments + torch.arange(len(flags) + 1, device=segment.device)
-    next_segment = unused.scatter_(
-        0, torch.where(flags, places, len(flags)), torch.stack([first, last], 1).reshape(-1)
-    )
-    return dest, next_segment[:-1], places[-1:] + 1
-
-
-def _blocks_to_sum(dest: Tensor, used: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(blocks [k] int64, count [1] int64) of a level's k blocks (`dest` [2k], `_next_level`'s): the summing
-    kernel sums blocks[:count]. Level 0 (`used` None): the blocks with a place in the next level, in order,
-    which are those holding a long segment (one cannot lie inside a block of SUM_BLOCK_N <= SHORT_SEGMENT
-    positions: it is the first or last segment of each block it touches, and has a place there). A level
-    >= 1: its first blocks, up to its `used` [1] positions (the places the level before used)."""
-    k = len(dest) // 2
-    if used is not None:
-        return torch.arange(k, device=dest.device), (used + SUM_BLOCK_N - 1) // SUM_BLOCK_N
-    listed = (dest.view(k, 2) >= 0).any(dim=1)
-    slot = torch.cumsum(listed, dim=0) - 1
-    blocks = torch.zeros(k + 1, dtype=torch.int64, device=dest.device)
-    blocks.scatter_(0, torch.where(listed, slot, k), torch.arange(k, device=dest.device))
-    return blocks[:-1], slot[-1:] + 1
+    numbered `segments`, `segments` + 1, ... (segments of their own, never stored). The summing kernel sums
+    blocks[:count]. Level 0 (`starts` [N + 1], `_segment_starts_kernel`'s, given; `used` None): only a long
+    segment (more than SHORT_SEGMENT positions) has places, the step kernel summing the short ones itself,
+    and the blocks to sum are those with a place in the next level, in order, which are those holding a
+    long segment (one cannot lie inside a block of SUM_BLOCK_N <= SHORT_SEGMENT positions: it is the first or
+    last segment of each block it touches). A level >= 1 (`used` [1]: the places the level before used):
+    its first blocks, up to `used` positions. Fixed shapes, no host sync: two kernels and one scan."""
+    m, device = len(segment), segment.device
+    k = triton.cdiv(m, SUM_BLOCK_N)
+    level0 = used is None
+    flags = torch.empty(2, 2 * k, dtype=torch.int64, device=device)
+    values = torch.empty(2 * k, dtype=torch.int64, device=device)
+    block = 1024
+    _level_flags_kernel[(triton.cdiv(k, block),)](
+        segment, segment if starts is None else starts, flags, values, m, k,
+        LEVEL0=level0, SHORT=SHORT_SEGMENT, BLOCK_N=SUM_BLOCK_N, BLOCK=block,
+    )  # fmt: skip
+    # Level >= 1 scans its flags only (row 1, never written there, is not read).
+    scan = flags.cumsum(dim=1) if level0 else flags[:1].cumsum(dim=1)
+    dest = torch.empty(2 * k, dtype=torch.int64, device=device)
+    next_segment = torch.empty(2 * k, dtype=torch.int64, device=device)
+    places = torch.empty(1, dtype=torch.int64, device=device)
+    blocks = torch.empty(k, dtype=torch.int64, device=device)
+    count = torch.empty(1, dtype=torch.int64, device=device)
+    _level_places_kernel[(triton.cdiv(2 * k, block),)](
+        flags, scan, values, places if used is None else used, dest, next_segment, places, blocks, count,
+        k, segments, LEVEL0=level0, BLOCK_N=SUM_BLOCK_N, BLOCK=block,
+    )  # fmt: skip
+    return dest, next_segment, places, blocks, count
 
 
 def _sums_buffer(places: int, d: int, device: torch.device) -> Tensor:
@@ -685,8 +769,7 @@ def _segment_sums(
     level_starts, used = starts, None
     while True:
         m = len(segment)
-        dest, next_segment, places = _next_level(segment, n, level_starts)
-        blocks, count = _blocks_to_sum(dest, used)
+        dest, next_segment, places, blocks, count = _level_plan(segment, n, level_starts, used)
         partials = _sums_buffer(len(next_segment), d, grad.device)
         strides = grad.stride()[:2] if pooled else (0, 0)
         _segment_sum_kernel[(_persistent_grid(len(blocks), SUM_PROGRAMS_PER_SM, grad.device),)](
@@ -696,7 +779,6 @@ def _segment_sums(
         )  # fmt: skip
         if m <= SUM_BLOCK_N:
             return sums
-        rows = torch.arange(len(next_segment), device=grad.device)  # a level's positions are its values
         segment, grad, pooled, level_starts, used = next_segment, partials, False, None, places
 
 

@@ -372,14 +372,66 @@ def test_level_zero_sums_only_the_blocks_of_long_segments():
     n = len(segment)
     starts = torch.full((n + 1,), n)
     starts[: len(lengths)] = torch.tensor([0, *lengths[:-1]]).cumsum(0)
-    dest, next_segment, places = eu._next_level(segment, n, starts)
-    blocks, count = eu._blocks_to_sum(dest, None)
+    dest, next_segment, places, blocks, count = eu._level_plan(segment.to(DEVICE), n, starts.to(DEVICE), None)
     long = {s for s, length in enumerate(lengths) if length > eu.SHORT_SEGMENT}
     b = eu.SUM_BLOCK_N
     expected = [k for k in range(-(-n // b)) if long & set(segment[k * b : (k + 1) * b].tolist())]
     assert blocks[: int(count)].tolist() == expected
     assert set(next_segment[: int(places)].tolist()) == long
     assert (next_segment[int(places) :] >= n).all()  # the unused places: segments of their own
+
+
+def _level_plan_by_torch(segment, segments, starts, used, block_n, short):
+    """`_level_plan`'s outputs by torch operations on the whole arrays, each its definition: the flags of
+    every block, their places by a prefix sum, a scatter of the flagged segments."""
+    m = len(segment)
+    begins = torch.arange(0, m, block_n)
+    ends = (begins + block_n - 1).clamp(max=m - 1)
+    first, last = segment[begins], segment[ends]
+    came_in = (begins > 0) & (segment[(begins - 1).clamp(min=0)] == first)
+    goes_on = (ends + 1 < m) & (segment[(ends + 1).clamp(max=m - 1)] == last) & ~(came_in & (first == last))
+    if starts is not None:
+        came_in &= starts[first + 1] - starts[first] > short
+        goes_on &= starts[last + 1] - starts[last] > short
+    flags = torch.stack([came_in, goes_on], dim=1).reshape(-1)
+    places = torch.cumsum(flags, dim=0) - 1
+    dest = torch.where(flags, places, -1)
+    next_segment = segments + torch.arange(len(flags) + 1)
+    pairs = torch.stack([first, last], 1).reshape(-1)
+    next_segment.scatter_(0, torch.where(flags, places, len(flags)), pairs)
+    k = len(begins)
+    if used is None:
+        listed = (dest.view(k, 2) >= 0).any(dim=1)
+        blocks, count = torch.arange(k)[listed], int(listed.sum())
+    else:
+        blocks, count = torch.arange(k), -(-int(used) // block_n)
+    return dest, next_segment[:-1], int(places[-1]) + 1, blocks[:count], count
+
+
+@pytest.mark.parametrize("level0", [True, False])
+@pytest.mark.parametrize("m", [1, 31, 32, 33, 64, 500, 3000])
+def test_a_levels_plan_is_its_definition(level0, m):
+    """`_level_plan`'s two kernels and scan give what the definitions give on the whole arrays (by torch):
+    for sorted segments of lengths 1 to 80 (short, long, across block edges, inside one block), at level 0
+    (long segments only, the listed blocks) and at a level >= 1 (its first blocks up to the used places)."""
+    import kernels.embedding_update as eu
+
+    generator = torch.Generator().manual_seed(m + 7 * level0)
+    lengths = torch.randint(1, 81, (m,), generator=generator)
+    segment = torch.repeat_interleave(torch.arange(m), lengths)[:m]  # m positions
+    segments = int(segment[-1]) + 1
+    starts = None
+    if level0:
+        starts = torch.full((m + 1,), m)
+        starts[:segments] = torch.searchsorted(segment, torch.arange(segments))
+    used = None if level0 else torch.tensor([max(1, m - 5)])
+    expected = _level_plan_by_torch(segment, segments, starts, used, eu.SUM_BLOCK_N, eu.SHORT_SEGMENT)
+    on = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    dest, next_segment, places, blocks, count = eu._level_plan(on(segment), segments, on(starts), on(used))
+    assert dest.cpu().tolist() == expected[0].tolist()
+    assert next_segment.cpu().tolist() == expected[1].tolist()
+    assert int(places) == expected[2] and int(count) == expected[4]
+    assert blocks[: int(count)].cpu().tolist() == expected[3].tolist()
 
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
