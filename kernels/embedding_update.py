@@ -383,7 +383,7 @@ def _segment_starts_kernel(
 def _level_flags_kernel(
     segment_ptr,  # [M] int64: the level's segment of each position, sorted
     starts_ptr,  # LEVEL0: [N + 1] int64 each segment's first sorted position (not read otherwise)
-    scan_ptr,  # [2, 2K] int64 output: row 0 the flags, row 1 (LEVEL0) each block's "listed", then zeros
+    flags_ptr,  # [2K] int64 output: the flags; LEVEL0: [3K], then each block's "listed"
     values_ptr,  # [2K] int64 output: each block's first and last segment
     M,
     K,  # blocks of BLOCK_N positions
@@ -394,8 +394,8 @@ def _level_flags_kernel(
 ):
     """For blocks k of BLOCK_N positions: flag 2k, its first segment began in an earlier block; flag
     2k + 1, its last segment goes on into a later one (and did not come in); at level 0 only a long
-    segment's (more than SHORT positions). Row 1 (level 0): whether block k has either flag, the blocks
-    the summing kernel sums, and zeros past K so that one scan takes both rows."""
+    segment's (more than SHORT positions), and after the 2K flags whether block k has either, the blocks
+    the summing kernel sums (one scan then takes both)."""
     k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = k < K
     begin = k * BLOCK_N
@@ -415,18 +415,17 @@ def _level_flags_kernel(
         )
         came_in = came_in & (first_length > SHORT)
         goes_on = goes_on & (last_length > SHORT)
-        tl.store(scan_ptr + 2 * K + k, (came_in | goes_on).to(tl.int64), mask=mask)
-        tl.store(scan_ptr + 3 * K + k, tl.zeros_like(k), mask=mask)
-    tl.store(scan_ptr + 2 * k, came_in.to(tl.int64), mask=mask)
-    tl.store(scan_ptr + 2 * k + 1, goes_on.to(tl.int64), mask=mask)
+        tl.store(flags_ptr + 2 * K + k, (came_in | goes_on).to(tl.int64), mask=mask)
+    tl.store(flags_ptr + 2 * k, came_in.to(tl.int64), mask=mask)
+    tl.store(flags_ptr + 2 * k + 1, goes_on.to(tl.int64), mask=mask)
     tl.store(values_ptr + 2 * k, first, mask=mask)
     tl.store(values_ptr + 2 * k + 1, last, mask=mask)
 
 
 @triton.jit(do_not_specialize=["K", "SEGMENTS"])
 def _level_places_kernel(
-    flags_ptr,  # [2, 2K] int64: `_level_flags_kernel`'s rows
-    scan_ptr,  # [2, 2K] int64: their inclusive prefix sums, row by row
+    flags_ptr,  # [2K] int64 (LEVEL0: [3K]): `_level_flags_kernel`'s
+    scan_ptr,  # their inclusive prefix sum, one scan over both parts at level 0
     values_ptr,  # [2K] int64: each block's first and last segment
     used_ptr,  # level >= 1: [1] int64, the positions of this level in use (the level before's places)
     dest_ptr,  # [2K] int64 output: the place of each flag in the next level, or -1
@@ -455,9 +454,9 @@ def _level_places_kernel(
     block = mask & (j < K)
     if LEVEL0:
         listed = tl.load(flags_ptr + 2 * K + j, mask=block, other=0) != 0
-        slot = tl.load(scan_ptr + 2 * K + j, mask=block, other=0) - 1
+        slot = tl.load(scan_ptr + 2 * K + j, mask=block, other=0) - places - 1
         tl.store(blocks_ptr + slot, j, mask=block & listed)
-        count = tl.load(scan_ptr + 3 * K - 1)
+        count = tl.load(scan_ptr + 3 * K - 1) - places
     else:
         tl.store(blocks_ptr + j, j, mask=block)
         count = (tl.load(used_ptr) + BLOCK_N - 1) // BLOCK_N
@@ -707,15 +706,15 @@ def _level_plan(
     m, device = len(segment), segment.device
     k = triton.cdiv(m, SUM_BLOCK_N)
     level0 = used is None
-    flags = torch.empty(2, 2 * k, dtype=torch.int64, device=device)
+    # One scan, over a 1-D array (torch's scan along the last dim of a 2-row one runs on 2 thread blocks).
+    flags = torch.empty((3 if level0 else 2) * k, dtype=torch.int64, device=device)
     values = torch.empty(2 * k, dtype=torch.int64, device=device)
     block = 1024
     _level_flags_kernel[(triton.cdiv(k, block),)](
         segment, segment if starts is None else starts, flags, values, m, k,
         LEVEL0=level0, SHORT=SHORT_SEGMENT, BLOCK_N=SUM_BLOCK_N, BLOCK=block,
     )  # fmt: skip
-    # Level >= 1 scans its flags only (row 1, never written there, is not read).
-    scan = flags.cumsum(dim=1) if level0 else flags[:1].cumsum(dim=1)
+    scan = flags.cumsum(dim=0)
     dest = torch.empty(2 * k, dtype=torch.int64, device=device)
     next_segment = torch.empty(2 * k, dtype=torch.int64, device=device)
     places = torch.empty(1, dtype=torch.int64, device=device)
