@@ -672,6 +672,50 @@ def test_fp32_dx_layout_is_timed_once_per_shape_gpu(monkeypatch):
     assert grads_mod._fp32_dx_layout(dz[:100], w) == first
 
 
+def _padded_rows(m: int, k: int, generator: torch.Generator, device) -> torch.Tensor:
+    """x [m, k] fp32 in rows padded to 16 bytes (``layout.new_padded``) whose padding holds NaN."""
+    x = layout.new_padded(m, k, torch.empty(0, device=device))
+    x.as_strided((m, layout.aligned_width(k, x.dtype)), x.stride()).fill_(float("nan"))
+    x.copy_(torch.randn(m, k, generator=generator).to(device))
+    return x
+
+
+@pytest.mark.parametrize("k", [13, 367])
+def test_unaligned_dw_layouts_give_one_dw(k):
+    """dW = dz^T @ x for x of K = 13 and 367 in padded rows (NaN padding): the GEMM over the padded rows with
+    dW's extra columns dropped and the GEMM on x as it is give the same dW [N, K], contiguous, also into
+    `out`; `_dw_layout` takes "padded" in the interpreter and "direct" where rows are not padded."""
+    g = torch.Generator().manual_seed(k)
+    x = _padded_rows(96, k, g, DEVICE)
+    dz = torch.randn(96, 40, generator=g).to(DEVICE)
+    want = dz.double().t() @ x.double()
+    for name in ("padded", "direct"):
+        dw = grads_mod._weight_grad(dz, x, name)
+        assert dw.shape == (40, k) and dw.is_contiguous()
+        torch.testing.assert_close(dw.double(), want, rtol=1e-5, atol=1e-5)
+        out = torch.empty(40, k, device=DEVICE)
+        assert grads_mod._weight_grad(dz, x, name, out=out) is out
+        torch.testing.assert_close(out, dw, rtol=0, atol=0)
+    if launch.INTERPRETED:
+        assert grads_mod._dw_layout(dz, x) == "padded"
+    assert grads_mod._dw_layout(dz, x.contiguous()) == "direct"
+
+
+@pytest.mark.gpu
+def test_unaligned_dw_layout_is_timed_once_per_shape_gpu(monkeypatch):
+    """The first dW of an unaligned K in padded rows times both layouts; later ones in its M bucket reuse
+    the choice."""
+    monkeypatch.setattr(gemm_tuning, "_TABLES", {})
+    monkeypatch.setattr(grads_mod, "_DW_LAYOUT", gemm_tuning.ChoiceTable("unaligned dw layout"))
+    g = torch.Generator().manual_seed(17)
+    x = _padded_rows(128, 367, g, "cuda")
+    dz = torch.randn(128, 512, generator=g).cuda()
+    first = grads_mod._dw_layout(dz, x)
+    assert first in ("padded", "direct") and len(grads_mod._DW_LAYOUT) == 1
+    monkeypatch.setattr(gemm_tuning, "graph_time", lambda fn: pytest.fail("timed again"))
+    assert grads_mod._dw_layout(dz[:100], x[:100]) == first
+
+
 @pytest.mark.gpu
 def test_new_batch_size_does_not_recompile_gpu():
     kernels = [

@@ -123,32 +123,55 @@ def gemm_grads(
 
     With `side` (a CUDA stream, `dw_stream`), dW is computed there, concurrently with dx and whatever the
     current stream runs next; the caller makes the current stream wait for `side` before dW is read."""
+    layout = _dw_layout(dz, x)  # timed here, on the current stream, the first time a shape is seen
     if side is None:
-        return (grad_input(dz, weight) if needs_dx else None), _weight_grad(dz, x)
+        return (grad_input(dz, weight) if needs_dx else None), _weight_grad(dz, x, layout)
     current = torch.cuda.current_stream(dz.device)
     dw = x.new_empty(weight.shape)  # the current stream's memory: freed and reused there, after the join
     side.wait_stream(current)
     with torch.cuda.stream(side):
-        _weight_grad(dz, x, out=dw)
+        _weight_grad(dz, x, layout, out=dw)
     # dz and x are read on `side`: their memory is not reused until its reads are done.
     dz.record_stream(side)
     x.record_stream(side)
     return (grad_input(dz, weight) if needs_dx else None), dw
 
 
-def _weight_grad(dz: Tensor, x: Tensor, out: Tensor | None = None) -> Tensor:
-    """dW = dz^T @ x [N, K] by cuBLAS on the current stream (``gemm_grads``), into `out` [N, K] contiguous
-    when given."""
+def _weight_grad(dz: Tensor, x: Tensor, layout: str, out: Tensor | None = None) -> Tensor:
+    """dW = dz^T @ x [N, K] by cuBLAS on the current stream (``gemm_grads``) in `layout` (``_dw_layout``),
+    into `out` [N, K] contiguous when given."""
     m, k = x.shape
-    kp = aligned_width(k, x.dtype)
-    # dW [N, K] with K not a multiple of 16 bytes (13 dense features, the 367-wide interaction) makes cuBLAS
-    # take its slow align1 kernels, so when x's rows are padded
-    # (the op's copy, the interaction's output) the GEMM reads [M, Kp] in place and the extra columns of dW,
-    # products with the padding, are dropped.
-    if kp != k and _rows_padded_to(x, kp):
+    if layout == "padded":
+        kp = aligned_width(k, x.dtype)
         dw = torch.mm(dz.t(), x.as_strided((m, kp), (kp, 1)))[:, :k]
         return dw.contiguous() if out is None else out.copy_(dw)
     return torch.mm(dz.t(), x) if out is None else torch.mm(dz.t(), x, out=out)
+
+
+# The dW layout chosen per (M bucket, N, K, dtype, GEMM precision), for K not a multiple of 16 bytes.
+_DW_LAYOUT = ChoiceTable("unaligned dw layout")
+
+
+def _dw_layout(dz: Tensor, x: Tensor) -> str:
+    """ "padded" or "direct" (``_weight_grad``). dW [N, K] with K not a multiple of 16 bytes (13 dense
+    features, the 367-wide interaction) makes cuBLAS take its align1 kernels, slow at large batches; when
+    x's rows are padded (the op's copy, the interaction's output) the GEMM can read [M, Kp] in place and
+    drop dW's extra columns, products with the padding ("padded": a copy of dW more). Where both apply, the
+    faster for this shape, both timed as CUDA graphs the first time a shape is seen (at a small batch the
+    copy may cost more than the unaligned kernel saves); "padded" inside a CUDA graph capture and in the
+    interpreter. "direct" (x as it is) elsewhere."""
+    m, k = x.shape
+    kp = aligned_width(k, x.dtype)
+    if kp == k or not _rows_padded_to(x, kp):
+        return "direct"
+    if INTERPRETED:
+        return "padded"
+    key = (m_bucket(m), dz.shape[1], k, x.dtype, input_precision(x.dtype))
+    candidates = {
+        "padded": lambda: _weight_grad(dz, x, "padded"),
+        "direct": lambda: _weight_grad(dz, x, "direct"),
+    }
+    return fastest(_DW_LAYOUT, key, candidates)
 
 
 def dw_stream(device: torch.device) -> torch.cuda.Stream:
