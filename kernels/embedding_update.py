@@ -38,8 +38,9 @@ How the update runs:
   segment's slot of a [B*F, D] fp32 buffer; a segment that crosses a block edge leaves one partial sum per
   block in the next level's list, which the same kernel sums the same way (a level holds at most two
   partials per block of the one before: 2^31 lookups take six levels), until a level fits in one block.
-  Only the blocks holding a long segment are summed: the launcher lists them on the device and the
-  kernel's persistent programs stride over the list. The step kernel then reads a long segment's sum
+  Only the blocks holding a long segment are summed: two small kernels and one scan a level list them
+  on the device (with each crossing partial's place in the next level) and the summing kernel's
+  persistent programs stride over the list. The step kernel then reads a long segment's sum
   from its slot. No atomics: the sums, and so the whole update, are the same bits on every run. Memory
   is O(B F D), never O(R D).
 Fixed shapes throughout (no torch.unique, no host sync), so a step can be captured in a CUDA graph.
