@@ -707,7 +707,8 @@ def _level_plan(
     m, device = len(segment), segment.device
     k = triton.cdiv(m, SUM_BLOCK_N)
     level0 = used is None
-    # One scan, over a 1-D array (torch's scan along the last dim of a 2-row one runs on 2 thread blocks).
+    # One scan over a 1-D array: torch scans a 1-D tensor device-wide (cub), but each row of a 2-D one
+    # inside a single thread block, serially along the row.
     flags = torch.empty((3 if level0 else 2) * k, dtype=torch.int64, device=device)
     values = torch.empty(2 * k, dtype=torch.int64, device=device)
     block = 1024
