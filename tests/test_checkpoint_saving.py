@@ -221,8 +221,8 @@ def _train_on_two_threads(monkeypatch, note, write, args) -> tuple[int, str]:
 
 
 def test_training_goes_on_while_a_checkpoint_is_written(criteo_sample, tmp_path, monkeypatch):
-    """The step-3 checkpoint is written in a thread while step 4 trains, with one intra-op thread fewer
-    for the training; once written, the step after gives the thread back (after_step's settle)."""
+    """The step-3 checkpoint is written in a thread while step 4 trains; a model trained on the CPU keeps its
+    intra-op threads meanwhile (`yields_core`: its sums split by the thread count)."""
     config = _config(tmp_path, criteo_sample, max_steps=6, checkpoint_interval=3, eval_interval=None)
     run = tmp_path / "run"
     went_on, seen, threads = threading.Event(), [], {}
@@ -245,8 +245,16 @@ def test_training_goes_on_while_a_checkpoint_is_written(criteo_sample, tmp_path,
     code, output = _train_on_two_threads(monkeypatch, note, slow, ["--config", config, "--output-dir", run])
     assert code == 0, output
     assert seen == [(True, True)]  # in a thread, while step 4 trained
-    assert (threads[3], threads[4], threads[6]) == (2, 1, 2)
+    assert (threads[3], threads[4], threads[6]) == (2, 2, 2)
     assert checkpoint.load_checkpoint(run / "checkpoints" / "last.pt")["step"] == 6
+
+
+def test_only_a_gpu_run_gives_a_core_to_the_writing():
+    """A run on a GPU trains on one intra-op thread fewer while a save writes; one on the CPU (its sums split
+    by the thread count) or one that compiles (Dynamo guards on it) keeps its threads."""
+    assert run_checkpoints.yields_core(torch.device("cuda", 0), compiled=False)
+    assert not run_checkpoints.yields_core(torch.device("cpu"), compiled=False)
+    assert not run_checkpoints.yields_core(torch.device("cuda", 0), compiled=True)
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])

@@ -27,6 +27,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import torch
 from loguru import logger
 
 from dlrm.config import RunConfig, TrainConfig
@@ -241,9 +242,19 @@ def save_run_checkpoint(
     # writer's page-locked allocation during a capture fails it (dlrm.staging).
     background = not inductor_cuda_graphs(run.cfg, run.device)
     pending = run.strategy.save_checkpoint(path, run.model, run.optimizer, meta, links, background)
-    if pending is not None and not run.cfg.train.use_torch_compile:  # Dynamo guards on the thread count
+    if pending is not None and yields_core(run.device, run.cfg.train.use_torch_compile):
         pending.yield_core()
     return pending
+
+
+def yields_core(device: torch.device, compiled: bool) -> bool:
+    """Whether the training runs one intra-op thread fewer while a background save writes
+    (dlrm.staging.PendingSave.yield_core): where the model trains on a GPU, whose host threads run the
+    loader, not the model's numerics. Not on the CPU: torch's reductions split their work by the thread
+    count, so a step beside a save would round its sums otherwise than the same step of a run that saved
+    elsewhere, and a resumed run would not end bit-identical to an uninterrupted one. Not with `compiled`
+    (--use-torch-compile): Dynamo guards on the thread count."""
+    return device.type == "cuda" and not compiled
 
 
 def checkpoint_path(run: Run, name: str) -> Path:
