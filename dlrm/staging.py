@@ -62,7 +62,7 @@ class PendingSave:
     one). The setting is per thread, so that thread gives it back: in `settle()` once the writing has
     ended (the loop asks after every step), or in `wait()`. Not for a run that compiles: Dynamo guards on
     the thread count, so a change recompiles every compiled region; not for a model trained on the CPU,
-    whose reductions split their work by the thread count (dlrm.run.checkpoints.save_run_checkpoint).
+    whose reductions split their work by the thread count (dlrm.run.checkpoints.yields_core).
 
     While it writes, Python's thread switch interval is SAVE_SWITCH_INTERVAL_S (sys.setswitchinterval; 5 ms
     by default), the process's own set back once no save writes (`_SwitchInterval`): the writing's
