@@ -45,6 +45,7 @@ BAG_CHECKS = [
     (2, "triton", "rowwise_adagrad", False, 0, "sum"),
     (3, "torch", "adagrad", True, 30, "mean"),
     (3, "triton", "sgd", False, 0, "sum"),
+    (2, "triton", "sgd", False, 30, "sum"),
 ]
 
 

@@ -1,12 +1,14 @@
 """The replicated (data-parallel) tables of a many-rank run (dlrm.parallel.sharded): their dense gradient is
-each row's summed gradient, summed in a fixed order (no atomic adds), so that two runs of one seed on many
-GPUs get the same bits."""
+each row's summed gradient, summed in a fixed order (no atomic adds) wherever the shards' own update is, so
+that two runs of one seed on many GPUs get the same bits; by atomic adds where the shards' update adds so
+too (SGD on fp32 tables)."""
 
 import pytest
 import torch
 
 import kernels.embedding_update
-from dlrm.parallel.sharded import ReplicatedLookup
+from dlrm.parallel.planner import plan_tables
+from dlrm.parallel.sharded import ReplicatedLookup, ShardedSparseArch
 from dlrm.parallel.sharded_bags import ReplicatedBagLookup
 
 D = 8
@@ -49,29 +51,53 @@ def _expected(offsets, bag_sizes, rows, grad, pooling: str) -> torch.Tensor:
     return out.index_add_(0, index.reshape(-1), per_lookup.reshape(-1, grad.shape[2]))
 
 
-def _bag_gradient(weights, offsets, table_rows, bag_sizes, rows, grad, pooling: str) -> torch.Tensor:
+def _bag_gradient(
+    weights, offsets, table_rows, bag_sizes, rows, grad, pooling: str, in_order: bool = True
+) -> torch.Tensor:
     weights = weights.clone().requires_grad_()
-    ReplicatedBagLookup.apply(weights, offsets, table_rows, bag_sizes, rows, pooling).backward(grad)
+    ReplicatedBagLookup.apply(weights, offsets, table_rows, bag_sizes, rows, pooling, in_order).backward(grad)
     return weights.grad
 
 
-def _one_hot_gradient(weights, offsets, table_rows, rows, grad) -> torch.Tensor:
+def _one_hot_gradient(weights, offsets, table_rows, rows, grad, in_order: bool = True) -> torch.Tensor:
     weights = weights.clone().requires_grad_()
-    ReplicatedLookup.apply(weights, offsets, table_rows, rows).backward(grad)
+    ReplicatedLookup.apply(weights, offsets, table_rows, rows, in_order).backward(grad)
     return weights.grad
 
 
+@pytest.mark.parametrize("in_order", [True, False])
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
-def test_replicated_gradient_is_each_rows_summed_gradient(pooling):
-    """Bags ("sum", "mean") and one id a table: the dense gradient [R, D] fp32 sums every lookup's share of
-    its bag's gradient into its row (rows no lookup touched: zeros)."""
+def test_replicated_gradient_is_each_rows_summed_gradient(pooling, in_order):
+    """Bags ("sum", "mean") and one id a table, summed in order or by atomic adds: the dense gradient
+    [R, D] fp32 sums every lookup's share of its bag's gradient into its row (rows no lookup touched:
+    zeros)."""
     weights, offsets, table_rows, bag_sizes, rows, grad = _lookups("cpu")
-    got = _bag_gradient(weights, offsets, table_rows, bag_sizes, rows, grad, pooling)
+    got = _bag_gradient(weights, offsets, table_rows, bag_sizes, rows, grad, pooling, in_order)
     assert got.dtype == torch.float32 and got.shape == weights.shape
     torch.testing.assert_close(got, _expected(offsets, bag_sizes, rows, grad, pooling).float())
     weights, offsets, table_rows, ones, rows, grad = _lookups("cpu", bag_sizes=[1] * len(TABLE_ROWS))
-    got = _one_hot_gradient(weights, offsets, table_rows, rows, grad)
+    got = _one_hot_gradient(weights, offsets, table_rows, rows, grad, in_order)
     torch.testing.assert_close(got, _expected(offsets, ones, rows, grad, "sum").float())
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "table_dtype", "in_order"),
+    [
+        ("sgd", "fp32", False),
+        ("sgd", "bf16", True),
+        ("adagrad", "fp32", True),
+        ("rowwise_adagrad", "bf16", True),
+    ],
+)
+def test_replicated_gradient_sums_in_order_where_the_shards_update_does(optimizer, table_dtype, in_order):
+    """A sharded arch's replicated tables sum their gradient in order exactly where its shards' own update
+    does: every optimizer and table dtype but SGD on fp32 tables, which adds by atomics; before
+    configure_optimizer, in order."""
+    plan = plan_tables([5] * 26, 4, optimizer, 1)
+    arch = ShardedSparseArch(plan, 0, 4, kernel="triton", table_dtype=table_dtype)
+    assert arch.replicated_in_order()
+    arch.configure_optimizer(optimizer, 0.1)
+    assert arch.replicated_in_order() is in_order
 
 
 def test_replicated_gradient_adds_no_atomics(monkeypatch):
@@ -91,6 +117,25 @@ def test_replicated_gradient_adds_no_atomics(monkeypatch):
     _one_hot_gradient(weights, offsets, table_rows, rows, grad)
 
 
+def test_replicated_gradient_out_of_order_adds_by_atomics(monkeypatch):
+    """`in_order` False: the SGD update kernel's atomic adds (lr -1 into zeros) sum the gradient, bags and
+    one id a table alike, one launch each."""
+    launches = []
+    atomic = kernels.embedding_update._sgd_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return atomic[grid]
+
+    monkeypatch.setattr(kernels.embedding_update, "_sgd_kernel", Counted())
+    weights, offsets, table_rows, bag_sizes, rows, grad = _lookups("cpu")
+    _bag_gradient(weights, offsets, table_rows, bag_sizes, rows, grad, "sum", in_order=False)
+    weights, offsets, table_rows, _, rows, grad = _lookups("cpu", bag_sizes=[1] * len(TABLE_ROWS))
+    _one_hot_gradient(weights, offsets, table_rows, rows, grad, in_order=False)
+    assert len(launches) == 2
+
+
 @pytest.mark.gpu
 def test_replicated_gradient_same_bits_every_run_and_in_a_cuda_graph():
     """On a GPU, at a batch where thousands of lookups share a row (b = 32,768, dlrm_dcnv2's tables of
@@ -108,6 +153,13 @@ def test_replicated_gradient_same_bits_every_run_and_in_a_cuda_graph():
     first = _one_hot_gradient(*one_hot[:3], *one_hot[4:])
     for _ in range(4):
         assert torch.equal(_one_hot_gradient(*one_hot[:3], *one_hot[4:]), first)
+    # By atomic adds: recursive summation in some order, within its bound (n - 1) u sum |x_i| of each row's
+    # n lookups (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., (4.4)), u = 2**-24.
+    offsets, ones, rows, grad = one_hot[1], one_hot[3], one_hot[4], one_hot[5]
+    atomic = _one_hot_gradient(*one_hot[:3], rows, grad, in_order=False).cpu().double()
+    count = _expected(offsets, ones, rows, torch.ones_like(grad), "sum")
+    bound = (count - 1).clamp(min=0) * 2.0**-24 * _expected(offsets, ones, rows, grad.abs(), "sum")
+    assert ((atomic - _expected(offsets, ones, rows, grad, "sum")).abs() <= bound + 1e-12).all()
 
     def backward():
         return _bag_gradient(weights, offsets, table_rows, bag_sizes, rows, grad, "sum")

@@ -96,14 +96,16 @@ class ReplicatedLookup(torch.autograd.Function):
     """The replicated tables' lookup: weights [R_r, D] fp32 (table-batched, table j from row offsets[j] of
     rows[j]), rows [b, n_r] int64 within each table -> vectors [b, n_r, D] fp32; backward gives the dense
     gradient [R_r, D] fp32, each row's summed gradient. On a GPU both are the embedding kernels: the lookup,
-    and the SGD update with lr -1 into zeros, each row's lookups summed in sorted order (`in_order`), not by
-    atomic adds: those sum in whatever order a GPU's threads come, and the gradient's last bits, then a
-    whole many-GPU run, would differ from run to run of one seed (one process has no replicated tables).
-    torch's embedding is several times slower there at the batches a GPU runs: its forward gathers D-value
-    rows one thread block each."""
+    and the SGD update with lr -1 into zeros, each row's lookups summed in sorted order where `in_order`
+    (ShardedSparseArch.replicated_in_order says where), else by atomic adds, which sum in whatever order a
+    GPU's threads come, so the gradient's last bits, then a whole many-GPU run, differ from run to run of
+    one seed. torch's embedding is several times slower there at the batches a GPU runs: its forward
+    gathers D-value rows one thread block each."""
 
     @staticmethod
-    def forward(ctx, weights: Tensor, offsets: Tensor, table_rows: Tensor, rows: Tensor) -> Tensor:
+    def forward(
+        ctx, weights: Tensor, offsets: Tensor, table_rows: Tensor, rows: Tensor, in_order: bool
+    ) -> Tensor:
         from kernels.embedding import embedding_lookup_fwd  # dlrm.model.sparse says why here
         from kernels.launch import use_triton
 
@@ -113,7 +115,7 @@ class ReplicatedLookup(torch.autograd.Function):
             index = rows + offsets
             out = F.embedding(index, weights)
         ctx.save_for_backward(index)
-        ctx.shape = weights.shape
+        ctx.shape, ctx.in_order = weights.shape, in_order
         return out
 
     @staticmethod
@@ -125,9 +127,9 @@ class ReplicatedLookup(torch.autograd.Function):
         minus_one = torch.full((), -1.0, device=grad.device)
         embedding_update(
             grad_weights, optimizer_state(grad_weights, "sgd"), index, grad, "sgd", minus_one, 0.0,
-            in_order=True,
+            in_order=ctx.in_order,
         )  # fmt: skip
-        return grad_weights, None, None, None
+        return grad_weights, None, None, None, None
 
 
 def exchange(x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
@@ -338,8 +340,19 @@ class ShardedSparseArch(nn.Module):
             return self.weights.new_zeros(rows.shape[0], 0, self.weights.shape[1], dtype=torch.float32)
         local = rows.index_select(1, self.replicated_tables)
         return ReplicatedLookup.apply(
-            self.replicated_weights, self.replicated_offsets, self.replicated_rows, local
-        )
+            self.replicated_weights, self.replicated_offsets, self.replicated_rows, local,
+            self.replicated_in_order(),
+        )  # fmt: skip
+
+    def replicated_in_order(self) -> bool:
+        """Whether the replicated tables' dense gradient sums each row's lookups in sorted order, as the
+        shards' own update does for every optimizer and table dtype but SGD on fp32 tables (atomic adds:
+        kernels.embedding_update.launch_update). So a run whose updates are the same bits on every run
+        (Adagrad, bf16 tables) stays so, and an SGD run on fp32 tables, whose shards already sum as the
+        GPU's threads come, skips the sort and the segment sums of its replicated tables' lookups (most of
+        them share a few rows)."""
+        optimizer = self.optimizer[0] if self.optimizer is not None else None
+        return not (optimizer == "sgd" and self.weights.dtype == torch.float32)
 
     def _lookup(self, ids: Tensor) -> Tensor:
         """Table rows [N, n] (N = W*b) -> vectors [N, n, D]; zeros where a row lies outside its shard."""

@@ -38,12 +38,13 @@ class ReplicatedBagLookup(torch.autograd.Function):
     rows [b, L_r] int64 within each table (table j's bag in bag_sizes[j] consecutive columns) -> pooled
     [b, n_r, D] fp32; backward gives the dense gradient [R_r, D] fp32, each row's summed gradient. Triton
     where it runs (`kernels.launch.use_triton`): the bag kernel's forward, and its SGD update with lr -1 into
-    zeros, each row's lookups summed in sorted order (`in_order`: the same bits on every run, as
-    `dlrm.parallel.sharded.ReplicatedLookup` says why); elsewhere their PyTorch references."""
+    zeros, each row's lookups summed in sorted order where `in_order` (the same bits on every run, as
+    `dlrm.parallel.sharded.ReplicatedLookup` says), else by atomic adds; elsewhere their PyTorch
+    references."""
 
     @staticmethod
     def forward(ctx, weights: Tensor, offsets: Tensor, table_rows: Tensor, bag_sizes: Tensor, rows: Tensor,
-                pooling: str) -> Tensor:  # fmt: skip
+                pooling: str, in_order: bool) -> Tensor:  # fmt: skip
         # Imported here: dlrm.model.sparse says why.
         from kernels.embedding_bag import embedding_bag_fwd, embedding_bag_lookup_ref
         from kernels.launch import use_triton
@@ -51,7 +52,7 @@ class ReplicatedBagLookup(torch.autograd.Function):
         lookup = embedding_bag_fwd if use_triton(weights) else embedding_bag_lookup_ref
         out, index = lookup(weights, offsets, table_rows, bag_sizes, rows, "index", pooling)
         ctx.save_for_backward(index, bag_sizes)
-        ctx.shape, ctx.pooling = weights.shape, pooling
+        ctx.shape, ctx.pooling, ctx.in_order = weights.shape, pooling, in_order
         return out
 
     @staticmethod
@@ -64,9 +65,10 @@ class ReplicatedBagLookup(torch.autograd.Function):
         minus_one = torch.full((), -1.0, device=grad.device)
         state = optimizer_state(grad_weights, "sgd")
         embedding_bag_update(
-            grad_weights, state, index, grad, bag_sizes, ctx.pooling, "sgd", minus_one, 0.0, in_order=True
-        )
-        return grad_weights, None, None, None, None, None
+            grad_weights, state, index, grad, bag_sizes, ctx.pooling, "sgd", minus_one, 0.0,
+            in_order=ctx.in_order,
+        )  # fmt: skip
+        return grad_weights, None, None, None, None, None, None
 
 
 class ShardedBags(nn.Module):
@@ -184,5 +186,5 @@ class ShardedBags(nn.Module):
         local = rows.index_select(1, self.replicated_columns)
         return ReplicatedBagLookup.apply(
             arch.replicated_weights, arch.replicated_offsets, arch.replicated_rows, self.replicated_sizes,
-            local, self.pooling,
+            local, self.pooling, arch.replicated_in_order(),
         )  # fmt: skip
