@@ -49,9 +49,13 @@ def data_range(profiler) -> contextlib.AbstractContextManager:
     """The training loop's "data" range (fetching the next batch), as the profiler plugin recognizes it,
     while `profiler` (make_profiler's) is in its window; outside it a no-op: the two ranges cost host time
     every step, spent for nothing where nothing records them."""
-    if profiler.current_action == ProfilerAction.NONE:
-        return contextlib.nullcontext()
-    return _data_ranges()
+    return _data_ranges() if traced(profiler) else contextlib.nullcontext()
+
+
+def traced(profiler) -> bool:
+    """Whether the step that just ran (before `profiler.step()`) was in `profiler`'s window (make_profiler's
+    profiler, or its no-op)."""
+    return profiler.current_action != ProfilerAction.NONE
 
 
 @contextlib.contextmanager
@@ -85,8 +89,9 @@ def make_profiler(
     worker_name: str | None = None,
 ):
     """A context manager with `.step()`, to be called once per training step; it returns the seconds it
-    spent writing the window's trace and breakdown (at the window's last step, else 0), which are not the
-    step's time.
+    spent on the profiler's own work (starting and stopping the tracer, writing the window's trace and
+    breakdown; 0 outside the window), which are not the step's time. `current_action` before a `.step()`
+    says whether the step just run was traced (not ProfilerAction.NONE).
 
     Records steps wait + 1 .. wait + warmup + active (one cycle, then idle), counted from `first_step`
     (a resumed run's step). With a SummaryWriter `writer`, the window's per-stage breakdown goes into
@@ -101,6 +106,7 @@ def make_profiler(
         activities.append(ProfilerActivity.CUDA)
     return _OneWindowProfiler(
         cfg.wait + cfg.warmup + cfg.active,
+        device,
         activities=activities,
         schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
         on_trace_ready=_on_trace_ready(run_dir, writer, first_step, worker_name),
@@ -111,26 +117,27 @@ def make_profiler(
 class _OneWindowProfiler(profile):
     """torch.profiler.profile whose `step()` stops once its one window has been recorded: torch's would go
     on opening a "ProfilerStep#" range every step of the run (host time each step, for nothing).
-    `step()` returns the seconds that `on_trace_ready` took in it (writing the trace: about a second for a
-    window of a large model), so that the loop keeps them out of its throughput."""
+    `step()` returns the seconds it spent on the profiler's own work while the window is open or opens or
+    closes in it (starting the tracer, stopping it, writing the trace: tens of milliseconds to about a
+    second), so that the loop keeps them out of its throughput. Before the call that opens the window it
+    waits for `device` (a CUDA device): the steps before the window finish on their own clock, not on the
+    window's."""
 
-    def __init__(self, window_steps: int, on_trace_ready, **kwargs):
-        self.window_steps = window_steps
-        self.report_s = 0.0
-
-        def timed(prof: profile) -> None:
-            start = time.perf_counter()
-            on_trace_ready(prof)
-            self.report_s += time.perf_counter() - start
-
-        super().__init__(on_trace_ready=timed, **kwargs)
+    def __init__(self, window_steps: int, device: torch.device, **kwargs):
+        self.window_steps, self.device = window_steps, device
+        super().__init__(**kwargs)
 
     def step(self) -> float:
         if self.step_num >= self.window_steps:
             return 0.0
-        before = self.report_s
+        before = self.current_action
+        opening = before == ProfilerAction.NONE and self.schedule(self.step_num + 1) != ProfilerAction.NONE
+        if opening and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
         super().step()
-        return self.report_s - before
+        in_window = before != ProfilerAction.NONE or self.current_action != ProfilerAction.NONE
+        return time.perf_counter() - start if in_window else 0.0
 
 
 def _on_trace_ready(run_dir: Path, writer, first_step: int, worker_name: str | None):

@@ -21,6 +21,7 @@ from dlrm.profiling import (
     graph_replay_range,
     make_profiler,
     stage_breakdown,
+    traced,
 )
 from dlrm.run.loop import train
 from tests.conftest import REPO
@@ -175,9 +176,10 @@ def test_outside_its_window_the_profiler_costs_no_ranges(tmp_path):
                       contextlib.nullcontext)  # fmt: skip
 
 
-def test_the_step_that_writes_the_trace_returns_the_time_it_took(tmp_path, monkeypatch):
-    """The loop keeps the trace's writing out of its throughput: step() returns the seconds spent in
-    on_trace_ready at the window's last step, and 0 at every other step."""
+def test_the_windows_steps_return_the_profilers_own_time(tmp_path, monkeypatch):
+    """The loop keeps the profiler's own work out of its throughput: step() returns the seconds it spent in
+    the calls that open the window (the tracer started), go on in it and close it (the trace's writing
+    among them), and 0 before and after it."""
     from dlrm import profiling
 
     write = profiling.export_trace
@@ -189,8 +191,31 @@ def test_the_step_that_writes_the_trace_returns_the_time_it_took(tmp_path, monke
     monkeypatch.setattr(profiling, "export_trace", slow_export)
     profiler = make_profiler(ProfilerConfig(wait=1, warmup=1, active=1), tmp_path, torch.device("cpu"))
     with profiler:
-        returned = []
+        returned, in_window = [], []
         for _ in range(5):
             torch.ones(1).add_(1)
+            in_window.append(traced(profiler))
             returned.append(profiler.step())
-    assert returned[2] >= 0.3 and returned[:2] + returned[3:] == [0.0] * 4, returned
+    assert in_window == [False, True, True, False, False]
+    assert returned[2] >= 0.3 and 0 < returned[0] < 0.3 and 0 < returned[1] < 0.3, returned
+    assert returned[3:] == [0.0, 0.0], returned
+
+
+def test_the_windows_steps_are_kept_out_of_samples_per_s(criteo_sample, tmp_path, monkeypatch):
+    """A run's samples/s counts the steps outside the profiler's window only: here each traced step is made
+    0.5 s slower, and samples/s stays above what those 1.5 s alone would allow."""
+    from dlrm.run import loop
+
+    def slow_when_traced(profiler) -> bool:
+        in_window = traced(profiler)
+        if in_window:
+            time.sleep(0.5)
+        return in_window
+
+    monkeypatch.setattr(loop, "traced", slow_when_traced)
+    cfg = load_config(REPO / "configs" / "tiny.json")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(criteo_sample)))
+    cfg = dataclasses.replace(cfg, profiler=dataclasses.replace(cfg.profiler, wait=2, warmup=1, active=2))
+    metrics = train(replace(cfg, "train", device="cpu", max_steps=10, log_interval=10), tmp_path)
+    batch = cfg.data.batch_size
+    assert metrics["samples_per_s"] > 10 * batch / 1.5, metrics["samples_per_s"]

@@ -41,7 +41,7 @@ from dlrm.data.dataset import Batch
 from dlrm.data.loaders import STATEFUL_LOADERS, TrainLoader
 from dlrm.errors import Interrupted, RunStopped
 from dlrm.out_of_memory import out_of_memory
-from dlrm.profiling import data_range, make_profiler
+from dlrm.profiling import data_range, make_profiler, traced
 from dlrm.run.checkpoints import (
     checkpoint_due_by_steps,
     checkpoint_due_by_time,
@@ -146,10 +146,11 @@ def train_steps(run: Run, state: RunState) -> None:
                 # Before the step (and its graph replay), on its stream: device writes, no host sync.
                 run.lrs.set(state.step + 1)
                 loss = run.step_fn(run.model, run.optimizer, batch)
-                report_s = profiler.step()  # the window's trace, written at its last step
+                in_window = traced(profiler)
+                report_s = profiler.step()  # the profiler's own work: its tracer started, stopped, written
                 if report_s:
                     spent.move(report_s, "log")
-                account_step(run, state, interval, loss, batch, step_start, apart_since, report_s)
+                account_step(run, state, interval, loss, batch, step_start, apart_since, report_s, in_window)
                 stop = after_step(run, state, interval, epoch)
             spent.switch("other")
             log_interval(run, state, interval, epoch)
@@ -267,12 +268,15 @@ def account_step(
     step_start: float,
     apart_since: float | None = None,
     report_s: float = 0.0,
+    in_window: bool = False,
 ) -> None:
     """Count a finished step: its loss goes into the interval's device buffer (no host sync). The first
     step of the process pays for compilation (Inductor, Triton JIT): it is timed apart and kept out of the
     interval's throughput, and so is the first step of a new batch size, which started at `apart_since`
-    (`drain_before_new_size`); `report_s` (the profiler writing its window's trace after the step) is kept
-    out of the interval's time."""
+    (`drain_before_new_size`), and a step of the profiler's window (`in_window`: traced, its kernels slowed
+    by the tracing; waited for on a GPU, so that it ends on its own clock); `report_s` (the profiler's own
+    work after the step: its tracer started, stopped, its trace written) is kept out of the interval's
+    time."""
     state.step += 1
     parallel.note_progress(state.step)
     rows = len(batch.label)
@@ -301,6 +305,12 @@ def account_step(
             rows,
             took,
         )
+        return
+    if in_window:
+        if run.device.type == "cuda":
+            with state.time_spent.part("device_wait"):
+                torch.cuda.synchronize()
+        interval.start += time.perf_counter() - max(step_start, interval.start)
         return
     interval.start += report_s
     interval.timed_steps += 1

@@ -16,7 +16,8 @@ Parts (PARTS, in this order):
 - eval: the val evaluations and the test evaluation at the end.
 - checkpoint: writing last.pt / best.pt (a background save: its snapshot), waiting for a previous background
   save, the weights' finiteness check before a save, loading best.pt's weights for the test evaluation.
-- log: log lines, TensorBoard scalars, the progress bar, the profiler writing its window's trace.
+- log: log lines, TensorBoard scalars, the progress bar, the profiler starting and stopping its tracer and
+  writing its window's trace.
 - other: the rest (set-up of each epoch's loader iterator, the end of the run).
 
 The loop switches parts where it already does the work: two perf_counter readings a step, no host sync,
