@@ -21,6 +21,10 @@ every log interval beats predicting the click rate on the rows it trained on; th
 the run's seed), and on synthetic data (dlrm.data.synthetic) the planted model's AUC and NE on the reported
 splits (`oracle_*`): the best any model can score there.
 
+`--nproc N` (N > 1) trains each run under `torchrun --standalone --nproc-per-node N` (`python -m dlrm.train`:
+NCCL on GPUs, gloo with `--device cpu`; the config's `data.batch_size` is the global batch, split over the
+ranks), its row's `world_size` N; the run directory and metrics.json are rank 0's.
+
 `--sklearn` adds scikit-learn's L2-regularised LogisticRegression on logistic.json's features (the dense
 features and a one-hot of each sparse feature's hashed row), its C chosen on val from `SKLEARN_C`: a row
 labelled `sklearn_l2` per dataset, seed 0 (the fit is deterministic), in the comparison as a baseline too.
@@ -34,12 +38,15 @@ import gzip
 import json
 import math
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import click
 import torch
+from bench_train import launcher
 from loguru import logger
 from results_csv import append_rows, provenance
 
@@ -102,17 +109,42 @@ def parse_override(text: str) -> tuple[str, str, object]:
         ) from None
 
 
-def run_config(
-    raw: dict, overrides: list[tuple[str, str, object]], data: Path, seed: int, device: str
-) -> dict:
-    """The raw config with the data directory, seed, device, profiler off and the overrides applied."""
+def run_raw(raw: dict, overrides: list[tuple[str, str, object]], data: Path, seed: int, device: str) -> dict:
+    """A copy of the raw config with the data directory, seed, device, profiler off and the overrides
+    applied (JSON values, not yet checked)."""
     raw = {section: dict(value) if isinstance(value, dict) else value for section, value in raw.items()}
     raw.setdefault("data", {})["path"] = str(data)
     raw.setdefault("train", {}).update(seed=seed, device=device)
     raw.setdefault("profiler", {})["enabled"] = False
     for section, key, value in overrides:
         raw.setdefault(section, {})[key] = value
-    return from_dict(raw)
+    return raw
+
+
+def run_config(raw: dict, overrides: list[tuple[str, str, object]], data: Path, seed: int, device: str):
+    """`run_raw`'s config, checked (dlrm.config.from_dict: ValueError naming a bad key)."""
+    return from_dict(run_raw(raw, overrides, data, seed, device))
+
+
+def train_ranks(raw: dict, run_dir: Path, nproc: int) -> dict:
+    """`python -m dlrm.train` of the config `raw` under torchrun on `nproc` ranks of this host, in `run_dir`
+    (an earlier run there replaced), quiet; rank 0's metrics.json. Raises CalledProcessError when the run
+    fails (its error is on stderr)."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "config.json"
+        config.write_text(json.dumps(raw))
+        command = [
+            *launcher(nproc),
+            "-m",
+            "dlrm.train",
+            "--config",
+            str(config),
+            "--output-dir",
+            str(run_dir),
+        ]
+        subprocess.run([*command, "--overwrite", "--quiet"], check=True)
+    return json.loads((run_dir / "metrics.json").read_text())
 
 
 def device_name(device: str) -> str:
@@ -315,10 +347,14 @@ def summary(rows: list[dict], splits: tuple[str, ...]) -> str:
     "--report", type=click.Choice(["val", "test"]), default="val",
     help="val: compare settings (test columns left out); test: the fixed settings' numbers to publish.",
 )  # fmt: skip
+@click.option(
+    "--nproc", type=click.IntRange(min=1), default=1,
+    help="Ranks per run: N > 1 trains under torchrun --standalone --nproc-per-node N (the rows' world_size).",
+)  # fmt: skip
 @click.option("--results", type=click.Path(path_type=Path), default=RESULTS)
 def main(
     configs, sets, label, seeds, windows, input_path, data_dirs, sklearn, baseline, work_dir, device, report,
-    results,
+    nproc, results,
 ) -> None:  # fmt: skip
     """Train configs over seeds and datasets; print val (and with --report test, test) quality."""
     if not configs and not sklearn:
@@ -365,6 +401,7 @@ def main(
                 for s in ("val", "test")
                 for m in ("auc", "ne")
             },
+            **({"world_size": nproc} if nproc > 1 and config != SKLEARN_LABEL else {}),
         }
         shown = " ".join(f"{s}_{m} {row[f'{s}_{m}']}" for s in splits for m in ("auc", "ne"))
         logger.info("{} {} seed {}: best step {} | {}", name, window, seed, row["best_step"], shown)
@@ -386,7 +423,10 @@ def main(
                 if report == "val":  # the loop logs its final test evaluation: not shown while comparing
                     logger.disable("dlrm")
                 try:
-                    metrics = train(cfg, run_dir, overwrite=True, progress="quiet")
+                    if nproc == 1:
+                        metrics = train(cfg, run_dir, overwrite=True, progress="quiet")
+                    else:
+                        metrics = train_ranks(run_raw(raw, overrides, data, seed, device), run_dir, nproc)
                 finally:
                     logger.enable("dlrm")
                 warmup = cfg.train.lr_schedule.warmup_steps

@@ -126,3 +126,23 @@ def test_the_paired_base_rate_loss_replays_the_runs_own_batches(quality, tmp_pat
     assert abs(float(row["max_train_excess"])) < 1e-5
     # ...while the split's base-rate loss, the intervals' average, is off by the intervals' click counts.
     assert float(row["max_train_loss"]) - float(row["base_loss"]) > 1e-3
+
+
+def test_two_ranks_train_under_torchrun_and_their_row_says_so(quality, tmp_path, synthetic_data):
+    """--nproc 2: the run is `python -m dlrm.train` under torchrun (gloo on the CPU: the tables sharded, a
+    sharding plan in its directory); its row records world_size 2 and its metrics, those of the same global
+    batches as one process's (the sharded math is the one process's: tests/test_parallel.py)."""
+    results = tmp_path / "quality.csv"
+    common = ["--data", str(synthetic_data), "--config", str(REPO / "configs" / "tiny.json"), "--seeds", "0"]
+    common += ["--work-dir", str(tmp_path / "work"), "--results", str(results), "--set", "train.max_steps=6"]
+    for nproc in ("1", "2"):
+        ran = CliRunner().invoke(quality.main, [*common, "--nproc", nproc, "--label", f"tiny{nproc}"])
+        assert ran.exit_code == 0, ran.output
+        # quality.csv's header ends with world_size (one-process rows leave it empty), a new file's not
+        header = results.read_text().split("\n", 1)[0]
+        if not header.endswith(",world_size"):
+            results.write_text(results.read_text().replace(header, f"{header},world_size", 1))
+    one, two = list(csv.DictReader(results.open()))
+    assert (one["world_size"], two["world_size"]) == (None, "2") and two["steps"] == one["steps"] == "6"
+    assert float(two["val_auc"]) == pytest.approx(float(one["val_auc"]), abs=1e-4)
+    assert (tmp_path / "work" / "runs" / "tiny2-synthetic-seed0" / "sharding_plan.json").is_file()
