@@ -134,15 +134,8 @@ def train_ranks(raw: dict, run_dir: Path, nproc: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "config.json"
         config.write_text(json.dumps(raw))
-        command = [
-            *launcher(nproc),
-            "-m",
-            "dlrm.train",
-            "--config",
-            str(config),
-            "--output-dir",
-            str(run_dir),
-        ]
+        command = [*launcher(nproc), "-m", "dlrm.train", "--config", str(config),
+                   "--output-dir", str(run_dir)]  # fmt: skip
         subprocess.run([*command, "--overwrite", "--quiet"], check=True)
     return json.loads((run_dir / "metrics.json").read_text())
 
