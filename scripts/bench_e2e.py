@@ -254,6 +254,9 @@ def main(
             "train_settings": " ".join([train_settings, *overrides]),
         }  # fmt: skip
         out.append(row)
+        # At once, not only in the table at the end: a call cut by its deadline still shows the runs it made.
+        rate = f"{row['samples_per_s']:,} samples/s, {row['vs_step']:.3f}x step"
+        print(f"W={n} {loader} graphs {graph}: {rate}", flush=True)
     resident = {
         (r["cuda_graphs"], r["world_size"]): r["samples_per_s"] for r in out if r["loader"] == "gpu_resident"
     }
