@@ -121,11 +121,6 @@ def run_raw(raw: dict, overrides: list[tuple[str, str, object]], data: Path, see
     return raw
 
 
-def run_config(raw: dict, overrides: list[tuple[str, str, object]], data: Path, seed: int, device: str):
-    """`run_raw`'s config, checked (dlrm.config.from_dict: ValueError naming a bad key)."""
-    return from_dict(run_raw(raw, overrides, data, seed, device))
-
-
 def train_ranks(raw: dict, run_dir: Path, nproc: int) -> dict:
     """`python -m dlrm.train` of the config `raw` under torchrun on `nproc` ranks of this host, in `run_dir`
     (an earlier run there replaced), quiet; rank 0's metrics.json. Raises CalledProcessError when the run
@@ -411,7 +406,8 @@ def main(
         name = label or config_path.stem
         for window, data in datasets.items():
             for seed in (int(s) for s in seeds.split(",")):
-                cfg = run_config(raw, overrides, data, seed, device)
+                merged = run_raw(raw, overrides, data, seed, device)
+                cfg = from_dict(merged)  # checked (ValueError naming a bad key) before the run
                 run_dir = work_dir / "runs" / f"{name}-{window}-seed{seed}"
                 if report == "val":  # the loop logs its final test evaluation: not shown while comparing
                     logger.disable("dlrm")
@@ -419,7 +415,7 @@ def main(
                     if nproc == 1:
                         metrics = train(cfg, run_dir, overwrite=True, progress="quiet")
                     else:
-                        metrics = train_ranks(run_raw(raw, overrides, data, seed, device), run_dir, nproc)
+                        metrics = train_ranks(merged, run_dir, nproc)
                 finally:
                     logger.enable("dlrm")
                 warmup = cfg.train.lr_schedule.warmup_steps
