@@ -567,6 +567,13 @@ def block_sizes(d: int, n: int, elements: int = 4096) -> tuple[int, int]:
     return block_d, min(max(16, elements // block_d), triton.next_power_of_2(n))
 
 
+def sums_by_atomics(optimizer: str, dtype: torch.dtype) -> bool:
+    """Whether the fused update of weights of `dtype` sums a row's lookups by atomic adds, in whatever order
+    a GPU's threads come (SGD on fp32 weights, unless `in_order`), rather than in sorted order, the same
+    bits on every run (every other optimizer and dtype)."""
+    return optimizer == "sgd" and dtype == torch.float32
+
+
 def check_optimizer(optimizer: str) -> None:
     """Raises ValueError unless `optimizer` is one of OPTIMIZERS."""
     if optimizer not in OPTIMIZERS:
@@ -813,7 +820,7 @@ def launch_update(
     if pooled and grad.stride(2) != 1:
         grad = grad.contiguous()
     strides = grad.stride()[:2] if pooled else (0, 0)
-    if optimizer == "sgd" and weights.dtype == torch.float32 and not in_order:
+    if sums_by_atomics(optimizer, weights.dtype) and not in_order:
         # Few lookups (small batches): fewer rows a program, so the atomics spread over SGD_PROGRAMS programs
         # rather than a handful of SMs (kaggle B=128, D=16: 13 programs of 256 rows took 6.3 us of a step,
         # torch's index_add_ 2.2 us); large batches keep `block_sizes`'s rows.

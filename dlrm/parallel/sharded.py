@@ -347,12 +347,13 @@ class ShardedSparseArch(nn.Module):
     def replicated_in_order(self) -> bool:
         """Whether the replicated tables' dense gradient sums each row's lookups in sorted order, as the
         shards' own update does for every optimizer and table dtype but SGD on fp32 tables (atomic adds:
-        kernels.embedding_update.launch_update). So a run whose updates are the same bits on every run
+        kernels.embedding_update.sums_by_atomics). So a run whose updates are the same bits on every run
         (Adagrad, bf16 tables) stays so, and an SGD run on fp32 tables, whose shards already sum as the
         GPU's threads come, skips the sort and the segment sums of its replicated tables' lookups (most of
         them share a few rows)."""
-        optimizer = self.optimizer[0] if self.optimizer is not None else None
-        return not (optimizer == "sgd" and self.weights.dtype == torch.float32)
+        from kernels.embedding_update import sums_by_atomics  # dlrm.model.sparse says why here
+
+        return self.optimizer is None or not sums_by_atomics(self.optimizer[0], self.weights.dtype)
 
     def _lookup(self, ids: Tensor) -> Tensor:
         """Table rows [N, n] (N = W*b) -> vectors [N, n, D]; zeros where a row lies outside its shard."""
