@@ -90,8 +90,8 @@ def make_profiler(
 ):
     """A context manager with `.step()`, to be called once per training step; it returns the seconds it
     spent on the profiler's own work (starting and stopping the tracer, writing the window's trace and
-    breakdown; 0 outside the window), which are not the step's time. `current_action` before a `.step()`
-    says whether the step just run was traced (not ProfilerAction.NONE).
+    breakdown; 0 outside the window), which are not the step's time. `traced(profiler)` before a `.step()`
+    says whether the step just run was in the window.
 
     Records steps wait + 1 .. wait + warmup + active (one cycle, then idle), counted from `first_step`
     (a resumed run's step). With a SummaryWriter `writer`, the window's per-stage breakdown goes into
