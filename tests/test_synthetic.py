@@ -18,15 +18,17 @@ from dlrm.data import synthetic_output
 from dlrm.data.dataset import BatchLoader, open_split
 from dlrm.data.output import load_metadata
 from dlrm.data.preprocess import preprocess
-from dlrm.data.schema import MISSING_CATEGORY, NUM_DENSE, NUM_SPARSE, RAW_COLUMNS
+from dlrm.data.schema import MISSING_CATEGORY, NUM_DENSE, NUM_SPARSE, RAW_COLUMNS, SPARSE_COLUMNS
 from dlrm.data.synthetic import main
-from dlrm.data.synthetic_output import to_raw_table, write_parquet, write_tsv
+from dlrm.data.synthetic_output import config_from_metadata, to_raw_table, write_parquet, write_tsv
 from dlrm.data.synthetic_rows import (
     KAGGLE_CARDINALITIES,
     TERABYTE_CARDINALITIES,
     ZIPF_EXPONENT,
     SyntheticConfig,
+    SyntheticError,
     generate_rows,
+    ids_of_ranks,
     iter_blocks,
     planted_logit,
     power_law_ranks,
@@ -77,6 +79,7 @@ def test_parquet_is_what_preprocess_makes_of_the_tsv(tmp_path):
 
     expected, actual = load_metadata(tmp_path / "pre"), load_metadata(tmp_path / "syn")
     assert actual.pop("oracle").keys() == {"train", "val", "test"}  # what preprocess cannot know
+    assert config_from_metadata({"synthetic": actual.pop("synthetic")}) == (config, 3000)
     assert actual.keys() == expected.keys()
     assert {k: v for k, v in actual.items() if k != "source"} == {
         k: v for k, v in expected.items() if k != "source"
@@ -141,6 +144,45 @@ def test_ids_follow_the_cardinalities_and_are_skewed():
     ids, counts = np.unique(big[big != MISSING_CATEGORY], return_counts=True)
     assert 2000 < len(ids) < 20_000 and counts.max() > 500
     assert ids.max() > 2**31
+
+
+def test_index_ids_are_a_permutation_of_the_ranks_per_column():
+    """ids "index": rank k of a column of cardinality K maps one-to-one onto [0, K), the same ranks draw the
+    same rows as "hash" ids (only the names differ), and the written metadata records the max id."""
+    cardinalities = (1, 2, 3, 4, 6, 12, 97, 1000, 4096, 65_536, *preset_cardinalities("terabyte", 5000)[10:])
+    config = SyntheticConfig(cardinalities, seed=9, ids="index")
+    for c, k in enumerate(cardinalities):
+        ids = ids_of_ranks(config, np.arange(k)[:, None], [c])[:, 0]
+        assert sorted(ids.tolist()) == list(range(k)), c
+    hashed = generate_rows(SyntheticConfig(cardinalities, seed=9), 0, 5000)
+    index = generate_rows(config, 0, 5000)
+    missing = hashed.sparse == MISSING_CATEGORY
+    np.testing.assert_array_equal(index.sparse == MISSING_CATEGORY, missing)
+    for c in range(NUM_SPARSE):  # one name per id: the two columns pair up one-to-one
+        pairs = set(
+            zip(
+                hashed.sparse[~missing[:, c], c].tolist(),
+                index.sparse[~missing[:, c], c].tolist(),
+                strict=True,
+            )
+        )
+        assert len(pairs) == len({a for a, _ in pairs}) == len({b for _, b in pairs}), c
+    assert (index.sparse < np.array(cardinalities)).all()
+
+
+def test_metadata_gives_back_the_generators_config(tmp_path):
+    config = SyntheticConfig(preset_cardinalities("terabyte", 300), seed=2, ctr=0.2, ids="index")
+    written = write_parquet(config, 2000, tmp_path / "d", rows_per_file=700)
+    metadata = load_metadata(tmp_path / "d")
+    assert config_from_metadata(metadata) == (config, 2000)
+    rows = generate_rows(config, 0, 2000)
+    train = rows.sparse[: metadata["rows"]["train"]]
+    for c, name in enumerate(SPARSE_COLUMNS):
+        present = train[:, c][train[:, c] != MISSING_CATEGORY]
+        assert metadata["categorical"][name]["max_id"] == (present.max() if len(present) else None), name
+    assert written["synthetic"]["ids"] == "index"
+    with pytest.raises(SyntheticError, match='no "synthetic" key'):
+        config_from_metadata({k: v for k, v in metadata.items() if k != "synthetic"})
 
 
 def test_planted_signal_is_learnable(tmp_path):
@@ -232,6 +274,7 @@ def test_cli_writes_tsv_and_parquet(tmp_path):
         (["--rows", "1", "--output-dir", "d", "--eval-fraction", "0.9"], "no train rows"),
         (["--rows", "10", "--output", "missing/a.tsv"], "no such directory"),
         (["--rows", "10", "--output", "a.tsv", "--cardinalities", "huge"], "huge"),
+        (["--rows", "10", "--output", "a.tsv", "--ids", "names"], "names"),
     ],
 )
 def test_cli_bad_arguments(tmp_path, monkeypatch, args, message):

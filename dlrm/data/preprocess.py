@@ -107,7 +107,8 @@ def preprocess(
          "rows": {split: rows}, "files": {split: [paths relative to output_dir]},
          "positive_rate": {split: rate} (null for an empty split),
          "categorical": {"C1": {"cardinality": distinct non-missing train ids, "exact": whether that count
-             is exact (else a HyperLogLog estimate, ~0.8% standard error), with --min-frequency also
+             is exact (else a HyperLogLog estimate, ~0.8% standard error), "max_id": the largest train id
+             (null without any), with --min-frequency also
              "vocab": relative path, "vocab_size": ids in it}, ...},
          "dense": {"I1": {"min", "max", "mean"} over train after missing -> 0, ...}, "skipped_lines",
          "exact_distinct_limit", and with --min-frequency "min_frequency"}.

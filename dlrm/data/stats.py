@@ -3,8 +3,8 @@
 - `BlockStats` (`block_stats`): what one block of rows contributes, computed where the block is parsed (in
   a worker thread): row and positive counts, dense min/max/sum, per sparse column the distinct ids of the
   block and, when vocabularies are wanted, each id's number of occurrences.
-- `SplitStats`: the running merge of a split's blocks: dense statistics, and per sparse column a
-  `DistinctCounter` (exact set of ids up to a limit, then a HyperLogLog estimate) and optionally a
+- `SplitStats`: the running merge of a split's blocks: dense statistics, and per sparse column its largest
+  id, a `DistinctCounter` (exact set of ids up to a limit, then a HyperLogLog estimate) and optionally a
   `ValueCounter` (exact occurrences per id, for frequency-thresholded vocabularies).
 
 Ids are int64 (the 32-bit Criteo hashes read as unsigned numbers); MISSING_CATEGORY (-1) is never counted.
@@ -265,6 +265,7 @@ class SplitStats:
         self._max = np.full(len(DENSE_COLUMNS), -np.inf)
         self._sum = np.zeros(len(DENSE_COLUMNS))
         self._distinct = [DistinctCounter(exact_distinct_limit) for _ in SPARSE_COLUMNS]
+        self._max_id = [MISSING_CATEGORY] * len(SPARSE_COLUMNS)
         self._counts = (
             [ValueCounter(value_counts_dir / c) for c in SPARSE_COLUMNS] if self.value_counts else []
         )
@@ -279,6 +280,10 @@ class SplitStats:
         self._sum += stats.dense_sum
         for counter, distinct in zip(self._distinct, stats.distinct, strict=True):
             counter.update(distinct)
+        self._max_id = [
+            max(m, int(distinct[-1])) if len(distinct) else m
+            for m, distinct in zip(self._max_id, stats.distinct, strict=True)
+        ]
         for counter, counts in zip(self._counts, stats.counts or [], strict=False):
             counter.update(counts)
 
@@ -286,11 +291,13 @@ class SplitStats:
         return self.positives / self.rows if self.rows else None
 
     def cardinalities(self) -> dict:
-        """{"C1": {"cardinality": distinct non-missing ids, "exact": bool}, ...}."""
+        """{"C1": {"cardinality": distinct non-missing ids, "exact": bool, "max_id": the largest id, None
+        without any}, ...}. "max_id" tells contiguous indices, which modulus hashing can keep apart, from
+        raw hashes (dlrm.model.tables.shared_row_shares)."""
         result = {}
-        for c, counter in zip(SPARSE_COLUMNS, self._distinct, strict=True):
+        for c, counter, max_id in zip(SPARSE_COLUMNS, self._distinct, self._max_id, strict=True):
             count, exact = counter.count()
-            result[c] = {"cardinality": count, "exact": exact}
+            result[c] = {"cardinality": count, "exact": exact, "max_id": None if max_id < 0 else max_id}
         return result
 
     def dense_stats(self) -> dict:

@@ -2,7 +2,8 @@
 
     python -m dlrm.data.synthetic --rows 1000000 --output day_x.tsv.gz          # raw 40-field TSV(.gz)
     python -m dlrm.data.synthetic --rows 1000000 --output-dir data/synthetic    # as dlrm.data.preprocess
-        [--cardinalities kaggle|terabyte] [--max-cardinality N] [--ctr 0.1] [--seed 0] [--block-size 65536]
+        [--cardinalities kaggle|terabyte] [--max-cardinality N] [--ids hash|index] [--ctr 0.1] [--seed 0]
+        [--block-size 65536]
         [--val-fraction 0.1 --test-fraction 0.1 | --eval-fraction 0.2] [--rows-per-file 1000000] [--overwrite]
         [--multi-hot mlperf|K1,...,K26 [--multi-hot-distribution pareto|uniform]]   # with --output-dir
 
@@ -30,6 +31,7 @@ from dlrm.data.synthetic_output import write_parquet, write_tsv
 from dlrm.data.synthetic_rows import (
     CARDINALITY_PRESETS,
     DEFAULT_CTR,
+    ID_KINDS,
     SyntheticConfig,
     SyntheticError,
     preset_cardinalities,
@@ -59,6 +61,13 @@ from dlrm.errors import cli_errors
     help="Distinct ids per column C1..C26: Criteo Kaggle train set, or Criteo 1TB days 0-23.",
 )
 @click.option("--max-cardinality", type=int, default=None, help="Cap every column's cardinality at this.")
+@choice_option(
+    "--ids",
+    choices=ID_KINDS,
+    default="hash",
+    help="Each column's ids: 32-bit hashes as raw Criteo logs hold, or contiguous indices in [0, K) as "
+    "MLPerf's preprocessed Criteo 1TB holds (modulus hashing into K + 1 rows or more keeps them apart).",
+)
 @click.option("--ctr", type=float, default=DEFAULT_CTR, help="Mean click probability.")
 @click.option(
     "--seed",
@@ -101,6 +110,7 @@ def main(
     eval_fraction: float | None,
     preset: str,
     max_cardinality: int | None,
+    ids: str,
     ctr: float,
     seed: int,
     block_size: int,
@@ -119,7 +129,7 @@ def main(
             raise SyntheticError("give exactly one of --output FILE.tsv[.gz] and --output-dir DIR")
         bag_sizes = None if multi_hot is None else parse_sizes(multi_hot, "--multi-hot")
         cardinalities = preset_cardinalities(preset, max_cardinality)
-        config = SyntheticConfig(cardinalities, seed, ctr, bag_sizes, multi_hot_distribution)
+        config = SyntheticConfig(cardinalities, seed, ctr, bag_sizes, multi_hot_distribution, ids)
         given = {
             "--val-fraction": val_fraction,
             "--test-fraction": test_fraction,

@@ -227,7 +227,8 @@ def write_parquet(
     `val_fraction` before it (default 0.1 each), or `eval_fraction` F for F/2 each.
 
     metadata.json also holds "oracle": per split, the planted model's own {"auc", "auc_error_bound",
-    "logloss", "ne", "rows"} on exactly that split's rows (dlrm.data.oracle), the best a model can score.
+    "logloss", "ne", "rows"} on exactly that split's rows (dlrm.data.oracle), the best a model can score;
+    and "synthetic", what the rows were generated from (`generator_metadata`).
 
     Returns:
         The metadata written (the keys of preprocess's, and "oracle"; "source" describes the generator),
@@ -285,6 +286,7 @@ def write_parquet(
             "val_fraction": fractions[0],
             "test_fraction": fractions[1],
             "oracle": oracle.result(),
+            "synthetic": generator_metadata(config, rows),
         }
         if config.bag_sizes is not None:  # read by the loaders (dlrm.data.bag_source)
             bags = {
@@ -302,6 +304,41 @@ def write_parquet(
     return {**metadata, **_finish(config, rows, positives, started, output_dir, metadata["oracle"])}
 
 
+def generator_metadata(config: SyntheticConfig, rows: int) -> dict:
+    """What the rows were generated from, as metadata.json's "synthetic" holds it (`config_from_metadata`
+    reads it back): {"rows", "seed", "ctr", "cardinalities", "ids", "bag_sizes", "bag_distribution"}."""
+    return {
+        "rows": rows,
+        "seed": config.seed,
+        "ctr": config.ctr,
+        "cardinalities": list(config.cardinalities),
+        "ids": config.ids,
+        "bag_sizes": None if config.bag_sizes is None else list(config.bag_sizes),
+        "bag_distribution": config.bag_distribution,
+    }
+
+
+def config_from_metadata(metadata: dict, source: str = "metadata.json") -> tuple[SyntheticConfig, int]:
+    """(the generator's config, its row count) of a synthetic data directory's metadata.
+
+    Raises:
+        SyntheticError: no "synthetic" key (not synthetic data, or written before the key existed: generate
+            it again), naming `source`.
+    """
+    given = metadata.get("synthetic")
+    if given is None:
+        raise SyntheticError(
+            f'{source}: no "synthetic" key: not data of python -m dlrm.data.synthetic, or older than the key '
+            "(generate it again)"
+        )
+    bags = given["bag_sizes"]
+    config = SyntheticConfig(
+        tuple(given["cardinalities"]), given["seed"], given["ctr"], None if bags is None else tuple(bags),
+        given["bag_distribution"], given["ids"],
+    )  # fmt: skip
+    return config, given["rows"]
+
+
 def _check_counts(rows: int, block_size: int) -> None:
     if rows < 1:
         raise SyntheticError(f"rows must be at least 1, got {rows}")
@@ -314,7 +351,8 @@ def _describe(config: SyntheticConfig, rows: int) -> str:
     cards = preset or ",".join(map(str, config.cardinalities))
     bags = "" if config.bag_sizes is None else f",multi_hot={','.join(map(str, config.bag_sizes))}"
     bags += "" if config.bag_sizes is None else f",distribution={config.bag_distribution}"
-    return f"synthetic:rows={rows},seed={config.seed},ctr={config.ctr},cardinalities={cards}{bags}"
+    ids = "" if config.ids == "hash" else f",ids={config.ids}"
+    return f"synthetic:rows={rows},seed={config.seed},ctr={config.ctr},cardinalities={cards}{ids}{bags}"
 
 
 def _progress(rows: int) -> tqdm:

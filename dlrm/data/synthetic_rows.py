@@ -3,9 +3,13 @@
 What a row holds (row r of seed s is the same whatever the block size; see "Determinism"):
 
 - C1..C26: category rank k in [0, K) of a column of cardinality K, drawn Zipf-like, P(k) ~ (k + 1)^-1.15
-  (inverse CDF of the continuous power law on [1, K + 1], floored), then mapped through a per-(seed, column)
-  bijection of 32-bit integers (a keyed integer hash), so ids look like Criteo's 8-hex-digit hashes and a
-  column never holds more than K distinct ids. Missing (empty) at Criteo-like per-column rates.
+  (inverse CDF of the continuous power law on [1, K + 1], floored), then mapped to the column's id by a
+  per-(seed, column) bijection, so a column never holds more than K distinct ids. `ids` "hash": a keyed
+  bijection of 32-bit integers (an integer hash), ids that look like Criteo's raw 8-hex-digit hashes;
+  "index": the permutation k -> (a k + c) mod K of [0, K) (a coprime to K, a and c keyed), contiguous
+  indices as MLPerf's preprocessed Criteo 1TB holds them, which modulus hashing into K + 1 or more rows
+  keeps apart (raw hashes share rows: dlrm.model.tables.shared_row_shares). Missing (empty) at
+  Criteo-like per-column rates.
 - I1..I13: counts round(expm1(max(0, mu + sd * z))), z ~ N(0, 1), with per-column (mu, sd) on the log1p
   scale, capped at 2**24 (about Criteo's largest counts, and exact in float32); I2 is
   -1, -2, ... in 3% of rows. Missing (empty; 0 in parquet) at Criteo-like per-column rates.
@@ -28,8 +32,8 @@ still bounds what a model of the bags can reach.
 
 Determinism: rows are generated in fixed chunks of _CHUNK_ROWS rows, chunk i from its own generator
 SeedSequence(seed, spawn_key=(0, i)); blocks of `--block-size` rows are cut from those chunks, so the
-output depends on (seed, cardinalities, ctr, rows) only. Memory is bounded by the block size (plus one
-chunk), never by the row count.
+output depends on (seed, cardinalities, ctr, ids, bags, rows) only. Memory is bounded by the block size
+(plus one chunk), never by the row count.
 
 Cardinalities: `kaggle` are the distinct counts of the Criteo Kaggle (Display Advertising Challenge)
 train set; `terabyte` are the distinct counts over days 0..23 of the Criteo 1TB logs without frequency
@@ -39,6 +43,7 @@ for C1, ...); `--max-cardinality 40000000` approximates it.
 """
 
 import functools
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -61,6 +66,7 @@ TERABYTE_CARDINALITIES = (
 CARDINALITY_PRESETS = {"kaggle": KAGGLE_CARDINALITIES, "terabyte": TERABYTE_CARDINALITIES}
 
 ZIPF_EXPONENT = 1.15
+ID_KINDS = ("hash", "index")
 # Share of empty fields per column, close to those of the Kaggle train set.
 SPARSE_MISSING_RATE = np.array(
     [0.0, 0.0, 0.034, 0.034, 0.0, 0.121, 0.0, 0.0, 0.0, 0.0, 0.0, 0.034, 0.0,
@@ -85,7 +91,7 @@ DEFAULT_CTR = 0.1
 
 _CHUNK_ROWS = 1 << 14  # rows per random-number chunk; fixed, so the output does not depend on the block size
 _CALIBRATION_ROWS = 1 << 15
-_PLANTED_INDEX = np.array([SPARSE_COLUMNS.index(c) for c in PLANTED_COLUMNS])
+PLANTED_INDEX = np.array([SPARSE_COLUMNS.index(c) for c in PLANTED_COLUMNS])
 # spawn_key domains of SeedSequence(seed, spawn_key=...): one random stream per use.
 _ROWS_STREAM, _CALIBRATION_STREAM, _MODEL_STREAM = 0, 1, 2
 
@@ -104,6 +110,7 @@ class SyntheticConfig:
         ctr: mean click probability of the planted model, in (0, 1).
         bag_sizes: F bag sizes (module docstring, "Multi-hot"); None (or all ones): one id per feature.
         bag_distribution: "uniform" or "pareto", the law of the bags' drawn ids.
+        ids: "hash" or "index", how a category rank becomes its id (module docstring).
     Raises:
         SyntheticError: a bad value.
     """
@@ -113,6 +120,7 @@ class SyntheticConfig:
     ctr: float = DEFAULT_CTR
     bag_sizes: tuple[int, ...] | None = None
     bag_distribution: str = "pareto"
+    ids: str = "hash"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cardinalities", tuple(int(k) for k in self.cardinalities))
@@ -130,6 +138,8 @@ class SyntheticConfig:
             raise SyntheticError(
                 f"bag distribution must be one of {BAG_DISTRIBUTIONS}, got {self.bag_distribution!r}"
             )
+        if self.ids not in ID_KINDS:
+            raise SyntheticError(f"ids must be one of {ID_KINDS}, got {self.ids!r}")
         if self.bag_sizes is not None:
             try:
                 sizes = check_sizes(self.bag_sizes, "--multi-hot")
@@ -204,7 +214,7 @@ def _dense_weights(seed: int) -> np.ndarray:
     return _stream(seed, _MODEL_STREAM, 1).normal(0.0, PLANTED_DENSE_STD, NUM_DENSE)
 
 
-def _ids_of_ranks(ranks: np.ndarray, keys_add: np.ndarray, keys_xor: np.ndarray) -> np.ndarray:
+def _hashes_of_ranks(ranks: np.ndarray, keys_add: np.ndarray, keys_xor: np.ndarray) -> np.ndarray:
     """Keyed bijection of 32-bit integers (add, lowbias32 hash, xor), column-wise: [n, c] int64 ids."""
     h = ranks.astype(np.uint32) + keys_add
     h ^= h >> 16
@@ -214,6 +224,38 @@ def _ids_of_ranks(ranks: np.ndarray, keys_add: np.ndarray, keys_xor: np.ndarray)
     h ^= h >> 16
     h ^= keys_xor
     return h.astype(np.int64)
+
+
+def ids_of_ranks(
+    config: SyntheticConfig, ranks: np.ndarray, columns: Sequence[int] | None = None
+) -> np.ndarray:
+    """The ids [n, c] int64 of category ranks [n, c] of the 0-based sparse `columns` (default: all 26), by
+    `config.ids` (module docstring): "hash", the keyed 32-bit bijection `_hashes_of_ranks`; "index", the
+    permutation (a k + c) mod K of [0, K), a coprime to K and a, c drawn from the column's keys
+    (`_index_permutations`; exact: a, k < 2**32, so a k < 2**64)."""
+    columns = np.arange(NUM_SPARSE) if columns is None else np.asarray(columns)
+    if config.ids == "hash":
+        keys = _column_keys(config.seed)
+        return _hashes_of_ranks(ranks, keys[0, columns], keys[1, columns])
+    multipliers, offsets = _index_permutations(config.cardinalities, config.seed)
+    k = np.asarray(config.cardinalities, dtype=np.uint64)[columns]
+    ids = (ranks.astype(np.uint64) * multipliers[columns] + offsets[columns]) % k
+    return ids.astype(np.int64)
+
+
+@functools.cache
+def _index_permutations(cardinalities: tuple[int, ...], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """([c] uint64 multipliers a, coprime to K, [c] uint64 offsets) of `_indices_of_ranks`, from the
+    keys of the hash bijection (rows 0 and 1 of `_column_keys`)."""
+    keys = _column_keys(seed)
+    multipliers, offsets = [], []
+    for column, k in enumerate(cardinalities):
+        a = int(keys[0, column]) % k or 1
+        while math.gcd(a, k) != 1:
+            a = a % k + 1
+        multipliers.append(a)
+        offsets.append(int(keys[1, column]) % k)
+    return np.array(multipliers, dtype=np.uint64), np.array(offsets, dtype=np.uint64)
 
 
 def planted_weights(seed: int, columns: Sequence[int] | np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -245,14 +287,14 @@ def planted_logit(config: SyntheticConfig, dense: np.ndarray, sparse: np.ndarray
 def _logit_without_bias(config: SyntheticConfig, dense: np.ndarray, sparse: np.ndarray) -> np.ndarray:
     seed, sizes = config.seed, config.bag_sizes
     if sizes is None:
-        sparse_term = planted_weights(seed, _PLANTED_INDEX, sparse[:, _PLANTED_INDEX]).sum(axis=1)
+        sparse_term = planted_weights(seed, PLANTED_INDEX, sparse[:, PLANTED_INDEX]).sum(axis=1)
     else:
         starts = bag_starts(sizes)
         sparse_term = sum(
             planted_weights(seed, np.full(sizes[c], c), sparse[:, starts[c] : starts[c] + sizes[c]]).mean(
                 axis=1
             )
-            for c in _PLANTED_INDEX
+            for c in PLANTED_INDEX
         )
     dense_term = (np.log1p(np.maximum(dense, 0)) - DENSE_LOG_MEAN) @ _dense_weights(seed)
     return sparse_term + dense_term
@@ -276,8 +318,7 @@ def _features(
     with bags [n, S])."""
     cardinalities, seed = config.cardinalities, config.seed
     ranks = power_law_ranks(rng.random((n, NUM_SPARSE)), cardinalities)
-    keys = _column_keys(seed)
-    sparse = _ids_of_ranks(ranks, keys[0], keys[1])
+    sparse = ids_of_ranks(config, ranks)
     sparse[rng.random((n, NUM_SPARSE)) < SPARSE_MISSING_RATE] = MISSING_CATEGORY
 
     # Dense: rounded log-normal counts; I2 sometimes negative.
