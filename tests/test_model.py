@@ -5,15 +5,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from dlrm.config import ModelConfig
-from dlrm.data.schema import NUM_DENSE, NUM_SPARSE
+from dlrm.data.schema import MISSING_CATEGORY, NUM_DENSE, NUM_SPARSE
 from dlrm.model import DLRM, model_from_checkpoint, sparse
 from dlrm.model.dlrm import InteractionArch
 from dlrm.model.sparse import SparseArch, init_tables
-from dlrm.model.tables import build_vocabularies, resolve_table_rows
+from dlrm.model.tables import build_vocabularies, resolve_table_rows, shared_row_shares, shared_rows_warning
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ModelConfig(embedding_dim=4, bottom_mlp=(8, 4), top_mlp=(8, 1), max_rows=50)
@@ -122,6 +123,48 @@ def test_table_rows_from_metadata_capped():
     assert rows == [min(10 * f + 1, 50) for f in range(NUM_SPARSE)]
     with pytest.raises(ValueError, match="C1"):
         resolve_table_rows(SMALL, {"categorical": {}})
+
+
+def _sharing(ids: np.ndarray, rows: int) -> float:
+    """The share of `ids` (distinct, >= 0) whose row (x + 1) % rows holds another id or the missing id."""
+    row = (np.append(ids, MISSING_CATEGORY) + 1) % rows
+    held = np.bincount(row, minlength=rows)
+    return float((held[row[:-1]] > 1).mean())
+
+
+def test_shared_row_shares_count_the_ids_that_share_a_row():
+    """Contiguous ids are counted exactly (0 where they fit the rows), other ids by the expected share of
+    random hashes: both against counting the rows of actual ids."""
+    cases = [(3, 3), (5, 3), (10, 7), (7, 8), (7, 9), (1000, 1001), (1000, 600), (2000, 1500)]
+    rng = np.random.default_rng(0)
+    for contiguous in (True, False):
+        table_rows = [m for _, m in cases] + [1] * (NUM_SPARSE - len(cases))
+        cfg = ModelConfig(**{**SMALL.__dict__, "table_rows": tuple(table_rows), "max_rows": 10_000})
+        categorical = {f"C{f + 1}": {"cardinality": 0} for f in range(NUM_SPARSE)}
+        draws = []
+        for f, (n, _) in enumerate(cases):
+            if contiguous:
+                draws.append([np.arange(n)])
+            else:  # 32-bit hashes (distinct but for a chance below 1e-3 a draw): 200,000 ids in all
+                draws.append(list(rng.integers(0, 2**32, (max(200, 200_000 // n), n))))
+            categorical[f"C{f + 1}"] = {"cardinality": n, "max_id": int(max(d.max() for d in draws[-1]))}
+        shares = shared_row_shares(cfg, {"categorical": categorical})
+        for f, ((n, m), ids) in enumerate(zip(cases, draws, strict=True)):
+            counted = np.mean([_sharing(d, m) for d in ids])
+            if contiguous:
+                assert shares[f"C{f + 1}"] == pytest.approx(counted, abs=1e-12), (n, m)
+            else:
+                assert shares[f"C{f + 1}"] == pytest.approx(counted, abs=0.01), (n, m)
+        assert shares[f"C{NUM_SPARSE}"] == 0.0  # no ids
+        if contiguous:  # (7, 8), (7, 9), (1000, 1001): ids 0 .. n - 1 and the missing one fit n + 1 rows
+            assert shares["C3"] > 0 and shares["C4"] == shares["C5"] == shares["C6"] == 0.0
+    categorical = {c: {"cardinality": 50, "max_id": 49} for c in categorical}
+    assert shared_rows_warning(SMALL, {"categorical": categorical}) is None  # max_rows 50: ids 0..49 need 51
+    categorical["C7"] = {"cardinality": 50}  # raw hashes: about 1 - 1/e share
+    warning = shared_rows_warning(SMALL, {"categorical": categorical})
+    assert "in 1 of 26 tables" in warning and "(C7 64%)" in warning
+    vocab = ModelConfig(**{**SMALL.__dict__, "hashing": "vocab"})
+    assert shared_rows_warning(vocab, {"categorical": categorical}) is None
 
 
 @pytest.mark.parametrize("hashing", ["modulus", "vocab"])

@@ -50,6 +50,57 @@ def resolve_table_rows(cfg: ModelConfig, metadata: dict) -> list[int]:
     return [min(r, cfg.max_rows) for r in rows]
 
 
+def shared_row_shares(cfg: ModelConfig, metadata: dict) -> dict[str, float]:
+    """Per sparse column, the share of its distinct train ids that modulus hashing puts on a table row with
+    another id (or with the missing id), which no model can then tell apart: {"C1": share in [0, 1], ...}.
+
+    n distinct ids (metadata.json's "cardinality") into m rows (`resolve_table_rows`), row (x + 1) % m:
+    - ids known to lie in [0, m - 2] (metadata.json's "max_id", contiguous indices as MLPerf's preprocessing
+      writes them): one-to-one, 0;
+    - contiguous ids [0, n) that do not fit: exact, the values -1 .. n - 1 wrap around the rows;
+    - else (raw Criteo ids are 32-bit hashes, spread like a random function's values): the expected share,
+      1 - (1 - 1/m)^n, the chance that one of the other n - 1 ids or the missing id (row 0) lands on an
+      id's row.
+    Metadata without "max_id" (older data directories) counts as raw hashes.
+
+    Raises:
+        ValueError: as `resolve_table_rows`.
+    """
+    rows = resolve_table_rows(cfg, metadata)
+    categorical = metadata.get("categorical", {})
+    shares = {}
+    for c, m in zip(SPARSE_COLUMNS, rows, strict=True):
+        n, max_id = categorical.get(c, {}).get("cardinality", 0), categorical.get(c, {}).get("max_id")
+        if n == 0 or (max_id is not None and max_id <= m - 2):
+            shares[c] = 0.0
+        elif max_id is not None and max_id + 1 == n:
+            values = n + 1  # the ids and the missing id, consecutive rows modulo m
+            laps, rest = divmod(values, m)
+            shared_values = values if laps >= 2 else 2 * rest
+            shares[c] = (shared_values - 1) / n  # the missing id shares row 0 whenever any value does
+        else:
+            shares[c] = 1.0 - (1.0 - 1.0 / m) ** n
+    return shares
+
+
+def shared_rows_warning(cfg: ModelConfig, metadata: dict, threshold: float = 0.05) -> str | None:
+    """One line naming the columns whose `shared_row_shares` is `threshold` or more (largest first), and
+    what lowers it; None where none is (or with hashing other than "modulus")."""
+    if cfg.hashing != "modulus":
+        return None
+    shares = shared_row_shares(cfg, metadata)
+    high = sorted(((share, c) for c, share in shares.items() if share >= threshold), reverse=True)
+    if not high:
+        return None
+    listed = ", ".join(f"{c} {share:.0%}" for share, c in high)
+    return (
+        f"modulus hashing: in {len(high)} of {len(shares)} tables {threshold:.0%} or more of the train ids "
+        f"share a row with another id ({listed}), and a one-hot model cannot tell such ids apart; more rows "
+        "(model.table_rows, model.max_rows), hashing 'vocab' (one id per feature), or contiguous ids that "
+        "fit the rows (as MLPerf's preprocessed Criteo 1TB holds) lower it"
+    )
+
+
 def build_vocabularies(sparse: torch.Tensor, max_rows: int, min_frequency: int = 1) -> list[torch.Tensor]:
     """Sorted vocabularies of the train ids, one per sparse feature.
 

@@ -23,6 +23,7 @@ from dlrm.lr_schedule import LearningRates
 from dlrm.metrics import forward_logits
 from dlrm.model import Model
 from dlrm.model.dlrm import log_odds
+from dlrm.model.tables import shared_rows_warning
 from dlrm.optim import RunOptimizer
 from dlrm.progress import TrainProgress
 from dlrm.run.checkpoints import preflight
@@ -99,6 +100,8 @@ def set_up(
         check_not_finished(resume, state, cfg, train_loader, strategy.is_main)
     train_ids = torch.empty(0, NUM_SPARSE, dtype=torch.int64) if train_set is None else train_set.sparse
     logger.info("building the model ({} backend) on {}", cfg.backend, device)
+    if cfg.model.lora.base is None and (warning := shared_rows_warning(cfg.model, metadata)):
+        logger.warning(warning)
     model = strategy.build_model(cfg, metadata, train_ids, device)
     if cfg.model.lora.base is None:  # a fine-tuned model starts as its base, whose bias was learned
         rate = train_positive_rate(data_dir, metadata, train_set)
