@@ -133,30 +133,32 @@ def _sharing(ids: np.ndarray, rows: int) -> float:
 
 
 def test_shared_row_shares_count_the_ids_that_share_a_row():
-    """Contiguous ids are counted exactly (0 where they fit the rows), other ids by the expected share of
-    random hashes: both against counting the rows of actual ids."""
+    """Against counting the rows of actual ids: contiguous ids [0, n) exactly (0 where they fit the rows);
+    n ids drawn from [0, 4n) (a split that has not seen all of a column's contiguous ids) and 32-bit hashes
+    on average over draws (200,000 ids of each case, within 0.01)."""
     cases = [(3, 3), (5, 3), (10, 7), (7, 8), (7, 9), (1000, 1001), (1000, 600), (2000, 1500)]
     rng = np.random.default_rng(0)
-    for contiguous in (True, False):
+    for kind in ("contiguous", "subset", "hashes"):
         table_rows = [m for _, m in cases] + [1] * (NUM_SPARSE - len(cases))
         cfg = ModelConfig(**{**SMALL.__dict__, "table_rows": tuple(table_rows), "max_rows": 10_000})
         categorical = {f"C{f + 1}": {"cardinality": 0} for f in range(NUM_SPARSE)}
         draws = []
         for f, (n, _) in enumerate(cases):
-            if contiguous:
+            repeats = max(200, 200_000 // n)
+            if kind == "contiguous":
                 draws.append([np.arange(n)])
-            else:  # 32-bit hashes (distinct but for a chance below 1e-3 a draw): 200,000 ids in all
-                draws.append(list(rng.integers(0, 2**32, (max(200, 200_000 // n), n))))
+            elif kind == "subset":
+                draws.append([rng.choice(4 * n, n, replace=False) for _ in range(repeats)])
+            else:  # distinct but for a chance below 1e-3 a draw
+                draws.append(list(rng.integers(0, 2**32, (repeats, n))))
             categorical[f"C{f + 1}"] = {"cardinality": n, "max_id": int(max(d.max() for d in draws[-1]))}
         shares = shared_row_shares(cfg, {"categorical": categorical})
         for f, ((n, m), ids) in enumerate(zip(cases, draws, strict=True)):
             counted = np.mean([_sharing(d, m) for d in ids])
-            if contiguous:
-                assert shares[f"C{f + 1}"] == pytest.approx(counted, abs=1e-12), (n, m)
-            else:
-                assert shares[f"C{f + 1}"] == pytest.approx(counted, abs=0.01), (n, m)
+            tolerance = 1e-12 if kind == "contiguous" else 0.01
+            assert shares[f"C{f + 1}"] == pytest.approx(counted, abs=tolerance), (kind, n, m)
         assert shares[f"C{NUM_SPARSE}"] == 0.0  # no ids
-        if contiguous:  # (7, 8), (7, 9), (1000, 1001): ids 0 .. n - 1 and the missing one fit n + 1 rows
+        if kind == "contiguous":  # (7, 8), (7, 9), (1000, 1001): ids 0 .. n - 1 and the missing one fit
             assert shares["C3"] > 0 and shares["C4"] == shares["C5"] == shares["C6"] == 0.0
     categorical = {c: {"cardinality": 50, "max_id": 49} for c in categorical}
     assert shared_rows_warning(SMALL, {"categorical": categorical}) is None  # max_rows 50: ids 0..49 need 51

@@ -1,6 +1,8 @@
 """Embedding table sizing: rows per table for modulus hashing, vocabularies for exact (vocab) hashing; the
 tables' storage dtype (`model.table_dtype`) and the dtype their lookups return."""
 
+import math
+
 import torch
 
 from dlrm.choices import TABLE_DTYPES
@@ -52,16 +54,17 @@ def resolve_table_rows(cfg: ModelConfig, metadata: dict) -> list[int]:
 
 def shared_row_shares(cfg: ModelConfig, metadata: dict) -> dict[str, float]:
     """Per sparse column, the share of its distinct train ids that modulus hashing puts on a table row with
-    another id (or with the missing id), which no model can then tell apart: {"C1": share in [0, 1], ...}.
+    another id or with the missing id (row 0), which a one-hot model cannot then tell apart: {"C1": share in
+    [0, 1], ...}.
 
-    n distinct ids (metadata.json's "cardinality") into m rows (`resolve_table_rows`), row (x + 1) % m:
-    - ids known to lie in [0, m - 2] (metadata.json's "max_id", contiguous indices as MLPerf's preprocessing
-      writes them): one-to-one, 0;
-    - contiguous ids [0, n) that do not fit: exact, the values -1 .. n - 1 wrap around the rows;
-    - else (raw Criteo ids are 32-bit hashes, spread like a random function's values): the expected share,
-      1 - (1 - 1/m)^n, the chance that one of the other n - 1 ids or the missing id (row 0) lands on an
-      id's row.
-    Metadata without "max_id" (older data directories) counts as raw hashes.
+    n distinct ids (metadata.json's "cardinality") in [0, X] (X its "max_id"; 2**32 - 1, raw Criteo hashes,
+    where metadata older than the key lacks it) into m rows (`resolve_table_rows`): row r = (x + 1) % m
+    holds the values x + 1 = r, r + m, ... of [0, X + 1] (0 the missing id), s_r of them. Taking the n ids
+    as any n of the X + 1 values alike, row r holds n s_r / (X + 1) ids on average (less the missing id's
+    value on row 0), and an id there has the row alone with probability C(X - s_r + 1, n - 1) / C(X, n - 1)
+    (none of the other n - 1 ids among its row's s_r - 1 other values; row 0: never). So the share is
+    ((s_0 - 1) + sum over r >= 1 of s_r (1 - that)) / (X + 1): exact for contiguous ids [0, n) (0 where
+    they fit, n + 1 <= m), and about 1 - (1 - 1/m)^n for raw hashes.
 
     Raises:
         ValueError: as `resolve_table_rows`.
@@ -70,17 +73,33 @@ def shared_row_shares(cfg: ModelConfig, metadata: dict) -> dict[str, float]:
     categorical = metadata.get("categorical", {})
     shares = {}
     for c, m in zip(SPARSE_COLUMNS, rows, strict=True):
-        n, max_id = categorical.get(c, {}).get("cardinality", 0), categorical.get(c, {}).get("max_id")
-        if n == 0 or (max_id is not None and max_id <= m - 2):
-            shares[c] = 0.0
-        elif max_id is not None and max_id + 1 == n:
-            values = n + 1  # the ids and the missing id, consecutive rows modulo m
-            laps, rest = divmod(values, m)
-            shared_values = values if laps >= 2 else 2 * rest
-            shares[c] = (shared_values - 1) / n  # the missing id shares row 0 whenever any value does
-        else:
-            shares[c] = 1.0 - (1.0 - 1.0 / m) ** n
+        top = categorical.get(c, {}).get("max_id")
+        top = 2**32 - 1 if top is None else top
+        n = min(categorical.get(c, {}).get("cardinality", 0), top + 1)  # an estimated count may exceed it
+        shares[c] = _shared_share(n, top, m)
     return shares
+
+
+def _shared_share(n: int, top: int, m: int) -> float:
+    """`shared_row_shares` of one column: n ids among the values [0, top], m rows."""
+    if n == 0:
+        return 0.0
+    laps, rest = divmod(top + 2, m)  # rows r < rest hold laps + 1 values, the others laps
+    first = laps + (rest > 0)  # row 0's values, the missing id's among them
+    total = first - 1 + max(rest - 1, 0) * _shared_ids(laps + 1, n, top)
+    total += (m - max(rest, 1)) * _shared_ids(laps, n, top)
+    return min(total / (top + 1), 1.0)
+
+
+def _shared_ids(values: int, n: int, top: int) -> float:
+    """The ids on a row of `values` values (not row 0) that share it, on average, times (top + 1) / n:
+    values times the chance that another of the n ids lies among the row's other values."""
+    others = top - values + 1  # the values of the other rows
+    if others < n - 1:  # the other ids cannot all lie elsewhere
+        return values
+    alone = math.lgamma(others + 1) - math.lgamma(others - n + 2)
+    alone -= math.lgamma(top + 1) - math.lgamma(top - n + 2)
+    return values * -math.expm1(alone)
 
 
 def shared_rows_warning(cfg: ModelConfig, metadata: dict, threshold: float = 0.05) -> str | None:
