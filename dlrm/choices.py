@@ -12,6 +12,7 @@ checks that every choice here that reaches a kernel is one the kernel takes.
 LOADERS = ("memory", "gpu_resident", "streaming", "binary")  # data.loader
 SPLITS = ("train", "val", "test")  # the splits of a preprocessed data directory (dlrm.data.splits)
 BAG_DISTRIBUTIONS = ("uniform", "pareto")  # data.multi_hot.distribution, the bags' drawn ids (dlrm.data.bags)
+SYNTHETIC_IDS = ("hash", "index")  # dlrm.data.synthetic --ids: raw 32-bit hashes or contiguous indices
 
 # model
 ARCHS = ("dlrm", "logistic")  # model.arch

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import click
 
-from dlrm.choices import BAG_DISTRIBUTIONS
+from dlrm.choices import BAG_DISTRIBUTIONS, SYNTHETIC_IDS
 from dlrm.cli_options import choice_option, command, path_option
 from dlrm.data.bags import parse_sizes
 from dlrm.data.splits import held_out_options
@@ -31,7 +31,6 @@ from dlrm.data.synthetic_output import write_parquet, write_tsv
 from dlrm.data.synthetic_rows import (
     CARDINALITY_PRESETS,
     DEFAULT_CTR,
-    ID_KINDS,
     SyntheticConfig,
     SyntheticError,
     preset_cardinalities,
@@ -63,7 +62,7 @@ from dlrm.errors import cli_errors
 @click.option("--max-cardinality", type=int, default=None, help="Cap every column's cardinality at this.")
 @choice_option(
     "--ids",
-    choices=ID_KINDS,
+    choices=SYNTHETIC_IDS,
     default="hash",
     help="Each column's ids: 32-bit hashes as raw Criteo logs hold, or contiguous indices in [0, K) as "
     "MLPerf's preprocessed Criteo 1TB holds (modulus hashing into K + 1 rows or more keeps them apart).",

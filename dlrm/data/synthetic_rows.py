@@ -51,7 +51,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from dlrm.choices import BAG_DISTRIBUTIONS
+from dlrm.choices import BAG_DISTRIBUTIONS, SYNTHETIC_IDS
 from dlrm.data.bags import bag_starts, check_sizes, is_one_hot, make_bags
 from dlrm.data.schema import MISSING_CATEGORY, NUM_DENSE, NUM_SPARSE, SPARSE_COLUMNS
 
@@ -66,7 +66,6 @@ TERABYTE_CARDINALITIES = (
 CARDINALITY_PRESETS = {"kaggle": KAGGLE_CARDINALITIES, "terabyte": TERABYTE_CARDINALITIES}
 
 ZIPF_EXPONENT = 1.15
-ID_KINDS = ("hash", "index")
 # Share of empty fields per column, close to those of the Kaggle train set.
 SPARSE_MISSING_RATE = np.array(
     [0.0, 0.0, 0.034, 0.034, 0.0, 0.121, 0.0, 0.0, 0.0, 0.0, 0.0, 0.034, 0.0,
@@ -138,8 +137,8 @@ class SyntheticConfig:
             raise SyntheticError(
                 f"bag distribution must be one of {BAG_DISTRIBUTIONS}, got {self.bag_distribution!r}"
             )
-        if self.ids not in ID_KINDS:
-            raise SyntheticError(f"ids must be one of {ID_KINDS}, got {self.ids!r}")
+        if self.ids not in SYNTHETIC_IDS:
+            raise SyntheticError(f"ids must be one of {SYNTHETIC_IDS}, got {self.ids!r}")
         if self.bag_sizes is not None:
             try:
                 sizes = check_sizes(self.bag_sizes, "--multi-hot")
