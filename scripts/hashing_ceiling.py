@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from results_csv import append_rows, provenance
 
-from dlrm.cli_options import set_option
+from dlrm.cli_options import data_option, path_option, set_option
 from dlrm.config import apply_overrides, load_config
 from dlrm.data import synthetic_rows as sr
 from dlrm.data.dataset import load_metadata, split_paths
@@ -120,20 +120,8 @@ def ceiling_row(data_dir: Path, config_path: Path, overrides: tuple[str, ...]) -
 
 
 @click.command()
-@click.option(
-    "--data",
-    "data_dir",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    required=True,
-    help="A data directory of python -m dlrm.data.synthetic --output-dir.",
-)
-@click.option(
-    "--config",
-    "config_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    required=True,
-    help="The run config whose tables (model.table_rows, model.max_rows) to apply.",
-)
+@data_option("A data directory of python -m dlrm.data.synthetic --output-dir.")
+@path_option("--config", "config_path", required=True, help="The run config whose tables to apply.")
 @set_option
 def main(data_dir: Path, config_path: Path, overrides: tuple[str, ...]) -> None:
     """Print and record the ceiling of a config's tables on synthetic data (module docstring)."""
