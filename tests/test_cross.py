@@ -13,9 +13,13 @@ import math
 
 import pytest
 import torch
+import triton
 
+import kernels.cross as cross
 import kernels.launch as launch
 from kernels.cross import cross_layer, cross_layer_bwd, cross_layer_fwd, cross_layer_ref
+from kernels.gemm.layout import tma_descriptor
+from kernels.gemm.tuning import input_precision, m_bucket
 from tests.tolerances import tol
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,6 +110,34 @@ def test_bf16_path_within_its_roundings(shape, poisoned):
     rtol = tol(torch.bfloat16, "gemm_norm")["rtol"]
     for name, a, e in zip(OUTPUTS, [out, *grads], [ref, *ref_grads], strict=True):
         _assert_norm_close(a, e, rtol, name)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["quarters", "eighths_ahead"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_both_forward_epilogues_write_out_and_zb(ahead, dtype, poisoned):
+    """The forward kernel with either epilogue (the autotuner picks one per config; the interpreter runs
+    the first): out and zb of every element, tiles cut by the rows' and columns' ends, against the
+    reference on the same h."""
+    m, n, r = 70, 100, 32
+    x0, xl, v, u, b, _ = _inputs(m, n, r, dtype)
+    h = xl @ v.t()
+    out, zb = (launch.empty((m, n), dtype, x0.device) for _ in range(2))
+    block_m, block_n, block_k = (32, 32, 32) if DEVICE == "cpu" else (64, 64, 64)
+    h_desc, u_desc = tma_descriptor(h), tma_descriptor(u)
+    h_desc.block_shape, u_desc.block_shape = [block_m, block_k], [block_n, block_k]
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    cross._cross_fwd_kernel.fn[grid](
+        h_desc, u_desc, b, x0, xl, out, zb, m, n, r, m_bucket(m), n,
+        DOT_FP32=launch.INTERPRETED, INPUT_PRECISION=input_precision(dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, AHEAD=ahead,
+    )  # fmt: skip
+    expected_zb = h.float() @ u.float().t() + b.float()
+    expected = x0.float() * expected_zb.to(dtype).float() + xl.float()
+    if dtype == torch.float32:
+        _assert_fp32_close(["zb", "out"], [zb, out], [expected_zb, expected])
+    else:  # bf16 stores (2u in the interpreter, which truncates), as test_bf16_path_within_its_roundings
+        for name, a, e in zip(["zb", "out"], [zb, out], [expected_zb, expected], strict=True):
+            _assert_norm_close(a, e, tol(torch.bfloat16, "gemm_norm")["rtol"], name)
 
 
 def test_first_layer_takes_x0_as_its_input():

@@ -87,6 +87,29 @@ def test_a_tuned_kernel_launches_a_taken_config_without_the_autotuner(monkeypatc
     assert gemm_tuning.chosen()["choices"] == record["choices"]
 
 
+def test_a_taken_config_without_one_of_the_kernels_constexprs_is_tuned_anew(monkeypatch):
+    """A record written before the cross forward kernel had its AHEAD constexpr (a resumed run's) holds a
+    config without it: the kernel tunes that key again instead of launching a config it cannot run."""
+    import kernels.cross as cross
+
+    monkeypatch.setattr(gemm_tuning, "_PRESET", {})
+    monkeypatch.setattr(gemm_tuning, "_TABLES", {})
+    kernel = cross._cross_fwd_kernel
+    monkeypatch.setattr(kernel, "_options", gemm_tuning.ChoiceTable("_cross_fwd_kernel"))
+    g = torch.Generator().manual_seed(0)
+    x0, xl = torch.randn(40, 24, generator=g), torch.randn(40, 24, generator=g)
+    v, u, b = torch.randn(8, 24, generator=g), torch.randn(24, 8, generator=g), torch.randn(24, generator=g)
+    first = cross.cross_layer_fwd(x0, xl, v, u, b)
+    record = gemm_tuning.chosen()
+    ((key, options),) = record["choices"]["_cross_fwd_kernel"].items()
+    record["choices"]["_cross_fwd_kernel"][key] = {k: v for k, v in options.items() if k != "AHEAD"}
+    kernel._options.clear()
+    assert gemm_tuning.use_chosen(record)
+    for actual, expected in zip(cross.cross_layer_fwd(x0, xl, v, u, b), first, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    assert gemm_tuning.chosen()["choices"]["_cross_fwd_kernel"] == {key: options}  # tuned again
+
+
 def test_a_checkpoint_carries_the_runs_choices_and_a_resume_takes_them(criteo_sample, tmp_path):
     """A --use-triton run on the CPU (the interpreter tunes linear_act's forward too): last.pt holds one
     record (one rank) with its choices, and the resume says it took them; a record of another GPU model
