@@ -1,0 +1,124 @@
+"""The DCN cross layer's forward kernel compiled for a Hopper GPU on any machine, no GPU needed: registers,
+spills and shared memory per tuned config, and the order of its epilogue's global loads and stores.
+
+    python scripts/cross_registers.py [--dtype bf16|fp32] [--arch 90] [--tiles 128x256,64x64]
+
+Compiles ``kernels.cross._cross_fwd_kernel`` with ``triton.compile`` for the target (sm_90a by default)
+in every tuning config (kernels.gemm.tuning's Hopper tiles, the operands' reduction chunk) and each
+epilogue variant (AHEAD False: quarters, True: eighths loaded one ahead), with the specialization a launch
+at the MLPerf shape gets (pointers and N, K, M bucket and the row stride divisible by 16), then runs the
+bundled ``ptxas -v`` for registers a thread and spill bytes and ``nvdisasm`` for the kernel's SASS. It
+prints one line a config: registers, spill stores (bytes), shared memory (bytes), and the sequence of the
+kernel's global loads (L) and stores (S) after its main loop, runs collapsed (`8L 8S` for eight loads then
+eight stores). This is what backs the register and spill statements of kernels/cross.py and
+docs/model-and-kernels.md; speed needs the GPU (scripts/bench_cross.py).
+"""
+
+import itertools
+import os
+import re
+import subprocess
+import tempfile
+
+import click
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import cross
+from kernels.gemm import tuning
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+# The kernel's arguments in order; the divisible ones as a launch at the MLPerf shape specializes them
+# (N = 3456, K = r = 512, M bucket 65536, row stride N; 16-byte aligned tensors).
+ARGS = (
+    "h_desc",
+    "u_desc",
+    "b_ptr",
+    "x0_ptr",
+    "xl_ptr",
+    "out_ptr",
+    "zb_ptr",
+    "M",
+    "N",
+    "K",
+    "M_BUCKET",
+    "stride",
+)
+DIVISIBLE = ("b_ptr", "x0_ptr", "xl_ptr", "out_ptr", "zb_ptr", "N", "K", "M_BUCKET", "stride")
+CONSTEXPRS = ("DOT_FP32", "INPUT_PRECISION", "BLOCK_M", "BLOCK_N", "BLOCK_K", "AHEAD")
+
+
+def compile_config(dtype: str, arch: int, block_m: int, block_n: int, block_k: int, warps: int, stages: int,
+                   ahead: bool) -> tuple[str, str, int]:  # fmt: skip
+    """(ptx, a temporary cubin file's path, shared memory bytes) of the kernel in one config."""
+    ty = {"bf16": "bf16", "fp32": "fp32"}[dtype]
+    signature = {
+        "h_desc": f"tensordesc<{ty}[{block_m},{block_k}]>",
+        "u_desc": f"tensordesc<{ty}[{block_n},{block_k}]>",
+        **{name: f"*{ty}" for name in ARGS[2:7]},
+        **{name: "i32" for name in ARGS[7:]},
+        **{name: "constexpr" for name in CONSTEXPRS},
+    }
+    constexprs = {"DOT_FP32": False, "INPUT_PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
+                  "BLOCK_K": block_k, "AHEAD": ahead}  # fmt: skip
+    attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
+    source = ASTSource(cross._cross_fwd_kernel.fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": warps, "num_stages": stages}
+    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    return kernel.asm["ptx"], f.name, kernel.metadata.shared
+
+
+def registers(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers a thread, spill store bytes) of `ptx`, from ptxas -v."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    report = subprocess.run(
+        [os.path.join(BIN, "ptxas"), f"-arch=sm_{arch}a", "-v", f.name, "-o", os.devnull],
+        capture_output=True, text=True, check=True,
+    ).stderr  # fmt: skip
+    os.unlink(f.name)
+    used = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    return int(used.group(1)), int(spills.group(1)) if spills else 0
+
+
+def epilogue_order(cubin: str) -> str:
+    """The global loads (L) and stores (S) after the kernel's last tensor-core instruction, runs collapsed."""
+    sass = subprocess.run(
+        [os.path.join(BIN, "nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True
+    )
+    ops = []
+    for line in sass.stdout.splitlines():
+        if "GMMA" in line:
+            ops = []  # the epilogue starts after the last one
+        elif "LDG" in line or "STG" in line:
+            ops.append("L" if "LDG" in line else "S")
+    return " ".join(f"{len(list(run))}{op}" for op, run in itertools.groupby(ops))
+
+
+@click.command()
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+@click.option("--arch", type=int, default=90, show_default=True, help="Compute capability, e.g. 90.")
+@click.option("--tiles", default=None, help="Only these tiles, e.g. 128x256,64x64 [default: every config's].")
+def main(dtype: str, arch: int, tiles: str | None) -> None:
+    """Print each config's registers, spills, shared memory and epilogue order (module docstring)."""
+    block_k = tuning._RED_BY_ELEMENT_SIZE[2 if dtype == "bf16" else 4]
+    shapes = [s for s in tuning._GPU_SHAPES if tiles is None or f"{s[0]}x{s[1]}" in tiles.split(",")]
+    if not shapes:
+        raise click.BadParameter(f"no tuned config has tiles {tiles}", param_hint="--tiles")
+    for (block_m, block_n, warps, stages), ahead in itertools.product(shapes, (False, True)):
+        ptx, cubin, shared = compile_config(dtype, arch, block_m, block_n, block_k, warps, stages, ahead)
+        used, spilled = registers(ptx, arch)
+        order = epilogue_order(cubin)
+        os.unlink(cubin)
+        click.echo(
+            f"{block_m}x{block_n}x{block_k} warps {warps} stages {stages} AHEAD {ahead!s:5}: "
+            f"{used} registers, {spilled} B spilled, {shared} B shared | {order}"
+        )
+
+
+if __name__ == "__main__":
+    main()
