@@ -1,6 +1,7 @@
-"""The best test AUC a model with a config's tables can reach on synthetic data, where hashing merges ids.
+"""The best AUC a model with a config's tables can reach on synthetic data, where hashing merges ids.
 
-    python scripts/hashing_ceiling.py --data DIR --config configs/dlrm_dcnv2.json --set model.max_rows=4000000
+    python scripts/hashing_ceiling.py --data DIR --config configs/dlrm_dcnv2.json \
+        --set model.max_rows=4000000 [--split test|val]
 
 DIR is a data directory of `python -m dlrm.data.synthetic --output-dir` (its metadata.json's "synthetic"
 says how its rows were made). The planted model gives every id of its columns its own weight w(id); a
@@ -10,10 +11,11 @@ all of them, so a one-hot model can at best give each of them the weight
     E[w | row] = sum of p(id) w(id) over the row's ids / sum of p(id) over them
 
 (p: the generator's own law of the ids, dlrm.data.synthetic_rows.power_law_ranks, missing ids weight 0).
-The test split's rows are generated again (their labels checked against DIR's) and scored with the planted
-logit whose one-hot planted columns take E[w | row] for w: the AUC of that logit is the ceiling written
-beside the planted model's own (`oracle_test_auc`). A planted column with bags (model.multi_hot_sizes > 1)
-keeps its own weights: a bag's other rows may tell ids apart, so the ceiling there is an upper bound.
+The split's rows (`--split`, test by default) are generated again (their labels checked against DIR's) and
+scored with the planted logit whose one-hot planted columns take E[w | row] for w: the AUC of that logit is
+the ceiling written beside the planted model's own (`oracle_auc`). A planted column with bags
+(model.multi_hot_sizes > 1) keeps its own weights: a bag's other rows may tell ids apart, so the ceiling
+there is an upper bound.
 
 One row per call is appended to scripts/results/hashing_ceiling.csv: the config, its overrides, the
 data's generator settings, the AUCs, and per merged column the share of its planted weights' variance lost
@@ -68,28 +70,28 @@ def row_weights(config: sr.SyntheticConfig, column: int, rows: int) -> tuple[np.
     return ids[order], mean[order], lost
 
 
-def regenerated_test_split(data_dir: Path, metadata: dict) -> tuple[sr.SyntheticConfig, sr.Rows]:
-    """The generator's config and the test split's rows made again (the split is the last rows generated),
-    their labels checked against the split's own. Raises ValueError where they differ, or where the
-    metadata is not synthetic data's."""
+def regenerated_split(data_dir: Path, metadata: dict, split: str) -> tuple[sr.SyntheticConfig, sr.Rows]:
+    """The generator's config and `split`'s rows ("val" or "test") made again (the generator's layout
+    "fraction": test the last rows, val the ones before), their labels checked against the split's own.
+    Raises ValueError where they differ, or where the metadata is not synthetic data's."""
     config, total = config_from_metadata(metadata, str(data_dir / "metadata.json"))
-    n = metadata["rows"]["test"]
-    rows = sr.generate_rows(config, total - n, total)
-    files = split_paths(data_dir, "test")
+    stop = total - (metadata["rows"]["test"] if split == "val" else 0)
+    rows = sr.generate_rows(config, stop - metadata["rows"][split], stop)
+    files = split_paths(data_dir, split)
     labels = np.concatenate([pq.read_table(f, columns=[LABEL])[LABEL].to_numpy() for f in files])
     if not np.array_equal(labels.astype(np.int8), rows.label):
-        raise ValueError(f"{data_dir}: its test labels differ from the rows generated again")
+        raise ValueError(f"{data_dir}: its {split} labels differ from the rows generated again")
     return config, rows
 
 
-def ceiling_row(data_dir: Path, config_path: Path, overrides: tuple[str, ...]) -> dict:
+def ceiling_row(data_dir: Path, config_path: Path, overrides: tuple[str, ...], split: str) -> dict:
     """The results row of `main`. Raises ValueError: a bad config or override, data that is not synthetic or
-    whose test labels the generator does not make again, hashing other than modulus."""
+    whose labels the generator does not make again, hashing other than modulus."""
     cfg = apply_overrides(load_config(config_path), overrides)
     if cfg.model.hashing != "modulus":
         raise ValueError(f"{config_path}: hashing {cfg.model.hashing!r}; the ceiling is modulus hashing's")
     metadata = load_metadata(data_dir)
-    config, rows = regenerated_test_split(data_dir, metadata)
+    config, rows = regenerated_split(data_dir, metadata, split)
     table_rows = resolve_table_rows(cfg.model, metadata)
     sizes = cfg.model.multi_hot_sizes or (1,) * len(SPARSE_COLUMNS)
     logit, lost = rows.logit.copy(), {}
@@ -111,9 +113,10 @@ def ceiling_row(data_dir: Path, config_path: Path, overrides: tuple[str, ...]) -
         "overrides": " ".join(overrides),
         "generator": json.dumps(metadata["synthetic"] | {"cardinalities": None}),
         "max_cardinality": max(config.cardinalities),
-        "test_rows": rows.num_rows,
-        "oracle_test_auc": planted.result()["auc"],
-        "ceiling_test_auc": ceiling.result()["auc"],
+        "split": split,
+        "rows": rows.num_rows,
+        "oracle_auc": planted.result()["auc"],
+        "ceiling_auc": ceiling.result()["auc"],
         "lost": json.dumps({c: round(v, 4) for c, v in lost.items()}),
         "shared_rows": json.dumps({c: round(shares[c], 4) for c in lost}),
     }
@@ -123,14 +126,15 @@ def ceiling_row(data_dir: Path, config_path: Path, overrides: tuple[str, ...]) -
 @data_option("A data directory of python -m dlrm.data.synthetic --output-dir.")
 @path_option("--config", "config_path", required=True, help="The run config whose tables to apply.")
 @set_option
-def main(data_dir: Path, config_path: Path, overrides: tuple[str, ...]) -> None:
+@click.option("--split", type=click.Choice(["test", "val"]), default="test", show_default=True)
+def main(data_dir: Path, config_path: Path, overrides: tuple[str, ...], split: str) -> None:
     """Print and record the ceiling of a config's tables on synthetic data (module docstring)."""
     with cli_errors():  # a bad config, key or data directory: one line, exit 2
-        row = ceiling_row(data_dir, config_path, overrides)
+        row = ceiling_row(data_dir, config_path, overrides, split)
     append_rows(RESULTS, [row])
     click.echo(
-        f"test rows {row['test_rows']:,}: planted model AUC {row['oracle_test_auc']:.4f}, ceiling of "
-        f"{config_path.name}'s tables {row['ceiling_test_auc']:.4f} (variance lost by merged column: "
+        f"{split} rows {row['rows']:,}: planted model AUC {row['oracle_auc']:.4f}, ceiling of "
+        f"{config_path.name}'s tables {row['ceiling_auc']:.4f} (variance lost by merged column: "
         f"{row['lost']})"
     )
 

@@ -23,8 +23,16 @@ def ceiling(monkeypatch, tmp_path):
     return hashing_ceiling
 
 
-def _run(ceiling, data, *overrides: str) -> dict:
-    args = ["--data", str(data), "--config", TINY, *(a for o in overrides for a in ("--set", o))]
+def _run(ceiling, data, *overrides: str, split: str = "test") -> dict:
+    args = [
+        "--data",
+        str(data),
+        "--config",
+        TINY,
+        "--split",
+        split,
+        *(a for o in overrides for a in ("--set", o)),
+    ]
     result = CliRunner().invoke(ceiling.main, args)
     assert result.exit_code == 0, result.output
     with ceiling.RESULTS.open() as f:
@@ -38,19 +46,22 @@ def _data(tmp_path, ids: str):
 
 
 def test_tables_that_keep_every_id_apart_reach_the_planted_model(ceiling, tmp_path):
-    row = _run(ceiling, _data(tmp_path, "index"), "model.max_rows=302")  # ids 0 .. 299 and the missing one
-    assert float(row["ceiling_test_auc"]) == float(row["oracle_test_auc"])
-    assert json.loads(row["lost"]) == {f"C{c + 1}": 0.0 for c in PLANTED_INDEX}
+    data = _data(tmp_path, "index")
+    for split in ("test", "val"):  # each split made again, its labels the data's own
+        row = _run(ceiling, data, "model.max_rows=302", split=split)  # ids 0 .. 299 and the missing one
+        assert row["split"] == split and int(row["rows"]) == 2000
+        assert float(row["ceiling_auc"]) == float(row["oracle_auc"])
+        assert json.loads(row["lost"]) == {f"C{c + 1}": 0.0 for c in PLANTED_INDEX}
 
 
 def test_merged_rows_lower_the_ceiling_the_more_they_merge(ceiling, tmp_path):
     data = _data(tmp_path, "hash")
     hashed = _run(ceiling, data, "model.max_rows=302")  # raw hashes share rows even where they would fit
     merged = _run(ceiling, data, "model.max_rows=3")
-    oracle = float(hashed["oracle_test_auc"])
-    assert float(merged["ceiling_test_auc"]) < float(hashed["ceiling_test_auc"]) < oracle
-    assert oracle - float(merged["ceiling_test_auc"]) > 0.02
-    assert merged["oracle_test_auc"] == hashed["oracle_test_auc"]
+    oracle = float(hashed["oracle_auc"])
+    assert float(merged["ceiling_auc"]) < float(hashed["ceiling_auc"]) < oracle
+    assert oracle - float(merged["ceiling_auc"]) > 0.02
+    assert merged["oracle_auc"] == hashed["oracle_auc"]
 
 
 def test_a_rows_weight_is_its_ids_mean_by_the_generators_law(ceiling):
