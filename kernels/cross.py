@@ -99,7 +99,9 @@ def _fwd_epilogue(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """The forward's epilogue on z [BLOCK_M, BLOCK_N] fp32 (h @ U^T), the piece at off_m, off_n (``_piece``):
-    zb = z + b and out = x0 * zb + x_l stored, in fp32 and rounded once."""
+    zb = z + b and out = x0 * zb + x_l stored, in fp32 and rounded once. Not ``_fwd_inputs`` then
+    ``_fwd_outputs``: loading x0 and x_l before the bias, that order takes the quarters' largest tile 228
+    registers a thread instead of 205 (scripts/cross_registers.py)."""
     base, offset, mask, cols = _piece(off_m, off_n, M, N, stride, BLOCK_M, BLOCK_N)
     zb = z + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     x0 = tl.load(x0_ptr + base + offset, mask=mask, other=0.0).to(tl.float32)

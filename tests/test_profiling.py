@@ -176,7 +176,17 @@ def test_outside_its_window_the_profiler_costs_no_ranges(tmp_path):
                       contextlib.nullcontext)  # fmt: skip
 
 
-def test_the_windows_steps_return_the_profilers_own_time(tmp_path, monkeypatch):
+@pytest.fixture
+def skip_clock(monkeypatch):
+    """`time.perf_counter` (the clock the loop and the profiler read) made to jump: the fixture's value,
+    called with s seconds, moves the clock s ahead without waiting."""
+    skipped_s = [0.0]
+    real_clock = time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + skipped_s[0])
+    return lambda seconds: skipped_s.__setitem__(0, skipped_s[0] + seconds)
+
+
+def test_the_windows_steps_return_the_profilers_own_time(tmp_path, monkeypatch, skip_clock):
     """The loop keeps the profiler's own work out of its throughput: step() returns the seconds it spent in
     the calls that open the window (the tracer started), go on in it and close it (the trace's writing
     among them), and 0 before and after it. The trace's writing is made 1000 s slower on the clock the
@@ -184,12 +194,9 @@ def test_the_windows_steps_return_the_profilers_own_time(tmp_path, monkeypatch):
     from dlrm import profiling
 
     write = profiling.export_trace
-    skipped_s = [0.0]
-    real_clock = time.perf_counter
-    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + skipped_s[0])
 
     def slow_export(*args, **kwargs):
-        skipped_s[0] += 1000.0
+        skip_clock(1000.0)
         return write(*args, **kwargs)
 
     monkeypatch.setattr(profiling, "export_trace", slow_export)
@@ -205,20 +212,16 @@ def test_the_windows_steps_return_the_profilers_own_time(tmp_path, monkeypatch):
     assert returned[3:] == [0.0, 0.0], returned
 
 
-def test_the_windows_steps_are_kept_out_of_samples_per_s(criteo_sample, tmp_path, monkeypatch):
+def test_the_windows_steps_are_kept_out_of_samples_per_s(criteo_sample, tmp_path, monkeypatch, skip_clock):
     """A run's samples/s counts the steps outside the profiler's window only: here each traced step is made
     100 s slower on the clock the loop reads (no real wait: the bound must not hinge on how fast a busy CI
     machine runs the other steps), and samples/s stays above what those 300 s alone would allow."""
     from dlrm.run import loop
 
-    skipped_s = [0.0]
-    real_clock = time.perf_counter
-    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + skipped_s[0])
-
     def slow_when_traced(profiler) -> bool:
         in_window = traced(profiler)
         if in_window:
-            skipped_s[0] += 100.0
+            skip_clock(100.0)
         return in_window
 
     monkeypatch.setattr(loop, "traced", slow_when_traced)
