@@ -136,6 +136,16 @@ def test_replicated_gradient_out_of_order_adds_by_atomics(monkeypatch):
     assert len(launches) == 2
 
 
+def _assert_atomic_sums_within_bound(weights, offsets, table_rows, ones, rows, grad) -> None:
+    """One id a table summed by atomic adds: recursive summation in some order, within its bound
+    (n - 1) u sum |x_i| of each row's n lookups (Higham, Accuracy and Stability of Numerical Algorithms,
+    2nd ed., (4.4)), u = 2**-24."""
+    atomic = _one_hot_gradient(weights, offsets, table_rows, rows, grad, in_order=False).cpu().double()
+    count = _expected(offsets, ones, rows, torch.ones_like(grad), "sum")
+    bound = (count - 1).clamp(min=0) * 2.0**-24 * _expected(offsets, ones, rows, grad.abs(), "sum")
+    assert ((atomic - _expected(offsets, ones, rows, grad, "sum")).abs() <= bound + 1e-12).all()
+
+
 @pytest.mark.gpu
 def test_replicated_gradient_same_bits_every_run_and_in_a_cuda_graph():
     """On a GPU, at a batch where thousands of lookups share a row (b = 32,768, dlrm_dcnv2's tables of
@@ -153,13 +163,7 @@ def test_replicated_gradient_same_bits_every_run_and_in_a_cuda_graph():
     first = _one_hot_gradient(*one_hot[:3], *one_hot[4:])
     for _ in range(4):
         assert torch.equal(_one_hot_gradient(*one_hot[:3], *one_hot[4:]), first)
-    # By atomic adds: recursive summation in some order, within its bound (n - 1) u sum |x_i| of each row's
-    # n lookups (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., (4.4)), u = 2**-24.
-    offsets, ones, rows, grad = one_hot[1], one_hot[3], one_hot[4], one_hot[5]
-    atomic = _one_hot_gradient(*one_hot[:3], rows, grad, in_order=False).cpu().double()
-    count = _expected(offsets, ones, rows, torch.ones_like(grad), "sum")
-    bound = (count - 1).clamp(min=0) * 2.0**-24 * _expected(offsets, ones, rows, grad.abs(), "sum")
-    assert ((atomic - _expected(offsets, ones, rows, grad, "sum")).abs() <= bound + 1e-12).all()
+    _assert_atomic_sums_within_bound(*one_hot)
 
     def backward():
         return _bag_gradient(weights, offsets, table_rows, bag_sizes, rows, grad, "sum")
