@@ -67,8 +67,8 @@ FORWARD_PARTS = ("embedding", "bottom_mlp", "interaction", "top_mlp", "first_ord
 BACKWARD_NODE = "autograd::engine::evaluate_function"
 TOP_PARTS = 5  # the slowest parts' kernels listed under the table: those that make up KERNEL_SHARE of the
 KERNEL_SHARE, MOST_KERNELS = 0.95, 16  # part's time, at most MOST_KERNELS, the rest summed on one line
-# The backends whose steps launch their kernels from Python: a profile of a CUDA graph's replay (torch-graphed,
-# *+graphs, reduce-overhead's) names no op that launched a kernel, so every part would read 0.
+# The backends whose steps launch their kernels from Python: a profile of a CUDA graph's replay
+# (torch-graphed, *+graphs, reduce-overhead's) names no op that launched a kernel, so every part reads 0.
 LAUNCHED = [name for name, flags in FLAGS.items() if name != BASELINE and not flags.get("cuda_graphs")
             and flags.get("compile_mode") != "reduce-overhead"]  # fmt: skip
 RUNTIME_PREFIXES = ("cuda", "cuLaunch")  # the runtime and driver calls a profile shows launching a kernel
