@@ -133,7 +133,8 @@ def scaling_table(rows: list[Row]) -> list[str]:
         ]
         base = before[-1] if before else None
         base_rate = _millions(base.cells["samples_per_s"]) if base else ""
-        scaling = f"{float(ours.cells['scaling_vs_1gpu']):.2f}x"
+        # Empty where the run had no one-GPU step to compare with (e.g. tables that fit no single GPU).
+        scaling = ours.cells["scaling_vs_1gpu"] and f"{float(ours.cells['scaling_vs_1gpu']):.2f}x"
         body.append(
             [config, precision, f"{int(batch):,}", world, _millions(ours.cells["samples_per_s"]), base_rate,
              scaling, ours.cells["device"], changed_since([ours]), ours.key]
