@@ -2,7 +2,8 @@
 
     python scripts/profile_step.py [--config kaggle] [--backend triton+graphs] [--batch 16384] \
         [--precision tf32] [--steps 10] [--max-rows N] [--ids uniform|zipf] [--trace-dir DIR] \
-        [--cardinalities kaggle|terabyte] [--optimizer sgd|adagrad] [--sharding auto|model_parallel|...]
+        [--cardinalities kaggle|terabyte|config] [--optimizer sgd|adagrad|rowwise_adagrad] \
+        [--sharding auto|model_parallel|...] [--table-dtype fp32|bf16]
 
 Builds the model, optimizer and GPU-resident random batches exactly as scripts/bench_train.py does, runs
 the warm-up steps there (autotuning, the CUDA graph capture for "+graphs" backends), then records `--steps`
@@ -29,6 +30,7 @@ from results_csv import provenance
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from dlrm import parallel
+from dlrm.choices import TABLE_DTYPES
 from dlrm.data.synthetic_rows import CARDINALITY_PRESETS
 
 RESULTS = Path(__file__).parent / "results"
@@ -91,18 +93,27 @@ def profile_steps(built: tuple, steps: int) -> profile:
 @click.option("--max-rows", type=click.IntRange(min=2), default=None, help="Cap on rows per table.")
 @click.option("--ids", type=click.Choice(IDS), default="uniform", help="Sparse ids, as bench_train's --ids.")
 @click.option("--trace-dir", type=click.Path(path_type=Path), default=None)
-@click.option("--cardinalities", type=click.Choice(list(CARDINALITY_PRESETS)), default="kaggle")
-@click.option("--optimizer", type=click.Choice(["sgd", "adagrad"]), default="sgd")
+@click.option(
+    "--cardinalities", type=click.Choice([*CARDINALITY_PRESETS, "config"]), default="kaggle",
+    help="Table sizes, as bench_train's --cardinalities.",
+)  # fmt: skip
+@click.option("--optimizer", type=click.Choice(["sgd", "adagrad", "rowwise_adagrad"]), default="sgd")
 @click.option("--sharding", type=click.Choice(list(SHARDINGS)), default="auto", help="Under torchrun.")
+@click.option(
+    "--table-dtype", type=click.Choice(list(TABLE_DTYPES)), default="fp32",
+    help="model.table_dtype, as bench_train's --table-dtype (bf16 needs a triton backend).",
+)  # fmt: skip
 def main(
-    config, backend, batch, precision, steps, max_rows, ids, trace_dir, cardinalities, optimizer, sharding
-):
+    config, backend, batch, precision, steps, max_rows, ids, trace_dir, cardinalities, optimizer, sharding,
+    table_dtype,
+):  # fmt: skip
     """Profile the training step on this GPU (or each rank's, under torchrun) and print its kernels by
     time."""
     if not torch.cuda.is_available():
         raise click.UsageError("profile_step.py needs a CUDA GPU")
     dist, _ = parallel.init_distributed("cuda", 600.0)  # one process without torchrun
-    built = build(config, backend, batch, max_rows, precision, ids, dist, cardinalities, optimizer, sharding)
+    built = build(config, backend, batch, max_rows, precision, ids, dist, cardinalities, optimizer, sharding,
+                  table_dtype)  # fmt: skip
     prof = profile_steps(built, steps)
     rows = kernel_table(prof, steps)
     total = sum(r[2] for r in rows)
@@ -110,7 +121,7 @@ def main(
     lines = [
         f"# python scripts/profile_step.py --config {config} --backend {backend} --batch {batch} "
         f"--precision {precision} --ids {ids} --cardinalities {cardinalities} --optimizer {optimizer} "
-        f"--sharding {sharding}: "
+        f"--sharding {sharding} --table-dtype {table_dtype}: "
         f"rank {dist.rank} of {dist.world_size}, {info['device']}, torch {info['torch']}, "
         f"triton {info['triton']}, git {info['git_sha']}",
         f"# kernel time per step {total:.1f} us "
@@ -125,9 +136,10 @@ def main(
     ]
     text = "\n".join(lines) + "\n"
     print(text)
-    suffix = ("_zipf" if ids == "zipf" else "") + ("_terabyte" if cardinalities == "terabyte" else "")
+    suffix = ("_zipf" if ids == "zipf" else "") + ("" if cardinalities == "kaggle" else f"_{cardinalities}")
     suffix += f"_{optimizer}" if optimizer != "sgd" else ""
     suffix += f"_{precision}" if precision != "tf32" else ""
+    suffix += f"_{table_dtype}tables" if table_dtype != "fp32" else ""
     suffix += f"_{sharding}" if dist.enabled and sharding != "auto" else ""
     suffix += f"_rank{dist.rank}of{dist.world_size}" if dist.enabled else ""
     out = RESULTS / f"profile_{config}_{backend.replace('+', '_')}_{batch}{suffix}.txt"
