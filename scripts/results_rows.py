@@ -27,8 +27,13 @@ RESULTS = REPO / "scripts" / "results"
 # measures the whole application.
 WHOLE = ("dlrm", "kernels")
 # Code that only a run of several ranks executes (dlrm.run.strategy's Sharded builds the sharded model, and
-# nothing else imports these): a one-process row did not measure it.
-SEVERAL_RANKS_ONLY = ("dlrm/parallel/sharded.py", "dlrm/parallel/sharded_bags.py")
+# nothing else imports these; one process imports dlrm.parallel.evaluation for a type, but only Sharded
+# makes its split or calls its evaluation): a one-process row did not measure it.
+SEVERAL_RANKS_ONLY = (
+    "dlrm/parallel/sharded.py",
+    "dlrm/parallel/sharded_bags.py",
+    "dlrm/parallel/evaluation.py",
+)
 # Code that only a run on a CUDA GPU executes (CUDA graphs: dlrm.config refuses train.cuda_graphs elsewhere):
 # a CPU row did not measure it.
 GPU_ONLY = ("dlrm/graphs.py",)

@@ -3,7 +3,9 @@ computed over all of it, exactly as one process computes them (dlrm.metrics.eval
 
 The sharded tables answer every rank's lookups through all_to_all, so every rank must run the same number
 of batches of the same size: rank r takes rows [r*n, (r+1)*n) of the split, n >= ceil(N / W), padded with
-masked rows (the split's first row) to a whole number of batches of ceil(eval_batch_size / W) rows. Each
+masked rows (the split's first row) to a whole number of batches of one size: as few batches as
+ceil(eval_batch_size / W) rows a batch allow, each as full as that count allows (fewer padding rows than
+batches). Each
 rank keeps its rows on its device after the first evaluation, so later ones read no host memory, and every
 batch has one size, so the forward given (a graph replay in training, dlrm.graphs.GraphedForward) runs
 without host work between batches. The logits and labels of all ranks are gathered (all_gather, n per
@@ -31,7 +33,7 @@ class ShardedEvalSplit:
 
     Args:
         dataset: the whole eval split (every rank reads it).
-        eval_batch_size: the global eval batch (data.eval_batch_size); each rank's batches hold
+        eval_batch_size: the global eval batch (data.eval_batch_size); each rank's batches hold at most
             ceil(eval_batch_size / W) rows.
         dist: this rank.
         bags: makes the rows' bags from their one-hot ids on the device (data.multi_hot,
@@ -47,8 +49,12 @@ class ShardedEvalSplit:
     ):
         self.dataset, self.dist, self.bags = dataset, dist, bags
         total, world = dataset.num_rows, dist.world_size
-        self.batch_size = min(math.ceil(eval_batch_size / world), math.ceil(total / world))
-        self.rows_per_rank = math.ceil(total / world / self.batch_size) * self.batch_size
+        # Batches of the cap padded to a whole batch would score up to a batch of padding a rank (262,144
+        # rows for the 200,000 of a 400,000-row split on 2 ranks, 65,536 rows a batch).
+        share = math.ceil(total / world)
+        batches = math.ceil(share / math.ceil(eval_batch_size / world))
+        self.batch_size = math.ceil(share / batches)
+        self.rows_per_rank = batches * self.batch_size
         rows = torch.arange(dist.rank * self.rows_per_rank, (dist.rank + 1) * self.rows_per_rank)
         self.valid = rows < total
         self.rows = torch.where(self.valid, rows, 0)
