@@ -151,16 +151,22 @@ def test_only_commits_in_heads_history_have_landed(scripts, monkeypatch, tmp_pat
 
 
 def test_code_a_run_never_executed_leaves_its_row_current(scripts, monkeypatch, tmp_path):
-    """The sharded model's code runs only on several ranks, the CUDA graphs' only on a GPU: a change to the
-    first leaves a one-process row current and ends a two-rank row, one to the second leaves a CPU row
-    current and ends a GPU row; a change elsewhere in dlrm/ ends every row (a real git history)."""
+    """The sharded model's code runs only on several ranks, the CUDA graphs' only on a GPU, the metrics' only
+    in an evaluation: a change to the first leaves a one-process row current and ends a two-rank row, one to
+    the second leaves a CPU row current and ends a GPU row, one to the third leaves a step benchmark's row
+    current and ends a training run's; a change elsewhere in dlrm/ ends every row (a real git history)."""
     _, results_rows = scripts
 
     def git(*args):
         return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
 
     (tmp_path / "dlrm" / "parallel").mkdir(parents=True)
-    for path in (*results_rows.SEVERAL_RANKS_ONLY, *results_rows.GPU_ONLY, "dlrm/model.py"):
+    for path in (
+        *results_rows.SEVERAL_RANKS_ONLY,
+        *results_rows.GPU_ONLY,
+        "dlrm/metrics.py",
+        "dlrm/model.py",
+    ):
         (tmp_path / path).write_text("X = 1\n")
     git("init", "-q", "-b", "main")
     git("add", ".")
@@ -168,8 +174,8 @@ def test_code_a_run_never_executed_leaves_its_row_current(scripts, monkeypatch, 
     base = git("rev-parse", "HEAD").strip()
     monkeypatch.setattr(results_rows, "REPO", tmp_path)
 
-    def current(**cells):
-        row = results_rows.Row("train.csv", 2, {"git_sha": base, "backend": "eager", **cells})
+    def current(file="train.csv", **cells):
+        row = results_rows.Row(file, 2, {"git_sha": base, "backend": "eager", **cells})
         is_current = results_rows.commit_is_current.__wrapped__  # uncached: the tree changes
         return is_current(base, results_rows.code_paths(row))
 
@@ -178,6 +184,8 @@ def test_code_a_run_never_executed_leaves_its_row_current(scripts, monkeypatch, 
     assert current() and current(world_size="1") and not current(world_size="2")
     (tmp_path / results_rows.GPU_ONLY[0]).write_text("X = 2\n")
     assert current(device="cpu") and not current(device="NVIDIA H200")
+    (tmp_path / "dlrm" / "metrics.py").write_text("X = 2\n")
+    assert current(device="cpu") and not current("quality.csv", device="cpu")
     (tmp_path / "dlrm" / "model.py").write_text("X = 2\n")
     assert not current(device="cpu")
 
@@ -195,7 +203,7 @@ def test_a_row_measures_the_config_file_it_names(scripts, monkeypatch):
     monkeypatch.setattr(results_rows, "commit_is_current", lambda sha, paths: seen.append(paths) or True)
     assert results_rows.is_current(row("kaggle"))
     one_process = tuple(f":(exclude){p}" for p in results_rows.SEVERAL_RANKS_ONLY)
-    assert seen == [(*results_rows.WHOLE, *one_process, "configs/kaggle.json")]
+    assert seen == [(*results_rows.WHOLE, *one_process, ":(exclude)dlrm/metrics.py", "configs/kaggle.json")]
 
 
 def test_a_row_measures_kernels_only_where_its_run_called_them(scripts):
@@ -213,14 +221,19 @@ def test_a_row_measures_kernels_only_where_its_run_called_them(scripts):
     overrides = 'train.use_triton=true data.loader="x"'
     triton = row("quality.csv", config="configs/kaggle.json", overrides=overrides)
     assert results_rows.code_paths(triton) == whole
-    assert results_rows.code_paths(row("train.csv", backend="eager")) == dlrm_only
-    assert results_rows.code_paths(row("train.csv", backend="torch-graphed")) == dlrm_only
-    assert results_rows.code_paths(row("train.csv", backend="triton+graphs")) == whole
+    # A step benchmark evaluates nothing: neither does its row measure the evaluation's code.
+    no_metrics = (":(exclude)dlrm/metrics.py",)
+    assert results_rows.code_paths(row("train.csv", backend="eager")) == (*dlrm_only, *no_metrics)
+    assert results_rows.code_paths(row("train.csv", backend="torch-graphed")) == (*dlrm_only, *no_metrics)
+    assert results_rows.code_paths(row("train.csv", backend="triton+graphs")) == (*whole, *no_metrics)
     # --use-torch-compile on a GPU takes the whole-step graph, whose tables' state kernels/ makes
     graphed = row("train.csv", backend="compile+graphs", device="H200")
-    assert results_rows.code_paths(graphed) == whole
+    assert results_rows.code_paths(graphed) == (*whole, *no_metrics)
     on_cpu = (*dlrm_only, *(f":(exclude){p}" for p in results_rows.GPU_ONLY))
-    assert results_rows.code_paths(row("train.csv", backend="compile", device="cpu")) == on_cpu
+    assert results_rows.code_paths(row("train.csv", backend="compile", device="cpu")) == (
+        *on_cpu,
+        *no_metrics,
+    )
     compiled = 'train.use_torch_compile=true data.loader="x"'
     gpu = row("quality.csv", config="configs/kaggle.json", overrides=compiled, device="H200")
     assert results_rows.code_paths(gpu) == whole
@@ -228,7 +241,8 @@ def test_a_row_measures_kernels_only_where_its_run_called_them(scripts):
     assert results_rows.code_paths(cpu) == on_cpu
     assert results_rows.code_paths(row("breakdown.csv")) == whole
     several = row("train.csv", backend="triton+graphs", world_size="2")
-    assert results_rows.code_paths(several) == results_rows.WHOLE
+    evaluation = tuple(f":(exclude){p}" for p in results_rows.EVALUATION_ONLY)
+    assert results_rows.code_paths(several) == (*results_rows.WHOLE, *evaluation)
     assert results_rows.code_paths(row("checkpoint.csv", nproc="2")) == results_rows.WHOLE
     assert results_rows.code_paths(row("kernels.csv", backend="eager")) == ("kernels",)
 
