@@ -16,7 +16,8 @@ value once, adds in fp32 and stores in the destination's dtype, so the dtype cha
 views (the reference) runs CatArrayBatchedCopy, several times slower on the D-value rows of a large batch.
 
 Shapes: back [b * D * sum(n_q)] (any float dtype), local [b, n_r, D] (fp32 or the lookup's dtype),
-out [b, F, D] `out_dtype`; grad [b, F, D]. Offsets are int64 (b F D passes 2^31 at large batches).
+out [b, F, D] `out_dtype`; grad [b, F, D], any strides along b and F (D's 1: read in place). Offsets
+are int64 (b F D passes 2^31 at large batches).
 """
 
 from __future__ import annotations
@@ -72,15 +73,15 @@ def _gather_kernel(
 
 @triton.jit(do_not_specialize=["b"])
 def _scatter_kernel(
-    grad_ptr, back_ptr, local_ptr, targets_ptr, tables_ptr, b, F, D, scale,
+    grad_ptr, back_ptr, local_ptr, targets_ptr, tables_ptr, b, D, stride_b, stride_f, scale,
     FIELDS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Program (row block, destination column c of table tables[c]): the column gets grad[r, f], times
-    `scale` where it is exchanged."""
+    """Program (row block, destination column c of table tables[c]): the column gets grad[r, f] (grad's
+    strides stride_b, stride_f, 1), times `scale` where it is exchanged."""
     c = tl.program_id(1)
     r, d, mask = _rows_and_dims(b, D, BLOCK_B, BLOCK_D)
     f = tl.load(tables_ptr + c).to(tl.int64)
-    g = tl.load(grad_ptr + r * F * D + f * D + d, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(grad_ptr + r * stride_b + f * stride_f + d, mask=mask, other=0.0).to(tl.float32)
     offset, local = _source(targets_ptr + c * FIELDS, r, d, b, D)
     tl.store(back_ptr + offset, (g * scale).to(back_ptr.dtype.element_ty), mask=mask & (local == 0))
     tl.store(local_ptr + offset, g.to(local_ptr.dtype.element_ty), mask=mask & (local != 0))
@@ -144,13 +145,16 @@ class ColumnOrder:
         grad_local = torch.empty(b, self.widths[self.local], d, dtype=local_dtype, device=grad.device)
         if not use_triton(grad):
             return self._scatter_ref(grad, b, d, scale, grad_back, grad_local)
-        grad = grad.contiguous()
+        # Read in place where D is contiguous: the interaction's backward hands the tables' gradient as a
+        # view of x0's ([b, F, D] of rows 27 D apart under DCN), whose copy would be a pass of its own.
+        if grad.stride(2) != 1:
+            grad = grad.contiguous()
         block_b, block_d = _blocks(d)
         local = grad_local if grad_local.numel() else grad_back
         grid = (triton.cdiv(b, block_b), self.scatter_tables.numel())
         _scatter_kernel[grid](
-            grad, grad_back, local, self.scatter_targets, self.scatter_tables, b, len(self.sources), d,
-            scale, FIELDS=FIELDS, BLOCK_B=block_b, BLOCK_D=block_d,
+            grad, grad_back, local, self.scatter_targets, self.scatter_tables, b, d, grad.stride(0),
+            grad.stride(1), scale, FIELDS=FIELDS, BLOCK_B=block_b, BLOCK_D=block_d,
         )  # fmt: skip
         return grad_back, grad_local
 

@@ -27,12 +27,14 @@ RESULTS = REPO / "scripts" / "results"
 # measures the whole application.
 WHOLE = ("dlrm", "kernels")
 # Code that only a run of several ranks executes (dlrm.run.strategy's Sharded builds the sharded model, and
-# nothing else imports these; one process imports dlrm.parallel.evaluation for a type, but only Sharded
-# makes its split or calls its evaluation): a one-process row did not measure it.
+# nothing else imports these, kernels.table_order only the sharded model; one process imports
+# dlrm.parallel.evaluation for a type, but only Sharded makes its split or calls its evaluation): a
+# one-process row did not measure it.
 SEVERAL_RANKS_ONLY = (
     "dlrm/parallel/sharded.py",
     "dlrm/parallel/sharded_bags.py",
     "dlrm/parallel/evaluation.py",
+    "kernels/table_order.py",
 )
 # Code that only an evaluation executes, which a training-step benchmark never runs (scripts/bench_train.py
 # times steps on random batches): a row of STEP_BENCHMARKS did not measure it.

@@ -160,13 +160,13 @@ def test_code_a_run_never_executed_leaves_its_row_current(scripts, monkeypatch, 
     def git(*args):
         return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
 
-    (tmp_path / "dlrm" / "parallel").mkdir(parents=True)
     for path in (
         *results_rows.SEVERAL_RANKS_ONLY,
         *results_rows.GPU_ONLY,
         "dlrm/metrics.py",
         "dlrm/model.py",
     ):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text("X = 1\n")
     git("init", "-q", "-b", "main")
     git("add", ".")

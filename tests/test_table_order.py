@@ -30,6 +30,15 @@ def _check(device: str, b: int, d: int, wire: torch.dtype, out_dtype: torch.dtyp
     wire_tolerance = {} if wire == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     torch.testing.assert_close(got[0], want[0], **wire_tolerance)
     torch.testing.assert_close(got[1], want[1])
+    # The gradient as the DCN interaction's backward hands it: a view of x0's gradient [b, (1 + F) d], the
+    # dense part's columns first, read in place (rows 7 d apart).
+    wide = torch.randn(b, 7 * d, generator=g, device=device).to(out_dtype)
+    view = wide[:, d:].view(b, 6, d)
+    assert not view.is_contiguous()
+    in_place = order.scatter(view, b, d, 0.5, wire, torch.float32)
+    copied = order.scatter(view.contiguous(), b, d, 0.5, wire, torch.float32)
+    for a, e in zip(in_place, copied, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
