@@ -151,13 +151,17 @@ def _sharded_tables_match_one_table_batch(
     data_parallel_rows: int = 0,
     bags: tuple[int, ...] | None = None,
     pooling: str = "sum",
+    through_cat: bool = False,
 ) -> None:
     """On every rank: the sharded tables (some split by rows, and with `data_parallel_rows` the tables of
     at most that many rows replicated) look up this rank's part of a global batch as one process's
     SparseArch does, and after two optimizer steps hold the same rows (the replicated tables: their
     gradients averaged over the ranks, then a torch optimizer's step). With `empty_last_rank` the last rank
     holds no table (it still exchanges its samples, both ways). With `bags` (bag sizes) the ids are bags,
-    pooled by `pooling`: a bag of a table split by rows is pooled in parts on several ranks."""
+    pooled by `pooling`: a bag of a table split by rows is pooled in parts on several ranks. With
+    `through_cat` each rank's vectors reach the loss as DCN's x0 takes them, concatenated after a dense
+    part: their gradient comes back as a view of x0's (rows 27 D apart), which the exchange reads in
+    place."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
     table_rows, dim, b, lr = [5 + 3 * f for f in range(26)], 4, 6, 0.1
@@ -204,6 +208,10 @@ def _sharded_tables_match_one_table_batch(
             looked_up, expected[mine].detach(), rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7
         )
         (expected * grad).sum().div(world * b).backward()  # one process: mean over the global batch
+        if through_cat:
+            looked_up = torch.cat([torch.zeros(b, dim), looked_up.flatten(1)], dim=1)[:, dim:].view(
+                b, 26, dim
+            )
         (looked_up * grad[mine]).sum().div(b).backward()  # each rank: mean over its part
         for p in sharded.replicated_parameters():  # what dlrm.parallel.dense.grad_averager does
             torch.distributed.all_reduce(p.grad)
@@ -374,6 +382,8 @@ def test_two_and_three_ranks_train_the_one_process_batches(criteo_sample, tmp_pa
         jobs2.insert(0, (_sharded_tables_match_one_table_batch, (kernel, optimizer)))
     for kernel, optimizer in (("triton", "adagrad"), ("torch", "sgd")):  # 9 of the 26 tables replicated
         jobs2.insert(0, (_sharded_tables_match_one_table_batch, (kernel, optimizer, False, 30)))
+    through_cat = ("triton", "adagrad", False, 30, None, "sum", True)  # the tables' gradient a view of x0's
+    jobs2.insert(0, (_sharded_tables_match_one_table_batch, through_cat))
     jobs3.insert(0, (_sharded_tables_match_one_table_batch, ("triton", "adagrad")))
     jobs3.insert(0, (_sharded_tables_match_one_table_batch, ("torch", "sgd", True)))
     jobs3.insert(0, (_sharded_tables_match_one_table_batch, ("triton", "sgd", True, 30)))
