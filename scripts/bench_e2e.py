@@ -2,11 +2,13 @@
 
     python scripts/bench_e2e.py --config kaggle --rows 16000000 --batch 65536 --precision bf16 \
         [--loaders gpu_resident,memory,streaming,binary] [--graphs on,off] [--steps 200] [--data DIR] \
-        [--nproc 1,2] [--train-settings bench|config] [--set KEY=VALUE ...] [--keep-runs DIR]
+        [--nproc 1,2] [--train-settings bench|config] [--set KEY=VALUE ...] [--keep-runs DIR] \
+        [--val-fraction 0.025]
 
-Generates `--rows` synthetic rows (python -m dlrm.data.synthetic --output-dir, Kaggle cardinalities) into
-`--data` once, writes their binary splits (python -m dlrm.data.binary), then per loader and with/without
-`--cuda-graphs` runs the real `python -m dlrm.train --use-triton` in a subprocess for `--steps` steps
+Generates `--rows` synthetic rows (python -m dlrm.data.synthetic --output-dir, Kaggle cardinalities; a
+`--val-fraction` share of them val, a fortieth test) into `--data` once, writes their binary splits
+(python -m dlrm.data.binary), then per loader and with/without `--cuda-graphs` runs the real
+`python -m dlrm.train --use-triton` in a subprocess for `--steps` steps
 (evaluating the eval split every steps / 4; the config's tables modulus-hashed, the hashing every loader
 takes: binary and streaming hold no train vocabulary) and reads its metrics.json and profiler trace: samples/s
 with the data path included (first step and evaluations excluded, as the training log reports it), the first
@@ -57,6 +59,7 @@ from dlrm.run.timing import describe
 RESULTS = Path(__file__).parent / "results" / "e2e.csv"
 # The bare step each train run is compared with: graph replays with graph replays, launches with launches.
 BARE_STEP = {"on": "triton+graphs", "off": "triton"}
+TEST_FRACTION = 0.025  # the generated rows' test split (the runs report its AUC once, at the end)
 REPO = Path(__file__).parents[1]
 
 
@@ -105,7 +108,7 @@ def step_idle_share(config: str, batch: int, precision: str) -> float:
         return gpu_idle_share(trace)
 
 
-def ensure_data(data: Path, rows: int) -> None:
+def ensure_data(data: Path, rows: int, val_fraction: float) -> None:
     if not (data / "metadata.json").is_file():
         synthetic = [
             sys.executable,
@@ -116,7 +119,8 @@ def ensure_data(data: Path, rows: int) -> None:
             "--output-dir",
             str(data),
         ]
-        subprocess.run([*synthetic, "--eval-fraction", "0.05", "--overwrite"], check=True)
+        splits = ["--val-fraction", str(val_fraction), "--test-fraction", str(TEST_FRACTION)]
+        subprocess.run([*synthetic, *splits, "--overwrite"], check=True)
     if not (data / "binary" / "train" / "format.json").is_file():
         subprocess.run([sys.executable, "-m", "dlrm.data.binary", "--data", str(data)], check=True)
 
@@ -180,7 +184,9 @@ def train_run(
 @click.command(context_settings={"show_default": True})
 @click.option("--config", default="kaggle", help="configs/<name>.json (architecture and tables).")
 @click.option("--rows", type=click.IntRange(min=1), default=16_000_000, help="Synthetic rows to generate.")
-@click.option("--data", type=click.Path(path_type=Path), default=None, help="[default: /tmp/e2e-<rows>]")
+@click.option(
+    "--data", type=click.Path(path_type=Path), default=None, help="[default: /tmp/e2e-<rows>-val<F>]"
+)
 @click.option("--batch", type=click.IntRange(min=1), default=65536)
 @click.option("--precision", type=click.Choice(["fp32", "tf32", "bf16"]), default="bf16")
 @click.option("--loaders", default="gpu_resident,memory,streaming,binary", help="Comma-separated.")
@@ -205,17 +211,23 @@ def train_run(
     help="Keep each run's directory (log, metrics.json, events, profiler traces; no checkpoints) under "
     "DIR/w<N>_<loader>_graphs-<on|off>.",
 )
+@click.option(
+    "--val-fraction", type=click.FloatRange(0.0, 0.5, min_open=True), default=0.025, show_default=True,
+    help="Share of the generated rows in the val split, which every evaluation scores: a larger one times "
+    "the evaluations' samples/s above their fixed costs.",
+)  # fmt: skip
 def main(
-    config, rows, data, batch, precision, loaders, graphs, steps, nproc, train_settings, overrides, keep_runs
-):
+    config, rows, data, batch, precision, loaders, graphs, steps, nproc, train_settings, overrides, keep_runs,
+    val_fraction,
+):  # fmt: skip
     """Train per loader with data included; compare with the bare step; append to scripts/results/e2e.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_e2e.py needs a CUDA GPU")
     counts = [int(n) for n in nproc.split(",")]
     if max(counts) > torch.cuda.device_count() or min(counts) < 1:
         raise click.UsageError(f"--nproc {nproc}: this host has {torch.cuda.device_count()} GPUs")
-    data = data or Path(tempfile.gettempdir()) / f"e2e-{rows}"
-    ensure_data(data, rows)
+    data = data or Path(tempfile.gettempdir()) / f"e2e-{rows}-val{val_fraction}"
+    ensure_data(data, rows, val_fraction)
     # The bare step on random batches with the data's id skew (dlrm.data.synthetic's Zipf ranks), so that
     # the ratios compare the same embedding traffic: uniform ids have no hot rows.
     bare = {

@@ -85,7 +85,7 @@ def test_keep_runs_gives_each_run_its_own_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(e2e.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(e2e.torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(e2e.torch.cuda, "get_device_name", lambda: "fake")
-    for name, fake in {"ensure_data": lambda data, rows: None, "bare_step": lambda *args: 10.0,
+    for name, fake in {"ensure_data": lambda data, rows, val_fraction: None, "bare_step": lambda *args: 10.0,
                        "step_idle_share": lambda *args: 0.0, "train_run": train_run,
                        "append_rows": lambda path, rows: None}.items():  # fmt: skip
         monkeypatch.setattr(e2e, name, fake)
