@@ -244,7 +244,7 @@ def ids_of_ranks(
 
 @functools.cache
 def _index_permutations(cardinalities: tuple[int, ...], seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """([c] uint64 multipliers a, coprime to K, [c] uint64 offsets) of `_indices_of_ranks`, from the
+    """([c] uint64 multipliers a, coprime to K, [c] uint64 offsets) of `ids_of_ranks`, from the
     keys of the hash bijection (rows 0 and 1 of `_column_keys`)."""
     keys = _column_keys(seed)
     multipliers, offsets = [], []
