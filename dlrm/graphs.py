@@ -115,6 +115,11 @@ class GraphedTrainStep:
     def graph(self) -> torch.cuda.CUDAGraph | None:
         return next(iter(self.captured.values())).graph if self.captured else None
 
+    def replays(self, rows: int) -> bool:
+        """Whether the next call with a batch of `rows` rows replays a captured graph; False when it runs a
+        warm-up step (uncaptured: launched kernel by kernel, many times a replay's host time) or captures."""
+        return rows in self.captured
+
     def __call__(self, model: DLRM, optimizer: RunOptimizer, batch: Batch) -> Tensor:
         """One training step on `batch` (the signature of train_step; model and optimizer must be the
         captured ones)."""

@@ -615,6 +615,48 @@ def test_the_first_step_of_a_new_batch_size_is_timed_apart(criteo_sample, tmp_pa
     assert sum("first of batch size 2000" in line for line in lines) == 1
 
 
+def test_the_cuda_graph_warm_up_and_capture_steps_are_timed_apart(criteo_sample, tmp_path, monkeypatch):
+    """A graphed step (dlrm.graphs.GraphedTrainStep) runs uncaptured warm-up steps and a capture before it
+    replays, one-time work like compilation. A stand-in runs the plain step and replays from its 4th call of
+    a batch size; each call before takes 1,000 s (the clock jumps). At batch 3,000 over 8,000 rows for 3
+    epochs (sizes 3,000, 3,000, 2,000 an epoch) the steps 1-4 and 6 and 9 are timed apart: only steps 5, 7
+    and 8 count in samples/s, and each apart step is logged with its reason."""
+    from dlrm.graphs import GraphedTrainStep
+
+    build_step, real_clock, jump = run_setup.build_step, time.perf_counter, [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + jump[0])
+
+    class WarmingStep(GraphedTrainStep):
+        def __init__(self, step):  # noqa: D107 (no CUDA graph: the plain step, counted)
+            self.step, self.calls = step, {}
+
+        def replays(self, rows: int) -> bool:
+            return self.calls.get(rows, 0) >= 3
+
+        def __call__(self, model, optimizer, batch):
+            rows = len(batch.label)
+            if not self.replays(rows):
+                jump[0] += 1000.0
+            self.calls[rows] = self.calls.get(rows, 0) + 1
+            return self.step(model, optimizer, batch)
+
+    monkeypatch.setattr(run_setup, "build_step", lambda *a, **k: WarmingStep(build_step(*a, **k)))
+    cfg = _tiny(criteo_sample, epochs=3, max_steps=None, log_interval=1)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=3000))
+    lines = []
+    sink = logger.add(lines.append, format="{message}")
+    try:
+        metrics = train_cli.train(cfg, tmp_path / "run")
+    finally:
+        logger.remove(sink)
+    assert metrics["steps"] == 9
+    # The mean over the timed steps (at most 8): one jump counted would make it >= 1,000,000 / 8 ms.
+    assert metrics["step_ms_max"] < 1_000_000 / 8, metrics["step_ms_max"]
+    assert sum("first of batch size 2000" in line for line in lines) == 1
+    assert sum("graph warm-up or capture at batch size 3000" in line for line in lines) == 2
+    assert sum("graph warm-up or capture at batch size 2000" in line for line in lines) == 2
+
+
 @pytest.mark.parametrize(
     ("config", "loader"), [("main.json", "memory"), ("logistic.json", "memory"), ("tiny.json", "streaming")]
 )

@@ -40,6 +40,7 @@ from dlrm.config import RunConfig
 from dlrm.data.dataset import Batch
 from dlrm.data.loaders import STATEFUL_LOADERS, TrainLoader
 from dlrm.errors import Interrupted, RunStopped
+from dlrm.graphs import GraphedTrainStep
 from dlrm.out_of_memory import out_of_memory
 from dlrm.profiling import data_range, make_profiler, traced
 from dlrm.run.checkpoints import (
@@ -140,7 +141,7 @@ def train_steps(run: Run, state: RunState) -> None:
                 if batch is None:
                     break
                 spent.switch("step")
-                apart_since = drain_before_new_size(run, state, interval, batch)
+                apart_since = drain_before_apart_step(run, state, interval, batch)
                 if state.first_step_s is None or apart_since is not None:
                     spent.switch("first_steps")  # until the next batch: compilation, its wait
                 # Before the step (and its graph replay), on its stream: device writes, no host sync.
@@ -244,13 +245,17 @@ def epoch_batches(loader: TrainLoader, skip: int) -> Iterator[Batch]:
     return itertools.islice(iter(loader), skip, None)
 
 
-def drain_before_new_size(run: Run, state: RunState, interval: Interval, batch: Batch) -> float | None:
-    """Before the first step of a batch size this process has not trained on yet (not its first step: an
-    epoch's partial last batch), finish the steps before it (their losses are read, a host sync) and
-    return the time it starts at, so that `account_step` keeps it out of the interval's throughput: it
-    compiles and tunes kernels for the new shape (seconds with --use-triton, as many steps' worth). None
-    for any other step."""
-    if state.first_step_s is None or len(batch.label) in state.batch_sizes:
+def drain_before_apart_step(run: Run, state: RunState, interval: Interval, batch: Batch) -> float | None:
+    """Before a step timed apart from throughput other than the process's first, finish the steps before it
+    (their losses are read, a host sync) and return the time it starts at, so that `account_step` keeps it
+    out of the interval's throughput. Such a step is one-time work of the run: the first step of a batch
+    size this process has not trained on yet (an epoch's partial last batch), which compiles and tunes
+    kernels for its shape (seconds with --use-triton, as many steps' worth), and a step that warms up or
+    captures the CUDA graph of its batch size (dlrm.graphs: launched kernel by kernel, tens of replays'
+    worth on many ranks). None for any other step."""
+    rows = len(batch.label)
+    graph_ready = not isinstance(run.step_fn, GraphedTrainStep) or run.step_fn.replays(rows)
+    if state.first_step_s is None or (rows in state.batch_sizes and graph_ready):
         return None
     with state.time_spent.part("device_wait"):
         check_finite(run, state, interval)
@@ -272,16 +277,17 @@ def account_step(
 ) -> None:
     """Count a finished step: its loss goes into the interval's device buffer (no host sync). The first
     step of the process pays for compilation (Inductor, Triton JIT): it is timed apart and kept out of the
-    interval's throughput, and so is the first step of a new batch size, which started at `apart_since`
-    (`drain_before_new_size`), and a step of the profiler's window (`in_window`: traced, its kernels slowed
-    by the tracing; waited for on a GPU, so that it ends on its own clock); `report_s` (the profiler's own
-    work after the step: its tracer started, stopped, its trace written) is kept out of the interval's
-    time."""
+    interval's throughput, and so are the first step of a new batch size and the CUDA graph's warm-up and
+    capture steps, which started at `apart_since` (`drain_before_apart_step`), and a step of the profiler's
+    window (`in_window`: traced, its kernels slowed by the tracing; waited for on a GPU, so that it ends on
+    its own clock); `report_s` (the profiler's own work after the step: its tracer started, stopped, its
+    trace written) is kept out of the interval's time."""
     state.step += 1
     parallel.note_progress(state.step)
     rows = len(batch.label)
     samples = rows * run.strategy.world_size  # the global batch
     state.samples += samples
+    new_size = rows not in state.batch_sizes
     state.batch_sizes.add(rows)
     run.progress.step()
     interval.losses[interval.steps].copy_(loss.detach())
@@ -300,10 +306,12 @@ def account_step(
         took = time.perf_counter() - apart_since
         interval.start += took
         logger.info(
-            "step {}, first of batch size {}: {:.2f} s (kernels for its shape), not timed",
+            "step {}, {} {}: {:.2f} s ({}), not timed",
             state.step,
+            "first of batch size" if new_size else "CUDA graph warm-up or capture at batch size",
             rows,
             took,
+            "kernels for its shape" if new_size else "launched kernel by kernel",
         )
         return
     if in_window:

@@ -63,7 +63,8 @@ class RunState:
     # The batch sizes this process has trained on: the first step of a new one (an epoch's partial last
     # batch) compiles and tunes kernels for its shape, and is timed apart like the first step.
     batch_sizes: set[int] = field(default_factory=set)
-    # Training throughput of this process: the first step (compilation) and evaluations excluded.
+    # Training throughput of this process: the steps timed apart (compilation, the CUDA graph's warm-up and
+    # capture: dlrm.run.loop.drain_before_apart_step) and evaluations excluded.
     timed_s: float = 0.0
     timed_samples: int = 0
     timed_steps: int = 0

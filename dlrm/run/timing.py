@@ -7,8 +7,9 @@ Parts (PARTS, in this order):
 - step: host time of the steps: the lr, the step call, the loss copy and the loop's bookkeeping. On a GPU
   the step only launches work, and this grows when the launch queue is full (the device is behind); on
   the CPU it is the step's compute.
-- first_steps: the steps timed apart from throughput (the first, and the first of each new batch size):
-  compilation, kernel JIT and tuning, launch and the wait for the device.
+- first_steps: the steps timed apart from throughput (the first, the first of each new batch size, and the
+  CUDA graph's warm-up and capture steps): compilation, kernel JIT and tuning, graph capture, launch and
+  the wait for the device.
 - device_wait: waiting for the device at the loop's host syncs: reading the interval's losses (log lines,
   evaluations, checkpoints) and finishing the steps before a new batch size.
 - collectives: the loop's collectives outside the step (many ranks: agreeing on a stop signal or a timed
