@@ -83,109 +83,23 @@ def _halves(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _piece(off_m, off_n, M, N, stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Where a piece of the epilogue lies, the columns off_n .. of the rows off_m ..: (base, the 64-bit
-    element offset of its first row, offset [BLOCK_M, BLOCK_N] the 32-bit offsets inside it, mask of its
-    elements within [M, N], cols [BLOCK_N]). The four [M, N] tensors share one row stride."""
-    rows = tl.arange(0, BLOCK_M)
-    cols = off_n + tl.arange(0, BLOCK_N)
-    mask = (off_m + rows < M)[:, None] & (cols < N)[None, :]
-    return off_m.to(tl.int64) * stride, rows[:, None] * stride + cols[None, :], mask, cols
-
-
-@triton.jit
 def _fwd_epilogue(
     z, off_m, off_n, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """The forward's epilogue on z [BLOCK_M, BLOCK_N] fp32 (h @ U^T), the piece at off_m, off_n (``_piece``):
-    zb = z + b and out = x0 * zb + x_l stored, in fp32 and rounded once. Not ``_fwd_inputs`` then
-    ``_fwd_outputs``: loading x0 and x_l before the bias, that order takes the quarters' largest tile 228
-    registers a thread instead of 205 (scripts/cross_registers.py)."""
-    base, offset, mask, cols = _piece(off_m, off_n, M, N, stride, BLOCK_M, BLOCK_N)
+    """The forward's epilogue on z [BLOCK_M, BLOCK_N] fp32 (h @ U^T), the columns off_n .. of the rows off_m
+    ..: zb = z + b and out = x0 * zb + x_l stored. The four [M, N] tensors share one row stride, and the
+    offsets inside the tile are 32-bit (the tile's first row is added to the base pointers in 64 bits)."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, BLOCK_N)
+    mask = (off_m + rows < M)[:, None] & (cols < N)[None, :]
+    offset = rows[:, None] * stride + cols[None, :]
+    base = off_m.to(tl.int64) * stride
     zb = z + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     x0 = tl.load(x0_ptr + base + offset, mask=mask, other=0.0).to(tl.float32)
     xl = tl.load(xl_ptr + base + offset, mask=mask, other=0.0).to(tl.float32)
-    _fwd_store(zb, x0, xl, base, offset, mask, out_ptr, zb_ptr)
-
-
-@triton.jit
-def _fwd_store(zb, x0, xl, base, offset, mask, out_ptr, zb_ptr):
-    """out = x0 * zb + x_l and zb (fp32 [BLOCK_M, BLOCK_N]) stored at a piece (``_piece``), rounded once."""
     tl.store(out_ptr + base + offset, (x0 * zb + xl).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(zb_ptr + base + offset, zb.to(zb_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _fwd_inputs(off_m, off_n, x0_ptr, xl_ptr, M, N, stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The epilogue's inputs of a piece (``_piece``): (x0, x_l) [BLOCK_M, BLOCK_N] in their dtype, 0
-    outside the tensors."""
-    base, offset, mask, _ = _piece(off_m, off_n, M, N, stride, BLOCK_M, BLOCK_N)
-    return (
-        tl.load(x0_ptr + base + offset, mask=mask, other=0.0),
-        tl.load(xl_ptr + base + offset, mask=mask, other=0.0),
-    )
-
-
-@triton.jit
-def _fwd_outputs(
-    z, x0, xl, off_m, off_n, b_ptr, out_ptr, zb_ptr, M, N, stride,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """``_fwd_epilogue`` of a piece whose inputs x0, x_l were loaded before (``_fwd_inputs``)."""
-    base, offset, mask, cols = _piece(off_m, off_n, M, N, stride, BLOCK_M, BLOCK_N)
-    zb = z + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    _fwd_store(zb, x0.to(tl.float32), xl.to(tl.float32), base, offset, mask, out_ptr, zb_ptr)
-
-
-@triton.jit
-def _epilogue_quarters(
-    z, off_m, off_n, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """The forward's epilogue on the tile z [BLOCK_M, BLOCK_N] a quarter at a time, each loading its
-    inputs, then storing."""
-    q: tl.constexpr = BLOCK_N // 4
-    left, right = _halves(z, BLOCK_M, BLOCK_N)
-    z0, z1 = _halves(left, BLOCK_M, 2 * q)
-    z2, z3 = _halves(right, BLOCK_M, 2 * q)
-    _fwd_epilogue(z0, off_m, off_n, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
-    _fwd_epilogue(z1, off_m, off_n + q, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
-    _fwd_epilogue(z2, off_m, off_n + 2 * q, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
-    _fwd_epilogue(z3, off_m, off_n + 3 * q, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
-
-
-@triton.jit
-def _epilogue_ahead(
-    z, off_m, off_n, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """The forward's epilogue on the tile z [BLOCK_M, BLOCK_N] an eighth at a time, each eighth's inputs
-    loaded before the eighth before it stores."""
-    e: tl.constexpr = BLOCK_N // 8
-    left, right = _halves(z, BLOCK_M, BLOCK_N)
-    q0, q1 = _halves(left, BLOCK_M, 4 * e)
-    q2, q3 = _halves(right, BLOCK_M, 4 * e)
-    z0, z1 = _halves(q0, BLOCK_M, 2 * e)
-    z2, z3 = _halves(q1, BLOCK_M, 2 * e)
-    z4, z5 = _halves(q2, BLOCK_M, 2 * e)
-    z6, z7 = _halves(q3, BLOCK_M, 2 * e)
-    x0_0, xl_0 = _fwd_inputs(off_m, off_n, x0_ptr, xl_ptr, M, N, stride, BLOCK_M, e)
-    x0_1, xl_1 = _fwd_inputs(off_m, off_n + e, x0_ptr, xl_ptr, M, N, stride, BLOCK_M, e)
-    _fwd_outputs(z0, x0_0, xl_0, off_m, off_n, b_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, e)
-    x0_2, xl_2 = _fwd_inputs(off_m, off_n + 2 * e, x0_ptr, xl_ptr, M, N, stride, BLOCK_M, e)
-    _fwd_outputs(z1, x0_1, xl_1, off_m, off_n + e, b_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, e)
-    x0_3, xl_3 = _fwd_inputs(off_m, off_n + 3 * e, x0_ptr, xl_ptr, M, N, stride, BLOCK_M, e)
-    _fwd_outputs(z2, x0_2, xl_2, off_m, off_n + 2 * e, b_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, e)
-    x0_4, xl_4 = _fwd_inputs(off_m, off_n + 4 * e, x0_ptr, xl_ptr, M, N, stride, BLOCK_M, e)
-    _fwd_outputs(z3, x0_3, xl_3, off_m, off_n + 3 * e, b_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, e)
-    x0_5, xl_5 = _fwd_inputs(off_m, off_n + 5 * e, x0_ptr, xl_ptr, M, N, stride, BLOCK_M, e)
-    _fwd_outputs(z4, x0_4, xl_4, off_m, off_n + 4 * e, b_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, e)
-    x0_6, xl_6 = _fwd_inputs(off_m, off_n + 6 * e, x0_ptr, xl_ptr, M, N, stride, BLOCK_M, e)
-    _fwd_outputs(z5, x0_5, xl_5, off_m, off_n + 5 * e, b_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, e)
-    x0_7, xl_7 = _fwd_inputs(off_m, off_n + 7 * e, x0_ptr, xl_ptr, M, N, stride, BLOCK_M, e)
-    _fwd_outputs(z6, x0_6, xl_6, off_m, off_n + 6 * e, b_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, e)
-    _fwd_outputs(z7, x0_7, xl_7, off_m, off_n + 7 * e, b_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, e)
 
 
 # M (the batch) changes between calls: do not specialize on it, so a new batch size reuses the compiled
@@ -213,30 +127,24 @@ def _cross_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    AHEAD: tl.constexpr,  # the epilogue by eighths, loads one eighth ahead (autotuned: either may win)
 ):
     pid_m, pid_n = _tile(N, BLOCK_N)
     off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
     z = matmul_tile(h_desc, u_desc, off_m, off_n, K, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    # The epilogue, in fp32, a piece of the tile's columns at a time: on the whole tile, its z, x0, x_l and
+    # The epilogue, in fp32, a quarter of the tile's columns at a time: on the whole tile, its z, x0, x_l and
     # their addresses spill registers in every config (ptxas for sm_90a: kilobytes a thread); in quarters,
-    # with 32-bit offsets, none do. A piece's loads may not pass the stores before them (the compiler
-    # cannot tell x0 and x_l from out and zb): each piece waits out its loads' latency after the last one's
-    # stores. AHEAD loads each eighth's inputs before the eighth before it stores (two eighths' inputs in
-    # registers, no more than one quarter's; none spill either, ptxas for sm_90a).
-    if AHEAD:
-        _epilogue_ahead(
-            z, off_m, off_n, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, BLOCK_N
-        )
-    else:
-        _epilogue_quarters(
-            z, off_m, off_n, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, BLOCK_N
-        )
+    # with 32-bit offsets, none do.
+    q: tl.constexpr = BLOCK_N // 4
+    left, right = _halves(z, BLOCK_M, BLOCK_N)
+    z0, z1 = _halves(left, BLOCK_M, 2 * q)
+    _fwd_epilogue(z0, off_m, off_n, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
+    _fwd_epilogue(z1, off_m, off_n + q, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
+    z2, z3 = _halves(right, BLOCK_M, 2 * q)
+    _fwd_epilogue(z2, off_m, off_n + 2 * q, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
+    _fwd_epilogue(z3, off_m, off_n + 3 * q, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
 
 
-_cross_fwd_kernel = autotuned(
-    _cross_fwd_kernel, "x0_ptr", descriptors=_DESCRIPTORS, variants={"AHEAD": (False, True)}
-)
+_cross_fwd_kernel = autotuned(_cross_fwd_kernel, "x0_ptr", descriptors=_DESCRIPTORS)
 
 
 def check_inputs(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> None:

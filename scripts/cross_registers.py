@@ -4,10 +4,10 @@ spills and shared memory per tuned config, and the order of its epilogue's globa
     python scripts/cross_registers.py [--dtype bf16|fp32] [--arch 90] [--tiles 128x256,64x64]
 
 Compiles ``kernels.cross._cross_fwd_kernel`` with ``triton.compile`` for the target (sm_90a by default)
-in every tuning config (kernels.gemm.tuning's Hopper tiles, the operands' reduction chunk) and each
-epilogue variant (AHEAD False: quarters, True: eighths loaded one ahead), with the specialization a launch
-at the MLPerf shape gets (pointers and N, K, M bucket and the row stride divisible by 16), then runs the
-bundled ``ptxas -v`` for registers a thread and spill bytes and ``nvdisasm`` for the kernel's SASS. It
+in every tuning config (kernels.gemm.tuning's Hopper tiles, the operands' reduction chunk), with the
+specialization a launch at the MLPerf shape gets (pointers and N, K, M bucket and the row stride divisible
+by 16), then runs the bundled ``ptxas -v`` for registers a thread and spill bytes and ``nvdisasm`` for the
+kernel's SASS. It
 prints one line a config: registers, spill stores (bytes), shared memory (bytes), and the sequence of the
 kernel's global loads (L) and stores (S) after its main loop, runs collapsed (`8L 8S` for eight loads then
 eight stores). This is what backs the register and spill statements of kernels/cross.py and
@@ -46,11 +46,12 @@ ARGS = (
     "stride",
 )
 DIVISIBLE = ("b_ptr", "x0_ptr", "xl_ptr", "out_ptr", "zb_ptr", "N", "K", "M_BUCKET", "stride")
-CONSTEXPRS = ("DOT_FP32", "INPUT_PRECISION", "BLOCK_M", "BLOCK_N", "BLOCK_K", "AHEAD")
+CONSTEXPRS = ("DOT_FP32", "INPUT_PRECISION", "BLOCK_M", "BLOCK_N", "BLOCK_K")
 
 
-def compile_config(dtype: str, arch: int, block_m: int, block_n: int, block_k: int, warps: int, stages: int,
-                   ahead: bool) -> tuple[str, str, int]:  # fmt: skip
+def compile_config(
+    dtype: str, arch: int, block_m: int, block_n: int, block_k: int, warps: int, stages: int
+) -> tuple[str, str, int]:
     """(ptx, a temporary cubin file's path, shared memory bytes) of the kernel in one config."""
     ty = {"bf16": "bf16", "fp32": "fp32"}[dtype]
     signature = {
@@ -61,7 +62,7 @@ def compile_config(dtype: str, arch: int, block_m: int, block_n: int, block_k: i
         **{name: "constexpr" for name in CONSTEXPRS},
     }
     constexprs = {"DOT_FP32": False, "INPUT_PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
-                  "BLOCK_K": block_k, "AHEAD": ahead}  # fmt: skip
+                  "BLOCK_K": block_k}  # fmt: skip
     attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
     source = ASTSource(cross._cross_fwd_kernel.fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": warps, "num_stages": stages}
@@ -109,13 +110,13 @@ def main(dtype: str, arch: int, tiles: str | None) -> None:
     shapes = [s for s in tuning._GPU_SHAPES if tiles is None or f"{s[0]}x{s[1]}" in tiles.split(",")]
     if not shapes:
         raise click.BadParameter(f"no tuned config has tiles {tiles}", param_hint="--tiles")
-    for (block_m, block_n, warps, stages), ahead in itertools.product(shapes, (False, True)):
-        ptx, cubin, shared = compile_config(dtype, arch, block_m, block_n, block_k, warps, stages, ahead)
+    for block_m, block_n, warps, stages in shapes:
+        ptx, cubin, shared = compile_config(dtype, arch, block_m, block_n, block_k, warps, stages)
         used, spilled = registers(ptx, arch)
         order = epilogue_order(cubin)
         os.unlink(cubin)
         click.echo(
-            f"{block_m}x{block_n}x{block_k} warps {warps} stages {stages} AHEAD {ahead!s:5}: "
+            f"{block_m}x{block_n}x{block_k} warps {warps} stages {stages}: "
             f"{used} registers, {spilled} B spilled, {shared} B shared | {order}"
         )
 

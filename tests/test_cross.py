@@ -113,55 +113,33 @@ def test_bf16_path_within_its_roundings(shape, poisoned):
         _assert_norm_close(a, e, rtol, name)
 
 
-def _forward_with_epilogue(m, n, r, dtype, ahead, block_m, block_n, block_k, warps=4, stages=1):
-    """(out, zb) of ``_cross_fwd_kernel`` launched in one config with the epilogue `ahead` picks, and the
-    reference (out, zb) in fp32 from the same h."""
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_forward_kernel_in_every_tuned_config_gpu(dtype, poisoned):
+    """On the GPU, the forward kernel in each of the tuning's Hopper configs (the autotuner checks no
+    output: a config that never wins a shape of the other tests could win another), at a shape that cuts
+    tiles at both ends: out and zb of every element against the reference on the same h."""
+    m, n, r = 300, 1000, 96
+    block_k = 64 if dtype == torch.bfloat16 else 32
     x0, xl, v, u, b, _ = _inputs(m, n, r, dtype)
     h = xl @ v.t()
-    out, zb = (launch.empty((m, n), dtype, x0.device) for _ in range(2))
-    h_desc, u_desc = tma_descriptor(h), tma_descriptor(u)
-    h_desc.block_shape, u_desc.block_shape = [block_m, block_k], [block_n, block_k]
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    cross._cross_fwd_kernel.fn[grid](
-        h_desc, u_desc, b, x0, xl, out, zb, m, n, r, m_bucket(m), n,
-        DOT_FP32=launch.INTERPRETED, INPUT_PRECISION=input_precision(dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, AHEAD=ahead, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
     expected_zb = h.float() @ u.float().t() + b.float()
-    return (out, zb), (x0.float() * expected_zb.to(dtype).float() + xl.float(), expected_zb)
-
-
-def _assert_forward_close(dtype, actual, expected):
-    if dtype == torch.float32:
-        _assert_fp32_close(["out", "zb"], actual, expected)
-    else:  # bf16 stores (2u in the interpreter, which truncates), as test_bf16_path_within_its_roundings
-        for name, a, e in zip(["out", "zb"], actual, expected, strict=True):
-            _assert_norm_close(a, e, tol(torch.bfloat16, "gemm_norm")["rtol"], name)
-
-
-@pytest.mark.parametrize("ahead", [False, True], ids=["quarters", "eighths_ahead"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_both_forward_epilogues_write_out_and_zb(ahead, dtype, poisoned):
-    """The forward kernel with either epilogue (the autotuner picks one per config; the interpreter runs
-    the first): out and zb of every element, tiles cut by the rows' and columns' ends, against the
-    reference on the same h."""
-    blocks = (32, 32, 32) if DEVICE == "cpu" else (64, 64, 64)
-    _assert_forward_close(dtype, *_forward_with_epilogue(70, 100, 32, dtype, ahead, *blocks))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("ahead", [False, True], ids=["quarters", "eighths_ahead"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_both_forward_epilogues_in_every_tuned_config_gpu(ahead, dtype, poisoned):
-    """On the GPU, each of the tuning's Hopper configs with each epilogue (the autotuner checks no output:
-    a variant that never wins a shape here could win one elsewhere), at a shape that cuts tiles at both
-    ends: out and zb against the reference."""
-    block_k = 64 if dtype == torch.bfloat16 else 32
+    expected = [x0.float() * expected_zb.to(dtype).float() + xl.float(), expected_zb]
     for block_m, block_n, warps, stages in gemm_tuning._GPU_SHAPES:
-        actual, expected = _forward_with_epilogue(
-            300, 1000, 96, dtype, ahead, block_m, block_n, block_k, warps, stages
-        )
-        _assert_forward_close(dtype, actual, expected)
+        out, zb = (launch.empty((m, n), dtype, x0.device) for _ in range(2))
+        h_desc, u_desc = tma_descriptor(h), tma_descriptor(u)
+        h_desc.block_shape, u_desc.block_shape = [block_m, block_k], [block_n, block_k]
+        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+        cross._cross_fwd_kernel.fn[grid](
+            h_desc, u_desc, b, x0, xl, out, zb, m, n, r, m_bucket(m), n,
+            DOT_FP32=False, INPUT_PRECISION=input_precision(dtype),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        if dtype == torch.float32:
+            _assert_fp32_close(["out", "zb"], [out, zb], expected)
+        else:  # bf16 stores, as test_bf16_path_within_its_roundings
+            for name, a, e in zip(["out", "zb"], [out, zb], expected, strict=True):
+                _assert_norm_close(a, e, tol(torch.bfloat16, "gemm_norm")["rtol"], name)
 
 
 def test_first_layer_takes_x0_as_its_input():

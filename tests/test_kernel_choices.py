@@ -87,9 +87,11 @@ def test_a_tuned_kernel_launches_a_taken_config_without_the_autotuner(monkeypatc
     assert gemm_tuning.chosen()["choices"] == record["choices"]
 
 
-def test_a_taken_config_without_one_of_the_kernels_constexprs_is_tuned_anew(monkeypatch):
-    """A record written before the cross forward kernel had its AHEAD constexpr (a resumed run's) holds a
-    config without it: the kernel tunes that key again instead of launching a config it cannot run."""
+@pytest.mark.parametrize("change", ["constexpr_more", "constexpr_fewer"])
+def test_a_taken_config_of_another_version_of_the_kernel_is_tuned_anew(monkeypatch, change):
+    """A record of another version of the cross forward kernel (a resumed run's) holds a config with a
+    constexpr the kernel does not take, or without one it needs: the kernel tunes that key again instead of
+    launching a config it cannot run."""
     import kernels.cross as cross
 
     monkeypatch.setattr(gemm_tuning, "_PRESET", {})
@@ -102,7 +104,10 @@ def test_a_taken_config_without_one_of_the_kernels_constexprs_is_tuned_anew(monk
     first = cross.cross_layer_fwd(x0, xl, v, u, b)
     record = gemm_tuning.chosen()
     ((key, options),) = record["choices"]["_cross_fwd_kernel"].items()
-    record["choices"]["_cross_fwd_kernel"][key] = {k: v for k, v in options.items() if k != "AHEAD"}
+    other = (
+        {**options, "EPILOGUE_PIECES": 8} if change == "constexpr_more" else dict(list(options.items())[1:])
+    )
+    record["choices"]["_cross_fwd_kernel"][key] = other
     kernel._options.clear()
     assert gemm_tuning.use_chosen(record)
     for actual, expected in zip(cross.cross_layer_fwd(x0, xl, v, u, b), first, strict=True):

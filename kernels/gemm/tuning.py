@@ -11,7 +11,6 @@ only feeds the key. In the interpreter: one fixed small config.
 
 from __future__ import annotations
 
-import itertools
 from functools import partial
 
 import torch
@@ -134,25 +133,21 @@ def _set_block_shapes(descriptors: dict[str, tuple[str, str]], args: dict) -> No
         args[name].block_shape = [args[d] for d in dims]
 
 
-def _configs(
-    names: tuple[str, str, str], extra: dict, descriptors: dict, variants: dict[str, tuple]
-) -> list[triton.Config]:
+def _configs(names: tuple[str, str, str], extra: dict, descriptors: dict) -> list[triton.Config]:
     hook = partial(_set_block_shapes, descriptors) if descriptors else None
     if INTERPRETED:
         a, b, r, warps, stages = _INTERPRETER_SHAPE
-        first = {name: values[0] for name, values in variants.items()}
-        config = {names[0]: a, names[1]: b, names[2]: r, **extra, **first}
+        config = {names[0]: a, names[1]: b, names[2]: r, **extra}
         return [triton.Config(config, num_warps=warps, num_stages=1, pre_hook=hook)]
     return [
         triton.Config(
-            {names[0]: a, names[1]: b, names[2]: r, **extra, **dict(zip(variants, values, strict=True))},
+            {names[0]: a, names[1]: b, names[2]: r, **extra},
             num_warps=warps,
             num_stages=stages,
             pre_hook=hook,
         )
         for r in _RED_BY_ELEMENT_SIZE.values()
         for a, b, warps, stages in _GPU_SHAPES
-        for values in itertools.product(*variants.values())
     ]
 
 
@@ -209,9 +204,9 @@ class TunedKernel:
         self._operand_position = names.index(operand)
         self._descriptors = [(names.index(name), dims) for name, dims in descriptors.items()]
         self._options = ChoiceTable(self.fn.__name__)
-        # What a launch must set: a record of an older version of the kernel (a resumed run's) that lacks
-        # one of its constexprs is timed anew rather than launched.
-        self._required = set(autotuner.configs[0].all_kwargs())
+        # The launch options a config sets: a record of another version of the kernel (a resumed run's), with
+        # a constexpr more or fewer, is timed anew rather than launched.
+        self._options_names = set(autotuner.configs[0].all_kwargs())
 
     def __getitem__(self, grid):
         return partial(self._launch, grid)
@@ -222,7 +217,7 @@ class TunedKernel:
         options = self._options.get(key)
         if options is None:
             options = self._options.preset(key)
-            if options is not None and self._required <= options.keys():
+            if options is not None and options.keys() == self._options_names:
                 self._options[key] = options
             else:
                 options = None
@@ -242,7 +237,6 @@ def autotuned(
     descriptors: dict[str, tuple[str, str]] | None = None,
     names: tuple[str, str, str] = ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
     dims: tuple[str, str] = ("M_BUCKET", "N"),
-    variants: dict[str, tuple] | None = None,
 ):
     """``triton.autotune`` of `kernel` over the Hopper configs, as a ``TunedKernel``; one fixed config in
     the interpreter (no benchmarking).
@@ -258,11 +252,9 @@ def autotuned(
             tile over a K reduction.
         dims: the size arguments that bound the tile rows and cols, for pruning; by default the M bucket
             and N.
-        variants: constexprs of the kernel's own code paths, each config tried with every combination of
-            their values, e.g. {"AHEAD": (False, True)}; the interpreter takes each one's first value.
     """
     descriptors = descriptors or {}
-    configs = _configs(names, extra or {}, descriptors, variants or {})
+    configs = _configs(names, extra or {}, descriptors)
     if INTERPRETED:
         return TunedKernel(
             triton.autotune(configs=configs, key=[*_KEY, _PRECISION])(kernel), operand, descriptors
