@@ -36,9 +36,10 @@ SEVERAL_RANKS_ONLY = (
     "dlrm/parallel/evaluation.py",
     "kernels/table_order.py",
 )
-# Code that only an evaluation executes, which a training-step benchmark never runs (scripts/bench_train.py
-# times steps on random batches): a row of STEP_BENCHMARKS did not measure it.
-EVALUATION_ONLY = ("dlrm/parallel/evaluation.py", "dlrm/metrics.py")
+# Code that only a training run executes, its loop and evaluations, which a training-step benchmark never
+# runs (scripts/bench_train.py times steps on random batches and imports nothing of dlrm.run): a row of
+# STEP_BENCHMARKS did not measure it.
+LOOP_ONLY = ("dlrm/run", "dlrm/parallel/evaluation.py", "dlrm/metrics.py")
 STEP_BENCHMARKS = ("train.csv",)
 # Code that only a run on a CUDA GPU executes (CUDA graphs: dlrm.config refuses train.cuda_graphs elsewhere):
 # a CPU row did not measure it.
@@ -203,13 +204,13 @@ def one_process(row: Row) -> bool:
 def code_paths(row: Row) -> tuple[str, ...]:
     """The code `row` measured, as git pathspecs: its file's MEASURES entry; else the whole application, less
     kernels/ for a row whose run did not call them (`ran_our_kernels`), less SEVERAL_RANKS_ONLY for a run
-    of one process (`one_process`), less GPU_ONLY for a run on the CPU and less EVALUATION_ONLY for a step
+    of one process (`one_process`), less GPU_ONLY for a run on the CPU and less LOOP_ONLY for a step
     benchmark's row."""
     if row.file in MEASURES:
         return MEASURES[row.file]
     paths = WHOLE if ran_our_kernels(row) else tuple(p for p in WHOLE if p != "kernels")
     skipped = (SEVERAL_RANKS_ONLY if one_process(row) else ()) + (GPU_ONLY if on_cpu(row) else ())
-    skipped += EVALUATION_ONLY if row.file in STEP_BENCHMARKS else ()
+    skipped += LOOP_ONLY if row.file in STEP_BENCHMARKS else ()
     return paths + tuple(f":(exclude){path}" for path in dict.fromkeys(skipped))
 
 

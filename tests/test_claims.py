@@ -203,7 +203,8 @@ def test_a_row_measures_the_config_file_it_names(scripts, monkeypatch):
     monkeypatch.setattr(results_rows, "commit_is_current", lambda sha, paths: seen.append(paths) or True)
     assert results_rows.is_current(row("kaggle"))
     one_process = tuple(f":(exclude){p}" for p in results_rows.SEVERAL_RANKS_ONLY)
-    assert seen == [(*results_rows.WHOLE, *one_process, ":(exclude)dlrm/metrics.py", "configs/kaggle.json")]
+    loop = (":(exclude)dlrm/run", ":(exclude)dlrm/metrics.py")
+    assert seen == [(*results_rows.WHOLE, *one_process, *loop, "configs/kaggle.json")]
 
 
 def test_a_row_measures_kernels_only_where_its_run_called_them(scripts):
@@ -221,8 +222,8 @@ def test_a_row_measures_kernels_only_where_its_run_called_them(scripts):
     overrides = 'train.use_triton=true data.loader="x"'
     triton = row("quality.csv", config="configs/kaggle.json", overrides=overrides)
     assert results_rows.code_paths(triton) == whole
-    # A step benchmark evaluates nothing: neither does its row measure the evaluation's code.
-    no_metrics = (":(exclude)dlrm/metrics.py",)
+    # A step benchmark runs no training loop and evaluates nothing: its row measures neither's code.
+    no_metrics = (":(exclude)dlrm/run", ":(exclude)dlrm/metrics.py")
     assert results_rows.code_paths(row("train.csv", backend="eager")) == (*dlrm_only, *no_metrics)
     assert results_rows.code_paths(row("train.csv", backend="torch-graphed")) == (*dlrm_only, *no_metrics)
     assert results_rows.code_paths(row("train.csv", backend="triton+graphs")) == (*whole, *no_metrics)
@@ -241,7 +242,7 @@ def test_a_row_measures_kernels_only_where_its_run_called_them(scripts):
     assert results_rows.code_paths(cpu) == on_cpu
     assert results_rows.code_paths(row("breakdown.csv")) == whole
     several = row("train.csv", backend="triton+graphs", world_size="2")
-    evaluation = tuple(f":(exclude){p}" for p in results_rows.EVALUATION_ONLY)
+    evaluation = tuple(f":(exclude){p}" for p in results_rows.LOOP_ONLY)
     assert results_rows.code_paths(several) == (*results_rows.WHOLE, *evaluation)
     assert results_rows.code_paths(row("checkpoint.csv", nproc="2")) == results_rows.WHOLE
     assert results_rows.code_paths(row("kernels.csv", backend="eager")) == ("kernels",)
