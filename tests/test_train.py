@@ -578,6 +578,19 @@ def test_resume_command_repeats_the_options_given_including_the_off_side_of_a_pa
     assert "cuda-graphs" not in train_cli.resume_command(ctx, REPO / "last.pt")  # unset: the config decides
 
 
+def _three_epochs_at_batch_3000(criteo_sample, tmp_path) -> tuple[dict, list[str]]:
+    """The tiny config trained 3 epochs at batch 3,000, a log line every step: metrics.json, the log lines."""
+    cfg = _tiny(criteo_sample, epochs=3, max_steps=None, log_interval=1)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=3000))
+    lines = []
+    sink = logger.add(lines.append, format="{message}")
+    try:
+        metrics = train_cli.train(cfg, tmp_path / "run")
+    finally:
+        logger.remove(sink)
+    return metrics, lines
+
+
 def test_the_first_step_of_a_new_batch_size_is_timed_apart(criteo_sample, tmp_path, monkeypatch):
     """8,000 train rows at batch 3,000: two full batches and a 2,000-row one per epoch. The step of a new
     batch size pays for its kernels' compilation (here: the clock jumps 1,000 s the first time a size is seen
@@ -600,14 +613,7 @@ def test_the_first_step_of_a_new_batch_size_is_timed_apart(criteo_sample, tmp_pa
         return run
 
     monkeypatch.setattr(run_setup, "build_step", slow_on_new_sizes)
-    cfg = _tiny(criteo_sample, epochs=3, max_steps=None, log_interval=1)
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=3000))
-    lines = []
-    sink = logger.add(lines.append, format="{message}")
-    try:
-        metrics = train_cli.train(cfg, tmp_path / "run")
-    finally:
-        logger.remove(sink)
+    metrics, lines = _three_epochs_at_batch_3000(criteo_sample, tmp_path)
     assert metrics["steps"] == 9 and metrics["samples"] == 3 * 8000
     # Counted, the jump alone would make the 7 timed steps' mean >= 1,000,000 / 7 ms, far above any real
     # step's time, so the machine's load cannot decide it.
@@ -641,14 +647,7 @@ def test_the_cuda_graph_warm_up_and_capture_steps_are_timed_apart(criteo_sample,
             return self.step(model, optimizer, batch)
 
     monkeypatch.setattr(run_setup, "build_step", lambda *a, **k: WarmingStep(build_step(*a, **k)))
-    cfg = _tiny(criteo_sample, epochs=3, max_steps=None, log_interval=1)
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=3000))
-    lines = []
-    sink = logger.add(lines.append, format="{message}")
-    try:
-        metrics = train_cli.train(cfg, tmp_path / "run")
-    finally:
-        logger.remove(sink)
+    metrics, lines = _three_epochs_at_batch_3000(criteo_sample, tmp_path)
     assert metrics["steps"] == 9
     # The mean over the timed steps (at most 8): one jump counted would make it >= 1,000,000 / 8 ms.
     assert metrics["step_ms_max"] < 1_000_000 / 8, metrics["step_ms_max"]
