@@ -11,7 +11,7 @@ Parts (PARTS, in this order):
   CUDA graph's warm-up and capture steps): compilation, kernel JIT and tuning, graph capture, launch and
   the wait for the device.
 - device_wait: waiting for the device at the loop's host syncs: reading the interval's losses (log lines,
-  evaluations, checkpoints) and finishing the steps before a new batch size.
+  evaluations, checkpoints) and finishing the steps before a step timed apart.
 - collectives: the loop's collectives outside the step (many ranks: agreeing on a stop signal or a timed
   checkpoint at log lines, the mean loss over the ranks); each waits for the slowest rank. 0 on one process.
 - eval: the val evaluations and the test evaluation at the end.
