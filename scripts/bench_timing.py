@@ -4,6 +4,7 @@ medians of CUDA-event timings launched from Python and of CUDA-graph replays, an
 from datetime import datetime
 
 import torch
+from torch_graphed_step import precision_flags
 from triton.testing import do_bench
 
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
@@ -17,14 +18,16 @@ def median_ms(fn) -> float:
 
 
 def measure_ceilings() -> dict[str, float]:
-    """Copy bandwidth (GB/s, read + write) and GEMM TFLOP/s per precision, measured on this GPU."""
+    """Copy bandwidth (GB/s, read + write) and GEMM TFLOP/s per precision (tf32: TF32 tensor-core matmuls
+    on), measured on this GPU."""
     src = torch.randn(256 * 2**20, device="cuda")  # 1 GiB
     dst = torch.empty_like(src)
     ceilings = {"copy_gbps": 2 * src.numel() * 4 / median_ms(lambda: dst.copy_(src)) / 1e6}
     n = 8192
     for name, dtype in DTYPES.items():
         a, b = torch.randn(n, n, device="cuda", dtype=dtype), torch.randn(n, n, device="cuda", dtype=dtype)
-        ceilings[f"gemm_tflops_{name}"] = 2 * n**3 / median_ms(lambda a=a, b=b: a @ b) / 1e9
+        with precision_flags(name):  # the tf32 ceiling on the tensor cores, whatever the caller's flags
+            ceilings[f"gemm_tflops_{name}"] = 2 * n**3 / median_ms(lambda a=a, b=b: a @ b) / 1e9
     return ceilings
 
 
