@@ -24,12 +24,9 @@ tensor; its owner advances the count in place once a step (dlrm.optim.RunOptimiz
 CUDA-graph replay draws new bits and a run resumed with its count continues the same stream. A NaN stays NaN.
 
 How the update runs:
-- "sgd" with fp32 weights: one kernel, atomic adds of -lr * dout into the touched rows. Atomic adds sum
-  repeated ids exactly (up to fp32 summation order, which varies run to run on a GPU), as SGD needs nothing
-  but the sum. A program takes a block of samples of one table (column), sums the block's lookups of each
-  row first and adds once a distinct row: a small table's few rows would otherwise take one atomic add a
-  sample each, one at a time. `in_order` sends it down the sorted path below instead (the same bits every
-  run).
+- "sgd" with fp32 weights: one kernel, atomic adds of -lr * dout straight into the touched rows. Atomic adds
+  sum repeated ids exactly (up to fp32 summation order, which varies run to run on a GPU), as SGD needs
+  nothing but the sum; `in_order` sends it down the sorted path below instead (the same bits every run).
 - otherwise (adagrad, rowwise_adagrad, bf16 weights): the non-linear update needs each row's full sum
   first. The B*F indices are sorted (torch.sort, on int32 keys where the rows fit: half the radix passes);
   sorted positions with the same row form a segment, and a small kernel writes where each segment starts.
@@ -101,6 +98,16 @@ STEP_PROGRAMS_PER_SM = 64
 
 
 @triton.jit
+def _lookup_block(N, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's block of the N lookups (or sorted positions): (n [BLOCK_N] int64 positions, their mask
+    [BLOCK_N], d [BLOCK_D] columns, the [BLOCK_N, BLOCK_D] mask of (n, d) in bounds)."""
+    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask_n = n < N
+    d = tl.arange(0, BLOCK_D)
+    return n, mask_n, d, mask_n[:, None] & (d < D)[None, :]
+
+
+@triton.jit
 def _lookup_grad(
     grad_ptr, features_ptr, scales_ptr, lookup, mask_n, mask, d, S, D, stride_b, stride_f,
     POOLED: tl.constexpr,
@@ -121,51 +128,33 @@ def _lookup_grad(
     return grad
 
 
-@triton.jit(do_not_specialize=["B"])
+@triton.jit(do_not_specialize=["N"])
 def _sgd_kernel(
     # pointers
-    index_ptr,  # [N] int64 global rows, N = B * C lookups in sample-major order (lookup b * C + c)
+    index_ptr,  # [N] int64 global rows (N = B * F lookups, or B * S for bags)
     grad_ptr,  # [N, D] dout ([B, F, D] where POOLED, strides (stride_b, stride_f, 1)), any float dtype
-    features_ptr,  # POOLED: [C] int64 feature of each column (not read otherwise)
-    scales_ptr,  # POOLED: [C] fp32 pooling scale of each column (not read otherwise)
+    features_ptr,  # POOLED: [S] int64 feature of each column (not read otherwise)
+    scales_ptr,  # POOLED: [S] fp32 pooling scale of each column (not read otherwise)
     weights_ptr,  # [R, D] fp32, updated in place
     lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
     # sizes
-    B,
-    C,  # columns: F tables of one-hot lookups, S bag columns, or 1 (any other layout of the N lookups)
+    N,
+    S,
     D,
     stride_b,
     stride_f,
     # meta-parameters
     POOLED: tl.constexpr,
-    SPLIT_BF16: tl.constexpr,  # the block's sums by exact bf16 pieces (False in the interpreter)
-    BLOCK_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Program (i, c): lookups b * C + c of samples b in block i of BLOCK_B, one column, so one table,
-    whose small tables' rows repeat inside the block. The block's lookups of one row are summed first
-    (`_block_segment_sums`, exact products and fp32 sums, as the atomic adds themselves), and only the first
-    of them adds the sum: one atomic add a distinct row a block, not one a lookup (atomic adds to one
-    address run one at a time)."""
-    c = tl.program_id(1)
-    i = tl.arange(0, BLOCK_B)
-    b = tl.program_id(0).to(tl.int64) * BLOCK_B + i.to(tl.int64)
-    mask_b = b < B
-    lookup = b * C + c
-    d = tl.arange(0, BLOCK_D)
-    mask = mask_b[:, None] & (d < D)[None, :]
-    index = tl.load(index_ptr + lookup, mask=mask_b, other=-1)
+    n, mask_n, d, mask = _lookup_block(N, D, BLOCK_N, BLOCK_D)
+    index = tl.load(index_ptr + n, mask=mask_n, other=0)
     grad = _lookup_grad(
-        grad_ptr, features_ptr, scales_ptr, lookup, mask_b, mask, d, C, D, stride_b, stride_f, POOLED
+        grad_ptr, features_ptr, scales_ptr, n, mask_n, mask, d, S, D, stride_b, stride_f, POOLED
     )
-    sums = _block_segment_sums(index, grad, tl.full([BLOCK_B], 1.0, tl.float32), SPLIT_BF16)
-    same = index[:, None] == index[None, :]
-    earlier = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
-    first = mask_b & (earlier == 0)
     lr = tl.load(lr_ptr).to(tl.float32)
-    tl.atomic_add(
-        weights_ptr + index[:, None] * D + d[None, :], -lr * sums, mask=mask & first[:, None], sem="relaxed"
-    )
+    tl.atomic_add(weights_ptr + index[:, None] * D + d[None, :], -lr * grad, mask=mask)
 
 
 @triton.jit
@@ -688,12 +677,9 @@ def embedding_update(
     if not use_triton(weights):
         embedding_update_ref(weights, state, index, grad, optimizer, lr, eps, rounding)
         return
-    columns = index.shape[-1] if index.dim() > 1 and index.numel() > 0 else 1
     index = index.reshape(-1)
     grad = grad.reshape(index.numel(), -1).contiguous()
-    launch_update(
-        weights, state, index, grad, optimizer, lr, eps, rounding=rounding, in_order=in_order, columns=columns
-    )
+    launch_update(weights, state, index, grad, optimizer, lr, eps, rounding=rounding, in_order=in_order)
 
 
 def sorted_segments(index: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -757,10 +743,8 @@ def _sums_buffer(places: int, d: int, device: torch.device) -> Tensor:
     return torch.empty(places, d, dtype=torch.float32, device=device)
 
 
-# The SGD kernel's programs at least, where the lookups allow 16 samples a program (`launch_update`), and
-# its samples a program at most: the 0/1 matrix [SGD_BLOCK_B, SGD_BLOCK_B] of repeated rows.
+# The SGD kernel's programs at least, where the lookups allow 16 rows a program (`launch_update`).
 SGD_PROGRAMS = 256
-SGD_BLOCK_B = 64
 
 # The summing kernel's gradient gathers take 32-bit offsets where every element lies below this one.
 OFFSET32_LIMIT = 2**31
@@ -817,15 +801,12 @@ def launch_update(
     bags: tuple[Tensor, Tensor] | None = None,
     rounding: Tensor | None = None,
     in_order: bool = False,
-    columns: int = 1,
 ) -> None:
     """The update kernels (module docstring) on inputs already checked: index [N] int64 global rows; grad
     [N, D] contiguous, or for pooled bags, with `bags` = (features [S] int64, scales [S] fp32) as
     `kernels.embedding_bag_update.bag_columns` gives them, the pooled gradient [B, F, D] with D's stride 1
     (a view is read in place; N = B * S, lookup b * S + c); `rounding` and `in_order` as
-    `embedding_update`'s. `columns`: C dividing N where the lookups are [N / C, C] sample-major, one table
-    a column (the F tables of a one-hot lookup): the SGD atomic adds sum a column's repeated rows first
-    (`_sgd_kernel`); bags give their S columns themselves."""
+    `embedding_update`'s."""
     n, d = index.numel(), weights.shape[1]
     if n == 0:
         return
@@ -833,23 +814,20 @@ def launch_update(
     pooled = bags is not None
     features, scales = bags if pooled else (index, grad)  # not read unless pooled
     s, f = (features.numel(), grad.shape[1]) if pooled else (1, 1)
-    block_d = block_sizes(d, n)[0]
+    block_d, block_n = block_sizes(d, n)
     if pooled and grad.shape[0] * grad.shape[1] >= 2**31:  # the summing kernel's int32 rows b * F + f
         raise ValueError(f"pooled gradient {list(grad.shape)}: B * F must be below 2**31")
     if pooled and grad.stride(2) != 1:
         grad = grad.contiguous()
     strides = grad.stride()[:2] if pooled else (0, 0)
     if sums_by_atomics(optimizer, weights.dtype) and not in_order:
-        columns = s if pooled else columns
-        # Few lookups (small batches): fewer samples a program, so the atomics spread over SGD_PROGRAMS
-        # programs rather than a handful of SMs (kaggle B=128, D=16: 13 programs of 256 rows took 6.3 us of
-        # a step, torch's index_add_ 2.2 us); large batches SGD_BLOCK_B samples (the 0/1 product's sides).
-        block_d = max(16, block_d)  # the 0/1 product's sides are 16 at least
-        block_b = min(SGD_BLOCK_B, max(16, 4096 // block_d))
-        block_b = min(block_b, max(16, triton.next_power_of_2(triton.cdiv(n, SGD_PROGRAMS))))
-        _sgd_kernel[(triton.cdiv(n // columns, block_b), columns)](
-            index, grad, features, scales, weights, lr, n // columns, columns, d, *strides, POOLED=pooled,
-            SPLIT_BF16=not INTERPRETED, BLOCK_B=block_b, BLOCK_D=block_d,
+        # Few lookups (small batches): fewer rows a program, so the atomics spread over SGD_PROGRAMS programs
+        # rather than a handful of SMs (kaggle B=128, D=16: 13 programs of 256 rows took 6.3 us of a step,
+        # torch's index_add_ 2.2 us); large batches keep `block_sizes`'s rows.
+        block_n = min(block_n, max(16, triton.next_power_of_2(triton.cdiv(n, SGD_PROGRAMS))))
+        _sgd_kernel[(triton.cdiv(n, block_n),)](
+            index, grad, features, scales, weights, lr, n, s, d, *strides, POOLED=pooled, BLOCK_N=block_n,
+            BLOCK_D=block_d,
         )  # fmt: skip
         return
     sorted_rows, order, segment = sorted_segments(index, weights.shape[0])
