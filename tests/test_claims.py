@@ -242,8 +242,8 @@ def test_a_row_measures_kernels_only_where_its_run_called_them(scripts):
     assert results_rows.code_paths(cpu) == on_cpu
     assert results_rows.code_paths(row("breakdown.csv")) == whole
     several = row("train.csv", backend="triton+graphs", world_size="2")
-    evaluation = tuple(f":(exclude){p}" for p in results_rows.LOOP_ONLY)
-    assert results_rows.code_paths(several) == (*results_rows.WHOLE, *evaluation)
+    loop = tuple(f":(exclude){p}" for p in results_rows.LOOP_ONLY)
+    assert results_rows.code_paths(several) == (*results_rows.WHOLE, *loop)
     assert results_rows.code_paths(row("checkpoint.csv", nproc="2")) == results_rows.WHOLE
     assert results_rows.code_paths(row("kernels.csv", backend="eager")) == ("kernels",)
 
