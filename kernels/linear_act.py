@@ -35,7 +35,9 @@ identity, where cuBLAS's GEMM applies the bias and activation itself, each shape
 kernels may finish sooner.
 Backward (``linear_act_bwd``): dz = dy * act' and db in one Triton pass, then cuBLAS's dx and dW
 (``kernels.gemm.grads.act_grads``); without dx (the first layer), the Triton dW GEMM with dz in registers
-where it is timed faster (``kernels.gemm.dw``).
+where it is timed faster (``kernels.gemm.dw``). In a stack, layer i's dx GEMM can apply the act' of layer
+i - 1 in its epilogue and so hand layer i - 1 its dz and db (``kernels.gemm.dx_act``), where that is timed
+faster than the two passes.
 Autograd: under torch.compile each layer is the custom op ``dlrm::linear_act``; eager calls run the same
 bodies in one autograd.Function for a whole stack of layers (``linear_act_stack``, an MLP; ``linear_act``
 is a stack of one), so an MLP launched from Python pays the autograd glue once. In a stack's backward on the
@@ -61,7 +63,8 @@ from kernels import launch
 from kernels.activations import ACTIVATIONS, act_bwd_ref, act_fwd, act_ref, check_activation
 from kernels.gemm.checks import check_like, check_linear
 from kernels.gemm.dw import act_dw, fastest_dw
-from kernels.gemm.grads import act_grads, dw_stream
+from kernels.gemm.dx_act import dx_act, fastest_dx
+from kernels.gemm.grads import act_dz, act_grads, dw_stream, gemm_grads
 from kernels.gemm.layout import (
     aligned_copy,
     has_contiguous_rows,
@@ -461,15 +464,35 @@ class _LinearActStack(torch.autograd.Function):
         saved = ctx.saved_tensors
         device, side = dy.device, _side_stream(dy)
         body = _backward_body if side is None else functools.partial(launch_bwd, side=side)
+        given = None  # (dz, db) of layer i where layer i + 1's dx kernel made them (kernels.gemm.dx_act)
         for i in reversed(range(n_layers)):
             x, weight, act_input = saved[3 * i : 3 * i + 3]
+            activation, has_bias = ctx.activations[i], ctx.has_bias[i]
             needs_dx = i > 0 or ctx.needs_input_grad[0]  # layer 0's input is often data
-            dy, grads[2 * i], grads[2 * i + 1] = body(
-                dy, x, weight, act_input, ctx.activations[i], ctx.has_bias[i], needs_dx
-            )
+            below = _fusable_below(ctx, saved, i)
+            if given is None and below is None:
+                dy, grads[2 * i], grads[2 * i + 1] = body(
+                    dy, x, weight, act_input, activation, has_bias, needs_dx
+                )
+                continue
+            dz, grads[2 * i + 1] = given or act_dz(dy, act_input, activation, has_bias, x.dtype)
+            fuse = below is not None and fastest_dx(dz, weight, *below) == "fused"
+            dy, grads[2 * i] = gemm_grads(dz, x, weight, needs_dx and not fuse, side)
+            given = dx_act(dz, weight, *below) if fuse else None
         if side is not None:  # every dW is read after this (the optimizer, a gradient all-reduce)
             torch.cuda.current_stream(device).wait_stream(side)
         return (dy if ctx.needs_input_grad[0] else None), None, *grads
+
+
+def _fusable_below(ctx, saved: tuple[Tensor | None, ...], i: int) -> tuple[Tensor | None, str, bool] | None:
+    """What ``dx_act`` needs of layer i - 1 (its saved y or z, activation, bias) where layer i's dx can make
+    layer i - 1's dz: on the Triton path, for a layer i - 1 whose backward is the two-pass cuBLAS one (it
+    needs its own dx; the first layer of an MLP over data takes the Triton dW with dz in its loads instead,
+    ``kernels.gemm.dw``); else None."""
+    x = saved[3 * i]
+    if i == 0 or not (i > 1 or ctx.needs_input_grad[0]) or not use_triton(x) or x.shape[0] == 0:
+        return None
+    return saved[3 * (i - 1) + 2], ctx.activations[i - 1], ctx.has_bias[i - 1]
 
 
 def _side_stream(dy: Tensor) -> torch.cuda.Stream | None:

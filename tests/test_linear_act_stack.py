@@ -1,12 +1,16 @@
 """linear_act_stack: an MLP's linear_act layers as one autograd node give what the layers give one by one.
 
-Both run the same kernels in the same order (in the interpreter on the CPU, compiled on a GPU), so the
-outputs and gradients are compared for equality, not within a tolerance.
+With each layer's dz made by the two-pass path (cuBLAS's dx, then the dz pass), both run the same kernels in
+the same order (in the interpreter on the CPU, compiled on a GPU), so the outputs and gradients are compared
+for equality, not within a tolerance. The stack's own backward makes layer i - 1's dz in layer i's dx GEMM
+(kernels/gemm/dx_act.py), which sums in another order: within the fp32 GEMM tolerance.
 """
 
 import pytest
 import torch
 
+import kernels.linear_act as linear_act_mod
+from kernels.gemm.dx_act import dx_act
 from kernels.linear_act import linear_act, linear_act_stack
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,7 +47,8 @@ def _run(fn, x, weights, biases, dy):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("x_needs_grad", [True, False], ids=["x-grad", "x-data"])
-def test_stack_equals_layers_one_by_one(dtype, x_needs_grad):
+def test_stack_equals_layers_one_by_one(monkeypatch, dtype, x_needs_grad):
+    monkeypatch.setattr(linear_act_mod, "fastest_dx", lambda *args: "two-pass")
     x, weights, biases, dy = _layers(dtype)
     x.requires_grad_(x_needs_grad)
     y_stack, grads_stack = _run(linear_act_stack, x, weights, biases, dy)
@@ -53,6 +58,29 @@ def test_stack_equals_layers_one_by_one(dtype, x_needs_grad):
     assert len(grads_stack) == len(grads_layers)
     for g_stack, g_layers in zip(grads_stack, grads_layers, strict=True):
         assert torch.equal(g_stack, g_layers)
+
+
+@pytest.mark.parametrize("x_needs_grad", [True, False], ids=["x-grad", "x-data"])
+def test_stack_backward_makes_the_dz_of_each_layer_below_that_needs_its_dx(monkeypatch, x_needs_grad):
+    """The stack's backward runs dx_act for every layer i whose layer i - 1 takes the two-pass backward (it
+    needs its dx: every layer but the first, and the first where x needs a gradient), and its gradients are
+    the layers' one by one within the fp32 GEMM tolerance (tests/tolerances.py, "gemm")."""
+    calls = []
+
+    def spy(dz, weight, *below):
+        calls.append(tuple(weight.shape))
+        return dx_act(dz, weight, *below)
+
+    monkeypatch.setattr(linear_act_mod, "dx_act", spy)
+    monkeypatch.setattr(linear_act_mod, "fastest_dx", lambda *args: "fused")
+    x, weights, biases, dy = _layers(torch.float32)
+    x.requires_grad_(x_needs_grad)
+    y_stack, grads_stack = _run(linear_act_stack, x, weights, biases, dy)
+    first = 1 if x_needs_grad else 2
+    assert calls == [(WIDTHS[i + 1], WIDTHS[i]) for i in reversed(range(first, len(WIDTHS) - 1))]
+    _, grads_layers = _run(_one_by_one, x, weights, biases, dy)
+    for g_stack, g_layers in zip(grads_stack, grads_layers, strict=True):
+        torch.testing.assert_close(g_stack, g_layers, rtol=1e-5, atol=1e-4)
 
 
 def test_stack_is_one_autograd_node():

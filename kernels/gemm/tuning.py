@@ -16,6 +16,7 @@ from functools import partial
 import torch
 import triton
 from triton import __version__ as TRITON_VERSION
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.launch import INTERPRETED, capture, own_stream
 
@@ -158,7 +159,7 @@ def _pruner(names: tuple[str, str, str], dims: tuple[str, str], operand: str):
     """
 
     def prune(configs, named_args, **kwargs):
-        elsize = named_args[operand].element_size()
+        elsize = _tensor(named_args[operand]).element_size()
         limits = [max(64, triton.next_power_of_2(int(named_args[d]))) for d in dims]
         kept = [
             c
@@ -170,6 +171,11 @@ def _pruner(names: tuple[str, str, str], dims: tuple[str, str], operand: str):
         return kept or configs[-1:]
 
     return prune
+
+
+def _tensor(arg) -> torch.Tensor:
+    """A kernel's tensor argument, or the tensor a TMA descriptor argument describes."""
+    return arg.base if isinstance(arg, TensorDescriptor) else arg
 
 
 def _quick_bench(kernel_call, quantiles):
@@ -213,7 +219,7 @@ class TunedKernel:
 
     def _launch(self, grid, *args, **kwargs) -> None:
         m_bucket_, n, k = (args[i] for i in self._key_positions)
-        key = (m_bucket_, n, k, args[self._operand_position].dtype, kwargs.get(_PRECISION))
+        key = (m_bucket_, n, k, _tensor(args[self._operand_position]).dtype, kwargs.get(_PRECISION))
         options = self._options.get(key)
         if options is None:
             options = self._options.preset(key)
@@ -243,8 +249,8 @@ def autotuned(
 
     Args:
         kernel: a ``@triton.jit`` GEMM kernel taking ``M_BUCKET``, ``N`` and ``K``.
-        operand: the tensor argument of the operands' dtype, whose element size picks the reduction chunk
-            and whose dtype is part of the key, e.g. "x_ptr".
+        operand: the tensor argument (or TMA descriptor) of the operands' dtype, whose element size picks
+            the reduction chunk and whose dtype is part of the key, e.g. "x_ptr".
         extra: further constexprs every config sets, e.g. {"GROUP": 8}; None: none.
         descriptors: the TMA descriptor arguments (``kernels.gemm.layout.tma_descriptor``) and the tile
             dims of their block shapes, e.g. {"x_desc": ("BLOCK_M", "BLOCK_K")}; None: none.
