@@ -17,8 +17,9 @@ sums dz_{i-1} in fp32 before that rounding, as the dz pass does.
 Kernel: ``_dx_act_kernel``, the tiles of ``kernels.gemm.tiles`` over dz_i (through a TMA descriptor) and a
 contiguous copy of W_i^T (the operand layout Hopper's TF32 tensor-core instructions take: the reduction dim,
 N_i, contiguous), autotuned per (M bucket, K, N_i) like the forward (``kernels.gemm.tuning``). Its epilogue
-stores dz_{i-1} and, for the bias, the column sums of each ``DB_ROWS``-row group of the tile as fp32
-partials, one row each, summed by ``kernels.gemm.partials.sum_partials``: no atomics, the same db run to run.
+loads the saved y or z and stores dz_{i-1} through TMA descriptors and, for the bias, writes the tile's
+column sums as an fp32 partial row (one row in ``DB_ROWS`` of the tile's rows; zeros in the others), summed
+by ``kernels.gemm.partials.sum_partials``: no atomics, the same db run to run.
 Which of the two paths a shape takes is timed once per shape (``fastest_dx``).
 """
 
