@@ -55,6 +55,14 @@ def _assert_rounded_once(got, dz, w, saved, activation, dtype, what):
     return exact
 
 
+def _assert_db_rounded_once(db, exact, dtype):
+    """db [K] against the column sums of the exact dz_{i-1} [M, K]: the fp32 sum over M rows, then one
+    rounding: M * 2**-24 sum|dz| (doubled for margin) for the sum, u |db| for the rounding."""
+    db_exact = exact.sum(0)
+    bound = UNIT_ROUNDOFF[dtype] * db_exact.abs() + exact.shape[0] * 2.0**-23 * exact.abs().sum(0) + 1e-30
+    assert bool(((db.double() - db_exact).abs() <= bound).all()), "db"
+
+
 def _nan_empty(shape, dtype, device):
     return torch.full(shape, math.nan, dtype=dtype, device=device)
 
@@ -77,10 +85,7 @@ def test_dx_act_is_the_exact_math_rounded_once(monkeypatch, shape, activation, d
         assert db is None
         return
     assert db.shape == (shape[2],) and db.dtype == dtype
-    # db sums fp32 dz over M rows, then rounds once: M * 2**-24 sum|dz| for the sum, u |db| for the rounding.
-    db_exact = exact.sum(0)
-    db_bound = UNIT_ROUNDOFF[dtype] * db_exact.abs() + shape[0] * 2.0**-23 * exact.abs().sum(0) + 1e-30
-    assert bool(((db.double() - db_exact).abs() <= db_bound).all()), "db"
+    _assert_db_rounded_once(db, exact, dtype)
 
 
 @pytest.mark.parametrize("db_rows", [8, 16])
@@ -119,8 +124,7 @@ def test_dlrm_shapes_gpu(layer, m, dtype):
     dz, w, saved = _operands(m, *layer, "relu", dtype, "cuda", seed=m)
     got, db = dx_act(dz, w, saved, "relu", True)
     exact = _assert_rounded_once(got, dz, w, saved, "relu", dtype, f"dz {layer} {m}")
-    db_bound = UNIT_ROUNDOFF[dtype] * exact.sum(0).abs() + m * 2.0**-23 * exact.abs().sum(0) + 1e-30
-    assert bool(((db.double() - exact.sum(0)).abs() <= db_bound).all()), "db"
+    _assert_db_rounded_once(db, exact, dtype)
 
 
 @pytest.mark.gpu
