@@ -43,7 +43,9 @@ runs the benchmark once per N, under `torchrun --standalone --nproc-per-node N` 
 ranks, dense gradients all-reduced in the step, as `torchrun -m dlrm.train` trains: dlrm.parallel), and
 writes rows with world_size, global_batch, the per-rank spread of ms/step (the slowest rank sets the
 step), samples/s of the global batch and `scaling_vs_1gpu` (samples/s over the N=1 row of the same
-invocation). On several hosts run it under torchrun yourself (`--nproc` left at 1): rank 0 appends the rows.
+invocation). A Ctrl-C or SIGTERM here goes on to the run in progress, whose rows measured before it are
+written with those of the runs before (`launch_each`). On several hosts run it under torchrun yourself
+(`--nproc` left at 1): rank 0 appends the rows.
 """
 
 import functools
@@ -400,7 +402,11 @@ def main(
     if unknown := set(shardings.split(",")) - set(SHARDINGS):
         raise click.UsageError(f"--shardings: unknown {sorted(unknown)}; expected some of {list(SHARDINGS)}")
     if counts != [1] and "WORLD_SIZE" not in os.environ:
-        append_rows(RESULTS, with_scaling(launch_each(counts)))
+        rows: list[dict] = []
+        try:
+            launch_each(counts, rows=rows)
+        finally:  # interrupted or failed: the runs' rows measured before it are whole
+            append_rows(RESULTS, with_scaling(rows))
         return
     dist, _ = parallel.init_distributed("cuda", 600.0)  # one process without torchrun
     common = provenance(torch.cuda.get_device_name())
@@ -478,21 +484,45 @@ def launcher(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
 
 
-def launch_each(counts: list[int], args: list[str] | None = None) -> list[dict]:
+def launch_each(
+    counts: list[int], args: list[str] | None = None, rows: list[dict] | None = None
+) -> list[dict]:
     """Run this script once per GPU count (N > 1 under torchrun --standalone) with `args` (default: this
-    invocation's, less --nproc); the rows of all runs, handed back through ROWS_ENV (not written)."""
+    invocation's, less --nproc); the rows of all runs, handed back through ROWS_ENV (not written), appended
+    to `rows` (a new list if None) as each run ends. Ctrl-C or SIGTERM (`timeout`) here is passed on to the
+    run in progress as SIGINT (torchrun stops its workers with SIGTERM, which rank 0 takes as Ctrl-C: it
+    hands back the rows measured before it), whose rows are appended before KeyboardInterrupt goes on.
+
+    Raises:
+        subprocess.CalledProcessError: a run exited non-zero (`rows` holds those of the runs before it).
+    """
     if args is None:
         args = [a for a in sys.argv[1:] if not a.startswith("--nproc")]
         if "--nproc" in sys.argv[1:]:  # "--nproc N" as two arguments
             i = sys.argv[1:].index("--nproc")
             args = sys.argv[1 : i + 1] + sys.argv[i + 3 :]
-    rows = []
+    rows = [] if rows is None else rows
     for n in counts:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            env = {**os.environ, ROWS_ENV: out.name}
-            subprocess.run([*launcher(n), __file__, *args], env=env, check=True)
-            rows += json.loads(Path(out.name).read_text())
+            command = [*launcher(n), __file__, *args]
+            child = subprocess.Popen(command, env={**os.environ, ROWS_ENV: out.name})
+            try:
+                code = child.wait()
+            except KeyboardInterrupt:
+                child.send_signal(signal.SIGINT)
+                child.wait()
+                rows += _handed_back(Path(out.name))
+                raise
+            if code:
+                raise subprocess.CalledProcessError(code, command)
+            rows += _handed_back(Path(out.name))
     return rows
+
+
+def _handed_back(path: Path) -> list[dict]:
+    """The rows a run wrote to its ROWS_ENV file; none where it wrote nothing (stopped before any)."""
+    text = path.read_text()
+    return json.loads(text) if text else []
 
 
 def with_scaling(rows: list[dict]) -> list[dict]:
