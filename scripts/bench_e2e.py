@@ -275,12 +275,14 @@ def main(
     for row in out:
         if (key := (row["cuda_graphs"], row["world_size"])) in resident:
             row["vs_gpu_resident"] = round(row["samples_per_s"] / resident[key], 3)
+        later = row["eval_samples_per_s"]
+        evals = f"then {later:,} samples/s" if later else "no later evaluation"
         print(
             f"W={row['world_size']} {row['loader']:<13} graphs {row['cuda_graphs']:<4} "
             f"{row['samples_per_s']:>12,} samples/s  "
             f"{row['vs_step']:.3f}x step  {row['vs_gpu_resident'] or float('nan'):.3f}x resident  "
             f"GPU idle {row['gpu_idle_share']:.1%}  "
-            f"first eval {row['first_eval_s']} s, then {row['eval_samples_per_s'] or 0:,} samples/s  "
+            f"first eval {row['first_eval_s']} s, {evals}  "
             f"RSS {row['peak_rss_gib']} GiB\n  {row['time']}",
             flush=True,
         )
