@@ -490,8 +490,8 @@ def launch_each(
     """Run this script once per GPU count (N > 1 under torchrun --standalone) with `args` (default: this
     invocation's, less --nproc); the rows of all runs, handed back through ROWS_ENV (not written), appended
     to `rows` (a new list if None) as each run ends. Ctrl-C or SIGTERM (`timeout`) here is passed on to the
-    run in progress as SIGINT (torchrun stops its workers with SIGTERM, which rank 0 takes as Ctrl-C: it
-    hands back the rows measured before it), whose rows are appended before KeyboardInterrupt goes on.
+    run in progress as SIGINT (torchrun passes it on to its workers, and rank 0 takes it as Ctrl-C: it hands
+    back the rows measured before it), whose rows are appended before KeyboardInterrupt goes on.
 
     Raises:
         subprocess.CalledProcessError: a run exited non-zero (`rows` holds those of the runs before it).
