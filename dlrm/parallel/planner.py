@@ -374,9 +374,7 @@ def _balance_bytes(
         cost: bytes each table's shard moves to look up one sample (`lookup_bytes`): a cut repeats them.
     """
     shards = list(shards)
-    held = [replicated_bytes] * world_size
-    for s in shards:
-        held[s.rank] += s.rows * per_row
+    held = _bytes_held(shards, world_size, per_row, replicated_bytes)
     while not _within_spread(held):
         move = _next_move(shards, held, per_row, cost)
         if move is None:  # every rank within a row of an even share: the rows allow no better
@@ -407,10 +405,9 @@ def _balance_lookups(
     """
     shards = list(shards)
     while True:
-        held = [replicated_bytes] * world_size
+        held = _bytes_held(shards, world_size, per_row, replicated_bytes)
         load = [0] * world_size
         for s in shards:
-            held[s.rank] += s.rows * per_row
             load[s.rank] += cost[s.table]
         giver = max(range(world_size), key=lambda r: (load[r], -r))
         taker = min(range(world_size), key=lambda r: (load[r], r))
@@ -464,6 +461,14 @@ def _next_move(
     else:
         i = max(whole, key=lambda i: (shards[i].rows, -i))
     return i, taker, shards[i].rows
+
+
+def _bytes_held(shards: list[Shard], world_size: int, per_row: int, replicated_bytes: int) -> list[int]:
+    """Bytes each rank holds: the replicated tables' plus `per_row` for each row of its shards."""
+    held = [replicated_bytes] * world_size
+    for s in shards:
+        held[s.rank] += s.rows * per_row
+    return held
 
 
 def _keeps_bytes(held: list[float], after: list[float]) -> bool:
