@@ -28,9 +28,8 @@ RESULTS = REPO / "scripts" / "results"
 WHOLE = ("dlrm", "kernels")
 # Code that only a run of several ranks executes (dlrm.run.strategy's Sharded builds the sharded model, and
 # nothing else imports these, kernels.table_order only the sharded model; one process imports
-# dlrm.parallel.evaluation and dlrm.parallel.planner for a type, dlrm.parallel.checkpoint the planner's
-# ShardingPlan, but only Sharded makes its split or calls its evaluation, and makes a plan): a one-process
-# row did not measure it.
+# dlrm.parallel.evaluation and, through dlrm.parallel.checkpoint, dlrm.parallel.planner for types, but only
+# Sharded makes a plan, makes the evaluation's split and calls it): a one-process row did not measure it.
 SEVERAL_RANKS_ONLY = (
     "dlrm/parallel/planner.py",
     "dlrm/parallel/sharded.py",
