@@ -37,7 +37,8 @@ Backward (``linear_act_bwd``): dz = dy * act' and db in one Triton pass, then cu
 (``kernels.gemm.grads.act_grads``); without dx (the first layer), the Triton dW GEMM with dz in registers
 where it is timed faster (``kernels.gemm.dw``). In a stack, layer i's dx GEMM can apply the act' of layer
 i - 1 in its epilogue and so hand layer i - 1 its dz and db (``kernels.gemm.dx_act``), where that is timed
-faster than the two passes.
+faster than the two passes (for the first layer over data, faster than its own backward after cuBLAS's dx
+of layer 1).
 Autograd: under torch.compile each layer is the custom op ``dlrm::linear_act``; eager calls run the same
 bodies in one autograd.Function for a whole stack of layers (``linear_act_stack``, an MLP; ``linear_act``
 is a stack of one), so an MLP launched from Python pays the autograd glue once. In a stack's backward on the
@@ -64,7 +65,7 @@ from kernels.activations import ACTIVATIONS, act_bwd_ref, act_fwd, act_ref, chec
 from kernels.gemm.checks import check_like, check_linear
 from kernels.gemm.dw import act_dw, fastest_dw
 from kernels.gemm.dx_act import dx_act, fastest_dx
-from kernels.gemm.grads import act_dz, act_grads, dw_stream, gemm_grads
+from kernels.gemm.grads import act_dz, act_grads, dw_stream, gemm_grads, grad_input
 from kernels.gemm.layout import (
     aligned_copy,
     has_contiguous_rows,
@@ -476,7 +477,7 @@ class _LinearActStack(torch.autograd.Function):
                 )
                 continue
             dz, grads[2 * i + 1] = given or act_dz(dy, act_input, activation, has_bias, x.dtype)
-            fuse = below is not None and fastest_dx(dz, weight, *below) == "fused"
+            fuse = below is not None and _fuses(ctx, saved, i, dz, below) == "fused"
             dy, grads[2 * i] = gemm_grads(dz, x, weight, needs_dx and not fuse, side)
             given = dx_act(dz, weight, *below) if fuse else None
         if side is not None:  # every dW is read after this (the optimizer, a gradient all-reduce)
@@ -486,13 +487,44 @@ class _LinearActStack(torch.autograd.Function):
 
 def _fusable_below(ctx, saved: tuple[Tensor | None, ...], i: int) -> tuple[Tensor | None, str, bool] | None:
     """What ``dx_act`` needs of layer i - 1 (its saved y or z, activation, bias) where layer i's dx can make
-    layer i - 1's dz: on the Triton path, for a layer i - 1 whose backward is the two-pass cuBLAS one (it
-    needs its own dx; the first layer of an MLP over data takes the Triton dW with dz in its loads instead,
-    ``kernels.gemm.dw``); else None."""
+    layer i - 1's dz (layer i > 0, on the Triton path, a batch of at least one row); else None."""
     x = saved[3 * i]
-    if i == 0 or not (i > 1 or ctx.needs_input_grad[0]) or not use_triton(x) or x.shape[0] == 0:
+    if i == 0 or not use_triton(x) or x.shape[0] == 0:
         return None
     return saved[3 * (i - 1) + 2], ctx.activations[i - 1], ctx.has_bias[i - 1]
+
+
+def _fuses(ctx, saved: tuple[Tensor | None, ...], i: int, dz: Tensor, below: tuple) -> str:
+    """Whether layer i's dx makes layer i - 1's dz ("fused") or not ("two-pass"), timed per shape: by
+    ``fastest_dx`` where layer i - 1 needs its own dx, else by ``_fastest_first`` (an MLP's first layer
+    over data, whose backward without dx has a Triton path of its own). `below`: ``_fusable_below``'s."""
+    if i > 1 or ctx.needs_input_grad[0]:
+        return fastest_dx(dz, saved[3 * i + 1], *below)
+    return _fastest_first(dz, saved[3 * i + 1], saved[0], saved[1], *below)
+
+
+# An MLP's first layer over data, from layer 1's dz: the path chosen per (M bucket, W_1's shape, W_0's
+# shape, dtype, GEMM precision, activation, bias).
+_FIRST_CHOICE = ChoiceTable("first layer from dx with act'")
+
+
+def _fastest_first(
+    dz: Tensor, weight: Tensor, x0: Tensor, w0: Tensor, saved0: Tensor | None, act0: str, has_bias0: bool
+) -> str:
+    """ "fused" (layer 1's ``dx_act`` makes layer 0's dz, then cuBLAS's dW of layer 0) or "two-pass"
+    (cuBLAS's dx of layer 1, then layer 0's own backward without dx: ``launch_bwd``, the Triton dW with dz
+    in its loads or cuBLAS), the faster for these shapes, both timed as CUDA graphs the first time they
+    are seen; "fused" in the interpreter (the CPU tests run our kernels) and for unseen shapes inside a
+    CUDA graph capture."""
+    if INTERPRETED:
+        return "fused"
+    key = (m_bucket(dz.shape[0]), *weight.shape, *w0.shape, dz.dtype, input_precision(dz.dtype), act0,
+           has_bias0)  # fmt: skip
+    candidates = {
+        "fused": lambda: gemm_grads(dx_act(dz, weight, saved0, act0, has_bias0)[0], x0, w0, False),
+        "two-pass": lambda: launch_bwd(grad_input(dz, weight), x0, w0, saved0, act0, has_bias0, False),
+    }
+    return fastest(_FIRST_CHOICE, key, candidates)
 
 
 def _side_stream(dy: Tensor) -> torch.cuda.Stream | None:

@@ -661,6 +661,23 @@ def test_forward_choice_is_timed_once_per_shape_gpu(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_first_layer_path_is_timed_once_per_shape_gpu(monkeypatch):
+    """An MLP's first layer over data: the first backward of its shapes times both paths (layer 1's dx GEMM
+    making its dz, or its own backward after cuBLAS's dx of layer 1); later ones in the M bucket reuse it."""
+    monkeypatch.setattr(gemm_tuning, "_TABLES", {})
+    choices = gemm_tuning.ChoiceTable("first layer from dx with act'")
+    monkeypatch.setattr(linear_act_mod, "_FIRST_CHOICE", choices)
+    x, w0, b0, _ = _inputs(4096, 512, 13, torch.float32, "cuda", seed=12)
+    _, w1, b1, dy = _inputs(4096, 256, 512, torch.float32, "cuda", seed=13)
+    params = [p.requires_grad_() for p in (w0, b0, w1, b1)]
+    linear_act_stack(x, [w0, w1], [b0, b1], ["relu", "relu"]).backward(dy)
+    assert list(choices.values()) in (["fused"], ["two-pass"])
+    monkeypatch.setattr(gemm_tuning, "graph_time", lambda fn: pytest.fail("timed again"))
+    linear_act_stack(x[:3000], [w0, w1], [b0, b1], ["relu", "relu"]).backward(dy[:3000])
+    assert len(choices) == 1 and all(p.grad is not None for p in params)
+
+
+@pytest.mark.gpu
 def test_fp32_dx_layout_is_timed_once_per_shape_gpu(monkeypatch):
     """The first fp32 dx of a shape times both layouts; later ones in its M bucket reuse the choice."""
     monkeypatch.setattr(gemm_tuning, "_TABLES", {})

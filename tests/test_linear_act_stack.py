@@ -49,6 +49,7 @@ def _run(fn, x, weights, biases, dy):
 @pytest.mark.parametrize("x_needs_grad", [True, False], ids=["x-grad", "x-data"])
 def test_stack_equals_layers_one_by_one(monkeypatch, dtype, x_needs_grad):
     monkeypatch.setattr(linear_act_mod, "fastest_dx", lambda *args: "two-pass")
+    monkeypatch.setattr(linear_act_mod, "_fastest_first", lambda *args: "two-pass")
     x, weights, biases, dy = _layers(dtype)
     x.requires_grad_(x_needs_grad)
     y_stack, grads_stack = _run(linear_act_stack, x, weights, biases, dy)
@@ -60,11 +61,14 @@ def test_stack_equals_layers_one_by_one(monkeypatch, dtype, x_needs_grad):
         assert torch.equal(g_stack, g_layers)
 
 
-@pytest.mark.parametrize("x_needs_grad", [True, False], ids=["x-grad", "x-data"])
-def test_stack_backward_makes_the_dz_of_each_layer_below_that_needs_its_dx(monkeypatch, x_needs_grad):
-    """The stack's backward runs dx_act for every layer i whose layer i - 1 takes the two-pass backward (it
-    needs its dx: every layer but the first, and the first where x needs a gradient), and its gradients are
-    the layers' one by one within the fp32 GEMM tolerance (tests/tolerances.py, "gemm")."""
+@pytest.mark.parametrize(
+    ("x_needs_grad", "first_layer"), [(True, None), (False, "fused"), (False, "two-pass")],
+    ids=["x-grad", "x-data", "x-data-first-layer-apart"],
+)  # fmt: skip
+def test_stack_backward_makes_the_dz_of_each_layer_below(monkeypatch, x_needs_grad, first_layer):
+    """The stack's backward runs dx_act for every layer i > 0 (the fused path), layer 1's only where the
+    first layer's choice says so when x is data (``_fastest_first``), and its gradients are the layers' one
+    by one within the fp32 GEMM tolerance (tests/tolerances.py, "gemm")."""
     calls = []
 
     def spy(dz, weight, *below):
@@ -73,10 +77,12 @@ def test_stack_backward_makes_the_dz_of_each_layer_below_that_needs_its_dx(monke
 
     monkeypatch.setattr(linear_act_mod, "dx_act", spy)
     monkeypatch.setattr(linear_act_mod, "fastest_dx", lambda *args: "fused")
+    if first_layer is not None:
+        monkeypatch.setattr(linear_act_mod, "_fastest_first", lambda *args: first_layer)
     x, weights, biases, dy = _layers(torch.float32)
     x.requires_grad_(x_needs_grad)
     y_stack, grads_stack = _run(linear_act_stack, x, weights, biases, dy)
-    first = 1 if x_needs_grad else 2
+    first = 2 if first_layer == "two-pass" else 1
     assert calls == [(WIDTHS[i + 1], WIDTHS[i]) for i in reversed(range(first, len(WIDTHS) - 1))]
     _, grads_layers = _run(_one_by_one, x, weights, biases, dy)
     for g_stack, g_layers in zip(grads_stack, grads_layers, strict=True):

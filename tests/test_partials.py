@@ -10,7 +10,7 @@ from kernels.gemm.partials import sum_partials
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("shape", [(1, 5), (3, 1), (33, 130), (70, 3, 7)])
+@pytest.mark.parametrize("shape", [(1, 5), (3, 1), (33, 130), (70, 3, 7), (600, 40)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_equals_torch_sum(shape, dtype):
     part = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(DEVICE)

@@ -22,11 +22,15 @@ from kernels.launch import use_triton
 __all__ = ["MAX_PARTIAL_ROWS", "row_programs", "sum_partials"]
 
 # Kernels that leave column-sum partials run at most this many programs along M (times a kernel's `scale`,
-# ``row_programs``), each looping over every P-th row block, so the partials stay short: one 64-row pass
-# (or two) here.
+# ``row_programs``), each looping over every P-th row block, so the partials stay short: one loop step
+# here.
 MAX_PARTIAL_ROWS = 128
-_BLOCK_P = 64
+# A loop step sums a [_BLOCK_P, _BLOCK_N] block, 8 warps to a program: the partials of the dx GEMM with
+# act' (``kernels.gemm.dx_act``) run to cdiv(M, 64) rows, so a program's loop is a chain of dependent loads
+# as long as P / _BLOCK_P, few programs to a layer's width.
+_BLOCK_P = 256
 _BLOCK_N = 32
+_WARPS = 8
 
 
 def row_programs(m: int, block_m: int, scale: int = 1) -> int:
@@ -65,5 +69,7 @@ def sum_partials(part: Tensor, dtype: torch.dtype) -> Tensor:
     n = out.numel()
     if n > 0:
         grid = (triton.cdiv(n, _BLOCK_N),)
-        _sum_partials_kernel[grid](part, out, part.shape[0], n, BLOCK_P=_BLOCK_P, BLOCK_N=_BLOCK_N)
+        _sum_partials_kernel[grid](
+            part, out, part.shape[0], n, BLOCK_P=_BLOCK_P, BLOCK_N=_BLOCK_N, num_warps=_WARPS
+        )
     return out
