@@ -22,7 +22,8 @@ five [M, N] tensors; saved, the backward's epilogue is a pure stream of six [M, 
 writes one more. The cost: zb [M, N] held per layer until the backward.
 
 Shapes: x0, x_l [M, N]; V [r, N]; U [N, r]; b [N]; any M >= 0, 1 <= N < MAX_N (2**23), r >= 1. The forward
-reads x0 and x_l with one row stride, N (copied where their rows lie further apart); the backward takes
+reads x0 and x_l through TMA descriptors and writes out and zb with one row stride, N (x0 and x_l are
+copied where their rows lie further apart); the backward takes
 rows of x0 and g with contiguous columns (any row stride); h and U are read through TMA descriptors
 (``kernels.launch``), copied once into 16-byte rows where r is not a multiple of 16 bytes. The forward
 returns (out, h, zb): h [M, r] and zb [M, N] are what the backward reads besides the inputs.
@@ -63,8 +64,15 @@ _BWD_BLOCK_N = 128
 # The forward kernel's offsets inside a tile are 32-bit: up to 256 rows of N elements.
 MAX_N = 2**31 // 256
 
-# The TMA descriptor arguments of both kernels and the tile dims of their block shapes.
-_DESCRIPTORS = {"h_desc": ("BLOCK_M", "BLOCK_K"), "u_desc": ("BLOCK_N", "BLOCK_K")}
+# The TMA descriptor arguments of the forward kernel and the tile dims of their block shapes: x0 and x_l
+# are read a quarter of the tile's columns at a time (its epilogue).
+_QUARTER = ("BLOCK_M", ("BLOCK_N", 4))
+_DESCRIPTORS = {
+    "h_desc": ("BLOCK_M", "BLOCK_K"),
+    "u_desc": ("BLOCK_N", "BLOCK_K"),
+    "x0_desc": _QUARTER,
+    "xl_desc": _QUARTER,
+}
 
 
 @triton.jit
@@ -84,20 +92,21 @@ def _halves(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _fwd_epilogue(
-    z, off_m, off_n, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride,
+    z, off_m, off_n, b_ptr, x0_desc, xl_desc, out_ptr, zb_ptr, M, N, stride,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """The forward's epilogue on z [BLOCK_M, BLOCK_N] fp32 (h @ U^T), the columns off_n .. of the rows off_m
-    ..: zb = z + b and out = x0 * zb + x_l stored. The four [M, N] tensors share one row stride, and the
-    offsets inside the tile are 32-bit (the tile's first row is added to the base pointers in 64 bits)."""
+    ..: zb = z + b and out = x0 * zb + x_l stored. x0 and x_l come in through their descriptors (pointer loads
+    in the dot's register layout are uncoalesced); out and zb share one row stride, and the offsets inside
+    the tile are 32-bit (the tile's first row is added to the base pointers in 64 bits)."""
     rows = tl.arange(0, BLOCK_M)
     cols = off_n + tl.arange(0, BLOCK_N)
     mask = (off_m + rows < M)[:, None] & (cols < N)[None, :]
     offset = rows[:, None] * stride + cols[None, :]
     base = off_m.to(tl.int64) * stride
     zb = z + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    x0 = tl.load(x0_ptr + base + offset, mask=mask, other=0.0).to(tl.float32)
-    xl = tl.load(xl_ptr + base + offset, mask=mask, other=0.0).to(tl.float32)
+    x0 = x0_desc.load([off_m, off_n]).to(tl.float32)
+    xl = xl_desc.load([off_m, off_n]).to(tl.float32)
     tl.store(out_ptr + base + offset, (x0 * zb + xl).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(zb_ptr + base + offset, zb.to(zb_ptr.dtype.element_ty), mask=mask)
 
@@ -109,10 +118,10 @@ def _cross_fwd_kernel(
     # operands: TMA descriptors
     h_desc,  # of h [M, r], x0's dtype
     u_desc,  # of U [N, r]
+    x0_desc,  # of x0 [M, N]
+    xl_desc,  # of x_l [M, N]
     # pointers
     b_ptr,  # [N] bias
-    x0_ptr,  # [M, N] x0
-    xl_ptr,  # [M, N] x_l
     out_ptr,  # [M, N] output x_{l+1}
     zb_ptr,  # [M, N] output zb = z + b, for the backward
     # sizes
@@ -120,7 +129,7 @@ def _cross_fwd_kernel(
     N,
     K,  # r
     M_BUCKET,  # autotuning key only
-    stride,  # the row stride of x0, x_l, out and zb, in elements (the column stride is 1)
+    stride,  # the row stride of out and zb, in elements (the column stride is 1)
     # meta-parameters
     DOT_FP32: tl.constexpr,  # cast dot operands to fp32 (interpreter only)
     INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "tf32x3", "ieee" interpreted
@@ -132,19 +141,23 @@ def _cross_fwd_kernel(
     off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
     z = matmul_tile(h_desc, u_desc, off_m, off_n, K, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     # The epilogue, in fp32, a quarter of the tile's columns at a time: on the whole tile, its z, x0, x_l and
-    # their addresses spill registers in every config (ptxas for sm_90a: kilobytes a thread); in quarters,
-    # with 32-bit offsets, none do.
+    # the stores' addresses spill registers in every config (ptxas for sm_90a: kilobytes a thread); in
+    # quarters, with 32-bit offsets, none do.
     q: tl.constexpr = BLOCK_N // 4
     left, right = _halves(z, BLOCK_M, BLOCK_N)
     z0, z1 = _halves(left, BLOCK_M, 2 * q)
-    _fwd_epilogue(z0, off_m, off_n, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
-    _fwd_epilogue(z1, off_m, off_n + q, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
+    _fwd_epilogue(z0, off_m, off_n, b_ptr, x0_desc, xl_desc, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
+    _fwd_epilogue(z1, off_m, off_n + q, b_ptr, x0_desc, xl_desc, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
     z2, z3 = _halves(right, BLOCK_M, 2 * q)
-    _fwd_epilogue(z2, off_m, off_n + 2 * q, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
-    _fwd_epilogue(z3, off_m, off_n + 3 * q, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
+    _fwd_epilogue(
+        z2, off_m, off_n + 2 * q, b_ptr, x0_desc, xl_desc, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q
+    )
+    _fwd_epilogue(
+        z3, off_m, off_n + 3 * q, b_ptr, x0_desc, xl_desc, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q
+    )
 
 
-_cross_fwd_kernel = autotuned(_cross_fwd_kernel, "x0_ptr", descriptors=_DESCRIPTORS)
+_cross_fwd_kernel = autotuned(_cross_fwd_kernel, "out_ptr", descriptors=_DESCRIPTORS)
 
 
 def check_inputs(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> None:
@@ -221,7 +234,7 @@ def launch_fwd(
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
     _cross_fwd_kernel[grid](
-        tma_descriptor(h), tma_descriptor(u), b.contiguous(), x0, xl, out, zb,
+        tma_descriptor(h), tma_descriptor(u), tma_descriptor(x0), tma_descriptor(xl), b.contiguous(), out, zb,
         m, n, h.shape[1], m_bucket(m), n, DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x0.dtype),
     )  # fmt: skip
     return out, h, zb
