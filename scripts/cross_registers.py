@@ -34,9 +34,9 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 ARGS = (
     "h_desc",
     "u_desc",
+    "x0_desc",
+    "xl_desc",
     "b_ptr",
-    "x0_ptr",
-    "xl_ptr",
     "out_ptr",
     "zb_ptr",
     "M",
@@ -45,7 +45,7 @@ ARGS = (
     "M_BUCKET",
     "stride",
 )
-DIVISIBLE = ("b_ptr", "x0_ptr", "xl_ptr", "out_ptr", "zb_ptr", "N", "K", "M_BUCKET", "stride")
+DIVISIBLE = ("b_ptr", "out_ptr", "zb_ptr", "N", "K", "M_BUCKET", "stride")
 CONSTEXPRS = ("DOT_FP32", "INPUT_PRECISION", "BLOCK_M", "BLOCK_N", "BLOCK_K")
 
 
@@ -57,7 +57,9 @@ def compile_config(
     signature = {
         "h_desc": f"tensordesc<{ty}[{block_m},{block_k}]>",
         "u_desc": f"tensordesc<{ty}[{block_n},{block_k}]>",
-        **{name: f"*{ty}" for name in ARGS[2:7]},
+        # x0 and x_l: the epilogue's quarters of the tile's columns (kernels/cross.py)
+        **{name: f"tensordesc<{ty}[{block_m},{block_n // 4}]>" for name in ARGS[2:4]},
+        **{name: f"*{ty}" for name in ARGS[4:7]},
         **{name: "i32" for name in ARGS[7:]},
         **{name: "constexpr" for name in CONSTEXPRS},
     }
