@@ -47,7 +47,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import launch
-from kernels.gemm.layout import rows_contiguous, tma_descriptor
+from kernels.gemm.layout import ALIGN_BYTES, rows_aligned, rows_contiguous, tma_descriptor
 from kernels.gemm.partials import sum_partials
 from kernels.gemm.tiles import matmul_tile
 from kernels.gemm.tuning import autotuned, input_precision, m_bucket
@@ -72,6 +72,8 @@ _DESCRIPTORS = {
     "u_desc": ("BLOCK_N", "BLOCK_K"),
     "x0_desc": _QUARTER,
     "xl_desc": _QUARTER,
+    "out_desc": _QUARTER,
+    "zb_desc": _QUARTER,
 }
 
 
@@ -92,23 +94,28 @@ def _halves(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _fwd_epilogue(
-    z, off_m, off_n, b_ptr, x0_desc, xl_desc, out_ptr, zb_ptr, M, N, stride,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    z, off_m, off_n, b_ptr, x0_desc, xl_desc, out_desc, zb_desc, out_ptr, zb_ptr, M, N, stride,
+    TMA_STORE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """The forward's epilogue on z [BLOCK_M, BLOCK_N] fp32 (h @ U^T), the columns off_n .. of the rows off_m
     ..: zb = z + b and out = x0 * zb + x_l stored. x0 and x_l come in through their descriptors (pointer loads
-    in the dot's register layout are uncoalesced); out and zb share one row stride, and the offsets inside
-    the tile are 32-bit (the tile's first row is added to the base pointers in 64 bits)."""
-    rows = tl.arange(0, BLOCK_M)
+    in the dot's register layout are uncoalesced); out and zb go out through theirs where TMA_STORE, else by
+    pointers: one row stride, and offsets inside the tile that are 32-bit (the tile's first row is added to
+    the base pointers in 64 bits)."""
     cols = off_n + tl.arange(0, BLOCK_N)
-    mask = (off_m + rows < M)[:, None] & (cols < N)[None, :]
-    offset = rows[:, None] * stride + cols[None, :]
-    base = off_m.to(tl.int64) * stride
     zb = z + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     x0 = x0_desc.load([off_m, off_n]).to(tl.float32)
     xl = xl_desc.load([off_m, off_n]).to(tl.float32)
-    tl.store(out_ptr + base + offset, (x0 * zb + xl).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(zb_ptr + base + offset, zb.to(zb_ptr.dtype.element_ty), mask=mask)
+    if TMA_STORE:
+        out_desc.store([off_m, off_n], (x0 * zb + xl).to(out_desc.dtype))
+        zb_desc.store([off_m, off_n], zb.to(zb_desc.dtype))
+    else:
+        rows = tl.arange(0, BLOCK_M)
+        mask = (off_m + rows < M)[:, None] & (cols < N)[None, :]
+        offset = rows[:, None] * stride + cols[None, :]
+        base = off_m.to(tl.int64) * stride
+        tl.store(out_ptr + base + offset, (x0 * zb + xl).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(zb_ptr + base + offset, zb.to(zb_ptr.dtype.element_ty), mask=mask)
 
 
 # M (the batch) changes between calls: do not specialize on it, so a new batch size reuses the compiled
@@ -120,6 +127,8 @@ def _cross_fwd_kernel(
     u_desc,  # of U [N, r]
     x0_desc,  # of x0 [M, N]
     xl_desc,  # of x_l [M, N]
+    out_desc,  # TMA_STORE: of out [M, N] (otherwise any descriptor, not used)
+    zb_desc,  # TMA_STORE: of zb [M, N] (otherwise any descriptor, not used)
     # pointers
     b_ptr,  # [N] bias
     out_ptr,  # [M, N] output x_{l+1}
@@ -131,6 +140,7 @@ def _cross_fwd_kernel(
     M_BUCKET,  # autotuning key only
     stride,  # the row stride of out and zb, in elements (the column stride is 1)
     # meta-parameters
+    TMA_STORE: tl.constexpr,  # store out and zb through their descriptors (rows 16 bytes apart)
     DOT_FP32: tl.constexpr,  # cast dot operands to fp32 (interpreter only)
     INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "tf32x3", "ieee" interpreted
     BLOCK_M: tl.constexpr,
@@ -146,15 +156,23 @@ def _cross_fwd_kernel(
     q: tl.constexpr = BLOCK_N // 4
     left, right = _halves(z, BLOCK_M, BLOCK_N)
     z0, z1 = _halves(left, BLOCK_M, 2 * q)
-    _fwd_epilogue(z0, off_m, off_n, b_ptr, x0_desc, xl_desc, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
-    _fwd_epilogue(z1, off_m, off_n + q, b_ptr, x0_desc, xl_desc, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
+    _fwd_epilogue(
+        z0, off_m, off_n, b_ptr, x0_desc, xl_desc, out_desc, zb_desc, out_ptr, zb_ptr, M, N, stride,
+        TMA_STORE, BLOCK_M, q,
+    )  # fmt: skip
+    _fwd_epilogue(
+        z1, off_m, off_n + q, b_ptr, x0_desc, xl_desc, out_desc, zb_desc, out_ptr, zb_ptr, M, N, stride,
+        TMA_STORE, BLOCK_M, q,
+    )  # fmt: skip
     z2, z3 = _halves(right, BLOCK_M, 2 * q)
     _fwd_epilogue(
-        z2, off_m, off_n + 2 * q, b_ptr, x0_desc, xl_desc, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q
-    )
+        z2, off_m, off_n + 2 * q, b_ptr, x0_desc, xl_desc, out_desc, zb_desc, out_ptr, zb_ptr, M, N, stride,
+        TMA_STORE, BLOCK_M, q,
+    )  # fmt: skip
     _fwd_epilogue(
-        z3, off_m, off_n + 3 * q, b_ptr, x0_desc, xl_desc, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q
-    )
+        z3, off_m, off_n + 3 * q, b_ptr, x0_desc, xl_desc, out_desc, zb_desc, out_ptr, zb_ptr, M, N, stride,
+        TMA_STORE, BLOCK_M, q,
+    )  # fmt: skip
 
 
 _cross_fwd_kernel = autotuned(_cross_fwd_kernel, "out_ptr", descriptors=_DESCRIPTORS)
@@ -233,9 +251,15 @@ def launch_fwd(
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
+    # out and zb are contiguous [M, N]: their descriptors can store them where N is a multiple of 16 bytes
+    # (and their bases are 16-byte aligned, a cross network's buffers included).
+    tma_store = rows_aligned(out) and out.data_ptr() % ALIGN_BYTES == 0 and zb.data_ptr() % ALIGN_BYTES == 0
+    x0_desc = tma_descriptor(x0)
+    out_desc, zb_desc = (tma_descriptor(out), tma_descriptor(zb)) if tma_store else (x0_desc, x0_desc)
     _cross_fwd_kernel[grid](
-        tma_descriptor(h), tma_descriptor(u), tma_descriptor(x0), tma_descriptor(xl), b.contiguous(), out, zb,
-        m, n, h.shape[1], m_bucket(m), n, DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x0.dtype),
+        tma_descriptor(h), tma_descriptor(u), x0_desc, tma_descriptor(xl), out_desc, zb_desc, b.contiguous(),
+        out, zb, m, n, h.shape[1], m_bucket(m), n,
+        TMA_STORE=tma_store, DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x0.dtype),
     )  # fmt: skip
     return out, h, zb
 
