@@ -22,7 +22,8 @@ five [M, N] tensors; saved, the backward's epilogue is a pure stream of six [M, 
 writes one more. The cost: zb [M, N] held per layer until the backward.
 
 Shapes: x0, x_l [M, N]; V [r, N]; U [N, r]; b [N]; any M >= 0, 1 <= N < MAX_N (2**23), r >= 1. The forward
-reads x0 and x_l with one row stride, N (copied where their rows lie further apart); the backward takes
+reads x0 and x_l through TMA descriptors and writes out and zb with one row stride, N (x0 and x_l are
+copied where their rows lie further apart); the backward takes
 rows of x0 and g with contiguous columns (any row stride); h and U are read through TMA descriptors
 (``kernels.launch``), copied once into 16-byte rows where r is not a multiple of 16 bytes. The forward
 returns (out, h, zb): h [M, r] and zb [M, N] are what the backward reads besides the inputs.
@@ -46,7 +47,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import launch
-from kernels.gemm.layout import rows_contiguous, tma_descriptor
+from kernels.gemm.layout import ALIGN_BYTES, rows_aligned, rows_contiguous, tma_descriptor
 from kernels.gemm.partials import sum_partials
 from kernels.gemm.tiles import matmul_tile
 from kernels.gemm.tuning import autotuned, input_precision, m_bucket
@@ -63,8 +64,17 @@ _BWD_BLOCK_N = 128
 # The forward kernel's offsets inside a tile are 32-bit: up to 256 rows of N elements.
 MAX_N = 2**31 // 256
 
-# The TMA descriptor arguments of both kernels and the tile dims of their block shapes.
-_DESCRIPTORS = {"h_desc": ("BLOCK_M", "BLOCK_K"), "u_desc": ("BLOCK_N", "BLOCK_K")}
+# The TMA descriptor arguments of the forward kernel and the tile dims of their block shapes: x0 and x_l
+# are read a quarter of the tile's columns at a time (its epilogue).
+_QUARTER = ("BLOCK_M", ("BLOCK_N", 4))
+_DESCRIPTORS = {
+    "h_desc": ("BLOCK_M", "BLOCK_K"),
+    "u_desc": ("BLOCK_N", "BLOCK_K"),
+    "x0_desc": _QUARTER,
+    "xl_desc": _QUARTER,
+    "out_desc": _QUARTER,
+    "zb_desc": _QUARTER,
+}
 
 
 @triton.jit
@@ -84,22 +94,28 @@ def _halves(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _fwd_epilogue(
-    z, off_m, off_n, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    z, off_m, off_n, b_ptr, x0_desc, xl_desc, out_desc, zb_desc, out_ptr, zb_ptr, M, N, stride,
+    TMA_STORE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """The forward's epilogue on z [BLOCK_M, BLOCK_N] fp32 (h @ U^T), the columns off_n .. of the rows off_m
-    ..: zb = z + b and out = x0 * zb + x_l stored. The four [M, N] tensors share one row stride, and the
-    offsets inside the tile are 32-bit (the tile's first row is added to the base pointers in 64 bits)."""
-    rows = tl.arange(0, BLOCK_M)
+    ..: zb = z + b and out = x0 * zb + x_l stored. x0 and x_l come in through their descriptors (pointer loads
+    in the dot's register layout are uncoalesced); out and zb go out through theirs where TMA_STORE, else by
+    pointers: one row stride, and offsets inside the tile that are 32-bit (the tile's first row is added to
+    the base pointers in 64 bits)."""
     cols = off_n + tl.arange(0, BLOCK_N)
-    mask = (off_m + rows < M)[:, None] & (cols < N)[None, :]
-    offset = rows[:, None] * stride + cols[None, :]
-    base = off_m.to(tl.int64) * stride
     zb = z + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    x0 = tl.load(x0_ptr + base + offset, mask=mask, other=0.0).to(tl.float32)
-    xl = tl.load(xl_ptr + base + offset, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + base + offset, (x0 * zb + xl).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(zb_ptr + base + offset, zb.to(zb_ptr.dtype.element_ty), mask=mask)
+    x0 = x0_desc.load([off_m, off_n]).to(tl.float32)
+    xl = xl_desc.load([off_m, off_n]).to(tl.float32)
+    if TMA_STORE:
+        out_desc.store([off_m, off_n], (x0 * zb + xl).to(out_desc.dtype))
+        zb_desc.store([off_m, off_n], zb.to(zb_desc.dtype))
+    else:
+        rows = tl.arange(0, BLOCK_M)
+        mask = (off_m + rows < M)[:, None] & (cols < N)[None, :]
+        offset = rows[:, None] * stride + cols[None, :]
+        base = off_m.to(tl.int64) * stride
+        tl.store(out_ptr + base + offset, (x0 * zb + xl).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(zb_ptr + base + offset, zb.to(zb_ptr.dtype.element_ty), mask=mask)
 
 
 # M (the batch) changes between calls: do not specialize on it, so a new batch size reuses the compiled
@@ -109,10 +125,12 @@ def _cross_fwd_kernel(
     # operands: TMA descriptors
     h_desc,  # of h [M, r], x0's dtype
     u_desc,  # of U [N, r]
+    x0_desc,  # of x0 [M, N]
+    xl_desc,  # of x_l [M, N]
+    out_desc,  # TMA_STORE: of out [M, N] (otherwise any descriptor, not used)
+    zb_desc,  # TMA_STORE: of zb [M, N] (otherwise any descriptor, not used)
     # pointers
     b_ptr,  # [N] bias
-    x0_ptr,  # [M, N] x0
-    xl_ptr,  # [M, N] x_l
     out_ptr,  # [M, N] output x_{l+1}
     zb_ptr,  # [M, N] output zb = z + b, for the backward
     # sizes
@@ -120,8 +138,9 @@ def _cross_fwd_kernel(
     N,
     K,  # r
     M_BUCKET,  # autotuning key only
-    stride,  # the row stride of x0, x_l, out and zb, in elements (the column stride is 1)
+    stride,  # the row stride of out and zb, in elements (the column stride is 1)
     # meta-parameters
+    TMA_STORE: tl.constexpr,  # store out and zb through their descriptors (rows 16 bytes apart)
     DOT_FP32: tl.constexpr,  # cast dot operands to fp32 (interpreter only)
     INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "tf32x3", "ieee" interpreted
     BLOCK_M: tl.constexpr,
@@ -132,19 +151,31 @@ def _cross_fwd_kernel(
     off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
     z = matmul_tile(h_desc, u_desc, off_m, off_n, K, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     # The epilogue, in fp32, a quarter of the tile's columns at a time: on the whole tile, its z, x0, x_l and
-    # their addresses spill registers in every config (ptxas for sm_90a: kilobytes a thread); in quarters,
-    # with 32-bit offsets, none do.
+    # the stores' addresses spill registers in every config (ptxas for sm_90a: kilobytes a thread); in
+    # quarters, with 32-bit offsets, none do.
     q: tl.constexpr = BLOCK_N // 4
     left, right = _halves(z, BLOCK_M, BLOCK_N)
     z0, z1 = _halves(left, BLOCK_M, 2 * q)
-    _fwd_epilogue(z0, off_m, off_n, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
-    _fwd_epilogue(z1, off_m, off_n + q, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
+    _fwd_epilogue(
+        z0, off_m, off_n, b_ptr, x0_desc, xl_desc, out_desc, zb_desc, out_ptr, zb_ptr, M, N, stride,
+        TMA_STORE, BLOCK_M, q,
+    )  # fmt: skip
+    _fwd_epilogue(
+        z1, off_m, off_n + q, b_ptr, x0_desc, xl_desc, out_desc, zb_desc, out_ptr, zb_ptr, M, N, stride,
+        TMA_STORE, BLOCK_M, q,
+    )  # fmt: skip
     z2, z3 = _halves(right, BLOCK_M, 2 * q)
-    _fwd_epilogue(z2, off_m, off_n + 2 * q, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
-    _fwd_epilogue(z3, off_m, off_n + 3 * q, b_ptr, x0_ptr, xl_ptr, out_ptr, zb_ptr, M, N, stride, BLOCK_M, q)
+    _fwd_epilogue(
+        z2, off_m, off_n + 2 * q, b_ptr, x0_desc, xl_desc, out_desc, zb_desc, out_ptr, zb_ptr, M, N, stride,
+        TMA_STORE, BLOCK_M, q,
+    )  # fmt: skip
+    _fwd_epilogue(
+        z3, off_m, off_n + 3 * q, b_ptr, x0_desc, xl_desc, out_desc, zb_desc, out_ptr, zb_ptr, M, N, stride,
+        TMA_STORE, BLOCK_M, q,
+    )  # fmt: skip
 
 
-_cross_fwd_kernel = autotuned(_cross_fwd_kernel, "x0_ptr", descriptors=_DESCRIPTORS)
+_cross_fwd_kernel = autotuned(_cross_fwd_kernel, "out_ptr", descriptors=_DESCRIPTORS)
 
 
 def check_inputs(x0: Tensor, xl: Tensor, v: Tensor, u: Tensor, b: Tensor) -> None:
@@ -220,9 +251,15 @@ def launch_fwd(
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
+    # out and zb are contiguous [M, N]: their descriptors can store them where N is a multiple of 16 bytes
+    # (and their bases are 16-byte aligned, a cross network's buffers included).
+    tma_store = rows_aligned(out) and out.data_ptr() % ALIGN_BYTES == 0 and zb.data_ptr() % ALIGN_BYTES == 0
+    x0_desc = tma_descriptor(x0)
+    out_desc, zb_desc = (tma_descriptor(out), tma_descriptor(zb)) if tma_store else (x0_desc, x0_desc)
     _cross_fwd_kernel[grid](
-        tma_descriptor(h), tma_descriptor(u), b.contiguous(), x0, xl, out, zb,
-        m, n, h.shape[1], m_bucket(m), n, DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x0.dtype),
+        tma_descriptor(h), tma_descriptor(u), x0_desc, tma_descriptor(xl), out_desc, zb_desc, b.contiguous(),
+        out, zb, m, n, h.shape[1], m_bucket(m), n,
+        TMA_STORE=tma_store, DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x0.dtype),
     )  # fmt: skip
     return out, h, zb
 

@@ -34,9 +34,11 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 ARGS = (
     "h_desc",
     "u_desc",
+    "x0_desc",
+    "xl_desc",
+    "out_desc",
+    "zb_desc",
     "b_ptr",
-    "x0_ptr",
-    "xl_ptr",
     "out_ptr",
     "zb_ptr",
     "M",
@@ -45,8 +47,8 @@ ARGS = (
     "M_BUCKET",
     "stride",
 )
-DIVISIBLE = ("b_ptr", "x0_ptr", "xl_ptr", "out_ptr", "zb_ptr", "N", "K", "M_BUCKET", "stride")
-CONSTEXPRS = ("DOT_FP32", "INPUT_PRECISION", "BLOCK_M", "BLOCK_N", "BLOCK_K")
+DIVISIBLE = ("b_ptr", "out_ptr", "zb_ptr", "N", "K", "M_BUCKET", "stride")
+CONSTEXPRS = ("TMA_STORE", "DOT_FP32", "INPUT_PRECISION", "BLOCK_M", "BLOCK_N", "BLOCK_K")
 
 
 def compile_config(
@@ -57,12 +59,14 @@ def compile_config(
     signature = {
         "h_desc": f"tensordesc<{ty}[{block_m},{block_k}]>",
         "u_desc": f"tensordesc<{ty}[{block_n},{block_k}]>",
-        **{name: f"*{ty}" for name in ARGS[2:7]},
-        **{name: "i32" for name in ARGS[7:]},
+        # x0, x_l, out and zb: the epilogue's quarters of the tile's columns (kernels/cross.py)
+        **{name: f"tensordesc<{ty}[{block_m},{block_n // 4}]>" for name in ARGS[2:6]},
+        **{name: f"*{ty}" for name in ARGS[6:9]},
+        **{name: "i32" for name in ARGS[9:]},
         **{name: "constexpr" for name in CONSTEXPRS},
     }
-    constexprs = {"DOT_FP32": False, "INPUT_PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
-                  "BLOCK_K": block_k}  # fmt: skip
+    constexprs = {"TMA_STORE": True, "DOT_FP32": False, "INPUT_PRECISION": "tf32", "BLOCK_M": block_m,
+                  "BLOCK_N": block_n, "BLOCK_K": block_k}  # fmt: skip
     attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
     source = ASTSource(cross._cross_fwd_kernel.fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": warps, "num_stages": stages}

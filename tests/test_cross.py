@@ -129,10 +129,13 @@ def test_forward_kernel_in_every_tuned_config_gpu(dtype, poisoned):
         out, zb = (launch.empty((m, n), dtype, x0.device) for _ in range(2))
         h_desc, u_desc = tma_descriptor(h), tma_descriptor(u)
         h_desc.block_shape, u_desc.block_shape = [block_m, block_k], [block_n, block_k]
+        quarters = [tma_descriptor(t) for t in (x0, xl, out, zb)]  # the epilogue's quarters of a tile
+        for desc in quarters:
+            desc.block_shape = [block_m, block_n // 4]
         grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
         cross._cross_fwd_kernel.fn[grid](
-            h_desc, u_desc, b, x0, xl, out, zb, m, n, r, m_bucket(m), n,
-            DOT_FP32=False, INPUT_PRECISION=input_precision(dtype),
+            h_desc, u_desc, *quarters, b, out, zb, m, n, r, m_bucket(m), n,
+            TMA_STORE=True, DOT_FP32=False, INPUT_PRECISION=input_precision(dtype),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         if dtype == torch.float32:

@@ -126,12 +126,22 @@ def input_precision(dtype: torch.dtype) -> str:
     return "ieee" if INTERPRETED else "tf32x3"
 
 
-def _set_block_shapes(descriptors: dict[str, tuple[str, str]], args: dict) -> None:
+# A block dim of a TMA descriptor: a tile constexpr's name, or (name, divisor) for a part of that tile dim,
+# e.g. ("BLOCK_N", 4) for a quarter of the tile's columns.
+BlockDim = str | tuple[str, int]
+
+
+def _block_shape(dims: tuple[BlockDim, ...], values: dict) -> list[int]:
+    """The block shape that `dims` name, from a config's tile constexprs `values`."""
+    return [values[d] if isinstance(d, str) else values[d[0]] // d[1] for d in dims]
+
+
+def _set_block_shapes(descriptors: dict[str, tuple[BlockDim, ...]], args: dict) -> None:
     """Set each TMA descriptor argument's block shape to the config's tile dims, e.g. x_desc to [BLOCK_M,
     BLOCK_K]: a descriptor's block shape is part of the kernel's signature and must match the tile it
     loads."""
     for name, dims in descriptors.items():
-        args[name].block_shape = [args[d] for d in dims]
+        args[name].block_shape = _block_shape(dims, args)
 
 
 def _configs(names: tuple[str, str, str], extra: dict, descriptors: dict) -> list[triton.Config]:
@@ -202,7 +212,7 @@ class TunedKernel:
         autotuner: the ``triton.autotune`` wrapper, which tunes each new key.
     """
 
-    def __init__(self, autotuner, operand: str, descriptors: dict[str, tuple[str, str]]):
+    def __init__(self, autotuner, operand: str, descriptors: dict[str, tuple[BlockDim, ...]]):
         self.autotuner = autotuner
         self.fn = autotuner.fn
         names = autotuner.arg_names
@@ -232,7 +242,7 @@ class TunedKernel:
             self._options[key] = self.autotuner.best_config.all_kwargs()
             return
         for position, dims in self._descriptors:
-            args[position].block_shape = [options[d] for d in dims]
+            args[position].block_shape = _block_shape(dims, options)
         self.fn.run(*args, grid=grid, warmup=False, **kwargs, **options)
 
 
@@ -240,7 +250,7 @@ def autotuned(
     kernel,
     operand: str,
     extra: dict | None = None,
-    descriptors: dict[str, tuple[str, str]] | None = None,
+    descriptors: dict[str, tuple[BlockDim, ...]] | None = None,
     names: tuple[str, str, str] = ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
     dims: tuple[str, str] = ("M_BUCKET", "N"),
 ):
@@ -253,7 +263,7 @@ def autotuned(
             the reduction chunk and whose dtype is part of the key, e.g. "x_ptr".
         extra: further constexprs every config sets, e.g. {"GROUP": 8}; None: none.
         descriptors: the TMA descriptor arguments (``kernels.gemm.layout.tma_descriptor``) and the tile
-            dims of their block shapes, e.g. {"x_desc": ("BLOCK_M", "BLOCK_K")}; None: none.
+            dims of their block shapes (``BlockDim``), e.g. {"x_desc": ("BLOCK_M", "BLOCK_K")}; None: none.
         names: its tile constexprs (rows, cols, reduction chunk); by default those of an [M, N] output
             tile over a K reduction.
         dims: the size arguments that bound the tile rows and cols, for pruning; by default the M bucket
