@@ -29,7 +29,8 @@ pre-activation z, a second output of the forward kernel (``SAVE_Z``), for gelu_t
 
 Kernel: ``_linear_act_fwd_kernel``, one program per [BLOCK_M, BLOCK_N] tile of y in grouped order, reducing
 over K through TMA descriptors (``kernels.gemm.tiles``), autotuned per (M bucket, N, K)
-(``kernels.gemm.tuning``); its epilogue adds the bias, stores z if saved and y = act(z). For relu and
+(``kernels.gemm.tuning``); its epilogue adds the bias, stores z if saved and y = act(z) (through TMA
+descriptors where N is a multiple of 16 bytes). For relu and
 identity, where cuBLAS's GEMM applies the bias and activation itself, each shape takes the faster of the two
 (``fastest_fwd``, timed once per shape on the GPU): a small batch's GEMM is a few tiles, which cuBLAS's
 kernels may finish sooner.
@@ -73,7 +74,7 @@ from kernels.gemm.layout import (
     rows_aligned,
     tma_descriptor,
 )
-from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_linear_tile
+from kernels.gemm.tiles import MATMUL_TILE_DESCRIPTORS, grouped_tile, linear_tile
 from kernels.gemm.tuning import ChoiceTable, autotuned, fastest, input_precision, m_bucket
 from kernels.launch import INTERPRETED, use_triton
 from kernels.op import define_op
@@ -107,6 +108,8 @@ def _linear_act_fwd_kernel(
     # operands: TMA descriptors (``kernels.gemm.layout.tma_descriptor``)
     x_desc,  # of x [M, K], fp32/bf16/fp16
     w_desc,  # of W [N, K], x's dtype
+    y_desc,  # TMA_STORE: of y (otherwise any descriptor, not used)
+    z_desc,  # TMA_STORE and SAVE_Z: of z (otherwise any descriptor, not used)
     # pointers
     b_ptr,  # [N] bias, x's dtype (not read unless HAS_BIAS)
     y_ptr,  # [M, N] output y = act(z), x's dtype
@@ -123,6 +126,7 @@ def _linear_act_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     SAVE_Z: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    TMA_STORE: tl.constexpr,  # store y and z through their descriptors (rows 16 bytes apart), else pointers
     DOT_FP32: tl.constexpr,  # cast dot operands to fp32 (interpreter only)
     INPUT_PRECISION: tl.constexpr,  # fp32 dots: "tf32" or "tf32x3" (torch's allow_tf32), "ieee" interpreted
     BLOCK_M: tl.constexpr,
@@ -130,17 +134,29 @@ def _linear_act_fwd_kernel(
     BLOCK_K: tl.constexpr,  # reduction chunk
     GROUP: tl.constexpr,
 ):
-    acc, rows, cols, mask, _ = grouped_linear_tile(
-        x_desc, w_desc, b_ptr, M, N, K, HAS_BIAS, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP
-    )
-    # Epilogue, in fp32: (z), activation.
-    if SAVE_Z:
-        tl.store(z_ptr + rows[:, None] * stride_zm + cols[None, :], acc.to(z_ptr.dtype.element_ty), mask=mask)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    acc, rows, cols, mask = linear_tile(
+        x_desc, w_desc, b_ptr, pid_m, pid_n, M, N, K,
+        HAS_BIAS, DOT_FP32, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    # Epilogue, in fp32: (z), activation. A descriptor's store writes the tile's in-bounds part, from the
+    # dot's register layout through shared memory (pointer stores from that layout are 8 bytes wide).
     y = act_fwd(acc, ACTIVATION)
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    if TMA_STORE:
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        if SAVE_Z:
+            z_desc.store([off_m, off_n], acc.to(z_desc.dtype))
+        y_desc.store([off_m, off_n], y.to(y_desc.dtype))
+    else:
+        if SAVE_Z:
+            z_ptrs = z_ptr + rows[:, None] * stride_zm + cols[None, :]
+            tl.store(z_ptrs, acc.to(z_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_linear_act_fwd_kernel = autotuned(_linear_act_fwd_kernel, "y_ptr", {"GROUP": 8}, MATMUL_TILE_DESCRIPTORS)
+_TILE = ("BLOCK_M", "BLOCK_N")
+_FWD_DESCRIPTORS = {**MATMUL_TILE_DESCRIPTORS, "y_desc": _TILE, "z_desc": _TILE}
+_linear_act_fwd_kernel = autotuned(_linear_act_fwd_kernel, "y_ptr", {"GROUP": 8}, _FWD_DESCRIPTORS)
 
 
 # -- Launchers ---------------------------------------------------------------------------------------
@@ -251,10 +267,14 @@ def triton_fwd(
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
+    # y and z are fresh contiguous [M, N]: a descriptor can store them where N is a multiple of 16 bytes.
+    tma_store = rows_aligned(y)
+    y_desc = tma_descriptor(y if tma_store else weight)  # a placeholder of its own where not stored through
+    z_desc = tma_descriptor(z) if tma_store and save_z else y_desc
     _linear_act_fwd_kernel[grid](
-        tma_descriptor(x), tma_descriptor(weight), bias if bias is not None else y, y, z if save_z else y,
-        m, n, k, m_bucket(m), y.stride(0), (z if save_z else y).stride(0),
-        HAS_BIAS=bias is not None, SAVE_Z=save_z, ACTIVATION=activation,
+        tma_descriptor(x), tma_descriptor(weight), y_desc, z_desc, bias if bias is not None else y, y,
+        z if save_z else y, m, n, k, m_bucket(m), y.stride(0), (z if save_z else y).stride(0),
+        HAS_BIAS=bias is not None, SAVE_Z=save_z, ACTIVATION=activation, TMA_STORE=tma_store,
         DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x.dtype),
     )  # fmt: skip
     return y, saved

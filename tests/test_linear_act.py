@@ -822,7 +822,8 @@ def test_tuned_kernel_tunes_each_key_once(monkeypatch):
     run = kernel.autotuner.run
 
     def counting_run(*args, **kwargs):
-        tuned.append((args[8], args[6], args[7], args[3].dtype))  # M_BUCKET, N, K, y's dtype (x's)
+        named = dict(zip(kernel.autotuner.arg_names, args, strict=False))
+        tuned.append((named["M_BUCKET"], named["N"], named["K"], named["y_ptr"].dtype))  # y's dtype: x's
         return run(*args, **kwargs)
 
     monkeypatch.setattr(kernel.autotuner, "run", counting_run)
