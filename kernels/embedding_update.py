@@ -26,7 +26,10 @@ CUDA-graph replay draws new bits and a run resumed with its count continues the 
 How the update runs:
 - "sgd" with fp32 weights: one kernel, atomic adds of -lr * dout straight into the touched rows. Atomic adds
   sum repeated ids exactly (up to fp32 summation order, which varies run to run on a GPU), as SGD needs
-  nothing but the sum; `in_order` sends it down the sorted path below instead (the same bits every run).
+  nothing but the sum. A program takes one column's lookups (one table, or one bag column); where their
+  rows span fewer than SGD_HOT_ROWS (a small table), it sums each row's lookups first and adds the sums,
+  one atomic add a touched row rather than one a lookup. `in_order` sends it down the sorted path below
+  instead (the same bits every run).
 - otherwise (adagrad, rowwise_adagrad, bf16 weights): the non-linear update needs each row's full sum
   first. The B*F indices are sorted (torch.sort, on int32 keys where the rows fit: half the radix passes);
   sorted positions with the same row form a segment, and a small kernel writes where each segment starts.
@@ -128,33 +131,56 @@ def _lookup_grad(
     return grad
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["B"])
 def _sgd_kernel(
     # pointers
-    index_ptr,  # [N] int64 global rows (N = B * F lookups, or B * S for bags)
-    grad_ptr,  # [N, D] dout ([B, F, D] where POOLED, strides (stride_b, stride_f, 1)), any float dtype
+    index_ptr,  # [B * S] int64 global rows, lookup b * S + c (one-hot: S = F columns; bags: S = sum k_f)
+    grad_ptr,  # [B * S, D] dout ([B, F, D] where POOLED, strides (stride_b, stride_f, 1)), any float dtype
     features_ptr,  # POOLED: [S] int64 feature of each column (not read otherwise)
     scales_ptr,  # POOLED: [S] fp32 pooling scale of each column (not read otherwise)
     weights_ptr,  # [R, D] fp32, updated in place
     lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
     # sizes
-    N,
+    B,
     S,
     D,
     stride_b,
     stride_f,
     # meta-parameters
     POOLED: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HOT_ROWS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    n, mask_n, d, mask = _lookup_block(N, D, BLOCK_N, BLOCK_D)
-    index = tl.load(index_ptr + n, mask=mask_n, other=0)
+    """SGD by atomic adds of -lr * dout, a program for BLOCK_B samples of one column (program p: column
+    p % S, samples from p // S * BLOCK_B; neighbouring programs read neighbouring index entries).
+    Where the block's rows span fewer than HOT_ROWS (a small table: a few rows take every lookup), it sums
+    each row's lookups first, as the product of the 0/1 matrix hit[r, b] = (index[b] == low + r) with the
+    steps (an IEEE fp32 dot), and adds one sum a touched row: atomic adds to one address serialize, and
+    kaggle's seven tables under 64 rows took more of the update than its other nineteen."""
+    program = tl.program_id(0)
+    b = (program // S).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    mask_b = b < B
+    lookup = b * S + program % S
+    d = tl.arange(0, BLOCK_D)
+    mask_d = d < D
+    mask = mask_b[:, None] & mask_d[None, :]
+    index = tl.load(index_ptr + lookup, mask=mask_b, other=0)
     grad = _lookup_grad(
-        grad_ptr, features_ptr, scales_ptr, n, mask_n, mask, d, S, D, stride_b, stride_f, POOLED
+        grad_ptr, features_ptr, scales_ptr, lookup, mask_b, mask, d, S, D, stride_b, stride_f, POOLED
     )
-    lr = tl.load(lr_ptr).to(tl.float32)
-    tl.atomic_add(weights_ptr + index[:, None] * D + d[None, :], -lr * grad, mask=mask)
+    step = -tl.load(lr_ptr).to(tl.float32) * grad
+    low = tl.min(tl.where(mask_b, index, 2**62), axis=0)
+    high = tl.max(tl.where(mask_b, index, -1), axis=0)
+    if high - low < HOT_ROWS:
+        r = tl.arange(0, HOT_ROWS)
+        hit = ((index - low)[None, :] == r[:, None]) & mask_b[None, :]  # [HOT_ROWS, BLOCK_B]
+        sums = tl.dot(hit.to(tl.float32), step, input_precision="ieee")
+        touched = tl.max(hit.to(tl.int32), axis=1) > 0
+        rows = weights_ptr + (low + r)[:, None] * D + d[None, :]
+        tl.atomic_add(rows, sums, mask=touched[:, None] & mask_d[None, :])
+    else:
+        tl.atomic_add(weights_ptr + index[:, None] * D + d[None, :], step, mask=mask)
 
 
 @triton.jit
@@ -677,9 +703,12 @@ def embedding_update(
     if not use_triton(weights):
         embedding_update_ref(weights, state, index, grad, optimizer, lr, eps, rounding)
         return
+    columns = index.shape[-1] if index.ndim > 1 else 1
     index = index.reshape(-1)
     grad = grad.reshape(index.numel(), -1).contiguous()
-    launch_update(weights, state, index, grad, optimizer, lr, eps, rounding=rounding, in_order=in_order)
+    launch_update(
+        weights, state, index, grad, optimizer, lr, eps, rounding=rounding, in_order=in_order, columns=columns
+    )
 
 
 def sorted_segments(index: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -745,6 +774,11 @@ def _sums_buffer(places: int, d: int, device: torch.device) -> Tensor:
 
 # The SGD kernel's programs at least, where the lookups allow 16 rows a program (`launch_update`).
 SGD_PROGRAMS = 256
+# A block of the SGD kernel's lookups whose rows span fewer than this sums each row's lookups before its
+# atomic add (`_sgd_kernel`). A power of two, at least 16 (tl.dot). Kaggle's small tables hold 3 to 27 rows:
+# 16 measured faster than 32, whose larger 0/1 products cost the 18- to 27-row tables more than their
+# atomic adds do (H200, kaggle tf32 B=65,536, triton+graphs: 1.794 against 1.843 ms a step).
+SGD_HOT_ROWS = 16
 
 # The summing kernel's gradient gathers take 32-bit offsets where every element lies below this one.
 OFFSET32_LIMIT = 2**31
@@ -801,12 +835,14 @@ def launch_update(
     bags: tuple[Tensor, Tensor] | None = None,
     rounding: Tensor | None = None,
     in_order: bool = False,
+    columns: int = 1,
 ) -> None:
     """The update kernels (module docstring) on inputs already checked: index [N] int64 global rows; grad
     [N, D] contiguous, or for pooled bags, with `bags` = (features [S] int64, scales [S] fp32) as
     `kernels.embedding_bag_update.bag_columns` gives them, the pooled gradient [B, F, D] with D's stride 1
     (a view is read in place; N = B * S, lookup b * S + c); `rounding` and `in_order` as
-    `embedding_update`'s."""
+    `embedding_update`'s. Without bags, `columns` (dividing N) is the lookups a sample: lookup b * columns
+    + c reads table c's rows (the SGD kernel sums a small table's lookups of a block before adding them)."""
     n, d = index.numel(), weights.shape[1]
     if n == 0:
         return
@@ -821,13 +857,16 @@ def launch_update(
         grad = grad.contiguous()
     strides = grad.stride()[:2] if pooled else (0, 0)
     if sums_by_atomics(optimizer, weights.dtype) and not in_order:
-        # Few lookups (small batches): fewer rows a program, so the atomics spread over SGD_PROGRAMS programs
-        # rather than a handful of SMs (kaggle B=128, D=16: 13 programs of 256 rows took 6.3 us of a step,
-        # torch's index_add_ 2.2 us); large batches keep `block_sizes`'s rows.
-        block_n = min(block_n, max(16, triton.next_power_of_2(triton.cdiv(n, SGD_PROGRAMS))))
-        _sgd_kernel[(triton.cdiv(n, block_n),)](
-            index, grad, features, scales, weights, lr, n, s, d, *strides, POOLED=pooled, BLOCK_N=block_n,
-            BLOCK_D=block_d,
+        # Few lookups (small batches): fewer samples a program, so the atomics spread over SGD_PROGRAMS
+        # programs rather than a handful of SMs (kaggle B=128, D=16: 13 programs of 256 rows took 6.3 us of
+        # a step, torch's index_add_ 2.2 us); large batches keep `block_sizes`'s rows.
+        # At least 16 samples a program, and 16 columns of D: tl.dot's least sizes.
+        block_b = max(16, min(block_n, triton.next_power_of_2(triton.cdiv(n, SGD_PROGRAMS))))
+        columns = s if pooled else columns
+        samples = n // columns
+        _sgd_kernel[(columns * triton.cdiv(samples, block_b),)](
+            index, grad, features, scales, weights, lr, samples, columns, d, *strides, POOLED=pooled,
+            HOT_ROWS=SGD_HOT_ROWS, BLOCK_B=block_b, BLOCK_D=max(16, block_d),
         )  # fmt: skip
         return
     sorted_rows, order, segment = sorted_segments(index, weights.shape[0])

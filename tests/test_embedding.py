@@ -486,9 +486,9 @@ def test_sgd_in_order_sums_without_atomics_and_takes_the_same_step(monkeypatch):
 
 
 def test_sgd_at_a_small_batch_spreads_its_rows_and_updates_alike(monkeypatch):
-    """A small batch's SGD atomics run over more programs of fewer rows (SGD_PROGRAMS): the update equals
-    the one of block_sizes's 256-row programs (bit for bit in the interpreter, whose programs add in
-    order; within fp32 atomic order on a GPU), repeated rows included."""
+    """A small batch's SGD atomics run over more programs of fewer samples (SGD_PROGRAMS): the update equals
+    the one of block_sizes's 256-sample programs within fp32 summation order (a small table's lookups are
+    summed a block at a time before their atomic add: other blocks, another order), repeated rows included."""
     import kernels.embedding_update as eu
 
     weights, offsets, r = _tables([3, 50, 1000], 16)
@@ -502,10 +502,44 @@ def test_sgd_at_a_small_batch_spreads_its_rows_and_updates_alike(monkeypatch):
         embedding_update(w, optimizer_state(w, "sgd"), index, grad, "sgd", _lr(0.1), 1e-10)
         results.append(w)
     assert not torch.equal(results[0], weights)
-    if DEVICE == "cpu":
-        assert torch.equal(results[0], results[1])
+    # The 3-row table's ~380 lookups a row, summed in two orders: ~sqrt(380) half-ulps of a step near 2.
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bags", [False, True])
+@pytest.mark.parametrize("hot_rows", [16, 32])
+def test_sgd_sums_a_small_tables_lookups_then_adds_them_to_the_rows_looked_up(monkeypatch, hot_rows, bags):
+    """The SGD kernel's blocks of one column whose rows span fewer than SGD_HOT_ROWS sum each row's lookups
+    before adding them. A 20-row table takes that path at 32 and the plain atomic adds at 16 (a block of
+    256 samples spans its rows); both take the reference's step, and the rows no lookup read, held at -0.0,
+    keep their sign (an added zero would make them +0.0), one-hot lookups and bags alike."""
+    import kernels.embedding_update as eu
+    from kernels.embedding_bag import embedding_bag_update, embedding_bag_update_ref
+
+    monkeypatch.setattr(eu, "SGD_HOT_ROWS", hot_rows)
+    rows, sizes = [3, 20, 1000], [1, 2, 3] if bags else [1, 1, 1]
+    weights, offsets, r = _tables(rows, 16)
+    columns = torch.cat([torch.full((k,), f) for f, k in enumerate(sizes)])
+    ids = _ids(512, [rows[f] for f in columns.tolist()], seed=3)
+    index = ((ids + 1) % r[columns] + offsets[columns]).to(DEVICE)
+    unread = torch.ones(len(weights), dtype=torch.bool, device=DEVICE)
+    unread[index.reshape(-1)] = False
+    assert unread[offsets[2] :].any() and not unread[: offsets[2]].any()
+    weights[unread] = -0.0
+    g = torch.Generator().manual_seed(4)
+    grad = torch.randn(512, len(sizes) if bags else len(rows), 16, generator=g).to(DEVICE)
+    ours, expected = weights.clone(), weights.clone()
+    if bags:
+        k = torch.tensor(sizes, device=DEVICE)
+        embedding_bag_update(ours, torch.zeros(0), index, grad, k, "sum", "sgd", _lr(0.1), 0.0)
+        embedding_bag_update_ref(expected, torch.zeros(0), index, grad, k, "sum", "sgd", _lr(0.1), 0.0)
     else:
-        torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-6)
+        embedding_update(ours, torch.zeros(0), index, grad, "sgd", _lr(0.1), 0.0)
+        embedding_update_ref(expected, torch.zeros(0), index, grad, "sgd", _lr(0.1), 0.0)
+    assert not torch.equal(ours, weights)
+    # The 3-row table's ~170 (x1 or x3) lookups a row summed in another order than the reference's.
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+    assert torch.signbit(ours[unread]).all()
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
