@@ -36,7 +36,10 @@ time.sleep(60)
 
 # The invocation: launch_each with the stand-in as its launcher, its rows printed however it ends.
 INVOCATION = """
-import json, subprocess, sys
+import json, signal, subprocess, sys
+# Ctrl-C raises KeyboardInterrupt, as in a shell's foreground: a process started in the background
+# (nohup ... &) inherits SIGINT ignored, and so would this one under such a test run.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {scripts!r})
 import bench_train
 bench_train.launcher = lambda n: [sys.executable, {run!r}, {started!r}]
