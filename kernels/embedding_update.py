@@ -101,16 +101,6 @@ STEP_PROGRAMS_PER_SM = 64
 
 
 @triton.jit
-def _lookup_block(N, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """This program's block of the N lookups (or sorted positions): (n [BLOCK_N] int64 positions, their mask
-    [BLOCK_N], d [BLOCK_D] columns, the [BLOCK_N, BLOCK_D] mask of (n, d) in bounds)."""
-    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask_n = n < N
-    d = tl.arange(0, BLOCK_D)
-    return n, mask_n, d, mask_n[:, None] & (d < D)[None, :]
-
-
-@triton.jit
 def _lookup_grad(
     grad_ptr, features_ptr, scales_ptr, lookup, mask_n, mask, d, S, D, stride_b, stride_f,
     POOLED: tl.constexpr,
