@@ -26,10 +26,10 @@ CUDA-graph replay draws new bits and a run resumed with its count continues the 
 How the update runs:
 - "sgd" with fp32 weights: one kernel, atomic adds of -lr * dout straight into the touched rows. Atomic adds
   sum repeated ids exactly (up to fp32 summation order, which varies run to run on a GPU), as SGD needs
-  nothing but the sum. A program takes one column's lookups (one table, or one bag column); where their
-  rows span fewer than SGD_HOT_ROWS (a small table), it sums each row's lookups first and adds the sums,
-  one atomic add a touched row rather than one a lookup. `in_order` sends it down the sorted path below
-  instead (the same bits every run).
+  nothing but the sum. A program takes one column's lookups (one table, or one bag column); in a batch of
+  at least SGD_HOT_BATCH samples, a block whose rows span fewer than SGD_HOT_ROWS (a small table) sums
+  each row's lookups first and adds the sums, one atomic add a touched row rather than one a lookup.
+  `in_order` sends it down the sorted path below instead (the same bits every run).
 - otherwise (adagrad, rowwise_adagrad, bf16 weights): the non-linear update needs each row's full sum
   first. The B*F indices are sorted (torch.sort, on int32 keys where the rows fit: half the radix passes);
   sorted positions with the same row form a segment, and a small kernel writes where each segment starts.
@@ -138,16 +138,17 @@ def _sgd_kernel(
     stride_f,
     # meta-parameters
     POOLED: tl.constexpr,
+    HOT: tl.constexpr,
     HOT_ROWS: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """SGD by atomic adds of -lr * dout, a program for BLOCK_B samples of one column (program p: column
     p % S, samples from p // S * BLOCK_B; neighbouring programs read neighbouring index entries).
-    Where the block's rows span fewer than HOT_ROWS (a small table: a few rows take every lookup), it sums
-    each row's lookups first, as the product of the 0/1 matrix hit[r, b] = (index[b] == low + r) with the
-    steps (an IEEE fp32 dot), and adds one sum a touched row: atomic adds to one address serialize, and
-    kaggle's seven tables under 64 rows took more of the update than its other nineteen."""
+    Where HOT and the block's rows span fewer than HOT_ROWS (a small table: a few rows take every lookup),
+    it sums each row's lookups first, as the product of the 0/1 matrix hit[r, b] = (index[b] == low + r)
+    with the steps (an IEEE fp32 dot), and adds one sum a touched row: atomic adds to one address
+    serialize, and kaggle's seven tables under 64 rows took more of the update than its other nineteen."""
     program = tl.program_id(0)
     b = (program // S).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
     mask_b = b < B
@@ -162,7 +163,7 @@ def _sgd_kernel(
     step = -tl.load(lr_ptr).to(tl.float32) * grad
     low = tl.min(tl.where(mask_b, index, 2**62), axis=0)
     high = tl.max(tl.where(mask_b, index, -1), axis=0)
-    if high - low < HOT_ROWS:
+    if HOT and high - low < HOT_ROWS:
         r = tl.arange(0, HOT_ROWS)
         hit = ((index - low)[None, :] == r[:, None]) & mask_b[None, :]  # [HOT_ROWS, BLOCK_B]
         sums = tl.dot(hit.to(tl.float32), step, input_precision="ieee")
@@ -769,6 +770,10 @@ SGD_PROGRAMS = 256
 # 16 measured faster than 32, whose larger 0/1 products cost the 18- to 27-row tables more than their
 # atomic adds do (H200, kaggle tf32 B=65,536, triton+graphs: 1.794 against 1.843 ms a step).
 SGD_HOT_ROWS = 16
+# ... and only in batches of at least this many samples, where a small table's row takes enough adds a step
+# for its sums to save them. Smaller batches add each lookup's step, rounding at each add as eager's sparse
+# SGD does (a summed step rounds once: a few units of the weight apart on a hot row).
+SGD_HOT_BATCH = 1024
 
 # The summing kernel's gradient gathers take 32-bit offsets where every element lies below this one.
 OFFSET32_LIMIT = 2**31
@@ -856,7 +861,7 @@ def launch_update(
         samples = n // columns
         _sgd_kernel[(columns * triton.cdiv(samples, block_b),)](
             index, grad, features, scales, weights, lr, samples, columns, d, *strides, POOLED=pooled,
-            HOT_ROWS=SGD_HOT_ROWS, BLOCK_B=block_b, BLOCK_D=max(16, block_d),
+            HOT=samples >= SGD_HOT_BATCH, HOT_ROWS=SGD_HOT_ROWS, BLOCK_B=block_b, BLOCK_D=max(16, block_d),
         )  # fmt: skip
         return
     sorted_rows, order, segment = sorted_segments(index, weights.shape[0])

@@ -487,8 +487,8 @@ def test_sgd_in_order_sums_without_atomics_and_takes_the_same_step(monkeypatch):
 
 def test_sgd_at_a_small_batch_spreads_its_rows_and_updates_alike(monkeypatch):
     """A small batch's SGD atomics run over more programs of fewer samples (SGD_PROGRAMS): the update equals
-    the one of block_sizes's 256-sample programs within fp32 summation order (a small table's lookups are
-    summed a block at a time before their atomic add: other blocks, another order), repeated rows included."""
+    the one of block_sizes's 256-sample programs within fp32 summation order (those sum a small table's
+    lookups a block at a time before their atomic add: SGD_HOT_BATCH), repeated rows included."""
     import kernels.embedding_update as eu
 
     weights, offsets, r = _tables([3, 50, 1000], 16)
@@ -510,13 +510,16 @@ def test_sgd_at_a_small_batch_spreads_its_rows_and_updates_alike(monkeypatch):
 @pytest.mark.parametrize("hot_rows", [16, 32])
 def test_sgd_sums_a_small_tables_lookups_then_adds_them_to_the_rows_looked_up(monkeypatch, hot_rows, bags):
     """The SGD kernel's blocks of one column whose rows span fewer than SGD_HOT_ROWS sum each row's lookups
-    before adding them. A 20-row table takes that path at 32 and the plain atomic adds at 16 (a block of
-    256 samples spans its rows); both take the reference's step, and the rows no lookup read, held at -0.0,
-    keep their sign (an added zero would make them +0.0), one-hot lookups and bags alike."""
+    before adding them (blocks of 256 samples here: SGD_PROGRAMS 1, SGD_HOT_BATCH 1). A 20-row table takes
+    that path at 32 and the plain atomic adds at 16 (a block spans its rows); both take the reference's
+    step, and the rows no lookup read, held at -0.0, keep their sign (an added zero would make them +0.0),
+    one-hot lookups and bags alike."""
     import kernels.embedding_update as eu
     from kernels.embedding_bag import embedding_bag_update, embedding_bag_update_ref
 
     monkeypatch.setattr(eu, "SGD_HOT_ROWS", hot_rows)
+    monkeypatch.setattr(eu, "SGD_PROGRAMS", 1)
+    monkeypatch.setattr(eu, "SGD_HOT_BATCH", 1)
     rows, sizes = [3, 20, 1000], [1, 2, 3] if bags else [1, 1, 1]
     weights, offsets, r = _tables(rows, 16)
     columns = torch.cat([torch.full((k,), f) for f, k in enumerate(sizes)])
