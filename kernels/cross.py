@@ -47,7 +47,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import launch
-from kernels.gemm.layout import ALIGN_BYTES, rows_aligned, rows_contiguous, tma_descriptor
+from kernels.gemm.layout import describable, rows_contiguous, tma_descriptor
 from kernels.gemm.partials import sum_partials
 from kernels.gemm.tiles import matmul_tile
 from kernels.gemm.tuning import autotuned, input_precision, m_bucket
@@ -251,9 +251,9 @@ def launch_fwd(
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    # out and zb are contiguous [M, N]: their descriptors can store them where N is a multiple of 16 bytes
-    # (and their bases are 16-byte aligned, a cross network's buffers included).
-    tma_store = rows_aligned(out) and out.data_ptr() % ALIGN_BYTES == 0 and zb.data_ptr() % ALIGN_BYTES == 0
+    # out and zb are contiguous [M, N] (a cross network's buffers included): their descriptors can store
+    # them where N is a multiple of 16 bytes and their bases are 16-byte aligned.
+    tma_store = describable(out) and describable(zb)
     x0_desc = tma_descriptor(x0)
     out_desc, zb_desc = (tma_descriptor(out), tma_descriptor(zb)) if tma_store else (x0_desc, x0_desc)
     _cross_fwd_kernel[grid](

@@ -69,6 +69,7 @@ from kernels.gemm.dx_act import dx_act, fastest_dx
 from kernels.gemm.grads import act_dz, act_grads, dw_stream, gemm_grads, grad_input
 from kernels.gemm.layout import (
     aligned_copy,
+    describable,
     has_contiguous_rows,
     padded_like,
     rows_aligned,
@@ -268,7 +269,7 @@ def triton_fwd(
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
     # y and z are fresh contiguous [M, N]: a descriptor can store them where N is a multiple of 16 bytes.
-    tma_store = rows_aligned(y)
+    tma_store = describable(y) and (z is None or describable(z))
     y_desc = tma_descriptor(y if tma_store else weight)  # a placeholder of its own where not stored through
     z_desc = tma_descriptor(z) if tma_store and save_z else y_desc
     _linear_act_fwd_kernel[grid](

@@ -77,12 +77,18 @@ def aligned_weight(weight: Tensor) -> Tensor:
     return aligned_copy(weight)
 
 
+def describable(t: Tensor) -> bool:
+    """Whether a 2-D t can itself back a TMA descriptor: columns contiguous, rows and base 16 bytes apart (a
+    descriptor through which a kernel stores must be of t itself, never of a copy)."""
+    return has_contiguous_rows(t) and rows_aligned(t) and t.data_ptr() % ALIGN_BYTES == 0
+
+
 def tma_descriptor(t: Tensor) -> TensorDescriptor:
     """A TMA descriptor (Hopper's tensor memory accelerator) of a 2-D t [R, C], through which a GEMM kernel
     loads [rows, cols] blocks: rows and columns past t's end read 0, so no mask is needed, nor a masked K
     tail. The hardware wants the columns contiguous, the rows and the base 16 bytes apart: t itself where it
     is so, else ``aligned_copy(t)``. Its block shape is a placeholder that the GEMM's tuning sets to the
     launched config's tiles (``kernels.gemm.tuning``)."""
-    if not (has_contiguous_rows(t) and rows_aligned(t) and t.data_ptr() % ALIGN_BYTES == 0):
+    if not describable(t):
         t = aligned_copy(t)
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [16, 16])
