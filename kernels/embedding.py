@@ -62,16 +62,6 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @triton.jit
-def sample_block(B, BLOCK_B: tl.constexpr):
-    """A lookup program's part of the batch: (b [BLOCK_B] int64, the samples of block program_id(0); mask_b
-    [BLOCK_B], b < B; f, the feature program_id(1))."""
-    pid_b = tl.program_id(0)
-    f = tl.program_id(1)
-    b = pid_b.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
-    return b, b < B, f
-
-
-@triton.jit
 def table_row(x, rows, HASHING: tl.constexpr):
     """The row within its table of each raw id of x (int64): (x + 1) floor-mod rows for "modulus", x
     itself for "index" (rows unused)."""
@@ -102,7 +92,13 @@ def _embedding_fwd_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    b, mask_b, f = sample_block(B, BLOCK_B)
+    # Program p: table p % F, samples from p // F * BLOCK_B. Neighbouring programs read neighbouring ids
+    # and write neighbouring output rows (kaggle's lookups, B=65,536, on an H200: 75 us, against 115 with
+    # the blocks of one table in a row).
+    program = tl.program_id(0)
+    f = program % F
+    b = (program // F).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    mask_b = b < B
     lookup = b * F + f  # position in [B, F]
     x = tl.load(ids_ptr + lookup, mask=mask_b, other=0)
     rows = tl.load(rows_ptr + f) if HASHING == "modulus" else 0  # "index" reads no table sizes
@@ -172,8 +168,7 @@ def embedding_lookup_fwd(
     if b == 0:
         return out, index
     block_d, block_b = block_sizes(d, b)
-    grid = (triton.cdiv(b, block_b), f)
-    _embedding_fwd_kernel[grid](
+    _embedding_fwd_kernel[(f * triton.cdiv(b, block_b),)](
         ids, offsets, rows, weights, out, index, b, f, d, HASHING=hashing, BLOCK_B=block_b, BLOCK_D=block_d
     )
     return out, index
