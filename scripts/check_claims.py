@@ -18,6 +18,7 @@ is one; `--list` also prints the backed ones with the row (file:line) that backs
 """
 
 import bisect
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -101,6 +102,8 @@ class RowIndex:
                 try:
                     value = float(cell)
                 except (TypeError, ValueError):
+                    continue
+                if not math.isfinite(value):  # a NaN would unsort the list that bisect searches
                     continue
                 entries.extend((value * scale, index) for scale in CELL_SCALES)
         entries.sort()

@@ -115,6 +115,18 @@ def test_a_claim_is_backed_only_by_a_current_row_that_holds_it(scripts, monkeypa
     assert backing("4.5% idle") is rows[0]  # a share held as a fraction
 
 
+def test_cells_that_are_not_finite_numbers_hide_no_row(scripts, monkeypatch):
+    """A NaN cell (an idle share a run could not measure) sorted among the values would leave the index
+    out of order, and bisect would miss rows that hold a claim."""
+    check_claims, results_rows = scripts
+    monkeypatch.setattr(check_claims, "is_current", lambda row: True)
+    cells = ["535.5", "12.0", "nan", "9000", "inf", "1.0", "700.0"]
+    rows = [results_rows.Row("b.csv", line, {"us_per_step": cell}) for line, cell in enumerate(cells, 2)]
+    index = check_claims.RowIndex(rows)
+    for text in ("535.5 us", "12.0 us", "9000 us"):
+        assert index.backing_row(check_claims.find_claims("doc.md", text)[0]) is not None, text
+
+
 def test_code_tree_ignores_comments_and_docstrings_only(scripts):
     _, results_rows = scripts
     code = 'def f(x):\n    """Twice x."""\n    return 2 * x  # fast\n'
