@@ -12,8 +12,9 @@ Math (FB-DLRM's `interact_features` with self-interaction off; letters of dlrm/m
 Shapes: dense [B, D], embedded [B, F, D], out [B, D + F(F+1)/2] (367 for F = 26, D = 16).
 Dtypes: fp32, bf16, fp16 (dense and embedded alike); out and gradients in the input dtype. Compute: fp32
 (every value is loaded as fp32, the interpreter needs it for bf16 anyway); the dot products run on TF32
-tensor cores on the GPU: "tf32x3" (three products, error ~fp32's) for fp32 inputs, one "tf32" product for
-bf16/fp16 inputs (exact for them; see `_meta`), and IEEE in the interpreter.
+tensor cores on the GPU at the precision of PyTorch's own matmuls (``kernels.gemm.tuning.input_precision``):
+fp32 inputs as one "tf32" product where ``torch.backends.cuda.matmul.allow_tf32``, else "tf32x3" (three
+products, error ~fp32's); bf16/fp16 inputs one "tf32" product (exact for them); IEEE in the interpreter.
 Each program loads a sample's F+1 vectors once and writes its whole output row (the forward's programs
 take `SAMPLES` samples in turn, see `_meta`): no bmm, no gather of
 the triangle, no concat, and no [B, F+1, F+1] intermediate. Backward saves the inputs (dense, embedded).
@@ -33,6 +34,7 @@ from torch import Tensor
 
 from kernels.gemm.checks import check_dtypes
 from kernels.gemm.layout import aligned_width, leading_columns, rows_contiguous
+from kernels.gemm.tuning import input_precision
 from kernels.launch import INTERPRETED, use_triton
 from kernels.op import define_op
 
@@ -156,23 +158,25 @@ def _check_inputs(dense: Tensor, embedded: Tensor) -> None:
 
 
 def _meta(f: int, d: int, dtype: torch.dtype, backward: bool) -> dict:
-    """Launch settings. The dot's precision on a GPU: for fp32 inputs "tf32x3" (three TF32 tensor-core
-    products, about fp32's accuracy, much faster than "ieee" FMA dots); for bf16/fp16 inputs one "tf32"
-    product, which is exact there (their significands fit TF32's 11 bits) at a third of the work. The
-    interpreter computes "ieee" fp32 dots anyway. Warps and samples per program are the fastest found at
-    the Kaggle shapes (F=26, large B): one sample's tiles are small (32 x D), so the forward runs on one or
-    two warps and 16-bit inputs gain from 4 samples per program; the backward, whose [32, D] fp32 result
-    needs more registers, takes one sample per program and four warps past D=32 (one warp with 4 samples
-    per program spills there)."""
-    sixteen_bit = dtype != torch.float32
+    """Launch settings. The dot's precision on a GPU is ``input_precision``'s: one TF32 product for 16-bit
+    inputs (exact there: their significands fit TF32's 11 bits) and for fp32 under allow_tf32 (the
+    precision eager's bmm has then), else "tf32x3" (three TF32 products, about fp32's accuracy, much faster
+    than "ieee" FMA dots); the interpreter computes "ieee" fp32 dots anyway. Warps and samples per program
+    are the fastest found at the Kaggle shapes (F=26, large B): one sample's tiles are small (32 x D), so
+    the forward runs on one or two warps, and where each dot is one product (16-bit, or fp32 TF32 up to
+    D=32) 4 samples per program hide the loads' latency; the backward, whose [32, D] fp32 result needs more
+    registers, takes one sample per program and four warps past D=32 (one warp with 4 samples per program
+    spills there)."""
+    one_product = dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32
     meta = {
         "BLOCK_T": max(16, triton.next_power_of_2(f + 1)),
         "BLOCK_D": max(16, triton.next_power_of_2(d)),
-        "PRECISION": "ieee" if INTERPRETED else ("tf32" if sixteen_bit else "tf32x3"),
+        "PRECISION": "ieee" if INTERPRETED else input_precision(dtype),
     }
     if backward:
         return meta | {"num_warps": 1 if d <= 32 else 4}
-    return meta | {"SAMPLES": 4 if sixteen_bit else 1, "num_warps": 1 if sixteen_bit or d <= 32 else 2}
+    samples = 4 if dtype != torch.float32 or (one_product and d <= 32) else 1
+    return meta | {"SAMPLES": samples, "num_warps": 1 if dtype != torch.float32 or d <= 32 else 2}
 
 
 def _new_out(b: int, f: int, d: int, like: Tensor) -> Tensor:
