@@ -2,7 +2,8 @@
 
 The rule for "current": a row is current when its `git_sha` names a commit of this repository and the code
 it measures has not changed since that commit (`code_paths`: its file's `MEASURES` entry, else the whole
-application, less kernels/ for a run that never called them, the sharded model's code for a run of one
+application, less kernels/ for a run that never called them and the other interactions' kernels for one
+that did, the sharded model's code for a run of one
 process and the CUDA graphs' for a run on the CPU), nor the config file its `config` cell names
 (`configs/NAME.json` for a bare name, as the bench scripts read it, or the path itself): a run of
 `configs/main.json` measures that file's settings too. A change is any difference in a
@@ -15,6 +16,7 @@ whose commit this repository does not hold (a shallow clone, a copy without git)
 import ast
 import csv
 import json
+import re
 import subprocess
 from dataclasses import dataclass
 from functools import cache
@@ -45,6 +47,13 @@ STEP_BENCHMARKS = ("train.csv",)
 # Code that only a run on a CUDA GPU executes (CUDA graphs: dlrm.config refuses train.cuda_graphs elsewhere):
 # a CPU row did not measure it.
 GPU_ONLY = ("dlrm/graphs.py",)
+# Each interaction's own kernels, imported only by a model whose model.interaction names it
+# (dlrm.model.dlrm.InteractionArch, dlrm.model.dcn): a row of another interaction did not run them.
+INTERACTION_KERNELS: dict[str, tuple[str, ...]] = {
+    "dot": ("kernels/interaction.py",),
+    "attention": ("kernels/attention.py",),
+    "dcn": ("kernels/cross.py", "kernels/cross_net.py"),
+}
 MEASURES: dict[str, tuple[str, ...]] = {
     "preprocess.csv": ("dlrm/data",),
     "loader.csv": ("dlrm/data",),
@@ -196,6 +205,28 @@ def ran_our_kernels(row: Row) -> bool:
     return bool(train.get("use_triton", False) or (train.get("use_torch_compile", False) and on_gpu))
 
 
+def interaction(row: Row) -> str | None:
+    """The model.interaction `row`'s run took: its overrides' value, else its config's; None where neither
+    says (a row without a config, a config it cannot read or that leaves the key to the default)."""
+    found = re.search(r'model\.interaction="?([a-z_]+)', row.cells.get("overrides") or "")
+    if found:
+        return found.group(1)
+    config = config_path(row)
+    try:
+        return json.loads((REPO / config[0]).read_text())["model"].get("interaction") if config else None
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+
+
+def other_interactions_kernels(row: Row) -> tuple[str, ...]:
+    """The kernels of the interactions `row`'s run did not take (INTERACTION_KERNELS: all of them for "cat");
+    none where its interaction is unknown."""
+    taken = interaction(row)
+    if taken is None:
+        return ()
+    return tuple(path for name, paths in INTERACTION_KERNELS.items() if name != taken for path in paths)
+
+
 def one_process(row: Row) -> bool:
     """Whether `row`'s run was one process: its world_size (train.csv) or nproc (checkpoint.csv) cell is 1,
     or it has neither (quality runs, one-process benchmarks)."""
@@ -204,13 +235,15 @@ def one_process(row: Row) -> bool:
 
 def code_paths(row: Row) -> tuple[str, ...]:
     """The code `row` measured, as git pathspecs: its file's MEASURES entry; else the whole application, less
-    kernels/ for a row whose run did not call them (`ran_our_kernels`), less SEVERAL_RANKS_ONLY for a run
-    of one process (`one_process`), less GPU_ONLY for a run on the CPU and less LOOP_ONLY for a step
-    benchmark's row."""
+    kernels/ for a row whose run did not call them (`ran_our_kernels`) and the other interactions' kernels
+    for one that did (`other_interactions_kernels`), less SEVERAL_RANKS_ONLY for a run of one process
+    (`one_process`), less GPU_ONLY for a run on the CPU and less LOOP_ONLY for a step benchmark's row."""
     if row.file in MEASURES:
         return MEASURES[row.file]
-    paths = WHOLE if ran_our_kernels(row) else tuple(p for p in WHOLE if p != "kernels")
-    skipped = (SEVERAL_RANKS_ONLY if one_process(row) else ()) + (GPU_ONLY if on_cpu(row) else ())
+    kernels = ran_our_kernels(row)
+    paths = WHOLE if kernels else tuple(p for p in WHOLE if p != "kernels")
+    skipped = other_interactions_kernels(row) if kernels else ()
+    skipped += (SEVERAL_RANKS_ONLY if one_process(row) else ()) + (GPU_ONLY if on_cpu(row) else ())
     skipped += LOOP_ONLY if row.file in STEP_BENCHMARKS else ()
     return paths + tuple(f":(exclude){path}" for path in dict.fromkeys(skipped))
 

@@ -216,7 +216,42 @@ def test_a_row_measures_the_config_file_it_names(scripts, monkeypatch):
     assert results_rows.is_current(row("kaggle"))
     one_process = tuple(f":(exclude){p}" for p in results_rows.SEVERAL_RANKS_ONLY)
     loop = (":(exclude)dlrm/run", ":(exclude)dlrm/metrics.py")
-    assert seen == [(*results_rows.WHOLE, *one_process, *loop, "configs/kaggle.json")]
+    not_dot = tuple(
+        f":(exclude){p}" for p in ("kernels/attention.py", "kernels/cross.py", "kernels/cross_net.py")
+    )
+    assert seen == [(*results_rows.WHOLE, *not_dot, *one_process, *loop, "configs/kaggle.json")]
+
+
+def test_a_row_measures_only_its_own_interactions_kernels(scripts):
+    """A run of the dot interaction never imports the cross network's or attention's kernels, a DCNv2 run
+    never imports the dot interaction's: a change to one leaves the other's rows current. The interaction
+    is the overrides' where they set it, else the config's; unknown (no config): every kernel counts."""
+    _, results_rows = scripts
+
+    def excluded(**cells):
+        row = results_rows.Row(
+            "quality.csv", 2, {"git_sha": "abc", "overrides": "train.use_triton=true", **cells}
+        )
+        paths = {
+            p.removeprefix(":(exclude)") for p in results_rows.code_paths(row) if p.startswith(":(exclude)")
+        }
+        return {p for p in paths if p.startswith("kernels/")} - set(results_rows.SEVERAL_RANKS_ONLY)
+
+    dot, dcn = {"kernels/interaction.py"}, {"kernels/cross.py", "kernels/cross_net.py"}
+    attention = {"kernels/attention.py"}
+    assert excluded(config="configs/dlrm_dcnv2.json") == dot | attention
+    assert excluded(config="configs/kaggle.json") == dcn | attention
+    assert excluded(
+        config="configs/kaggle.json", overrides='train.use_triton=true model.interaction="dcn"'
+    ) == (dot | attention)
+    assert excluded(
+        config="configs/kaggle.json", overrides="train.use_triton=true model.interaction=cat"
+    ) == (dot | dcn | attention)
+    assert excluded(config="") == set()
+    eager = results_rows.Row(
+        "quality.csv", 2, {"git_sha": "abc", "config": "configs/kaggle.json", "overrides": ""}
+    )
+    assert "kernels" not in results_rows.code_paths(eager)  # no kernels at all: nothing to exclude
 
 
 def test_a_row_measures_kernels_only_where_its_run_called_them(scripts):
@@ -233,7 +268,11 @@ def test_a_row_measures_kernels_only_where_its_run_called_them(scripts):
     assert results_rows.code_paths(row("quality.csv", config="configs/main.json", overrides="")) == dlrm_only
     overrides = 'train.use_triton=true data.loader="x"'
     triton = row("quality.csv", config="configs/kaggle.json", overrides=overrides)
-    assert results_rows.code_paths(triton) == whole
+    # kaggle.json's dot interaction: the other interactions' kernels are not run (the test above)
+    not_dot = tuple(
+        f":(exclude){p}" for p in ("kernels/attention.py", "kernels/cross.py", "kernels/cross_net.py")
+    )
+    assert results_rows.code_paths(triton) == (*results_rows.WHOLE, *not_dot, *one_process)
     # A step benchmark runs no training loop and evaluates nothing: its row measures neither's code.
     no_metrics = (":(exclude)dlrm/run", ":(exclude)dlrm/metrics.py")
     assert results_rows.code_paths(row("train.csv", backend="eager")) == (*dlrm_only, *no_metrics)
@@ -249,7 +288,7 @@ def test_a_row_measures_kernels_only_where_its_run_called_them(scripts):
     )
     compiled = 'train.use_torch_compile=true data.loader="x"'
     gpu = row("quality.csv", config="configs/kaggle.json", overrides=compiled, device="H200")
-    assert results_rows.code_paths(gpu) == whole
+    assert results_rows.code_paths(gpu) == (*results_rows.WHOLE, *not_dot, *one_process)
     cpu = row("quality.csv", config="configs/kaggle.json", overrides=compiled, device="cpu")
     assert results_rows.code_paths(cpu) == on_cpu
     assert results_rows.code_paths(row("breakdown.csv")) == whole
