@@ -179,6 +179,32 @@ def bench(
     return out
 
 
+def needed_gib(b: int, d: int, s: int, max_rows: int, optimizer: str, element_size: int) -> float:
+    """GiB of GPU memory that one optimizer's runs hold at least: the weights (one spare row), the optimizer
+    state (fp32: [R, D] for adagrad, [R] for rowwise_adagrad) and the plain-PyTorch step's four [B*S, D]
+    fp32 buffers (module docstring)."""
+    rows = sum(min(k + 1, max_rows) for k in TERABYTE_CARDINALITIES)
+    state = {"adagrad": rows * d * 4, "rowwise_adagrad": rows * 4}.get(optimizer, 0)
+    return ((rows + 1) * d * element_size + state + 4 * b * s * d * 4) / 2**30
+
+
+def check_memory(b: int, d: int, s: int, max_rows: int, optimizers: list[str], element_size: int) -> None:
+    """Refuse, before any run, an optimizer whose runs cannot fit in the GPU's total memory.
+
+    Raises:
+        click.UsageError: naming the optimizer, the GiB it needs and the GiB the GPU has, and what to lower.
+    """
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    for optimizer in optimizers:
+        need = needed_gib(b, d, s, max_rows, optimizer, element_size)
+        if need > total:
+            raise click.UsageError(
+                f"--optimizers {optimizer} at --max-rows {max_rows:,}, --batch {b:,}, --dim {d} needs at "
+                f"least {need:.0f} GiB of GPU memory, the GPU has {total:.0f} GiB: lower --max-rows (e.g. "
+                "4000000) or --batch, or leave that optimizer out"
+            )
+
+
 @click.command(context_settings={"show_default": True})
 @click.option("--batch", default=65536, help="Batch size B.")
 @click.option("--dim", default=128, help="Embedding dim D.")
@@ -199,9 +225,10 @@ def main(batch, dim, sizes, max_rows, optimizers, weights_dtype, rounding):
     if not torch.cuda.is_available():
         raise click.UsageError("bench_embedding_bag.py needs a CUDA GPU")
     gpu = torch.cuda.get_device_name()
-    copy_gbps = measure_ceilings()["copy_gbps"]
     dtype = torch.bfloat16 if weights_dtype == "bf16" else torch.float32
     sizes = parse_sizes(sizes)
+    check_memory(batch, dim, sum(sizes), max_rows, optimizers.split(","), dtype.itemsize)
+    copy_gbps = measure_ceilings()["copy_gbps"]
     print(f"{gpu}: copy {copy_gbps:.0f} GB/s, B={batch}, D={dim}, S={sum(sizes)}, rows cap {max_rows:,}")
     rows = []
     for optimizer in optimizers.split(","):

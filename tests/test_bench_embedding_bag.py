@@ -37,3 +37,20 @@ def test_the_plain_pytorch_update_equals_the_reference(optimizer):
     if optimizer != "sgd":
         torch.testing.assert_close(got_s[: len(weights) - 1], ref_s, rtol=1e-5, atol=1e-6)
         assert torch.equal(got_s[-1], state[-1])
+
+
+def test_an_optimizer_that_cannot_fit_is_refused_before_any_run(monkeypatch):
+    """At the defaults (40M-row cap, B=65,536, MLPerf bags, bf16 weights) adagrad's fp32 [R, D] state alone
+    is ~80 GiB: on a 140 GiB GPU the run is refused up front, naming what to lower; rowwise_adagrad and sgd
+    fit, and so does adagrad at the 4M-row cap."""
+
+    class Properties:
+        total_memory = 140 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: Properties())
+    s = sum(bench.parse_sizes("mlperf"))
+    assert bench.needed_gib(65536, 128, s, 40_000_000, "adagrad", 2) > 140
+    with pytest.raises(bench.click.UsageError, match=r"--optimizers adagrad at --max-rows 40,000,000.*lower"):
+        bench.check_memory(65536, 128, s, 40_000_000, ["rowwise_adagrad", "adagrad"], 2)
+    bench.check_memory(65536, 128, s, 40_000_000, ["rowwise_adagrad", "sgd"], 2)
+    bench.check_memory(65536, 128, s, 4_000_000, ["adagrad"], 2)
