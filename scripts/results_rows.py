@@ -181,6 +181,19 @@ def config_path(row: Row) -> tuple[str, ...]:
     return (name,) if name.endswith(".json") else (f"configs/{name}.json",)
 
 
+def config_section(row: Row, section: str) -> dict | None:
+    """The `section` ("train", "model") of the config file `row` ran: {} for a row that names none, None
+    where the file or the section cannot be read."""
+    config = config_path(row)
+    if not config:
+        return {}
+    try:
+        found = json.loads((REPO / config[0]).read_text())[section]
+    except (OSError, ValueError, KeyError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
 def ran_our_kernels(row: Row) -> bool:
     """Whether `row`'s run could call kernels/ (our Triton kernels): a step row (`backend` cell) whose backend
     names triton, or compile on a GPU; a training row (`overrides` cell) whose overrides or config set
@@ -197,10 +210,8 @@ def ran_our_kernels(row: Row) -> bool:
     overrides = row.cells["overrides"].replace(" ", "")
     if "use_triton=true" in overrides or ("use_torch_compile=true" in overrides and on_gpu):
         return True
-    config = config_path(row)
-    try:
-        train = json.loads((REPO / config[0]).read_text())["train"] if config else {}
-    except (OSError, ValueError, KeyError):
+    train = config_section(row, "train")
+    if train is None:
         return True  # a config it cannot read: count the kernels in
     return bool(train.get("use_triton", False) or (train.get("use_torch_compile", False) and on_gpu))
 
@@ -211,11 +222,7 @@ def interaction(row: Row) -> str | None:
     found = re.search(r'model\.interaction="?([a-z_]+)', row.cells.get("overrides") or "")
     if found:
         return found.group(1)
-    config = config_path(row)
-    try:
-        return json.loads((REPO / config[0]).read_text())["model"].get("interaction") if config else None
-    except (OSError, ValueError, KeyError, AttributeError):
-        return None
+    return (config_section(row, "model") or {}).get("interaction")
 
 
 def other_interactions_kernels(row: Row) -> tuple[str, ...]:
