@@ -49,6 +49,11 @@ ROTATE = 4
 LR, EPS = 0.01, 1e-8
 
 
+def capped_rows(max_rows: int) -> list[int]:
+    """Each table's rows: the Criteo 1TB cardinality + 1 (the modulus tables' size), capped at max_rows."""
+    return [min(k + 1, max_rows) for k in TERABYTE_CARDINALITIES]
+
+
 def _torch_lookup(weights, offsets_in_table, rows, bag_offsets, features, ids, pooling):
     """Plain PyTorch pooled lookup: (out [B, F, D], index [B, S])."""
     index = torch.remainder(ids + 1, rows[features]) + offsets_in_table[features]
@@ -95,7 +100,7 @@ def bench(
     b: int, d: int, sizes, max_rows: int, optimizer: str, dtype, copy_gbps: float, rounding: str
 ) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
-    table_rows = [min(k + 1, max_rows) for k in TERABYTE_CARDINALITIES]
+    table_rows = capped_rows(max_rows)
     rows = torch.tensor(table_rows, device="cuda")
     offsets = torch.cumsum(rows, 0) - rows
     bag_sizes = torch.tensor(sizes, device="cuda")
@@ -183,7 +188,7 @@ def needed_gib(b: int, d: int, s: int, max_rows: int, optimizer: str, element_si
     """GiB of GPU memory that one optimizer's runs hold at least: the weights (one spare row), the optimizer
     state (fp32: [R, D] for adagrad, [R] for rowwise_adagrad) and the plain-PyTorch step's four [B*S, D]
     fp32 buffers (module docstring)."""
-    rows = sum(min(k + 1, max_rows) for k in TERABYTE_CARDINALITIES)
+    rows = sum(capped_rows(max_rows))
     state = {"adagrad": rows * d * 4, "rowwise_adagrad": rows * 4}.get(optimizer, 0)
     return ((rows + 1) * d * element_size + state + 4 * b * s * d * 4) / 2**30
 
