@@ -10,6 +10,12 @@ import pytest
 
 from tests.conftest import REPO
 
+# The pathspecs that leave out the kernels a run of the dot interaction never imports
+# (results_rows.INTERACTION_KERNELS).
+NOT_DOT = tuple(
+    f":(exclude){p}" for p in ("kernels/attention.py", "kernels/cross.py", "kernels/cross_net.py")
+)
+
 
 @pytest.fixture
 def scripts(monkeypatch):
@@ -216,10 +222,7 @@ def test_a_row_measures_the_config_file_it_names(scripts, monkeypatch):
     assert results_rows.is_current(row("kaggle"))
     one_process = tuple(f":(exclude){p}" for p in results_rows.SEVERAL_RANKS_ONLY)
     loop = (":(exclude)dlrm/run", ":(exclude)dlrm/metrics.py")
-    not_dot = tuple(
-        f":(exclude){p}" for p in ("kernels/attention.py", "kernels/cross.py", "kernels/cross_net.py")
-    )
-    assert seen == [(*results_rows.WHOLE, *not_dot, *one_process, *loop, "configs/kaggle.json")]
+    assert seen == [(*results_rows.WHOLE, *NOT_DOT, *one_process, *loop, "configs/kaggle.json")]
 
 
 def test_a_row_measures_only_its_own_interactions_kernels(scripts):
@@ -268,11 +271,8 @@ def test_a_row_measures_kernels_only_where_its_run_called_them(scripts):
     assert results_rows.code_paths(row("quality.csv", config="configs/main.json", overrides="")) == dlrm_only
     overrides = 'train.use_triton=true data.loader="x"'
     triton = row("quality.csv", config="configs/kaggle.json", overrides=overrides)
-    # kaggle.json's dot interaction: the other interactions' kernels are not run (the test above)
-    not_dot = tuple(
-        f":(exclude){p}" for p in ("kernels/attention.py", "kernels/cross.py", "kernels/cross_net.py")
-    )
-    assert results_rows.code_paths(triton) == (*results_rows.WHOLE, *not_dot, *one_process)
+    # kaggle.json's dot interaction: the other interactions' kernels are not run (NOT_DOT)
+    assert results_rows.code_paths(triton) == (*results_rows.WHOLE, *NOT_DOT, *one_process)
     # A step benchmark runs no training loop and evaluates nothing: its row measures neither's code.
     no_metrics = (":(exclude)dlrm/run", ":(exclude)dlrm/metrics.py")
     assert results_rows.code_paths(row("train.csv", backend="eager")) == (*dlrm_only, *no_metrics)
@@ -288,7 +288,7 @@ def test_a_row_measures_kernels_only_where_its_run_called_them(scripts):
     )
     compiled = 'train.use_torch_compile=true data.loader="x"'
     gpu = row("quality.csv", config="configs/kaggle.json", overrides=compiled, device="H200")
-    assert results_rows.code_paths(gpu) == (*results_rows.WHOLE, *not_dot, *one_process)
+    assert results_rows.code_paths(gpu) == (*results_rows.WHOLE, *NOT_DOT, *one_process)
     cpu = row("quality.csv", config="configs/kaggle.json", overrides=compiled, device="cpu")
     assert results_rows.code_paths(cpu) == on_cpu
     assert results_rows.code_paths(row("breakdown.csv")) == whole
