@@ -20,8 +20,10 @@ Both are timed as CUDA-graph replays (triton.testing.do_bench medians) and, for 
 from Python. Each row's % of the copy bandwidth is its bytes model over its time (`step_bytes`): the
 forward reads 8 B of ids and writes 8 B of index per lookup, reads a row of the weights' dtype per lookup
 and writes [B, F, D]; the step adds the update: the index sorted (~3 x 8 B per lookup), the pooled
-gradient read once per lookup (D x 4 B), and per distinct row touched the weights and the optimizer state
-read and written once (SGD on fp32 weights adds atomically, no sort: a row read and written per lookup).
+gradient read once per lookup (a row of D in the weights' dtype: the pooled output has the tables' dtype,
+and so has the gradient a model's backward hands the update), and per distinct row touched the weights and
+the optimizer state read and written once (SGD on fp32 weights adds atomically, no sort: a row read and
+written per lookup).
 Rows are appended to scripts/results/embedding_bag.csv. Needs a CUDA GPU. Memory at the defaults: bf16
 weights of ~163M rows x 128 (42 GB), plus per step the [B*S, D] buffers of the plain-PyTorch step (~4 of
 ~7 GB each); "adagrad" adds an fp32 [R, D] state (83 GB): lower --max-rows (e.g. 4000000, the MLPerf step
@@ -91,9 +93,9 @@ def step_bytes(
     if op == "fwd":
         return fwd
     if optimizer == "sgd" and weight_bytes == 4:  # atomic adds: a row read and written per lookup
-        return fwd + lookups * (4 * d + 2 * width)
+        return fwd + lookups * 3 * width
     state = {"sgd": 0, "adagrad": 4 * d, "rowwise_adagrad": 4}[optimizer]
-    return fwd + lookups * (24 + 4 * d) + distinct * 2 * (width + state)
+    return fwd + lookups * (24 + width) + distinct * 2 * (width + state)
 
 
 def bench(
@@ -107,7 +109,8 @@ def bench(
     s = sum(sizes)
     maker = BagMaker(sizes, table_rows, "pareto", 0)
     ids = [maker(torch.randint(0, 2**32, (b, NUM_SPARSE), device="cuda", generator=g)) for _ in range(ROTATE)]
-    grads = [torch.randn(b, NUM_SPARSE, d, device="cuda", generator=g) for _ in range(ROTATE)]
+    # The pooled gradient in the pooled output's dtype (the weights'), as a model's backward gives it.
+    grads = [torch.randn(b, NUM_SPARSE, d, device="cuda", generator=g).to(dtype) for _ in range(ROTATE)]
     # One row more than the tables: the plain-PyTorch update's spare row (ours never reads it).
     weights = torch.empty(sum(table_rows) + 1, d, device="cuda", dtype=dtype).uniform_(-0.01, 0.01)
     state = optimizer_state(weights, optimizer)
