@@ -77,10 +77,16 @@ OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 # Sorted positions a segment-sum program reduces: its [SUM_BLOCK_N, SUM_BLOCK_N] 0/1 matrix stays in
 # registers (64 spills them on an H200; tl.dot needs at least 16).
 SUM_BLOCK_N = 32
-# The summing kernel's persistent programs an SM. It waits on its gathers: more programs than fit at once
-# (two, at ~200 registers a thread and 4 warps) measured faster (H200, bench_embedding_bag's Adagrad step on
-# pareto bags, bf16 weights, 4M-row cap: 2 an SM 9.08 ms, 8 an SM 7.47 ms).
+# The summing kernel's persistent programs an SM, their warps and software-pipelining stages. It waits on
+# its gathers: more programs than fit at once measured faster (H200, bench_embedding_bag's Adagrad step on
+# pareto bags, bf16 weights, 4M-row cap: 2 an SM 9.08 ms, 8 an SM 7.47 ms). Triton's pipelining of its loop
+# (asynchronous copies of the gathers through shared memory, 3 stages by default) measured slower than
+# none, and 2 warps faster than 4 (H200, the rowwise_adagrad step on pareto bags over 40M-row tables, bf16
+# weights and gradient: 3 stages and 4 warps 6.35 ms, 1 stage 5.92, 1 stage and 2 warps 5.61; uniform bags,
+# 4M-row cap: 5.40, 5.30, 5.27).
 SUM_PROGRAMS_PER_SM = 8
+SUM_WARPS = 2
+SUM_STAGES = 1
 # Segments of at most SHORT_SEGMENT sorted positions (most rows of large tables) are summed by the step
 # kernel in a loop over their positions, never stored; longer ones (small tables, hot rows) by the summing
 # kernel's 0/1 products, through the [N, D] buffer.
@@ -296,6 +302,26 @@ def _gradient_offsets(row, mask, scales_ptr, F, D, stride_b, stride_f, POOLED: t
     return row * D, tl.full(row.shape, 1.0, tl.float32)
 
 
+@triton.jit
+def _block_positions(
+    blocks_ptr, rows_ptr, segment_ptr, i, count, N, LEVEL0: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """(block, row [BLOCK_N] int64, segment [BLOCK_N] int64) of the summing kernel's i-th listed block: its
+    positions' gradient rows (precomputed at level 0; a level >= 1 reads row p at p) and segments, -1 past
+    N. Past the list's `count` blocks: block 0, its loads masked (a prefetch past a program's last
+    block)."""
+    listed = i < count
+    block = tl.load(blocks_ptr + i, mask=listed, other=0)
+    p = block * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask_p = listed & (p < N)
+    if LEVEL0:
+        row = tl.load(rows_ptr + p, mask=mask_p, other=0)
+    else:
+        row = p
+    segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
+    return block, row, segment
+
+
 @triton.jit(do_not_specialize=["N", "SEGMENTS"])
 def _segment_sum_kernel(
     # pointers
@@ -323,21 +349,25 @@ def _segment_sum_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Persistent: the programs stride over the listed blocks, whose number only the device knows."""
+    """Persistent: the programs stride over the listed blocks, whose number only the device knows. Each
+    block's positions (their gradient rows and segments) are loaded while the block before is summed, so
+    a block waits on one round of loads, its gradient rows' gather, not on three dependent ones."""
     d = tl.arange(0, BLOCK_D)
     mask_d = (d < D)[None, :]
-    for i in range(tl.program_id(0), tl.load(count_ptr), tl.num_programs(0)):
-        block = tl.load(blocks_ptr + i)
+    count = tl.load(count_ptr)
+    step = tl.num_programs(0)
+    next_block, next_row, next_segment = _block_positions(
+        blocks_ptr, rows_ptr, segment_ptr, tl.program_id(0), count, N, LEVEL0, BLOCK_N
+    )
+    for i in range(tl.program_id(0), count, step):
+        block, row, segment = next_block, next_row, next_segment
+        next_block, next_row, next_segment = _block_positions(
+            blocks_ptr, rows_ptr, segment_ptr, i + step, count, N, LEVEL0, BLOCK_N
+        )
         start = block * BLOCK_N
         p = start + tl.arange(0, BLOCK_N).to(tl.int64)
         mask_p = p < N
         mask = mask_p[:, None] & mask_d
-        # The gradient's row of each position comes precomputed: two dependent loads a block, not three.
-        if LEVEL0:
-            row = tl.load(rows_ptr + p, mask=mask_p, other=0)
-        else:
-            row = p
-        segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
         offset, scale = _gradient_offsets(row, mask_p, scales_ptr, F, D, stride_b, stride_f, POOLED)
         # An unused slot of a level >= 1 was never written (its buffer is not zeroed): read as zeros, since
         # the block's sums multiply every row by a 0/1 matrix and garbage (NaN) times 0 would reach the
@@ -349,16 +379,16 @@ def _segment_sum_kernel(
             grad = tl.load(grad_ptr + offset[:, None] + d[None, :], mask=used, other=0.0)
         # Each position's sum over its segment's positions in this block, in a fixed order (no atomics).
         sums = _block_segment_sums(segment, grad, scale, SPLIT_BF16)
-        next_segment = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
+        following = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
         before_block = tl.load(segment_ptr + start - 1, mask=start > 0, other=-1)
         first, last = tl.load(segment_ptr + start), tl.max(segment)  # positions are sorted
-        ends_here = mask_p & ((segment != next_segment) | (p == start + BLOCK_N - 1))
+        ends_here = mask_p & ((segment != following) | (p == start + BLOCK_N - 1))
         # A segment that began in an earlier block or goes on into a later one has partial sums in several
         # blocks: each block's partial goes to its place in the next level (`dest`, the launcher's; -1 for
         # a short segment at level 0), which sums them the same way; a segment inside the block is complete,
         # and stored here from level 1 on.
         came_in = (segment == first) & (first == before_block)
-        crosses = came_in | ((segment == last) & (last == next_segment))
+        crosses = came_in | ((segment == last) & (last == following))
         if not LEVEL0:
             whole = ends_here & ~crosses & (segment < SEGMENTS)
             tl.store(sums_ptr + segment[:, None] * D + d[None, :], sums, mask=mask & whole[:, None])
@@ -812,7 +842,8 @@ def _segment_sums(
         _segment_sum_kernel[(_persistent_grid(len(blocks), SUM_PROGRAMS_PER_SM, grad.device),)](
             rows, segment, grad, scales, sums, dest, partials, blocks, count, m, f, d, n, *strides,
             POOLED=pooled, SPLIT_BF16=not INTERPRETED, OFFSET32=_last_offset(grad) < OFFSET32_LIMIT,
-            LEVEL0=used is None, BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=4,
+            LEVEL0=used is None, BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=SUM_WARPS,
+            num_stages=SUM_STAGES,
         )  # fmt: skip
         if m <= SUM_BLOCK_N:
             return sums
