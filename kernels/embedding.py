@@ -37,6 +37,7 @@ from kernels.embedding_update import (
     block_sizes,
     check_optimizer,
     check_rounding,
+    column_block,
     embedding_update,
     update_lr,
 )
@@ -95,11 +96,7 @@ def _embedding_fwd_kernel(
     # Program p: table p % F, samples from p // F * BLOCK_B. Neighbouring programs read neighbouring ids
     # and write neighbouring output rows (kaggle's lookups, B=65,536, on an H200: 75 us, against 115 with
     # the blocks of one table in a row).
-    program = tl.program_id(0)
-    f = program % F
-    b = (program // F).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
-    mask_b = b < B
-    lookup = b * F + f  # position in [B, F]
+    f, b, mask_b, lookup = column_block(tl.program_id(0), F, B, BLOCK_B)  # lookup: position in [B, F]
     x = tl.load(ids_ptr + lookup, mask=mask_b, other=0)
     rows = tl.load(rows_ptr + f) if HASHING == "modulus" else 0  # "index" reads no table sizes
     index = tl.load(offsets_ptr + f) + table_row(x, rows, HASHING)

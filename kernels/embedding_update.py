@@ -65,6 +65,7 @@ __all__ = [
     "check_lr",
     "check_optimizer",
     "check_rounding",
+    "column_block",
     "embedding_update",
     "embedding_update_ref",
     "launch_update",
@@ -127,6 +128,17 @@ def _lookup_grad(
     return grad
 
 
+@triton.jit
+def column_block(program, columns, B, BLOCK_B: tl.constexpr):
+    """(column, b [BLOCK_B] int64, mask_b, lookup [BLOCK_B] int64) of program `program` in the columns-
+    fastest walk over [B, columns] lookups that the one-hot lookup (kernels.embedding) and the SGD kernel
+    share: column program % columns, samples b from program // columns * BLOCK_B (neighbouring programs
+    read neighbouring lookups), lookup b * columns + column, mask_b b < B."""
+    column = program % columns
+    b = (program // columns).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    return column, b, b < B, b * columns + column
+
+
 @triton.jit(do_not_specialize=["B"])
 def _sgd_kernel(
     # pointers
@@ -155,10 +167,7 @@ def _sgd_kernel(
     it sums each row's lookups first, as the product of the 0/1 matrix hit[r, b] = (index[b] == low + r)
     with the steps (an IEEE fp32 dot), and adds one sum a touched row: atomic adds to one address
     serialize, and kaggle's seven tables under 64 rows took more of the update than its other nineteen."""
-    program = tl.program_id(0)
-    b = (program // S).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
-    mask_b = b < B
-    lookup = b * S + program % S
+    _, b, mask_b, lookup = column_block(tl.program_id(0), S, B, BLOCK_B)
     d = tl.arange(0, BLOCK_D)
     mask_d = d < D
     mask = mask_b[:, None] & mask_d[None, :]
