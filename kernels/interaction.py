@@ -167,7 +167,6 @@ def _meta(f: int, d: int, dtype: torch.dtype, backward: bool) -> dict:
     D=32) 4 samples per program hide the loads' latency; the backward, whose [32, D] fp32 result needs more
     registers, takes one sample per program and four warps past D=32 (one warp with 4 samples per program
     spills there)."""
-    one_product = dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32
     meta = {
         "BLOCK_T": max(16, triton.next_power_of_2(f + 1)),
         "BLOCK_D": max(16, triton.next_power_of_2(d)),
@@ -175,7 +174,7 @@ def _meta(f: int, d: int, dtype: torch.dtype, backward: bool) -> dict:
     }
     if backward:
         return meta | {"num_warps": 1 if d <= 32 else 4}
-    samples = 4 if dtype != torch.float32 or (one_product and d <= 32) else 1
+    samples = 4 if dtype != torch.float32 or (torch.backends.cuda.matmul.allow_tf32 and d <= 32) else 1
     return meta | {"SAMPLES": samples, "num_warps": 1 if dtype != torch.float32 or d <= 32 else 2}
 
 
