@@ -348,6 +348,17 @@ def test_a_row_longer_than_a_level_of_blocks_takes_one_summed_step(optimizer):
 
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
+def test_persistent_programs_that_take_many_blocks_step_the_same(optimizer, monkeypatch):
+    """Three programs for every persistent kernel: each summing program walks some thirty blocks (each one's
+    positions loaded while the block before is summed, the last prefetch past the list), each step program
+    many groups of segments; the update stays within fp32 summation error of the exact one."""
+    import kernels.embedding_update as eu
+
+    monkeypatch.setattr(eu, "_persistent_grid", lambda items, per_sm, device: min(items, 3))
+    _check_update_against_exact([1, 7, 1000], 1500, 16, optimizer, DEVICE)
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
 @pytest.mark.parametrize("short", [32, 64, 10**6])
 def test_short_and_long_segments_take_the_same_summed_step(optimizer, short, monkeypatch):
     """Segments of at most SHORT_SEGMENT positions are summed by the step kernel's loop, longer ones by
