@@ -358,9 +358,9 @@ def _segment_sum_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Persistent: the programs stride over the listed blocks, whose number only the device knows. Each
-    block's positions (their gradient rows and segments) are loaded while the block before is summed, so
-    a block waits on one round of loads, its gradient rows' gather, not on three dependent ones."""
+    """Persistent: the programs stride over the listed blocks, whose number only the device knows. A
+    program loads each block's positions (their gradient rows and segments) one block ahead, while it sums
+    the block before, so that the block's gather can start at once."""
     d = tl.arange(0, BLOCK_D)
     mask_d = (d < D)[None, :]
     count = tl.load(count_ptr)
