@@ -24,7 +24,9 @@ gradient read once per lookup (a row of D in the weights' dtype: the pooled outp
 and so has the gradient a model's backward hands the update), and per distinct row touched the weights and
 the optimizer state read and written once (SGD on fp32 weights adds atomically, no sort: a row read and
 written per lookup).
-Rows are appended to scripts/results/embedding_bag.csv. Needs a CUDA GPU. Memory at the defaults: bf16
+Rows are appended to scripts/results/embedding_bag.csv; our step's CUDA kernels, each with its us and
+launches a step and its share of the step's kernel time (a profile of PROFILED_STEPS steps launched
+from Python), to scripts/results/embedding_bag_kernels.csv. Needs a CUDA GPU. Memory at the defaults: bf16
 weights of ~163M rows x 128 (42 GB), plus per step the [B*S, D] buffers of the plain-PyTorch step (~4 of
 ~7 GB each); "adagrad" adds an fp32 [R, D] state (83 GB): lower --max-rows (e.g. 4000000, the MLPerf step
 config's cap) where that does not fit.
@@ -37,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from bench_timing import graph_ms, measure_ceilings, median_ms
 from results_csv import append_rows, provenance
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 from torch_graphed_dcn import segments
 
 from dlrm.data.bags import BagMaker, parse_sizes
@@ -47,6 +51,10 @@ from kernels.embedding_bag_update import bag_columns
 from kernels.embedding_update import optimizer_state
 
 RESULTS = Path(__file__).parent / "results" / "embedding_bag.csv"
+KERNELS = Path(__file__).parent / "results" / "embedding_bag_kernels.csv"
+PROFILED_STEPS = 5
+# A kernel's name in the kernels file, cut to this many characters (C++ template names run to thousands).
+KERNEL_NAME = 120
 ROTATE = 4
 LR, EPS = 0.01, 1e-8
 
@@ -98,9 +106,34 @@ def step_bytes(
     return fwd + lookups * (24 + width) + distinct * 2 * (width + state)
 
 
+def per_step(averages, steps: int) -> list[dict]:
+    """Each CUDA kernel of a profile's `averages` (``torch.profiler``'s key_averages over `steps` steps) as
+    {"kernel": name, "us": GPU us a step, "launches": launches a step}, slowest first; kernels that took no
+    GPU time are left out."""
+    kernels = [
+        {"kernel": e.key, "us": e.device_time_total / steps, "launches": e.count / steps}
+        for e in averages
+        if e.device_type == DeviceType.CUDA and e.device_time_total > 0
+    ]
+    return sorted(kernels, key=lambda k: -k["us"])
+
+
+def kernel_times(step, steps: int = PROFILED_STEPS) -> list[dict]:
+    """``per_step`` of `step` launched `steps` times from Python under the profiler, after one call outside
+    it."""
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return per_step(prof.key_averages(), steps)
+
+
 def bench(
     b: int, d: int, sizes, max_rows: int, optimizer: str, dtype, copy_gbps: float, rounding: str
-) -> list[dict]:
+) -> tuple[list[dict], list[dict]]:
+    """(the rows of one optimizer, our step's kernels: ``kernel_times``)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     table_rows = capped_rows(max_rows)
     rows = torch.tensor(table_rows, device="cuda")
@@ -165,6 +198,7 @@ def bench(
         ("step", "ours", "graph"): graph_ms(ours_step),
         ("step", "torch", "graph"): graph_ms(torch_step),
     }
+    kernels = kernel_times(ours_step)
     lookups = b * s
     with torch.no_grad():
         _, index = _torch_lookup(weights, offsets, rows, bag_offsets, features, ids[0], "sum")
@@ -184,7 +218,7 @@ def bench(
             "ratio_vs_torch_graph": round(base / ms, 2) if base else "",
             "pct_copy_bw": round(100 * moved(op) / ms / 1e6 / copy_gbps, 1) if path == "ours" else "",
         })  # fmt: skip
-    return out
+    return out, kernels
 
 
 def needed_gib(b: int, d: int, s: int, max_rows: int, optimizer: str, element_size: int) -> float:
@@ -229,7 +263,8 @@ def check_memory(b: int, d: int, s: int, max_rows: int, optimizers: list[str], e
     help="How our update rounds bf16 weights (the plain-PyTorch step rounds to nearest).",
 )  # fmt: skip
 def main(batch, dim, sizes, max_rows, optimizers, weights_dtype, rounding):
-    """Time the bag kernel against capturable plain PyTorch; rows go to scripts/results/embedding_bag.csv."""
+    """Time the bag kernel against capturable plain PyTorch; rows go to scripts/results/embedding_bag.csv, our
+    step's kernels to scripts/results/embedding_bag_kernels.csv."""
     if not torch.cuda.is_available():
         raise click.UsageError("bench_embedding_bag.py needs a CUDA GPU")
     gpu = torch.cuda.get_device_name()
@@ -238,14 +273,25 @@ def main(batch, dim, sizes, max_rows, optimizers, weights_dtype, rounding):
     check_memory(batch, dim, sum(sizes), max_rows, optimizers.split(","), dtype.itemsize)
     copy_gbps = measure_ceilings()["copy_gbps"]
     print(f"{gpu}: copy {copy_gbps:.0f} GB/s, B={batch}, D={dim}, S={sum(sizes)}, rows cap {max_rows:,}")
-    rows = []
+    rows, kernel_rows = [], []
     for optimizer in optimizers.split(","):
-        rows += bench(batch, dim, sizes, max_rows, optimizer, dtype, copy_gbps, rounding)
+        measured, kernels = bench(batch, dim, sizes, max_rows, optimizer, dtype, copy_gbps, rounding)
+        rows += measured
+        step_ms = sum(k["us"] for k in kernels) / 1e3
+        print(f"{optimizer}: our step's kernels, {step_ms:.3f} ms of GPU time a step")
+        for k in kernels:
+            print(f"  {k['us']:9.1f} us  {k['launches']:5.1f} launches  {k['kernel'][:100]}")
+            kernel_rows.append({
+                "optimizer": optimizer, "weights": weights_dtype, "rounding": rounding,
+                "kernel": k["kernel"][:KERNEL_NAME], "us": round(k["us"], 1), "launches": k["launches"],
+                "pct_of_step": round(100 * k["us"] / 1e3 / step_ms, 1),
+            })  # fmt: skip
         torch.cuda.empty_cache()
     common = provenance(gpu)
     for r in rows:
         print("  ".join(f"{k}={v}" for k, v in r.items() if v != ""))
     append_rows(RESULTS, [dict(common, batch=batch, max_rows=max_rows, **r) for r in rows])
+    append_rows(KERNELS, [dict(common, batch=batch, max_rows=max_rows, **r) for r in kernel_rows])
 
 
 if __name__ == "__main__":

@@ -54,3 +54,25 @@ def test_an_optimizer_that_cannot_fit_is_refused_before_any_run(monkeypatch):
         bench.check_memory(65536, 128, s, 40_000_000, ["rowwise_adagrad", "adagrad"], 2)
     bench.check_memory(65536, 128, s, 40_000_000, ["rowwise_adagrad", "sgd"], 2)
     bench.check_memory(65536, 128, s, 4_000_000, ["adagrad"], 2)
+
+
+def test_kernel_times_per_step_slowest_first():
+    """A profile's averages over 5 steps become each CUDA kernel's us and launches a step, slowest first;
+    CPU ops and kernels without GPU time are left out."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(key, device, us, count):
+        return SimpleNamespace(key=key, device_type=device, device_time_total=us, count=count)
+
+    averages = [
+        event("_segment_step_kernel", DeviceType.CUDA, 500.0, 5),
+        event("aten::sort", DeviceType.CPU, 9000.0, 20),
+        event("_segment_sum_kernel", DeviceType.CUDA, 2000.0, 30),
+        event("Memset", DeviceType.CUDA, 0.0, 5),
+    ]
+    kernels = bench.per_step(averages, 5)
+    assert [k["kernel"] for k in kernels] == ["_segment_sum_kernel", "_segment_step_kernel"]
+    assert kernels[0]["us"] == 400.0 and kernels[0]["launches"] == 6.0
+    assert kernels[1]["us"] == 100.0 and kernels[1]["launches"] == 1.0
