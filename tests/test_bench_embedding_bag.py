@@ -76,3 +76,18 @@ def test_kernel_times_per_step_slowest_first():
     assert [k["kernel"] for k in kernels] == ["_segment_sum_kernel", "_segment_step_kernel"]
     assert kernels[0]["us"] == 400.0 and kernels[0]["launches"] == 6.0
     assert kernels[1]["us"] == 100.0 and kernels[1]["launches"] == 1.0
+
+
+def test_step_bytes_count_the_gradient_in_the_weights_dtype():
+    """The step reads each lookup's pooled gradient row in the pooled output's dtype (the weights'): bf16
+    tables move half the gradient bytes of fp32 ones; SGD on fp32 weights adds a row per lookup, no sort."""
+    lookups, distinct, bags, d = 1000, 300, 260, 128
+    fwd = bench.step_bytes("fwd", lookups, distinct, bags, d, 2, "rowwise_adagrad")
+    assert fwd == lookups * (16 + 2 * d) + bags * 2 * d
+    step = bench.step_bytes("step", lookups, distinct, bags, d, 2, "rowwise_adagrad")
+    assert step - fwd == lookups * (24 + 2 * d) + distinct * 2 * (2 * d + 4)
+    fp32_fwd = bench.step_bytes("fwd", lookups, distinct, bags, d, 4, "adagrad")
+    fp32_step = bench.step_bytes("step", lookups, distinct, bags, d, 4, "adagrad")
+    assert fp32_step - fp32_fwd == lookups * (24 + 4 * d) + distinct * 2 * (4 * d + 4 * d)
+    sgd_fwd = bench.step_bytes("fwd", lookups, distinct, bags, d, 4, "sgd")
+    assert bench.step_bytes("step", lookups, distinct, bags, d, 4, "sgd") - sgd_fwd == lookups * 3 * 4 * d
