@@ -282,7 +282,8 @@ def main(batch, dim, sizes, max_rows, optimizers, weights_dtype, rounding):
         for k in kernels:
             print(f"  {k['us']:9.1f} us  {k['launches']:5.1f} launches  {k['kernel'][:100]}")
             kernel_rows.append({
-                "optimizer": optimizer, "weights": weights_dtype, "rounding": rounding,
+                "optimizer": optimizer, "weights": str(dtype).removeprefix("torch."),
+                "rounding": rounding if dtype == torch.bfloat16 else "",
                 "kernel": k["kernel"][:KERNEL_NAME], "us": round(k["us"], 1), "launches": k["launches"],
                 "pct_of_step": round(100 * k["us"] / 1e3 / step_ms, 1),
             })  # fmt: skip
