@@ -38,8 +38,8 @@ import click
 import torch
 import torch.nn.functional as F
 from bench_timing import graph_ms, measure_ceilings, median_ms
+from profile_step import kernel_table
 from results_csv import append_rows, provenance
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from torch_graphed_dcn import segments
 
@@ -106,28 +106,16 @@ def step_bytes(
     return fwd + lookups * (24 + width) + distinct * 2 * (width + state)
 
 
-def per_step(averages, steps: int) -> list[dict]:
-    """Each CUDA kernel of a profile's `averages` (``torch.profiler``'s key_averages over `steps` steps) as
-    {"kernel": name, "us": GPU us a step, "launches": launches a step}, slowest first; kernels that took no
-    GPU time are left out."""
-    kernels = [
-        {"kernel": e.key, "us": e.device_time_total / steps, "launches": e.count / steps}
-        for e in averages
-        if e.device_type == DeviceType.CUDA and e.device_time_total > 0
-    ]
-    return sorted(kernels, key=lambda k: -k["us"])
-
-
-def kernel_times(step, steps: int = PROFILED_STEPS) -> list[dict]:
-    """``per_step`` of `step` launched `steps` times from Python under the profiler, after one call outside
-    it."""
+def kernel_times(step, steps: int = PROFILED_STEPS) -> list[tuple[str, str, float, int]]:
+    """profile_step's ``kernel_table`` (stage, kernel, us a step, launches a step; slowest first) of `step`
+    launched `steps` times from Python under the profiler, after one call outside it."""
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    return per_step(prof.key_averages(), steps)
+    return kernel_table(prof, steps)
 
 
 def bench(
@@ -277,15 +265,15 @@ def main(batch, dim, sizes, max_rows, optimizers, weights_dtype, rounding):
     for optimizer in optimizers.split(","):
         measured, kernels = bench(batch, dim, sizes, max_rows, optimizer, dtype, copy_gbps, rounding)
         rows += measured
-        step_ms = sum(k["us"] for k in kernels) / 1e3
-        print(f"{optimizer}: our step's kernels, {step_ms:.3f} ms of GPU time a step")
-        for k in kernels:
-            print(f"  {k['us']:9.1f} us  {k['launches']:5.1f} launches  {k['kernel'][:100]}")
+        step_us = sum(us for _, _, us, _ in kernels)
+        print(f"{optimizer}: our step's kernels, {step_us / 1e3:.3f} ms of GPU time a step")
+        for _, kernel, us, launches in kernels:
+            print(f"  {us:9.1f} us  {launches:3d} launches  {kernel[:100]}")
             kernel_rows.append({
                 "optimizer": optimizer, "weights": str(dtype).removeprefix("torch."),
                 "rounding": rounding if dtype == torch.bfloat16 else "",
-                "kernel": k["kernel"][:KERNEL_NAME], "us": round(k["us"], 1), "launches": k["launches"],
-                "pct_of_step": round(100 * k["us"] / 1e3 / step_ms, 1),
+                "kernel": kernel[:KERNEL_NAME], "us": round(us, 1), "launches": launches,
+                "pct_of_step": round(100 * us / step_us, 1),
             })  # fmt: skip
         torch.cuda.empty_cache()
     common = provenance(gpu)

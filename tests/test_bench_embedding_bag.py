@@ -56,26 +56,27 @@ def test_an_optimizer_that_cannot_fit_is_refused_before_any_run(monkeypatch):
     bench.check_memory(65536, 128, s, 4_000_000, ["adagrad"], 2)
 
 
-def test_kernel_times_per_step_slowest_first():
-    """A profile's averages over 5 steps become each CUDA kernel's us and launches a step, slowest first;
-    CPU ops and kernels without GPU time are left out."""
+def test_kernel_table_per_step_slowest_first():
+    """The kernel table bench_embedding_bag writes (profile_step's ``kernel_table``): a profile's events over
+    5 steps become each CUDA kernel's us and launches a step, slowest first; CPU ops are left out."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
-    def event(key, device, us, count):
-        return SimpleNamespace(key=key, device_type=device, device_time_total=us, count=count)
+    from tests.conftest import load_script
 
-    averages = [
-        event("_segment_step_kernel", DeviceType.CUDA, 500.0, 5),
-        event("aten::sort", DeviceType.CPU, 9000.0, 20),
-        event("_segment_sum_kernel", DeviceType.CUDA, 2000.0, 30),
-        event("Memset", DeviceType.CUDA, 0.0, 5),
-    ]
-    kernels = bench.per_step(averages, 5)
-    assert [k["kernel"] for k in kernels] == ["_segment_sum_kernel", "_segment_step_kernel"]
-    assert kernels[0]["us"] == 400.0 and kernels[0]["launches"] == 6.0
-    assert kernels[1]["us"] == 100.0 and kernels[1]["launches"] == 1.0
+    def event(name, device, us):
+        return SimpleNamespace(
+            name=name, device_type=device, time_range=SimpleNamespace(elapsed_us=lambda: us)
+        )
+
+    events = [event("_segment_step_kernel", DeviceType.CUDA, 100.0) for _ in range(5)]
+    events += [event("aten::sort", DeviceType.CPU, 450.0) for _ in range(20)]
+    events += [event("_segment_sum_kernel", DeviceType.CUDA, 2000.0 / 30) for _ in range(30)]
+    table = load_script("profile_step").kernel_table(SimpleNamespace(events=lambda: events), 5)
+    assert [kernel for _, kernel, _, _ in table] == ["_segment_sum_kernel", "_segment_step_kernel"]
+    assert table[0][2:] == (pytest.approx(400.0), 6)
+    assert table[1][2:] == (pytest.approx(100.0), 1)
 
 
 def test_step_bytes_count_the_gradient_in_the_weights_dtype():
