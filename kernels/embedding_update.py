@@ -36,16 +36,17 @@ How the update runs:
   A segment of at most SHORT_SEGMENT positions (most rows of a large table) is summed where its row is
   stepped: the step kernel takes a few segments at a time, adds their positions' gradients in sorted order
   in registers, and reads and writes the row's weights and state once. Longer segments (small tables, hot
-  rows) are summed first, by a kernel that reduces each block of 32 sorted positions by a 0/1 matrix
-  product on the tensor cores and stores the sum of each long segment that lies inside the block in the
-  segment's slot of a [B*F, D] fp32 buffer; a segment that crosses a block edge leaves one partial sum per
-  block in the next level's list, which the same kernel sums the same way (a level holds at most two
-  partials per block of the one before: 2^31 lookups take six levels), until a level fits in one block.
-  Only the blocks holding a long segment are summed: two small kernels and one scan a level list them
-  on the device (with each crossing partial's place in the next level) and the summing kernel's
-  persistent programs stride over the list. The step kernel then reads a long segment's sum
-  from its slot. No atomics: the sums, and so the whole update, are the same bits on every run. Memory
-  is O(B F D), never O(R D).
+  rows) are summed first, in levels. Level 0 cuts the sorted positions into blocks of 32: a long segment
+  cannot lie inside one, so a block adds only to its first and last segments, and two masked column sums
+  leave one partial sum for each in the next level's list. A level >= 1 sums its blocks of 32 partials by
+  a 0/1 matrix product on the tensor cores, stores the sum of each segment that lies inside the block in
+  the segment's slot of a [B*F, D] fp32 buffer, and passes the partials of a segment that crosses a block
+  edge on to the next level (a level holds at most two partials per block of the one before: 2^31
+  lookups take six levels), until a level fits in one block. Only the blocks holding a long segment are
+  summed: two small kernels and one scan a level list them on the device (with each crossing partial's
+  place in the next level) and the summing kernels' persistent programs stride over the list. The step
+  kernel then reads a long segment's sum from its slot. No atomics: the sums, and so the whole update,
+  are the same bits on every run. Memory is O(B F D), never O(R D).
 Fixed shapes throughout (no torch.unique, no host sync), so a step can be captured in a CUDA graph.
 The PyTorch reference is ``embedding_update_ref``.
 """
@@ -78,13 +79,17 @@ OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 # Sorted positions a segment-sum program reduces: its [SUM_BLOCK_N, SUM_BLOCK_N] 0/1 matrix stays in
 # registers (64 spills them on an H200; tl.dot needs at least 16).
 SUM_BLOCK_N = 32
-# The summing kernel's persistent programs an SM, their warps and software-pipelining stages. It waits on
-# its gathers: more programs than fit at once measured faster (H200, bench_embedding_bag's Adagrad step on
-# pareto bags, bf16 weights, 4M-row cap: 2 an SM 9.08 ms, 8 an SM 7.47 ms). Triton's pipelining of its loop
-# (asynchronous copies of the gathers through shared memory, 3 stages by default) measured slower than
-# none, and 2 warps faster than 4 (H200, the rowwise_adagrad step on pareto bags over 40M-row tables, bf16
-# weights and gradient: 3 stages and 4 warps 6.35 ms, 1 stage 5.92, 1 stage and 2 warps 5.61; uniform bags,
-# 4M-row cap: 5.40, 5.30, 5.27).
+# The summing kernels' persistent programs an SM, their warps and software-pipelining stages; both wait on
+# their gathers, so more programs than fit at once measured faster. Level 0's (`_crossing_sums_kernel`),
+# which gathers every lookup's gradient of the long segments: one warp, 16 an SM (H200, bench_embedding_bag's
+# rowwise_adagrad step, pareto bags over 40M-row tables, bf16 weights and gradient: 1 warp 16 / 32 / 64 an SM
+# 3.36 / 3.38 / 3.40 ms, 2 warps 8 / 16 an SM 4.33 / 4.03, 4 warps 5.31). The levels >= 1, whose blocks of
+# partials are 1/16 of level 0's positions or fewer, keep the settings measured when one kernel summed
+# every level by 0/1 products (2 an SM 9.08 ms, 8 an SM 7.47 with 4 warps; 2 warps faster than 4); Triton's
+# pipelining of the loop (asynchronous copies of the gathers through shared memory, 3 stages by default)
+# measured slower than none (6.35 ms against 5.92).
+CROSSING_PROGRAMS_PER_SM = 16
+CROSSING_WARPS = 1
 SUM_PROGRAMS_PER_SM = 8
 SUM_WARPS = 2
 SUM_STAGES = 1
@@ -190,26 +195,19 @@ def _sgd_kernel(
 
 
 @triton.jit
-def _block_segment_sums(segment, grad, scale, SPLIT_BF16: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] fp32: at each position, the sum of grad * scale (`grad` [BLOCK_N, BLOCK_D] in
-    dout's dtype, `scale` [BLOCK_N] fp32, its pooling scale) over the block's positions of its segment
-    (`segment` [BLOCK_N]), as the product of the 0/1 matrix same[i, j] = (segment_i == segment_j) with the
-    gradient on the tensor cores. Every product is exact and only the fp32 accumulation rounds, as an fp32
-    sum does (a segmented scan in registers costs four times as long, an IEEE fp32 dot twice):
-    - a bf16 `grad` goes into one bf16 dot as it is, scaled after the sum (a segment is one row of one
-      table, so its positions share one scale);
-    - an fp32 one, scaled first, is split into three bf16 pieces hi + mid + lo that hold its value exactly,
-      three dots (a level's partial sums, or an fp32 dout).
-    SPLIT_BF16 False (the interpreter, whose bf16 dots are wrong): one IEEE fp32 dot."""
+def _block_segment_sums(segment, partial, SPLIT_BF16: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] fp32: at each position, the sum of `partial` [BLOCK_N, BLOCK_D] fp32 over the
+    block's positions of its segment (`segment` [BLOCK_N]), as the product of the 0/1 matrix same[i, j] =
+    (segment_i == segment_j) with the partials on the tensor cores. Each partial is split into three bf16
+    pieces hi + mid + lo that hold its value exactly, three dots: every product is exact and only the fp32
+    accumulation rounds, as an fp32 sum does (a segmented scan in registers costs four times as long, an
+    IEEE fp32 dot twice). SPLIT_BF16 False (the interpreter, whose bf16 dots are wrong): one IEEE fp32 dot."""
     if not SPLIT_BF16:
         same = (segment[:, None] == segment[None, :]).to(tl.float32)
-        return tl.dot(same, grad.to(tl.float32) * scale[:, None], input_precision="ieee")
+        return tl.dot(same, partial, input_precision="ieee")
     same = (segment[:, None] == segment[None, :]).to(tl.bfloat16)
-    if grad.dtype == tl.bfloat16:
-        return tl.dot(same, grad) * scale[:, None]
-    grad = grad.to(tl.float32) * scale[:, None]
-    hi = grad.to(tl.bfloat16)
-    rest = grad - hi.to(tl.float32)
+    hi = partial.to(tl.bfloat16)
+    rest = partial - hi.to(tl.float32)
     mid = rest.to(tl.bfloat16)
     lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
     sums = tl.dot(same, lo)
@@ -315,10 +313,10 @@ def _gradient_offsets(row, mask, scales_ptr, F, D, stride_b, stride_f, POOLED: t
 def _block_positions(
     blocks_ptr, rows_ptr, segment_ptr, i, count, N, LEVEL0: tl.constexpr, BLOCK_N: tl.constexpr
 ):
-    """(block, row [BLOCK_N] int64, segment [BLOCK_N] int64) of the summing kernel's i-th listed block: its
-    positions' gradient rows (precomputed at level 0; a level >= 1 reads row p at p) and segments, -1 past
-    N. Past the list's `count` blocks: block 0, its loads masked (a prefetch past a program's last
-    block)."""
+    """(block, row [BLOCK_N] int64, segment [BLOCK_N] int64) of a summing kernel's i-th listed block: its
+    positions' gradient rows (precomputed at level 0, `rows_ptr`; a level >= 1 reads row p at p and
+    `rows_ptr` is not read) and segments, -1 past N. Past the list's `count` blocks: block 0, its loads
+    masked (a prefetch past a program's last block)."""
     listed = i < count
     block = tl.load(blocks_ptr + i, mask=listed, other=0)
     p = block * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -331,13 +329,74 @@ def _block_positions(
     return block, row, segment
 
 
+@triton.jit(do_not_specialize=["N"])
+def _crossing_sums_kernel(
+    # pointers
+    rows_ptr,  # [N] int64 row of grad read at each sorted position
+    segment_ptr,  # [N] int64: segment (distinct row, in sorted order) of each sorted position
+    grad_ptr,  # [*, D] dout rows ([B, F, D] where POOLED), any float dtype
+    scales_ptr,  # POOLED: [F] fp32 pooling scale of each feature (not read otherwise)
+    dest_ptr,  # [2 * blocks] int64: where level 1 holds a block's first / last partial (or -1)
+    partial_ptr,  # [M, D] fp32: level 1's values
+    blocks_ptr,  # [blocks] int64: in its first `count` places, the blocks to sum (`_level_plan`)
+    count_ptr,  # [1] int64: count
+    # sizes
+    N,
+    F,
+    D,
+    stride_b,  # POOLED: dout's strides along B and F (it may be a view, e.g. a slice of a concatenation's
+    stride_f,  # gradient: read in place, not copied); D's is 1
+    # meta-parameters
+    POOLED: tl.constexpr,
+    OFFSET32: tl.constexpr,  # every element of grad at an offset < 2**31: the gather's offsets in 32 bits
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Level 0 of the segment sums. A long segment cannot lie inside a block (BLOCK_N <= SHORT_SEGMENT),
+    so a listed block adds only to its first segment, where that began in an earlier block, and its last,
+    where that goes on into a later one: `dest` holds their places in level 1, -1 for the others (short
+    segments, summed by the step kernel). Each is a masked column sum of the block's gathered gradients
+    in fp32, in a fixed order (no atomics). Persistent: the programs stride over the listed blocks, whose
+    number only the device knows; a program loads each block's positions (their gradient rows and
+    segments) one block ahead, while it sums the block before, so that the block's gather can start at
+    once."""
+    d = tl.arange(0, BLOCK_D)
+    mask_d = d < D
+    count = tl.load(count_ptr)
+    step = tl.num_programs(0)
+    next_block, next_row, next_segment = _block_positions(
+        blocks_ptr, rows_ptr, segment_ptr, tl.program_id(0), count, N, True, BLOCK_N
+    )
+    for i in range(tl.program_id(0), count, step):
+        block, row, segment = next_block, next_row, next_segment
+        next_block, next_row, next_segment = _block_positions(
+            blocks_ptr, rows_ptr, segment_ptr, i + step, count, N, True, BLOCK_N
+        )
+        start = block * BLOCK_N
+        mask_p = start + tl.arange(0, BLOCK_N) < N
+        offset, scale = _gradient_offsets(row, mask_p, scales_ptr, F, D, stride_b, stride_f, POOLED)
+        mask = mask_p[:, None] & mask_d[None, :]
+        if OFFSET32:  # the [BLOCK_N, BLOCK_D] offsets in half the registers (measured faster, H200)
+            grad = tl.load(grad_ptr + (offset.to(tl.int32)[:, None] + d[None, :]), mask=mask, other=0.0)
+        else:
+            grad = tl.load(grad_ptr + offset[:, None] + d[None, :], mask=mask, other=0.0)
+        grad = grad.to(tl.float32) * scale[:, None]
+        first_dest, last_dest = tl.load(dest_ptr + 2 * block), tl.load(dest_ptr + 2 * block + 1)
+        if first_dest >= 0:
+            first = tl.load(segment_ptr + start)
+            first_sum = tl.sum(tl.where((segment == first)[:, None], grad, 0.0), axis=0)
+            tl.store(partial_ptr + first_dest * D + d, first_sum, mask=mask_d)
+        if last_dest >= 0:
+            last = tl.max(segment)  # positions are sorted, -1 past N
+            last_sum = tl.sum(tl.where((segment == last)[:, None], grad, 0.0), axis=0)
+            tl.store(partial_ptr + last_dest * D + d, last_sum, mask=mask_d)
+
+
 @triton.jit(do_not_specialize=["N", "SEGMENTS"])
 def _segment_sum_kernel(
     # pointers
-    rows_ptr,  # level 0: [N] int64 row of grad read at each sorted position (a level >= 1 reads row p at p)
-    segment_ptr,  # [N] int64: segment (distinct row, in sorted order) of each sorted position
-    grad_ptr,  # [*, D] dout rows ([B, F, D] where POOLED), any float dtype; level >= 1: the partial sums
-    scales_ptr,  # POOLED: [F] fp32 pooling scale of each feature (not read otherwise)
+    segment_ptr,  # [N] int64: segment (distinct row, in sorted order) of each position of the level
+    grad_ptr,  # [N, D] fp32: the level's partial sums
     sums_ptr,  # [SEGMENTS, D] fp32: each long segment's sum, stored by the level where it fits in a block
     dest_ptr,  # [2 * blocks] int64: where the next level holds a block's first / last partial (or -1)
     partial_ptr,  # [M, D] fp32: the next level's values
@@ -345,62 +404,52 @@ def _segment_sum_kernel(
     count_ptr,  # [1] int64: count
     # sizes
     N,
-    F,
     D,
-    SEGMENTS,  # segments of level 0; a segment id at or past it marks an unused slot of a level >= 1
-    stride_b,  # POOLED: dout's strides along B and F (it may be a view, e.g. a slice of a concatenation's
-    stride_f,  # gradient: read in place, not copied); D's is 1
+    SEGMENTS,  # segments of level 0; a segment id at or past it marks an unused slot
     # meta-parameters
-    POOLED: tl.constexpr,
     SPLIT_BF16: tl.constexpr,  # the block's sums by exact bf16 pieces (False in the interpreter)
     OFFSET32: tl.constexpr,  # every element of grad at an offset < 2**31: the gather's offsets in 32 bits
-    LEVEL0: tl.constexpr,  # level 0: a segment inside a block is short (the step kernel's), never stored
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Persistent: the programs stride over the listed blocks, whose number only the device knows. A
-    program loads each block's positions (their gradient rows and segments) one block ahead, while it sums
-    the block before, so that the block's gather can start at once."""
+    """A level >= 1 of the segment sums, persistent as `_crossing_sums_kernel` (positions loaded one block
+    ahead)."""
     d = tl.arange(0, BLOCK_D)
     mask_d = (d < D)[None, :]
     count = tl.load(count_ptr)
     step = tl.num_programs(0)
-    next_block, next_row, next_segment = _block_positions(
-        blocks_ptr, rows_ptr, segment_ptr, tl.program_id(0), count, N, LEVEL0, BLOCK_N
+    next_block, _, next_segment = _block_positions(
+        blocks_ptr, segment_ptr, segment_ptr, tl.program_id(0), count, N, False, BLOCK_N
     )
     for i in range(tl.program_id(0), count, step):
-        block, row, segment = next_block, next_row, next_segment
-        next_block, next_row, next_segment = _block_positions(
-            blocks_ptr, rows_ptr, segment_ptr, i + step, count, N, LEVEL0, BLOCK_N
+        block, segment = next_block, next_segment
+        next_block, _, next_segment = _block_positions(
+            blocks_ptr, segment_ptr, segment_ptr, i + step, count, N, False, BLOCK_N
         )
         start = block * BLOCK_N
         p = start + tl.arange(0, BLOCK_N).to(tl.int64)
         mask_p = p < N
         mask = mask_p[:, None] & mask_d
-        offset, scale = _gradient_offsets(row, mask_p, scales_ptr, F, D, stride_b, stride_f, POOLED)
-        # An unused slot of a level >= 1 was never written (its buffer is not zeroed): read as zeros, since
-        # the block's sums multiply every row by a 0/1 matrix and garbage (NaN) times 0 would reach the
-        # other rows.
+        # An unused slot was never written (its buffer is not zeroed): read as zeros, since the block's
+        # sums multiply every row by a 0/1 matrix and garbage (NaN) times 0 would reach the other rows.
         used = mask & (segment < SEGMENTS)[:, None]
-        if OFFSET32:  # the [BLOCK_N, BLOCK_D] offsets in half the registers (measured faster, H200)
-            grad = tl.load(grad_ptr + (offset.to(tl.int32)[:, None] + d[None, :]), mask=used, other=0.0)
+        if OFFSET32:
+            partial = tl.load(grad_ptr + ((p * D).to(tl.int32)[:, None] + d[None, :]), mask=used, other=0.0)
         else:
-            grad = tl.load(grad_ptr + offset[:, None] + d[None, :], mask=used, other=0.0)
+            partial = tl.load(grad_ptr + (p * D)[:, None] + d[None, :], mask=used, other=0.0)
         # Each position's sum over its segment's positions in this block, in a fixed order (no atomics).
-        sums = _block_segment_sums(segment, grad, scale, SPLIT_BF16)
+        sums = _block_segment_sums(segment, partial, SPLIT_BF16)
         following = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
         before_block = tl.load(segment_ptr + start - 1, mask=start > 0, other=-1)
         first, last = tl.load(segment_ptr + start), tl.max(segment)  # positions are sorted
         ends_here = mask_p & ((segment != following) | (p == start + BLOCK_N - 1))
         # A segment that began in an earlier block or goes on into a later one has partial sums in several
-        # blocks: each block's partial goes to its place in the next level (`dest`, the launcher's; -1 for
-        # a short segment at level 0), which sums them the same way; a segment inside the block is complete,
-        # and stored here from level 1 on.
+        # blocks: each block's partial goes to its place in the next level (`dest`, the launcher's), which
+        # sums them the same way; a segment inside the block is complete, and stored here.
         came_in = (segment == first) & (first == before_block)
         crosses = came_in | ((segment == last) & (last == following))
-        if not LEVEL0:
-            whole = ends_here & ~crosses & (segment < SEGMENTS)
-            tl.store(sums_ptr + segment[:, None] * D + d[None, :], sums, mask=mask & whole[:, None])
+        whole = ends_here & ~crosses & (segment < SEGMENTS)
+        tl.store(sums_ptr + segment[:, None] * D + d[None, :], sums, mask=mask & whole[:, None])
         first_dest, last_dest = tl.load(dest_ptr + 2 * block), tl.load(dest_ptr + 2 * block + 1)
         dest = tl.where(came_in, first_dest, last_dest)
         placed = ends_here & crosses & (dest >= 0)
@@ -847,16 +896,23 @@ def _segment_sums(
         m = len(segment)
         dest, next_segment, places, blocks, count = _level_plan(segment, n, level_starts, used)
         partials = _sums_buffer(len(next_segment), d, grad.device)
-        strides = grad.stride()[:2] if pooled else (0, 0)
-        _segment_sum_kernel[(_persistent_grid(len(blocks), SUM_PROGRAMS_PER_SM, grad.device),)](
-            rows, segment, grad, scales, sums, dest, partials, blocks, count, m, f, d, n, *strides,
-            POOLED=pooled, SPLIT_BF16=not INTERPRETED, OFFSET32=_last_offset(grad) < OFFSET32_LIMIT,
-            LEVEL0=used is None, BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=SUM_WARPS,
-            num_stages=SUM_STAGES,
-        )  # fmt: skip
+        offset32 = _last_offset(grad) < OFFSET32_LIMIT
+        if used is None:
+            strides = grad.stride()[:2] if pooled else (0, 0)
+            _crossing_sums_kernel[(_persistent_grid(len(blocks), CROSSING_PROGRAMS_PER_SM, grad.device),)](
+                rows, segment, grad, scales, dest, partials, blocks, count, m, f, d, *strides,
+                POOLED=pooled, OFFSET32=offset32, BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d,
+                num_warps=CROSSING_WARPS, num_stages=SUM_STAGES,
+            )  # fmt: skip
+        else:
+            _segment_sum_kernel[(_persistent_grid(len(blocks), SUM_PROGRAMS_PER_SM, grad.device),)](
+                segment, grad, sums, dest, partials, blocks, count, m, d, n, SPLIT_BF16=not INTERPRETED,
+                OFFSET32=offset32, BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=SUM_WARPS,
+                num_stages=SUM_STAGES,
+            )  # fmt: skip
         if m <= SUM_BLOCK_N:
             return sums
-        segment, grad, pooled, level_starts, used = next_segment, partials, False, None, places
+        segment, grad, level_starts, used = next_segment, partials, None, places
 
 
 def launch_update(
