@@ -29,7 +29,7 @@ Backward without a table-sized gradient and without materializing the [B, S, D] 
   the looked-up rows (exact up to fp32 summation order).
 - otherwise: the B*S indices are sorted (torch.sort), sorted positions of one row form a segment; a kernel
   steps each distinct row once, summing a short segment's pooled gradients itself and reading a long one's
-  sum (small tables, hot rows) from the summing kernel's fp32 slot. Fixed shapes, no host sync: a step can
+  sum (small tables, hot rows) from the summing kernels' fp32 slot. Fixed shapes, no host sync: a step can
   be captured in a CUDA graph. The learning rate is a one-element fp32 tensor read by the kernels (a
   schedule writes it between steps).
 The backward's launcher and reference live in kernels/embedding_bag_update.py, its kernels (shared with

@@ -9,7 +9,7 @@ over every lookup of row r, and
     "rowwise_adagrad"  s_r += mean(g_r^2) (one value per row, [R]);  w_r -= lr * g_r / (sqrt(s_r) + eps)
 "sgd" with fp32 weights: one kernel of atomic adds over the B*S lookups. Otherwise the B*S rows are sorted
 (torch.sort) and a kernel steps each distinct row once, summing a short segment's pooled gradients itself
-and reading a long segment's sum from the summing kernel's fp32 slot ([B*S, D]). The per-lookup gradients
+and reading a long segment's sum from the summing kernels' fp32 slot ([B*S, D]). The per-lookup gradients
 [B, S, D] are never materialized; shapes are fixed (no host sync: CUDA-graph capturable); lr is a
 one-element fp32 tensor read by the kernels. The kernels are kernels/embedding_update.py's
 (`launch_update`), reading each lookup's pooled gradient. The PyTorch reference is `embedding_bag_update_ref`.

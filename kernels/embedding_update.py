@@ -580,7 +580,7 @@ def _segment_step_kernel(
     rows_ptr,  # [N] int64: row of grad read at each sorted position
     grad_ptr,  # [*, D] dout rows ([B, F, D] where POOLED), any float dtype
     scales_ptr,  # POOLED: [F] fp32 pooling scale of each feature (not read otherwise)
-    sums_ptr,  # [N, D] fp32: each long segment's sum (the summing kernel's); short ones' slots unused
+    sums_ptr,  # [N, D] fp32: each long segment's sum (the summing kernels'); short ones' slots unused
     weights_ptr,  # [R, D] fp32/bf16, updated in place
     state_ptr,  # adagrad: [R, D] fp32; rowwise_adagrad: [R] fp32; sgd: unused
     lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
@@ -812,7 +812,7 @@ def _level_plan(
     level holds block j's partial sum of its first segment when that began in an earlier block, dest[2j + 1]
     that of its last segment when it goes on into a later block (and did not begin earlier), -1 otherwise;
     next_segment the segment of each place, in order, the `places` used ones first, its unused places
-    numbered `segments`, `segments` + 1, ... (segments of their own, never stored). The summing kernel sums
+    numbered `segments`, `segments` + 1, ... (segments of their own, never stored). The summing kernels sum
     blocks[:count]. Level 0 (`starts` [N + 1], `_segment_starts_kernel`'s, given; `used` None): only a long
     segment (more than SHORT_SEGMENT positions) has places, the step kernel summing the short ones itself,
     and the blocks to sum are those with a place in the next level, in order, which are those holding a
@@ -846,8 +846,8 @@ def _level_plan(
 
 def _sums_buffer(places: int, d: int, device: torch.device) -> Tensor:
     """[places, D] fp32, not initialized: the long segments' sums, or a level's partial sums. The kernels
-    read only the places written (the step kernel the long segments' slots; the summing kernel reads the
-    rest as zeros), so no pass zeroes the buffer."""
+    read only the places written (the step kernel the long segments' slots; `_segment_sum_kernel` reads
+    the rest as zeros), so no pass zeroes the buffer."""
     return torch.empty(places, d, dtype=torch.float32, device=device)
 
 
@@ -863,7 +863,7 @@ SGD_HOT_ROWS = 16
 # SGD does (a summed step rounds once: a few units of the weight apart on a hot row).
 SGD_HOT_BATCH = 1024
 
-# The summing kernel's gradient gathers take 32-bit offsets where every element lies below this one.
+# The summing kernels' gathers take 32-bit offsets where every element lies below this one.
 OFFSET32_LIMIT = 2**31
 
 
@@ -942,7 +942,7 @@ def launch_update(
     features, scales = bags if pooled else (index, grad)  # not read unless pooled
     s, f = (features.numel(), grad.shape[1]) if pooled else (1, 1)
     block_d, block_n = block_sizes(d, n)
-    if pooled and grad.shape[0] * grad.shape[1] >= 2**31:  # the summing kernel's int32 rows b * F + f
+    if pooled and grad.shape[0] * grad.shape[1] >= 2**31:  # `_gradient_offsets`'s int32 rows b * F + f
         raise ValueError(f"pooled gradient {list(grad.shape)}: B * F must be below 2**31")
     if pooled and grad.stride(2) != 1:
         grad = grad.contiguous()
@@ -981,7 +981,7 @@ def launch_update(
 
 def _persistent_grid(items: int, per_sm: int, device: torch.device) -> int:
     """A persistent kernel's programs for `items` work items (the step kernel's groups of segments, the
-    summing kernel's blocks): `per_sm` an SM, fewer where the items cannot fill them (the interpreter: one
+    summing kernels' blocks): `per_sm` an SM, fewer where the items cannot fill them (the interpreter: one
     program an item, up to 64)."""
     if device.type != "cuda":
         return min(items, 64)
