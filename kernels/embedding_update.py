@@ -95,7 +95,7 @@ SUM_WARPS = 2
 SUM_STAGES = 1
 # Segments of at most SHORT_SEGMENT sorted positions (most rows of large tables) are summed by the step
 # kernel in a loop over their positions, never stored; longer ones (small tables, hot rows) by the summing
-# kernel's 0/1 products, through the [N, D] buffer.
+# kernels' levels, through the [N, D] buffer.
 SHORT_SEGMENT = 32
 # Segments a step program takes at a time, its warps, and its persistent programs an SM. The kernel waits on
 # its loads: more programs than fit at once measured faster, and 2 warps faster than 4 (H200, dlrm_dcnv2's
