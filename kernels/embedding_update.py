@@ -98,12 +98,13 @@ SUM_STAGES = 1
 # kernels' levels, through the [N, D] buffer.
 SHORT_SEGMENT = 32
 # Segments a step program takes at a time, its warps, and its persistent programs an SM. The kernel waits on
-# its loads: more programs than fit at once measured faster, and 2 warps faster than 4 (H200, dlrm_dcnv2's
-# uniform bags, 4M-row cap, Adagrad, the bag lookup and update: bf16 tables 7.39 ms with 2 warps, 7.69 with
-# 4, 9.12 with 2 segments, 7.50 with 8; fp32 tables 8.47 and 8.55; 64 programs an SM against 4, all
-# resident, with 4 warps: 9.4 and 13.2 ms with uniform bags, 6.8 and 7.5 with pareto ones).
+# its loads: more programs than fit at once measured faster (64 an SM against 4, all resident, at 4 warps:
+# 9.4 and 13.2 ms with uniform bags, 6.8 and 7.5 with pareto ones), and one warp faster than two (H200,
+# B=65,536, the MLPerf bags, bf16 tables, rowwise_adagrad, bench_embedding_bag's step: uniform bags over
+# 4M-row tables 5.25 against 5.31 ms, pareto over 40M 3.275 against 3.278; 2 or 8 segments, or 32 programs
+# an SM, slower).
 STEP_SEGMENTS = 4
-STEP_WARPS = 2
+STEP_WARPS = 1
 STEP_PROGRAMS_PER_SM = 64
 
 
@@ -472,17 +473,18 @@ def _position_grad(
 @triton.jit(do_not_specialize=["N"])
 def _segment_starts_kernel(
     segment_ptr,  # [N] int64 segment of each sorted position
-    starts_ptr,  # [N + 1] int64, N everywhere: each segment's first sorted position is written over it
+    starts_ptr,  # [N + 1] int64 output: each segment's first sorted position, then N
     N,
     BLOCK: tl.constexpr,
 ):
-    """starts[s] = the first sorted position of segment s; the places past the last segment keep N, so
-    a segment's positions are starts[s] .. starts[s + 1] - 1."""
+    """starts[s] = the first sorted position of segment s, and starts[S] = N after the last segment S - 1,
+    so a segment's positions are starts[s] .. starts[s + 1] - 1; the places past S are not written."""
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     valid = p < N
     segment = tl.load(segment_ptr + p, mask=valid, other=0)
     previous = tl.load(segment_ptr + p - 1, mask=valid & (p > 0), other=-1)
     tl.store(starts_ptr + segment, p, mask=valid & (segment != previous))
+    tl.store(starts_ptr + segment + 1, p + 1, mask=p == N - 1)
 
 
 @triton.jit(do_not_specialize=["M", "K"])
@@ -799,7 +801,8 @@ def sorted_segments(index: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
     sorted_rows, order = torch.sort(keys.int() if rows <= 2**31 else keys)
     # Segment of each sorted position: the number of row changes before it.
     changes = torch.ne(sorted_rows[1:], sorted_rows[:-1])
-    segment = torch.zeros(len(sorted_rows), dtype=torch.int64, device=sorted_rows.device)
+    segment = torch.empty(len(sorted_rows), dtype=torch.int64, device=sorted_rows.device)
+    segment[:1] = 0
     torch.cumsum(changes, dim=0, out=segment[1:])
     return sorted_rows, order, segment
 
@@ -966,7 +969,7 @@ def launch_update(
         rows = torch.empty_like(order)
         _gradient_rows_kernel[(triton.cdiv(n, 1024),)](order, features, rows, n, s, f, BLOCK=1024)
         scales = torch.zeros(f, dtype=torch.float32, device=grad.device).scatter_(0, features, scales)
-    starts = torch.full((n + 1,), n, dtype=torch.int64, device=grad.device)
+    starts = torch.empty(n + 1, dtype=torch.int64, device=grad.device)
     _segment_starts_kernel[(triton.cdiv(n, 1024),)](segment, starts, n, BLOCK=1024)
     sums = _segment_sums(rows, segment, grad, scales, starts, pooled, f, d, max(16, block_d))
     stochastic = rounding is not None and weights.dtype == torch.bfloat16
