@@ -3,7 +3,8 @@
 Math (nn.Linear layout: V [r, N], U [N, r]; * elementwise, b broadcast over rows)
     h        = x_l @ V^T                  [M, r]   cuBLAS
     z        = h @ U^T                    [M, N]
-    x_{l+1}  = x0 * (z + b) + x_l         [M, N]   one Triton GEMM (h @ U^T) with this epilogue
+    x_{l+1}  = x0 * (z + b) + x_l         [M, N]   one GEMM kernel (h @ U^T) with this epilogue: Triton's,
+                                                   or kernels.cross_hopper's (Hopper GPUs, bf16 / fp16)
 Backward, with g = dL/dx_{l+1} [M, N] and zb = z + b saved by the forward:
     dz   = g * x0                         [M, N]   one elementwise Triton kernel, with these two
     dx0  = g * zb                         [M, N]
@@ -46,7 +47,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import launch
+from kernels import cross_hopper, launch
 from kernels.gemm.layout import describable, rows_contiguous, tma_descriptor
 from kernels.gemm.partials import sum_partials
 from kernels.gemm.tiles import matmul_tile
@@ -238,7 +239,9 @@ def launch_fwd(
     """``cross_layer_fwd`` without its input checks; `out` and `zb` [M, N] and `h` [M, r] (contiguous, x0's
     dtype), where given, are written in place of new tensors (a cross network's buffers,
     kernels.cross_net). x0 and xl are copied where their rows are not N apart: the kernel takes one row
-    stride for its four [M, N] tensors."""
+    stride for its four [M, N] tensors. On a Hopper GPU, with bf16 or fp16 tensors that TMA can describe,
+    the GEMM and epilogue run in ``kernels.cross_hopper``'s warp-specialized kernel; elsewhere in
+    ``_cross_fwd_kernel``."""
     x0, xl = x0.contiguous(), xl.contiguous()
     h = torch.matmul(xl, v.t(), out=h)
     m, n = x0.shape
@@ -247,6 +250,18 @@ def launch_fwd(
     assert out.is_contiguous() and zb.is_contiguous(), "the kernel's four [M, N] tensors share one row stride"
     if m == 0:
         return out, h, zb
+    u, b = u.contiguous(), b.contiguous()
+    if cross_hopper.supported(h, u, b, x0, xl, out, zb):
+        cross_hopper.launch(h, u, b, x0, xl, out, zb)
+        return out, h, zb
+    triton_fwd(x0, xl, h, u, b, out, zb)
+    return out, h, zb
+
+
+def triton_fwd(x0: Tensor, xl: Tensor, h: Tensor, u: Tensor, b: Tensor, out: Tensor, zb: Tensor) -> None:
+    """``_cross_fwd_kernel``: zb = h @ u^T + b and out = x0 * zb + xl written into `out` and `zb` [M, N]
+    (contiguous, M > 0), for x0, xl [M, N] contiguous, h [M, r], u [N, r] and b [N] contiguous."""
+    m, n = x0.shape
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
@@ -257,11 +272,10 @@ def launch_fwd(
     x0_desc = tma_descriptor(x0)
     out_desc, zb_desc = (tma_descriptor(out), tma_descriptor(zb)) if tma_store else (x0_desc, x0_desc)
     _cross_fwd_kernel[grid](
-        tma_descriptor(h), tma_descriptor(u), x0_desc, tma_descriptor(xl), out_desc, zb_desc, b.contiguous(),
+        tma_descriptor(h), tma_descriptor(u), x0_desc, tma_descriptor(xl), out_desc, zb_desc, b,
         out, zb, m, n, h.shape[1], m_bucket(m), n,
         TMA_STORE=tma_store, DOT_FP32=INTERPRETED, INPUT_PRECISION=input_precision(x0.dtype),
     )  # fmt: skip
-    return out, h, zb
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -1,0 +1,83 @@
+"""Tests for kernels/cross_hopper.py, the cross layer's forward GEMM and epilogue as a warp-specialized Gluon
+kernel on Hopper GPUs: every element of out and zb against an fp64 reference on the same h, rows past M
+untouched, and where ``kernels.cross`` takes it. Gluon has no interpreter: the kernel tests need an sm_90 GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.cross as cross
+import kernels.cross_hopper as cross_hopper
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (sm_90)")
+# (M, N, r): one row; tails of the 128-row and 128-column tiles and of the 64-deep reduction chunk; N below
+# one tile (a whole x0 / x_l sub-tile past N); more tiles than SMs with the MLPerf width and rank.
+SHAPES = [(1, 8, 8), (300, 64, 32), (129, 1000, 72), (1000, 3456, 512)]
+# Elementwise bounds: the output's one rounding to its dtype (a relative half unit in the last place, here
+# doubled) and fp32 sums of r products (Higham (3.5): r u_fp32 sum|h_k u_k|, below 5e-4 at r = 512 for
+# these scales).
+RTOL = {torch.bfloat16: 2**-8, torch.float16: 2**-10}
+ATOL = 1e-3
+GUARD = 64  # rows after each output that the kernel must not write
+
+
+def _inputs(m, n, r, dtype, seed=0):
+    """x0, xl [M, N], h [M, r] (~N(0, 1)), U [N, r] and b [N] (|z| ~ 1) on the GPU in `dtype`."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)
+
+    return randn(m, n), randn(m, n), randn(m, r), randn(n, r, scale=r**-0.5), randn(n, scale=0.1)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_every_element_against_the_reference_gpu(shape, dtype):
+    m, n, r = shape
+    x0, xl, h, u, b = _inputs(m, n, r, dtype)
+    sentinel = -7.0
+    out_rows = torch.full((m + GUARD, n), sentinel, device="cuda", dtype=dtype)
+    zb_rows = torch.full((m + GUARD, n), sentinel, device="cuda", dtype=dtype)
+    out, zb = out_rows[:m], zb_rows[:m]
+    assert cross_hopper.supported(h, u, b, x0, xl, out, zb)
+    cross_hopper.launch(h, u, b, x0, xl, out, zb)
+    torch.cuda.synchronize()
+    expected_zb = h.double() @ u.double().t() + b.double()
+    expected_out = x0.double() * expected_zb + xl.double()
+    for name, got, expected in (("zb", zb, expected_zb), ("out", out, expected_out)):
+        torch.testing.assert_close(
+            got.double(), expected, rtol=RTOL[dtype], atol=ATOL, msg=lambda s, name=name: f"{name}: {s}"
+        )
+    assert (out_rows[m:] == sentinel).all() and (zb_rows[m:] == sentinel).all(), "rows past M written"
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_the_layer_takes_it_where_it_can_gpu():
+    """kernels.cross's forward runs the Hopper kernel for bf16 / fp16 with rows TMA can describe, and its
+    Triton kernel for fp32 and for N not a multiple of 8; both give the reference's values."""
+    m, n, r = 200, 3456, 512
+    x0, xl, h, u, b = _inputs(m, n, r, torch.bfloat16)
+    out, zb = torch.empty_like(x0), torch.empty_like(x0)
+    assert cross_hopper.supported(h, u, b, x0, xl, out, zb)
+    assert not cross_hopper.supported(*(t.float() for t in (h, u, b, x0, xl, out, zb)))
+    x0_odd, xl_odd, h_odd, u_odd, b_odd = _inputs(m, n - 1, r, torch.bfloat16)  # rows of 6,910 bytes
+    assert not cross_hopper.supported(h_odd, u_odd, b_odd, x0_odd, xl_odd, x0_odd, xl_odd)
+    hopper_out, hopper_zb = torch.empty_like(x0), torch.empty_like(x0)
+    cross_hopper.launch(h, u, b, x0, xl, hopper_out, hopper_zb)
+    cross.triton_fwd(x0, xl, h, u, b, out, zb)
+    # The two kernels sum in other orders and round once each: a unit in the last place apart at most.
+    torch.testing.assert_close(hopper_zb, zb, rtol=2**-7, atol=ATOL)
+    torch.testing.assert_close(hopper_out, out, rtol=2**-7, atol=ATOL)
+
+
+def test_not_on_the_cpu():
+    """Without a GPU the forward keeps the Triton kernel (Gluon has no interpreter)."""
+    t = torch.zeros(4, 8, dtype=torch.bfloat16)
+    assert not cross_hopper.supported(t, t, t[0], t, t, t, t)
