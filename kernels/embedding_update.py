@@ -98,13 +98,14 @@ SUM_STAGES = 1
 # kernels' levels, through the [N, D] buffer.
 SHORT_SEGMENT = 32
 # Segments a step program takes at a time, its warps, and its persistent programs an SM. The kernel waits on
-# its loads: more programs than fit at once measured faster (64 an SM against 4, all resident, at 4 warps:
-# 9.4 and 13.2 ms with uniform bags, 6.8 and 7.5 with pareto ones), and one warp faster than two (H200,
-# B=65,536, the MLPerf bags, bf16 tables, rowwise_adagrad, bench_embedding_bag's step: uniform bags over
-# 4M-row tables 5.25 against 5.31 ms, pareto over 40M 3.275 against 3.278; 2 or 8 segments, or 32 programs
-# an SM, slower).
+# its loads: more programs than fit at once measured faster, and 2 warps faster than 4 (H200, dlrm_dcnv2's
+# uniform bags, 4M-row cap, Adagrad, the bag lookup and update: bf16 tables 7.39 ms with 2 warps, 7.69 with
+# 4, 9.12 with 2 segments, 7.50 with 8; fp32 tables 8.47 and 8.55; 64 programs an SM against 4, all
+# resident, with 4 warps: 9.4 and 13.2 ms with uniform bags, 6.8 and 7.5 with pareto ones).
+# One warp measured no faster with rowwise_adagrad and far slower with Adagrad, whose rows carry a D-wide
+# fp32 state (dlrm_dcnv2's bf16 tables: the step kernel 4.54 ms against 3.81 with 2 warps).
 STEP_SEGMENTS = 4
-STEP_WARPS = 1
+STEP_WARPS = 2
 STEP_PROGRAMS_PER_SM = 64
 
 
