@@ -47,7 +47,8 @@ that parity has completed; a fresh barrier counts as having completed a phase of
 Shared memory (2-byte dtypes): the ring, STAGES x (128 x 64 + 128 x 64) x 2 B = 96 KiB at 3 stages, and the
 x0 / x_l buffers, 2 consumers x 2 x 128 x 128 x 2 B = 128 KiB: 224 KiB of Hopper's 227. Registers: 12 warps
 at `.maxnreg` MAXNREG (all of the SM's 64 Ki), setmaxnreg moving them from the producer's warpgroup
-(PRODUCER_REGS) to the consumers' (CONSUMER_REGS: the [128, 128] fp32 accumulator takes 128 a thread).
+(PRODUCER_REGS) to the consumers' (CONSUMER_REGS: the [128, 128] fp32 accumulator takes 128 a thread);
+no spills (`scripts/cross_registers.py --kernel hopper` compiles it for sm_90a without a GPU).
 
 Gluon has no interpreter: on the CPU, and for fp32, ``kernels.cross`` runs its Triton kernel; the GPU
 tests compare the two (tests/test_cross_hopper.py).

@@ -1,7 +1,8 @@
-"""The DCN cross layer's forward kernel compiled for a Hopper GPU on any machine, no GPU needed: registers,
+"""The DCN cross layer's forward kernels compiled for a Hopper GPU on any machine, no GPU needed: registers,
 spills and shared memory per tuned config, and the order of its epilogue's global loads and stores.
 
     python scripts/cross_registers.py [--dtype bf16|fp32] [--arch 90] [--tiles 128x256,64x64]
+    python scripts/cross_registers.py --kernel hopper [--dtype bf16]
 
 Compiles ``kernels.cross._cross_fwd_kernel`` with ``triton.compile`` for the target (sm_90a by default)
 in every tuning config (kernels.gemm.tuning's Hopper tiles, the operands' reduction chunk), with the
@@ -12,6 +13,10 @@ prints one line a config: registers, spill stores (bytes), shared memory (bytes)
 kernel's global loads (L) and stores (S) after its main loop, runs collapsed (`8L 8S` for eight loads then
 eight stores). This is what backs the register and spill statements of kernels/cross.py and
 docs/model-and-kernels.md; speed needs the GPU (scripts/bench_cross.py).
+
+`--kernel hopper` compiles ``kernels.cross_hopper``'s Gluon kernel instead, in its one setting (its tiles,
+stages, epilogue sub-tile and register split), and prints its registers, spills and shared memory (its
+stores go through TMA: no epilogue order): what backs that module's shared-memory and register statements.
 """
 
 import itertools
@@ -24,8 +29,10 @@ import click
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
 
-from kernels import cross
+from kernels import cross, cross_hopper
 from kernels.gemm import tuning
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -76,6 +83,35 @@ def compile_config(
     return kernel.asm["ptx"], f.name, kernel.metadata.shared
 
 
+def compile_hopper(dtype: str, arch: int) -> tuple[str, int]:
+    """(ptx, shared memory bytes) of ``kernels.cross_hopper``'s kernel in its setting, specialized as a
+    launch at the MLPerf shape (b 16-byte aligned, N and K = r multiples of 16; M is not specialized)."""
+    kernel = cross_hopper._cross_fwd_ws_kernel
+    ty = {"bf16": "bf16", "fp16": "fp16"}[dtype]
+
+    def descriptor(block: list[int]) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for(block, {"bf16": gl.bfloat16, "fp16": gl.float16}[ty])
+        return f"tensordesc<{ty}[{', '.join(map(str, block))}],{layout!r}>"
+
+    k = cross_hopper
+    epilogue = descriptor([k.BLOCK_M, k.EPI_N])
+    signature = {
+        "h_desc": descriptor([k.BLOCK_M, k.BLOCK_K]),
+        "u_desc": descriptor([k.BLOCK_N, k.BLOCK_K]),
+        **{name: epilogue for name in ("x0_desc", "xl_desc", "out_desc", "zb_desc")},
+        "b_ptr": f"*{ty}",
+        **{name: "i32" for name in ("M", "N", "K")},
+        **{name: "constexpr" for name in ("STAGES", "CONSUMER_REGS", "PRODUCER_REGS")},
+    }
+    assert list(signature) == kernel.arg_names, f"the kernel takes {kernel.arg_names}"
+    constexprs = {"STAGES": k.STAGES, "CONSUMER_REGS": k.CONSUMER_REGS, "PRODUCER_REGS": k.PRODUCER_REGS}
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("b_ptr", "N", "K")}
+    source = GluonASTSource(kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": 4, "maxnreg": k.MAXNREG}
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    return compiled.asm["ptx"], compiled.metadata.shared
+
+
 def registers(ptx: str, arch: int) -> tuple[int, int]:
     """(registers a thread, spill store bytes) of `ptx`, from ptxas -v."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -105,11 +141,27 @@ def epilogue_order(cubin: str) -> str:
 
 
 @click.command()
-@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+@click.option(
+    "--kernel",
+    type=click.Choice(["triton", "hopper"]),
+    default="triton",
+    show_default=True,
+    help="kernels.cross's Triton kernel, or kernels.cross_hopper's Gluon kernel (bf16 / fp16, sm_90a).",
+)
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--arch", type=int, default=90, show_default=True, help="Compute capability, e.g. 90.")
 @click.option("--tiles", default=None, help="Only these tiles, e.g. 128x256,64x64 [default: every config's].")
-def main(dtype: str, arch: int, tiles: str | None) -> None:
+def main(kernel: str, dtype: str, arch: int, tiles: str | None) -> None:
     """Print each config's registers, spills, shared memory and epilogue order (module docstring)."""
+    if kernel == "hopper":
+        if dtype == "fp32":
+            raise click.BadParameter("the Hopper kernel takes bf16 or fp16", param_hint="--dtype")
+        ptx, shared = compile_hopper(dtype, arch)
+        used, spilled = registers(ptx, arch)
+        click.echo(f"hopper {dtype}: {used} registers, {spilled} B spilled, {shared} B shared")
+        return
+    if dtype == "fp16":
+        raise click.BadParameter("the Triton kernel's configs are for bf16 or fp32", param_hint="--dtype")
     block_k = tuning._RED_BY_ELEMENT_SIZE[2 if dtype == "bf16" else 4]
     shapes = [s for s in tuning._GPU_SHAPES if tiles is None or f"{s[0]}x{s[1]}" in tiles.split(",")]
     if not shapes:

@@ -1,6 +1,7 @@
-"""scripts/cross_registers.py: the cross forward kernel compiled for sm_90a without a GPU, in a process of
-its own (the tests' interpreter cannot compile): the largest tuned tile compiles without spilling, its
-epilogue's loads and stores in four pieces."""
+"""scripts/cross_registers.py: the cross forward kernels compiled for sm_90a without a GPU, in a process of
+its own (the tests' interpreter cannot compile): the Triton kernel's largest tuned tile compiles without
+spilling, its epilogue's loads and stores in four pieces; the Hopper kernel compiles without spilling,
+within a CTA's shared memory."""
 
 import os
 import re
@@ -23,3 +24,19 @@ def test_the_largest_tile_compiles_without_spills():
     quarters = line.split("| ")[1].split()
     assert sum(run.endswith("S") for run in quarters) == 4
     assert all(re.fullmatch(r"\d+[LS]", run) for run in quarters)
+
+
+def test_the_hopper_kernel_compiles_without_spills_within_shared_memory():
+    """kernels.cross_hopper's Gluon kernel: no spills at its register split, and its ring and epilogue
+    buffers within the 232,448 bytes of shared memory a Hopper CTA can take."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "cross_registers.py"), "--kernel", "hopper"],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    match = re.fullmatch(
+        r"hopper bf16: (\d+) registers, (\d+) B spilled, (\d+) B shared", result.stdout.strip()
+    )
+    assert match, result.stdout
+    assert int(match.group(2)) == 0 and 0 < int(match.group(3)) <= 232_448, result.stdout
