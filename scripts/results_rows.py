@@ -63,6 +63,17 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "mlp.csv": ("kernels",),
     "sparse.csv": ("kernels",),
     "linear_act_backward.csv": ("kernels",),
+    # One cross layer or network (scripts/bench_cross.py), eager, compiled and ours: the cross kernels and
+    # the modules they import, none of the other ops'.
+    "cross.csv": (
+        "kernels/__init__.py",
+        "kernels/cross.py",
+        "kernels/cross_hopper.py",
+        "kernels/cross_net.py",
+        "kernels/gemm",
+        "kernels/launch.py",
+        "kernels/op.py",
+    ),
     # The planted model and the tables' rows, computed on the CPU: no training, no kernels.
     "hashing_ceiling.csv": (
         "dlrm/data",
