@@ -56,6 +56,9 @@ ARGS = (
 )
 DIVISIBLE = ("b_ptr", "out_ptr", "zb_ptr", "N", "K", "M_BUCKET", "stride")
 CONSTEXPRS = ("TMA_STORE", "DOT_FP32", "INPUT_PRECISION", "BLOCK_M", "BLOCK_N", "BLOCK_K")
+# The Hopper kernel's constexprs, each launched with the kernels.cross_hopper setting of the same name.
+HOPPER_CONSTEXPRS = ("STAGES", "CONSUMER_REGS", "PRODUCER_REGS")
+GLUON_DTYPES = {"bf16": gl.bfloat16, "fp16": gl.float16}
 
 
 def compile_config(
@@ -84,30 +87,29 @@ def compile_config(
 
 
 def compile_hopper(dtype: str, arch: int) -> tuple[str, int]:
-    """(ptx, shared memory bytes) of ``kernels.cross_hopper``'s kernel in its setting, specialized as a
-    launch at the MLPerf shape (b 16-byte aligned, N and K = r multiples of 16; M is not specialized)."""
+    """(ptx, shared memory bytes) of ``kernels.cross_hopper``'s kernel in its setting for `dtype` ("bf16" or
+    "fp16"), specialized as a launch at the MLPerf shape (b 16-byte aligned, N and K = r multiples of 16; M
+    is not specialized)."""
     kernel = cross_hopper._cross_fwd_ws_kernel
-    ty = {"bf16": "bf16", "fp16": "fp16"}[dtype]
 
     def descriptor(block: list[int]) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for(block, {"bf16": gl.bfloat16, "fp16": gl.float16}[ty])
-        return f"tensordesc<{ty}[{', '.join(map(str, block))}],{layout!r}>"
+        layout = gl.NVMMASharedLayout.get_default_for(block, GLUON_DTYPES[dtype])
+        return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
 
-    k = cross_hopper
-    epilogue = descriptor([k.BLOCK_M, k.EPI_N])
+    epilogue = descriptor([cross_hopper.BLOCK_M, cross_hopper.EPI_N])
     signature = {
-        "h_desc": descriptor([k.BLOCK_M, k.BLOCK_K]),
-        "u_desc": descriptor([k.BLOCK_N, k.BLOCK_K]),
+        "h_desc": descriptor([cross_hopper.BLOCK_M, cross_hopper.BLOCK_K]),
+        "u_desc": descriptor([cross_hopper.BLOCK_N, cross_hopper.BLOCK_K]),
         **{name: epilogue for name in ("x0_desc", "xl_desc", "out_desc", "zb_desc")},
-        "b_ptr": f"*{ty}",
+        "b_ptr": f"*{dtype}",
         **{name: "i32" for name in ("M", "N", "K")},
-        **{name: "constexpr" for name in ("STAGES", "CONSUMER_REGS", "PRODUCER_REGS")},
+        **{name: "constexpr" for name in HOPPER_CONSTEXPRS},
     }
     assert list(signature) == kernel.arg_names, f"the kernel takes {kernel.arg_names}"
-    constexprs = {"STAGES": k.STAGES, "CONSUMER_REGS": k.CONSUMER_REGS, "PRODUCER_REGS": k.PRODUCER_REGS}
+    constexprs = {name: getattr(cross_hopper, name) for name in HOPPER_CONSTEXPRS}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("b_ptr", "N", "K")}
     source = GluonASTSource(kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": 4, "maxnreg": k.MAXNREG}
+    options = {"num_warps": 4, "maxnreg": cross_hopper.MAXNREG}
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     return compiled.asm["ptx"], compiled.metadata.shared
 
