@@ -6,21 +6,23 @@ Math (nn.Linear layout: V [r, N], U [N, r]; * elementwise, b broadcast over rows
     x_{l+1}  = x0 * (z + b) + x_l         [M, N]   one GEMM kernel (h @ U^T) with this epilogue: Triton's,
                                                    or kernels.cross_hopper's (Hopper GPUs, bf16 / fp16)
 Backward, with g = dL/dx_{l+1} [M, N] and zb = z + b saved by the forward:
-    dz   = g * x0                         [M, N]   one elementwise Triton kernel, with these two
-    dx0  = g * zb                         [M, N]
+    dz   = g * x0                         [M, N]   one elementwise Triton kernel, with this one
     db   = sum over rows of dz            [N]      (fp32 partials per 32 rows, kernels.gemm.partials)
     dh   = dz @ U                         [M, r]   cuBLAS
     dU   = dz^T @ h                       [N, r]   cuBLAS
     dV   = dh^T @ x_l                     [r, N]   cuBLAS
-    dx_l = g + dh @ V                     [M, N]   cuBLAS addmm_ onto the copy of g that the kernel above
-                                                   writes (the + g in its epilogue)
+    dx_l = g + dh @ V                     [M, N]   kernels.cross_hopper's GEMM with these two in its
+    dx0  = g * zb                         [M, N]   epilogue (Hopper GPUs, bf16 / fp16); elsewhere dx0 in
+                                                   the elementwise kernel, which also copies g, and a
+                                                   cuBLAS addmm_ onto that copy
 For the first layer x_l is x0 itself, and its caller adds dx0 and dx_l: autograd for one layer, the
-kernel's own epilogue in a network of layers (``kernels.cross_net``: ADD_G, ACCUMULATE).
+kernels' own epilogues in a network of layers (``kernels.cross_net``: ``launch_bwd_inputs``' acc and
+dxl=None).
 
 Why save zb rather than recompute it: recomputing z = h @ U^T in the backward is a GEMM of 2 M N r FLOPs
 (0.23 TFLOP a layer at the MLPerf shape, M = 65,536, N = 3,456, r = 512) fused with an epilogue that streams
-five [M, N] tensors; saved, the backward's epilogue is a pure stream of six [M, N] tensors and the forward
-writes one more. The cost: zb [M, N] held per layer until the backward.
+five [M, N] tensors; saved, the backward's epilogues only stream [M, N] tensors and the forward writes one
+more. The cost: zb [M, N] held per layer until the backward.
 
 Shapes: x0, x_l [M, N]; V [r, N]; U [N, r]; b [N]; any M >= 0, 1 <= N < MAX_N (2**23), r >= 1. The forward
 reads x0 and x_l through TMA descriptors and writes out and zb with one row stride, N (x0 and x_l are
@@ -252,7 +254,7 @@ def launch_fwd(
         return out, h, zb
     u, b = u.contiguous(), b.contiguous()
     if cross_hopper.supported(h, u, b, x0, xl, out, zb):
-        cross_hopper.launch(h, u, b, x0, xl, out, zb)
+        cross_hopper.launch_fwd(h, u, b, x0, xl, out, zb)
         return out, h, zb
     triton_fwd(x0, xl, h, u, b, out, zb)
     return out, h, zb
@@ -283,9 +285,9 @@ def _cross_bwd_kernel(
     # pointers
     x0_ptr,  # [M, N] x0
     g_ptr,  # [M, N] g = dL/dx_{l+1}
-    zb_ptr,  # [M, N] zb = z + b, the forward's
+    zb_ptr,  # [M, N] zb = z + b, the forward's (DX0)
     dz_ptr,  # [M, N] output dz = g * x0
-    dx0_ptr,  # [M, N] output dx0 = g * zb (+ g where ADD_G, + acc where ACCUMULATE)
+    dx0_ptr,  # [M, N] DX0: output dx0 = g * zb (+ g where ADD_G, + acc where ACCUMULATE)
     acc_ptr,  # [M, N] ACCUMULATE: the x0 gradient of the layers after this one (not read otherwise)
     copy_ptr,  # [M, N] COPY_G: output, a copy of g (not written otherwise)
     part_ptr,  # [cdiv(M, BLOCK_M), N] fp32 output: sums of fp32 dz over each BLOCK_M rows
@@ -301,6 +303,7 @@ def _cross_bwd_kernel(
     stride_acc,
     stride_copy,
     # meta-parameters
+    DX0: tl.constexpr,  # write dx0 (else dz and its sums only: the Hopper kernel writes dx0)
     ACCUMULATE: tl.constexpr,  # add acc (a cross network's x0 gradient, summed over its layers)
     ADD_G: tl.constexpr,  # and + g: the first layer's x_l is x0 (the dh @ V of that path is the caller's)
     COPY_G: tl.constexpr,  # write g's copy, on which the caller adds dh @ V in place (x_l's gradient)
@@ -318,19 +321,20 @@ def _cross_bwd_kernel(
         tl.store(copy_ptr + rows[:, None] * stride_copy + cols[None, :], g, mask=mask)
     g = g.to(tl.float32)
     x0 = tl.load(x0_ptr + rows[:, None] * stride_x0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    zb = tl.load(zb_ptr + rows[:, None] * stride_zb + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dz = g * x0
     tl.store(dz_ptr + rows[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
-    dx0 = g * zb
-    if ADD_G:
-        dx0 += g
-    if ACCUMULATE:  # from another buffer than dx0
-        dx0 += tl.load(acc_ptr + rows[:, None] * stride_acc + cols[None, :], mask=mask, other=0.0).to(
-            tl.float32
+    if DX0:
+        zb = tl.load(zb_ptr + rows[:, None] * stride_zb + cols[None, :], mask=mask, other=0.0)
+        dx0 = g * zb.to(tl.float32)
+        if ADD_G:
+            dx0 += g
+        if ACCUMULATE:  # from another buffer than dx0
+            dx0 += tl.load(acc_ptr + rows[:, None] * stride_acc + cols[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
+        tl.store(
+            dx0_ptr + rows[:, None] * stride_dx0 + cols[None, :], dx0.to(dx0_ptr.dtype.element_ty), mask=mask
         )
-    tl.store(
-        dx0_ptr + rows[:, None] * stride_dx0 + cols[None, :], dx0.to(dx0_ptr.dtype.element_ty), mask=mask
-    )
     tl.store(part_ptr + pid_m * N + cols, tl.sum(dz, axis=0), mask=cols < N)
 
 
@@ -364,37 +368,73 @@ def launch_bwd(
     """``cross_layer_bwd`` without its input checks."""
     g, x0 = rows_contiguous(g), rows_contiguous(x0)
     dx0, dxl = (launch.empty(x0.shape, x0.dtype, x0.device) for _ in range(2))
-    dz, db = launch_bwd_epilogue(g, x0, zb, dx0, None, add_g=False, copy=dxl)
-    dh = dz @ u
-    return dx0, dxl.addmm_(dh, v), dh.t() @ rows_contiguous(xl), dz.t() @ h, db
+    dz, dh, db = launch_bwd_inputs(g, x0, zb, v, u, None, dxl, dx0)
+    return dx0, dxl, dh.t() @ rows_contiguous(xl), dz.t() @ h, db
+
+
+def launch_bwd_inputs(
+    g: Tensor,
+    x0: Tensor,
+    zb: Tensor,
+    v: Tensor,
+    u: Tensor,
+    acc: Tensor | None,
+    dxl: Tensor | None,
+    dx0: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The layer's backward but its weight GEMMs (dV, dU): returns (dz [M, N], dh [M, r], db [N]), x0's
+    dtype, and writes x_l's gradient g + dh @ v into `dxl` and x0's direct term g * zb (+ `acc`, the later
+    layers' x0 gradient) into `dx0`; where `dxl` is None, dx0 takes x_l's gradient as well (the first layer
+    of a network, whose x_l is x0).
+
+    g and x0 rows-contiguous; `dxl` [M, N] a new tensor or g itself (never autograd's gradient: it is
+    written); `dx0` [M, N] rows-contiguous, not `acc`'s memory. On a Hopper GPU with tensors TMA can
+    describe (bf16 / fp16), ``_cross_bwd_kernel`` writes dz alone and ``kernels.cross_hopper``'s kernel
+    computes dh @ V with dxl and dx0 in its epilogue; elsewhere the elementwise kernel writes dx0 as well
+    (and g's copy into a new `dxl`), and cuBLAS adds dh @ v onto dxl (or dx0) in place."""
+    m, r = x0.shape[0], v.shape[0]
+    dh = launch.empty((m, r), x0.dtype, x0.device)
+    given = [t for t in (acc, dxl) if t is not None]
+    if cross_hopper.supported(dh, v, g, zb, dx0, *given):
+        dz, db = launch_bwd_epilogue(g, x0, None, None, None, add_g=False)
+        torch.matmul(dz, u, out=dh)
+        cross_hopper.launch_bwd(dh, v, g, zb, acc, dxl, dx0)
+        return dz, dh, db
+    copy = None if dxl is None or dxl is g else dxl
+    dz, db = launch_bwd_epilogue(g, x0, zb, dx0, acc, add_g=dxl is None, copy=copy)
+    torch.matmul(dz, u, out=dh)
+    (dx0 if dxl is None else dxl).addmm_(dh, v)
+    return dz, dh, db
 
 
 def launch_bwd_epilogue(
     g: Tensor,
     x0: Tensor,
-    zb: Tensor,
-    dx0: Tensor,
+    zb: Tensor | None,
+    dx0: Tensor | None,
     acc: Tensor | None,
     add_g: bool,
     copy: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``_cross_bwd_kernel`` on rows-contiguous g, x0 and zb [M, N]: (dz [M, N], db [N]), x0's dtype; writes
-    dx0 [M, N] (rows contiguous, not `acc`'s memory): g * zb, + g where `add_g`, + `acc` [M, N] where
-    given; and g into `copy` [M, N] (rows contiguous) where given: x_l's gradient g + dh @ V then takes
-    dh @ V in place (an addmm onto g itself would first copy g, a pass of its own over two [M, N]
-    tensors; here the copy is one more store of values the kernel loads anyway)."""
+    """``_cross_bwd_kernel`` on rows-contiguous g and x0 [M, N]: (dz [M, N], db [N]), x0's dtype; where
+    `dx0` is given, writes it [M, N] (rows contiguous, not `acc`'s memory): g * zb, + g where `add_g`,
+    + `acc` [M, N] where given; and g into `copy` [M, N] (rows contiguous) where given: x_l's gradient
+    g + dh @ V then takes dh @ V in place (an addmm onto g itself would first copy g, a pass of its own
+    over two [M, N] tensors; here the copy is one more store of values the kernel loads anyway)."""
     m, n = x0.shape
     dz = launch.empty((m, n), x0.dtype, x0.device)
     part = launch.empty((triton.cdiv(m, PARTIAL_ROWS), n), torch.float32, x0.device)
     if m == 0:
         return dz, torch.zeros(n, dtype=x0.dtype, device=x0.device)
-    zb = rows_contiguous(zb)
+    write_dx0 = dx0 is not None
+    # Unread and unwritten pointers stand in for the tensors not given.
+    zb, dx0 = (rows_contiguous(zb), dx0) if write_dx0 else (dz, dz)
     _cross_bwd_kernel[(triton.cdiv(m, PARTIAL_ROWS), triton.cdiv(n, _BWD_BLOCK_N))](
         x0, g, zb, dz, dx0, dx0 if acc is None else acc, dz if copy is None else copy, part, m, n,
         x0.stride(0), g.stride(0), zb.stride(0), dz.stride(0), dx0.stride(0),
         dx0.stride(0) if acc is None else acc.stride(0), dz.stride(0) if copy is None else copy.stride(0),
-        ACCUMULATE=acc is not None, ADD_G=add_g, COPY_G=copy is not None, BLOCK_M=PARTIAL_ROWS,
-        BLOCK_N=_BWD_BLOCK_N, num_warps=4,
+        DX0=write_dx0, ACCUMULATE=acc is not None, ADD_G=add_g, COPY_G=copy is not None,
+        BLOCK_M=PARTIAL_ROWS, BLOCK_N=_BWD_BLOCK_N, num_warps=4,
     )  # fmt: skip
     return dz, sum_partials(part, x0.dtype)
 

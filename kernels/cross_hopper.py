@@ -1,57 +1,73 @@
-"""The DCNv2 cross layer's forward GEMM and epilogue on Hopper GPUs (sm_90): one warp-specialized,
-persistent kernel written in Gluon (triton.experimental.gluon), which ``kernels.cross.launch_fwd`` takes
-where it can (``supported``), its Triton kernel elsewhere.
+"""The DCNv2 cross layer's two [M, N]-sized GEMMs and their epilogues on Hopper GPUs (sm_90): warp-
+specialized, persistent kernels written in Gluon (triton.experimental.gluon), which ``kernels.cross`` and
+``kernels.cross_net`` take where they can (``supported``), their Triton kernels and cuBLAS elsewhere.
 
+Forward (``launch_fwd``), the up projection with the layer's output:
     zb  = h @ U^T + b        h [M, r], U [N, r], b [N]   fp32 accumulation (wgmma), the bias first
     out = x0 * zb + xl       x0, xl [M, N]
-out and zb [M, N] in the inputs' dtype (bf16 or fp16), the epilogue in fp32 on values cast after load, one
-rounding at the store.
+Backward (``launch_bwd``), x_l's gradient with the x0 gradient's terms that need no GEMM:
+    dxl = g + dh @ V         dh [M, r], V [r, N]         g = dL/dx_{l+1} [M, N]
+    dx0 = g * zb (+ acc)     zb, acc [M, N]              acc: the x0 gradient of the later layers
+    or, where dxl is not wanted (a network's first layer, whose x_l is x0), dx0 = g * zb (+ acc) + dxl.
+Outputs in the inputs' dtype (bf16 or fp16), epilogues in fp32 on values cast after load, one rounding at
+the store. dxl may be g's own memory (tiles are disjoint, and a tile's g is in shared memory before any of
+its stores).
 
-Why a kernel of its own: the Triton kernel runs its main loop (tensor cores) and then its epilogue, which
-streams four [M, N] tensors (memory), one after the other in each program; at the MLPerf shape (M = 65,536,
-N = 3,456, r = 512) both take about as long. Here two consumer warpgroups take alternate output tiles
-("ping-pong"): while one runs its epilogue, the other's main loop keeps the tensor cores busy, and each
-consumer's x0 and x_l arrive by TMA under its own main loop. scripts/bench_cross.py times the layer.
+Why kernels of their own: a Triton kernel runs its main loop (tensor cores) and then its epilogue, which
+streams four or five [M, N] tensors (memory), one after the other in each program; at the MLPerf shape
+(M = 65,536, N = 3,456, r = 512) both take about as long. Here two consumer warpgroups take alternate output
+tiles ("ping-pong"): while one runs its epilogue, the other's main loop keeps the tensor cores busy, and each
+consumer's epilogue inputs arrive by TMA under its own main loop. scripts/bench_cross.py times the layer.
 
-Partitions (gl.warp_specialize), one program an SM, walking output tiles t = pid, pid + P, ... (P programs)
-of 128 x 128, row-major, so the programs running together read the same rows of h (U stays in L2):
+Partitions (gl.warp_specialize), one program an SM, walking output tiles t = pid, pid + P, ... (P programs),
+row-major, so the programs running together read the same rows of the A operand (the B operand stays in L2):
 - producer (a worker of 1 warp, few registers): for each of the program's tiles, for each K chunk, waits
-  the ring slot's `empty` barrier and TMA-loads the [128, 64] chunks of h and U into it, which complete on
-  the slot's `ready` barrier;
+  the ring slot's `empty` barrier and TMA-loads the A chunk [BLOCK_M, 64] (h or dh) and the B chunk (U's
+  [BLOCK_N, 64], K contiguous; V's [64, BLOCK_N], N contiguous, which wgmma reads as it lies) into it, which
+  complete on the slot's `ready` barrier;
 - consumer 0 (the default partition, 4 warps: one warpgroup) takes the program's tiles 0, 2, 4, ...;
   consumer 1 (a worker of 4 warps) tiles 1, 3, 5, ... For each tile a consumer
-  1. waits until its previous tile's TMA stores have read its x0 / x_l buffers, then TMA-loads this tile's
-     x0 and x_l into them (its `x_bar`);
-  2. starts the accumulator at the bias, so that the tensor cores give zb = z + b in fp32;
+  1. waits until its previous tile's TMA stores have read its epilogue buffers, then TMA-loads this tile's
+     epilogue inputs into them (its `x_bar`): x0 and x_l; or g, zb (and acc);
+  2. starts the accumulator (at the bias; at 0);
   3. waits its turn (`order`), runs the main loop (async wgmma, one in flight; each ring slot released on
      `empty` once the wgmma that read it is complete) and hands the turn over once its last wgmma is issued;
-  4. epilogue, per column sub-tile [128, EPI_N]: out = x0 * zb + x_l in fp32, out written over the
-     sub-tile's x0 buffer and zb over its x_l buffer, both TMA-stored (waited at step 1 of its next tile).
+  4. epilogue, per column sub-tile [BLOCK_M, EPI_N]: the outputs in fp32, written over the sub-tile's input
+     buffers (out over x0, zb over x_l; dxl over g, dx0 over zb) and TMA-stored (waited at step 1 of its
+     next tile). acc's buffer is only read, before the sub-tile's stores, which Triton's barrier before a
+     TMA store orders before the next tile's loads into it.
 
 Barriers (arrival count 1 each; phase k of an mbarrier completes at its (k + 1)-th arrival, for `ready` and
 `x_bar` with the bytes announced by `expect` too; a wait for parity p returns once the last phase due of
 that parity has completed; a fresh barrier counts as having completed a phase of parity 1):
 - ready[s]: slot s holds its chunk. Arrive: the producer's expect and TMA loads. Wait: the chunk's consumer,
-  parity (g // STAGES) & 1 for the program's g-th chunk (g counts the chunks of all its tiles in order; a
+  parity (c // STAGES) & 1 for the program's c-th chunk (c counts the chunks of all its tiles in order; a
   consumer computes it from its tile's index).
 - empty[s]: slot s may be refilled. Arrive: the consumer that read it. Wait: the producer, parity
-  ((g // STAGES) & 1) ^ 1 (the first round passes at once).
-- order[c]: consumer c may start a main loop. Arrive: the other consumer, having issued its last wgmma of a
-  tile. Wait: consumer c at its i-th tile, parity (i & 1) ^ 1 for consumer 0 (its first wait passes) and
+  ((c // STAGES) & 1) ^ 1 (the first round passes at once).
+- order[w]: consumer w may start a main loop. Arrive: the other consumer, having issued its last wgmma of a
+  tile. Wait: consumer w at its i-th tile, parity (i & 1) ^ 1 for consumer 0 (its first wait passes) and
   i & 1 for consumer 1. Besides taking the tensor cores in turn, this makes the ring's parity waits sound
   with two consumers: a consumer waits for a chunk only after every earlier chunk was waited for, so no
   `ready` barrier is two phases behind the parity asked of it.
-- x_bar[c]: consumer c's x0 and x_l have landed. Arrive: consumer c's expect and TMA loads. Wait: consumer
-  c in its i-th tile's epilogue, parity i & 1.
+- x_bar[w]: consumer w's epilogue inputs have landed. Arrive: consumer w's expect and TMA loads. Wait:
+  consumer w in its i-th tile's epilogue, parity i & 1.
 
-Shared memory (2-byte dtypes): the ring, STAGES x (128 x 64 + 128 x 64) x 2 B = 96 KiB at 3 stages, and the
-x0 / x_l buffers, 2 consumers x 2 x 128 x 128 x 2 B = 128 KiB: 224 KiB of Hopper's 227. Registers: 12 warps
-at `.maxnreg` MAXNREG (all of the SM's 64 Ki), setmaxnreg moving them from the producer's warpgroup
-(PRODUCER_REGS) to the consumers' (CONSUMER_REGS: the [128, 128] fp32 accumulator takes 128 a thread);
-no spills (`scripts/cross_registers.py --kernel hopper` compiles it for sm_90a without a GPU).
+Shared memory (2-byte dtypes; a Hopper CTA takes 232,448 bytes): the ring, STAGES x (BLOCK_M + BLOCK_N) x
+64 x 2 B, and 2 consumers' epilogue inputs, each BLOCK_M x BLOCK_N x 2 B. Two inputs (the forward, and the
+backward without acc): 128 x 128 tiles, 3 stages, 96 + 128 = 224 KiB. Three (the backward with acc): 128 x
+128 would take 288 KiB even before a third stage, so 64 x 128 tiles, 5 stages, 120 + 96 = 216 KiB.
+Registers: 12 warps at `.maxnreg` MAXNREG (all of the SM's 64 Ki), setmaxnreg moving them from the
+producer's warpgroup (PRODUCER_REGS) to the consumers' (CONSUMER_REGS: a [128, 128] fp32 accumulator takes
+128 a thread); no spills (`scripts/cross_registers.py --kernel hopper` compiles both kernels for sm_90a
+without a GPU). Tiles, sub-tiles and stages measured on an H200 at the MLPerf shape (bf16, graph replays):
+the forward's 32-column sub-tiles slightly faster than 64, 2 stages much slower than 3 (the producer cannot
+keep ahead of two consumers); the backward with acc at 5 stages 713 us, 4 stages 785, 3 stages 951, 128 x 64
+tiles 825.
 
-Gluon has no interpreter: on the CPU, and for fp32, ``kernels.cross`` runs its Triton kernel; the GPU
-tests compare the two (tests/test_cross_hopper.py).
+Gluon has no interpreter: on the CPU, and for fp32, ``kernels.cross`` runs its Triton kernels; the GPU
+tests compare both kernels with fp64 references and the forward with the Triton kernel
+(tests/test_cross_hopper.py).
 """
 
 from __future__ import annotations
@@ -75,16 +91,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kernels.gemm.layout import describable
 from kernels.launch import INTERPRETED
 
-__all__ = ["launch", "supported"]
+__all__ = ["launch_bwd", "launch_fwd", "supported"]
 
-BLOCK_M = 128
-BLOCK_N = 128
 BLOCK_K = 64
-# The epilogue's column sub-tile, its ring slots and its registers. Measured on an H200 at the MLPerf shape
-# (bf16, graph replays), against 3 stages with 64-column sub-tiles: 32 columns slightly faster, 2 stages
-# much slower (the producer cannot keep ahead of two consumers), 240 / 24 registers the same.
-EPI_N = 32
-STAGES = 3
+# (BLOCK_M, BLOCK_N, EPI_N, STAGES) by the number of epilogue inputs (module docstring).
+TILES = {2: (128, 128, 32, 3), 3: (64, 128, 64, 5)}
 MAXNREG = 168  # x 384 threads: the SM's 64 Ki registers
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
@@ -112,30 +123,83 @@ def _split_n(x, SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def _producer(h_desc, u_desc, ring_h, ring_u, ready, empty, M, N, K):
-    BM: gl.constexpr = h_desc.block_type.shape[0]
-    BK: gl.constexpr = h_desc.block_type.shape[1]
-    BN: gl.constexpr = u_desc.block_type.shape[0]
-    S: gl.constexpr = ring_h.type.shape[0]
-    CHUNK_BYTES: gl.constexpr = h_desc.block_type.nbytes + u_desc.block_type.nbytes
-    num_pid_n = gl.cdiv(N, BN)
-    num_tiles = gl.cdiv(M, BM) * num_pid_n
-    k_tiles = gl.cdiv(K, BK)
-    g = 0  # the program's chunk, over all its tiles
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _tile_offsets(t, num_pid_n, BM, BN)
-        for kk in range(k_tiles):
-            s = g % S
-            mbarrier.wait(empty.index(s), ((g // S) & 1) ^ 1)
-            # The byte count by position: its keyword is named differently in triton 3.6 and 3.7.
-            mbarrier.expect(ready.index(s), CHUNK_BYTES)
-            tma.async_copy_global_to_shared(h_desc, [off_m, kk * BK], ready.index(s), ring_h.index(s))
-            tma.async_copy_global_to_shared(u_desc, [off_n, kk * BK], ready.index(s), ring_u.index(s))
-            g += 1
+def _barriers(STAGES: gl.constexpr):
+    """(ready, empty, x_bar, order), initialized (module docstring)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    x_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    for w in gl.static_range(2):
+        mbarrier.init(x_bar.index(w), count=1)
+        mbarrier.init(order.index(w), count=1)
+    fence_async_shared()  # the inits before any TMA (the async proxy) signals a barrier
+    return ready, empty, x_bar, order
 
 
 @gluon.jit
-def _consumer(
+def _producer(a_desc, b_desc, ring_a, ring_b, ready, empty, M, N, K, B_KMAJOR: gl.constexpr):
+    """The ring's producer. B_KMAJOR: b_desc's blocks are [BLOCK_N, BLOCK_K] (U), else [BLOCK_K, BLOCK_N]
+    (V)."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0] if B_KMAJOR else b_desc.block_type.shape[1]
+    S: gl.constexpr = ring_a.type.shape[0]
+    CHUNK_BYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    num_pid_n = gl.cdiv(N, BN)
+    num_tiles = gl.cdiv(M, BM) * num_pid_n
+    k_tiles = gl.cdiv(K, BK)
+    c = 0  # the program's chunk, over all its tiles
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile_offsets(t, num_pid_n, BM, BN)
+        for kk in range(k_tiles):
+            s = c % S
+            mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
+            # The byte count by position: its keyword is named differently in triton 3.6 and 3.7.
+            mbarrier.expect(ready.index(s), CHUNK_BYTES)
+            tma.async_copy_global_to_shared(a_desc, [off_m, kk * BK], ready.index(s), ring_a.index(s))
+            if B_KMAJOR:
+                tma.async_copy_global_to_shared(b_desc, [off_n, kk * BK], ready.index(s), ring_b.index(s))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [kk * BK, off_n], ready.index(s), ring_b.index(s))
+            c += 1
+
+
+@gluon.jit
+def _main_loop(
+    acc, ring_a, ring_b, ready, empty, order, i, k_tiles, WHICH: gl.constexpr, B_KMAJOR: gl.constexpr
+):
+    """Consumer WHICH's main loop of its i-th tile, in turn with the other consumer: acc + A @ B."""
+    S: gl.constexpr = ring_a.type.shape[0]
+    mbarrier.wait(order.index(WHICH), (i & 1) ^ (1 - WHICH))
+    c = (2 * i + WHICH) * k_tiles  # the producer's count of this tile's first chunk
+    for kk in range(k_tiles):
+        s = c % S
+        mbarrier.wait(ready.index(s), (c // S) & 1)
+        b = ring_b.index(s).permute((1, 0)) if B_KMAJOR else ring_b.index(s)
+        acc = warpgroup_mma(ring_a.index(s), b, acc, is_async=True)
+        # One wgmma in flight: the one before, which read slot c - 1, is complete.
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+        mbarrier.arrive(empty.index((c + S - 1) % S), count=1, pred=kk > 0)
+        c += 1
+    mbarrier.arrive(order.index(1 - WHICH), count=1)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index((c + S - 1) % S), count=1)
+    return acc
+
+
+@gluon.constexpr_function
+def _acc_layout(BN, dtype):
+    """One warpgroup's wgmma accumulator: atoms of 64 rows, the 4 warps along M, BN columns an instruction."""
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 256 // dtype.primitive_bitwidth]
+    )
+
+
+@gluon.jit
+def _fwd_consumer(
     h_desc, u_desc, x0_desc, xl_desc, out_desc, zb_desc, ring_h, ring_u, ready, empty, x0_bufs, xl_bufs,
     x_bar, order, b_ptr, M, N, K, WHICH: gl.constexpr,
 ):  # fmt: skip
@@ -144,12 +208,8 @@ def _consumer(
     BN: gl.constexpr = u_desc.block_type.shape[0]
     EPI: gl.constexpr = x0_desc.block_type.shape[1]
     SPLIT: gl.constexpr = BN // EPI
-    S: gl.constexpr = ring_h.type.shape[0]
     X_BYTES: gl.constexpr = 2 * SPLIT * x0_desc.block_type.nbytes
-    # One warpgroup: wgmma atoms of 64 rows, the 4 warps along M, the tile's BN columns in one instruction.
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 256 // h_desc.dtype.primitive_bitwidth]
-    )
+    acc_layout: gl.constexpr = _acc_layout(BN, h_desc.dtype)
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     my_x_bar = x_bar.index(WHICH)
     num_pid_n = gl.cdiv(N, BN)
@@ -170,19 +230,7 @@ def _consumer(
         bias = gl.load(b_ptr + off_n + cols, mask=off_n + cols < N, other=0.0).to(gl.float32)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout) + gl.expand_dims(bias, 0)
         # 3. The main loop, in turn with the other consumer.
-        mbarrier.wait(order.index(WHICH), (i & 1) ^ (1 - WHICH))
-        g = (2 * i + WHICH) * k_tiles  # the producer's count of this tile's first chunk
-        for kk in range(k_tiles):
-            s = g % S
-            mbarrier.wait(ready.index(s), (g // S) & 1)
-            acc = warpgroup_mma(ring_h.index(s), ring_u.index(s).permute((1, 0)), acc, is_async=True)
-            # One wgmma in flight: the one before, which read slot g - 1, is complete.
-            acc = warpgroup_mma_wait(1, deps=(acc,))
-            mbarrier.arrive(empty.index((g + S - 1) % S), count=1, pred=kk > 0)
-            g += 1
-        mbarrier.arrive(order.index(1 - WHICH), count=1)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index((g + S - 1) % S), count=1)
+        acc = _main_loop(acc, ring_h, ring_u, ready, empty, order, i, k_tiles, WHICH, True)
         # 4. The epilogue, a column sub-tile at a time, over the sub-tile's buffers.
         mbarrier.wait(my_x_bar, i & 1)
         zbs = _split_n(acc, SPLIT)
@@ -222,40 +270,133 @@ def _cross_fwd_ws_kernel(
     SPLIT: gl.constexpr = u_desc.block_type.shape[0] // x0_desc.block_type.shape[1]
     ring_h = gl.allocate_shared_memory(dtype, [STAGES] + h_desc.block_type.shape, h_desc.layout)
     ring_u = gl.allocate_shared_memory(dtype, [STAGES] + u_desc.block_type.shape, u_desc.layout)
-    # Consumer c's x0 and x_l sub-tiles are c * SPLIT + j.
+    # Consumer w's x0 and x_l sub-tiles are w * SPLIT + j.
     x0_bufs = gl.allocate_shared_memory(dtype, [2 * SPLIT] + x0_desc.block_type.shape, x0_desc.layout)
     xl_bufs = gl.allocate_shared_memory(dtype, [2 * SPLIT] + xl_desc.block_type.shape, xl_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    x_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    for c in gl.static_range(2):
-        mbarrier.init(x_bar.index(c), count=1)
-        mbarrier.init(order.index(c), count=1)
-    fence_async_shared()  # the inits before any TMA (the async proxy) signals a barrier
+    ready, empty, x_bar, order = _barriers(STAGES)
     # (functions and arguments, worker warps, worker registers) by position: triton 3.6 requires the
     # registers, 3.7 names them differently. The 4-warp consumer is the first worker, so that it is an
     # aligned warpgroup (warps 4-7), as wgmma needs. Its arguments are written out: a literal appended to a
     # tuple of them does not pass through warp_specialize.
     # fmt: off
     gl.warp_specialize([
-        (_consumer, (h_desc, u_desc, x0_desc, xl_desc, out_desc, zb_desc, ring_h, ring_u, ready, empty,
-                     x0_bufs, xl_bufs, x_bar, order, b_ptr, M, N, K, 0)),
-        (_consumer, (h_desc, u_desc, x0_desc, xl_desc, out_desc, zb_desc, ring_h, ring_u, ready, empty,
-                     x0_bufs, xl_bufs, x_bar, order, b_ptr, M, N, K, 1)),
-        (_producer, (h_desc, u_desc, ring_h, ring_u, ready, empty, M, N, K)),
+        (_fwd_consumer, (h_desc, u_desc, x0_desc, xl_desc, out_desc, zb_desc, ring_h, ring_u, ready, empty,
+                         x0_bufs, xl_bufs, x_bar, order, b_ptr, M, N, K, 0)),
+        (_fwd_consumer, (h_desc, u_desc, x0_desc, xl_desc, out_desc, zb_desc, ring_h, ring_u, ready, empty,
+                         x0_bufs, xl_bufs, x_bar, order, b_ptr, M, N, K, 1)),
+        (_producer, (h_desc, u_desc, ring_h, ring_u, ready, empty, M, N, K, True)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    # fmt: on
+
+
+@gluon.jit
+def _bwd_consumer(
+    dh_desc, v_desc, g_desc, zb_desc, acc_desc, dxl_desc, dx0_desc, ring_dh, ring_v, ready, empty, g_bufs,
+    zb_bufs, acc_bufs, x_bar, order, M, N, K, ACCUMULATE: gl.constexpr, FOLD_DXL: gl.constexpr,
+    WHICH: gl.constexpr,
+):  # fmt: skip
+    BM: gl.constexpr = dh_desc.block_type.shape[0]
+    BK: gl.constexpr = dh_desc.block_type.shape[1]
+    BN: gl.constexpr = v_desc.block_type.shape[1]
+    EPI: gl.constexpr = g_desc.block_type.shape[1]
+    SPLIT: gl.constexpr = BN // EPI
+    X_BYTES: gl.constexpr = (3 if ACCUMULATE else 2) * SPLIT * g_desc.block_type.nbytes
+    acc_layout: gl.constexpr = _acc_layout(BN, dh_desc.dtype)
+    my_x_bar = x_bar.index(WHICH)
+    num_pid_n = gl.cdiv(N, BN)
+    num_tiles = gl.cdiv(M, BM) * num_pid_n
+    k_tiles = gl.cdiv(K, BK)
+    step = gl.num_programs(0)
+    i = 0  # this consumer's tile: the program's tile 2 i + WHICH
+    for t in range(gl.program_id(0) + WHICH * step, num_tiles, 2 * step):
+        off_m, off_n = _tile_offsets(t, num_pid_n, BM, BN)
+        # 1. This tile's g, zb (and acc), once the last tile's stores have read the buffers.
+        tma.store_wait(0)
+        mbarrier.expect(my_x_bar, X_BYTES)
+        for j in gl.static_range(SPLIT):
+            buf = WHICH * SPLIT + j
+            tma.async_copy_global_to_shared(g_desc, [off_m, off_n + j * EPI], my_x_bar, g_bufs.index(buf))
+            tma.async_copy_global_to_shared(zb_desc, [off_m, off_n + j * EPI], my_x_bar, zb_bufs.index(buf))
+            if ACCUMULATE:
+                tma.async_copy_global_to_shared(
+                    acc_desc, [off_m, off_n + j * EPI], my_x_bar, acc_bufs.index(buf)
+                )
+        # 2. The accumulator starts at 0 (g is added in the epilogue). 3. The main loop.
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        acc = _main_loop(acc, ring_dh, ring_v, ready, empty, order, i, k_tiles, WHICH, False)
+        # 4. The epilogue, a column sub-tile at a time, over the sub-tile's buffers.
+        mbarrier.wait(my_x_bar, i & 1)
+        prods = _split_n(acc, SPLIT)
+        for j in gl.static_range(SPLIT):
+            prod = prods[j]  # the sub-tile's dh @ V, fp32
+            g_buf = g_bufs.index(WHICH * SPLIT + j)
+            zb_buf = zb_bufs.index(WHICH * SPLIT + j)
+            g = g_buf.load(prod.type.layout).to(gl.float32)
+            dx0 = g * zb_buf.load(prod.type.layout).to(gl.float32)
+            if ACCUMULATE:
+                dx0 += acc_bufs.index(WHICH * SPLIT + j).load(prod.type.layout).to(gl.float32)
+            if FOLD_DXL:
+                zb_buf.store((dx0 + (g + prod)).to(dx0_desc.dtype))
+                fence_async_shared()
+            else:
+                g_buf.store((g + prod).to(dxl_desc.dtype))
+                zb_buf.store(dx0.to(dx0_desc.dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(dxl_desc, [off_m, off_n + j * EPI], g_buf)
+            tma.async_copy_shared_to_global(dx0_desc, [off_m, off_n + j * EPI], zb_buf)
+        i += 1
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["M"])
+def _cross_bwd_ws_kernel(
+    dh_desc,  # of dh [M, r], blocks [BLOCK_M, BLOCK_K]
+    v_desc,  # of V [r, N], blocks [BLOCK_K, BLOCK_N] (N contiguous)
+    g_desc,  # of g [M, N], blocks [BLOCK_M, EPI_N]
+    zb_desc,  # of zb [M, N], blocks [BLOCK_M, EPI_N]
+    acc_desc,  # of acc [M, N], blocks [BLOCK_M, EPI_N] (ACCUMULATE; else any such descriptor, unread)
+    dxl_desc,  # of dx_l [M, N], blocks [BLOCK_M, EPI_N] (may be g's memory; FOLD_DXL: any, unwritten)
+    dx0_desc,  # of dx0 [M, N], blocks [BLOCK_M, EPI_N]
+    M,
+    N,
+    K,  # r
+    ACCUMULATE: gl.constexpr,  # dx0 += acc (the x0 gradient of the layers after this one)
+    FOLD_DXL: gl.constexpr,  # dx0 += dx_l, dx_l not written (the network's first layer, whose x_l is x0)
+    STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,  # setmaxnreg of the worker consumer (the default partition: what is left)
+    PRODUCER_REGS: gl.constexpr,
+):
+    dtype: gl.constexpr = dh_desc.dtype
+    SPLIT: gl.constexpr = v_desc.block_type.shape[1] // g_desc.block_type.shape[1]
+    ring_dh = gl.allocate_shared_memory(dtype, [STAGES] + dh_desc.block_type.shape, dh_desc.layout)
+    ring_v = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    # Consumer w's sub-tiles are w * SPLIT + j.
+    g_bufs = gl.allocate_shared_memory(dtype, [2 * SPLIT] + g_desc.block_type.shape, g_desc.layout)
+    zb_bufs = gl.allocate_shared_memory(dtype, [2 * SPLIT] + zb_desc.block_type.shape, zb_desc.layout)
+    if ACCUMULATE:
+        acc_bufs = gl.allocate_shared_memory(dtype, [2 * SPLIT] + acc_desc.block_type.shape, acc_desc.layout)
+    else:
+        acc_bufs = g_bufs  # never read
+    ready, empty, x_bar, order = _barriers(STAGES)
+    # As the forward's (above).
+    # fmt: off
+    gl.warp_specialize([
+        (_bwd_consumer, (dh_desc, v_desc, g_desc, zb_desc, acc_desc, dxl_desc, dx0_desc, ring_dh, ring_v,
+                         ready, empty, g_bufs, zb_bufs, acc_bufs, x_bar, order, M, N, K, ACCUMULATE, FOLD_DXL,
+                         0)),
+        (_bwd_consumer, (dh_desc, v_desc, g_desc, zb_desc, acc_desc, dxl_desc, dx0_desc, ring_dh, ring_v,
+                         ready, empty, g_bufs, zb_bufs, acc_bufs, x_bar, order, M, N, K, ACCUMULATE, FOLD_DXL,
+                         1)),
+        (_producer, (dh_desc, v_desc, ring_dh, ring_v, ready, empty, M, N, K, False)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     # fmt: on
 
 
 def supported(*tensors: Tensor) -> bool:
-    """Whether ``launch`` runs on these tensors (h, U, b, x0, x_l, out, zb): a CUDA GPU of compute
-    capability 9.0 (wgmma, TMA and setmaxnreg are sm_90a's), not the interpreter, one dtype of bf16 or
-    fp16, and every 2-D tensor able to back a TMA descriptor itself (columns contiguous, rows and base 16
-    bytes apart: N and r multiples of 8)."""
+    """Whether ``launch_fwd`` or ``launch_bwd`` runs on these tensors (their arguments that are tensors): a
+    CUDA GPU of compute capability 9.0 (wgmma, TMA and setmaxnreg are sm_90a's), not the interpreter, one
+    dtype of bf16 or fp16, and every 2-D tensor able to back a TMA descriptor itself (columns contiguous,
+    rows and base 16 bytes apart: N and r multiples of 8)."""
     first = tensors[0]
     return (
         not INTERPRETED
@@ -272,25 +413,57 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _grid(t: Tensor, block_m: int, block_n: int) -> tuple[int]:
+    """One program an SM, never more than tiles of the [M, N] tensor t."""
+    m, n = t.shape
+    return (min(_num_sms(t.device.index), triton.cdiv(m, block_m) * triton.cdiv(n, block_n)),)
+
+
 def _descriptor(t: Tensor, block: list[int]) -> TensorDescriptor:
+    # Blocks as they lie in memory (the last dimension contiguous), also V's [BLOCK_K, BLOCK_N]: wgmma reads
+    # a 16-bit B operand in either order.
     layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def launch(h: Tensor, u: Tensor, b: Tensor, x0: Tensor, xl: Tensor, out: Tensor, zb: Tensor) -> None:
+def launch_fwd(h: Tensor, u: Tensor, b: Tensor, x0: Tensor, xl: Tensor, out: Tensor, zb: Tensor) -> None:
     """Write zb = h @ u^T + b and out = x0 * zb + xl into `out` and `zb` [M, N] (module docstring).
 
     Args:
         h: [M, r]; u: [N, r]; b: [N] contiguous; x0, xl, out, zb: [M, N]; one dtype (bf16 or fp16) on one
             Hopper GPU, as ``supported`` checks (not checked here).
     """
-    m, n = x0.shape
-    if m == 0:
+    if x0.shape[0] == 0:
         return
-    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
-    _cross_fwd_ws_kernel[(min(_num_sms(x0.device.index), tiles),)](
-        _descriptor(h, [BLOCK_M, BLOCK_K]), _descriptor(u, [BLOCK_N, BLOCK_K]),
-        *(_descriptor(t, [BLOCK_M, EPI_N]) for t in (x0, xl, out, zb)),
-        b, m, n, h.shape[1],
-        STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
+    block_m, block_n, epi_n, stages = TILES[2]
+    _cross_fwd_ws_kernel[_grid(x0, block_m, block_n)](
+        _descriptor(h, [block_m, BLOCK_K]), _descriptor(u, [block_n, BLOCK_K]),
+        *(_descriptor(t, [block_m, epi_n]) for t in (x0, xl, out, zb)),
+        b, x0.shape[0], x0.shape[1], h.shape[1],
+        STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
+    )  # fmt: skip
+
+
+def launch_bwd(
+    dh: Tensor, v: Tensor, g: Tensor, zb: Tensor, acc: Tensor | None, dxl: Tensor | None, dx0: Tensor
+) -> None:
+    """Write dxl = g + dh @ v into `dxl` and dx0 = g * zb (+ acc) into `dx0`; where `dxl` is None,
+    dx0 = g * zb (+ acc) + g + dh @ v instead (module docstring).
+
+    Args:
+        dh: [M, r]; v: [r, N]; g, zb, dx0: [M, N]; acc: [M, N] or None; dxl: [M, N], g itself, or None;
+            one dtype (bf16 or fp16) on one Hopper GPU, as ``supported`` checks (not checked here). No
+            output shares memory with an input or the other output, except dxl with g.
+    """
+    if g.shape[0] == 0:
+        return
+    block_m, block_n, epi_n, stages = TILES[2 if acc is None else 3]
+    # Unread (acc) and unwritten (dxl) descriptors stand in for the tensors not given.
+    epilogue = (g, zb, g if acc is None else acc, dx0 if dxl is None else dxl, dx0)
+    _cross_bwd_ws_kernel[_grid(g, block_m, block_n)](
+        _descriptor(dh, [block_m, BLOCK_K]), _descriptor(v, [BLOCK_K, block_n]),
+        *(_descriptor(t, [block_m, epi_n]) for t in epilogue),
+        g.shape[0], g.shape[1], dh.shape[1],
+        ACCUMULATE=acc is not None, FOLD_DXL=dxl is None, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip

@@ -10,9 +10,9 @@ Why one op: x0 feeds every layer, so layer by layer (one ``cross_layer`` each) a
 gradients of x0 [M, N] and adds them with separate kernels, each reading two [M, N] tensors and writing one
 (at the MLPerf model's M = 65,536, N = 3,456, bf16: 0.45 GB a tensor). Here the backward walks the layers
 from the last, and each layer's kernel adds its term to the sum of the later layers' in its epilogue
-(``_cross_bwd_kernel``'s ACCUMULATE; the first layer's also adds g_0), so the sum is written once a layer
-and read once by the next, and the first layer's dh_0 @ V_0 lands on it in cuBLAS's addmm: one x0 gradient,
-no add kernels.
+(``kernels.cross.launch_bwd_inputs``' acc), so the sum is written once a layer and read once by the next,
+and the first layer's x_l gradient g_0 + dh_0 @ V_0 lands on it (that function's dxl=None): one x0
+gradient, no add kernels.
 
 Shapes: x0 [M, N]; v [L, r, N]; u [L, N, r]; b [L, N] (the layers' V_l, U_l, b_l stacked); one dtype (fp32,
 bf16 or fp16) and device; M >= 0, N, r, L >= 1. The forward keeps x_1 .. x_{L-1} [L-1, M, N] and every
@@ -30,7 +30,7 @@ from kernels.cross import (
     cross_layer_bwd_ref,
     cross_layer_fwd_ref,
     cross_layer_ref,
-    launch_bwd_epilogue,
+    launch_bwd_inputs,
     launch_fwd,
 )
 from kernels.gemm.layout import rows_contiguous
@@ -96,24 +96,24 @@ def _backward(
             dx0 += direct
         return dx0 + g, dv, du, db
     x0 = rows_contiguous(x0)
-    # Two buffers for x0's running sum, in turns: a kernel reads one and writes the other.
+    # Two buffers for x0's running sum, in turns: a layer reads one and writes the other.
     sums = [launch.empty(x0.shape, x0.dtype, x0.device) for _ in range(min(layers, 2))]
     acc = None
     for layer in reversed(range(layers)):
         xl = x0 if layer == 0 else inner[layer - 1]
         dx0 = sums[layer % len(sums)]
         g = rows_contiguous(g)
-        # autograd's g (the last layer's) is never written: the epilogue copies it into a new x_l gradient;
-        # a gradient this loop made takes dh @ V in place.
-        copy = launch.empty(x0.shape, x0.dtype, x0.device) if 0 < layer == layers - 1 else None
-        dz, db[layer] = launch_bwd_epilogue(g, x0, zb[layer], dx0, acc, add_g=layer == 0, copy=copy)
-        dh = dz @ u[layer]
+        # x_l's gradient: autograd's g (the last layer's) is never written, so it goes to a new tensor; a
+        # gradient this loop made takes it in place; the first layer's lands on x0's (x_l is x0).
+        if layer == 0:
+            dxl = None
+        else:
+            dxl = launch.empty(x0.shape, x0.dtype, x0.device) if layer == layers - 1 else g
+        dz, dh, db[layer] = launch_bwd_inputs(g, x0, zb[layer], v[layer], u[layer], acc, dxl, dx0)
         torch.matmul(dh.t(), xl, out=dv[layer])
         torch.matmul(dz.t(), h[layer], out=du[layer])
-        if layer > 0:
-            g = (g if copy is None else copy).addmm_(dh, v[layer])
-        acc = dx0
-    return acc.addmm_(dh, v[0]), dv, du, db
+        g, acc = dxl, dx0
+    return acc, dv, du, db
 
 
 def _backward_fake(

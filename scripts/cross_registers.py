@@ -1,5 +1,5 @@
-"""The DCN cross layer's forward kernels compiled for a Hopper GPU on any machine, no GPU needed: registers,
-spills and shared memory per tuned config, and the order of its epilogue's global loads and stores.
+"""The DCN cross layer's kernels compiled for a Hopper GPU on any machine, no GPU needed: registers, spills
+and shared memory per tuned config, and the order of the forward epilogue's global loads and stores.
 
     python scripts/cross_registers.py [--dtype bf16|fp32] [--arch 90] [--tiles 128x256,64x64]
     python scripts/cross_registers.py --kernel hopper [--dtype bf16]
@@ -14,9 +14,10 @@ kernel's global loads (L) and stores (S) after its main loop, runs collapsed (`8
 eight stores). This is what backs the register and spill statements of kernels/cross.py and
 docs/model-and-kernels.md; speed needs the GPU (scripts/bench_cross.py).
 
-`--kernel hopper` compiles ``kernels.cross_hopper``'s Gluon kernel instead, in its one setting (its tiles,
-stages, epilogue sub-tile and register split), and prints its registers, spills and shared memory (its
-stores go through TMA: no epilogue order): what backs that module's shared-memory and register statements.
+`--kernel hopper` compiles ``kernels.cross_hopper``'s Gluon kernels instead, the forward and each variant
+of the backward (ACCUMULATE, FOLD_DXL), each in its setting (tiles, stages, epilogue sub-tile and register
+split), and prints a line each: registers, spills and shared memory (their stores go through TMA: no
+epilogue order): what backs that module's shared-memory and register statements.
 """
 
 import itertools
@@ -56,8 +57,10 @@ ARGS = (
 )
 DIVISIBLE = ("b_ptr", "out_ptr", "zb_ptr", "N", "K", "M_BUCKET", "stride")
 CONSTEXPRS = ("TMA_STORE", "DOT_FP32", "INPUT_PRECISION", "BLOCK_M", "BLOCK_N", "BLOCK_K")
-# The Hopper kernel's constexprs, each launched with the kernels.cross_hopper setting of the same name.
-HOPPER_CONSTEXPRS = ("STAGES", "CONSUMER_REGS", "PRODUCER_REGS")
+# The Hopper kernels' register split, each launched with the kernels.cross_hopper setting of the same name.
+HOPPER_REGS = ("CONSUMER_REGS", "PRODUCER_REGS")
+# The backward kernel's variants: (ACCUMULATE, FOLD_DXL).
+HOPPER_BWD = ((False, False), (True, False), (False, True), (True, True))
 GLUON_DTYPES = {"bf16": gl.bfloat16, "fp16": gl.float16}
 
 
@@ -86,28 +89,34 @@ def compile_config(
     return kernel.asm["ptx"], f.name, kernel.metadata.shared
 
 
-def compile_hopper(dtype: str, arch: int) -> tuple[str, int]:
-    """(ptx, shared memory bytes) of ``kernels.cross_hopper``'s kernel in its setting for `dtype` ("bf16" or
-    "fp16"), specialized as a launch at the MLPerf shape (b 16-byte aligned, N and K = r multiples of 16; M
-    is not specialized)."""
-    kernel = cross_hopper._cross_fwd_ws_kernel
+def compile_hopper(
+    dtype: str, arch: int, backward: bool = False, accumulate: bool = False, fold_dxl: bool = False
+) -> tuple[str, int]:
+    """(ptx, shared memory bytes) of one of ``kernels.cross_hopper``'s kernels, the forward or the backward
+    (with ACCUMULATE, FOLD_DXL), in its setting for `dtype` ("bf16" or "fp16"), specialized as a launch at
+    the MLPerf shape (b 16-byte aligned, N and K = r multiples of 16; M is not specialized)."""
+    kernel = cross_hopper._cross_bwd_ws_kernel if backward else cross_hopper._cross_fwd_ws_kernel
+    block_m, block_n, epi_n, stages = cross_hopper.TILES[3 if accumulate else 2]
 
     def descriptor(block: list[int]) -> str:
         layout = gl.NVMMASharedLayout.get_default_for(block, GLUON_DTYPES[dtype])
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
 
-    epilogue = descriptor([cross_hopper.BLOCK_M, cross_hopper.EPI_N])
-    signature = {
-        "h_desc": descriptor([cross_hopper.BLOCK_M, cross_hopper.BLOCK_K]),
-        "u_desc": descriptor([cross_hopper.BLOCK_N, cross_hopper.BLOCK_K]),
-        **{name: epilogue for name in ("x0_desc", "xl_desc", "out_desc", "zb_desc")},
-        "b_ptr": f"*{dtype}",
-        **{name: "i32" for name in ("M", "N", "K")},
-        **{name: "constexpr" for name in HOPPER_CONSTEXPRS},
-    }
+    epilogue = descriptor([block_m, epi_n])
+    a_block = descriptor([block_m, cross_hopper.BLOCK_K])
+    if backward:
+        operands = {"dh_desc": a_block, "v_desc": descriptor([cross_hopper.BLOCK_K, block_n])}
+        operands |= {f"{name}_desc": epilogue for name in ("g", "zb", "acc", "dxl", "dx0")}
+        flags = {"ACCUMULATE": accumulate, "FOLD_DXL": fold_dxl}
+    else:
+        operands = {"h_desc": a_block, "u_desc": descriptor([block_n, cross_hopper.BLOCK_K])}
+        operands |= {f"{name}_desc": epilogue for name in ("x0", "xl", "out", "zb")} | {"b_ptr": f"*{dtype}"}
+        flags = {}
+    constexprs = flags | {"STAGES": stages} | {name: getattr(cross_hopper, name) for name in HOPPER_REGS}
+    signature = operands | {name: "i32" for name in ("M", "N", "K")} | dict.fromkeys(constexprs, "constexpr")
     assert list(signature) == kernel.arg_names, f"the kernel takes {kernel.arg_names}"
-    constexprs = {name: getattr(cross_hopper, name) for name in HOPPER_CONSTEXPRS}
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("b_ptr", "N", "K")}
+    divisible = [name for name in ("b_ptr", "N", "K") if name in signature]
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     source = GluonASTSource(kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": 4, "maxnreg": cross_hopper.MAXNREG}
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
@@ -148,7 +157,7 @@ def epilogue_order(cubin: str) -> str:
     type=click.Choice(["triton", "hopper"]),
     default="triton",
     show_default=True,
-    help="kernels.cross's Triton kernel, or kernels.cross_hopper's Gluon kernel (bf16 / fp16, sm_90a).",
+    help="kernels.cross's Triton kernel, or kernels.cross_hopper's Gluon kernels (bf16 / fp16, sm_90a).",
 )
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--arch", type=int, default=90, show_default=True, help="Compute capability, e.g. 90.")
@@ -158,9 +167,11 @@ def main(kernel: str, dtype: str, arch: int, tiles: str | None) -> None:
     if kernel == "hopper":
         if dtype == "fp32":
             raise click.BadParameter("the Hopper kernel takes bf16 or fp16", param_hint="--dtype")
-        ptx, shared = compile_hopper(dtype, arch)
-        used, spilled = registers(ptx, arch)
-        click.echo(f"hopper {dtype}: {used} registers, {spilled} B spilled, {shared} B shared")
+        for backward, accumulate, fold_dxl in [(False, False, False)] + [(True, *v) for v in HOPPER_BWD]:
+            ptx, shared = compile_hopper(dtype, arch, backward, accumulate, fold_dxl)
+            used, spilled = registers(ptx, arch)
+            name = f"bwd ACCUMULATE={accumulate:d} FOLD_DXL={fold_dxl:d}" if backward else "fwd"
+            click.echo(f"hopper {name} {dtype}: {used} registers, {spilled} B spilled, {shared} B shared")
         return
     if dtype == "fp16":
         raise click.BadParameter("the Triton kernel's configs are for bf16 or fp32", param_hint="--dtype")

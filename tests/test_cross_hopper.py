@@ -1,15 +1,20 @@
-"""Tests for kernels/cross_hopper.py, the cross layer's forward GEMM and epilogue as a warp-specialized Gluon
-kernel on Hopper GPUs: every element of out and zb against an fp64 reference on the same h, rows past M
-untouched, and where ``kernels.cross`` takes it. Gluon has no interpreter: the kernel tests need an sm_90 GPU.
+"""Tests for kernels/cross_hopper.py, the cross layer's forward and backward GEMMs with their epilogues as
+warp-specialized Gluon kernels on Hopper GPUs: every element of their outputs against fp64 references on the
+same operands, rows past M untouched, and where ``kernels.cross`` and ``kernels.cross_net`` take them.
+Gluon has no interpreter: the kernel tests need an sm_90 GPU.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 import kernels.cross as cross
 import kernels.cross_hopper as cross_hopper
+from kernels.cross_net import cross_net
+from tests.test_cross import _assert_norm_close, _run
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (sm_90)")
@@ -46,7 +51,7 @@ def test_every_element_against_the_reference_gpu(shape, dtype):
     zb_rows = torch.full((m + GUARD, n), float("nan"), device="cuda", dtype=dtype)
     out, zb = out_rows[:m], zb_rows[:m]
     assert cross_hopper.supported(h, u, b, x0, xl, out, zb)
-    cross_hopper.launch(h, u, b, x0, xl, out, zb)
+    cross_hopper.launch_fwd(h, u, b, x0, xl, out, zb)
     torch.cuda.synchronize()
     expected_zb = h.double() @ u.double().t() + b.double()
     expected_out = x0.double() * expected_zb + xl.double()
@@ -70,11 +75,98 @@ def test_the_layer_takes_it_where_it_can_gpu():
     x0_odd, xl_odd, h_odd, u_odd, b_odd = _inputs(m, n - 1, r, torch.bfloat16)  # rows of 6,910 bytes
     assert not cross_hopper.supported(h_odd, u_odd, b_odd, x0_odd, xl_odd, x0_odd, xl_odd)
     hopper_out, hopper_zb = torch.empty_like(x0), torch.empty_like(x0)
-    cross_hopper.launch(h, u, b, x0, xl, hopper_out, hopper_zb)
+    cross_hopper.launch_fwd(h, u, b, x0, xl, hopper_out, hopper_zb)
     cross.triton_fwd(x0, xl, h, u, b, out, zb)
     # The two kernels sum in other orders and round once each: a unit in the last place apart at most.
     torch.testing.assert_close(hopper_zb, zb, rtol=2**-7, atol=ATOL)
     torch.testing.assert_close(hopper_out, out, rtol=2**-7, atol=ATOL)
+
+
+def _guarded(m, n, dtype):
+    """An [M, N] view at the top of an [M + GUARD, N] buffer of NaN (an element left unwritten stays NaN),
+    and the buffer."""
+    rows = torch.full((m + GUARD, n), float("nan"), device="cuda", dtype=dtype)
+    return rows[:m], rows
+
+
+# (ACCUMULATE, FOLD_DXL, dx_l written over g): each variant of the backward kernel.
+BWD_VARIANTS = [(False, False, False), (False, False, True), (True, False, False), (True, False, True),
+                (False, True, False), (True, True, False)]  # fmt: skip
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "variant", BWD_VARIANTS, ids=lambda v: f"acc{v[0]:d}-fold{v[1]:d}" + ("-in_place" if v[2] else "")
+)
+def test_backward_every_element_against_the_reference_gpu(variant, shape, dtype):
+    """dx_l = g + dh @ V and dx0 = g * zb (+ acc), or dx0 = g * zb (+ acc) + g + dh @ V where dx_l is not
+    wanted; dx_l also over g's own memory. dh and V are slices of NaN-padded buffers: a reduction tail read
+    from memory rather than TMA's zero fill would show."""
+    accumulate, fold, in_place = variant
+    m, n, r = shape
+    gen = torch.Generator(device="cuda").manual_seed(m + n + r)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype)
+
+    dh = torch.full((m, r + 8), float("nan"), device="cuda", dtype=dtype)[:, :r].copy_(randn(m, r))
+    v = torch.full((r + 64, n), float("nan"), device="cuda", dtype=dtype)[:r].copy_(
+        randn(r, n, scale=r**-0.5)
+    )
+    g, zb, acc = randn(m, n), randn(m, n), randn(m, n)
+    expected_dxl = g.double() + dh.double() @ v.double()
+    expected_dx0 = g.double() * zb.double() + (acc.double() if accumulate else 0)
+    (dx0, dx0_rows), (dxl, dxl_rows) = _guarded(m, n, dtype), _guarded(m, n, dtype)
+    if in_place:
+        g = dxl.copy_(g)
+    given = (acc,) if accumulate else ()
+    assert cross_hopper.supported(dh, v, g, zb, dx0, *given)
+    cross_hopper.launch_bwd(dh, v, g, zb, acc if accumulate else None, None if fold else dxl, dx0)
+    torch.cuda.synchronize()
+    checks = [("dx0", dx0, expected_dx0 + expected_dxl)] if fold else [("dx0", dx0, expected_dx0)]
+    checks += [] if fold else [("dx_l", dxl, expected_dxl)]
+    for name, got, expected in checks:
+        torch.testing.assert_close(
+            got.double(), expected, rtol=RTOL[dtype], atol=ATOL, msg=lambda s, name=name: f"{name}: {s}"
+        )
+    assert dx0_rows[m:].isnan().all(), "rows past M written"
+    assert (dxl_rows[m:] if in_place or not fold else dxl_rows).isnan().all(), "dx_l written past M or at all"
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("layers", [1, 3])
+def test_the_network_backward_takes_it_gpu(layers, monkeypatch):
+    """cross_net in bf16 at widths TMA can describe runs the backward kernel once a layer, leaves
+    autograd's gradient as it was, and gives the gradients of the path without the Hopper kernels (the
+    elementwise kernel's dx0 and cuBLAS's addmm) to bf16 roundings: each output rounded once here, up to
+    twice there (1e-2 of the norm)."""
+    m, n, r = 300, 256, 64
+    gen = torch.Generator(device="cuda").manual_seed(layers)
+    inputs = [
+        torch.randn(m, n, device="cuda", generator=gen),
+        torch.randn(layers, r, n, device="cuda", generator=gen) / math.sqrt(n),
+        torch.randn(layers, n, r, device="cuda", generator=gen) / math.sqrt(r),
+        torch.randn(layers, n, device="cuda", generator=gen),
+    ]
+    inputs = [t.bfloat16() for t in inputs]
+    g = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
+    kept = g.clone()
+    launches = []
+    launch_bwd = cross_hopper.launch_bwd
+    monkeypatch.setattr(cross_hopper, "launch_bwd", lambda *args: launches.append(1) or launch_bwd(*args))
+    out, grads = _run(cross_net, inputs, g)
+    assert len(launches) == layers
+    assert torch.equal(g, kept), "autograd's gradient was written"
+    monkeypatch.setattr(cross_hopper, "supported", lambda *tensors: False)
+    ref, ref_grads = _run(cross_net, inputs, g)
+    assert len(launches) == layers
+    _assert_norm_close(out, ref, 1e-2, "out")
+    for name, a, e in zip(["dx0", "dv", "du", "db"], grads, ref_grads, strict=True):
+        _assert_norm_close(a, e, 1e-2, name)
 
 
 def test_not_on_the_cpu():

@@ -1,6 +1,6 @@
-"""scripts/cross_registers.py: the cross forward kernels compiled for sm_90a without a GPU, in a process of
+"""scripts/cross_registers.py: the cross kernels compiled for sm_90a without a GPU, in a process of
 its own (the tests' interpreter cannot compile): the Triton kernel's largest tuned tile compiles without
-spilling, its epilogue's loads and stores in four pieces; the Hopper kernel compiles without spilling,
+spilling, its epilogue's loads and stores in four pieces; the Hopper kernels compile without spilling,
 within a CTA's shared memory."""
 
 import os
@@ -32,12 +32,14 @@ def test_the_largest_tile_compiles_without_spills():
     assert all(re.fullmatch(r"\d+[LS]", run) for run in quarters)
 
 
-def test_the_hopper_kernel_compiles_without_spills_within_shared_memory():
-    """kernels.cross_hopper's Gluon kernel: no spills at its register split, and its ring and epilogue
-    buffers within the 232,448 bytes of shared memory a Hopper CTA can take."""
-    result = _cross_registers("--kernel", "hopper")
-    match = re.fullmatch(
-        r"hopper bf16: (\d+) registers, (\d+) B spilled, (\d+) B shared", result.stdout.strip()
-    )
-    assert match, result.stdout
-    assert int(match.group(2)) == 0 and 0 < int(match.group(3)) <= 232_448, result.stdout
+def test_the_hopper_kernels_compile_without_spills_within_shared_memory():
+    """kernels.cross_hopper's Gluon kernels, the forward and the backward's four variants: no spills at
+    their register split, and their rings and epilogue buffers within the 232,448 bytes of shared memory a
+    Hopper CTA can take."""
+    lines = _cross_registers("--kernel", "hopper").stdout.splitlines()
+    names = ["fwd"] + [f"bwd ACCUMULATE={a} FOLD_DXL={f}" for f in (0, 1) for a in (0, 1)]
+    assert sorted(line.split(" bf16:")[0] for line in lines) == sorted(f"hopper {name}" for name in names)
+    for line in lines:
+        match = re.fullmatch(r"hopper .+ bf16: (\d+) registers, (\d+) B spilled, (\d+) B shared", line)
+        assert match, line
+        assert int(match.group(2)) == 0 and 0 < int(match.group(3)) <= 232_448, line
