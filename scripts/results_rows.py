@@ -52,7 +52,7 @@ GPU_ONLY = ("dlrm/graphs.py",)
 INTERACTION_KERNELS: dict[str, tuple[str, ...]] = {
     "dot": ("kernels/interaction.py",),
     "attention": ("kernels/attention.py",),
-    "dcn": ("kernels/cross.py", "kernels/cross_net.py"),
+    "dcn": ("kernels/cross.py", "kernels/cross_hopper.py", "kernels/cross_net.py"),
 }
 MEASURES: dict[str, tuple[str, ...]] = {
     "preprocess.csv": ("dlrm/data",),
