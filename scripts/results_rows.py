@@ -74,6 +74,26 @@ MEASURES: dict[str, tuple[str, ...]] = {
         "kernels/launch.py",
         "kernels/op.py",
     ),
+    # The bag lookup and its fused updates on their own (scripts/bench_embedding_bag.py): the bag kernels, the
+    # modules they import and the bags' maker, none of the other ops'.
+    **dict.fromkeys(
+        ("embedding_bag.csv", "embedding_bag_kernels.csv"),
+        (
+            "kernels/__init__.py",
+            "kernels/adagrad.py",
+            "kernels/embedding.py",
+            "kernels/embedding_bag.py",
+            "kernels/embedding_bag_update.py",
+            "kernels/embedding_update.py",
+            "kernels/launch.py",
+            "kernels/multi_tensor.py",
+            "kernels/op.py",
+            "dlrm/choices.py",
+            "dlrm/data/bags.py",
+            "dlrm/data/schema.py",
+            "dlrm/data/synthetic_rows.py",
+        ),
+    ),
     # The planted model and the tables' rows, computed on the CPU: no training, no kernels.
     "hashing_ceiling.csv": (
         "dlrm/data",

@@ -13,7 +13,8 @@ from tests.conftest import REPO
 # The pathspecs that leave out the kernels a run of the dot interaction never imports
 # (results_rows.INTERACTION_KERNELS).
 NOT_DOT = tuple(
-    f":(exclude){p}" for p in ("kernels/attention.py", "kernels/cross.py", "kernels/cross_net.py")
+    f":(exclude){p}"
+    for p in ("kernels/attention.py", "kernels/cross.py", "kernels/cross_hopper.py", "kernels/cross_net.py")
 )
 
 
@@ -240,7 +241,10 @@ def test_a_row_measures_only_its_own_interactions_kernels(scripts):
         }
         return {p for p in paths if p.startswith("kernels/")} - set(results_rows.SEVERAL_RANKS_ONLY)
 
-    dot, dcn = {"kernels/interaction.py"}, {"kernels/cross.py", "kernels/cross_net.py"}
+    dot, dcn = (
+        {"kernels/interaction.py"},
+        {"kernels/cross.py", "kernels/cross_hopper.py", "kernels/cross_net.py"},
+    )
     attention = {"kernels/attention.py"}
     assert excluded(config="configs/dlrm_dcnv2.json") == dot | attention
     assert excluded(config="configs/kaggle.json") == dcn | attention
