@@ -56,14 +56,14 @@ that parity has completed; a fresh barrier counts as having completed a phase of
 Shared memory (2-byte dtypes; a Hopper CTA takes 232,448 bytes): the ring, STAGES x (BLOCK_M + BLOCK_N) x
 64 x 2 B, and 2 consumers' epilogue inputs, each BLOCK_M x BLOCK_N x 2 B. Two inputs (the forward, and the
 backward without acc): 128 x 128 tiles, 3 stages, 96 + 128 = 224 KiB. Three (the backward with acc): 128 x
-128 would take 288 KiB even before a third stage, so 64 x 128 tiles, 5 stages, 120 + 96 = 216 KiB.
+128 tiles would take 256 KiB at 2 stages, so 64 x 128 tiles, 5 stages, 120 + 96 = 216 KiB.
 Registers: 12 warps at `.maxnreg` MAXNREG (all of the SM's 64 Ki), setmaxnreg moving them from the
 producer's warpgroup (PRODUCER_REGS) to the consumers' (CONSUMER_REGS: a [128, 128] fp32 accumulator takes
 128 a thread); no spills (`scripts/cross_registers.py --kernel hopper` compiles both kernels for sm_90a
 without a GPU). Tiles, sub-tiles and stages measured on an H200 at the MLPerf shape (bf16, graph replays):
 the forward's 32-column sub-tiles slightly faster than 64, 2 stages much slower than 3 (the producer cannot
-keep ahead of two consumers); the backward with acc at 5 stages 713 us, 4 stages 785, 3 stages 951, 128 x 64
-tiles 825.
+keep ahead of two consumers); the backward with acc faster at 5 stages than at 4, and at 4 than at 3, and
+with 64 x 128 tiles than with 128 x 64.
 
 Gluon has no interpreter: on the CPU, and for fp32, ``kernels.cross`` runs its Triton kernels; the GPU
 tests compare both kernels with fp64 references and the forward with the Triton kernel
