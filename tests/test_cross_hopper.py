@@ -6,8 +6,6 @@ Gluon has no interpreter: the kernel tests need an sm_90 GPU.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ import kernels.cross as cross
 import kernels.cross_hopper as cross_hopper
 from kernels.cross_net import cross_net
 from tests.test_cross import _assert_norm_close, _run
+from tests.test_cross_net import _inputs as network_inputs
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (sm_90)")
@@ -144,16 +143,7 @@ def test_the_network_backward_takes_it_gpu(layers, monkeypatch):
     autograd's gradient as it was, and gives the gradients of the path without the Hopper kernels (the
     elementwise kernel's dx0 and cuBLAS's addmm) to bf16 roundings: each output rounded once here, up to
     twice there (1e-2 of the norm)."""
-    m, n, r = 300, 256, 64
-    gen = torch.Generator(device="cuda").manual_seed(layers)
-    inputs = [
-        torch.randn(m, n, device="cuda", generator=gen),
-        torch.randn(layers, r, n, device="cuda", generator=gen) / math.sqrt(n),
-        torch.randn(layers, n, r, device="cuda", generator=gen) / math.sqrt(r),
-        torch.randn(layers, n, device="cuda", generator=gen),
-    ]
-    inputs = [t.bfloat16() for t in inputs]
-    g = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
+    *inputs, g = network_inputs(300, 256, 64, layers, torch.bfloat16, seed=layers)
     kept = g.clone()
     launches = []
     launch_bwd = cross_hopper.launch_bwd
