@@ -28,14 +28,35 @@ ATOL = 1e-3
 GUARD = 64  # rows after each output that the kernel must not write
 
 
-def _inputs(m, n, r, dtype, seed=0):
-    """x0, xl [M, N], h [M, r] (~N(0, 1)), U [N, r] and b [N] (|z| ~ 1) on the GPU in `dtype`."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def _normal(seed, dtype):
+    """randn(*shape, scale=1.0): N(0, scale^2) tensors on the GPU in `dtype`, seeded `seed`."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype)
 
+    return randn
+
+
+def _inputs(m, n, r, dtype, seed=0):
+    """x0, xl [M, N], h [M, r] (~N(0, 1)), U [N, r] and b [N] (|z| ~ 1) on the GPU in `dtype`."""
+    randn = _normal(seed, dtype)
     return randn(m, n), randn(m, n), randn(m, r), randn(n, r, scale=r**-0.5), randn(n, scale=0.1)
+
+
+def _guarded(m, n, dtype):
+    """An [M, N] view at the top of an [M + GUARD, N] buffer of NaN (an element left unwritten stays NaN),
+    and the buffer."""
+    rows = torch.full((m + GUARD, n), float("nan"), device="cuda", dtype=dtype)
+    return rows[:m], rows
+
+
+def _assert_each_close(checks, dtype):
+    """Each (name, output, fp64 expected) of `checks` elementwise within RTOL[dtype] and ATOL."""
+    for name, got, expected in checks:
+        torch.testing.assert_close(
+            got.double(), expected, rtol=RTOL[dtype], atol=ATOL, msg=lambda s, name=name: f"{name}: {s}"
+        )
 
 
 @pytest.mark.gpu
@@ -45,19 +66,13 @@ def _inputs(m, n, r, dtype, seed=0):
 def test_every_element_against_the_reference_gpu(shape, dtype):
     m, n, r = shape
     x0, xl, h, u, b = _inputs(m, n, r, dtype)
-    # Poisoned: an element the kernel leaves unwritten stays NaN.
-    out_rows = torch.full((m + GUARD, n), float("nan"), device="cuda", dtype=dtype)
-    zb_rows = torch.full((m + GUARD, n), float("nan"), device="cuda", dtype=dtype)
-    out, zb = out_rows[:m], zb_rows[:m]
+    (out, out_rows), (zb, zb_rows) = _guarded(m, n, dtype), _guarded(m, n, dtype)
     assert cross_hopper.supported(h, u, b, x0, xl, out, zb)
     cross_hopper.launch_fwd(h, u, b, x0, xl, out, zb)
     torch.cuda.synchronize()
     expected_zb = h.double() @ u.double().t() + b.double()
     expected_out = x0.double() * expected_zb + xl.double()
-    for name, got, expected in (("zb", zb, expected_zb), ("out", out, expected_out)):
-        torch.testing.assert_close(
-            got.double(), expected, rtol=RTOL[dtype], atol=ATOL, msg=lambda s, name=name: f"{name}: {s}"
-        )
+    _assert_each_close([("zb", zb, expected_zb), ("out", out, expected_out)], dtype)
     assert out_rows[m:].isnan().all() and zb_rows[m:].isnan().all(), "rows past M written"
 
 
@@ -81,13 +96,6 @@ def test_the_layer_takes_it_where_it_can_gpu():
     torch.testing.assert_close(hopper_out, out, rtol=2**-7, atol=ATOL)
 
 
-def _guarded(m, n, dtype):
-    """An [M, N] view at the top of an [M + GUARD, N] buffer of NaN (an element left unwritten stays NaN),
-    and the buffer."""
-    rows = torch.full((m + GUARD, n), float("nan"), device="cuda", dtype=dtype)
-    return rows[:m], rows
-
-
 # (ACCUMULATE, FOLD_DXL, dx_l written over g): each variant of the backward kernel.
 BWD_VARIANTS = [(False, False, False), (False, False, True), (True, False, False), (True, False, True),
                 (False, True, False), (True, True, False)]  # fmt: skip
@@ -106,11 +114,7 @@ def test_backward_every_element_against_the_reference_gpu(variant, shape, dtype)
     from memory rather than TMA's zero fill would show."""
     accumulate, fold, in_place = variant
     m, n, r = shape
-    gen = torch.Generator(device="cuda").manual_seed(m + n + r)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(dtype)
-
+    randn = _normal(m + n + r, dtype)
     dh = torch.full((m, r + 8), float("nan"), device="cuda", dtype=dtype)[:, :r].copy_(randn(m, r))
     v = torch.full((r + 64, n), float("nan"), device="cuda", dtype=dtype)[:r].copy_(
         randn(r, n, scale=r**-0.5)
@@ -125,12 +129,10 @@ def test_backward_every_element_against_the_reference_gpu(variant, shape, dtype)
     assert cross_hopper.supported(dh, v, g, zb, dx0, *given)
     cross_hopper.launch_bwd(dh, v, g, zb, acc if accumulate else None, None if fold else dxl, dx0)
     torch.cuda.synchronize()
-    checks = [("dx0", dx0, expected_dx0 + expected_dxl)] if fold else [("dx0", dx0, expected_dx0)]
-    checks += [] if fold else [("dx_l", dxl, expected_dxl)]
-    for name, got, expected in checks:
-        torch.testing.assert_close(
-            got.double(), expected, rtol=RTOL[dtype], atol=ATOL, msg=lambda s, name=name: f"{name}: {s}"
-        )
+    if fold:
+        _assert_each_close([("dx0", dx0, expected_dx0 + expected_dxl)], dtype)
+    else:
+        _assert_each_close([("dx0", dx0, expected_dx0), ("dx_l", dxl, expected_dxl)], dtype)
     assert dx0_rows[m:].isnan().all(), "rows past M written"
     assert (dxl_rows[m:] if in_place or not fold else dxl_rows).isnan().all(), "dx_l written past M or at all"
 
