@@ -199,6 +199,31 @@ def _acc_layout(BN, dtype):
 
 
 @gluon.jit
+def _consumer_tiles(M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, WHICH: gl.constexpr):
+    """Consumer WHICH's walk over the program's tiles (its 0, 2, 4, ... or 1, 3, 5, ...): (first tile, end,
+    step, tiles along N, K chunks a tile)."""
+    num_pid_n = gl.cdiv(N, BN)
+    step = gl.num_programs(0)
+    return gl.program_id(0) + WHICH * step, gl.cdiv(M, BM) * num_pid_n, 2 * step, num_pid_n, gl.cdiv(K, BK)
+
+
+@gluon.jit
+def _prefetch(descs, bufs, bar, off_m, off_n, WHICH: gl.constexpr):
+    """Step 1 of a consumer's tile: once its last tile's TMA stores have read its buffers, TMA-load the
+    tile's [BLOCK_M, EPI_N] sub-tiles of each of `descs` into consumer WHICH's sub-tiles of the `bufs` of
+    the same place, all completing on `bar`."""
+    EPI: gl.constexpr = descs[0].block_type.shape[1]
+    SPLIT: gl.constexpr = bufs[0].type.shape[0] // 2
+    tma.store_wait(0)
+    mbarrier.expect(bar, len(descs) * SPLIT * descs[0].block_type.nbytes)
+    for j in gl.static_range(SPLIT):
+        for k in gl.static_range(len(descs)):
+            tma.async_copy_global_to_shared(
+                descs[k], [off_m, off_n + j * EPI], bar, bufs[k].index(WHICH * SPLIT + j)
+            )
+
+
+@gluon.jit
 def _fwd_consumer(
     h_desc, u_desc, x0_desc, xl_desc, out_desc, zb_desc, ring_h, ring_u, ready, empty, x0_bufs, xl_bufs,
     x_bar, order, b_ptr, M, N, K, WHICH: gl.constexpr,
@@ -208,24 +233,15 @@ def _fwd_consumer(
     BN: gl.constexpr = u_desc.block_type.shape[0]
     EPI: gl.constexpr = x0_desc.block_type.shape[1]
     SPLIT: gl.constexpr = BN // EPI
-    X_BYTES: gl.constexpr = 2 * SPLIT * x0_desc.block_type.nbytes
     acc_layout: gl.constexpr = _acc_layout(BN, h_desc.dtype)
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     my_x_bar = x_bar.index(WHICH)
-    num_pid_n = gl.cdiv(N, BN)
-    num_tiles = gl.cdiv(M, BM) * num_pid_n
-    k_tiles = gl.cdiv(K, BK)
-    step = gl.num_programs(0)
+    first, end, step, num_pid_n, k_tiles = _consumer_tiles(M, N, K, BM, BN, BK, WHICH)
     i = 0  # this consumer's tile: the program's tile 2 i + WHICH
-    for t in range(gl.program_id(0) + WHICH * step, num_tiles, 2 * step):
+    for t in range(first, end, step):
         off_m, off_n = _tile_offsets(t, num_pid_n, BM, BN)
-        # 1. This tile's x0 and x_l, once the last tile's stores have read the buffers.
-        tma.store_wait(0)
-        mbarrier.expect(my_x_bar, X_BYTES)
-        for j in gl.static_range(SPLIT):
-            buf = WHICH * SPLIT + j
-            tma.async_copy_global_to_shared(x0_desc, [off_m, off_n + j * EPI], my_x_bar, x0_bufs.index(buf))
-            tma.async_copy_global_to_shared(xl_desc, [off_m, off_n + j * EPI], my_x_bar, xl_bufs.index(buf))
+        # 1. This tile's x0 and x_l.
+        _prefetch((x0_desc, xl_desc), (x0_bufs, xl_bufs), my_x_bar, off_m, off_n, WHICH)
         # 2. The accumulator starts at the bias.
         bias = gl.load(b_ptr + off_n + cols, mask=off_n + cols < N, other=0.0).to(gl.float32)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout) + gl.expand_dims(bias, 0)
@@ -300,27 +316,17 @@ def _bwd_consumer(
     BN: gl.constexpr = v_desc.block_type.shape[1]
     EPI: gl.constexpr = g_desc.block_type.shape[1]
     SPLIT: gl.constexpr = BN // EPI
-    X_BYTES: gl.constexpr = (3 if ACCUMULATE else 2) * SPLIT * g_desc.block_type.nbytes
     acc_layout: gl.constexpr = _acc_layout(BN, dh_desc.dtype)
     my_x_bar = x_bar.index(WHICH)
-    num_pid_n = gl.cdiv(N, BN)
-    num_tiles = gl.cdiv(M, BM) * num_pid_n
-    k_tiles = gl.cdiv(K, BK)
-    step = gl.num_programs(0)
+    first, end, step, num_pid_n, k_tiles = _consumer_tiles(M, N, K, BM, BN, BK, WHICH)
     i = 0  # this consumer's tile: the program's tile 2 i + WHICH
-    for t in range(gl.program_id(0) + WHICH * step, num_tiles, 2 * step):
+    for t in range(first, end, step):
         off_m, off_n = _tile_offsets(t, num_pid_n, BM, BN)
-        # 1. This tile's g, zb (and acc), once the last tile's stores have read the buffers.
-        tma.store_wait(0)
-        mbarrier.expect(my_x_bar, X_BYTES)
-        for j in gl.static_range(SPLIT):
-            buf = WHICH * SPLIT + j
-            tma.async_copy_global_to_shared(g_desc, [off_m, off_n + j * EPI], my_x_bar, g_bufs.index(buf))
-            tma.async_copy_global_to_shared(zb_desc, [off_m, off_n + j * EPI], my_x_bar, zb_bufs.index(buf))
-            if ACCUMULATE:
-                tma.async_copy_global_to_shared(
-                    acc_desc, [off_m, off_n + j * EPI], my_x_bar, acc_bufs.index(buf)
-                )
+        # 1. This tile's g, zb (and acc).
+        if ACCUMULATE:
+            _prefetch((g_desc, zb_desc, acc_desc), (g_bufs, zb_bufs, acc_bufs), my_x_bar, off_m, off_n, WHICH)
+        else:
+            _prefetch((g_desc, zb_desc), (g_bufs, zb_bufs), my_x_bar, off_m, off_n, WHICH)
         # 2. The accumulator starts at 0 (g is added in the epilogue). 3. The main loop.
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         acc = _main_loop(acc, ring_dh, ring_v, ready, empty, order, i, k_tiles, WHICH, False)
