@@ -8,7 +8,8 @@ Math (nn.Linear layout: V [r, N], U [N, r]; * elementwise, b broadcast over rows
 Backward, with g = dL/dx_{l+1} [M, N] and zb = z + b saved by the forward:
     dz   = g * x0                         [M, N]   one elementwise Triton kernel, with this one
     db   = sum over rows of dz            [N]      (fp32 partials per 32 rows, kernels.gemm.partials)
-    dh   = dz @ U                         [M, r]   cuBLAS
+    dh   = dz @ U                         [M, r]   cuBLAS; on Hopper GPUs (bf16 / fp16) kernels.cross_hopper's
+                                                   GEMM takes dz and db in its main loop instead
     dU   = dz^T @ h                       [N, r]   cuBLAS
     dV   = dh^T @ x_l                     [r, N]   cuBLAS
     dx_l = g + dh @ V                     [M, N]   kernels.cross_hopper's GEMM with these two in its
@@ -285,9 +286,9 @@ def _cross_bwd_kernel(
     # pointers
     x0_ptr,  # [M, N] x0
     g_ptr,  # [M, N] g = dL/dx_{l+1}
-    zb_ptr,  # [M, N] zb = z + b, the forward's (DX0)
+    zb_ptr,  # [M, N] zb = z + b, the forward's
     dz_ptr,  # [M, N] output dz = g * x0
-    dx0_ptr,  # [M, N] DX0: output dx0 = g * zb (+ g where ADD_G, + acc where ACCUMULATE)
+    dx0_ptr,  # [M, N] output dx0 = g * zb (+ g where ADD_G, + acc where ACCUMULATE)
     acc_ptr,  # [M, N] ACCUMULATE: the x0 gradient of the layers after this one (not read otherwise)
     copy_ptr,  # [M, N] COPY_G: output, a copy of g (not written otherwise)
     part_ptr,  # [cdiv(M, BLOCK_M), N] fp32 output: sums of fp32 dz over each BLOCK_M rows
@@ -303,7 +304,6 @@ def _cross_bwd_kernel(
     stride_acc,
     stride_copy,
     # meta-parameters
-    DX0: tl.constexpr,  # write dx0 (else dz and its sums only: the Hopper kernel writes dx0)
     ACCUMULATE: tl.constexpr,  # add acc (a cross network's x0 gradient, summed over its layers)
     ADD_G: tl.constexpr,  # and + g: the first layer's x_l is x0 (the dh @ V of that path is the caller's)
     COPY_G: tl.constexpr,  # write g's copy, on which the caller adds dh @ V in place (x_l's gradient)
@@ -323,18 +323,17 @@ def _cross_bwd_kernel(
     x0 = tl.load(x0_ptr + rows[:, None] * stride_x0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dz = g * x0
     tl.store(dz_ptr + rows[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
-    if DX0:
-        zb = tl.load(zb_ptr + rows[:, None] * stride_zb + cols[None, :], mask=mask, other=0.0)
-        dx0 = g * zb.to(tl.float32)
-        if ADD_G:
-            dx0 += g
-        if ACCUMULATE:  # from another buffer than dx0
-            dx0 += tl.load(acc_ptr + rows[:, None] * stride_acc + cols[None, :], mask=mask, other=0.0).to(
-                tl.float32
-            )
-        tl.store(
-            dx0_ptr + rows[:, None] * stride_dx0 + cols[None, :], dx0.to(dx0_ptr.dtype.element_ty), mask=mask
+    zb = tl.load(zb_ptr + rows[:, None] * stride_zb + cols[None, :], mask=mask, other=0.0)
+    dx0 = g * zb.to(tl.float32)
+    if ADD_G:
+        dx0 += g
+    if ACCUMULATE:  # from another buffer than dx0
+        dx0 += tl.load(acc_ptr + rows[:, None] * stride_acc + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32
         )
+    tl.store(
+        dx0_ptr + rows[:, None] * stride_dx0 + cols[None, :], dx0.to(dx0_ptr.dtype.element_ty), mask=mask
+    )
     tl.store(part_ptr + pid_m * N + cols, tl.sum(dz, axis=0), mask=cols < N)
 
 
@@ -389,15 +388,16 @@ def launch_bwd_inputs(
 
     g and x0 rows-contiguous; `dxl` [M, N] a new tensor or g itself (never autograd's gradient: it is
     written); `dx0` [M, N] rows-contiguous, not `acc`'s memory. On a Hopper GPU with tensors TMA can
-    describe (bf16 / fp16), ``_cross_bwd_kernel`` writes dz alone and ``kernels.cross_hopper``'s kernel
-    computes dh @ V with dxl and dx0 in its epilogue; elsewhere the elementwise kernel writes dx0 as well
-    (and g's copy into a new `dxl`), and cuBLAS adds dh @ v onto dxl (or dx0) in place."""
+    describe (bf16 / fp16), ``kernels.cross_hopper``'s kernels compute dz with dh = dz @ u (and db), then
+    dh @ V with dxl and dx0 in the epilogue; elsewhere ``_cross_bwd_kernel`` writes dz, db's partial sums
+    and dx0 (and g's copy into a new `dxl`), and cuBLAS computes dh and adds dh @ v onto dxl (or dx0) in
+    place."""
     m, r = x0.shape[0], v.shape[0]
     dh = launch.empty((m, r), x0.dtype, x0.device)
     given = [t for t in (acc, dxl) if t is not None]
-    if cross_hopper.supported(dh, v, g, zb, dx0, *given):
-        dz, db = launch_bwd_epilogue(g, x0, None, None, None, add_g=False)
-        torch.matmul(dz, u, out=dh)
+    if cross_hopper.supported(dh, v, g, x0, u, zb, dx0, *given):
+        dz = launch.empty(x0.shape, x0.dtype, x0.device)
+        db = cross_hopper.launch_dz(g, x0, u, dz, dh)
         cross_hopper.launch_bwd(dh, v, g, zb, acc, dxl, dx0)
         return dz, dh, db
     copy = None if dxl is None or dxl is g else dxl
@@ -410,30 +410,29 @@ def launch_bwd_inputs(
 def launch_bwd_epilogue(
     g: Tensor,
     x0: Tensor,
-    zb: Tensor | None,
-    dx0: Tensor | None,
+    zb: Tensor,
+    dx0: Tensor,
     acc: Tensor | None,
     add_g: bool,
     copy: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``_cross_bwd_kernel`` on rows-contiguous g and x0 [M, N]: (dz [M, N], db [N]), x0's dtype; where
-    `dx0` is given, writes it [M, N] (rows contiguous, not `acc`'s memory): g * zb, + g where `add_g`,
-    + `acc` [M, N] where given; and g into `copy` [M, N] (rows contiguous) where given: x_l's gradient
-    g + dh @ V then takes dh @ V in place (an addmm onto g itself would first copy g, a pass of its own
-    over two [M, N] tensors; here the copy is one more store of values the kernel loads anyway)."""
+    """``_cross_bwd_kernel`` on rows-contiguous g and x0 [M, N]: (dz [M, N], db [N]), x0's dtype; writes
+    `dx0` [M, N] (rows contiguous, not `acc`'s memory): g * zb, + g where `add_g`, + `acc` [M, N] where
+    given; and g into `copy` [M, N] (rows contiguous) where given: x_l's gradient g + dh @ V then takes
+    dh @ V in place (an addmm onto g itself would first copy g, a pass of its own over two [M, N] tensors;
+    here the copy is one more store of values the kernel loads anyway)."""
     m, n = x0.shape
     dz = launch.empty((m, n), x0.dtype, x0.device)
     part = launch.empty((triton.cdiv(m, PARTIAL_ROWS), n), torch.float32, x0.device)
     if m == 0:
         return dz, torch.zeros(n, dtype=x0.dtype, device=x0.device)
-    write_dx0 = dx0 is not None
+    zb = rows_contiguous(zb)
     # Unread and unwritten pointers stand in for the tensors not given.
-    zb, dx0 = (rows_contiguous(zb), dx0) if write_dx0 else (dz, dz)
     _cross_bwd_kernel[(triton.cdiv(m, PARTIAL_ROWS), triton.cdiv(n, _BWD_BLOCK_N))](
         x0, g, zb, dz, dx0, dx0 if acc is None else acc, dz if copy is None else copy, part, m, n,
         x0.stride(0), g.stride(0), zb.stride(0), dz.stride(0), dx0.stride(0),
         dx0.stride(0) if acc is None else acc.stride(0), dz.stride(0) if copy is None else copy.stride(0),
-        DX0=write_dx0, ACCUMULATE=acc is not None, ADD_G=add_g, COPY_G=copy is not None,
+        ACCUMULATE=acc is not None, ADD_G=add_g, COPY_G=copy is not None,
         BLOCK_M=PARTIAL_ROWS, BLOCK_N=_BWD_BLOCK_N, num_warps=4,
     )  # fmt: skip
     return dz, sum_partials(part, x0.dtype)

@@ -1,10 +1,14 @@
-"""The DCNv2 cross layer's two [M, N]-sized GEMMs and their epilogues on Hopper GPUs (sm_90): warp-
-specialized, persistent kernels written in Gluon (triton.experimental.gluon), which ``kernels.cross`` and
-``kernels.cross_net`` take where they can (``supported``), their Triton kernels and cuBLAS elsewhere.
+"""The DCNv2 cross layer's GEMMs that stream [M, N] tensors besides their operands, on Hopper GPUs (sm_90):
+warp-specialized, persistent kernels written in Gluon (triton.experimental.gluon), which ``kernels.cross``
+and ``kernels.cross_net`` take where they can (``supported``), their Triton kernels and cuBLAS elsewhere.
 
 Forward (``launch_fwd``), the up projection with the layer's output:
     zb  = h @ U^T + b        h [M, r], U [N, r], b [N]   fp32 accumulation (wgmma), the bias first
     out = x0 * zb + xl       x0, xl [M, N]
+Backward (``launch_dz``), h's gradient with z's and b's:
+    dz  = g * x0             g, x0 [M, N]                written (the dU GEMM reads it)
+    db  = sum over rows of dz                            fp32 sums of the fp32 products
+    dh  = dz @ U             U [N, r]                    fp32 accumulation (wgmma) of dz in the dtype
 Backward (``launch_bwd``), x_l's gradient with the x0 gradient's terms that need no GEMM:
     dxl = g + dh @ V         dh [M, r], V [r, N]         g = dL/dx_{l+1} [M, N]
     dx0 = g * zb (+ acc)     zb, acc [M, N]              acc: the x0 gradient of the later layers
@@ -59,14 +63,28 @@ backward without acc): 128 x 128 tiles, 3 stages, 96 + 128 = 224 KiB. Three (the
 128 tiles would take 256 KiB at 2 stages, so 64 x 128 tiles, 5 stages, 120 + 96 = 216 KiB.
 Registers: 12 warps at `.maxnreg` MAXNREG (all of the SM's 64 Ki), setmaxnreg moving them from the
 producer's warpgroup (PRODUCER_REGS) to the consumers' (CONSUMER_REGS: a [128, 128] fp32 accumulator takes
-128 a thread); no spills (`scripts/cross_registers.py --kernel hopper` compiles both kernels for sm_90a
+128 a thread); no spills (`scripts/cross_registers.py --kernel hopper` compiles the kernels for sm_90a
 without a GPU). Tiles, sub-tiles and stages measured on an H200 at the MLPerf shape (bf16, graph replays):
 the forward's 32-column sub-tiles slightly faster than 64, 2 stages much slower than 3 (the producer cannot
 keep ahead of two consumers); the backward with acc faster at 5 stages than at 4, and at 4 than at 3, and
 with 64 x 128 tiles than with 128 x 64.
 
+``launch_dz``'s kernel is no ping-pong: its own output dh [M, r] is small, and its memory traffic (g and x0
+in, dz out) lies in the main loop. One consumer partition of two warpgroups (8 warps) takes a [128, 256]
+tile of dh, 64 rows each, sharing each chunk of U; the producer above fills the ring with g's and x0's
+[128, 64] chunks and U's [64, 256] (R contiguous). Per chunk the consumer loads g and x0 from the ring,
+multiplies them in fp32, and stores dz, rounded, into one of two dz buffers in shared memory, the A
+operand of the chunk's wgmma (async, one in flight: a buffer is rewritten once the wgmma two chunks back
+is complete). The r / 256 programs of a row block (2 at r = 512) read the same g and x0 (all but one from
+L2) and take turns, a chunk each, writing the chunk's dz (a TMA store from its buffer; a buffer is
+rewritten once its store has read it) and its column sums: each warp sums its own rows (no data crosses
+warps), 8 partial rows a tile, which ``kernels.gemm.partials`` adds up. The tile's dh leaves through the dz
+buffers, 64 columns at a time. Barriers: `ready` and `empty` as above, one consumer. Shared memory: 3
+stages x (2 x 128 + 256) x 64 x 2 B and the two 16 KiB buffers, 224 KiB; the consumer's warps take the
+registers the producer's warpgroup gives back, and a [64, 256] fp32 accumulator takes 128 a thread.
+
 Gluon has no interpreter: on the CPU, and for fp32, ``kernels.cross`` runs its Triton kernels; the GPU
-tests compare both kernels with fp64 references and the forward with the Triton kernel
+tests compare the kernels with fp64 references and the forward with the Triton kernel
 (tests/test_cross_hopper.py).
 """
 
@@ -88,14 +106,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels import launch
 from kernels.gemm.layout import describable
+from kernels.gemm.partials import sum_partials
 from kernels.launch import INTERPRETED
 
-__all__ = ["launch_bwd", "launch_fwd", "supported"]
+__all__ = ["launch_bwd", "launch_dz", "launch_fwd", "supported"]
 
 BLOCK_K = 64
 # (BLOCK_M, BLOCK_N, EPI_N, STAGES) by the number of epilogue inputs (module docstring).
 TILES = {2: (128, 128, 32, 3), 3: (64, 128, 64, 5)}
+# launch_dz's (BLOCK_M, BLOCK_R, STAGES) and warps of its consumer (two warpgroups on one tile).
+DZ_TILE = (128, 256, 3)
+DZ_WARPS = 8
 MAXNREG = 168  # x 384 threads: the SM's 64 Ki registers
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
@@ -140,14 +163,15 @@ def _barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, ring_a, ring_b, ready, empty, M, N, K, B_KMAJOR: gl.constexpr):
-    """The ring's producer. B_KMAJOR: b_desc's blocks are [BLOCK_N, BLOCK_K] (U), else [BLOCK_K, BLOCK_N]
-    (V)."""
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
+def _producer(a_descs, b_desc, rings_a, ring_b, ready, empty, M, N, K, B_KMAJOR: gl.constexpr):
+    """The ring's producer: per K chunk, each A operand's chunk (`a_descs`, one block shape: h; dh; g and
+    x0) into `rings_a`, and B's. B_KMAJOR: b_desc's blocks are [BLOCK_N, BLOCK_K] (U of the forward), else
+    [BLOCK_K, BLOCK_N] (V; U of ``launch_dz``)."""
+    BM: gl.constexpr = a_descs[0].block_type.shape[0]
+    BK: gl.constexpr = a_descs[0].block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0] if B_KMAJOR else b_desc.block_type.shape[1]
-    S: gl.constexpr = ring_a.type.shape[0]
-    CHUNK_BYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    S: gl.constexpr = ring_b.type.shape[0]
+    CHUNK_BYTES: gl.constexpr = len(a_descs) * a_descs[0].block_type.nbytes + b_desc.block_type.nbytes
     num_pid_n = gl.cdiv(N, BN)
     num_tiles = gl.cdiv(M, BM) * num_pid_n
     k_tiles = gl.cdiv(K, BK)
@@ -159,7 +183,10 @@ def _producer(a_desc, b_desc, ring_a, ring_b, ready, empty, M, N, K, B_KMAJOR: g
             mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
             # The byte count by position: its keyword is named differently in triton 3.6 and 3.7.
             mbarrier.expect(ready.index(s), CHUNK_BYTES)
-            tma.async_copy_global_to_shared(a_desc, [off_m, kk * BK], ready.index(s), ring_a.index(s))
+            for j in gl.static_range(len(a_descs)):
+                tma.async_copy_global_to_shared(
+                    a_descs[j], [off_m, kk * BK], ready.index(s), rings_a[j].index(s)
+                )
             if B_KMAJOR:
                 tma.async_copy_global_to_shared(b_desc, [off_n, kk * BK], ready.index(s), ring_b.index(s))
             else:
@@ -300,7 +327,7 @@ def _cross_fwd_ws_kernel(
                          x0_bufs, xl_bufs, x_bar, order, b_ptr, M, N, K, 0)),
         (_fwd_consumer, (h_desc, u_desc, x0_desc, xl_desc, out_desc, zb_desc, ring_h, ring_u, ready, empty,
                          x0_bufs, xl_bufs, x_bar, order, b_ptr, M, N, K, 1)),
-        (_producer, (h_desc, u_desc, ring_h, ring_u, ready, empty, M, N, K, True)),
+        (_producer, ((h_desc,), u_desc, (ring_h,), ring_u, ready, empty, M, N, K, True)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     # fmt: on
 
@@ -393,8 +420,115 @@ def _cross_bwd_ws_kernel(
         (_bwd_consumer, (dh_desc, v_desc, g_desc, zb_desc, acc_desc, dxl_desc, dx0_desc, ring_dh, ring_v,
                          ready, empty, g_bufs, zb_bufs, acc_bufs, x_bar, order, M, N, K, ACCUMULATE, FOLD_DXL,
                          1)),
-        (_producer, (dh_desc, v_desc, ring_dh, ring_v, ready, empty, M, N, K, False)),
+        (_producer, ((dh_desc,), v_desc, (ring_dh,), ring_v, ready, empty, M, N, K, False)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    # fmt: on
+
+
+@gluon.jit
+def _dz_stage(bufs, nb, stored):
+    """The dz buffer of use nb, once the TMA store that last read it (use nb - 2) is done: the store of use
+    nb - 1 (the other buffer), where it issued one, may stay in flight."""
+    if stored:
+        tma.store_wait(1)
+    else:
+        tma.store_wait(0)
+    return bufs.index(nb % 2)
+
+
+@gluon.jit
+def _dz_consumer(
+    g_desc, u_desc, dz_desc, dh_desc, ring_g, ring_x0, ring_u, ready, empty, dz_bufs, part_ptr, M, N, R,
+    NUM_WARPS: gl.constexpr,
+):  # fmt: skip
+    BM: gl.constexpr = g_desc.block_type.shape[0]
+    BK: gl.constexpr = g_desc.block_type.shape[1]
+    BR: gl.constexpr = u_desc.block_type.shape[1]
+    S: gl.constexpr = ring_u.type.shape[0]
+    SPLIT: gl.constexpr = BR // BK
+    # The accumulator over both warpgroups (64 rows each); dz with a warp's 32 threads along a chunk's 64
+    # columns, two each, and row i * NUM_WARPS + w in warp w.
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0],
+        warps_per_cta=[NUM_WARPS, 1],
+        instr_shape=[16, BR, 256 // g_desc.dtype.primitive_bitwidth],
+    )
+    dz_layout: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [NUM_WARPS, 1], [1, 0])
+    num_pid_r = gl.cdiv(R, BR)
+    num_tiles = gl.cdiv(M, BM) * num_pid_r
+    k_tiles = gl.cdiv(N, BK)
+    c = 0  # the program's chunk, as the producer counts
+    nb = 0  # uses of the two dz buffers
+    stored = False  # the last use issued a TMA store
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_r = _tile_offsets(t, num_pid_r, BM, BR)
+        acc = gl.zeros([BM, BR], gl.float32, acc_layout)
+        for kk in range(k_tiles):
+            s = c % S
+            mbarrier.wait(ready.index(s), (c // S) & 1)
+            dz = ring_g.index(s).load(dz_layout).to(gl.float32) * ring_x0.index(s).load(dz_layout).to(
+                gl.float32
+            )
+            # The wgmma that read this buffer (use nb - 2) is complete: one stays in flight (below).
+            buf = _dz_stage(dz_bufs, nb, stored)
+            buf.store(dz.to(dz_desc.dtype))
+            fence_async_shared()
+            acc = warpgroup_mma(buf, ring_u.index(s), acc, is_async=True)
+            # The R tiles of a row block take turns writing dz and its sums, a chunk each.
+            stored = kk % num_pid_r == t % num_pid_r
+            if stored:
+                tma.async_copy_shared_to_global(dz_desc, [off_m, kk * BK], buf)
+                # Each warp's column sums over its rows: no data crosses warps.
+                sums = gl.sum(dz.reshape(BM // NUM_WARPS, NUM_WARPS, BK), axis=0)
+                warp = gl.arange(0, NUM_WARPS, layout=gl.SliceLayout(1, sums.type.layout))
+                col = kk * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, sums.type.layout))
+                row = (off_m // BM) * NUM_WARPS + warp
+                gl.store(part_ptr + row[:, None] * N + col[None, :], sums, mask=(col < N)[None, :])
+            nb += 1
+            # One wgmma in flight: the one before, which read slot c - 1, is complete.
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            mbarrier.arrive(empty.index((c + S - 1) % S), count=1, pred=kk > 0)
+            c += 1
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index((c + S - 1) % S), count=1)
+        # dh's tile, BLOCK_K columns at a time through the dz buffers.
+        dhs = _split_n(acc, SPLIT)
+        for j in gl.static_range(SPLIT):
+            buf = _dz_stage(dz_bufs, nb, stored)
+            buf.store(dhs[j].to(dh_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dh_desc, [off_m, off_r + j * BK], buf)
+            stored = True
+            nb += 1
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["M"])
+def _cross_dz_ws_kernel(
+    g_desc,  # of g [M, N], blocks [BLOCK_M, BLOCK_K]
+    x0_desc,  # of x0 [M, N], blocks [BLOCK_M, BLOCK_K]
+    u_desc,  # of U [N, R], blocks [BLOCK_K, BLOCK_R] (R contiguous)
+    dz_desc,  # of dz [M, N], blocks [BLOCK_M, BLOCK_K]
+    dh_desc,  # of dh [M, R], blocks [BLOCK_M, BLOCK_K]
+    part_ptr,  # [cdiv(M, BLOCK_M) * num_warps, N] fp32: dz's column sums, a row for each warp of each tile
+    M,
+    N,
+    R,  # r
+    STAGES: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+):
+    dtype: gl.constexpr = g_desc.dtype
+    ring_g = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
+    ring_x0 = gl.allocate_shared_memory(dtype, [STAGES] + x0_desc.block_type.shape, x0_desc.layout)
+    ring_u = gl.allocate_shared_memory(dtype, [STAGES] + u_desc.block_type.shape, u_desc.layout)
+    dz_bufs = gl.allocate_shared_memory(dtype, [2] + dz_desc.block_type.shape, dz_desc.layout)
+    ready, empty, _x_bar, _order = _barriers(STAGES)
+    # fmt: off
+    gl.warp_specialize([
+        (_dz_consumer, (g_desc, u_desc, dz_desc, dh_desc, ring_g, ring_x0, ring_u, ready, empty, dz_bufs,
+                        part_ptr, M, N, R, gl.num_warps())),
+        (_producer, ((g_desc, x0_desc), u_desc, (ring_g, ring_x0), ring_u, ready, empty, M, R, N, False)),
+    ], [1], [PRODUCER_REGS])
     # fmt: on
 
 
@@ -473,3 +607,23 @@ def launch_bwd(
         ACCUMULATE=acc is not None, FOLD_DXL=dxl is None, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
+
+
+def launch_dz(g: Tensor, x0: Tensor, u: Tensor, dz: Tensor, dh: Tensor) -> Tensor:
+    """Write dz = g * x0 into `dz` and dh = dz @ u into `dh` (module docstring); returns b's gradient, dz's
+    column sums [N] (fp32 sums of the fp32 products), in x0's dtype.
+
+    Args:
+        g, x0, dz: [M, N]; u: [N, r]; dh: [M, r]; one dtype (bf16 or fp16) on one Hopper GPU, as
+            ``supported`` checks (not checked here). No output shares memory with an input.
+    """
+    m, n = g.shape
+    block_m, block_r, stages = DZ_TILE
+    part = launch.empty((triton.cdiv(m, block_m) * DZ_WARPS, n), torch.float32, g.device)
+    if m > 0:
+        _cross_dz_ws_kernel[_grid(dh, block_m, block_r)](
+            *(_descriptor(t, [block_m, BLOCK_K]) for t in (g, x0)), _descriptor(u, [BLOCK_K, block_r]),
+            *(_descriptor(t, [block_m, BLOCK_K]) for t in (dz, dh)), part, m, n, u.shape[1],
+            STAGES=stages, PRODUCER_REGS=PRODUCER_REGS, num_warps=DZ_WARPS, maxnreg=MAXNREG,
+        )  # fmt: skip
+    return sum_partials(part, x0.dtype)

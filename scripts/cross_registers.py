@@ -14,10 +14,10 @@ kernel's global loads (L) and stores (S) after its main loop, runs collapsed (`8
 eight stores). This is what backs the register and spill statements of kernels/cross.py and
 docs/model-and-kernels.md; speed needs the GPU (scripts/bench_cross.py).
 
-`--kernel hopper` compiles ``kernels.cross_hopper``'s Gluon kernels instead, the forward and each variant
-of the backward (ACCUMULATE, FOLD_DXL), each in its setting (tiles, stages, epilogue sub-tile and register
-split), and prints a line each: registers, spills and shared memory (their stores go through TMA: no
-epilogue order): what backs that module's shared-memory and register statements.
+`--kernel hopper` compiles ``kernels.cross_hopper``'s Gluon kernels instead, the forward, each variant of
+the backward (ACCUMULATE, FOLD_DXL) and the dz / dh kernel, each in its setting (tiles, stages, epilogue
+sub-tile, warps and register split), and prints a line each: registers, spills and shared memory (their
+stores go through TMA: no epilogue order): what backs that module's shared-memory and register statements.
 """
 
 import itertools
@@ -90,35 +90,50 @@ def compile_config(
 
 
 def compile_hopper(
-    dtype: str, arch: int, backward: bool = False, accumulate: bool = False, fold_dxl: bool = False
+    dtype: str, arch: int, kernel: str, accumulate: bool = False, fold_dxl: bool = False
 ) -> tuple[str, int]:
-    """(ptx, shared memory bytes) of one of ``kernels.cross_hopper``'s kernels, the forward or the backward
-    (with ACCUMULATE, FOLD_DXL), in its setting for `dtype` ("bf16" or "fp16"), specialized as a launch at
-    the MLPerf shape (b 16-byte aligned, N and K = r multiples of 16; M is not specialized)."""
-    kernel = cross_hopper._cross_bwd_ws_kernel if backward else cross_hopper._cross_fwd_ws_kernel
-    block_m, block_n, epi_n, stages = cross_hopper.TILES[3 if accumulate else 2]
+    """(ptx, shared memory bytes) of one of ``kernels.cross_hopper``'s kernels, `kernel` "fwd", "bwd" (with
+    ACCUMULATE, FOLD_DXL) or "dz", in its setting for `dtype` ("bf16" or "fp16"), specialized as a launch at
+    the MLPerf shape (b and the partial sums 16-byte aligned, N, K and R = r multiples of 16; M is not
+    specialized)."""
+    block_k = cross_hopper.BLOCK_K
 
     def descriptor(block: list[int]) -> str:
         layout = gl.NVMMASharedLayout.get_default_for(block, GLUON_DTYPES[dtype])
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
 
-    epilogue = descriptor([block_m, epi_n])
-    a_block = descriptor([block_m, cross_hopper.BLOCK_K])
-    if backward:
-        operands = {"dh_desc": a_block, "v_desc": descriptor([cross_hopper.BLOCK_K, block_n])}
-        operands |= {f"{name}_desc": epilogue for name in ("g", "zb", "acc", "dxl", "dx0")}
-        flags = {"ACCUMULATE": accumulate, "FOLD_DXL": fold_dxl}
-    else:
-        operands = {"h_desc": a_block, "u_desc": descriptor([block_n, cross_hopper.BLOCK_K])}
-        operands |= {f"{name}_desc": epilogue for name in ("x0", "xl", "out", "zb")} | {"b_ptr": f"*{dtype}"}
-        flags = {}
-    constexprs = flags | {"STAGES": stages} | {name: getattr(cross_hopper, name) for name in HOPPER_REGS}
-    signature = operands | {name: "i32" for name in ("M", "N", "K")} | dict.fromkeys(constexprs, "constexpr")
-    assert list(signature) == kernel.arg_names, f"the kernel takes {kernel.arg_names}"
-    divisible = [name for name in ("b_ptr", "N", "K") if name in signature]
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    source = GluonASTSource(kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": 4, "maxnreg": cross_hopper.MAXNREG}
+    if kernel == "dz":
+        function = cross_hopper._cross_dz_ws_kernel
+        block_m, block_r, stages = cross_hopper.DZ_TILE
+        chunk = descriptor([block_m, block_k])
+        operands = {"g_desc": chunk, "x0_desc": chunk, "u_desc": descriptor([block_k, block_r])}
+        operands |= {"dz_desc": chunk, "dh_desc": chunk, "part_ptr": "*fp32"}
+        sizes, constexprs = ("M", "N", "R"), {"STAGES": stages, "PRODUCER_REGS": cross_hopper.PRODUCER_REGS}
+        options["num_warps"] = cross_hopper.DZ_WARPS
+    else:
+        backward = kernel == "bwd"
+        function = cross_hopper._cross_bwd_ws_kernel if backward else cross_hopper._cross_fwd_ws_kernel
+        block_m, block_n, epi_n, stages = cross_hopper.TILES[3 if accumulate else 2]
+        epilogue = descriptor([block_m, epi_n])
+        a_block = descriptor([block_m, block_k])
+        if backward:
+            operands = {"dh_desc": a_block, "v_desc": descriptor([block_k, block_n])}
+            operands |= {f"{name}_desc": epilogue for name in ("g", "zb", "acc", "dxl", "dx0")}
+            flags = {"ACCUMULATE": accumulate, "FOLD_DXL": fold_dxl}
+        else:
+            operands = {"h_desc": a_block, "u_desc": descriptor([block_n, block_k])}
+            operands |= {f"{name}_desc": epilogue for name in ("x0", "xl", "out", "zb")} | {
+                "b_ptr": f"*{dtype}"
+            }
+            flags = {}
+        sizes = ("M", "N", "K")
+        constexprs = flags | {"STAGES": stages} | {name: getattr(cross_hopper, name) for name in HOPPER_REGS}
+    signature = operands | dict.fromkeys(sizes, "i32") | dict.fromkeys(constexprs, "constexpr")
+    assert list(signature) == function.arg_names, f"the kernel takes {function.arg_names}"
+    divisible = [name for name in ("b_ptr", "part_ptr", "N", "K", "R") if name in signature]
+    attrs = {(function.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    source = GluonASTSource(function, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     return compiled.asm["ptx"], compiled.metadata.shared
 
@@ -167,10 +182,13 @@ def main(kernel: str, dtype: str, arch: int, tiles: str | None) -> None:
     if kernel == "hopper":
         if dtype == "fp32":
             raise click.BadParameter("the Hopper kernel takes bf16 or fp16", param_hint="--dtype")
-        for backward, accumulate, fold_dxl in [(False, False, False)] + [(True, *v) for v in HOPPER_BWD]:
-            ptx, shared = compile_hopper(dtype, arch, backward, accumulate, fold_dxl)
+        for name, accumulate, fold_dxl in (
+            [("fwd", False, False)] + [("bwd", *v) for v in HOPPER_BWD] + [("dz", False, False)]
+        ):
+            ptx, shared = compile_hopper(dtype, arch, name, accumulate, fold_dxl)
             used, spilled = registers(ptx, arch)
-            name = f"bwd ACCUMULATE={accumulate:d} FOLD_DXL={fold_dxl:d}" if backward else "fwd"
+            if name == "bwd":
+                name += f" ACCUMULATE={accumulate:d} FOLD_DXL={fold_dxl:d}"
             click.echo(f"hopper {name} {dtype}: {used} registers, {spilled} B spilled, {shared} B shared")
         return
     if dtype == "fp16":

@@ -1,7 +1,7 @@
-"""Tests for kernels/cross_hopper.py, the cross layer's forward and backward GEMMs with their epilogues as
-warp-specialized Gluon kernels on Hopper GPUs: every element of their outputs against fp64 references on the
-same operands, rows past M untouched, and where ``kernels.cross`` and ``kernels.cross_net`` take them.
-Gluon has no interpreter: the kernel tests need an sm_90 GPU.
+"""Tests for kernels/cross_hopper.py, the cross layer's forward and backward GEMMs with their epilogues (and
+the dz / dh GEMM with its prologue) as warp-specialized Gluon kernels on Hopper GPUs: every element of their
+outputs against fp64 references on the same operands, rows past M untouched, and where ``kernels.cross``
+and ``kernels.cross_net`` take them. Gluon has no interpreter: the kernel tests need an sm_90 GPU.
 """
 
 from __future__ import annotations
@@ -139,23 +139,63 @@ def test_backward_every_element_against_the_reference_gpu(variant, shape, dtype)
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES + [(300, 1000, 264)], ids=lambda s: "x".join(map(str, s)))
+def test_dz_every_element_against_the_reference_gpu(shape, dtype):
+    """dz = g * x0 (its fp32 product rounded once: exact), dh = dz @ U and db = dz's column sums, on every
+    element; (300, 1000, 264) has a second R tile of 8 columns. Bounds: the output's rounding (RTOL) and
+    fp32 sums of `length` terms, |error| <= length u sum |terms| (Higham (3.5)), u = 2^-24 for the CUDA
+    cores' sums, 2^-23 for the tensor cores' (which may truncate)."""
+    m, n, r = shape
+    randn = _normal(m + n + r, dtype)
+    g, x0, u = randn(m, n), randn(m, n), randn(n, r, scale=n**-0.5)
+    (dz, dz_rows), (dh, dh_rows) = _guarded(m, n, dtype), _guarded(m, r, dtype)
+    assert cross_hopper.supported(g, x0, u, dz, dh)
+    db = cross_hopper.launch_dz(g, x0, u, dz, dh)
+    torch.cuda.synchronize()
+    expected_dz = (g.float() * x0.float()).to(dtype)
+    assert torch.equal(dz, expected_dz), "dz is not g * x0 rounded once"
+    products = g.double() * x0.double()
+    for name, got, expected, terms, length, unit in [
+        (
+            "dh",
+            dh,
+            expected_dz.double() @ u.double(),
+            expected_dz.double().abs() @ u.double().abs(),
+            n,
+            2**-23,
+        ),
+        ("db", db, products.sum(0), products.abs().sum(0), m, 2**-24),
+    ]:
+        bound = RTOL[dtype] * expected.abs() + length * unit * terms + 1e-6
+        assert (got.double() - expected).abs().le(bound).all(), (
+            f"{name}: {(got.double() - expected).abs().max()}"
+        )
+    assert dz_rows[m:].isnan().all() and dh_rows[m:].isnan().all(), "rows past M written"
+
+
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("layers", [1, 3])
 def test_the_network_backward_takes_it_gpu(layers, monkeypatch):
-    """cross_net in bf16 at widths TMA can describe runs the backward kernel once a layer, leaves
+    """cross_net in bf16 at widths TMA can describe runs the two backward kernels once a layer each, leaves
     autograd's gradient as it was, and gives the gradients of the path without the Hopper kernels (the
-    elementwise kernel's dx0 and cuBLAS's addmm) to bf16 roundings: each output rounded once here, up to
-    twice there (1e-2 of the norm)."""
+    elementwise kernel's dz and dx0, cuBLAS's dh and addmm) to bf16 roundings: each output rounded once
+    here, up to twice there (1e-2 of the norm)."""
     *inputs, g = network_inputs(300, 256, 64, layers, torch.bfloat16, seed=layers)
     kept = g.clone()
     launches = []
-    launch_bwd = cross_hopper.launch_bwd
-    monkeypatch.setattr(cross_hopper, "launch_bwd", lambda *args: launches.append(1) or launch_bwd(*args))
+    for name in ("launch_bwd", "launch_dz"):
+        kernel = getattr(cross_hopper, name)
+        monkeypatch.setattr(
+            cross_hopper, name, lambda *args, k=kernel, n=name: launches.append(n) or k(*args)
+        )
     out, grads = _run(cross_net, inputs, g)
-    assert len(launches) == layers
+    assert sorted(launches) == ["launch_bwd"] * layers + ["launch_dz"] * layers
     assert torch.equal(g, kept), "autograd's gradient was written"
     monkeypatch.setattr(cross_hopper, "supported", lambda *tensors: False)
     ref, ref_grads = _run(cross_net, inputs, g)
-    assert len(launches) == layers
+    assert len(launches) == 2 * layers
     _assert_norm_close(out, ref, 1e-2, "out")
     for name, a, e in zip(["dx0", "dv", "du", "db"], grads, ref_grads, strict=True):
         _assert_norm_close(a, e, 1e-2, name)

@@ -33,11 +33,11 @@ def test_the_largest_tile_compiles_without_spills():
 
 
 def test_the_hopper_kernels_compile_without_spills_within_shared_memory():
-    """kernels.cross_hopper's Gluon kernels, the forward and the backward's four variants: no spills at
-    their register split, and their rings and epilogue buffers within the 232,448 bytes of shared memory a
-    Hopper CTA can take."""
+    """kernels.cross_hopper's Gluon kernels, the forward, the backward's four variants and the dz / dh
+    kernel: no spills at their register split, and their rings and epilogue buffers within the 232,448
+    bytes of shared memory a Hopper CTA can take."""
     lines = _cross_registers("--kernel", "hopper").stdout.splitlines()
-    names = ["fwd"] + [f"bwd ACCUMULATE={a} FOLD_DXL={f}" for f in (0, 1) for a in (0, 1)]
+    names = ["fwd", "dz"] + [f"bwd ACCUMULATE={a} FOLD_DXL={f}" for f in (0, 1) for a in (0, 1)]
     assert sorted(line.split(" bf16:")[0] for line in lines) == sorted(f"hopper {name}" for name in names)
     for line in lines:
         match = re.fullmatch(r"hopper .+ bf16: (\d+) registers, (\d+) B spilled, (\d+) B shared", line)
