@@ -559,6 +559,13 @@ def _grid(t: Tensor, block_m: int, block_n: int) -> tuple[int]:
     return (min(_num_sms(t.device.index), triton.cdiv(m, block_m) * triton.cdiv(n, block_n)),)
 
 
+def _on_device(t: Tensor) -> None:
+    """Make t's device current in this thread (cudaSetDevice, which makes its primary context current). The
+    launcher encodes the TMA descriptors before it makes the context current itself, and an autograd worker
+    thread that has run nothing on the device yet has no current context ("invalid device context")."""
+    torch.cuda.set_device(t.device)
+
+
 def _descriptor(t: Tensor, block: list[int]) -> TensorDescriptor:
     # Blocks as they lie in memory (the last dimension contiguous), also V's [BLOCK_K, BLOCK_N]: wgmma reads
     # a 16-bit B operand in either order.
@@ -575,6 +582,7 @@ def launch_fwd(h: Tensor, u: Tensor, b: Tensor, x0: Tensor, xl: Tensor, out: Ten
     """
     if x0.shape[0] == 0:
         return
+    _on_device(x0)
     block_m, block_n, epi_n, stages = TILES[2]
     _cross_fwd_ws_kernel[_grid(x0, block_m, block_n)](
         _descriptor(h, [block_m, BLOCK_K]), _descriptor(u, [block_n, BLOCK_K]),
@@ -597,6 +605,7 @@ def launch_bwd(
     """
     if g.shape[0] == 0:
         return
+    _on_device(g)
     block_m, block_n, epi_n, stages = TILES[2 if acc is None else 3]
     # Unread (acc) and unwritten (dxl) descriptors stand in for the tensors not given.
     epilogue = (g, zb, g if acc is None else acc, dx0 if dxl is None else dxl, dx0)
@@ -621,6 +630,7 @@ def launch_dz(g: Tensor, x0: Tensor, u: Tensor, dz: Tensor, dh: Tensor) -> Tenso
     block_m, block_r, stages = DZ_TILE
     part = launch.empty((triton.cdiv(m, block_m) * DZ_WARPS, n), torch.float32, g.device)
     if m > 0:
+        _on_device(g)
         _cross_dz_ws_kernel[_grid(dh, block_m, block_r)](
             *(_descriptor(t, [block_m, BLOCK_K]) for t in (g, x0)), _descriptor(u, [BLOCK_K, block_r]),
             *(_descriptor(t, [block_m, BLOCK_K]) for t in (dz, dh)), part, m, n, u.shape[1],

@@ -6,6 +6,8 @@ and ``kernels.cross_net`` take them. Gluon has no interpreter: the kernel tests 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -199,6 +201,33 @@ def test_the_network_backward_takes_it_gpu(layers, monkeypatch):
     _assert_norm_close(out, ref, 1e-2, "out")
     for name, a, e in zip(["dx0", "dv", "du", "db"], grads, ref_grads, strict=True):
         _assert_norm_close(a, e, 1e-2, name)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_launches_from_a_thread_new_to_the_device_gpu():
+    """The kernels launched first thing in a thread that has run nothing on the GPU, as autograd's worker
+    thread may be in a backward: the TMA descriptors need the device's context current there."""
+    m, n, r = 200, 256, 64
+    randn = _normal(1, torch.bfloat16)
+    g, x0, u, v, zb = randn(m, n), randn(m, n), randn(n, r), randn(r, n), randn(m, n)
+    dz, dh, dx0 = torch.empty_like(g), torch.empty(m, r, device="cuda", dtype=g.dtype), torch.empty_like(g)
+    errors = []
+
+    def backward():
+        try:
+            cross_hopper.launch_dz(g, x0, u, dz, dh)
+            cross_hopper.launch_bwd(dh, v, g, zb, None, None, dx0)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 (reported by the main thread)
+            errors.append(e)
+
+    thread = threading.Thread(target=backward)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert torch.equal(dz, (g.float() * x0.float()).to(g.dtype))
+    assert not dx0.isnan().any()
 
 
 def test_not_on_the_cpu():
