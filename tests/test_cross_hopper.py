@@ -6,10 +6,6 @@ and ``kernels.cross_net`` take them. Gluon has no interpreter: the kernel tests 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -19,7 +15,6 @@ from kernels.cross_net import cross_net
 from tests.test_cross import _assert_norm_close, _run
 from tests.test_cross_net import _inputs as network_inputs
 
-ROOT = Path(__file__).resolve().parents[1]
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (sm_90)")
 # (M, N, r): one row; tails of the 128-row and 128-column tiles and of the 64-deep reduction chunk; N below
@@ -204,26 +199,6 @@ def test_the_network_backward_takes_it_gpu(layers, monkeypatch):
     _assert_norm_close(out, ref, 1e-2, "out")
     for name, a, e in zip(["dx0", "dv", "du", "db"], grads, ref_grads, strict=True):
         _assert_norm_close(a, e, 1e-2, name)
-
-
-# A process's first cross_net backward in bf16: the Hopper kernels launched by autograd's worker thread.
-FIRST_BACKWARD = """
-import torch
-from kernels.cross_net import cross_net
-from tests.test_cross import _run
-from tests.test_cross_net import _inputs
-*inputs, g = _inputs(300, 256, 64, 1, torch.bfloat16, seed=1)
-out, grads = _run(cross_net, inputs, g)
-assert not any(t.isnan().any() for t in grads)
-"""
-
-
-@pytest.mark.gpu
-@needs_hopper
-def test_the_first_backward_of_a_process_gpu():
-    """autograd's worker thread may have no current context when it first launches the kernels (it runs
-    nothing on the device before them in a one-layer network); the TMA descriptors need one."""
-    subprocess.run([sys.executable, "-c", FIRST_BACKWARD], check=True, cwd=ROOT, timeout=300)
 
 
 def test_not_on_the_cpu():
