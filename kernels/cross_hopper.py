@@ -533,7 +533,7 @@ def _cross_dz_ws_kernel(
 
 
 def supported(*tensors: Tensor) -> bool:
-    """Whether ``launch_fwd`` or ``launch_bwd`` runs on these tensors (their arguments that are tensors): a
+    """Whether ``launch_fwd``, ``launch_bwd`` or ``launch_dz`` runs on these tensors (its tensor arguments): a
     CUDA GPU of compute capability 9.0 (wgmma, TMA and setmaxnreg are sm_90a's), not the interpreter, one
     dtype of bf16 or fp16, and every 2-D tensor able to back a TMA descriptor itself (columns contiguous,
     rows and base 16 bytes apart: N and r multiples of 8)."""
