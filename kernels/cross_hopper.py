@@ -561,8 +561,9 @@ def _grid(t: Tensor, block_m: int, block_n: int) -> tuple[int]:
 
 def _on_device(t: Tensor) -> None:
     """Make t's device current in this thread (cudaSetDevice, which makes its primary context current). The
-    launcher encodes the TMA descriptors before it makes the context current itself, and an autograd worker
-    thread that has run nothing on the device yet has no current context ("invalid device context")."""
+    launcher encodes the TMA descriptors (driver calls) before it makes a context current itself, and a
+    thread that has called no CUDA runtime function yet, as autograd's worker thread may not have in a
+    backward, has none there ("invalid device context")."""
     torch.cuda.set_device(t.device)
 
 
