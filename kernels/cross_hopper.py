@@ -146,20 +146,27 @@ def _split_n(x, SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def _barriers(STAGES: gl.constexpr):
-    """(ready, empty, x_bar, order), initialized (module docstring)."""
+def _ring_barriers(STAGES: gl.constexpr):
+    """(ready, empty) of the ring's STAGES slots, initialized (module docstring)."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    x_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()  # the inits before any TMA (the async proxy) signals a barrier
+    return ready, empty
+
+
+@gluon.jit
+def _pingpong_barriers():
+    """(x_bar, order) of the two consumers, initialized (module docstring)."""
+    x_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for w in gl.static_range(2):
         mbarrier.init(x_bar.index(w), count=1)
         mbarrier.init(order.index(w), count=1)
-    fence_async_shared()  # the inits before any TMA (the async proxy) signals a barrier
-    return ready, empty, x_bar, order
+    fence_async_shared()
+    return x_bar, order
 
 
 @gluon.jit
@@ -251,6 +258,17 @@ def _prefetch(descs, bufs, bar, off_m, off_n, WHICH: gl.constexpr):
 
 
 @gluon.jit
+def _store_over(values, bufs, descs, off_m, off_n):
+    """Step 4's stores of a sub-tile: each of `values` rounded to its descriptor's dtype over its buffer of
+    `bufs` (whose input the epilogue has read), then TMA-stored from there to (off_m, off_n) of `descs`."""
+    for k in gl.static_range(len(values)):
+        bufs[k].store(values[k].to(descs[k].dtype))
+    fence_async_shared()
+    for k in gl.static_range(len(values)):
+        tma.async_copy_shared_to_global(descs[k], [off_m, off_n], bufs[k])
+
+
+@gluon.jit
 def _fwd_consumer(
     h_desc, u_desc, x0_desc, xl_desc, out_desc, zb_desc, ring_h, ring_u, ready, empty, x0_bufs, xl_bufs,
     x_bar, order, b_ptr, M, N, K, WHICH: gl.constexpr,
@@ -283,11 +301,7 @@ def _fwd_consumer(
             xl_buf = xl_bufs.index(WHICH * SPLIT + j)
             x0 = x0_buf.load(zb.type.layout).to(gl.float32)
             xl = xl_buf.load(zb.type.layout).to(gl.float32)
-            x0_buf.store((x0 * zb + xl).to(out_desc.dtype))
-            xl_buf.store(zb.to(zb_desc.dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(out_desc, [off_m, off_n + j * EPI], x0_buf)
-            tma.async_copy_shared_to_global(zb_desc, [off_m, off_n + j * EPI], xl_buf)
+            _store_over((x0 * zb + xl, zb), (x0_buf, xl_buf), (out_desc, zb_desc), off_m, off_n + j * EPI)
         i += 1
     tma.store_wait(0)
 
@@ -316,7 +330,8 @@ def _cross_fwd_ws_kernel(
     # Consumer w's x0 and x_l sub-tiles are w * SPLIT + j.
     x0_bufs = gl.allocate_shared_memory(dtype, [2 * SPLIT] + x0_desc.block_type.shape, x0_desc.layout)
     xl_bufs = gl.allocate_shared_memory(dtype, [2 * SPLIT] + xl_desc.block_type.shape, xl_desc.layout)
-    ready, empty, x_bar, order = _barriers(STAGES)
+    ready, empty = _ring_barriers(STAGES)
+    x_bar, order = _pingpong_barriers()
     # (functions and arguments, worker warps, worker registers) by position: triton 3.6 requires the
     # registers, 3.7 names them differently. The 4-warp consumer is the first worker, so that it is an
     # aligned warpgroup (warps 4-7), as wgmma needs. Its arguments are written out: a literal appended to a
@@ -369,14 +384,9 @@ def _bwd_consumer(
             if ACCUMULATE:
                 dx0 += acc_bufs.index(WHICH * SPLIT + j).load(prod.type.layout).to(gl.float32)
             if FOLD_DXL:
-                zb_buf.store((dx0 + (g + prod)).to(dx0_desc.dtype))
-                fence_async_shared()
+                _store_over((dx0 + (g + prod),), (zb_buf,), (dx0_desc,), off_m, off_n + j * EPI)
             else:
-                g_buf.store((g + prod).to(dxl_desc.dtype))
-                zb_buf.store(dx0.to(dx0_desc.dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(dxl_desc, [off_m, off_n + j * EPI], g_buf)
-            tma.async_copy_shared_to_global(dx0_desc, [off_m, off_n + j * EPI], zb_buf)
+                _store_over((g + prod, dx0), (g_buf, zb_buf), (dxl_desc, dx0_desc), off_m, off_n + j * EPI)
         i += 1
     tma.store_wait(0)
 
@@ -410,7 +420,8 @@ def _cross_bwd_ws_kernel(
         acc_bufs = gl.allocate_shared_memory(dtype, [2 * SPLIT] + acc_desc.block_type.shape, acc_desc.layout)
     else:
         acc_bufs = g_bufs  # never read
-    ready, empty, x_bar, order = _barriers(STAGES)
+    ready, empty = _ring_barriers(STAGES)
+    x_bar, order = _pingpong_barriers()
     # As the forward's (above).
     # fmt: off
     gl.warp_specialize([
@@ -522,7 +533,7 @@ def _cross_dz_ws_kernel(
     ring_x0 = gl.allocate_shared_memory(dtype, [STAGES] + x0_desc.block_type.shape, x0_desc.layout)
     ring_u = gl.allocate_shared_memory(dtype, [STAGES] + u_desc.block_type.shape, u_desc.layout)
     dz_bufs = gl.allocate_shared_memory(dtype, [2] + dz_desc.block_type.shape, dz_desc.layout)
-    ready, empty, _x_bar, _order = _barriers(STAGES)
+    ready, empty = _ring_barriers(STAGES)
     # fmt: off
     gl.warp_specialize([
         (_dz_consumer, (g_desc, u_desc, dz_desc, dh_desc, ring_g, ring_x0, ring_u, ready, empty, dz_bufs,
@@ -554,17 +565,14 @@ def _num_sms(index: int) -> int:
 
 
 def _grid(t: Tensor, block_m: int, block_n: int) -> tuple[int]:
-    """One program an SM, never more than tiles of the [M, N] tensor t."""
+    """A launch's grid: one program an SM, never more than tiles of the [M, N] tensor t; t's device made
+    current in this thread first (cudaSetDevice, which makes its primary context current). The launcher
+    encodes the TMA descriptors (driver calls) before it makes a context current itself, and a thread that
+    has called no CUDA runtime function yet, as autograd's worker thread may not have in a backward, has
+    none there ("invalid device context")."""
+    torch.cuda.set_device(t.device)
     m, n = t.shape
     return (min(_num_sms(t.device.index), triton.cdiv(m, block_m) * triton.cdiv(n, block_n)),)
-
-
-def _on_device(t: Tensor) -> None:
-    """Make t's device current in this thread (cudaSetDevice, which makes its primary context current). The
-    launcher encodes the TMA descriptors (driver calls) before it makes a context current itself, and a
-    thread that has called no CUDA runtime function yet, as autograd's worker thread may not have in a
-    backward, has none there ("invalid device context")."""
-    torch.cuda.set_device(t.device)
 
 
 def _descriptor(t: Tensor, block: list[int]) -> TensorDescriptor:
@@ -583,7 +591,6 @@ def launch_fwd(h: Tensor, u: Tensor, b: Tensor, x0: Tensor, xl: Tensor, out: Ten
     """
     if x0.shape[0] == 0:
         return
-    _on_device(x0)
     block_m, block_n, epi_n, stages = TILES[2]
     _cross_fwd_ws_kernel[_grid(x0, block_m, block_n)](
         _descriptor(h, [block_m, BLOCK_K]), _descriptor(u, [block_n, BLOCK_K]),
@@ -606,7 +613,6 @@ def launch_bwd(
     """
     if g.shape[0] == 0:
         return
-    _on_device(g)
     block_m, block_n, epi_n, stages = TILES[2 if acc is None else 3]
     # Unread (acc) and unwritten (dxl) descriptors stand in for the tensors not given.
     epilogue = (g, zb, g if acc is None else acc, dx0 if dxl is None else dxl, dx0)
@@ -631,7 +637,6 @@ def launch_dz(g: Tensor, x0: Tensor, u: Tensor, dz: Tensor, dh: Tensor) -> Tenso
     block_m, block_r, stages = DZ_TILE
     part = launch.empty((triton.cdiv(m, block_m) * DZ_WARPS, n), torch.float32, g.device)
     if m > 0:
-        _on_device(g)
         _cross_dz_ws_kernel[_grid(dh, block_m, block_r)](
             *(_descriptor(t, [block_m, BLOCK_K]) for t in (g, x0)), _descriptor(u, [BLOCK_K, block_r]),
             *(_descriptor(t, [block_m, BLOCK_K]) for t in (dz, dh)), part, m, n, u.shape[1],
