@@ -312,23 +312,26 @@ def _gradient_offsets(row, mask, scales_ptr, F, D, stride_b, stride_f, POOLED: t
 
 
 @triton.jit
-def _block_positions(
-    blocks_ptr, rows_ptr, segment_ptr, i, count, N, LEVEL0: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """(block, row [BLOCK_N] int64, segment [BLOCK_N] int64) of a summing kernel's i-th listed block: its
-    positions' gradient rows (precomputed at level 0, `rows_ptr`; a level >= 1 reads row p at p and
-    `rows_ptr` is not read) and segments, -1 past N. Past the list's `count` blocks: block 0, its loads
-    masked (a prefetch past a program's last block)."""
+def _block_positions(blocks_ptr, segment_ptr, i, count, N, BLOCK_N: tl.constexpr):
+    """(block, positions [BLOCK_N] int64, their mask, segment [BLOCK_N] int64) of a summing kernel's i-th
+    listed block: segments -1 past N. Past the list's `count` blocks: block 0, every position masked (a
+    prefetch past a program's last block)."""
     listed = i < count
     block = tl.load(blocks_ptr + i, mask=listed, other=0)
     p = block * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     mask_p = listed & (p < N)
-    if LEVEL0:
-        row = tl.load(rows_ptr + p, mask=mask_p, other=0)
-    else:
-        row = p
-    segment = tl.load(segment_ptr + p, mask=mask_p, other=-1)
-    return block, row, segment
+    return block, p, mask_p, tl.load(segment_ptr + p, mask=mask_p, other=-1)
+
+
+@triton.jit
+def _gather(ptr, offset, mask, OFFSET32: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[BLOCK, BLOCK_D] the rows of `ptr` at element offsets `offset` [BLOCK] int64, columns 0 .. BLOCK_D - 1,
+    where `mask` [BLOCK, BLOCK_D] holds, 0 elsewhere. OFFSET32: every offset below 2**31, so the
+    [BLOCK, BLOCK_D] addresses are formed in 32 bits (half the registers; measured faster, H200)."""
+    d = tl.arange(0, BLOCK_D)
+    if OFFSET32:
+        return tl.load(ptr + (offset.to(tl.int32)[:, None] + d[None, :]), mask=mask, other=0.0)
+    return tl.load(ptr + offset[:, None] + d[None, :], mask=mask, other=0.0)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -366,22 +369,20 @@ def _crossing_sums_kernel(
     mask_d = d < D
     count = tl.load(count_ptr)
     step = tl.num_programs(0)
-    next_block, next_row, next_segment = _block_positions(
-        blocks_ptr, rows_ptr, segment_ptr, tl.program_id(0), count, N, True, BLOCK_N
+    next_block, p, next_mask, next_segment = _block_positions(
+        blocks_ptr, segment_ptr, tl.program_id(0), count, N, BLOCK_N
     )
+    next_row = tl.load(rows_ptr + p, mask=next_mask, other=0)
     for i in range(tl.program_id(0), count, step):
         block, row, segment = next_block, next_row, next_segment
-        next_block, next_row, next_segment = _block_positions(
-            blocks_ptr, rows_ptr, segment_ptr, i + step, count, N, True, BLOCK_N
+        next_block, p, next_mask, next_segment = _block_positions(
+            blocks_ptr, segment_ptr, i + step, count, N, BLOCK_N
         )
+        next_row = tl.load(rows_ptr + p, mask=next_mask, other=0)
         start = block * BLOCK_N
         mask_p = start + tl.arange(0, BLOCK_N) < N
         offset, scale = _gradient_offsets(row, mask_p, scales_ptr, F, D, stride_b, stride_f, POOLED)
-        mask = mask_p[:, None] & mask_d[None, :]
-        if OFFSET32:  # the [BLOCK_N, BLOCK_D] offsets in half the registers (measured faster, H200)
-            grad = tl.load(grad_ptr + (offset.to(tl.int32)[:, None] + d[None, :]), mask=mask, other=0.0)
-        else:
-            grad = tl.load(grad_ptr + offset[:, None] + d[None, :], mask=mask, other=0.0)
+        grad = _gather(grad_ptr, offset, mask_p[:, None] & mask_d[None, :], OFFSET32, BLOCK_D)
         grad = grad.to(tl.float32) * scale[:, None]
         first_dest, last_dest = tl.load(dest_ptr + 2 * block), tl.load(dest_ptr + 2 * block + 1)
         if first_dest >= 0:
@@ -420,13 +421,13 @@ def _segment_sum_kernel(
     mask_d = (d < D)[None, :]
     count = tl.load(count_ptr)
     step = tl.num_programs(0)
-    next_block, _, next_segment = _block_positions(
-        blocks_ptr, segment_ptr, segment_ptr, tl.program_id(0), count, N, False, BLOCK_N
+    next_block, _, _, next_segment = _block_positions(
+        blocks_ptr, segment_ptr, tl.program_id(0), count, N, BLOCK_N
     )
     for i in range(tl.program_id(0), count, step):
         block, segment = next_block, next_segment
-        next_block, _, next_segment = _block_positions(
-            blocks_ptr, segment_ptr, segment_ptr, i + step, count, N, False, BLOCK_N
+        next_block, _, _, next_segment = _block_positions(
+            blocks_ptr, segment_ptr, i + step, count, N, BLOCK_N
         )
         start = block * BLOCK_N
         p = start + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -435,10 +436,7 @@ def _segment_sum_kernel(
         # An unused slot was never written (its buffer is not zeroed): read as zeros, since the block's
         # sums multiply every row by a 0/1 matrix and garbage (NaN) times 0 would reach the other rows.
         used = mask & (segment < SEGMENTS)[:, None]
-        if OFFSET32:
-            partial = tl.load(grad_ptr + ((p * D).to(tl.int32)[:, None] + d[None, :]), mask=used, other=0.0)
-        else:
-            partial = tl.load(grad_ptr + (p * D)[:, None] + d[None, :], mask=used, other=0.0)
+        partial = _gather(grad_ptr, p * D, used, OFFSET32, BLOCK_D)
         # Each position's sum over its segment's positions in this block, in a fixed order (no atomics).
         sums = _block_segment_sums(segment, partial, SPLIT_BF16)
         following = tl.load(segment_ptr + p + 1, mask=p + 1 < N, other=-1)
@@ -464,11 +462,9 @@ def _position_grad(
 ):  # fmt: skip
     """[BLOCK_S, BLOCK_D] fp32: the scaled gradient rows `row` [BLOCK_S] int64 (`_gradient_offsets`) where
     `take` [BLOCK_S] holds, zeros elsewhere."""
-    d = tl.arange(0, BLOCK_D)
     offset, scale = _gradient_offsets(row, take, scales_ptr, F, D, stride_b, stride_f, POOLED)
-    mask = take[:, None] & (d < D)[None, :]
-    g = tl.load(grad_ptr + offset[:, None] + d[None, :], mask=mask, other=0.0)
-    return g.to(tl.float32) * scale[:, None]
+    mask = take[:, None] & (tl.arange(0, BLOCK_D) < D)[None, :]
+    return _gather(grad_ptr, offset, mask, False, BLOCK_D).to(tl.float32) * scale[:, None]
 
 
 @triton.jit(do_not_specialize=["N"])
