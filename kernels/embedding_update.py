@@ -300,9 +300,9 @@ def _step_rows(
 
 @triton.jit
 def _gradient_offsets(row, mask, scales_ptr, F, D, stride_b, stride_f, POOLED: tl.constexpr):
-    """(element offset [BLOCK] int64 of each gradient row `row` [BLOCK] int64 in dout, its scale [BLOCK]
-    fp32): POOLED: row b * F + f of dout [B, F, D] (strides stride_b, stride_f, 1), scaled by its bag's 1 or
-    1/k_f; otherwise row r of dout [*, D], scale 1."""
+    """(element offset [BLOCK] int64 of each gradient row `row` [BLOCK] (int32 or int64) in dout, its scale
+    [BLOCK] fp32): POOLED: row b * F + f of dout [B, F, D] (strides stride_b, stride_f, 1), scaled by its
+    bag's 1 or 1/k_f; otherwise row r of dout [*, D], scale 1."""
     if POOLED:
         sample = (row.to(tl.int32) // F).to(tl.int64)  # B * F < 2**31: an int32 division
         feature = row - sample * F
@@ -313,7 +313,7 @@ def _gradient_offsets(row, mask, scales_ptr, F, D, stride_b, stride_f, POOLED: t
 
 @triton.jit
 def _block_positions(blocks_ptr, segment_ptr, i, count, N, BLOCK_N: tl.constexpr):
-    """(block, positions [BLOCK_N] int64, their mask, segment [BLOCK_N] int64) of a summing kernel's i-th
+    """(block, positions [BLOCK_N] int64, their mask, segment [BLOCK_N]) of a summing kernel's i-th
     listed block: segments -1 past N. Past the list's `count` blocks: block 0, every position masked (a
     prefetch past a program's last block)."""
     listed = i < count
@@ -337,8 +337,8 @@ def _gather(ptr, offset, mask, OFFSET32: tl.constexpr, BLOCK_D: tl.constexpr):
 @triton.jit(do_not_specialize=["N"])
 def _crossing_sums_kernel(
     # pointers
-    rows_ptr,  # [N] int64 row of grad read at each sorted position
-    segment_ptr,  # [N] int64: segment (distinct row, in sorted order) of each sorted position
+    rows_ptr,  # [N] int32 (POOLED) or int64: row of grad read at each sorted position
+    segment_ptr,  # [N] int32 or int64: segment (distinct row, in sorted order) of each sorted position
     grad_ptr,  # [*, D] dout rows ([B, F, D] where POOLED), any float dtype
     scales_ptr,  # POOLED: [F] fp32 pooling scale of each feature (not read otherwise)
     dest_ptr,  # [2 * blocks] int64: where level 1 holds a block's first / last partial (or -1)
@@ -460,7 +460,7 @@ def _segment_sum_kernel(
 def _position_grad(
     row, take, grad_ptr, scales_ptr, F, D, stride_b, stride_f, POOLED: tl.constexpr, BLOCK_D: tl.constexpr
 ):  # fmt: skip
-    """[BLOCK_S, BLOCK_D] fp32: the scaled gradient rows `row` [BLOCK_S] int64 (`_gradient_offsets`) where
+    """[BLOCK_S, BLOCK_D] fp32: the scaled gradient rows `row` [BLOCK_S] (`_gradient_offsets`) where
     `take` [BLOCK_S] holds, zeros elsewhere."""
     offset, scale = _gradient_offsets(row, take, scales_ptr, F, D, stride_b, stride_f, POOLED)
     mask = take[:, None] & (tl.arange(0, BLOCK_D) < D)[None, :]
@@ -469,7 +469,7 @@ def _position_grad(
 
 @triton.jit(do_not_specialize=["N"])
 def _segment_starts_kernel(
-    segment_ptr,  # [N] int64 segment of each sorted position
+    segment_ptr,  # [N] int32 or int64: segment of each sorted position
     starts_ptr,  # [N + 1] int64 output: each segment's first sorted position, then N
     N,
     BLOCK: tl.constexpr,
@@ -486,7 +486,7 @@ def _segment_starts_kernel(
 
 @triton.jit(do_not_specialize=["M", "K"])
 def _level_flags_kernel(
-    segment_ptr,  # [M] int64: the level's segment of each position, sorted
+    segment_ptr,  # [M] int32 or int64: the level's segment of each position, sorted
     starts_ptr,  # LEVEL0: [N + 1] int64 each segment's first sorted position (not read otherwise)
     flags_ptr,  # [2K] int64 output: the flags; LEVEL0: [3K], then each block's "listed"
     values_ptr,  # [2K] int64 output: each block's first and last segment
@@ -574,9 +574,9 @@ def _level_places_kernel(
 def _segment_step_kernel(
     # pointers
     starts_ptr,  # [N + 1] int64: each segment's first sorted position (`_segment_starts_kernel`)
-    segment_ptr,  # [N] int64 segment of each sorted position (its last + 1 is the number of segments)
+    segment_ptr,  # [N] int32 or int64: segment of each sorted position (its last + 1: the segments)
     sorted_ptr,  # [N] int32 (rows < 2**31) or int64 sorted global rows
-    rows_ptr,  # [N] int64: row of grad read at each sorted position
+    rows_ptr,  # [N] int32 (POOLED) or int64: row of grad read at each sorted position
     grad_ptr,  # [*, D] dout rows ([B, F, D] where POOLED), any float dtype
     scales_ptr,  # POOLED: [F] fp32 pooling scale of each feature (not read otherwise)
     sums_ptr,  # [N, D] fp32: each long segment's sum (the summing kernels'); short ones' slots unused
@@ -646,7 +646,7 @@ def _segment_step_kernel(
 def _gradient_rows_kernel(
     order_ptr,  # [N] int64: the lookup at each sorted position
     features_ptr,  # [S] int64 feature of each column
-    rows_ptr,  # [N] int64 output: the pooled gradient's row of each sorted position
+    rows_ptr,  # [N] int32 output: the pooled gradient's row of each sorted position
     N,
     S,
     F,
@@ -793,21 +793,23 @@ def sorted_segments(index: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
     """(sorted rows, order, segment), each [N], of the N = index.numel() global rows looked up (each in
     [0, rows)): the rows sorted (int32 where `rows` <= 2**31, else int64: the sort's keys, kept as sorted),
     the lookup at each sorted position (argsort, int64), and the segment (distinct row, numbered in sorted
-    order, int64) of each sorted position. No host sync."""
+    order; int32 where N <= 2**31, else int64) of each sorted position. No host sync."""
     keys = index.reshape(-1)
     sorted_rows, order = torch.sort(keys.int() if rows <= 2**31 else keys)
-    # Segment of each sorted position: the number of row changes before it.
+    # Segment of each sorted position: the number of row changes before it. In 32 bits where they fit:
+    # the scan and the kernels that read the segments move half the bytes.
     changes = torch.ne(sorted_rows[1:], sorted_rows[:-1])
-    segment = torch.empty(len(sorted_rows), dtype=torch.int64, device=sorted_rows.device)
+    dtype = torch.int32 if len(keys) <= 2**31 else torch.int64
+    segment = torch.empty(len(sorted_rows), dtype=dtype, device=sorted_rows.device)
     segment[:1] = 0
-    torch.cumsum(changes, dim=0, out=segment[1:])
+    torch.cumsum(changes, dim=0, dtype=dtype, out=segment[1:])
     return sorted_rows, order, segment
 
 
 def _level_plan(
     segment: Tensor, segments: int, starts: Tensor | None, used: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """One level of the segment sums (`segment` [m] int64 sorted, cut into k blocks of SUM_BLOCK_N):
+    """One level of the segment sums (`segment` [m] int32 or int64, sorted, cut into k blocks of SUM_BLOCK_N):
     (dest [2k], next_segment [2k], places [1], blocks [k], count [1]), all int64. dest[2j] is where the next
     level holds block j's partial sum of its first segment when that began in an earlier block, dest[2j + 1]
     that of its last segment when it goes on into a later block (and did not begin earlier), -1 otherwise;
@@ -884,11 +886,11 @@ def _segment_sums(
     block_d: int,
 ) -> Tensor:
     """[N, D] fp32: each long segment's gradient sum in its slot (module docstring; the short segments'
-    slots are not written), for the N sorted positions' gradient rows `rows`, segments `segment` [N] int64
-    and their `starts` [N + 1] int64 of `launch_update`'s gradient ([N, D] contiguous; pooled: [B, F, D],
-    D's stride 1, row b * F + f, with the features' scales [F] fp32). Level 0 sums the lookups' gradients
-    in the blocks that hold a long segment; each next level the partial sums of the long segments that
-    crossed a block edge of the level before, until a level fits in one block."""
+    slots are not written), for the N sorted positions' gradient rows `rows`, segments `segment` [N] (int32
+    or int64) and their `starts` [N + 1] int64 of `launch_update`'s gradient ([N, D] contiguous; pooled:
+    [B, F, D], D's stride 1, row b * F + f, with the features' scales [F] fp32). Level 0 sums the lookups'
+    gradients in the blocks that hold a long segment; each next level the partial sums of the long segments
+    that crossed a block edge of the level before, until a level fits in one block."""
     n = len(segment)
     sums = _sums_buffer(n, d, grad.device)
     level_starts, used = starts, None
@@ -963,7 +965,7 @@ def launch_update(
     sorted_rows, order, segment = sorted_segments(index, weights.shape[0])
     rows = order
     if pooled:  # lookup b * S + c reads the pooled gradient's row b * F + f(c), scaled by f's 1 or 1/k_f
-        rows = torch.empty_like(order)
+        rows = torch.empty(n, dtype=torch.int32, device=order.device)  # B * F < 2**31 (above)
         _gradient_rows_kernel[(triton.cdiv(n, 1024),)](order, features, rows, n, s, f, BLOCK=1024)
         scales = torch.zeros(f, dtype=torch.float32, device=grad.device).scatter_(0, features, scales)
     starts = torch.empty(n + 1, dtype=torch.int64, device=grad.device)

@@ -34,7 +34,8 @@ def segment_sums(index: Tensor, grad: Tensor, num_rows: int) -> tuple[Tensor, Te
     sorted_rows, order, segment = sorted_segments(index, num_rows)
     sums = torch.zeros(n, grad.shape[-1], dtype=torch.float32, device=grad.device)
     sums.index_add_(0, segment, grad.reshape(n, -1)[order].float())
-    rows = torch.zeros(n, dtype=torch.int64, device=index.device).scatter_(0, segment, sorted_rows.long())
+    rows = torch.zeros(n, dtype=torch.int64, device=index.device)
+    rows.scatter_(0, segment.long(), sorted_rows.long())  # scatter_ takes int64 indices only
     return rows, sums
 
 
