@@ -303,6 +303,7 @@ def _gradient_offsets(row, mask, scales_ptr, F, D, stride_b, stride_f, POOLED: t
     """(element offset [BLOCK] int64 of each gradient row `row` [BLOCK] (int32 or int64) in dout, its scale
     [BLOCK] fp32): POOLED: row b * F + f of dout [B, F, D] (strides stride_b, stride_f, 1), scaled by its
     bag's 1 or 1/k_f; otherwise row r of dout [*, D], scale 1."""
+    row = row.to(tl.int64)  # both branches return int64 offsets (a compiled function has one return type)
     if POOLED:
         sample = (row.to(tl.int32) // F).to(tl.int64)  # B * F < 2**31: an int32 division
         feature = row - sample * F
