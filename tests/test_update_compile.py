@@ -1,0 +1,76 @@
+"""kernels/embedding_update.py's sorted-path kernels compiled for sm_90 without a GPU, in a process of its
+own (the tests' interpreter runs a kernel as Python, where, say, a function returning int32 offsets on one
+branch and int64 on another passes; a compile refuses it). Each kernel with the index dtypes
+`launch_update` hands it: segments int32 (int64 past 2**31 lookups, and at the levels after the first),
+the pooled gradient's rows int32, the lookups' order int64, the sorted keys int32."""
+
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+STEP_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+
+
+def compile_for_sm90(name: str, types: dict[str, str], constexprs: dict, warps: int) -> None:
+    """Compile kernels.embedding_update's kernel `name` for sm_90, its arguments typed by `types` (by name;
+    other pointers int64, other scalars int32) and `constexprs`. Raises triton's CompilationError."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import kernels.embedding_update as update
+
+    fn = getattr(update, name)
+    signature = {
+        arg: "constexpr" if arg in constexprs else types.get(arg, "*i64" if arg.endswith("_ptr") else "i32")
+        for arg in fn.arg_names
+    }
+    source = ASTSource(fn, signature=signature, constexprs=constexprs)
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def compile_all() -> None:
+    """Compile every kernel of the sorted path in each variant `launch_update` launches; print one line a
+    compile (the kernel, its index dtypes and switches)."""
+    grad = {"grad_ptr": "*bf16", "scales_ptr": "*fp32"}
+    for segment in ("*i32", "*i64"):
+        for pooled, rows in ((True, "*i32"), (False, "*i64")):
+            types = {"rows_ptr": rows, "segment_ptr": segment, "partial_ptr": "*fp32", **grad}
+            switches = {"POOLED": pooled, "OFFSET32": True, "BLOCK_N": 32, "BLOCK_D": 128}
+            compile_for_sm90("_crossing_sums_kernel", types, switches, 1)
+            print("_crossing_sums_kernel", segment, rows, pooled)
+            for optimizer in STEP_OPTIMIZERS:
+                types = {
+                    "segment_ptr": segment, "sorted_ptr": "*i32", "rows_ptr": rows, "sums_ptr": "*fp32",
+                    "weights_ptr": "*bf16", "state_ptr": "*fp32", "lr_ptr": "*fp32", "eps": "fp32", **grad,
+                }  # fmt: skip
+                switches = {
+                    "POOLED": pooled, "OPTIMIZER": optimizer, "STOCHASTIC": True, "SHORT": 32, "BLOCK_S": 4,
+                    "BLOCK_D": 128,
+                }  # fmt: skip
+                compile_for_sm90("_segment_step_kernel", types, switches, 2)
+                print("_segment_step_kernel", segment, rows, pooled, optimizer)
+        compile_for_sm90("_segment_starts_kernel", {"segment_ptr": segment}, {"BLOCK": 1024}, 4)
+        print("_segment_starts_kernel", segment)
+        switches = {"LEVEL0": segment == "*i32", "SHORT": 32, "BLOCK_N": 32, "BLOCK": 1024}
+        compile_for_sm90("_level_flags_kernel", {"segment_ptr": segment}, switches, 4)
+        print("_level_flags_kernel", segment)
+    types = {"grad_ptr": "*fp32", "sums_ptr": "*fp32", "partial_ptr": "*fp32"}
+    switches = {"SPLIT_BF16": True, "OFFSET32": True, "BLOCK_N": 32, "BLOCK_D": 128}
+    compile_for_sm90("_segment_sum_kernel", types, switches, 2)
+    print("_segment_sum_kernel")
+    compile_for_sm90("_gradient_rows_kernel", {"rows_ptr": "*i32"}, {"BLOCK": 1024}, 4)
+    print("_gradient_rows_kernel")
+
+
+def test_the_sorted_update_kernels_compile_for_sm90_with_the_index_dtypes_they_take():
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
+    code = "from tests.test_update_compile import compile_all; compile_all()"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 * (2 * (1 + len(STEP_OPTIMIZERS)) + 2) + 2, lines
