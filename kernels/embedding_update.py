@@ -32,7 +32,8 @@ How the update runs:
   `in_order` sends it down the sorted path below instead (the same bits every run).
 - otherwise (adagrad, rowwise_adagrad, bf16 weights): the non-linear update needs each row's full sum
   first. The B*F indices are sorted (torch.sort, on int32 keys where the rows fit: half the radix passes);
-  sorted positions with the same row form a segment, and a small kernel writes where each segment starts.
+  sorted positions with the same row form a segment (numbered by a scan, in int32 where the lookups fit), and
+  a small kernel writes where each segment starts.
   A segment of at most SHORT_SEGMENT positions (most rows of a large table) is summed where its row is
   stepped: the step kernel takes a few segments at a time, adds their positions' gradients in sorted order
   in registers, and reads and writes the row's weights and state once. Longer segments (small tables, hot
