@@ -22,7 +22,8 @@ as in dlrm/data/bags.py)
 Shapes and dtypes: weights [R, D] fp32 or bf16 (pooling and updates in fp32, rounded once: bf16 updates to
 nearest, or stochastically given `rounding`, kernels/embedding_update.py); state fp32 (as
 `kernels.embedding.optimizer_state`); ids [B, S] int64; offsets, rows, bag_sizes [F] int64; out [B, F, D] in
-weights' dtype or `out_dtype`; index [B, S] int64 (saved for backward). Offsets are int64.
+weights' dtype or `out_dtype`; index [B, S] (saved for backward) int32 where the rows fit (`index_dtype`),
+else int64. Offsets are int64.
 
 Backward without a table-sized gradient and without materializing the [B, S, D] per-lookup gradients:
 - "sgd" with fp32 weights: one kernel over the B*S lookups, atomic adds of -lr * scale * dout[b, f(c)] into
@@ -79,7 +80,7 @@ def _embedding_bag_fwd_kernel(
     rows_ptr,  # [F] int64 rows of each table
     weights_ptr,  # [R, D] fp32/bf16
     out_ptr,  # [B, F, D] out dtype
-    index_ptr,  # [B, S] int64 global row of each lookup
+    index_ptr,  # [B, S] int32 or int64 (`index_dtype`): global row of each lookup
     # sizes
     B,
     F,
@@ -139,6 +140,12 @@ def _check(
         raise ValueError(f"ids must be [B, S] int64 on {weights.device}, got {ids.dtype} {list(ids.shape)}")
 
 
+def index_dtype(rows: int) -> torch.dtype:
+    """The dtype of the global rows a lookup over `rows` table-batched rows returns: int32 where they fit
+    (rows <= 2**31: half the bytes the forward writes, and the update sorts them as they are), else int64."""
+    return torch.int32 if rows <= 2**31 else torch.int64
+
+
 def embedding_bag_fwd(
     weights: Tensor,
     offsets: Tensor,
@@ -149,7 +156,8 @@ def embedding_bag_fwd(
     pooling: str,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Launch the pooled lookup: (out [B, F, D] in out_dtype (None: weights' dtype), index [B, S] int64).
+    """Launch the pooled lookup: (out [B, F, D] in out_dtype (None: weights' dtype), index [B, S] in
+    `index_dtype`).
     The columns of `ids` must be sum(bag_sizes) (not checked here: that would sync with the device)."""
     _check(weights, offsets, rows, bag_sizes, ids, hashing)
     check_pooling(pooling)
@@ -157,7 +165,7 @@ def embedding_bag_fwd(
     b, s = ids.shape
     f, d = offsets.shape[0], weights.shape[1]
     out = torch.empty(b, f, d, dtype=out_dtype or weights.dtype, device=weights.device)
-    index = torch.empty_like(ids)
+    index = torch.empty(b, s, dtype=index_dtype(weights.shape[0]), device=ids.device)
     if b == 0:
         return out, index
     starts = torch.cumsum(bag_sizes, 0) - bag_sizes
@@ -204,7 +212,7 @@ def embedding_bag_lookup_ref(
     """PyTorch pooled lookup, in fp32: (out [B, F, D] in out_dtype (None: weights' dtype), index [B, S])."""
     features, scales = bag_columns(bag_sizes, pooling, ids.shape[1])
     row = torch.remainder(ids + 1, rows[features]) if hashing == "modulus" else ids
-    index = row + offsets[features]
+    index = (row + offsets[features]).to(index_dtype(weights.shape[0]))
     vectors = weights[index].float() * scales[:, None]  # [B, S, D]
     out = torch.zeros(ids.shape[0], len(bag_sizes), weights.shape[1], device=weights.device)
     out.index_add_(1, features, vectors)
@@ -246,7 +254,7 @@ def _lookup_fake(
     out = torch.empty(
         ids.shape[0], offsets.shape[0], weights.shape[1], dtype=out_dtype, device=weights.device
     )
-    return out, torch.empty_like(ids)
+    return out, torch.empty(ids.shape, dtype=index_dtype(weights.shape[0]), device=ids.device)
 
 
 def _update_fake(weights, state, index, grad, bag_sizes, pooling, optimizer, lr, eps, rounding=None) -> None:

@@ -79,7 +79,7 @@ def embedding_bag_update(
     Args:
         weights: [R, D] fp32/bf16 table-batched weights (contiguous), updated in place.
         state: optimizer state from `kernels.embedding.optimizer_state` (fp32), updated in place.
-        index: [B, S] int64 global rows looked up, as returned by the forward.
+        index: [B, S] int32 or int64 global rows looked up, as returned by the forward.
         grad: [B, F, D] gradient of the pooled vectors (any float dtype).
         bag_sizes: [F] int64 k_f (sum = S); pooling: "sum" or "mean".
         optimizer: "sgd", "adagrad" or "rowwise_adagrad"; eps: Adagrad's epsilon.

@@ -150,7 +150,7 @@ def column_block(program, columns, B, BLOCK_B: tl.constexpr):
 @triton.jit(do_not_specialize=["B"])
 def _sgd_kernel(
     # pointers
-    index_ptr,  # [B * S] int64 global rows, lookup b * S + c (one-hot: S = F columns; bags: S = sum k_f)
+    index_ptr,  # [B * S] global rows (bags': int32 or int64), lookup b * S + c (S: F one-hot, sum k_f bags)
     grad_ptr,  # [B * S, D] dout ([B, F, D] where POOLED, strides (stride_b, stride_f, 1)), any float dtype
     features_ptr,  # POOLED: [S] int64 feature of each column (not read otherwise)
     scales_ptr,  # POOLED: [S] fp32 pooling scale of each column (not read otherwise)
@@ -179,7 +179,7 @@ def _sgd_kernel(
     d = tl.arange(0, BLOCK_D)
     mask_d = d < D
     mask = mask_b[:, None] & mask_d[None, :]
-    index = tl.load(index_ptr + lookup, mask=mask_b, other=0)
+    index = tl.load(index_ptr + lookup, mask=mask_b, other=0).to(tl.int64)  # bags' may be int32
     grad = _lookup_grad(
         grad_ptr, features_ptr, scales_ptr, lookup, mask_b, mask, d, S, D, stride_b, stride_f, POOLED
     )
@@ -932,10 +932,10 @@ def launch_update(
     in_order: bool = False,
     columns: int = 1,
 ) -> None:
-    """The update kernels (module docstring) on inputs already checked: index [N] int64 global rows; grad
-    [N, D] contiguous, or for pooled bags, with `bags` = (features [S] int64, scales [S] fp32) as
-    `kernels.embedding_bag_update.bag_columns` gives them, the pooled gradient [B, F, D] with D's stride 1
-    (a view is read in place; N = B * S, lookup b * S + c); `rounding` and `in_order` as
+    """The update kernels (module docstring) on inputs already checked: index [N] global rows (int64; a
+    bag lookup's may be int32); grad [N, D] contiguous, or for pooled bags, with `bags` = (features [S]
+    int64, scales [S] fp32) as `kernels.embedding_bag_update.bag_columns` gives them, the pooled gradient
+    [B, F, D] with D's stride 1 (a view is read in place; N = B * S, lookup b * S + c); `rounding` and `in_order` as
     `embedding_update`'s. Without bags, `columns` (dividing N) is the lookups a sample: lookup b * columns
     + c reads table c's rows (the SGD kernel sums a small table's lookups of a block before adding them)."""
     n, d = index.numel(), weights.shape[1]

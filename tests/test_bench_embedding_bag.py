@@ -28,7 +28,8 @@ def test_the_plain_pytorch_update_equals_the_reference(optimizer):
     features, scales = bag_columns(bag_sizes, "sum", s)
     _, index = embedding_bag_lookup_ref(weights[:-1], offsets, rows, bag_sizes, ids, "modulus", "sum")
     got_w, got_s = weights.clone(), state.clone()
-    bench._torch_update(got_w, got_s, index, grad, features, scales, optimizer)
+    # The plain-PyTorch step takes torch's int64 rows (its own lookup's), ours may be int32.
+    bench._torch_update(got_w, got_s, index.long(), grad, features, scales, optimizer)
     ref_w, ref_s = weights[:-1].clone(), state[: len(weights) - 1].clone()
     lr = torch.tensor(bench.LR)
     embedding_bag_update_ref(ref_w, ref_s, index, grad, bag_sizes, "sum", optimizer, lr, bench.EPS)

@@ -1,8 +1,9 @@
-"""kernels/embedding_update.py's sorted-path kernels compiled for sm_90 without a GPU, in a process of its
-own (the tests' interpreter runs a kernel as Python, where, say, a function returning int32 offsets on one
-branch and int64 on another passes; a compile refuses it). Each kernel with the index dtypes
+"""kernels/embedding_update.py's kernels compiled for sm_90 without a GPU, in a process of its own (the
+tests' interpreter runs a kernel as Python, where, say, a function returning int32 offsets on one branch
+and int64 on another passes; a compile refuses it). Each kernel with the index dtypes
 `launch_update` hands it: segments int32 (int64 past 2**31 lookups, and at the levels after the first),
-the pooled gradient's rows int32, the lookups' order int64, the sorted keys int32."""
+the pooled gradient's rows int32, the lookups' order int64, the sorted keys int32; the SGD kernel's
+rows int32 (a bag lookup's, where they fit) and int64."""
 
 import os
 import subprocess
@@ -63,6 +64,12 @@ def compile_all() -> None:
     print("_segment_sum_kernel")
     compile_for_sm90("_gradient_rows_kernel", {"rows_ptr": "*i32"}, {"BLOCK": 1024}, 4)
     print("_gradient_rows_kernel")
+    for index in ("*i32", "*i64"):  # a bag lookup's rows (`kernels.embedding_bag.index_dtype`), one-hot's
+        types = {"index_ptr": index, "grad_ptr": "*bf16", "scales_ptr": "*fp32", "weights_ptr": "*fp32",
+                 "lr_ptr": "*fp32"}  # fmt: skip
+        switches = {"POOLED": True, "HOT": True, "HOT_ROWS": 16, "BLOCK_B": 16, "BLOCK_D": 128}
+        compile_for_sm90("_sgd_kernel", types, switches, 4)
+        print("_sgd_kernel", index)
 
 
 def test_the_sorted_update_kernels_compile_for_sm90_with_the_index_dtypes_they_take():
@@ -73,4 +80,4 @@ def test_the_sorted_update_kernels_compile_for_sm90_with_the_index_dtypes_they_t
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert len(lines) == 2 * (2 * (1 + len(STEP_OPTIMIZERS)) + 2) + 2, lines
+    assert len(lines) == 2 * (2 * (1 + len(STEP_OPTIMIZERS)) + 2) + 2 + 2, lines
