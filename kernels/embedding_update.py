@@ -424,6 +424,7 @@ def _crossing_sums_kernel(
             grad = _gather(grad_ptr, offset, take[:, None] & mask_d[None, :], OFFSET32, BLOCK_D)
             grad = grad.to(tl.float32) * scale[:, None]
             first_sum = tl.sum(tl.where((segment == first)[:, None], grad, 0.0), axis=0)
+            last_sum = tl.sum(tl.where((segment == last)[:, None], grad, 0.0), axis=0)
             # The open segment goes on into this block, or it ended at the block's edge.
             if first != open_segment:
                 _finish(
@@ -438,7 +439,7 @@ def _crossing_sums_kernel(
                     open_segment, acc, chunk_first, chunk_last, came_in, goes_on, partial_ptr, sums_ptr, D,
                     d, mask_d,
                 )  # fmt: skip
-                acc = tl.sum(tl.where((segment == last)[:, None], grad, 0.0), axis=0)
+                acc = last_sum
                 open_segment = tl.where(last_long, last, -1)
         _finish(
             open_segment, acc, chunk_first, chunk_last, came_in, goes_on, partial_ptr, sums_ptr, D, d, mask_d
