@@ -37,15 +37,17 @@ How the update runs:
   A segment of at most SHORT_SEGMENT positions (most rows of a large table) is summed where its row is
   stepped: the step kernel takes a few segments at a time, adds their positions' gradients in sorted order
   in registers, and reads and writes the row's weights and state once. Longer segments (small tables, hot
-  rows) are summed first, in levels. Level 0 cuts the sorted positions into blocks of 32: a long segment
-  cannot lie inside one, so a block adds only to its first and last segments, and two masked column sums
-  leave one partial sum for each in the next level's list. A level >= 1 sums its blocks of 32 partials by
-  a 0/1 matrix product on the tensor cores, stores the sum of each segment that lies inside the block in
-  the segment's slot of a [B*F, D] fp32 buffer, and passes the partials of a segment that crosses a block
-  edge on to the next level (a level holds at most two partials per block of the one before: 2^31
-  lookups take six levels), until a level fits in one block. Only the blocks holding a long segment are
-  summed: two small kernels and one scan a level list them on the device (with each crossing partial's
-  place in the next level) and the summing kernels' persistent programs stride over the list. The step
+  rows) are summed first, in levels. Level 0 cuts the sorted positions into chunks of CROSSING_CHUNK and
+  walks each in blocks of 32: a long segment cannot lie inside a block, so a block adds only to its first
+  and last segments (two masked column sums), and the program carries the open segment's sum from block to
+  block. A long segment that lies inside the chunk is stored in its slot of a [B*F, D] fp32 buffer; the
+  chunk's first and last segments, where they cross its edges, leave a partial sum each in the next level's
+  list. A level >= 1 sums its blocks of 32 partials by a 0/1 matrix product on the tensor cores, stores the
+  sum of each segment that lies inside the block in its slot, and passes the partials of a segment that
+  crosses a block edge on to the next level (a level holds at most two partials per block of the one
+  before), until a level fits in one block. Only the chunks and blocks holding a long segment are summed:
+  two small kernels and one scan a level list them on the device (with each crossing partial's place in
+  the next level) and the summing kernels' persistent programs stride over the list. The step
   kernel then reads a long segment's sum from its slot. No atomics: the sums, and so the whole update,
   are the same bits on every run. Memory is O(B F D), never O(R D).
 Fixed shapes throughout (no torch.unique, no host sync), so a step can be captured in a CUDA graph.
@@ -80,6 +82,10 @@ OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 # Sorted positions a segment-sum program reduces: its [SUM_BLOCK_N, SUM_BLOCK_N] 0/1 matrix stays in
 # registers (64 spills them on an H200; tl.dot needs at least 16).
 SUM_BLOCK_N = 32
+# Sorted positions level 0's summing program takes at a time (`_crossing_sums_kernel`), SUM_BLOCK_N at a
+# time, carrying a long segment's sum from block to block: a long segment inside a chunk is summed there
+# and stored once, and only the segments that cross a chunk's edge pass partial sums to the next level.
+CROSSING_CHUNK = 256
 # The summing kernels' persistent programs an SM, their warps and software-pipelining stages; both wait on
 # their gathers, so more programs than fit at once measured faster. Level 0's (`_crossing_sums_kernel`),
 # which gathers every lookup's gradient of the long segments: one warp, 16 an SM (H200, bench_embedding_bag's
@@ -336,16 +342,33 @@ def _gather(ptr, offset, mask, OFFSET32: tl.constexpr, BLOCK_D: tl.constexpr):
     return tl.load(ptr + offset[:, None] + d[None, :], mask=mask, other=0.0)
 
 
+@triton.jit
+def _finish(segment, acc, chunk_first, chunk_last, came_in, goes_on, partial_ptr, sums_ptr, D, d, mask_d):
+    """Store the sum `acc` [BLOCK_D] fp32 of a long segment's positions in a chunk (none where `segment` is
+    -1): the chunk's first segment that came in from an earlier chunk, or its last that goes on into a later
+    one, to its place in level 1 (`came_in`, `goes_on`: dest, -1 where not); any other, complete here, to
+    its own slot of `sums`."""
+    if segment >= 0:
+        if (segment == chunk_first) & (came_in >= 0):
+            tl.store(partial_ptr + came_in * D + d, acc, mask=mask_d)
+        elif (segment == chunk_last) & (goes_on >= 0):
+            tl.store(partial_ptr + goes_on * D + d, acc, mask=mask_d)
+        else:
+            tl.store(sums_ptr + segment.to(tl.int64) * D + d, acc, mask=mask_d)
+
+
 @triton.jit(do_not_specialize=["N"])
 def _crossing_sums_kernel(
     # pointers
     rows_ptr,  # [N] int32 (POOLED) or int64: row of grad read at each sorted position
     segment_ptr,  # [N] int32 or int64: segment (distinct row, in sorted order) of each sorted position
+    starts_ptr,  # [N + 1] int64: each segment's first sorted position (`_segment_starts_kernel`)
     grad_ptr,  # [*, D] dout rows ([B, F, D] where POOLED), any float dtype
     scales_ptr,  # POOLED: [F] fp32 pooling scale of each feature (not read otherwise)
-    dest_ptr,  # [2 * blocks] int64: where level 1 holds a block's first / last partial (or -1)
+    dest_ptr,  # [2 * chunks] int64: where level 1 holds a chunk's first / last partial (or -1)
     partial_ptr,  # [M, D] fp32: level 1's values
-    blocks_ptr,  # [blocks] int64: in its first `count` places, the blocks to sum (`_level_plan`)
+    sums_ptr,  # [N, D] fp32: each long segment's sum, stored here where it lies inside a chunk
+    chunks_ptr,  # [chunks] int64: in its first `count` places, the chunks to sum (`_level_plan`)
     count_ptr,  # [1] int64: count
     # sizes
     N,
@@ -356,45 +379,71 @@ def _crossing_sums_kernel(
     # meta-parameters
     POOLED: tl.constexpr,
     OFFSET32: tl.constexpr,  # every element of grad at an offset < 2**31: the gather's offsets in 32 bits
+    SHORT: tl.constexpr,
+    CHUNK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Level 0 of the segment sums. A long segment cannot lie inside a block (BLOCK_N <= SHORT_SEGMENT),
-    so a listed block adds only to its first segment, where that began in an earlier block, and its last,
-    where that goes on into a later one: `dest` holds their places in level 1, -1 for the others (short
-    segments, summed by the step kernel). Each is a masked column sum of the block's gathered gradients
-    in fp32, in a fixed order (no atomics). Persistent: the programs stride over the listed blocks, whose
-    number only the device knows; a program loads each block's positions (their gradient rows and
-    segments) one block ahead, while it sums the block before, so that the block's gather can start at
-    once."""
+    """Level 0 of the segment sums, over the listed chunks of CHUNK sorted positions, BLOCK_N at a time. A
+    long segment cannot lie inside a block of BLOCK_N <= SHORT positions, so only a block's first and last
+    segments can be long: their gradients are gathered and each summed by a masked column sum in fp32. A
+    program carries the open long segment's sum from block to block and stores it where the segment ends:
+    in its slot of `sums` where it lies inside the chunk, else (the chunk's first segment, come in from an
+    earlier chunk; its last, going on into a later one) to its place in level 1 (`dest`). A fixed order, no
+    atomics. Persistent: the programs stride over the listed chunks, whose number only the device knows;
+    a program loads each block's positions (segments, gradient rows) one block ahead, while it sums the
+    block before, so that the block's gather can start at once."""
     d = tl.arange(0, BLOCK_D)
     mask_d = d < D
     count = tl.load(count_ptr)
-    step = tl.num_programs(0)
-    next_block, p, next_mask, next_segment = _block_positions(
-        blocks_ptr, segment_ptr, tl.program_id(0), count, N, BLOCK_N
-    )
-    next_row = tl.load(rows_ptr + p, mask=next_mask, other=0)
-    for i in range(tl.program_id(0), count, step):
-        block, row, segment = next_block, next_row, next_segment
-        next_block, p, next_mask, next_segment = _block_positions(
-            blocks_ptr, segment_ptr, i + step, count, N, BLOCK_N
-        )
-        next_row = tl.load(rows_ptr + p, mask=next_mask, other=0)
-        start = block * BLOCK_N
-        mask_p = start + tl.arange(0, BLOCK_N) < N
-        offset, scale = _gradient_offsets(row, mask_p, scales_ptr, F, D, stride_b, stride_f, POOLED)
-        grad = _gather(grad_ptr, offset, mask_p[:, None] & mask_d[None, :], OFFSET32, BLOCK_D)
-        grad = grad.to(tl.float32) * scale[:, None]
-        first_dest, last_dest = tl.load(dest_ptr + 2 * block), tl.load(dest_ptr + 2 * block + 1)
-        if first_dest >= 0:
-            first = tl.load(segment_ptr + start)
+    for i in range(tl.program_id(0), count, tl.num_programs(0)):
+        start = tl.load(chunks_ptr + i) * CHUNK
+        chunk = start // CHUNK
+        end = tl.minimum(start + CHUNK, N)
+        chunk_first = tl.load(segment_ptr + start)
+        chunk_last = tl.load(segment_ptr + end - 1)
+        came_in, goes_on = tl.load(dest_ptr + 2 * chunk), tl.load(dest_ptr + 2 * chunk + 1)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        open_segment = chunk_first * 0 - 1  # none, in the segments' dtype
+        p = start + tl.arange(0, BLOCK_N).to(tl.int64)
+        next_segment = tl.load(segment_ptr + p, mask=p < end, other=-1)
+        next_row = tl.load(rows_ptr + p, mask=p < end, other=0)
+        for block_start in range(start, end, BLOCK_N):
+            p = block_start + tl.arange(0, BLOCK_N).to(tl.int64)
+            mask_p = p < end
+            segment, row = next_segment, next_row
+            q = p + BLOCK_N
+            next_segment = tl.load(segment_ptr + q, mask=q < end, other=-1)
+            next_row = tl.load(rows_ptr + q, mask=q < end, other=0)
+            last = tl.max(segment)  # positions are sorted, -1 past the chunk
+            first = tl.min(tl.where(mask_p, segment, last))
+            first_long = tl.load(starts_ptr + first + 1) - tl.load(starts_ptr + first) > SHORT
+            last_long = tl.load(starts_ptr + last + 1) - tl.load(starts_ptr + last) > SHORT
+            take = mask_p & (((segment == first) & first_long) | ((segment == last) & last_long))
+            offset, scale = _gradient_offsets(row, take, scales_ptr, F, D, stride_b, stride_f, POOLED)
+            grad = _gather(grad_ptr, offset, take[:, None] & mask_d[None, :], OFFSET32, BLOCK_D)
+            grad = grad.to(tl.float32) * scale[:, None]
             first_sum = tl.sum(tl.where((segment == first)[:, None], grad, 0.0), axis=0)
-            tl.store(partial_ptr + first_dest * D + d, first_sum, mask=mask_d)
-        if last_dest >= 0:
-            last = tl.max(segment)  # positions are sorted, -1 past N
             last_sum = tl.sum(tl.where((segment == last)[:, None], grad, 0.0), axis=0)
-            tl.store(partial_ptr + last_dest * D + d, last_sum, mask=mask_d)
+            # The open segment goes on into this block, or it ended at the block's edge.
+            if first != open_segment:
+                _finish(
+                    open_segment, acc, chunk_first, chunk_last, came_in, goes_on, partial_ptr, sums_ptr, D,
+                    d, mask_d,
+                )  # fmt: skip
+                acc = tl.zeros([BLOCK_D], tl.float32)
+            acc += first_sum
+            open_segment = tl.where(first_long, first, -1)
+            if last != first:  # the first segment ends inside the block; the last one opens
+                _finish(
+                    open_segment, acc, chunk_first, chunk_last, came_in, goes_on, partial_ptr, sums_ptr, D,
+                    d, mask_d,
+                )  # fmt: skip
+                acc = last_sum
+                open_segment = tl.where(last_long, last, -1)
+        _finish(
+            open_segment, acc, chunk_first, chunk_last, came_in, goes_on, partial_ptr, sums_ptr, D, d, mask_d
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["N", "SEGMENTS"])
@@ -497,12 +546,14 @@ def _level_flags_kernel(
     LEVEL0: tl.constexpr,
     SHORT: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SUB: tl.constexpr,  # LEVEL0: the summing kernel's blocks of a chunk; SUB <= SHORT
     BLOCK: tl.constexpr,
 ):
-    """For blocks k of BLOCK_N positions: flag 2k, its first segment began in an earlier block; flag
-    2k + 1, its last segment goes on into a later one (and did not come in); at level 0 only a long
-    segment's (more than SHORT positions), and after the 2K flags whether block k has either, the blocks
-    the summing kernel sums (one scan then takes both)."""
+    """For blocks k of BLOCK_N positions (level 0: chunks): flag 2k, its first segment began in an earlier
+    block; flag 2k + 1, its last segment goes on into a later one (and did not come in); at level 0 only a
+    long segment's (more than SHORT positions), and after the 2K flags whether chunk k holds a long segment,
+    the chunks the summing kernel sums (one scan then takes both): one that does is the first or last
+    segment of one of the chunk's blocks of SUB positions, since it cannot lie inside one."""
     k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = k < K
     begin = k * BLOCK_N
@@ -522,7 +573,19 @@ def _level_flags_kernel(
         )
         came_in = came_in & (first_length > SHORT)
         goes_on = goes_on & (last_length > SHORT)
-        tl.store(flags_ptr + 2 * K + k, (came_in | goes_on).to(tl.int64), mask=mask)
+        listed = tl.zeros([BLOCK], tl.int1)
+        for j in tl.static_range(BLOCK_N // SUB):
+            sub_begin = begin + j * SUB
+            sub_end = tl.minimum(sub_begin + SUB - 1, M - 1)
+            inside = mask & (sub_begin < M)
+            for edge in tl.static_range(2):
+                at = sub_begin if edge == 0 else sub_end
+                seg = tl.load(segment_ptr + at, mask=inside, other=0)
+                length = tl.load(starts_ptr + seg + 1, mask=inside, other=0) - tl.load(
+                    starts_ptr + seg, mask=inside, other=0
+                )
+                listed = listed | (inside & (length > SHORT))
+        tl.store(flags_ptr + 2 * K + k, listed.to(tl.int64), mask=mask)
     tl.store(flags_ptr + 2 * k, came_in.to(tl.int64), mask=mask)
     tl.store(flags_ptr + 2 * k + 1, goes_on.to(tl.int64), mask=mask)
     tl.store(values_ptr + 2 * k, first, mask=mask)
@@ -811,21 +874,21 @@ def sorted_segments(index: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
 def _level_plan(
     segment: Tensor, segments: int, starts: Tensor | None, used: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """One level of the segment sums (`segment` [m] int32 or int64, sorted, cut into k blocks of SUM_BLOCK_N):
-    (dest [2k], next_segment [2k], places [1], blocks [k], count [1]), all int64. dest[2j] is where the next
-    level holds block j's partial sum of its first segment when that began in an earlier block, dest[2j + 1]
-    that of its last segment when it goes on into a later block (and did not begin earlier), -1 otherwise;
-    next_segment the segment of each place, in order, the `places` used ones first, its unused places
-    numbered `segments`, `segments` + 1, ... (segments of their own, never stored). The summing kernels sum
-    blocks[:count]. Level 0 (`starts` [N + 1], `_segment_starts_kernel`'s, given; `used` None): only a long
-    segment (more than SHORT_SEGMENT positions) has places, the step kernel summing the short ones itself,
-    and the blocks to sum are those with a place in the next level, in order, which are those holding a
-    long segment (one cannot lie inside a block of SUM_BLOCK_N <= SHORT_SEGMENT positions: it is the first or
-    last segment of each block it touches). A level >= 1 (`used` [1]: the places the level before used):
-    its first blocks, up to `used` positions. Fixed shapes, no host sync: two kernels and one scan."""
+    """One level of the segment sums (`segment` [m] int32 or int64, sorted, cut into k blocks: level 0's
+    chunks of CROSSING_CHUNK, a later level's blocks of SUM_BLOCK_N): (dest [2k], next_segment [2k], places
+    [1], blocks [k], count [1]), all int64. dest[2j] is where the next level holds block j's partial sum of
+    its first segment when that began in an earlier block, dest[2j + 1] that of its last segment when it
+    goes on into a later block (and did not begin earlier), -1 otherwise; next_segment the segment of each
+    place, in order, the `places` used ones first, its unused places numbered `segments`, `segments` + 1,
+    ... (segments of their own, never stored). The summing kernels sum blocks[:count]. Level 0 (`starts`
+    [N + 1], `_segment_starts_kernel`'s, given; `used` None): only a long segment (more than SHORT_SEGMENT
+    positions) has places, the step kernel summing the short ones itself, and the chunks to sum are those
+    holding a long segment, in order. A level >= 1 (`used` [1]: the places the level before used): its
+    first blocks, up to `used` positions. Fixed shapes, no host sync: two kernels and one scan."""
     m, device = len(segment), segment.device
-    k = triton.cdiv(m, SUM_BLOCK_N)
     level0 = used is None
+    block_n = CROSSING_CHUNK if level0 else SUM_BLOCK_N
+    k = triton.cdiv(m, block_n)
     # One scan over a 1-D array: torch scans a 1-D tensor device-wide (cub), but each row of a 2-D one
     # inside a single thread block, serially along the row.
     flags = torch.empty((3 if level0 else 2) * k, dtype=torch.int64, device=device)
@@ -833,7 +896,7 @@ def _level_plan(
     block = 1024
     _level_flags_kernel[(triton.cdiv(k, block),)](
         segment, segment if starts is None else starts, flags, values, m, k,
-        LEVEL0=level0, SHORT=SHORT_SEGMENT, BLOCK_N=SUM_BLOCK_N, BLOCK=block,
+        LEVEL0=level0, SHORT=SHORT_SEGMENT, BLOCK_N=block_n, SUB=SUM_BLOCK_N, BLOCK=block,
     )  # fmt: skip
     scan = flags.cumsum(dim=0)
     dest = torch.empty(2 * k, dtype=torch.int64, device=device)
@@ -843,7 +906,7 @@ def _level_plan(
     count = torch.empty(1, dtype=torch.int64, device=device)
     _level_places_kernel[(triton.cdiv(2 * k, block),)](
         flags, scan, values, places if used is None else used, dest, next_segment, places, blocks, count,
-        k, segments, LEVEL0=level0, BLOCK_N=SUM_BLOCK_N, BLOCK=block,
+        k, segments, LEVEL0=level0, BLOCK_N=block_n, BLOCK=block,
     )  # fmt: skip
     return dest, next_segment, places, blocks, count
 
@@ -904,9 +967,9 @@ def _segment_sums(
         if used is None:
             strides = grad.stride()[:2] if pooled else (0, 0)
             _crossing_sums_kernel[(_persistent_grid(len(blocks), CROSSING_PROGRAMS_PER_SM, grad.device),)](
-                rows, segment, grad, scales, dest, partials, blocks, count, m, f, d, *strides,
-                POOLED=pooled, OFFSET32=offset32, BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d,
-                num_warps=CROSSING_WARPS, num_stages=SUM_STAGES,
+                rows, segment, starts, grad, scales, dest, partials, sums, blocks, count, m, f, d, *strides,
+                POOLED=pooled, OFFSET32=offset32, SHORT=SHORT_SEGMENT, CHUNK=CROSSING_CHUNK,
+                BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=CROSSING_WARPS, num_stages=SUM_STAGES,
             )  # fmt: skip
         else:
             _segment_sum_kernel[(_persistent_grid(len(blocks), SUM_PROGRAMS_PER_SM, grad.device),)](
@@ -914,7 +977,7 @@ def _segment_sums(
                 OFFSET32=offset32, BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=SUM_WARPS,
                 num_stages=SUM_STAGES,
             )  # fmt: skip
-        if m <= SUM_BLOCK_N:
+        if m <= (SUM_BLOCK_N if used is not None else CROSSING_CHUNK):  # the level was one block
             return sums
         segment, grad, level_starts, used = next_segment, partials, None, places
 

@@ -341,9 +341,14 @@ def test_a_row_longer_than_several_blocks_takes_one_summed_step(optimizer):
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_a_row_longer_than_a_level_of_blocks_takes_one_summed_step(optimizer):
-    """The one-row table's 1,500 lookups span 47 blocks of 32: their 47 partial sums cross the blocks of
-    the next level too, whose partials a third level sums."""
+@pytest.mark.parametrize("chunk", [32, 64, 256])
+def test_a_row_longer_than_a_level_of_blocks_takes_one_summed_step(optimizer, chunk, monkeypatch):
+    """The one-row table's 1,500 lookups span 47 chunks of 32 sorted positions at level 0: their 47 partial
+    sums cross the blocks of the next level too, whose partials a third level sums; in chunks of 64 and 256
+    (the default) fewer levels, the row's sum carried from block to block within a chunk."""
+    import kernels.embedding_update as eu
+
+    monkeypatch.setattr(eu, "CROSSING_CHUNK", chunk)
     _check_update_against_exact([1, 7, 1000], 1500, 16, optimizer, DEVICE)
 
 
@@ -360,7 +365,8 @@ def test_persistent_programs_that_take_many_blocks_step_the_same(optimizer, monk
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
 @pytest.mark.parametrize("short", [32, 64, 10**6])
-def test_short_and_long_segments_take_the_same_summed_step(optimizer, short, monkeypatch):
+@pytest.mark.parametrize("chunk", [32, 256])
+def test_short_and_long_segments_take_the_same_summed_step(optimizer, short, chunk, monkeypatch):
     """Segments of at most SHORT_SEGMENT positions are summed by the step kernel's loop, longer ones by
     the summing kernel, whose blocks without a long segment end at once: with the 40-row table's rows near
     the threshold (~37 lookups each, some short, some long at 32 and 64) and every segment short (a
@@ -369,26 +375,32 @@ def test_short_and_long_segments_take_the_same_summed_step(optimizer, short, mon
     import kernels.embedding_update as eu
 
     monkeypatch.setattr(eu, "SHORT_SEGMENT", short)
+    monkeypatch.setattr(eu, "CROSSING_CHUNK", chunk)
     _check_update_against_exact([1, 7, 40, 1000], 1500, 16, optimizer, DEVICE)
 
 
-def test_level_zero_sums_only_the_blocks_of_long_segments():
-    """Level 0 gives a place in the next level to the long segments' partial sums only, and the summing
-    kernel's list holds exactly the blocks (of 32 sorted positions) that hold a long segment, in order:
-    against a count by hand of segments around SHORT_SEGMENT = 32 positions."""
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_level_zero_sums_only_the_chunks_of_long_segments(chunk, monkeypatch):
+    """Level 0 gives a place in the next level to the partial sums of the long segments that cross a chunk's
+    edge only, and the summing kernel's list holds exactly the chunks (of CROSSING_CHUNK sorted positions)
+    that hold a long segment, in order: against a count by hand of segments around SHORT_SEGMENT = 32
+    positions, with a run of short segments that fills whole chunks."""
     import kernels.embedding_update as eu
 
-    lengths = [1, 40, 3, 33, 2, 100, 1, 32, 5, 70, 2, 2]
+    monkeypatch.setattr(eu, "CROSSING_CHUNK", chunk)
+    lengths = [1, 40, 3, 33, 2, 100, 1, 32, 5, 70, 2, 2] + [1, 3] * 60 + [32, 2, 40]
     segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     n = len(segment)
     starts = torch.full((n + 1,), n)
     starts[: len(lengths)] = torch.tensor([0, *lengths[:-1]]).cumsum(0)
     dest, next_segment, places, blocks, count = eu._level_plan(segment.to(DEVICE), n, starts.to(DEVICE), None)
     long = {s for s, length in enumerate(lengths) if length > eu.SHORT_SEGMENT}
-    b = eu.SUM_BLOCK_N
-    expected = [k for k in range(-(-n // b)) if long & set(segment[k * b : (k + 1) * b].tolist())]
+    expected = [k for k in range(-(-n // chunk)) if long & set(segment[k * chunk : (k + 1) * chunk].tolist())]
+    assert len(expected) < -(-n // chunk)  # some chunk holds short segments only
     assert blocks[: int(count)].tolist() == expected
-    assert set(next_segment[: int(places)].tolist()) == long
+    ends = starts[1 : len(lengths) + 1] - 1
+    crossing = {s for s in long if int(starts[s]) // chunk != int(ends[s]) // chunk}
+    assert set(next_segment[: int(places)].tolist()) == crossing  # the others are summed in their chunk
     assert (next_segment[int(places) :] >= n).all()  # the unused places: segments of their own
 
 
@@ -412,7 +424,8 @@ def _level_plan_by_torch(segment, segments, starts, used, block_n, short):
     next_segment.scatter_(0, torch.where(flags, places, len(flags)), pairs)
     k = len(begins)
     if used is None:
-        listed = (dest.view(k, 2) >= 0).any(dim=1)
+        long = starts[segment + 1] - starts[segment] > short  # of each position
+        listed = torch.stack([long[b : b + block_n].any() for b in begins.tolist()])
         blocks, count = torch.arange(k)[listed], int(listed.sum())
     else:
         blocks, count = torch.arange(k), -(-int(used) // block_n)
@@ -436,7 +449,8 @@ def test_a_levels_plan_is_its_definition(level0, m):
         starts = torch.full((m + 1,), m)
         starts[:segments] = torch.searchsorted(segment, torch.arange(segments))
     used = None if level0 else torch.tensor([max(1, m - 5)])
-    expected = _level_plan_by_torch(segment, segments, starts, used, eu.SUM_BLOCK_N, eu.SHORT_SEGMENT)
+    block_n = eu.CROSSING_CHUNK if level0 else eu.SUM_BLOCK_N
+    expected = _level_plan_by_torch(segment, segments, starts, used, block_n, eu.SHORT_SEGMENT)
     on = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
     dest, next_segment, places, blocks, count = eu._level_plan(on(segment), segments, on(starts), on(used))
     assert dest.cpu().tolist() == expected[0].tolist()

@@ -38,8 +38,11 @@ def compile_all() -> None:
     grad = {"grad_ptr": "*bf16", "scales_ptr": "*fp32"}
     for segment in ("*i32", "*i64"):
         for pooled, rows in ((True, "*i32"), (False, "*i64")):
-            types = {"rows_ptr": rows, "segment_ptr": segment, "partial_ptr": "*fp32", **grad}
-            switches = {"POOLED": pooled, "OFFSET32": True, "BLOCK_N": 32, "BLOCK_D": 128}
+            sums = {"partial_ptr": "*fp32", "sums_ptr": "*fp32"}
+            types = {"rows_ptr": rows, "segment_ptr": segment, **sums, **grad}
+            switches = {
+                "POOLED": pooled, "OFFSET32": True, "SHORT": 32, "CHUNK": 256, "BLOCK_N": 32, "BLOCK_D": 128,
+            }  # fmt: skip
             compile_for_sm90("_crossing_sums_kernel", types, switches, 1)
             print("_crossing_sums_kernel", segment, rows, pooled)
             for optimizer in STEP_OPTIMIZERS:
@@ -55,7 +58,8 @@ def compile_all() -> None:
                 print("_segment_step_kernel", segment, rows, pooled, optimizer)
         compile_for_sm90("_segment_starts_kernel", {"segment_ptr": segment}, {"BLOCK": 1024}, 4)
         print("_segment_starts_kernel", segment)
-        switches = {"LEVEL0": segment == "*i32", "SHORT": 32, "BLOCK_N": 32, "BLOCK": 1024}
+        level0 = segment == "*i32"
+        switches = {"LEVEL0": level0, "SHORT": 32, "BLOCK_N": 256 if level0 else 32, "SUB": 32, "BLOCK": 1024}
         compile_for_sm90("_level_flags_kernel", {"segment_ptr": segment}, switches, 4)
         print("_level_flags_kernel", segment)
     types = {"grad_ptr": "*fp32", "sums_ptr": "*fp32", "partial_ptr": "*fp32"}
