@@ -259,8 +259,9 @@ def _prefetch(descs, bufs, bar, off_m, off_n, WHICH: gl.constexpr):
 
 @gluon.jit
 def _store_over(values, bufs, descs, off_m, off_n):
-    """Step 4's stores of a sub-tile: each of `values` rounded to its descriptor's dtype over its buffer of
-    `bufs` (whose input the epilogue has read), then TMA-stored from there to (off_m, off_n) of `descs`."""
+    """A sub-tile's stores (step 4 of the epilogues; dh's tile in the dz kernel): each of `values` rounded to
+    its descriptor's dtype over its buffer of `bufs` (whose input the epilogue has read, or whose earlier
+    store has drained), then TMA-stored from there to (off_m, off_n) of `descs`."""
     for k in gl.static_range(len(values)):
         bufs[k].store(values[k].to(descs[k].dtype))
     fence_async_shared()
@@ -506,9 +507,7 @@ def _dz_consumer(
         dhs = _split_n(acc, SPLIT)
         for j in gl.static_range(SPLIT):
             buf = _dz_stage(dz_bufs, nb, stored)
-            buf.store(dhs[j].to(dh_desc.dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(dh_desc, [off_m, off_r + j * BK], buf)
+            _store_over((dhs[j],), (buf,), (dh_desc,), off_m, off_r + j * BK)
             stored = True
             nb += 1
     tma.store_wait(0)

@@ -88,13 +88,13 @@ SUM_BLOCK_N = 32
 CROSSING_CHUNK = 256
 # The summing kernels' persistent programs an SM, their warps and software-pipelining stages; both wait on
 # their gathers, so more programs than fit at once measured faster. Level 0's (`_crossing_sums_kernel`),
-# which gathers every lookup's gradient of the long segments: one warp, 16 an SM (H200, bench_embedding_bag's
-# rowwise_adagrad step, pareto bags over 40M-row tables, bf16 weights and gradient: 1 warp 16 / 32 / 64 an SM
-# 3.36 / 3.38 / 3.40 ms, 2 warps 8 / 16 an SM 4.33 / 4.03, 4 warps 5.31). The levels >= 1, whose blocks of
-# partials are 1/16 of level 0's positions or fewer, keep the settings measured when one kernel summed
-# every level by 0/1 products (2 an SM 9.08 ms, 8 an SM 7.47 with 4 warps; 2 warps faster than 4); Triton's
-# pipelining of the loop (asynchronous copies of the gathers through shared memory, 3 stages by default)
-# measured slower than none (6.35 ms against 5.92).
+# which gathers every lookup's gradient of the long segments: one warp, 16 an SM, chunks of 256 (H200,
+# bench_embedding_bag's rowwise_adagrad step, pareto bags over 40M-row tables, bf16 weights and gradient:
+# 1 warp 16 / 8 an SM 3.109 / 3.131 ms, 2 warps 8 an SM 4.145; chunks of 128 / 256 / 512 3.140 / 3.109 /
+# 3.198). The levels >= 1, whose blocks of partials are 1/16 of level 0's positions or fewer, keep the
+# settings measured when one kernel summed every level by 0/1 products (2 an SM 9.08 ms, 8 an SM 7.47 with
+# 4 warps; 2 warps faster than 4); Triton's pipelining of the loop (asynchronous copies of the gathers
+# through shared memory, 3 stages by default) measured slower than none (6.35 ms against 5.92).
 CROSSING_PROGRAMS_PER_SM = 16
 CROSSING_WARPS = 1
 SUM_PROGRAMS_PER_SM = 8
@@ -998,9 +998,10 @@ def launch_update(
     """The update kernels (module docstring) on inputs already checked: index [N] global rows (int64; a
     bag lookup's may be int32); grad [N, D] contiguous, or for pooled bags, with `bags` = (features [S]
     int64, scales [S] fp32) as `kernels.embedding_bag_update.bag_columns` gives them, the pooled gradient
-    [B, F, D] with D's stride 1 (a view is read in place; N = B * S, lookup b * S + c); `rounding` and `in_order` as
-    `embedding_update`'s. Without bags, `columns` (dividing N) is the lookups a sample: lookup b * columns
-    + c reads table c's rows (the SGD kernel sums a small table's lookups of a block before adding them)."""
+    [B, F, D] with D's stride 1 (a view is read in place; N = B * S, lookup b * S + c); `rounding` and
+    `in_order` as `embedding_update`'s. Without bags, `columns` (dividing N) is the lookups a sample: lookup
+    b * columns + c reads table c's rows (the SGD kernel sums a small table's lookups of a block before
+    adding them)."""
     n, d = index.numel(), weights.shape[1]
     if n == 0:
         return
