@@ -104,6 +104,11 @@ SUM_STAGES = 1
 # kernel in a loop over their positions, never stored; longer ones (small tables, hot rows) by the summing
 # kernels' levels, through the [N, D] buffer.
 SHORT_SEGMENT = 32
+# Chunks a program of level 0's listing (`_level_flags_kernel`) takes: each waits on a chain of dependent
+# loads (a position's segment, then that segment's start) for each of its chunk's blocks, so the chunks
+# spread over many programs (H200, bench_embedding_bag's rowwise_adagrad step: 1024 / 256 / 128 / 64
+# chunks a program 3.040 / 2.961 / 2.946 / 2.951 ms).
+FLAGS_BLOCK = 128
 # Segments a step program takes at a time, its warps, and its persistent programs an SM. The kernel waits on
 # its loads: more programs than fit at once measured faster, and 2 warps faster than 4 (H200, dlrm_dcnv2's
 # uniform bags, 4M-row cap, Adagrad, the bag lookup and update: bf16 tables 7.39 ms with 2 warps, 7.69 with
@@ -894,9 +899,10 @@ def _level_plan(
     flags = torch.empty((3 if level0 else 2) * k, dtype=torch.int64, device=device)
     values = torch.empty(2 * k, dtype=torch.int64, device=device)
     block = 1024
-    _level_flags_kernel[(triton.cdiv(k, block),)](
+    _level_flags_kernel[(triton.cdiv(k, FLAGS_BLOCK if level0 else block),)](
         segment, segment if starts is None else starts, flags, values, m, k,
-        LEVEL0=level0, SHORT=SHORT_SEGMENT, BLOCK_N=block_n, SUB=SUM_BLOCK_N, BLOCK=block,
+        LEVEL0=level0, SHORT=SHORT_SEGMENT, BLOCK_N=block_n, SUB=SUM_BLOCK_N,
+        BLOCK=FLAGS_BLOCK if level0 else block,
     )  # fmt: skip
     scan = flags.cumsum(dim=0)
     dest = torch.empty(2 * k, dtype=torch.int64, device=device)
