@@ -39,8 +39,8 @@ How the update runs:
   in registers, and reads and writes the row's weights and state once. Longer segments (small tables, hot
   rows) are summed first, in levels. Level 0 cuts the sorted positions into chunks of CROSSING_CHUNK and
   walks each in blocks of 32: a long segment cannot lie inside a block, so a block adds only to its first
-  and last segments (two masked column sums), and the program carries the open segment's sum from block to
-  block. A long segment that lies inside the chunk is stored in its slot of a [B*F, D] fp32 buffer; the
+  and last segments (two masked column sums; one plain column sum where the block lies in one segment, as
+  most blocks of a hot row do), and the program carries the open segment's sum from block to block. A long segment that lies inside the chunk is stored in its slot of a [B*F, D] fp32 buffer; the
   chunk's first and last segments, where they cross its edges, leave a partial sum each in the next level's
   list. A level >= 1 sums its blocks of 32 partials by a 0/1 matrix product on the tensor cores, stores the
   sum of each segment that lies inside the block in its slot, and passes the partials of a segment that
