@@ -104,7 +104,8 @@ def embedding_bag_update(
             weights, state, index, grad, bag_sizes, pooling, optimizer, lr, eps, rounding
         )
         return
-    bags = bag_columns(bag_sizes, pooling, s)
+    features, scales = bag_columns(bag_sizes, pooling, s)
+    bags = (features, scales if pooling == "mean" else None)  # sum pooling's scales of 1 never read
     # A view of the gradient (a slice of a concatenation's) is read in place: launch_update takes strides.
     launch_update(weights, state, index.reshape(-1), grad, optimizer, lr, eps, bags, rounding, in_order)
 

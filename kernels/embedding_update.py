@@ -129,19 +129,19 @@ STEP_PROGRAMS_PER_SM = 64
 @triton.jit
 def _lookup_grad(
     grad_ptr, features_ptr, scales_ptr, lookup, mask_n, mask, d, S, D, stride_b, stride_f,
-    POOLED: tl.constexpr,
+    POOLED: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
     """The fp32 gradient [BLOCK_N, BLOCK_D] of lookups `lookup`: dout[lookup] (dout [N, D]); POOLED: the
-    pooled gradient dout[b, f(c)] (dout [B, F, D] with strides (stride_b, stride_f, 1), lookup = b * S + c)
-    scaled by its bag's 1 or 1/k."""
+    pooled gradient dout[b, f(c)] (dout [B, F, D] with strides (stride_b, stride_f, 1), lookup = b * S + c),
+    where SCALED scaled by its bag's 1 or 1/k."""
     if POOLED:
         b = lookup // S
         column = lookup % S
         feature = tl.load(features_ptr + column, mask=mask_n, other=0)
-        scale = tl.load(scales_ptr + column, mask=mask_n, other=0.0)
         row = b * stride_b + feature * stride_f
-        grad = tl.load(grad_ptr + row[:, None] + d[None, :], mask=mask, other=0.0)
-        grad = grad.to(tl.float32) * scale[:, None]
+        grad = tl.load(grad_ptr + row[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        if SCALED:
+            grad *= tl.load(scales_ptr + column, mask=mask_n, other=0.0)[:, None]
     else:
         grad = tl.load(grad_ptr + lookup[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
     return grad
@@ -164,7 +164,7 @@ def _sgd_kernel(
     index_ptr,  # [B * S] global rows (bags': int32 or int64), lookup b * S + c (S: F one-hot, sum k_f bags)
     grad_ptr,  # [B * S, D] dout ([B, F, D] where POOLED, strides (stride_b, stride_f, 1)), any float dtype
     features_ptr,  # POOLED: [S] int64 feature of each column (not read otherwise)
-    scales_ptr,  # POOLED: [S] fp32 pooling scale of each column (not read otherwise)
+    scales_ptr,  # SCALED: [S] fp32 pooling scale of each column (not read otherwise)
     weights_ptr,  # [R, D] fp32, updated in place
     lr_ptr,  # [] fp32 learning rate, read at launch time (a schedule changes it between graph replays)
     # sizes
@@ -175,6 +175,7 @@ def _sgd_kernel(
     stride_f,
     # meta-parameters
     POOLED: tl.constexpr,
+    SCALED: tl.constexpr,  # POOLED with a scale other than 1 (mean pooling)
     HOT: tl.constexpr,
     HOT_ROWS: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -192,7 +193,7 @@ def _sgd_kernel(
     mask = mask_b[:, None] & mask_d[None, :]
     index = tl.load(index_ptr + lookup, mask=mask_b, other=0).to(tl.int64)  # bags' may be int32
     grad = _lookup_grad(
-        grad_ptr, features_ptr, scales_ptr, lookup, mask_b, mask, d, S, D, stride_b, stride_f, POOLED
+        grad_ptr, features_ptr, scales_ptr, lookup, mask_b, mask, d, S, D, stride_b, stride_f, POOLED, SCALED
     )
     step = -tl.load(lr_ptr).to(tl.float32) * grad
     low = tl.min(tl.where(mask_b, index, 2**62), axis=0)
@@ -311,17 +312,22 @@ def _step_rows(
 
 
 @triton.jit
-def _gradient_offsets(row, mask, scales_ptr, F, D, stride_b, stride_f, POOLED: tl.constexpr):
+def _gradient_offsets(
+    row, mask, scales_ptr, F, D, stride_b, stride_f, POOLED: tl.constexpr, SCALED: tl.constexpr
+):  # fmt: skip
     """(element offset [BLOCK] int64 of each gradient row `row` [BLOCK] (int32 or int64) in dout, its scale
-    [BLOCK] fp32): POOLED: row b * F + f of dout [B, F, D] (strides stride_b, stride_f, 1), scaled by its
-    bag's 1 or 1/k_f; otherwise row r of dout [*, D], scale 1."""
+    [BLOCK] fp32): POOLED: row b * F + f of dout [B, F, D] (strides stride_b, stride_f, 1), where SCALED
+    scaled by its bag's 1 or 1/k_f; otherwise row r of dout [*, D]. A scale of 1 is a constant: the
+    multiplies by it compile away."""
     row = row.to(tl.int64)  # both branches return int64 offsets (a compiled function has one return type)
+    scale = tl.full(row.shape, 1.0, tl.float32)
     if POOLED:
         sample = (row.to(tl.int32) // F).to(tl.int64)  # B * F < 2**31: an int32 division
         feature = row - sample * F
-        scale = tl.load(scales_ptr + feature, mask=mask, other=0.0)
+        if SCALED:
+            scale = tl.load(scales_ptr + feature, mask=mask, other=0.0)
         return sample * stride_b + feature * stride_f, scale
-    return row * D, tl.full(row.shape, 1.0, tl.float32)
+    return row * D, scale
 
 
 @triton.jit
@@ -369,7 +375,7 @@ def _crossing_sums_kernel(
     segment_ptr,  # [N] int32 or int64: segment (distinct row, in sorted order) of each sorted position
     starts_ptr,  # [N + 1] int64: each segment's first sorted position (`_segment_starts_kernel`)
     grad_ptr,  # [*, D] dout rows ([B, F, D] where POOLED), any float dtype
-    scales_ptr,  # POOLED: [F] fp32 pooling scale of each feature (not read otherwise)
+    scales_ptr,  # SCALED: [F] fp32 pooling scale of each feature (not read otherwise)
     dest_ptr,  # [2 * chunks] int64: where level 1 holds a chunk's first / last partial (or -1)
     partial_ptr,  # [M, D] fp32: level 1's values
     sums_ptr,  # [N, D] fp32: each long segment's sum, stored here where it lies inside a chunk
@@ -383,6 +389,7 @@ def _crossing_sums_kernel(
     stride_f,  # gradient: read in place, not copied); D's is 1
     # meta-parameters
     POOLED: tl.constexpr,
+    SCALED: tl.constexpr,  # POOLED with a scale other than 1 (mean pooling)
     OFFSET32: tl.constexpr,  # every element of grad at an offset < 2**31: the gather's offsets in 32 bits
     SHORT: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -425,7 +432,9 @@ def _crossing_sums_kernel(
             first_long = tl.load(starts_ptr + first + 1) - tl.load(starts_ptr + first) > SHORT
             last_long = tl.load(starts_ptr + last + 1) - tl.load(starts_ptr + last) > SHORT
             take = mask_p & (((segment == first) & first_long) | ((segment == last) & last_long))
-            offset, scale = _gradient_offsets(row, take, scales_ptr, F, D, stride_b, stride_f, POOLED)
+            offset, scale = _gradient_offsets(
+                row, take, scales_ptr, F, D, stride_b, stride_f, POOLED, SCALED
+            )  # fmt: skip
             grad = _gather(grad_ptr, offset, take[:, None] & mask_d[None, :], OFFSET32, BLOCK_D)
             grad = grad.to(tl.float32) * scale[:, None]
             if first == last:  # most blocks of a long segment: one column sum, no masks (fewer instructions)
@@ -518,11 +527,12 @@ def _segment_sum_kernel(
 
 @triton.jit
 def _position_grad(
-    row, take, grad_ptr, scales_ptr, F, D, stride_b, stride_f, POOLED: tl.constexpr, BLOCK_D: tl.constexpr
+    row, take, grad_ptr, scales_ptr, F, D, stride_b, stride_f, POOLED: tl.constexpr, SCALED: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_S, BLOCK_D] fp32: the scaled gradient rows `row` [BLOCK_S] (`_gradient_offsets`) where
     `take` [BLOCK_S] holds, zeros elsewhere."""
-    offset, scale = _gradient_offsets(row, take, scales_ptr, F, D, stride_b, stride_f, POOLED)
+    offset, scale = _gradient_offsets(row, take, scales_ptr, F, D, stride_b, stride_f, POOLED, SCALED)
     mask = take[:, None] & (tl.arange(0, BLOCK_D) < D)[None, :]
     return _gather(grad_ptr, offset, mask, False, BLOCK_D).to(tl.float32) * scale[:, None]
 
@@ -652,7 +662,7 @@ def _segment_step_kernel(
     sorted_ptr,  # [N] int32 (rows < 2**31) or int64 sorted global rows
     rows_ptr,  # [N] int32 (POOLED) or int64: row of grad read at each sorted position
     grad_ptr,  # [*, D] dout rows ([B, F, D] where POOLED), any float dtype
-    scales_ptr,  # POOLED: [F] fp32 pooling scale of each feature (not read otherwise)
+    scales_ptr,  # SCALED: [F] fp32 pooling scale of each feature (not read otherwise)
     sums_ptr,  # [N, D] fp32: each long segment's sum (the summing kernels'); short ones' slots unused
     weights_ptr,  # [R, D] fp32/bf16, updated in place
     state_ptr,  # adagrad: [R, D] fp32; rowwise_adagrad: [R] fp32; sgd: unused
@@ -668,6 +678,7 @@ def _segment_step_kernel(
     eps,
     # meta-parameters
     POOLED: tl.constexpr,
+    SCALED: tl.constexpr,  # POOLED with a scale other than 1 (mean pooling)
     OPTIMIZER: tl.constexpr,
     STOCHASTIC: tl.constexpr,  # bf16 weights rounded stochastically (else to nearest, or fp32 as is)
     SHORT: tl.constexpr,  # segments of at most SHORT positions are summed here, longer ones read
@@ -702,13 +713,17 @@ def _segment_step_kernel(
         weights, state = _load_rows(row, mask, valid, weights_ptr, state_ptr, D, OPTIMIZER, BLOCK_D)
         long = (valid & ~short)[:, None] & mask_d
         grad = tl.load(sums_ptr + s[:, None] * D + d[None, :], mask=long, other=0.0)
-        grad += _position_grad(row0, first, grad_ptr, scales_ptr, F, D, stride_b, stride_f, POOLED, BLOCK_D)
-        grad += _position_grad(row1, second, grad_ptr, scales_ptr, F, D, stride_b, stride_f, POOLED, BLOCK_D)
+        grad += _position_grad(
+            row0, first, grad_ptr, scales_ptr, F, D, stride_b, stride_f, POOLED, SCALED, BLOCK_D
+        )  # fmt: skip
+        grad += _position_grad(
+            row1, second, grad_ptr, scales_ptr, F, D, stride_b, stride_f, POOLED, SCALED, BLOCK_D
+        )  # fmt: skip
         for j in range(2, tl.max(tl.where(short, length, 0))):
             take = short & (j < length)
             row_j = tl.load(rows_ptr + start + j, mask=take, other=0)
             grad += _position_grad(
-                row_j, take, grad_ptr, scales_ptr, F, D, stride_b, stride_f, POOLED, BLOCK_D
+                row_j, take, grad_ptr, scales_ptr, F, D, stride_b, stride_f, POOLED, SCALED, BLOCK_D
             )  # fmt: skip
         _step_rows(
             row, grad, weights, state, mask, valid, weights_ptr, state_ptr, lr, seed, count, D, eps,
@@ -956,6 +971,7 @@ def _segment_sums(
     scales: Tensor,
     starts: Tensor,
     pooled: bool,
+    scaled: bool,
     f: int,
     d: int,
     block_d: int,
@@ -963,9 +979,9 @@ def _segment_sums(
     """[N, D] fp32: each long segment's gradient sum in its slot (module docstring; the short segments'
     slots are not written), for the N sorted positions' gradient rows `rows`, segments `segment` [N] (int32
     or int64) and their `starts` [N + 1] int64 of `launch_update`'s gradient ([N, D] contiguous; pooled:
-    [B, F, D], D's stride 1, row b * F + f, with the features' scales [F] fp32). Level 0 sums the lookups'
-    gradients in the blocks that hold a long segment; each next level the partial sums of the long segments
-    that crossed a block edge of the level before, until a level fits in one block."""
+    [B, F, D], D's stride 1, row b * F + f, where `scaled` with the features' scales [F] fp32). Level 0
+    sums the lookups' gradients in the blocks that hold a long segment; each next level the partial sums of
+    the long segments that crossed a block edge of the level before, until a level fits in one block."""
     n = len(segment)
     sums = _sums_buffer(n, d, grad.device)
     level_starts, used = starts, None
@@ -978,7 +994,7 @@ def _segment_sums(
             strides = grad.stride()[:2] if pooled else (0, 0)
             _crossing_sums_kernel[(_persistent_grid(len(blocks), CROSSING_PROGRAMS_PER_SM, grad.device),)](
                 rows, segment, starts, grad, scales, dest, partials, sums, blocks, count, m, f, d, *strides,
-                POOLED=pooled, OFFSET32=offset32, SHORT=SHORT_SEGMENT, CHUNK=CROSSING_CHUNK,
+                POOLED=pooled, SCALED=scaled, OFFSET32=offset32, SHORT=SHORT_SEGMENT, CHUNK=CROSSING_CHUNK,
                 BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=CROSSING_WARPS, num_stages=SUM_STAGES,
             )  # fmt: skip
         else:
@@ -1007,7 +1023,8 @@ def launch_update(
 ) -> None:
     """The update kernels (module docstring) on inputs already checked: index [N] global rows (int64; a
     bag lookup's may be int32); grad [N, D] contiguous, or for pooled bags, with `bags` = (features [S]
-    int64, scales [S] fp32) as `kernels.embedding_bag_update.bag_columns` gives them, the pooled gradient
+    int64, scales [S] fp32 or None where every scale is 1: sum pooling) as
+    `kernels.embedding_bag_update.bag_columns` gives them, the pooled gradient
     [B, F, D] with D's stride 1 (a view is read in place; N = B * S, lookup b * S + c); `rounding` and
     `in_order` as `embedding_update`'s. Without bags, `columns` (dividing N) is the lookups a sample: lookup
     b * columns + c reads table c's rows (the SGD kernel sums a small table's lookups of a block before
@@ -1017,7 +1034,9 @@ def launch_update(
         return
     assert SHORT_SEGMENT >= SUM_BLOCK_N, "a long segment must not fit inside a summing block"
     pooled = bags is not None
-    features, scales = bags if pooled else (index, grad)  # not read unless pooled
+    features, scales = bags if pooled else (index, None)
+    scaled = scales is not None
+    scales = scales if scaled else features  # not read unless scaled
     s, f = (features.numel(), grad.shape[1]) if pooled else (1, 1)
     block_d, block_n = block_sizes(d, n)
     if pooled and grad.shape[0] * grad.shape[1] >= 2**31:  # `_gradient_offsets`'s int32 rows b * F + f
@@ -1035,7 +1054,8 @@ def launch_update(
         samples = n // columns
         _sgd_kernel[(columns * triton.cdiv(samples, block_b),)](
             index, grad, features, scales, weights, lr, samples, columns, d, *strides, POOLED=pooled,
-            HOT=samples >= SGD_HOT_BATCH, HOT_ROWS=SGD_HOT_ROWS, BLOCK_B=block_b, BLOCK_D=max(16, block_d),
+            SCALED=scaled, HOT=samples >= SGD_HOT_BATCH, HOT_ROWS=SGD_HOT_ROWS, BLOCK_B=block_b,
+            BLOCK_D=max(16, block_d),
         )  # fmt: skip
         return
     sorted_rows, order, segment = sorted_segments(index, weights.shape[0])
@@ -1043,17 +1063,18 @@ def launch_update(
     if pooled:  # lookup b * S + c reads the pooled gradient's row b * F + f(c), scaled by f's 1 or 1/k_f
         rows = torch.empty(n, dtype=torch.int32, device=order.device)  # B * F < 2**31 (above)
         _gradient_rows_kernel[(triton.cdiv(n, 1024),)](order, features, rows, n, s, f, BLOCK=1024)
-        scales = torch.zeros(f, dtype=torch.float32, device=grad.device).scatter_(0, features, scales)
+        if scaled:
+            scales = torch.zeros(f, dtype=torch.float32, device=grad.device).scatter_(0, features, scales)
     starts = torch.empty(n + 1, dtype=torch.int64, device=grad.device)
     _segment_starts_kernel[(triton.cdiv(n, 1024),)](segment, starts, n, BLOCK=1024)
-    sums = _segment_sums(rows, segment, grad, scales, starts, pooled, f, d, max(16, block_d))
+    sums = _segment_sums(rows, segment, grad, scales, starts, pooled, scaled, f, d, max(16, block_d))
     stochastic = rounding is not None and weights.dtype == torch.bfloat16
     programs = _persistent_grid(triton.cdiv(n, STEP_SEGMENTS), STEP_PROGRAMS_PER_SM, grad.device)
     _segment_step_kernel[(programs,)](
         starts, segment, sorted_rows, rows, grad, scales, sums, weights, state, lr,
-        rounding if stochastic else lr, n, f, d, *strides, eps, POOLED=pooled, OPTIMIZER=optimizer,
-        STOCHASTIC=stochastic, SHORT=SHORT_SEGMENT, BLOCK_S=STEP_SEGMENTS, BLOCK_D=block_d,
-        num_warps=STEP_WARPS,
+        rounding if stochastic else lr, n, f, d, *strides, eps, POOLED=pooled, SCALED=scaled,
+        OPTIMIZER=optimizer, STOCHASTIC=stochastic, SHORT=SHORT_SEGMENT, BLOCK_S=STEP_SEGMENTS,
+        BLOCK_D=block_d, num_warps=STEP_WARPS,
     )  # fmt: skip
 
 

@@ -37,25 +37,27 @@ def compile_all() -> None:
     compile (the kernel, its index dtypes and switches)."""
     grad = {"grad_ptr": "*bf16", "scales_ptr": "*fp32"}
     for segment in ("*i32", "*i64"):
-        for pooled, rows in ((True, "*i32"), (False, "*i64")):
+        # Pooled bags with and without scales (mean / sum pooling), one-hot lookups.
+        for pooled, scaled, rows in ((True, True, "*i32"), (True, False, "*i32"), (False, False, "*i64")):
             sums = {"partial_ptr": "*fp32", "sums_ptr": "*fp32"}
             types = {"rows_ptr": rows, "segment_ptr": segment, **sums, **grad}
             switches = {
-                "POOLED": pooled, "OFFSET32": True, "SHORT": 32, "CHUNK": 256, "BLOCK_N": 32, "BLOCK_D": 128,
+                "POOLED": pooled, "SCALED": scaled, "OFFSET32": True, "SHORT": 32, "CHUNK": 256,
+                "BLOCK_N": 32, "BLOCK_D": 128,
             }  # fmt: skip
             compile_for_sm90("_crossing_sums_kernel", types, switches, 1)
-            print("_crossing_sums_kernel", segment, rows, pooled)
+            print("_crossing_sums_kernel", segment, rows, pooled, scaled)
             for optimizer in STEP_OPTIMIZERS:
                 types = {
                     "segment_ptr": segment, "sorted_ptr": "*i32", "rows_ptr": rows, "sums_ptr": "*fp32",
                     "weights_ptr": "*bf16", "state_ptr": "*fp32", "lr_ptr": "*fp32", "eps": "fp32", **grad,
                 }  # fmt: skip
                 switches = {
-                    "POOLED": pooled, "OPTIMIZER": optimizer, "STOCHASTIC": True, "SHORT": 32, "BLOCK_S": 4,
-                    "BLOCK_D": 128,
+                    "POOLED": pooled, "SCALED": scaled, "OPTIMIZER": optimizer, "STOCHASTIC": True,
+                    "SHORT": 32, "BLOCK_S": 4, "BLOCK_D": 128,
                 }  # fmt: skip
                 compile_for_sm90("_segment_step_kernel", types, switches, 2)
-                print("_segment_step_kernel", segment, rows, pooled, optimizer)
+                print("_segment_step_kernel", segment, rows, pooled, scaled, optimizer)
         compile_for_sm90("_segment_starts_kernel", {"segment_ptr": segment}, {"BLOCK": 1024}, 4)
         print("_segment_starts_kernel", segment)
         level0 = segment == "*i32"
@@ -68,12 +70,15 @@ def compile_all() -> None:
     print("_segment_sum_kernel")
     compile_for_sm90("_gradient_rows_kernel", {"rows_ptr": "*i32"}, {"BLOCK": 1024}, 4)
     print("_gradient_rows_kernel")
-    for index in ("*i32", "*i64"):  # a bag lookup's rows (`kernels.embedding_bag.index_dtype`), one-hot's
+    # A bag lookup's rows (`kernels.embedding_bag.index_dtype`) and one-hot's; with and without scales.
+    for index, scaled in (("*i32", False), ("*i64", True)):
         types = {"index_ptr": index, "grad_ptr": "*bf16", "scales_ptr": "*fp32", "weights_ptr": "*fp32",
                  "lr_ptr": "*fp32"}  # fmt: skip
-        switches = {"POOLED": True, "HOT": True, "HOT_ROWS": 16, "BLOCK_B": 16, "BLOCK_D": 128}
+        switches = {
+            "POOLED": True, "SCALED": scaled, "HOT": True, "HOT_ROWS": 16, "BLOCK_B": 16, "BLOCK_D": 128,
+        }  # fmt: skip
         compile_for_sm90("_sgd_kernel", types, switches, 4)
-        print("_sgd_kernel", index)
+        print("_sgd_kernel", index, scaled)
 
 
 def test_the_sorted_update_kernels_compile_for_sm90_with_the_index_dtypes_they_take():
@@ -84,4 +89,4 @@ def test_the_sorted_update_kernels_compile_for_sm90_with_the_index_dtypes_they_t
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert len(lines) == 2 * (2 * (1 + len(STEP_OPTIMIZERS)) + 2) + 2 + 2, lines
+    assert len(lines) == 2 * (3 * (1 + len(STEP_OPTIMIZERS)) + 2) + 2 + 2, lines
