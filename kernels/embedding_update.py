@@ -18,10 +18,11 @@ stochastically as FBGEMM rounds its fp16/bf16 weights: 16 uniform random bits ar
 value's bit pattern below the bf16 mantissa and the low 16 bits dropped, so w rounds up to the next bf16
 value with probability (w - lower) / (upper - lower) and E[rounded] = w (unbiased: a table whose updates are
 smaller than half a bf16 step still moves on average, where rounding to nearest would drop them). The bits
-are a keyed hash of the element (`_random_bits`: element r * BLOCK_D + d, key (seed, count)), 16 bits each:
-fresh for every element and every count, the same for the same (seed, count). The kernels only read the
-tensor; its owner advances the count in place once a step (dlrm.optim.RunOptimizer.step), so every
-CUDA-graph replay draws new bits and a run resumed with its count continues the same stream. A NaN stays NaN.
+are a keyed hash of each pair of neighbouring elements (`_random_bits`: pair r * BLOCK_D / 2 + d // 2, key
+(seed, count)), 16 of its 32 bits each element: fresh for every element and every count, the same for the
+same (seed, count). The kernels only read the tensor; its owner advances the count in place once a step
+(dlrm.optim.RunOptimizer.step), so every CUDA-graph replay draws new bits and a run resumed with its count
+continues the same stream. A NaN stays NaN.
 
 How the update runs:
 - "sgd" with fp32 weights: one kernel, atomic adds of -lr * dout straight into the touched rows. Atomic adds
@@ -245,18 +246,21 @@ def _mix32(x):
 @triton.jit
 def _random_bits(seed, count, row, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """[BLOCK_N, BLOCK_D] uint32, 16 random bits each, for the elements (r, d) of rows `row` [BLOCK_N] int64:
-    element e = r * BLOCK_D + d hashed with the key of (seed, count), bits = mix(mix(e_lo ^ k0) ^ e_hi ^ k1)
-    >> 16 (`_mix32`; e_lo, e_hi the low and high 32 bits of e; k0, k1 two words of (seed, count), mixed
-    once a program). A hash an element, not a counter-based generator such as Philox4x32-10, whose call
-    gives 128 bits that 8 elements share through cross-lane shuffles: on an H200 that made the bf16 update
-    of the MLPerf bags markedly slower than rounding to nearest, where these two mixes cost little."""
+    the pair p = r * BLOCK_D / 2 + d // 2 of neighbouring elements hashed with the key of (seed, count),
+    h = mix(mix(p_lo ^ k0) ^ p_hi ^ k1) (`_mix32`; p_lo, p_hi the low and high 32 bits of p; k0, k1 two
+    words of (seed, count), mixed once a program), its high 16 bits for the even element, its low 16 for
+    the odd one. A hash a pair, not a counter-based generator such as Philox4x32-10, whose call gives 128
+    bits that 8 elements share through cross-lane shuffles: on an H200 that made the bf16 update of the
+    MLPerf bags markedly slower than rounding to nearest; the pair's two elements lie in one thread."""
     seed_lo, seed_hi = (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     count_lo, count_hi = (count & 0xFFFFFFFF).to(tl.uint32), ((count >> 32) & 0xFFFFFFFF).to(tl.uint32)
     k0 = _mix32(seed_lo ^ _mix32(count_lo ^ _mix32(count_hi)))
     k1 = _mix32(seed_hi ^ _mix32(k0 ^ 0x9E3779B9))
-    element = row[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :].to(tl.int64)
-    low, high = (element & 0xFFFFFFFF).to(tl.uint32), ((element >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    return _mix32(_mix32(low ^ k0) ^ high ^ k1) >> 16
+    first = row * (BLOCK_D // 2)  # [BLOCK_N] int64: each row's first pair; a row's pairs share its high word
+    low = (first & 0xFFFFFFFF).to(tl.uint32)[:, None] | tl.arange(0, BLOCK_D // 2)[None, :].to(tl.uint32)
+    high = (((first >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ k1)[:, None]
+    h = _mix32(_mix32(low ^ k0) ^ high)
+    return tl.join(h >> 16, h & 0xFFFF).reshape(BLOCK_N, BLOCK_D)
 
 
 @triton.jit
@@ -1074,7 +1078,7 @@ def launch_update(
         starts, segment, sorted_rows, rows, grad, scales, sums, weights, state, lr,
         rounding if stochastic else lr, n, f, d, *strides, eps, POOLED=pooled, SCALED=scaled,
         OPTIMIZER=optimizer, STOCHASTIC=stochastic, SHORT=SHORT_SEGMENT, BLOCK_S=STEP_SEGMENTS,
-        BLOCK_D=block_d, num_warps=STEP_WARPS,
+        BLOCK_D=max(2, block_d), num_warps=STEP_WARPS,  # the rounding hashes pairs of elements
     )  # fmt: skip
 
 
