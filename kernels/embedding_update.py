@@ -358,6 +358,16 @@ def _gather(ptr, offset, mask, OFFSET32: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _is_long(starts_ptr, segment, mask, SHORT: tl.constexpr):
+    """Whether each segment of `segment` (any shape; where `mask` holds) has more than SHORT sorted
+    positions, from its start and the next one's (`_segment_starts_kernel`'s `starts`)."""
+    length = tl.load(starts_ptr + segment + 1, mask=mask, other=0) - tl.load(
+        starts_ptr + segment, mask=mask, other=0
+    )
+    return length > SHORT
+
+
+@triton.jit
 def _finish(segment, acc, chunk_first, chunk_last, came_in, goes_on, partial_ptr, sums_ptr, D, d, mask_d):
     """Store the sum `acc` [BLOCK_D] fp32 of a long segment's positions in a chunk (none where `segment` is
     -1): the chunk's first segment that came in from an earlier chunk, or its last that goes on into a later
@@ -433,8 +443,8 @@ def _crossing_sums_kernel(
             next_row = tl.load(rows_ptr + q, mask=q < end, other=0)
             last = tl.max(segment)  # positions are sorted, -1 past the chunk
             first = tl.min(tl.where(mask_p, segment, last))
-            first_long = tl.load(starts_ptr + first + 1) - tl.load(starts_ptr + first) > SHORT
-            last_long = tl.load(starts_ptr + last + 1) - tl.load(starts_ptr + last) > SHORT
+            first_long = _is_long(starts_ptr, first, True, SHORT)
+            last_long = _is_long(starts_ptr, last, True, SHORT)
             take = mask_p & (((segment == first) & first_long) | ((segment == last) & last_long))
             offset, scale = _gradient_offsets(
                 row, take, scales_ptr, F, D, stride_b, stride_f, POOLED, SCALED
@@ -588,14 +598,8 @@ def _level_flags_kernel(
     came_in = (before == first) & (begin > 0)
     goes_on = (after == last) & (end + 1 < M) & ~(came_in & (first == last))
     if LEVEL0:
-        first_length = tl.load(starts_ptr + first + 1, mask=mask, other=0) - tl.load(
-            starts_ptr + first, mask=mask, other=0
-        )
-        last_length = tl.load(starts_ptr + last + 1, mask=mask, other=0) - tl.load(
-            starts_ptr + last, mask=mask, other=0
-        )
-        came_in = came_in & (first_length > SHORT)
-        goes_on = goes_on & (last_length > SHORT)
+        came_in = came_in & _is_long(starts_ptr, first, mask, SHORT)
+        goes_on = goes_on & _is_long(starts_ptr, last, mask, SHORT)
         listed = tl.zeros([BLOCK], tl.int1)
         for j in tl.static_range(BLOCK_N // SUB):
             sub_begin = begin + j * SUB
@@ -604,10 +608,7 @@ def _level_flags_kernel(
             for edge in tl.static_range(2):
                 at = sub_begin if edge == 0 else sub_end
                 seg = tl.load(segment_ptr + at, mask=inside, other=0)
-                length = tl.load(starts_ptr + seg + 1, mask=inside, other=0) - tl.load(
-                    starts_ptr + seg, mask=inside, other=0
-                )
-                listed = listed | (inside & (length > SHORT))
+                listed = listed | (inside & _is_long(starts_ptr, seg, inside, SHORT))
         tl.store(flags_ptr + 2 * K + k, listed.to(tl.int64), mask=mask)
     tl.store(flags_ptr + 2 * k, came_in.to(tl.int64), mask=mask)
     tl.store(flags_ptr + 2 * k + 1, goes_on.to(tl.int64), mask=mask)
@@ -1007,7 +1008,7 @@ def _segment_sums(
                 OFFSET32=offset32, BLOCK_N=SUM_BLOCK_N, BLOCK_D=block_d, num_warps=SUM_WARPS,
                 num_stages=SUM_STAGES,
             )  # fmt: skip
-        if m <= (SUM_BLOCK_N if used is not None else CROSSING_CHUNK):  # the level was one block
+        if len(blocks) == 1:  # the level was one block
             return sums
         segment, grad, level_starts, used = next_segment, partials, None, places
 
