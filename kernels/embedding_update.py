@@ -38,19 +38,19 @@ How the update runs:
   A segment of at most SHORT_SEGMENT positions (most rows of a large table) is summed where its row is
   stepped: the step kernel takes a few segments at a time, adds their positions' gradients in sorted order
   in registers, and reads and writes the row's weights and state once. Longer segments (small tables, hot
-  rows) are summed first, in levels. Level 0 cuts the sorted positions into chunks of CROSSING_CHUNK and
-  walks each in blocks of 32: a long segment cannot lie inside a block, so a block adds only to its first
-  and last segments (two masked column sums; one plain column sum where the block lies in one segment, as
-  most blocks of a hot row do), and the program carries the open segment's sum from block to block. A long segment that lies inside the chunk is stored in its slot of a [B*F, D] fp32 buffer; the
-  chunk's first and last segments, where they cross its edges, leave a partial sum each in the next level's
-  list. A level >= 1 sums its blocks of 32 partials by a 0/1 matrix product on the tensor cores, stores the
-  sum of each segment that lies inside the block in its slot, and passes the partials of a segment that
-  crosses a block edge on to the next level (a level holds at most two partials per block of the one
-  before), until a level fits in one block. Only the chunks and blocks holding a long segment are summed:
-  two small kernels and one scan a level list them on the device (with each crossing partial's place in
-  the next level) and the summing kernels' persistent programs stride over the list. The step
-  kernel then reads a long segment's sum from its slot. No atomics: the sums, and so the whole update,
-  are the same bits on every run. Memory is O(B F D), never O(R D).
+  rows) are summed first, in levels. Level 0 cuts the sorted positions into chunks of CROSSING_CHUNK and walks
+  each in blocks of 32: a long segment cannot lie inside a block, so a block adds only to its first and last
+  segments (two masked column sums; one plain column sum where the block lies in one segment, as most blocks
+  of a hot row do), and the program carries the open segment's sum from block to block. A long segment that
+  lies inside the chunk is stored in its slot of a [B*F, D] fp32 buffer; the chunk's first and last segments,
+  where they cross its edges, leave a partial sum each in the next level's list. A level >= 1 sums its blocks
+  of 32 partials by a 0/1 matrix product on the tensor cores, stores the sum of each segment that lies inside
+  the block in its slot, and passes the partials of a segment that crosses a block edge on to the next level
+  (a level holds at most two partials per block of the one before), until a level fits in one block. Only the
+  chunks and blocks holding a long segment are summed: two small kernels and one scan a level list them on the
+  device (with each crossing partial's place in the next level) and the summing kernels' persistent programs
+  stride over the list. The step kernel then reads a long segment's sum from its slot. No atomics: the sums,
+  and so the whole update, are the same bits on every run. Memory is O(B F D), never O(R D).
 Fixed shapes throughout (no torch.unique, no host sync), so a step can be captured in a CUDA graph.
 The PyTorch reference is ``embedding_update_ref``.
 """
