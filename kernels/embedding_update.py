@@ -110,16 +110,15 @@ SHORT_SEGMENT = 32
 # spread over many programs (H200, bench_embedding_bag's rowwise_adagrad step: 1024 / 256 / 128 / 64
 # chunks a program 3.040 / 2.961 / 2.946 / 2.951 ms).
 FLAGS_BLOCK = 128
-# Segments a step program takes at a time, its warps, and its persistent programs an SM. The kernel waits on
-# its loads: more programs than fit at once measured faster, and 2 warps faster than 4 (H200, dlrm_dcnv2's
-# uniform bags, 4M-row cap, Adagrad, the bag lookup and update: bf16 tables 7.39 ms with 2 warps, 7.69 with
-# 4, 9.12 with 2 segments, 7.50 with 8; fp32 tables 8.47 and 8.55; 64 programs an SM against 4, all
-# resident, with 4 warps: 9.4 and 13.2 ms with uniform bags, 6.8 and 7.5 with pareto ones).
-# One warp measured no faster with rowwise_adagrad and far slower with Adagrad, whose rows carry a D-wide
-# fp32 state (dlrm_dcnv2's bf16 tables: the step kernel 4.54 ms against 3.81 with 2 warps).
+# Segments a step program takes at a time, and each optimizer's (warps, persistent programs an SM) of the
+# step kernel. The kernel waits on its loads: more programs than fit at once measured faster. Adagrad, whose
+# rows carry a D-wide fp32 state, takes 2 warps, 64 programs an SM (H200, dlrm_dcnv2's uniform bags, 4M-row
+# cap, bf16 weights, the bag lookup and update: 6.07 ms; 1 warp 6.81; 128 / 256 an SM 6.20 / 6.27; earlier,
+# 4 warps 7.69 against 7.39 with 2, 2 segments 9.12, 8 segments 7.50). SGD and rowwise_adagrad take one warp,
+# 128 an SM (bench_embedding_bag's rowwise_adagrad step, pareto bags over 40M-row tables: 2.737 ms; 2 warps
+# 2.753; 2 warps 64 an SM 2.774; 1 warp 256 an SM 2.735).
 STEP_SEGMENTS = 4
-STEP_WARPS = 2
-STEP_PROGRAMS_PER_SM = 64
+STEP_LAUNCH = {"adagrad": (2, 64), "rowwise_adagrad": (1, 128), "sgd": (1, 128)}
 
 
 # -- Kernels -----------------------------------------------------------------------------------------
@@ -1074,12 +1073,13 @@ def launch_update(
     _segment_starts_kernel[(triton.cdiv(n, 1024),)](segment, starts, n, BLOCK=1024)
     sums = _segment_sums(rows, segment, grad, scales, starts, pooled, scaled, f, d, max(16, block_d))
     stochastic = rounding is not None and weights.dtype == torch.bfloat16
-    programs = _persistent_grid(triton.cdiv(n, STEP_SEGMENTS), STEP_PROGRAMS_PER_SM, grad.device)
+    warps, per_sm = STEP_LAUNCH[optimizer]
+    programs = _persistent_grid(triton.cdiv(n, STEP_SEGMENTS), per_sm, grad.device)
     _segment_step_kernel[(programs,)](
         starts, segment, sorted_rows, rows, grad, scales, sums, weights, state, lr,
         rounding if stochastic else lr, n, f, d, *strides, eps, POOLED=pooled, SCALED=scaled,
         OPTIMIZER=optimizer, STOCHASTIC=stochastic, SHORT=SHORT_SEGMENT, BLOCK_S=STEP_SEGMENTS,
-        BLOCK_D=max(2, block_d), num_warps=STEP_WARPS,  # the rounding hashes pairs of elements
+        BLOCK_D=max(2, block_d), num_warps=warps,  # the rounding hashes pairs of elements
     )  # fmt: skip
 
 

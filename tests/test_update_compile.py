@@ -35,6 +35,8 @@ def compile_for_sm90(name: str, types: dict[str, str], constexprs: dict, warps: 
 def compile_all() -> None:
     """Compile every kernel of the sorted path in each variant `launch_update` launches; print one line a
     compile (the kernel, its index dtypes and switches)."""
+    import kernels.embedding_update as update
+
     grad = {"grad_ptr": "*bf16", "scales_ptr": "*fp32"}
     for segment in ("*i32", "*i64"):
         # Pooled bags with and without scales (mean / sum pooling), one-hot lookups.
@@ -56,12 +58,13 @@ def compile_all() -> None:
                     "POOLED": pooled, "SCALED": scaled, "OPTIMIZER": optimizer, "STOCHASTIC": True,
                     "SHORT": 32, "BLOCK_S": 4, "BLOCK_D": 128,
                 }  # fmt: skip
-                compile_for_sm90("_segment_step_kernel", types, switches, 2)
+                compile_for_sm90("_segment_step_kernel", types, switches, update.STEP_LAUNCH[optimizer][0])
                 print("_segment_step_kernel", segment, rows, pooled, scaled, optimizer)
         compile_for_sm90("_segment_starts_kernel", {"segment_ptr": segment}, {"BLOCK": 1024}, 4)
         print("_segment_starts_kernel", segment)
         level0 = segment == "*i32"
-        switches = {"LEVEL0": level0, "SHORT": 32, "BLOCK_N": 256 if level0 else 32, "SUB": 32, "BLOCK": 1024}
+        switches = {"LEVEL0": level0, "SHORT": 32, "BLOCK_N": 256 if level0 else 32, "SUB": 32}
+        switches["BLOCK"] = update.FLAGS_BLOCK if level0 else 1024
         compile_for_sm90("_level_flags_kernel", {"segment_ptr": segment}, switches, 4)
         print("_level_flags_kernel", segment)
     types = {"grad_ptr": "*fp32", "sums_ptr": "*fp32", "partial_ptr": "*fp32"}
