@@ -15,10 +15,9 @@ and compile run the layer above L times (x0's gradient summed by autograd), trit
 kernels.cross_net.cross_net (x0's gradient summed inside the backward kernels), the model's "triton" path.
 Each path timed forward and forward + backward (gradients of every input), launched from Python and as
 CUDA-graph replays (bench_timing's `time_passes`: median of CUDA-event timings, inputs rotated over
-several sets). TFLOP/s count the layers' GEMM work, 4 B N r L forward and 12 B N r L forward + backward (the
-triton path's recomputed z in the backward, 2 B N r more, is not counted: the same work is credited to
-every path), against the measured GEMM rate. Rows go to scripts/results/cross.csv; ratios are eager / path
-and compile / path in the same run.
+several sets). TFLOP/s count the layers' GEMM work, 4 B N r L forward and 12 B N r L forward + backward (two
+GEMMs forward, four backward), against the measured GEMM rate. Rows go to scripts/results/cross.csv; ratios
+are eager / path and compile / path in the same run.
 """
 
 from pathlib import Path
