@@ -113,10 +113,10 @@ FLAGS_BLOCK = 128
 # Segments a step program takes at a time, and each optimizer's (warps, persistent programs an SM) of the
 # step kernel. The kernel waits on its loads: more programs than fit at once measured faster. Adagrad, whose
 # rows carry a D-wide fp32 state, takes 2 warps, 64 programs an SM (H200, dlrm_dcnv2's uniform bags, 4M-row
-# cap, bf16 weights, the bag lookup and update: 6.07 ms; 1 warp 6.81; 128 / 256 an SM 6.20 / 6.27; earlier,
-# 4 warps 7.69 against 7.39 with 2, 2 segments 9.12, 8 segments 7.50). SGD and rowwise_adagrad take one warp,
-# 128 an SM (bench_embedding_bag's rowwise_adagrad step, pareto bags over 40M-row tables: 2.737 ms; 2 warps
-# 2.753; 2 warps 64 an SM 2.774; 1 warp 256 an SM 2.735).
+# cap, bf16 weights, the bag lookup and update: 6.07 ms; 1 warp 6.81; 128 / 256 an SM 6.20 / 6.27; 4 warps,
+# and 2 or 8 segments a program, slower). SGD and rowwise_adagrad take one warp, 128 an SM
+# (bench_embedding_bag's rowwise_adagrad step, pareto bags over 40M-row tables: 2.737 ms; 2 warps 2.753;
+# 2 warps 64 an SM 2.774; 1 warp 256 an SM 2.735).
 STEP_SEGMENTS = 4
 STEP_LAUNCH = {"adagrad": (2, 64), "rowwise_adagrad": (1, 128), "sgd": (1, 128)}
 
