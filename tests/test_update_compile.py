@@ -44,8 +44,8 @@ def compile_all() -> None:
             sums = {"partial_ptr": "*fp32", "sums_ptr": "*fp32"}
             types = {"rows_ptr": rows, "segment_ptr": segment, **sums, **grad}
             switches = {
-                "POOLED": pooled, "SCALED": scaled, "OFFSET32": True, "SHORT": 32, "CHUNK": 256,
-                "BLOCK_N": 32, "BLOCK_D": 128,
+                "POOLED": pooled, "SCALED": scaled, "OFFSET32": True, "SHORT": update.SHORT_SEGMENT,
+                "CHUNK": update.CROSSING_CHUNK, "BLOCK_N": update.SUM_BLOCK_N, "BLOCK_D": 128,
             }  # fmt: skip
             compile_for_sm90("_crossing_sums_kernel", types, switches, 1)
             print("_crossing_sums_kernel", segment, rows, pooled, scaled)
@@ -56,15 +56,19 @@ def compile_all() -> None:
                 }  # fmt: skip
                 switches = {
                     "POOLED": pooled, "SCALED": scaled, "OPTIMIZER": optimizer, "STOCHASTIC": True,
-                    "SHORT": 32, "BLOCK_S": 4, "BLOCK_D": 128,
+                    "SHORT": update.SHORT_SEGMENT, "BLOCK_S": update.STEP_SEGMENTS, "BLOCK_D": 128,
                 }  # fmt: skip
                 compile_for_sm90("_segment_step_kernel", types, switches, update.STEP_LAUNCH[optimizer][0])
                 print("_segment_step_kernel", segment, rows, pooled, scaled, optimizer)
         compile_for_sm90("_segment_starts_kernel", {"segment_ptr": segment}, {"BLOCK": 1024}, 4)
         print("_segment_starts_kernel", segment)
         level0 = segment == "*i32"
-        switches = {"LEVEL0": level0, "SHORT": 32, "BLOCK_N": 256 if level0 else 32, "SUB": 32}
-        switches["BLOCK"] = update.FLAGS_BLOCK if level0 else 1024
+        # Level 0's listing (int32 segments) and a later level's, each with its launch's block sizes.
+        switches = {
+            "LEVEL0": level0, "SHORT": update.SHORT_SEGMENT, "SUB": update.SUM_BLOCK_N,
+            "BLOCK_N": update.CROSSING_CHUNK if level0 else update.SUM_BLOCK_N,
+            "BLOCK": update.FLAGS_BLOCK if level0 else 1024,
+        }  # fmt: skip
         compile_for_sm90("_level_flags_kernel", {"segment_ptr": segment}, switches, 4)
         print("_level_flags_kernel", segment)
     types = {"grad_ptr": "*fp32", "sums_ptr": "*fp32", "partial_ptr": "*fp32"}
