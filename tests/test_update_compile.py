@@ -11,8 +11,6 @@ import sys
 
 from tests.conftest import REPO
 
-STEP_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
-
 
 def compile_for_sm90(name: str, types: dict[str, str], constexprs: dict, warps: int) -> None:
     """Compile kernels.embedding_update's kernel `name` for sm_90, its arguments typed by `types` (by name;
@@ -49,7 +47,7 @@ def compile_all() -> None:
             }  # fmt: skip
             compile_for_sm90("_crossing_sums_kernel", types, switches, 1)
             print("_crossing_sums_kernel", segment, rows, pooled, scaled)
-            for optimizer in STEP_OPTIMIZERS:
+            for optimizer in update.OPTIMIZERS:
                 types = {
                     "segment_ptr": segment, "sorted_ptr": "*i32", "rows_ptr": rows, "sums_ptr": "*fp32",
                     "weights_ptr": "*bf16", "state_ptr": "*fp32", "lr_ptr": "*fp32", "eps": "fp32", **grad,
@@ -89,6 +87,8 @@ def compile_all() -> None:
 
 
 def test_the_sorted_update_kernels_compile_for_sm90_with_the_index_dtypes_they_take():
+    from kernels.embedding_update import OPTIMIZERS
+
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(REPO)}
     code = "from tests.test_update_compile import compile_all; compile_all()"
     result = subprocess.run(
@@ -96,4 +96,4 @@ def test_the_sorted_update_kernels_compile_for_sm90_with_the_index_dtypes_they_t
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert len(lines) == 2 * (3 * (1 + len(STEP_OPTIMIZERS)) + 2) + 2 + 2, lines
+    assert len(lines) == 2 * (3 * (1 + len(OPTIMIZERS)) + 2) + 2 + 2, lines
