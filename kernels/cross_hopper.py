@@ -20,8 +20,9 @@ its stores).
 Why kernels of their own: a Triton kernel runs its main loop (tensor cores) and then its epilogue, which
 streams four or five [M, N] tensors (memory), one after the other in each program; at the MLPerf shape
 (M = 65,536, N = 3,456, r = 512) both take about as long. Here two consumer warpgroups take alternate output
-tiles ("ping-pong"): while one runs its epilogue, the other's main loop keeps the tensor cores busy, and each
-consumer's epilogue inputs arrive by TMA under its own main loop. scripts/bench_cross.py times the layer.
+tiles ("ping-pong"): while one runs its epilogue, the other's main loop keeps the tensor cores busy, and
+each consumer's first epilogue inputs arrive by TMA under its own main loop. scripts/bench_cross.py times
+the layer.
 
 Partitions (gl.warp_specialize), one program an SM, walking output tiles t = pid, pid + P, ... (P programs),
 row-major, so the programs running together read the same rows of the A operand (the B operand stays in L2):
@@ -31,15 +32,16 @@ row-major, so the programs running together read the same rows of the A operand 
   complete on the slot's `ready` barrier;
 - consumer 0 (the default partition, 4 warps: one warpgroup) takes the program's tiles 0, 2, 4, ...;
   consumer 1 (a worker of 4 warps) tiles 1, 3, 5, ... For each tile a consumer
-  1. waits until its previous tile's TMA stores have read its epilogue buffers, then TMA-loads this tile's
-     epilogue inputs into them (its `x_bar`): x0 and x_l; or g, zb (and acc);
+  1. waits until its previous tile's TMA stores have read its SLOTS epilogue slots, then TMA-loads the
+     tile's first SLOTS column sub-tiles [BLOCK_M, EPI_N] of its epilogue inputs into them: x0 and x_l;
+     or g, zb (and acc);
   2. starts the accumulator (at the bias; at 0);
   3. waits its turn (`order`), runs the main loop (async wgmma, one in flight; each ring slot released on
      `empty` once the wgmma that read it is complete) and hands the turn over once its last wgmma is issued;
-  4. epilogue, per column sub-tile [BLOCK_M, EPI_N]: the outputs in fp32, written over the sub-tile's input
-     buffers (out over x0, zb over x_l; dxl over g, dx0 over zb) and TMA-stored (waited at step 1 of its
-     next tile). acc's buffer is only read, before the sub-tile's stores, which Triton's barrier before a
-     TMA store orders before the next tile's loads into it.
+  4. epilogue, per column sub-tile j, from slot j % SLOTS: the outputs in fp32, written over the slot's
+     input buffers (out over x0, zb over x_l; dxl over g, dx0 over zb) and TMA-stored; once those stores
+     have read the slot, sub-tile j + SLOTS is TMA-loaded into it. acc's buffer is only read, before the
+     sub-tile's stores, which Triton's barrier before a TMA store orders before the next loads into it.
 
 Barriers (arrival count 1 each; phase k of an mbarrier completes at its (k + 1)-th arrival, for `ready` and
 `x_bar` with the bytes announced by `expect` too; a wait for parity p returns once the last phase due of
@@ -54,20 +56,22 @@ that parity has completed; a fresh barrier counts as having completed a phase of
   i & 1 for consumer 1. Besides taking the tensor cores in turn, this makes the ring's parity waits sound
   with two consumers: a consumer waits for a chunk only after every earlier chunk was waited for, so no
   `ready` barrier is two phases behind the parity asked of it.
-- x_bar[w]: consumer w's epilogue inputs have landed. Arrive: consumer w's expect and TMA loads. Wait:
-  consumer w in its i-th tile's epilogue, parity i & 1.
+- x_bar[SLOTS w + t]: slot t of consumer w holds its sub-tile. Arrive: consumer w's expect and TMA loads.
+  Slot t takes USES = ceil((SPLIT - t) / SLOTS) of a tile's SPLIT sub-tiles: consumer w waits its i-th
+  tile's sub-tile j (in slot t = j % SLOTS) at parity (i USES + j // SLOTS) & 1.
 
 Shared memory (2-byte dtypes; a Hopper CTA takes 232,448 bytes): the ring, STAGES x (BLOCK_M + BLOCK_N) x
-64 x 2 B, and 2 consumers' epilogue inputs, each BLOCK_M x BLOCK_N x 2 B. Two inputs (the forward, and the
-backward without acc): 128 x 128 tiles, 3 stages, 96 + 128 = 224 KiB. Three (the backward with acc): 128 x
-128 tiles would take 256 KiB at 2 stages, so 64 x 128 tiles, 5 stages, 120 + 96 = 216 KiB.
+64 x 2 B, and 2 consumers x SLOTS slots of [BLOCK_M, EPI_N] for each epilogue input. The ring's depth sets
+the main loop's pace (its chunks come from L2), so it takes most of it, and the slots what is left: 128 x
+128 tiles and 2 slots of 32 columns; two inputs (the forward, and the backward without acc) 5 stages,
+160 + 64 = 224 KiB, three (the backward with acc) 4 stages, 128 + 96 = 224 KiB.
 Registers: 12 warps at `.maxnreg` MAXNREG (all of the SM's 64 Ki), setmaxnreg moving them from the
 producer's warpgroup (PRODUCER_REGS) to the consumers' (CONSUMER_REGS: a [128, 128] fp32 accumulator takes
 128 a thread); no spills (`scripts/cross_registers.py --kernel hopper` compiles the kernels for sm_90a
-without a GPU). Tiles, sub-tiles and stages measured on an H200 at the MLPerf shape (bf16, graph replays):
-the forward's 32-column sub-tiles slightly faster than 64, 2 stages much slower than 3 (the producer cannot
-keep ahead of two consumers); the backward with acc faster at 5 stages than at 4, and at 4 than at 3, and
-with 64 x 128 tiles than with 128 x 64.
+without a GPU). Tiles, sub-tiles, stages and slots measured on an H200 at the MLPerf shape (bf16): the
+forward at 5 stages and 2 slots faster than at 4 and 3 slots, 6 and 1, and 3 and all 4 sub-tiles
+prefetched; 16-column sub-tiles slower than 32; the backward with acc faster in 128 x 128 tiles at 4
+stages and 2 slots than in 64 x 128 tiles at 5 to 7 stages.
 
 ``launch_dz``'s kernel is no ping-pong: its own output dh [M, r] is small, and its memory traffic (g and x0
 in, dz out) lies in the main loop. One consumer partition of two warpgroups (8 warps) takes a [128, 256]
@@ -114,8 +118,8 @@ from kernels.launch import INTERPRETED
 __all__ = ["launch_bwd", "launch_dz", "launch_fwd", "supported"]
 
 BLOCK_K = 64
-# (BLOCK_M, BLOCK_N, EPI_N, STAGES) by the number of epilogue inputs (module docstring).
-TILES = {2: (128, 128, 32, 3), 3: (64, 128, 64, 5)}
+# (BLOCK_M, BLOCK_N, EPI_N, STAGES, SLOTS) by the number of epilogue inputs (module docstring).
+TILES = {2: (128, 128, 32, 5, 2), 3: (128, 128, 32, 4, 2)}
 # launch_dz's (BLOCK_M, BLOCK_R, STAGES) and warps of its consumer (two warpgroups on one tile).
 DZ_TILE = (128, 256, 3)
 DZ_WARPS = 8
@@ -158,12 +162,13 @@ def _ring_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _pingpong_barriers():
+def _pingpong_barriers(SLOTS: gl.constexpr):
     """(x_bar, order) of the two consumers, initialized (module docstring)."""
-    x_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    x_bar = gl.allocate_shared_memory(gl.int64, [2 * SLOTS, 1], mbarrier.MBarrierLayout())
     order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(2):
+    for w in gl.static_range(2 * SLOTS):
         mbarrier.init(x_bar.index(w), count=1)
+    for w in gl.static_range(2):
         mbarrier.init(order.index(w), count=1)
     fence_async_shared()
     return x_bar, order
@@ -242,19 +247,44 @@ def _consumer_tiles(M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexp
 
 
 @gluon.jit
-def _prefetch(descs, bufs, bar, off_m, off_n, WHICH: gl.constexpr):
-    """Step 1 of a consumer's tile: once its last tile's TMA stores have read its buffers, TMA-load the
-    tile's [BLOCK_M, EPI_N] sub-tiles of each of `descs` into consumer WHICH's sub-tiles of the `bufs` of
-    the same place, all completing on `bar`."""
+def _load_slot(descs, bufs, x_bar, off_m, off_n, slot):
+    """TMA-load the [BLOCK_M, EPI_N] sub-tile at (off_m, off_n) of each of `descs` into buffer `slot` of the
+    `bufs` of the same place, completing on x_bar[slot]."""
+    bar = x_bar.index(slot)
+    mbarrier.expect(bar, len(descs) * descs[0].block_type.nbytes)
+    for k in gl.static_range(len(descs)):
+        tma.async_copy_global_to_shared(descs[k], [off_m, off_n], bar, bufs[k].index(slot))
+
+
+@gluon.jit
+def _first_sub_tiles(descs, bufs, x_bar, off_m, off_n, SLOTS: gl.constexpr, WHICH: gl.constexpr):
+    """Step 1 of consumer WHICH's tile: once its last tile's TMA stores have read its slots, the tile's
+    first SLOTS sub-tiles of each of `descs` into them."""
     EPI: gl.constexpr = descs[0].block_type.shape[1]
-    SPLIT: gl.constexpr = bufs[0].type.shape[0] // 2
     tma.store_wait(0)
-    mbarrier.expect(bar, len(descs) * SPLIT * descs[0].block_type.nbytes)
-    for j in gl.static_range(SPLIT):
-        for k in gl.static_range(len(descs)):
-            tma.async_copy_global_to_shared(
-                descs[k], [off_m, off_n + j * EPI], bar, bufs[k].index(WHICH * SPLIT + j)
-            )
+    for t in gl.static_range(SLOTS):
+        _load_slot(descs, bufs, x_bar, off_m, off_n + t * EPI, WHICH * SLOTS + t)
+
+
+@gluon.jit
+def _wait_sub_tile(x_bar, i, j: gl.constexpr, SPLIT: gl.constexpr, SLOTS: gl.constexpr, WHICH: gl.constexpr):
+    """Step 4 of consumer WHICH's i-th tile: wait for its sub-tile j; returns the slot holding it."""
+    t: gl.constexpr = j % SLOTS
+    USES: gl.constexpr = (SPLIT - t + SLOTS - 1) // SLOTS
+    slot = WHICH * SLOTS + t
+    mbarrier.wait(x_bar.index(slot), (i * USES + j // SLOTS) & 1)
+    return slot
+
+
+@gluon.jit
+def _next_sub_tile(descs, bufs, x_bar, off_m, off_n, slot, j: gl.constexpr, SPLIT: gl.constexpr):
+    """After sub-tile j's stores from `slot` are issued: once they have read it, sub-tile j + SLOTS (if
+    any) into it."""
+    SLOTS: gl.constexpr = bufs[0].type.shape[0] // 2
+    if j + SLOTS < SPLIT:
+        EPI: gl.constexpr = descs[0].block_type.shape[1]
+        tma.store_wait(0)
+        _load_slot(descs, bufs, x_bar, off_m, off_n + (j + SLOTS) * EPI, slot)
 
 
 @gluon.jit
@@ -280,29 +310,32 @@ def _fwd_consumer(
     EPI: gl.constexpr = x0_desc.block_type.shape[1]
     SPLIT: gl.constexpr = BN // EPI
     acc_layout: gl.constexpr = _acc_layout(BN, h_desc.dtype)
+    SLOTS: gl.constexpr = x0_bufs.type.shape[0] // 2
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
-    my_x_bar = x_bar.index(WHICH)
+    descs = (x0_desc, xl_desc)
+    bufs = (x0_bufs, xl_bufs)
     first, end, step, num_pid_n, k_tiles = _consumer_tiles(M, N, K, BM, BN, BK, WHICH)
     i = 0  # this consumer's tile: the program's tile 2 i + WHICH
     for t in range(first, end, step):
         off_m, off_n = _tile_offsets(t, num_pid_n, BM, BN)
-        # 1. This tile's x0 and x_l.
-        _prefetch((x0_desc, xl_desc), (x0_bufs, xl_bufs), my_x_bar, off_m, off_n, WHICH)
+        # 1. This tile's first sub-tiles of x0 and x_l.
+        _first_sub_tiles(descs, bufs, x_bar, off_m, off_n, SLOTS, WHICH)
         # 2. The accumulator starts at the bias.
         bias = gl.load(b_ptr + off_n + cols, mask=off_n + cols < N, other=0.0).to(gl.float32)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout) + gl.expand_dims(bias, 0)
         # 3. The main loop, in turn with the other consumer.
         acc = _main_loop(acc, ring_h, ring_u, ready, empty, order, i, k_tiles, WHICH, True)
-        # 4. The epilogue, a column sub-tile at a time, over the sub-tile's buffers.
-        mbarrier.wait(my_x_bar, i & 1)
+        # 4. The epilogue, a column sub-tile at a time, over its slot's buffers.
         zbs = _split_n(acc, SPLIT)
         for j in gl.static_range(SPLIT):
             zb = zbs[j]
-            x0_buf = x0_bufs.index(WHICH * SPLIT + j)
-            xl_buf = xl_bufs.index(WHICH * SPLIT + j)
+            slot = _wait_sub_tile(x_bar, i, j, SPLIT, SLOTS, WHICH)
+            x0_buf = x0_bufs.index(slot)
+            xl_buf = xl_bufs.index(slot)
             x0 = x0_buf.load(zb.type.layout).to(gl.float32)
             xl = xl_buf.load(zb.type.layout).to(gl.float32)
             _store_over((x0 * zb + xl, zb), (x0_buf, xl_buf), (out_desc, zb_desc), off_m, off_n + j * EPI)
+            _next_sub_tile(descs, bufs, x_bar, off_m, off_n, slot, j, SPLIT)
         i += 1
     tma.store_wait(0)
 
@@ -321,18 +354,18 @@ def _cross_fwd_ws_kernel(
     N,
     K,  # r
     STAGES: gl.constexpr,
+    SLOTS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,  # setmaxnreg of the worker consumer (the default partition: what is left)
     PRODUCER_REGS: gl.constexpr,
 ):
     dtype: gl.constexpr = h_desc.dtype
-    SPLIT: gl.constexpr = u_desc.block_type.shape[0] // x0_desc.block_type.shape[1]
     ring_h = gl.allocate_shared_memory(dtype, [STAGES] + h_desc.block_type.shape, h_desc.layout)
     ring_u = gl.allocate_shared_memory(dtype, [STAGES] + u_desc.block_type.shape, u_desc.layout)
-    # Consumer w's x0 and x_l sub-tiles are w * SPLIT + j.
-    x0_bufs = gl.allocate_shared_memory(dtype, [2 * SPLIT] + x0_desc.block_type.shape, x0_desc.layout)
-    xl_bufs = gl.allocate_shared_memory(dtype, [2 * SPLIT] + xl_desc.block_type.shape, xl_desc.layout)
+    # Consumer w's slot t of x0 and of x_l is w * SLOTS + t.
+    x0_bufs = gl.allocate_shared_memory(dtype, [2 * SLOTS] + x0_desc.block_type.shape, x0_desc.layout)
+    xl_bufs = gl.allocate_shared_memory(dtype, [2 * SLOTS] + xl_desc.block_type.shape, xl_desc.layout)
     ready, empty = _ring_barriers(STAGES)
-    x_bar, order = _pingpong_barriers()
+    x_bar, order = _pingpong_barriers(SLOTS)
     # (functions and arguments, worker warps, worker registers) by position: triton 3.6 requires the
     # registers, 3.7 names them differently. The 4-warp consumer is the first worker, so that it is an
     # aligned warpgroup (warps 4-7), as wgmma needs. Its arguments are written out: a literal appended to a
@@ -360,34 +393,34 @@ def _bwd_consumer(
     EPI: gl.constexpr = g_desc.block_type.shape[1]
     SPLIT: gl.constexpr = BN // EPI
     acc_layout: gl.constexpr = _acc_layout(BN, dh_desc.dtype)
-    my_x_bar = x_bar.index(WHICH)
+    SLOTS: gl.constexpr = g_bufs.type.shape[0] // 2
+    descs = (g_desc, zb_desc, acc_desc) if ACCUMULATE else (g_desc, zb_desc)
+    bufs = (g_bufs, zb_bufs, acc_bufs) if ACCUMULATE else (g_bufs, zb_bufs)
     first, end, step, num_pid_n, k_tiles = _consumer_tiles(M, N, K, BM, BN, BK, WHICH)
     i = 0  # this consumer's tile: the program's tile 2 i + WHICH
     for t in range(first, end, step):
         off_m, off_n = _tile_offsets(t, num_pid_n, BM, BN)
-        # 1. This tile's g, zb (and acc).
-        if ACCUMULATE:
-            _prefetch((g_desc, zb_desc, acc_desc), (g_bufs, zb_bufs, acc_bufs), my_x_bar, off_m, off_n, WHICH)
-        else:
-            _prefetch((g_desc, zb_desc), (g_bufs, zb_bufs), my_x_bar, off_m, off_n, WHICH)
+        # 1. This tile's first sub-tiles of g, zb (and acc).
+        _first_sub_tiles(descs, bufs, x_bar, off_m, off_n, SLOTS, WHICH)
         # 2. The accumulator starts at 0 (g is added in the epilogue). 3. The main loop.
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         acc = _main_loop(acc, ring_dh, ring_v, ready, empty, order, i, k_tiles, WHICH, False)
-        # 4. The epilogue, a column sub-tile at a time, over the sub-tile's buffers.
-        mbarrier.wait(my_x_bar, i & 1)
+        # 4. The epilogue, a column sub-tile at a time, over its slot's buffers.
         prods = _split_n(acc, SPLIT)
         for j in gl.static_range(SPLIT):
             prod = prods[j]  # the sub-tile's dh @ V, fp32
-            g_buf = g_bufs.index(WHICH * SPLIT + j)
-            zb_buf = zb_bufs.index(WHICH * SPLIT + j)
+            slot = _wait_sub_tile(x_bar, i, j, SPLIT, SLOTS, WHICH)
+            g_buf = g_bufs.index(slot)
+            zb_buf = zb_bufs.index(slot)
             g = g_buf.load(prod.type.layout).to(gl.float32)
             dx0 = g * zb_buf.load(prod.type.layout).to(gl.float32)
             if ACCUMULATE:
-                dx0 += acc_bufs.index(WHICH * SPLIT + j).load(prod.type.layout).to(gl.float32)
+                dx0 += acc_bufs.index(slot).load(prod.type.layout).to(gl.float32)
             if FOLD_DXL:
                 _store_over((dx0 + (g + prod),), (zb_buf,), (dx0_desc,), off_m, off_n + j * EPI)
             else:
                 _store_over((g + prod, dx0), (g_buf, zb_buf), (dxl_desc, dx0_desc), off_m, off_n + j * EPI)
+            _next_sub_tile(descs, bufs, x_bar, off_m, off_n, slot, j, SPLIT)
         i += 1
     tma.store_wait(0)
 
@@ -407,22 +440,22 @@ def _cross_bwd_ws_kernel(
     ACCUMULATE: gl.constexpr,  # dx0 += acc (the x0 gradient of the layers after this one)
     FOLD_DXL: gl.constexpr,  # dx0 += dx_l, dx_l not written (the network's first layer, whose x_l is x0)
     STAGES: gl.constexpr,
+    SLOTS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,  # setmaxnreg of the worker consumer (the default partition: what is left)
     PRODUCER_REGS: gl.constexpr,
 ):
     dtype: gl.constexpr = dh_desc.dtype
-    SPLIT: gl.constexpr = v_desc.block_type.shape[1] // g_desc.block_type.shape[1]
     ring_dh = gl.allocate_shared_memory(dtype, [STAGES] + dh_desc.block_type.shape, dh_desc.layout)
     ring_v = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    # Consumer w's sub-tiles are w * SPLIT + j.
-    g_bufs = gl.allocate_shared_memory(dtype, [2 * SPLIT] + g_desc.block_type.shape, g_desc.layout)
-    zb_bufs = gl.allocate_shared_memory(dtype, [2 * SPLIT] + zb_desc.block_type.shape, zb_desc.layout)
+    # Consumer w's slot t of each input is w * SLOTS + t.
+    g_bufs = gl.allocate_shared_memory(dtype, [2 * SLOTS] + g_desc.block_type.shape, g_desc.layout)
+    zb_bufs = gl.allocate_shared_memory(dtype, [2 * SLOTS] + zb_desc.block_type.shape, zb_desc.layout)
     if ACCUMULATE:
-        acc_bufs = gl.allocate_shared_memory(dtype, [2 * SPLIT] + acc_desc.block_type.shape, acc_desc.layout)
+        acc_bufs = gl.allocate_shared_memory(dtype, [2 * SLOTS] + acc_desc.block_type.shape, acc_desc.layout)
     else:
         acc_bufs = g_bufs  # never read
     ready, empty = _ring_barriers(STAGES)
-    x_bar, order = _pingpong_barriers()
+    x_bar, order = _pingpong_barriers(SLOTS)
     # As the forward's (above).
     # fmt: off
     gl.warp_specialize([
@@ -590,12 +623,13 @@ def launch_fwd(h: Tensor, u: Tensor, b: Tensor, x0: Tensor, xl: Tensor, out: Ten
     """
     if x0.shape[0] == 0:
         return
-    block_m, block_n, epi_n, stages = TILES[2]
+    block_m, block_n, epi_n, stages, slots = TILES[2]
     _cross_fwd_ws_kernel[_grid(x0, block_m, block_n)](
         _descriptor(h, [block_m, BLOCK_K]), _descriptor(u, [block_n, BLOCK_K]),
         *(_descriptor(t, [block_m, epi_n]) for t in (x0, xl, out, zb)),
         b, x0.shape[0], x0.shape[1], h.shape[1],
-        STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
+        STAGES=stages, SLOTS=slots, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+        maxnreg=MAXNREG,
     )  # fmt: skip
 
 
@@ -612,15 +646,15 @@ def launch_bwd(
     """
     if g.shape[0] == 0:
         return
-    block_m, block_n, epi_n, stages = TILES[2 if acc is None else 3]
+    block_m, block_n, epi_n, stages, slots = TILES[2 if acc is None else 3]
     # Unread (acc) and unwritten (dxl) descriptors stand in for the tensors not given.
     epilogue = (g, zb, g if acc is None else acc, dx0 if dxl is None else dxl, dx0)
     _cross_bwd_ws_kernel[_grid(g, block_m, block_n)](
         _descriptor(dh, [block_m, BLOCK_K]), _descriptor(v, [BLOCK_K, block_n]),
         *(_descriptor(t, [block_m, epi_n]) for t in epilogue),
         g.shape[0], g.shape[1], dh.shape[1],
-        ACCUMULATE=acc is not None, FOLD_DXL=dxl is None, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
+        ACCUMULATE=acc is not None, FOLD_DXL=dxl is None, STAGES=stages, SLOTS=slots,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
 
 

@@ -114,7 +114,7 @@ def compile_hopper(
     else:
         backward = kernel == "bwd"
         function = cross_hopper._cross_bwd_ws_kernel if backward else cross_hopper._cross_fwd_ws_kernel
-        block_m, block_n, epi_n, stages = cross_hopper.TILES[3 if accumulate else 2]
+        block_m, block_n, epi_n, stages, slots = cross_hopper.TILES[3 if accumulate else 2]
         epilogue = descriptor([block_m, epi_n])
         a_block = descriptor([block_m, block_k])
         if backward:
@@ -128,7 +128,8 @@ def compile_hopper(
             }
             flags = {}
         sizes = ("M", "N", "K")
-        constexprs = flags | {"STAGES": stages} | {name: getattr(cross_hopper, name) for name in HOPPER_REGS}
+        constexprs = flags | {"STAGES": stages, "SLOTS": slots}
+        constexprs |= {name: getattr(cross_hopper, name) for name in HOPPER_REGS}
     signature = operands | dict.fromkeys(sizes, "i32") | dict.fromkeys(constexprs, "constexpr")
     assert list(signature) == function.arg_names, f"the kernel takes {function.arg_names}"
     divisible = [name for name in ("b_ptr", "part_ptr", "N", "K", "R") if name in signature]

@@ -18,8 +18,9 @@ from tests.test_cross_net import _inputs as network_inputs
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (sm_90)")
 # (M, N, r): one row; tails of the 128-row and 128-column tiles and of the 64-deep reduction chunk; N below
-# one tile (a whole x0 / x_l sub-tile past N); more tiles than SMs with the MLPerf width and rank.
-SHAPES = [(1, 8, 8), (300, 64, 32), (129, 1000, 72), (1000, 3456, 512)]
+# one tile (a whole x0 / x_l sub-tile past N); more tiles than SMs with the MLPerf width and rank; several
+# tiles a consumer (its epilogue slots reloaded from tile to tile).
+SHAPES = [(1, 8, 8), (300, 64, 32), (129, 1000, 72), (1000, 3456, 512), (40000, 384, 72)]
 # Elementwise bounds: the output's one rounding to its dtype (a relative half unit in the last place, here
 # doubled) and fp32 sums of r products (Higham (3.5): r u_fp32 sum|h_k u_k|, below 5e-4 at r = 512 for
 # these scales).
