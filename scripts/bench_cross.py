@@ -46,9 +46,9 @@ def eager_net(x0, v, u, b):
     return x
 
 
-def bench_cross(path: str, m: int, n: int, r: int, layers: int, dtype: torch.dtype) -> dict[str, float]:
-    """Median ms of one cross layer (`layers` 1) or of the network of `layers` on one path, per pass of
-    PASSES, and compile seconds."""
+def layer_sets(m: int, n: int, r: int, layers: int, dtype: torch.dtype) -> list[tuple]:
+    """ROTATE input sets (inputs..., dy) of one cross layer (`layers` 1: x0, x_l, V, U, b) or of the network
+    of `layers` (x0 and the layers' V, U, b stacked), every input requiring its gradient."""
     g = torch.Generator(device="cuda").manual_seed(m + n + r)
 
     def randn(*shape, scale=1.0):
@@ -67,15 +67,25 @@ def bench_cross(path: str, m: int, n: int, r: int, layers: int, dtype: torch.dty
                 randn(layers, n),
             )
         sets.append((*inputs, torch.randn(m, n, device="cuda", dtype=dtype, generator=g)))
+    return sets
+
+
+def layer_fn(path: str, layers: int):
+    """The function of `path` (one of PATHS) over layer_sets' inputs; compile's with fresh dynamo state."""
     eager, ours = (eager_layer, cross_layer) if layers == 1 else (eager_net, cross_net)
     if path == "triton":
-        fn = ours
-    elif path == "compile":
+        return ours
+    if path == "compile":
         torch._dynamo.reset()
-        fn = torch.compile(eager, dynamic=False)
-    else:
-        fn = eager
-    return time_passes(fn, sets, path == "compile")
+        return torch.compile(eager, dynamic=False)
+    return eager
+
+
+def bench_cross(path: str, m: int, n: int, r: int, layers: int, dtype: torch.dtype) -> dict[str, float]:
+    """Median ms of one cross layer (`layers` 1) or of the network of `layers` on one path, per pass of
+    PASSES, and compile seconds."""
+    sets = layer_sets(m, n, r, layers, dtype)
+    return time_passes(layer_fn(path, layers), sets, path == "compile")
 
 
 @click.command()

@@ -47,6 +47,25 @@ def graph_ms(step, repeats: int = 20) -> float:
     return median_ms(graph.replay) / repeats
 
 
+def rotating_passes(fn, sets: list[tuple]):
+    """(fwd, fwd_bwd): two callables that run `fn` on the next of the input `sets` (inputs..., dy), forward
+    without autograd, or forward and backward of dy into fresh gradients of every input."""
+    i = iter(range(10**9))
+
+    def fwd():
+        *inputs, _ = sets[next(i) % len(sets)]
+        with torch.no_grad():
+            fn(*inputs)
+
+    def fwd_bwd():
+        *inputs, dy = sets[next(i) % len(sets)]
+        for t in inputs:
+            t.grad = None
+        fn(*inputs).backward(dy)
+
+    return fwd, fwd_bwd
+
+
 def time_passes(fn, sets: list[tuple], compiled: bool) -> dict[str, float]:
     """Median ms of `fn(*inputs)` on rotating input `sets` (inputs..., dy): forward and forward+backward,
     launched from Python and as CUDA-graph replays; compile seconds (the first call) when `compiled`."""
@@ -60,19 +79,7 @@ def time_passes(fn, sets: list[tuple], compiled: bool) -> dict[str, float]:
             fn(*inputs)
         torch.cuda.synchronize()
         compile_s = (datetime.now() - start).total_seconds()
-    i = iter(range(10**9))
-
-    def fwd():
-        *inputs, _ = sets[next(i) % ROTATE]
-        with torch.no_grad():
-            fn(*inputs)
-
-    def fwd_bwd():
-        *inputs, dy = sets[next(i) % ROTATE]
-        for t in inputs:
-            t.grad = None
-        fn(*inputs).backward(dy)
-
+    fwd, fwd_bwd = rotating_passes(fn, sets)
     return {
         "launch fwd": median_ms(fwd),
         "launch fwd+bwd": median_ms(fwd_bwd),
