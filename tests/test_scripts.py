@@ -55,3 +55,29 @@ def test_rows_of_a_device_copy_name_its_commit_only_when_its_files_are_that_comm
     config = tmp_path / "configs" / "tiny.json"
     config.write_text(config.read_text() + " ")
     assert commit(tmp_path) == "abc1234+dirty"
+
+
+def test_clock_samples_parse_nvidia_smi_lines(monkeypatch):
+    """bench_clocks.read_samples reads nvidia-smi's csv lines (noheader, nounits) as (epoch seconds, SM MHz,
+    W, reasons), the reasons a hex bit mask whose SW power cap bit the rows count."""
+    from datetime import datetime
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from bench_clocks import POWER_CAP, read_samples
+
+    class Stopped:
+        def terminate(self):
+            pass
+
+        def communicate(self):
+            return (
+                "2026/12/02 17:42:58.127, 1980, 131.58, 0x0000000000000000\n"
+                "2026/12/02 17:42:58.177, 1425, 205.13, 0x0000000000000004\n",
+                None,
+            )
+
+    first, second = read_samples(Stopped())
+    assert second[0] - first[0] == pytest.approx(0.05)
+    assert first[0] == datetime(2026, 12, 2, 17, 42, 58, 127000).timestamp()
+    assert (first[1:], second[1:]) == ((1980.0, 131.58, 0), (1425.0, 205.13, 4))
+    assert not first[3] & POWER_CAP and second[3] & POWER_CAP
