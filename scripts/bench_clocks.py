@@ -30,7 +30,7 @@ from pathlib import Path
 import click
 import torch
 from bench_cross import layer_fn, layer_sets
-from bench_timing import rotating_passes
+from bench_timing import captured, rotating_passes
 from results_csv import append_rows, provenance
 
 RESULTS = Path(__file__).parent / "results" / "clocks.csv"
@@ -41,31 +41,16 @@ POWER_CAP = 0x4  # nvidia-smi clocks_event_reasons: SW power cap
 IDLE_S = 3.0
 
 
-def graphed(fn, repeats: int):
-    """A callable replaying one CUDA graph of `repeats` calls of `fn` (warmed up outside the capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    return graph.replay
-
-
 def workload(name: str):
     """(unit, repeats): a callable that runs `repeats` repeats of workload `name` (WORKLOADS)."""
     if name == "gemm":
         a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        return graphed(lambda: a @ b, 20), 20
+        return captured(lambda: a @ b, 20), 20
     if name in ("cross", "cross-compile"):
         path = "triton" if name == "cross" else "compile"
         sets = layer_sets(BATCH, 3456, 512, 1, torch.bfloat16)
         _, fwd_bwd = rotating_passes(layer_fn(path, 1), sets)
-        return graphed(fwd_bwd, 10), 10
+        return captured(fwd_bwd, 10), 10
     from bench_train import POOL, build
 
     model, optimizer, step, pool, _ = build(

@@ -31,9 +31,8 @@ def measure_ceilings() -> dict[str, float]:
     return ceilings
 
 
-def graph_ms(step, repeats: int = 20) -> float:
-    """GPU time of one `step()`: `repeats` calls captured in a CUDA graph, median of replays / repeats.
-    No host launch overhead: this is what the kernels cost when the training step is graph-captured."""
+def captured(step, repeats: int):
+    """The replay of one CUDA graph of `repeats` calls of `step()`, warmed up outside the capture."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up (autotuning, allocations) outside the capture
@@ -44,7 +43,13 @@ def graph_ms(step, repeats: int = 20) -> float:
     with torch.cuda.graph(graph):
         for _ in range(repeats):
             step()
-    return median_ms(graph.replay) / repeats
+    return graph.replay
+
+
+def graph_ms(step, repeats: int = 20) -> float:
+    """GPU time of one `step()`: `repeats` calls captured in a CUDA graph, median of replays / repeats.
+    No host launch overhead: this is what the kernels cost when the training step is graph-captured."""
+    return median_ms(captured(step, repeats)) / repeats
 
 
 def rotating_passes(fn, sets: list[tuple]):
