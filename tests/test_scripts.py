@@ -81,3 +81,49 @@ def test_clock_samples_parse_nvidia_smi_lines(monkeypatch):
     assert first[0] == datetime(2026, 12, 2, 17, 42, 58, 127000).timestamp()
     assert (first[1:], second[1:]) == ((1980.0, 131.58, 0), (1425.0, 205.13, 4))
     assert not first[3] & POWER_CAP and second[3] & POWER_CAP
+
+
+def test_rank_lookups_plans_and_ids(monkeypatch):
+    """bench_rank_lookups: split:T cuts a table into one row shard a rank covering its rows once, move:T:Q
+    puts a whole table on rank Q, bad changes name themselves; a rank's ids are its shards' bag columns,
+    each within its table, and `touched` counts the lookups inside its row ranges and their distinct rows."""
+    import click
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from bench_rank_lookups import CONFIG_DIR, plan_named, rank_ids, touched
+
+    from dlrm.config import load_config, replace
+
+    cfg = replace(load_config(CONFIG_DIR / "dlrm_dcnv2.json"), "train", use_triton=True)
+    planner = plan_named(cfg, 2, "planner")
+    cut = plan_named(cfg, 2, "planner+split:20+move:21:1")
+    twenty = [s for s in cut.shards if s.table == 20]
+    assert sorted(s.rank for s in twenty) == [0, 1]
+    assert [(s.row_start, s.rows) for s in twenty] == [(0, 20_000_000), (20_000_000, 20_000_000)]
+    assert [s.rank for s in cut.shards if s.table == 21] == [1]
+    kept = {s for s in planner.shards if s.table not in (20, 21)}
+    assert kept == {s for s in cut.shards if s.table not in (20, 21)}
+    for bad in ("sharded", "planner+split:26", "planner+move:20:1+split:x", "planner+move:0:1"):
+        with pytest.raises(click.BadParameter):
+            plan_named(cfg, 2, bad)
+
+    generator = torch.Generator().manual_seed(0)
+    for rank in (0, 1):
+        ids = rank_ids(cut, rank, 500, generator)
+        shards = cut.shards_of(rank)
+        assert ids.shape == (500, sum(cut.bag_size(s.table) for s in shards))
+        limits = torch.tensor([cut.table_rows[s.table] for s in shards for _ in range(cut.bag_size(s.table))])
+        assert bool(((ids >= 0) & (ids < limits)).all())
+        inside, distinct = touched(cut, rank, ids)
+        expected_inside, expected_distinct, col = 0, 0, 0
+        for s in shards:
+            block = ids[:, col : col + cut.bag_size(s.table)].flatten().tolist()
+            mine = [r for r in block if s.row_start <= r < s.row_start + s.rows]
+            expected_inside, expected_distinct = (
+                expected_inside + len(mine),
+                expected_distinct + len(set(mine)),
+            )
+            col += cut.bag_size(s.table)
+        assert (inside, distinct) == (expected_inside, expected_distinct)
+        assert 0 < inside < ids.numel()  # the cut tables' ids fall on both sides
