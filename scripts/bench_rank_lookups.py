@@ -14,7 +14,8 @@ Plans (`--plans`, comma-separated):
   (its `parallel` section, `--batch` the global batch, bf16 vectors on the wire where the run exchanges
   them: `dlrm.parallel.sharded.exchange_bytes`).
 - changes to the planner's shards after it, joined by "+" (bytes not rebalanced: these price placements):
-  split:T cuts table T into `--nproc` row shards of near-equal rows, one a rank (as
+  split:T cuts table T into `--nproc` row shards of near-equal rows, one a rank (split:T:P0:P1:... with
+  P_q percent of its rows on rank q, summing to 100; as
   `dlrm.parallel.sharded_bags` runs a cut, every shard looks up all of T's ids); move:T:Q puts table T,
   held whole by one rank, on rank Q. E.g. `planner+split:20+move:21:1`.
 
@@ -60,25 +61,30 @@ def config_plan(cfg, world_size: int) -> ShardingPlan:
     )  # fmt: skip
 
 
-def split_table(plan: ShardingPlan, table: int) -> ShardingPlan:
-    """`plan` with table `table`'s shards replaced by W row shards of near-equal rows, rank q's rows after
-    rank q - 1's (a replicated table stays replicated: nothing to cut).
+def split_table(plan: ShardingPlan, table: int, percents: list[int] | None = None) -> ShardingPlan:
+    """`plan` with table `table`'s shards replaced by one row shard a rank, rank q's rows after rank
+    q - 1's: `percents[q]` percent of the rows on rank q (None: near-equal rows; a rank given 0 holds
+    none). A replicated table stays replicated: nothing to cut.
 
     Raises:
-        ValueError: `table` is not a table of the plan.
+        ValueError: `table` is not a table of the plan, or `percents` are not W numbers summing to 100.
     """
     if not 0 <= table < len(plan.table_rows):
         raise ValueError(f"split:{table}: the plan has tables 0 to {len(plan.table_rows) - 1}")
+    rows, w = plan.table_rows[table], plan.world_size
+    if percents is not None and (len(percents) != w or sum(percents) != 100):
+        raise ValueError(f"split:{table}: expected {w} percents summing to 100, got {percents}")
     if table in plan.replicated:
         return plan
-    rows, w = plan.table_rows[table], plan.world_size
-    cut, start = [], 0
-    for q in range(w):
-        n = rows // w + (q < rows % w)
-        cut.append(Shard(table, q, start, n))
-        start += n
-    shards = sorted([s for s in plan.shards if s.table != table] + cut, key=lambda s: (s.rank, s.table))
-    return dataclasses.replace(plan, shards=tuple(shards))
+    ends = [rows * (q + 1) // w for q in range(w)]
+    if percents is not None:
+        ends = [rows * sum(percents[: q + 1]) // 100 for q in range(w)]
+    cut = [
+        Shard(table, q, start, end - start)
+        for q, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True))
+    ]
+    shards = [s for s in plan.shards if s.table != table] + [s for s in cut if s.rows > 0]
+    return dataclasses.replace(plan, shards=tuple(sorted(shards, key=lambda s: (s.rank, s.table))))
 
 
 def rank_ids(plan: ShardingPlan, rank: int, global_batch: int, generator: torch.Generator) -> torch.Tensor:
@@ -168,7 +174,8 @@ def move_table(plan: ShardingPlan, table: int, rank: int) -> ShardingPlan:
 
 
 def plan_named(cfg, world_size: int, name: str) -> ShardingPlan:
-    """The plan `name` names (module docstring): "planner", then "+split:T" and "+move:T:Q" in order.
+    """The plan `name` names (module docstring): "planner", then "+split:T[:P0:P1...]" and "+move:T:Q" in
+    order.
 
     Raises:
         click.BadParameter: another name, or a change the plan does not allow.
@@ -179,10 +186,16 @@ def plan_named(cfg, world_size: int, name: str) -> ShardingPlan:
     plan = config_plan(cfg, world_size)
     for change in changes:
         kind, *args = change.split(":")
-        if not all(a.isdigit() for a in args) or (kind, len(args)) not in (("split", 1), ("move", 2)):
-            raise click.BadParameter(f"{change!r}: expected split:T or move:T:Q", param_hint="--plans")
+        numbers = [int(a) for a in args if a.isdigit()]
+        if len(numbers) != len(args) or not (kind == "split" and args or (kind, len(args)) == ("move", 2)):
+            raise click.BadParameter(
+                f"{change!r}: expected split:T[:P0:P1...] or move:T:Q", param_hint="--plans"
+            )
         try:
-            plan = split_table(plan, int(args[0])) if kind == "split" else move_table(plan, *map(int, args))
+            if kind == "split":
+                plan = split_table(plan, numbers[0], numbers[1:] or None)
+            else:
+                plan = move_table(plan, *numbers)
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="--plans") from err
     return plan

@@ -84,8 +84,9 @@ def test_clock_samples_parse_nvidia_smi_lines(monkeypatch):
 
 
 def test_rank_lookups_plans_and_ids(monkeypatch):
-    """bench_rank_lookups: split:T cuts a table into one row shard a rank covering its rows once, move:T:Q
-    puts a whole table on rank Q, bad changes name themselves; a rank's ids are its shards' bag columns,
+    """bench_rank_lookups: split:T cuts a table into one row shard a rank covering its rows once
+    (split:T:P0:P1: P_q percent of them on rank q), move:T:Q puts a whole table on rank Q, bad changes name
+    themselves; a rank's ids are its shards' bag columns,
     each within its table, and `touched` counts the lookups inside its row ranges and their distinct rows."""
     import click
     import torch
@@ -104,7 +105,12 @@ def test_rank_lookups_plans_and_ids(monkeypatch):
     assert [s.rank for s in cut.shards if s.table == 21] == [1]
     kept = {s for s in planner.shards if s.table not in (20, 21)}
     assert kept == {s for s in cut.shards if s.table not in (20, 21)}
-    for bad in ("sharded", "planner+split:26", "planner+move:20:1+split:x", "planner+move:0:1"):
+    uneven = plan_named(cfg, 2, "planner+split:20:15:85+split:0:30:70")
+    assert [(s.rank, s.row_start, s.rows) for s in uneven.shards if s.table in (0, 20)] == [
+        (0, 0, 12_000_000), (0, 0, 6_000_000), (1, 12_000_000, 28_000_000), (1, 6_000_000, 34_000_000)
+    ]  # fmt: skip
+    bad_names = ("sharded", "planner+split:26", "planner+move:20:1+split:x", "planner+move:0:1")
+    for bad in (*bad_names, "planner+split:20:50:40", "planner+split:20:100", "planner+split"):
         with pytest.raises(click.BadParameter):
             plan_named(cfg, 2, bad)
 
