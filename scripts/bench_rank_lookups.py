@@ -26,7 +26,8 @@ gives them ([B, L] rows of the full tables, each column's ids uniform over its t
 timed as CUDA-graph replays (`bench_timing.graph_ms`): the forward (ShardedBags.lookup) and the forward with
 the backward of a random pooled gradient (the fused update of every touched row). Each row also counts the
 rank's lookups, those inside its shards and the distinct rows they touch, and the planner's predicted
-forward time (`ShardingPlan.costs`). Rows go to scripts/results/rank_lookups.csv. CUDA only.
+forward time (`ShardingPlan.costs`; the printed line adds its predicted backward). Rows go to
+scripts/results/rank_lookups.csv. CUDA only.
 """
 
 import dataclasses
@@ -229,6 +230,7 @@ def main(config, nproc, batch, table_dtype, plans, seed):
         for rank in range(nproc):
             timed = time_rank(cfg, plan, rank, batch, seed)
             predicted_ms = predicted[rank].lookup_us / 1e3
+            update_ms = predicted[rank].update_us / 1e3
             torch.cuda.empty_cache()  # the rank's tables, before the next rank's
             row = provenance(torch.cuda.get_device_name()) | {
                 "config": config, "world_size": nproc, "global_batch": batch, "table_dtype": table_dtype,
@@ -238,8 +240,8 @@ def main(config, nproc, batch, table_dtype, plans, seed):
             print(
                 f"{name:<10} rank {rank}: {timed['lookups']:>10,} lookups, "
                 f"{timed['distinct_rows']:>10,} distinct rows; fwd {timed['fwd_ms']:8.3f} ms "
-                f"(predicted {predicted_ms:.3f}), "
-                f"fwd+bwd {timed['fwd_bwd_ms']:8.3f} ms  [{row['shards']}]",
+                f"(predicted {predicted_ms:.3f}), fwd+bwd {timed['fwd_bwd_ms']:8.3f} ms (predicted "
+                f"{predicted_ms + update_ms:.3f})  [{row['shards']}]",
                 flush=True,
             )
             rows.append(row)

@@ -34,10 +34,11 @@ fits on (ties: the lowest rank). A rank's load counts what it stores and what it
 bytes plus its share of all lookup bytes. A shard's lookup bytes are the bag kernel's per sample of the global
 batch, k_f (8 + D t) + D e (`lookup_bytes`: k_f ids and rows of t bytes a value read, one pooled vector
 written in the exchange's dtype), which the kernel moves at `LOOKUP_BYTES_PER_S` (an H200's, measured):
-`costs` reports each rank's lookup time by it. A shard fits on a rank whose bytes stay within an even share
-plus the largest shard, the bound greedy-by-bytes keeps. Bytes alone put 23 of the 26 Kaggle tables on one
-of 2 ranks (the other 3 are as large as all 23): that rank's lookups take many times the other's, and the
-other rank waits in the exchange.
+`costs` reports each rank's lookup time by it, and the time of their backward with the fused update
+(`ShardingPlan.update_bytes` at `UPDATE_BYTES_PER_S`), which placement does not weigh. A shard fits on a
+rank whose bytes stay within an even share plus the largest shard, the bound greedy-by-bytes keeps. Bytes
+alone put 23 of the 26 Kaggle tables on one of 2 ranks (the other 3 are as large as all 23): that rank's
+lookups take many times the other's, and the other rank waits in the exchange.
 Then, with `row_wise_bytes` left to its default, the bytes are balanced: while the most bytes a rank holds
 exceed the fewest by more than `BYTES_SPREAD` (10%), the rank holding the most gives rows to the one holding
 the fewest, as many as bring one of the two to an even share (whole rows, at least one from a giver a row or
@@ -74,6 +75,11 @@ BYTES_SPREAD = 1.1
 # One-hot lookups run nearer the copy bandwidth (scripts/results/sparse.csv:43: 94%, D = 128): by this rate
 # their predicted times come out about a fifth high.
 LOOKUP_BYTES_PER_S = 7729.05e6 / 2364.4e-6
+# The bag kernel's backward with its fused update on an H200 moves this many bytes a second (update_bytes'
+# model): 143.63 GB in 48.367 ms over the 14 ranks of scripts/results/rank_lookups.csv (MLPerf DLRM-DCNv2 on 2
+# ranks under 7 placements, bf16 tables, Adagrad, uniform ids), each rank within 6% of it.
+UPDATE_BYTES_PER_S = 143.63e9 / 48.367e-3
+SORT_BYTES = 24  # per lookup: the ids sorted by row (~3 x 8 bytes), as bench_embedding_bag's bytes model
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,8 @@ class RankCost:
         shards and of the replicated tables.
     lookups: embedding rows it reads per step (forward; backward updates as many).
     lookup_us: its lookups' predicted forward time, microseconds (`lookup_bytes` / `LOOKUP_BYTES_PER_S`).
+    update_us: its lookups' predicted backward with the fused update, microseconds (`update_bytes` /
+        `UPDATE_BYTES_PER_S`; the replicated tables' dense gradients left out, the same on every rank).
     exchange_bytes: bytes it sends plus receives in the step's all_to_alls (ids, vectors, gradients).
     all_reduce_bytes: bytes it sends plus receives for the replicated tables' gradients (ring all-reduce).
     """
@@ -101,6 +109,7 @@ class RankCost:
     bytes_held: int
     lookups: int
     lookup_us: float
+    update_us: float
     exchange_bytes: int
     all_reduce_bytes: int
 
@@ -169,8 +178,24 @@ class ShardingPlan:
             # forward vectors, backward gradients
             vectors = 2 * (sent_vectors + len(mine) * w * b) * d * e * remote
             lookup_us = round(read / LOOKUP_BYTES_PER_S * 1e6, 1)
-            costs.append(RankCost(held, lookups, lookup_us, round(ids + vectors), all_reduce))
+            updated = sum(self.update_bytes(s, w * b) for s in mine)
+            update_us = round(updated / UPDATE_BYTES_PER_S * 1e6, 1)
+            costs.append(RankCost(held, lookups, lookup_us, update_us, round(ids + vectors), all_reduce))
         return costs
+
+    def update_bytes(self, shard: Shard, global_batch: int) -> int:
+        """Bytes the bag kernel's backward moves for `shard` in a step of `global_batch` samples: per
+        lookup of its table's ids (k_f a sample, all of them: a row shard looks up the ids outside it
+        too) the pooled gradient's row (D values of the exchange's e bytes) and the sort by row
+        (SORT_BYTES); per distinct row it touches, its weights (D values of t bytes) and optimizer state
+        read and written once. Distinct rows as uniform ids touch them: a shard of n of the table's R
+        rows, hit by u = k_f B ids, touches n (1 - (1 - 1/R)^u) rows on average (ids that repeat rows,
+        as click logs' do, touch fewer: an upper bound)."""
+        d, rows = self.embedding_dim, self.table_rows[shard.table]
+        lookups = self.bag_size(shard.table) * global_batch
+        distinct = shard.rows * -math.expm1(lookups * math.log1p(-1 / rows)) if rows > 1 else shard.rows
+        per_row = row_bytes(d, self.optimizer, self.table_bytes_per_value)
+        return round(lookups * (d * self.exchange_bytes_per_value + SORT_BYTES) + 2 * distinct * per_row)
 
     def with_checkpoint_bytes(self, per_rank: list[int]) -> ShardingPlan:
         """This plan with the bytes each rank writes into a checkpoint (its tables' pieces and their
@@ -217,7 +242,8 @@ class ShardingPlan:
             if costs:
                 c = costs[rank]
                 line += (
-                    f"; per step {c.lookups:,} lookups ({c.lookup_us / 1e3:,.2f} ms), "
+                    f"; per step {c.lookups:,} lookups ({c.lookup_us / 1e3:,.2f} ms forward, "
+                    f"{c.update_us / 1e3:,.2f} ms update), "
                     f"{c.exchange_bytes / 1e6:,.1f} MB exchanged, "
                     f"{c.all_reduce_bytes / 1e6:,.1f} MB all-reduced"
                 )
