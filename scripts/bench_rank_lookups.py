@@ -13,6 +13,7 @@ Plans (`--plans`, comma-separated):
 - planner: `dlrm.parallel.planner.plan_tables` as `dlrm.train` makes it for the config on `--nproc` ranks
   (its `parallel` section, `--batch` the global batch, bf16 vectors on the wire where the run exchanges
   them: `dlrm.parallel.sharded.exchange_bytes`).
+- planner-bytes: the same without its last step, the time balance (`plan_tables(balance_time=False)`).
 - changes to the planner's shards after it, joined by "+" (bytes not rebalanced: these price placements):
   split:T cuts table T into `--nproc` row shards of near-equal rows, one a rank (split:T:P0:P1:... with
   P_q percent of its rows on rank q, summing to 100; as
@@ -49,16 +50,17 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 REPEATS = 5  # calls a captured graph replays
 
 
-def config_plan(cfg, world_size: int) -> ShardingPlan:
+def config_plan(cfg, world_size: int, balance_time: bool = True) -> ShardingPlan:
     """The plan `dlrm.train` makes for run config `cfg` on `world_size` ranks (its data.batch_size the
-    global batch): dlrm.parallel.sharded.build_sharded_model's call of plan_tables."""
+    global batch): dlrm.parallel.sharded.build_sharded_model's call of plan_tables (`balance_time` False:
+    the planner without its time balance)."""
     m, par = cfg.model, cfg.parallel
     return plan_tables(
         resolve_table_rows(m, {}), m.embedding_dim, cfg.train.optimizer, world_size, par.row_wise,
         par.row_wise_bytes,
         batch_size=cfg.data.batch_size // world_size, data_parallel_rows=par.data_parallel_rows,
         exchange_bytes_per_value=exchange_bytes(cfg), bag_sizes=m.multi_hot_sizes,
-        table_bytes_per_value=TABLE_BYTES[m.table_dtype],
+        table_bytes_per_value=TABLE_BYTES[m.table_dtype], balance_time=balance_time,
     )  # fmt: skip
 
 
@@ -175,16 +177,19 @@ def move_table(plan: ShardingPlan, table: int, rank: int) -> ShardingPlan:
 
 
 def plan_named(cfg, world_size: int, name: str) -> ShardingPlan:
-    """The plan `name` names (module docstring): "planner", then "+split:T[:P0:P1...]" and "+move:T:Q" in
-    order.
+    """The plan `name` names (module docstring): "planner" or "planner-bytes", then "+split:T[:P0:P1...]"
+    and "+move:T:Q" in order.
 
     Raises:
         click.BadParameter: another name, or a change the plan does not allow.
     """
     base, *changes = name.split("+")
-    if base != "planner":
-        raise click.BadParameter(f"{name!r}: expected planner[+split:T][+move:T:Q]...", param_hint="--plans")
-    plan = config_plan(cfg, world_size)
+    if base not in ("planner", "planner-bytes"):
+        raise click.BadParameter(
+            f"{name!r}: expected planner or planner-bytes, then [+split:T][+move:T:Q]...",
+            param_hint="--plans",
+        )
+    plan = config_plan(cfg, world_size, balance_time=base == "planner")
     for change in changes:
         kind, *args = change.split(":")
         numbers = [int(a) for a in args if a.isdigit()]

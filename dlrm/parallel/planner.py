@@ -35,7 +35,7 @@ bytes plus its share of all lookup bytes. A shard's lookup bytes are the bag ker
 batch, k_f (8 + D t) + D e (`lookup_bytes`: k_f ids and rows of t bytes a value read, one pooled vector
 written in the exchange's dtype), which the kernel moves at `LOOKUP_BYTES_PER_S` (an H200's, measured):
 `costs` reports each rank's lookup time by it, and the time of their backward with the fused update
-(`ShardingPlan.update_bytes` at `UPDATE_BYTES_PER_S`), which placement does not weigh. A shard fits on a
+(`ShardingPlan.update_bytes` at `UPDATE_BYTES_PER_S`), which the last step weighs. A shard fits on a
 rank whose bytes stay within an even share plus the largest shard, the bound greedy-by-bytes keeps. Bytes
 alone put 23 of the 26 Kaggle tables on one of 2 ranks (the other 3 are as large as all 23): that rank's
 lookups take many times the other's, and the other rank waits in the exchange.
@@ -56,6 +56,18 @@ Last, the lookups are balanced within the bytes' spread (`_balance_lookups`): wh
 rank whose lookups cost the most a sample to the one whose cost the least, while a move lowers the larger of
 the two. On 2 ranks MLPerf DLRM-DCNv2's bytes leave tables 20 (100 ids a sample) and 9, a part of table 0
 and the small tables 1 and 4 on one rank: 118 ids a sample against 76; tables 1 and 4 move (110 and 84).
+Last, given a batch, the ranks' times are balanced (`_balance_time`, `balance_time`): each rank's predicted
+time (`ShardingPlan.rank_us`) is its shards' lookups forward and backward with the fused update (a shard
+costs its table's ids of the whole global batch, whatever its rows, plus its expected distinct rows'
+weights and state, which grow with its rows) and its exchange bytes at `EXCHANGE_BYTES_PER_S`. While a swap
+takes at least `TIME_GAIN` (2%) off the slower of the slowest and the fastest rank and leaves no other rank
+above it, the slowest gives x rows of a table whose rows cost the most to update and takes x rows of one
+whose rows cost less: the bytes held stay as they are. A swap that gives a rank a table's first rows
+(a cut) costs it all that table's lookups and exchange, so it pays only where the rows' updates outweigh
+them. MLPerf DLRM-DCNv2 on 4 ranks: the byte balance leaves table 20 (6M of the ~10M distinct rows a step
+touches) whole on one rank, predicted 5.1 ms against 1.9 to 2.2 ms; its rows spread over the other ranks'
+shards bring the four within 3.6 ms. On 2 ranks no swap pays: the cut of table 20 that evens the lookups
+adds its lookups and exchange on the other rank.
 """
 
 from __future__ import annotations
@@ -79,7 +91,14 @@ LOOKUP_BYTES_PER_S = 7729.05e6 / 2364.4e-6
 # model): 143.63 GB in 48.367 ms over the 14 ranks of scripts/results/rank_lookups.csv (MLPerf DLRM-DCNv2 on 2
 # ranks under 7 placements, bf16 tables, Adagrad, uniform ids), each rank within 6% of it.
 UPDATE_BYTES_PER_S = 143.63e9 / 48.367e-3
-SORT_BYTES = 24  # per lookup: the ids sorted by row (~3 x 8 bytes), as bench_embedding_bag's bytes model
+SORT_BYTES = 24
+# The all_to_alls of a step on 2 H200s move this many bytes a second (costs' exchange_bytes, sent plus
+# received): rank 1's 257.7 MB in 848.8 us, MLPerf DLRM-DCNv2 at b = 32,768, bf16 vectors
+# (scripts/results/profile_dlrm_dcnv2_triton_graphs_32768_config_adagrad_bf16_bf16tables_rank1of2.txt, the
+# rank that waited least, under that commit's plan).
+EXCHANGE_BYTES_PER_S = 257.7e6 / 848.8e-6
+# The least share of its predicted time a swap of rows must take off the slower rank (_balance_time).
+TIME_GAIN = 0.02  # per lookup: the ids sorted by row (~3 x 8 bytes), as bench_embedding_bag's bytes model
 
 
 @dataclass(frozen=True)
@@ -183,19 +202,53 @@ class ShardingPlan:
             costs.append(RankCost(held, lookups, lookup_us, update_us, round(ids + vectors), all_reduce))
         return costs
 
+    def touched_share(self, table: int, global_batch: int) -> float:
+        """The share of `table`'s R rows that the u = k_f B uniform ids of a step of `global_batch` samples
+        touch on average, 1 - (1 - 1/R)^u (ids that repeat rows, as click logs' do, touch fewer)."""
+        rows, ids = self.table_rows[table], self.bag_size(table) * global_batch
+        return -math.expm1(ids * math.log1p(-1 / rows)) if rows > 1 else 1.0
+
     def update_bytes(self, shard: Shard, global_batch: int) -> int:
         """Bytes the bag kernel's backward moves for `shard` in a step of `global_batch` samples: per
         lookup of its table's ids (k_f a sample, all of them: a row shard looks up the ids outside it
         too) the pooled gradient's row (D values of the exchange's e bytes) and the sort by row
-        (SORT_BYTES); per distinct row it touches, its weights (D values of t bytes) and optimizer state
-        read and written once. Distinct rows as uniform ids touch them: a shard of n of the table's R
-        rows, hit by u = k_f B ids, touches n (1 - (1 - 1/R)^u) rows on average (ids that repeat rows,
-        as click logs' do, touch fewer: an upper bound)."""
-        d, rows = self.embedding_dim, self.table_rows[shard.table]
+        (SORT_BYTES); per distinct row it touches (its rows times `touched_share`: an upper bound for ids
+        that repeat rows), its weights (D values of t bytes) and optimizer state read and written once."""
+        d = self.embedding_dim
         lookups = self.bag_size(shard.table) * global_batch
-        distinct = shard.rows * -math.expm1(lookups * math.log1p(-1 / rows)) if rows > 1 else shard.rows
+        distinct = shard.rows * self.touched_share(shard.table, global_batch)
         per_row = row_bytes(d, self.optimizer, self.table_bytes_per_value)
         return round(lookups * (d * self.exchange_bytes_per_value + SORT_BYTES) + 2 * distinct * per_row)
+
+    def lookups_us(self, table: int, global_batch: int) -> float:
+        """Predicted microseconds of a shard of `table` that its rows do not change, in a step of
+        `global_batch` samples: the forward over all its table's ids (`lookup_bytes`) and, in the backward,
+        their gradient rows and sort (`update_bytes`)."""
+        d, k, e = self.embedding_dim, self.bag_size(table), self.exchange_bytes_per_value
+        forward = lookup_bytes(k, d, self.table_bytes_per_value, e) / LOOKUP_BYTES_PER_S
+        return global_batch * (forward + k * (d * e + SORT_BYTES) / UPDATE_BYTES_PER_S) * 1e6
+
+    def update_us_per_row(self, table: int, global_batch: int) -> float:
+        """Predicted microseconds each row of a shard of `table` adds to its update in a step of
+        `global_batch` samples: its share of the distinct rows' weights and state (`update_bytes`)."""
+        per_row = row_bytes(self.embedding_dim, self.optimizer, self.table_bytes_per_value)
+        return 2 * self.touched_share(table, global_batch) * per_row / UPDATE_BYTES_PER_S * 1e6
+
+    def shard_us(self, shard: Shard, global_batch: int) -> float:
+        """Predicted microseconds of `shard`'s lookups in a step of `global_batch` samples, forward and
+        backward with the fused update (`lookups_us` + its rows x `update_us_per_row`)."""
+        per_row = self.update_us_per_row(shard.table, global_batch)
+        return self.lookups_us(shard.table, global_batch) + shard.rows * per_row
+
+    def rank_us(self, batch_size: int) -> list[float]:
+        """Each rank's predicted microseconds of a step's sharded lookups, `batch_size` samples per rank:
+        its shards' `shard_us` and its exchange (`costs`' bytes at EXCHANGE_BYTES_PER_S); the replicated
+        tables, the same on every rank, left out."""
+        global_batch = self.world_size * batch_size
+        times = [c.exchange_bytes / EXCHANGE_BYTES_PER_S * 1e6 for c in self.costs(batch_size)]
+        for s in self.shards:
+            times[s.rank] += self.shard_us(s, global_batch)
+        return times
 
     def with_checkpoint_bytes(self, per_rank: list[int]) -> ShardingPlan:
         """This plan with the bytes each rank writes into a checkpoint (its tables' pieces and their
@@ -292,6 +345,7 @@ def plan_tables(
     exchange_bytes_per_value: int = 4,
     bag_sizes: tuple[int, ...] | None = None,
     table_bytes_per_value: int = 4,
+    balance_time: bool = True,
 ) -> ShardingPlan:
     """Place F tables on `world_size` ranks (module docstring).
 
@@ -314,6 +368,8 @@ def plan_tables(
             cost model's data-parallel bound of a table by its extra ids.
         table_bytes_per_value: bytes of a model-parallel weight (`TABLE_BYTES`: 4 fp32, 2 bf16), in the
             bytes that split tables by rows and balance the ranks.
+        balance_time: end with the ranks' predicted times balanced (`_balance_time`; it needs a
+            batch_size); False stops after the bytes' and the forward lookups' balance.
     Raises:
         ValueError: world_size < 1, an unknown optimizer, bag sizes not one per table, or (row_wise off)
             more ranks than model-parallel tables.
@@ -373,16 +429,18 @@ def plan_tables(
             shards.append(Shard(table, rank, 0, rows))  # row_start: _row_ranges
             stored[rank] += rows * per_row
             loads[rank] += rows * per_row / max(total, 1) + cost[table] / all_lookups
+    plan = ShardingPlan(
+        world_size, embedding_dim, optimizer, tuple(table_rows), (), tuple(replicated),
+        exchange_bytes_per_value, None if bag_sizes is None else tuple(bag_sizes),
+        table_bytes_per_value=table_bytes_per_value,
+    )  # fmt: skip
     if row_wise and row_wise_bytes is None:
         replicated_bytes = sum(table_rows[f] for f in replicated) * row_bytes(embedding_dim, optimizer)
         shards = _balance_bytes(shards, world_size, per_row, replicated_bytes, cost)
         shards = _balance_lookups(shards, world_size, per_row, replicated_bytes, cost)
-    shards = _row_ranges(shards)
-    return ShardingPlan(
-        world_size, embedding_dim, optimizer, tuple(table_rows), tuple(shards), tuple(replicated),
-        exchange_bytes_per_value, None if bag_sizes is None else tuple(bag_sizes),
-        table_bytes_per_value=table_bytes_per_value,
-    )  # fmt: skip
+        if balance_time and batch_size > 0 and world_size > 1:
+            shards = _balance_time(replace(plan, shards=tuple(shards)), batch_size)
+    return replace(plan, shards=tuple(_row_ranges(shards)))
 
 
 def _balance_bytes(
@@ -450,6 +508,70 @@ def _balance_lookups(
             return shards
         i = min(moves, key=lambda i: (abs(gap - 2 * cost[shards[i].table]), i))
         shards[i] = replace(shards[i], rank=taker)
+
+
+def _balance_time(plan: ShardingPlan, batch_size: int) -> list[Shard]:
+    """`plan`'s shards with rows swapped between the rank predicted slowest (`ShardingPlan.rank_us`, b =
+    `batch_size`: its lookups forward and backward with the fused update, and its exchange) and the one
+    predicted fastest, while a swap takes at least TIME_GAIN of the slower one's time off the larger of
+    the two and leaves no other rank above it (module docstring). A swap gives x rows of a table A from
+    the slow rank to the fast one and x rows of a table C back: the bytes each rank holds stay as they are
+    (every model-parallel row holds the same bytes). Of the swaps `_swaps` offers, the one that leaves the
+    two nearest the lower time is made. At most 4 W swaps."""
+    for _ in range(4 * plan.world_size):
+        times = plan.rank_us(batch_size)
+        slow = max(range(plan.world_size), key=lambda r: (times[r], -r))
+        fast = min(range(plan.world_size), key=lambda r: (times[r], r))
+        best, best_time = None, times[slow] * (1 - TIME_GAIN)
+        for a, c, x in _swaps(plan, slow, fast, times, plan.world_size * batch_size):
+            candidate = replace(plan, shards=tuple(_swapped(list(plan.shards), slow, fast, a, c, x)))
+            after = candidate.rank_us(batch_size)
+            pair = max(after[slow], after[fast])
+            others = max((t for r, t in enumerate(after) if r not in (slow, fast)), default=0.0)
+            if pair < best_time and others <= times[slow]:
+                best, best_time = candidate, pair
+        if best is None:
+            break
+        plan = best
+    return list(plan.shards)
+
+
+def _swaps(plan: ShardingPlan, slow: int, fast: int, times: list[float], global_batch: int):
+    """The swaps `_balance_time` prices: (table A of rank `slow`, table C of rank `fast`, rows x) for every
+    A whose rows cost more to update than C's (`update_us_per_row`), x the rows that would even the two
+    ranks' `times` by that difference, counting a table's `lookups_us` where a rank takes its first rows
+    (a cut) and not where it gives its last, within the rows each holds."""
+    held = {(s.rank, s.table): s.rows for s in plan.shards}
+    per_row = {f: plan.update_us_per_row(f, global_batch) for _, f in held}
+    lookups = {f: plan.lookups_us(f, global_batch) for _, f in held}
+    for (rank_a, a), rows_a in held.items():
+        for (rank_c, c), rows_c in held.items():
+            gap = per_row[a] - per_row[c]
+            if rank_a != slow or rank_c != fast or gap <= 0:
+                continue
+            cut_fast = lookups[a] * ((fast, a) not in held)
+            cut_slow = lookups[c] * ((slow, c) not in held)
+            x = min(
+                rows_a, rows_c, max(0, round((times[slow] - times[fast] + cut_slow - cut_fast) / (2 * gap)))
+            )
+            if x > 0:
+                yield a, c, x
+
+
+def _swapped(shards: list[Shard], slow: int, fast: int, a: int, c: int, x: int) -> list[Shard]:
+    """`shards` with x rows of table `a` moved from rank `slow` to rank `fast` and x rows of table `c` from
+    `fast` to `slow`: into the receiver's own shard of the table, else as a new shard; a shard left with
+    no rows dropped."""
+    out = list(shards)
+    for table, giver, taker in ((a, slow, fast), (c, fast, slow)):
+        i = next(i for i, s in enumerate(out) if s.rank == giver and s.table == table)
+        out[i] = replace(out[i], rows=out[i].rows - x)
+        mine = [j for j, s in enumerate(out) if s.rank == taker and s.table == table]
+        if mine:
+            out[mine[0]] = replace(out[mine[0]], rows=out[mine[0]].rows + x)
+        else:
+            out.append(Shard(table, taker, 0, x))
+    return [s for s in out if s.rows > 0]
 
 
 def _next_move(
