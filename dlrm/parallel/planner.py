@@ -60,14 +60,14 @@ Last, given a batch, the ranks' times are balanced (`_balance_time`, `balance_ti
 time (`ShardingPlan.rank_us`) is its shards' lookups forward and backward with the fused update (a shard
 costs its table's ids of the whole global batch, whatever its rows, plus its expected distinct rows'
 weights and state, which grow with its rows) and its exchange bytes at `EXCHANGE_BYTES_PER_S`. While a swap
-takes at least `TIME_GAIN` (2%) off the slower of the slowest and the fastest rank and leaves no other rank
-above it, the slowest gives x rows of a table whose rows cost the most to update and takes x rows of one
-whose rows cost less: the bytes held stay as they are. A swap that gives a rank a table's first rows
-(a cut) costs it all that table's lookups and exchange, so it pays only where the rows' updates outweigh
-them. MLPerf DLRM-DCNv2 on 4 ranks: the byte balance leaves table 20 (6M of the ~10M distinct rows a step
-touches) whole on one rank, predicted 5.1 ms against 1.9 to 2.2 ms; its rows spread over the other ranks'
-shards bring the four within 3.6 ms. On 2 ranks no swap pays: the cut of table 20 that evens the lookups
-adds its lookups and exchange on the other rank.
+takes at least `TIME_GAIN` (2%) off the slower of the slowest and the fastest rank, the slowest gives x rows
+of a table whose rows cost the most to update and takes x rows of one whose rows cost less: the bytes held
+stay as they are. A swap that gives a rank a table's first rows (a cut) costs it all that table's lookups
+and adds them to every rank's exchange, so it pays only where the rows' updates outweigh them; the plan
+whose slowest rank is predicted fastest on the way is kept. MLPerf DLRM-DCNv2 on 4 ranks: the byte balance
+leaves table 20 (6M of the ~10M distinct rows a step touches) whole on one rank, predicted 5.1 ms against
+1.9 to 2.2 ms; swaps bring the four to 3.6 ms. On 2 ranks no swap saves 2%: the cut of table 20 that evens
+the lookups adds its lookups and exchange on the other rank.
 """
 
 from __future__ import annotations
@@ -514,10 +514,13 @@ def _balance_time(plan: ShardingPlan, batch_size: int) -> list[Shard]:
     """`plan`'s shards with rows swapped between the rank predicted slowest (`ShardingPlan.rank_us`, b =
     `batch_size`: its lookups forward and backward with the fused update, and its exchange) and the one
     predicted fastest, while a swap takes at least TIME_GAIN of the slower one's time off the larger of
-    the two and leaves no other rank above it (module docstring). A swap gives x rows of a table A from
-    the slow rank to the fast one and x rows of a table C back: the bytes each rank holds stay as they are
-    (every model-parallel row holds the same bytes). Of the swaps `_swaps` offers, the one that leaves the
-    two nearest the lower time is made. At most 4 W swaps."""
+    the two (module docstring); of the plans on the way, the one whose slowest rank is fastest. A swap gives
+    x rows of a table A from the slow rank to the fast one and x rows of a table C back: the bytes each rank
+    holds stay as they are (every model-parallel row holds the same bytes). Of the swaps `_swaps` offers,
+    the one that leaves the two nearest the lower time is made. A cut adds its table's ids to every rank's
+    exchange, so another rank as slow as the slowest (two shards of one table) may get slower by a swap
+    that the next one undoes: the walk keeps the best plan it met. At most 4 W swaps."""
+    kept, kept_time = plan, max(plan.rank_us(batch_size))
     for _ in range(4 * plan.world_size):
         times = plan.rank_us(batch_size)
         slow = max(range(plan.world_size), key=lambda r: (times[r], -r))
@@ -526,14 +529,14 @@ def _balance_time(plan: ShardingPlan, batch_size: int) -> list[Shard]:
         for a, c, x in _swaps(plan, slow, fast, times, plan.world_size * batch_size):
             candidate = replace(plan, shards=tuple(_swapped(list(plan.shards), slow, fast, a, c, x)))
             after = candidate.rank_us(batch_size)
-            pair = max(after[slow], after[fast])
-            others = max((t for r, t in enumerate(after) if r not in (slow, fast)), default=0.0)
-            if pair < best_time and others <= times[slow]:
-                best, best_time = candidate, pair
+            if max(after[slow], after[fast]) < best_time:
+                best, best_time = candidate, max(after[slow], after[fast])
         if best is None:
             break
         plan = best
-    return list(plan.shards)
+        if max(plan.rank_us(batch_size)) < kept_time:
+            kept, kept_time = plan, max(plan.rank_us(batch_size))
+    return list(kept.shards)
 
 
 def _swaps(plan: ShardingPlan, slow: int, fast: int, times: list[float], global_batch: int):
