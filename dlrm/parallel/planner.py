@@ -52,7 +52,7 @@ its rows handed out in rank order. Where the rows allow no better (tiny tables, 
 rank ends within a row of an even share. On 2 ranks the five 41 GB tables of MLPerf DLRM-DCNv2 (Adagrad,
 fp32) fall 3 and 2 (127 and 82 GB a rank); one cut of table 0 (3 ids a sample, the fewest of the five)
 evens the bytes.
-Last, the lookups are balanced within the bytes' spread (`_balance_lookups`): whole shards move from the
+Then the lookups are balanced within the bytes' spread (`_balance_lookups`): whole shards move from the
 rank whose lookups cost the most a sample to the one whose cost the least, while a move lowers the larger of
 the two. On 2 ranks MLPerf DLRM-DCNv2's bytes leave tables 20 (100 ids a sample) and 9, a part of table 0
 and the small tables 1 and 4 on one rank: 118 ids a sample against 76; tables 1 and 4 move (110 and 84).
@@ -91,14 +91,14 @@ LOOKUP_BYTES_PER_S = 7729.05e6 / 2364.4e-6
 # model): 143.63 GB in 48.367 ms over the 14 ranks of scripts/results/rank_lookups.csv (MLPerf DLRM-DCNv2 on 2
 # ranks under 7 placements, bf16 tables, Adagrad, uniform ids), each rank within 6% of it.
 UPDATE_BYTES_PER_S = 143.63e9 / 48.367e-3
-SORT_BYTES = 24
+SORT_BYTES = 24  # per lookup: the ids sorted by row (~3 x 8 bytes), as bench_embedding_bag's bytes model
 # The all_to_alls of a step on 2 H200s move this many bytes a second (costs' exchange_bytes, sent plus
 # received): rank 1's 257.7 MB in 848.8 us, MLPerf DLRM-DCNv2 at b = 32,768, bf16 vectors
 # (scripts/results/profile_dlrm_dcnv2_triton_graphs_32768_config_adagrad_bf16_bf16tables_rank1of2.txt, the
 # rank that waited least, under that commit's plan).
 EXCHANGE_BYTES_PER_S = 257.7e6 / 848.8e-6
 # The least share of its predicted time a swap of rows must take off the slower rank (_balance_time).
-TIME_GAIN = 0.02  # per lookup: the ids sorted by row (~3 x 8 bytes), as bench_embedding_bag's bytes model
+TIME_GAIN = 0.02
 
 
 @dataclass(frozen=True)
