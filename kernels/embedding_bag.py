@@ -239,6 +239,7 @@ def _lookup_impl(
     eps: float,
     out_dtype: torch.dtype,
     rounding: Tensor | None = None,
+    drop_last_row: bool = False,
 ) -> tuple[Tensor, Tensor]:
     if use_triton(weights):
         return embedding_bag_fwd(weights, offsets, rows, bag_sizes, ids, hashing, pooling, out_dtype)
@@ -249,7 +250,7 @@ def _lookup_impl(
 
 def _lookup_fake(
     weights, state, offsets, rows, bag_sizes, ids, hashing, pooling, optimizer, lr, eps, out_dtype,
-    rounding=None,
+    rounding=None, drop_last_row=False,
 ):  # fmt: skip
     out = torch.empty(
         ids.shape[0], offsets.shape[0], weights.shape[1], dtype=out_dtype, device=weights.device
@@ -257,25 +258,31 @@ def _lookup_fake(
     return out, torch.empty(ids.shape, dtype=index_dtype(weights.shape[0]), device=ids.device)
 
 
-def _update_fake(weights, state, index, grad, bag_sizes, pooling, optimizer, lr, eps, rounding=None) -> None:
+def _update_fake(
+    weights, state, index, grad, bag_sizes, pooling, optimizer, lr, eps, rounding=None, in_order=False,
+    drop_last_row=False,
+) -> None:  # fmt: skip
     return None
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    weights, state, _, _, bag_sizes, _, _, pooling, optimizer, lr, eps, _, rounding = inputs
+    weights, state, _, _, bag_sizes, _, _, pooling, optimizer, lr, eps, _, rounding, drop_last_row = inputs
     _, index = output
     # The weights are saved only to be updated in backward; lr and rounding are saved as the tensors their
     # owners write between steps.
     ctx.save_for_backward(weights, state, index, bag_sizes, lr, rounding)
-    ctx.pooling, ctx.optimizer, ctx.eps = pooling, optimizer, eps
+    ctx.pooling, ctx.optimizer, ctx.eps, ctx.drop_last_row = pooling, optimizer, eps, drop_last_row
     ctx.mark_non_differentiable(index)
 
 
 def _backward(update_fn, ctx, grad_out: Tensor, _grad_index):
     # update_fn: the update op, or the function it runs on the eager path.
     weights, state, index, bag_sizes, lr, rounding = ctx.saved_tensors
-    update_fn(weights, state, index, grad_out, bag_sizes, ctx.pooling, ctx.optimizer, lr, ctx.eps, rounding)
-    return (None,) * 13  # the weights were updated in place: no gradient leaves this op
+    update_fn(
+        weights, state, index, grad_out, bag_sizes, ctx.pooling, ctx.optimizer, lr, ctx.eps, rounding, False,
+        ctx.drop_last_row,
+    )  # fmt: skip
+    return (None,) * 14  # the weights were updated in place: no gradient leaves this op
 
 
 _embedding_bag_lookup = define_op(
@@ -303,6 +310,7 @@ def embedding_bag_lookup(
     eps: float = 1e-10,
     out_dtype: torch.dtype | None = None,
     rounding: Tensor | None = None,
+    drop_last_row: bool = False,
 ) -> Tensor:
     """Look up and pool F tables' bags at once; backward updates the weights in place (fused optimizer,
     every touched row once with its summed gradient).
@@ -327,6 +335,9 @@ def embedding_bag_lookup(
         out_dtype: dtype of the result (None: weights' dtype); pooling is in fp32, rounded once as stored.
         rounding: for bf16 weights, [2] int64 (seed, count) on weights' device, read when backward runs:
             the update rounds stochastically (kernels/embedding_update.py); None: to nearest.
+        drop_last_row: the update leaves weights' last row R - 1 (a row-wise shard's padding row,
+            dlrm.parallel.sharded_bags) and its state as they are and never reads its lookups' gradients;
+            the forward still pools the row as it is.
     Returns:
         [B, F, D] in out_dtype: the pooled bags.
     Raises:
@@ -339,6 +350,6 @@ def embedding_bag_lookup(
     check_rounding(rounding, weights)
     out, _ = _embedding_bag_lookup(
         weights, state, offsets, rows, bag_sizes, ids, hashing, pooling, optimizer, lr, eps, out_dtype,
-        rounding,
+        rounding, drop_last_row,
     )  # fmt: skip
     return out

@@ -72,6 +72,7 @@ def embedding_bag_update(
     eps: float,
     rounding: Tensor | None = None,
     in_order: bool = False,
+    drop_last_row: bool = False,
 ) -> None:
     """Apply one optimizer step to the rows of `weights` (and `state`) that `index` touched, each row once
     with the sum of its lookups' gradients, in place (module docstring).
@@ -87,6 +88,8 @@ def embedding_bag_update(
         rounding: for bf16 weights, [2] int64 (seed, count): stochastic rounding (None: to nearest), as
             `kernels.embedding_update.embedding_update` takes it.
         in_order: as `kernels.embedding_update.embedding_update`'s (SGD on fp32 weights without atomic adds).
+        drop_last_row: the lookups of weights' last row R - 1 (a row-wise shard's padding row) add nothing:
+            the row and its state stay as they are, and the kernels never read those lookups' gradients.
     Raises:
         ValueError: unknown optimizer or pooling, or shapes/dtypes/devices that do not match.
     """
@@ -101,13 +104,16 @@ def embedding_bag_update(
     check_rounding(rounding, weights)
     if not use_triton(weights):
         embedding_bag_update_ref(
-            weights, state, index, grad, bag_sizes, pooling, optimizer, lr, eps, rounding
+            weights, state, index, grad, bag_sizes, pooling, optimizer, lr, eps, rounding, drop_last_row
         )
         return
     features, scales = bag_columns(bag_sizes, pooling, s)
     bags = (features, scales if pooling == "mean" else None)  # sum pooling's scales of 1 never read
     # A view of the gradient (a slice of a concatenation's) is read in place: launch_update takes strides.
-    launch_update(weights, state, index.reshape(-1), grad, optimizer, lr, eps, bags, rounding, in_order)
+    launch_update(
+        weights, state, index.reshape(-1), grad, optimizer, lr, eps, bags, rounding, in_order,
+        drop_last_row=drop_last_row,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -126,9 +132,13 @@ def embedding_bag_update_ref(
     lr: Tensor,
     eps: float,
     rounding: Tensor | None = None,
+    drop_last_row: bool = False,
 ) -> None:
-    """PyTorch update, in place: each lookup's gradient scale * grad[b, f(c)] ([B, S, D] fp32), then
-    `kernels.embedding.embedding_update_ref` (repeated rows summed, one step each)."""
+    """PyTorch update, in place: each lookup's gradient scale * grad[b, f(c)] ([B, S, D] fp32), zero for a
+    lookup of the last row where `drop_last_row`, then `kernels.embedding.embedding_update_ref` (repeated
+    rows summed, one step each: a zero gradient's step leaves a row as it is)."""
     features, scales = bag_columns(bag_sizes, pooling, index.shape[1])
     per_lookup = grad.float().index_select(1, features) * scales[:, None]
+    if drop_last_row:
+        per_lookup.masked_fill_((index == weights.shape[0] - 1)[..., None], 0.0)
     embedding_update_ref(weights, state, index, per_lookup, optimizer, lr, eps, rounding)

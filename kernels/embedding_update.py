@@ -158,7 +158,7 @@ def column_block(program, columns, B, BLOCK_B: tl.constexpr):
     return column, b, b < B, b * columns + column
 
 
-@triton.jit(do_not_specialize=["B"])
+@triton.jit(do_not_specialize=["B", "dropped_row"])
 def _sgd_kernel(
     # pointers
     index_ptr,  # [B * S] global rows (bags': int32 or int64), lookup b * S + c (S: F one-hot, sum k_f bags)
@@ -173,6 +173,7 @@ def _sgd_kernel(
     D,
     stride_b,
     stride_f,
+    dropped_row,  # the row whose lookups add nothing (R - 1 where `launch_update` drops it), else -1
     # meta-parameters
     POOLED: tl.constexpr,
     SCALED: tl.constexpr,  # POOLED with a scale other than 1 (mean pooling)
@@ -190,8 +191,9 @@ def _sgd_kernel(
     _, b, mask_b, lookup = column_block(tl.program_id(0), S, B, BLOCK_B)
     d = tl.arange(0, BLOCK_D)
     mask_d = d < D
-    mask = mask_b[:, None] & mask_d[None, :]
     index = tl.load(index_ptr + lookup, mask=mask_b, other=0).to(tl.int64)  # bags' may be int32
+    mask_b = mask_b & (index != dropped_row)  # its gradient not even read
+    mask = mask_b[:, None] & mask_d[None, :]
     grad = _lookup_grad(
         grad_ptr, features_ptr, scales_ptr, lookup, mask_b, mask, d, S, D, stride_b, stride_f, POOLED, SCALED
     )
@@ -550,21 +552,33 @@ def _position_grad(
     return _gather(grad_ptr, offset, mask, False, BLOCK_D).to(tl.float32) * scale[:, None]
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N", "last_row"])
 def _segment_starts_kernel(
     segment_ptr,  # [N] int32 or int64: segment of each sorted position
+    sorted_ptr,  # DROP_LAST: [N] int32 or int64 sorted global rows (not read otherwise)
     starts_ptr,  # [N + 1] int64 output: each segment's first sorted position, then N
     N,
+    last_row,  # DROP_LAST: the weights' last row, R - 1
+    DROP_LAST: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """starts[s] = the first sorted position of segment s, and starts[S] = N after the last segment S - 1,
-    so a segment's positions are starts[s] .. starts[s + 1] - 1; the places past S are not written."""
+    so a segment's positions are starts[s] .. starts[s + 1] - 1; the places past S are not written.
+    DROP_LAST: where the last segment is `last_row`'s (which sorts last), starts[S] = starts[S - 1]: that
+    segment has no positions, so no kernel sums its lookups and the step kernel steps its row with a zero
+    gradient, which leaves the row and its state as they are."""
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     valid = p < N
     segment = tl.load(segment_ptr + p, mask=valid, other=0)
     previous = tl.load(segment_ptr + p - 1, mask=valid & (p > 0), other=-1)
-    tl.store(starts_ptr + segment, p, mask=valid & (segment != previous))
-    tl.store(starts_ptr + segment + 1, p + 1, mask=p == N - 1)
+    first = valid & (segment != previous)
+    tl.store(starts_ptr + segment, p, mask=first)
+    if DROP_LAST:
+        dropped = tl.load(sorted_ptr + p, mask=valid, other=0) == last_row
+        tl.store(starts_ptr + segment + 1, p, mask=first & dropped)
+        tl.store(starts_ptr + segment + 1, p + 1, mask=(p == N - 1) & ~dropped)
+    else:
+        tl.store(starts_ptr + segment + 1, p + 1, mask=p == N - 1)
 
 
 @triton.jit(do_not_specialize=["M", "K"])
@@ -1024,6 +1038,7 @@ def launch_update(
     rounding: Tensor | None = None,
     in_order: bool = False,
     columns: int = 1,
+    drop_last_row: bool = False,
 ) -> None:
     """The update kernels (module docstring) on inputs already checked: index [N] global rows (int64; a
     bag lookup's may be int32); grad [N, D] contiguous, or for pooled bags, with `bags` = (features [S]
@@ -1032,7 +1047,10 @@ def launch_update(
     [B, F, D] with D's stride 1 (a view is read in place; N = B * S, lookup b * S + c); `rounding` and
     `in_order` as `embedding_update`'s. Without bags, `columns` (dividing N) is the lookups a sample: lookup
     b * columns + c reads table c's rows (the SGD kernel sums a small table's lookups of a block before
-    adding them)."""
+    adding them). `drop_last_row`: the lookups of weights' last row R - 1 (a row-wise shard's padding row,
+    dlrm.parallel.sharded_bags) take no part: the SGD kernel masks them, the sorted path, where they sort
+    last, gives their segment no positions (`_segment_starts_kernel`), so their gradients are never read and
+    the row and its state stay as they are."""
     n, d = index.numel(), weights.shape[1]
     if n == 0:
         return
@@ -1043,6 +1061,7 @@ def launch_update(
     scales = scales if scaled else features  # not read unless scaled
     s, f = (features.numel(), grad.shape[1]) if pooled else (1, 1)
     block_d, block_n = block_sizes(d, n)
+    last_row = weights.shape[0] - 1 if drop_last_row else -1
     if pooled and grad.shape[0] * grad.shape[1] >= 2**31:  # `_gradient_offsets`'s int32 rows b * F + f
         raise ValueError(f"pooled gradient {list(grad.shape)}: B * F must be below 2**31")
     if pooled and grad.stride(2) != 1:
@@ -1057,9 +1076,9 @@ def launch_update(
         columns = s if pooled else columns
         samples = n // columns
         _sgd_kernel[(columns * triton.cdiv(samples, block_b),)](
-            index, grad, features, scales, weights, lr, samples, columns, d, *strides, POOLED=pooled,
-            SCALED=scaled, HOT=samples >= SGD_HOT_BATCH, HOT_ROWS=SGD_HOT_ROWS, BLOCK_B=block_b,
-            BLOCK_D=max(16, block_d),
+            index, grad, features, scales, weights, lr, samples, columns, d, *strides, last_row,
+            POOLED=pooled, SCALED=scaled, HOT=samples >= SGD_HOT_BATCH, HOT_ROWS=SGD_HOT_ROWS,
+            BLOCK_B=block_b, BLOCK_D=max(16, block_d),
         )  # fmt: skip
         return
     sorted_rows, order, segment = sorted_segments(index, weights.shape[0])
@@ -1070,7 +1089,9 @@ def launch_update(
         if scaled:
             scales = torch.zeros(f, dtype=torch.float32, device=grad.device).scatter_(0, features, scales)
     starts = torch.empty(n + 1, dtype=torch.int64, device=grad.device)
-    _segment_starts_kernel[(triton.cdiv(n, 1024),)](segment, starts, n, BLOCK=1024)
+    _segment_starts_kernel[(triton.cdiv(n, 1024),)](
+        segment, sorted_rows, starts, n, last_row, DROP_LAST=drop_last_row, BLOCK=1024
+    )
     sums = _segment_sums(rows, segment, grad, scales, starts, pooled, scaled, f, d, max(16, block_d))
     stochastic = rounding is not None and weights.dtype == torch.bfloat16
     warps, per_sm = STEP_LAUNCH[optimizer]

@@ -12,7 +12,7 @@ from kernels.embedding_bag import (
     embedding_bag_update,
     embedding_bag_update_ref,
 )
-from kernels.embedding_update import optimizer_state
+from kernels.embedding_update import embedding_update_ref, optimizer_state
 
 # (batch, bag sizes, rows per table, D): a batch of 1, a prime batch and width, bags of 1 and of many.
 SHAPES = [
@@ -137,6 +137,62 @@ def test_bad_arguments_raise_one_line():
         embedding_bag_lookup(weights, torch.zeros(0), offsets, rows, sizes[:2], ids)
     with pytest.raises(ValueError, match="lr is required"):
         embedding_bag_lookup(weights.requires_grad_(True), torch.zeros(0), offsets, rows, sizes, ids)
+
+
+@pytest.mark.parametrize(("optimizer", "dtype", "in_order"), [
+    ("sgd", torch.float32, False), ("sgd", torch.float32, True), ("adagrad", torch.float32, False),
+    ("rowwise_adagrad", torch.bfloat16, False),
+])  # fmt: skip
+@pytest.mark.parametrize("last_row_lookups", [3, 200])  # a short segment, and one the summing kernels take
+def test_drop_last_row_steps_the_other_rows_as_if_its_lookups_were_not_there(
+    last_row_lookups, optimizer, dtype, in_order
+):
+    """drop_last_row (a row shard's padding row): the last row and its state stay as they are, and every
+    other row takes the one-id reference's step on the lookups left once the last row's are taken out
+    (a long segment of other rows in the same chunks as the dropped ones; SGD by atomics and in order)."""
+    _check_drop_last_row(64, last_row_lookups, optimizer, dtype, in_order, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("optimizer", "dtype", "in_order"), [
+    ("sgd", torch.float32, False), ("sgd", torch.float32, True), ("adagrad", torch.float32, False),
+    ("rowwise_adagrad", torch.bfloat16, False),
+])  # fmt: skip
+def test_drop_last_row_on_the_gpu(optimizer, dtype, in_order):
+    """The same on a GPU, where the dropped lookups fill many chunks of the summing kernels."""
+    _check_drop_last_row(4096, 20_000, optimizer, dtype, in_order, "cuda")
+
+
+def _check_drop_last_row(batch, last_row_lookups, optimizer, dtype, in_order, device):
+    sizes, rows, d = [3, 5], [40, 300], 8
+    weights, offsets, rows_t, sizes_t, ids, g = _tables(batch, sizes, rows, d, dtype, seed=3)
+    index = (torch.rand(batch, sum(sizes), generator=g) ** 2 * sum(rows)).long()  # hot low rows
+    last = sum(rows) - 1
+    index.view(-1)[torch.randperm(index.numel(), generator=g)[:last_row_lookups]] = last
+    state = optimizer_state(weights, optimizer)
+    if optimizer != "sgd":
+        state += torch.rand(state.shape, generator=g)
+    grad = torch.randn(batch, len(sizes), d, generator=g)
+    weights, sizes_t, index, state, grad = (t.to(device) for t in (weights, sizes_t, index, state, grad))
+    lr = torch.tensor(0.1, device=device)
+    got_w, got_s = weights.clone(), state.clone()
+    embedding_bag_update(
+        got_w, got_s, index, grad, sizes_t, "mean", optimizer, lr, 1e-8, in_order=in_order, drop_last_row=True
+    )
+    assert torch.equal(got_w[last], weights[last])
+    assert optimizer == "sgd" or torch.equal(got_s[last], state[last])
+    features, scales = bag_columns(sizes_t, "mean", index.shape[1])
+    per_lookup = (grad.index_select(1, features) * scales[:, None]).reshape(-1, d)
+    kept = index.reshape(-1) != last
+    ref_w, ref_s = weights.clone(), state.clone()
+    embedding_update_ref(ref_w, ref_s, index.reshape(-1)[kept], per_lookup[kept], optimizer, lr, 1e-8)
+    torch.testing.assert_close(got_w, ref_w, **TOLERANCES[dtype])
+    torch.testing.assert_close(got_s, ref_s, rtol=1e-5, atol=1e-5)
+    # The PyTorch reference drops them too.
+    bag_w, bag_s = weights.clone(), state.clone()
+    embedding_bag_update_ref(bag_w, bag_s, index, grad, sizes_t, "mean", optimizer, lr, 1e-8, None, True)
+    torch.testing.assert_close(bag_w, ref_w, **TOLERANCES[dtype])
+    torch.testing.assert_close(bag_s, ref_s, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("optimizer", "dtype"), [("sgd", torch.float32), ("adagrad", torch.float32),

@@ -13,7 +13,9 @@ Letters of dlrm.parallel.sharded (W, b, F, D, n, n_r), and k_f the bag size of t
   summed gradient), kernel "torch" by one F.embedding_bag over the table-batched weights (sparse gradient).
   A row shard pools the ids it holds: an id outside it looks up the shard arch's padding row, the last row
   of `weights`, zeroed before every lookup, so it adds nothing to the pool and no update reaches a table
-  row through it (the padding row's own update is overwritten by the next zeroing). The shards of a table
+  row through it. Kernel "triton" drops the padding row's lookups from its update (`drop_last_row`: their
+  gradients never read, the row never stepped); kernel "torch"'s sparse gradient steps the padding row,
+  whose update the next zeroing overwrites. The shards of a table
   split by rows each give their partial pool, and ToTableOrder sums them: the bag's pool (its "mean" too,
   each part divided by the whole k_f).
 - the replicated tables pool their own b samples' bags (`ReplicatedBagLookup`, dense gradient).
@@ -157,7 +159,7 @@ class ShardedBags(nn.Module):
         if self.padding_row is not None:
             valid = (local >= 0) & (local < self.column_rows_held)
             local = torch.where(valid, local, self.padding)
-            with torch.no_grad():  # the padding row adds zeros; last step's update of it is dropped here
+            with torch.no_grad():  # the padding row adds zeros (kernel "torch" steps it: undone here)
                 arch.weights[self.padding_row].zero_()
         if arch.kernel == "triton":
             return self._triton_lookup(arch, local)
@@ -176,6 +178,7 @@ class ShardedBags(nn.Module):
         return embedding_bag_lookup(
             arch.weights, arch.optimizer_state, arch.offsets, arch.shard_rows, self.local_sizes, local,
             "index", self.pooling, optimizer, arch.lr, eps, arch.lookup_dtype(local.device), arch.rounding,
+            self.padding_row is not None,
         )  # fmt: skip
 
     def lookup_replicated(self, arch: nn.Module, rows: Tensor) -> Tensor:
