@@ -283,10 +283,11 @@ def _ids_a_sample(plan, rank: int) -> int:
 def test_dcnv2_on_two_ranks_moves_small_tables_off_the_rank_of_table_20():
     """MLPerf DLRM-DCNv2 (bf16 tables, Adagrad) on 2 ranks: the bytes balanced alone leave tables 20 and 9, a
     part of table 0 and the small tables 1 and 4 on one rank, 118 ids a sample against the other's 76;
-    moving tables 1 and 4 (59k rows) evens the lookups to 110 and 84, the bytes still within a tenth."""
+    moving tables 1 and 4 (59k rows) evens the lookups to 110 and 84, the bytes still within a tenth (the
+    time balance after it left out)."""
     rows, bags = DCNV2["table_rows"], tuple(DCNV2["multi_hot_sizes"])
     plan = plan_tables(rows, 128, "adagrad", 2, batch_size=32768, exchange_bytes_per_value=2, bag_sizes=bags,
-                       table_bytes_per_value=2)  # fmt: skip
+                       table_bytes_per_value=2, balance_time=False)  # fmt: skip
     _assert_rows_once(plan)
     assert _within_a_tenth(plan)
     assert sorted(_ids_a_sample(plan, r) for r in range(2)) == [84, 110]
@@ -318,11 +319,12 @@ def test_no_whole_shard_move_lowers_the_most_loaded_ranks_lookups(world):
 
 
 def test_update_time_counts_every_lookup_and_the_distinct_rows_of_each_shard():
-    """A shard's update bytes: every id of its table in the global batch (its gradient row and the sort) and
-    the distinct rows it touches (weights and state read and written), those of uniform ids on average
-    (checked against random draws); cutting a table by rows keeps its distinct rows and repeats its lookups.
-    Every 2-rank plan of MLPerf DLRM-DCNv2 measured predicts each rank's backward within 10%
-    (scripts/results/rank_lookups.csv: fwd+bwd less fwd on an H200, each row's shards as it names them)."""
+    """A shard's update bytes: every id of its table in the global batch (the sort), the ids inside its rows
+    (their gradient rows) and the distinct rows it touches (weights and state read and written), those of
+    uniform ids on average (checked against random draws); cutting a table by rows keeps its distinct rows
+    and gradient rows and repeats its sort. Every 2-rank plan of MLPerf DLRM-DCNv2 measured at the newest
+    commit predicts each rank's backward within 10% (scripts/results/rank_lookups.csv: fwd+bwd less fwd on
+    an H200, each row's shards as it names them)."""
     plan = plan_tables([1000, 5], 16, "adagrad", 1, bag_sizes=(7, 1))
     per_row = row_bytes(16, "adagrad")
     ids = 7 * 100
@@ -335,7 +337,7 @@ def test_update_time_counts_every_lookup_and_the_distinct_rows_of_each_shard():
     assert plan.update_bytes(whole, 100) == round(lookups + 2 * expected * per_row)
     halves = [Shard(0, 0, 0, 400), Shard(0, 1, 400, 600)]
     assert sum(plan.update_bytes(s, 100) for s in halves) == pytest.approx(
-        plan.update_bytes(whole, 100) + lookups, abs=1
+        plan.update_bytes(whole, 100) + ids * SORT_BYTES, abs=1
     )
     assert plan.update_bytes(Shard(1, 0, 0, 5), 10**6) == round(
         10**6 * (16 * 4 + SORT_BYTES) + 2 * 5 * per_row
@@ -343,7 +345,8 @@ def test_update_time_counts_every_lookup_and_the_distinct_rows_of_each_shard():
 
     rows, bags = DCNV2["table_rows"], tuple(DCNV2["multi_hot_sizes"])
     with (REPO / "scripts" / "results" / "rank_lookups.csv").open() as f:
-        measured = [r for r in csv.DictReader(f) if r["world_size"] == "2" and r["config"] == "dlrm_dcnv2"]
+        two_ranks = [r for r in csv.DictReader(f) if r["world_size"] == "2" and r["config"] == "dlrm_dcnv2"]
+    measured = [r for r in two_ranks if r["git_sha"] == two_ranks[-1]["git_sha"]]
     assert len(measured) >= 6
     for r in measured:
         shards = tuple(_shards_named(r["shards"], int(r["rank"]), rows))

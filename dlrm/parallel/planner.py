@@ -66,8 +66,9 @@ stay as they are. A swap that gives a rank a table's first rows (a cut) costs it
 and adds them to every rank's exchange, so it pays only where the rows' updates outweigh them; the plan
 whose slowest rank is predicted fastest on the way is kept. MLPerf DLRM-DCNv2 on 4 ranks: the byte balance
 leaves table 20 (6M of the ~10M distinct rows a step touches) whole on one rank, predicted 5.1 ms against
-1.9 to 2.2 ms; swaps bring the four to 3.6 ms. On 2 ranks no swap saves 2%: the cut of table 20 that evens
-the lookups adds its lookups and exchange on the other rank.
+1.9 to 2.1 ms; swaps bring the four to 3.4 ms. On 2 ranks (5.4 ms against 4.0 ms) the other rank takes 11%
+of table 20's rows for rows of table 0, which costs it all of table 20's ids (their sort, not their
+gradients: `update_bytes`) and their exchange, and evens the two at 5.2 and 5.1 ms.
 """
 
 from __future__ import annotations
@@ -211,28 +212,35 @@ class ShardingPlan:
     def update_bytes(self, shard: Shard, global_batch: int) -> int:
         """Bytes the bag kernel's backward moves for `shard` in a step of `global_batch` samples: per
         lookup of its table's ids (k_f a sample, all of them: a row shard looks up the ids outside it
-        too) the pooled gradient's row (D values of the exchange's e bytes) and the sort by row
-        (SORT_BYTES); per distinct row it touches (its rows times `touched_share`: an upper bound for ids
-        that repeat rows), its weights (D values of t bytes) and optimizer state read and written once."""
+        too) the sort by row (SORT_BYTES); per lookup inside the shard (its share of the table's rows, for
+        uniform ids) the pooled gradient's row (D values of the exchange's e bytes: the update never reads
+        the gradients of a row shard's padding row, `dlrm.parallel.sharded_bags`); per distinct row it
+        touches (its rows times `touched_share`: an upper bound for ids that repeat rows), its weights (D
+        values of t bytes) and optimizer state read and written once."""
         d = self.embedding_dim
         lookups = self.bag_size(shard.table) * global_batch
+        inside = lookups * shard.rows / self.table_rows[shard.table]
         distinct = shard.rows * self.touched_share(shard.table, global_batch)
         per_row = row_bytes(d, self.optimizer, self.table_bytes_per_value)
-        return round(lookups * (d * self.exchange_bytes_per_value + SORT_BYTES) + 2 * distinct * per_row)
+        gradients = inside * d * self.exchange_bytes_per_value
+        return round(lookups * SORT_BYTES + gradients + 2 * distinct * per_row)
 
     def lookups_us(self, table: int, global_batch: int) -> float:
         """Predicted microseconds of a shard of `table` that its rows do not change, in a step of
         `global_batch` samples: the forward over all its table's ids (`lookup_bytes`) and, in the backward,
-        their gradient rows and sort (`update_bytes`)."""
+        their sort (`update_bytes`)."""
         d, k, e = self.embedding_dim, self.bag_size(table), self.exchange_bytes_per_value
         forward = lookup_bytes(k, d, self.table_bytes_per_value, e) / LOOKUP_BYTES_PER_S
-        return global_batch * (forward + k * (d * e + SORT_BYTES) / UPDATE_BYTES_PER_S) * 1e6
+        return global_batch * (forward + k * SORT_BYTES / UPDATE_BYTES_PER_S) * 1e6
 
     def update_us_per_row(self, table: int, global_batch: int) -> float:
         """Predicted microseconds each row of a shard of `table` adds to its update in a step of
-        `global_batch` samples: its share of the distinct rows' weights and state (`update_bytes`)."""
-        per_row = row_bytes(self.embedding_dim, self.optimizer, self.table_bytes_per_value)
-        return 2 * self.touched_share(table, global_batch) * per_row / UPDATE_BYTES_PER_S * 1e6
+        `global_batch` samples (`update_bytes`): its share of the lookups' gradient rows and of the
+        distinct rows' weights and state."""
+        d, e, rows = self.embedding_dim, self.exchange_bytes_per_value, self.table_rows[table]
+        per_row = row_bytes(d, self.optimizer, self.table_bytes_per_value)
+        gradients = self.bag_size(table) * global_batch / rows * d * e
+        return (gradients + 2 * self.touched_share(table, global_batch) * per_row) / UPDATE_BYTES_PER_S * 1e6
 
     def shard_us(self, shard: Shard, global_batch: int) -> float:
         """Predicted microseconds of `shard`'s lookups in a step of `global_batch` samples, forward and
