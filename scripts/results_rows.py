@@ -105,6 +105,17 @@ MEASURES: dict[str, tuple[str, ...]] = {
 }
 
 
+# The code each workload of clocks.csv (scripts/bench_clocks.py) runs: the torch GEMM of the ceiling,
+# torch.compile of bench_cross's eager layer, our cross layer (cross.csv's code), the dlrm_dcnv2 step (the
+# whole application). The GEMM and the compiled layer run no code of dlrm/ or kernels/: their rows measure the
+# scripts that build them.
+CLOCKS_WORKLOADS: dict[str, tuple[str, ...]] = {
+    "gemm": ("scripts/bench_clocks.py", "scripts/bench_timing.py"),
+    "cross-compile": ("scripts/bench_clocks.py", "scripts/bench_cross.py"),
+    "cross": MEASURES["cross.csv"],
+}
+
+
 @dataclass(frozen=True)
 class Row:
     """One CSV row: its file's name, its 1-based line in that file, and its cells as read (strings)."""
@@ -272,12 +283,15 @@ def one_process(row: Row) -> bool:
 
 
 def code_paths(row: Row) -> tuple[str, ...]:
-    """The code `row` measured, as git pathspecs: its file's MEASURES entry; else the whole application, less
+    """The code `row` measured, as git pathspecs: its file's MEASURES entry (a clocks.csv row: its workload's
+    CLOCKS_WORKLOADS entry); else the whole application, less
     kernels/ for a row whose run did not call them (`ran_our_kernels`) and the other interactions' kernels
     for one that did (`other_interactions_kernels`), less SEVERAL_RANKS_ONLY for a run of one process
     (`one_process`), less GPU_ONLY for a run on the CPU and less LOOP_ONLY for a step benchmark's row."""
     if row.file in MEASURES:
         return MEASURES[row.file]
+    if row.file == "clocks.csv" and row.cells.get("workload") in CLOCKS_WORKLOADS:
+        return CLOCKS_WORKLOADS[row.cells["workload"]]
     kernels = ran_our_kernels(row)
     paths = WHOLE if kernels else tuple(p for p in WHOLE if p != "kernels")
     skipped = other_interactions_kernels(row) if kernels else ()
