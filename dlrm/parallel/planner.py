@@ -65,10 +65,10 @@ of a table whose rows cost the most to update and takes x rows of one whose rows
 stay as they are. A swap that gives a rank a table's first rows (a cut) costs it all that table's lookups
 and adds them to every rank's exchange, so it pays only where the rows' updates outweigh them; the plan
 whose slowest rank is predicted fastest on the way is kept. MLPerf DLRM-DCNv2 on 4 ranks: the byte balance
-leaves table 20 (6M of the ~10M distinct rows a step touches) whole on one rank, predicted 5.1 ms against
-1.9 to 2.1 ms; swaps bring the four to 3.4 ms. On 2 ranks (5.4 ms against 4.0 ms) the other rank takes 11%
-of table 20's rows for rows of table 0, which costs it all of table 20's ids (their sort, not their
-gradients: `update_bytes`) and their exchange, and evens the two at 5.2 and 5.1 ms.
+leaves table 20 (6M of the ~10M distinct rows a step touches) whole on one rank, predicted 5.0 ms against
+1.9 to 2.2 ms; swaps spread it over three ranks, the slowest at 3.7 ms. On 2 ranks no swap saves 2%: the cut
+of table 20 that evens the lookups adds all its ids (their sort: `update_bytes`) and their exchange on the
+other rank.
 """
 
 from __future__ import annotations
@@ -88,11 +88,15 @@ BYTES_SPREAD = 1.1
 # One-hot lookups run nearer the copy bandwidth (scripts/results/sparse.csv:43: 94%, D = 128): by this rate
 # their predicted times come out about a fifth high.
 LOOKUP_BYTES_PER_S = 7729.05e6 / 2364.4e-6
-# The bag kernel's backward with its fused update on an H200 moves this many bytes a second (update_bytes'
-# model): 143.63 GB in 48.367 ms over the 14 ranks of scripts/results/rank_lookups.csv (MLPerf DLRM-DCNv2 on 2
-# ranks under 7 placements, bf16 tables, Adagrad, uniform ids), each rank within 6% of it.
-UPDATE_BYTES_PER_S = 143.63e9 / 48.367e-3
-SORT_BYTES = 24  # per lookup: the ids sorted by row (~3 x 8 bytes), as bench_embedding_bag's bytes model
+# The bag kernel's backward with its fused update on an H200 (update_bytes' model): a lookup of a shard's
+# table costs SORT_BYTES whether or not its row is inside the shard (the sort by row, the gradient row of each
+# sorted position, the segments' scan and starts), and the update moves its other bytes at
+# UPDATE_BYTES_PER_S. Both fitted (least squares of relative errors) on the 6 ranks of the 2-rank placements
+# of scripts/results/rank_lookups.csv (MLPerf DLRM-DCNv2, bf16 tables, Adagrad, uniform ids; fwd+bwd less
+# fwd), each within 5% of them. Ranks of fewer lookups on 4 and 8 ranks run up to a quarter slower than
+# predicted: fixed costs per launch, which the model leaves out.
+UPDATE_BYTES_PER_S = 3.426e12
+SORT_BYTES = 252
 # The all_to_alls of a step on 2 H200s move this many bytes a second (costs' exchange_bytes, sent plus
 # received): rank 1's 257.7 MB in 848.8 us, MLPerf DLRM-DCNv2 at b = 32,768, bf16 vectors
 # (scripts/results/profile_dlrm_dcnv2_triton_graphs_32768_config_adagrad_bf16_bf16tables_rank1of2.txt, the
