@@ -93,7 +93,7 @@ LOOKUP_BYTES_PER_S = 7729.05e6 / 2364.4e-6
 # sorted position, the segments' scan and starts), and the update moves its other bytes at
 # UPDATE_BYTES_PER_S. Both fitted (least squares of relative errors) on the 6 ranks of the 2-rank placements
 # of scripts/results/rank_lookups.csv (MLPerf DLRM-DCNv2, bf16 tables, Adagrad, uniform ids; fwd+bwd less
-# fwd), each within 5% of them. Ranks of fewer lookups on 4 and 8 ranks run up to a quarter slower than
+# fwd), each within 5% of them. Ranks of fewer lookups on 4 and 8 ranks run up to about a quarter slower than
 # predicted: fixed costs per launch, which the model leaves out.
 UPDATE_BYTES_PER_S = 3.426e12
 SORT_BYTES = 252
