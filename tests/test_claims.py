@@ -303,6 +303,23 @@ def test_a_row_measures_kernels_only_where_its_run_called_them(scripts):
     assert results_rows.code_paths(row("kernels.csv", backend="eager")) == ("kernels",)
 
 
+def test_a_clocks_row_measures_its_workloads_code(scripts):
+    """bench_clocks' workloads: our cross layer measures the cross kernels (as cross.csv), the torch GEMM and
+    the compiled eager layer only the scripts that build them, the dlrm_dcnv2 step the whole application."""
+    _, results_rows = scripts
+
+    def clocks(workload):
+        return results_rows.code_paths(
+            results_rows.Row("clocks.csv", 2, {"git_sha": "abc", "workload": workload})
+        )
+
+    assert clocks("cross") == results_rows.MEASURES["cross.csv"]
+    assert "kernels" not in clocks("gemm") and "dlrm" not in clocks("gemm")
+    assert "kernels" not in clocks("cross-compile") and "scripts/bench_cross.py" in clocks("cross-compile")
+    one_process = tuple(f":(exclude){p}" for p in results_rows.SEVERAL_RANKS_ONLY)
+    assert clocks("dlrm_dcnv2") == (*results_rows.WHOLE, *one_process)
+
+
 def test_step_table_names_the_tables_and_finds_the_fp32_baseline_of_bf16_tables(monkeypatch):
     """bf16 and fp32 tables of one setting are rows of their own, and a bf16-table row's baseline is the
     torch-graphed row of its invocation (fp32 tables) at the same table rows."""
