@@ -137,6 +137,30 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list) -> None:
     parallel.shutdown()
 
 
+@pytest.mark.parametrize(("optimizer", "table_dtype"), [("sgd", "fp32"), ("adagrad", "fp32"),
+                                                      ("rowwise_adagrad", "bf16")])  # fmt: skip
+def test_a_row_shards_update_leaves_its_padding_row_as_it_is(optimizer, table_dtype):
+    """Kernel "triton" (interpreted here), one rank of a 2-rank plan that cuts a table by rows: the ids
+    outside the rank's row shard look up its padding row, whose lookups the update drops, so after a step
+    the padding row and its optimizer state are as they were (zero) while the shard's touched rows moved."""
+    table_rows, bags = [64] + [3] * 25, (4,) + (1,) * 25
+    plan = plan_tables(table_rows, 4, optimizer, 2, row_wise_bytes=300)
+    assert any(s.rows < table_rows[s.table] for s in plan.shards_of(0)), "no row shard on rank 0"
+    arch = ShardedSparseArch(plan, 0, 4, kernel="triton", multi_hot_sizes=bags, table_dtype=table_dtype)
+    arch.configure_optimizer(optimizer, 0.1)
+    padding = arch.bags.padding_row
+    columns = [table_rows[s.table] for s in plan.shards_of(0) for _ in range(bags[s.table])]
+    generator = torch.Generator().manual_seed(0)
+    ids = (torch.rand(32, len(columns), generator=generator) * torch.tensor(columns)).long()
+    before, state_before = arch.weights.detach().clone(), arch.optimizer_state.clone()
+    pooled = arch.bags.lookup(arch, ids)
+    pooled.backward(torch.randn(pooled.shape, generator=generator).to(pooled.dtype))
+    assert torch.equal(arch.weights[padding], torch.zeros_like(arch.weights[padding]))
+    if arch.optimizer_state.numel():
+        assert torch.equal(arch.optimizer_state[padding], state_before[padding])
+    assert not torch.equal(arch.weights[:padding], before[:padding])
+
+
 def _table_optimizer(optimizer: str, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
     """A torch optimizer of tables: torch.optim's SGD or Adagrad, or dlrm.optim's row-wise Adagrad."""
     if optimizer == "rowwise_adagrad":
