@@ -51,6 +51,10 @@ How the update runs:
   device (with each crossing partial's place in the next level) and the summing kernels' persistent programs
   stride over the list. The step kernel then reads a long segment's sum from its slot. No atomics: the sums,
   and so the whole update, are the same bits on every run. Memory is O(B F D), never O(R D).
+- `drop_last_row` (a row-wise shard's padding row, dlrm.parallel.sharded_bags): the lookups of the last row
+  take no part. The SGD kernel masks them; on the sorted path they sort last, and their segment is given no
+  positions, so no kernel reads their gradients and the step kernel leaves the row as it is. They are still
+  sorted with the others.
 Fixed shapes throughout (no torch.unique, no host sync), so a step can be captured in a CUDA graph.
 The PyTorch reference is ``embedding_update_ref``.
 """
