@@ -30,9 +30,10 @@ apart). Every build starts from fresh dynamo state and every step runs under its
 caller's restored after it), so a row's flags and compiled code do not depend on what ran before it
 (`build`). After warm-up (the first step, with compilation and autotuning, is timed apart) it times
 `--steps` steps with CUDA events and reports ms/step, samples/s, peak GPU memory and the ratio to the eager
-backend of the same invocation; rows go to scripts/results/train.csv at the end, and a Ctrl-C or SIGTERM
-(`timeout`) writes the rows measured before it. CUDA only: main() refuses to start
-without a GPU, and everything below it (random_batches, build, bench) allocates on the current CUDA device.
+backend of the same invocation; each row goes to scripts/results/train.csv as soon as it is measured, so
+an invocation stopped (Ctrl-C, SIGTERM, `timeout`) or killed keeps the rows before it. CUDA only: main()
+refuses to start without a GPU, and everything below it (random_batches, build, bench) allocates on the
+current CUDA device.
 
 Many GPUs (weak scaling: `--batches` is the batch per GPU, the global batch is N times it):
 
@@ -415,7 +416,7 @@ def main(
         cardinalities
     ]
     common |= {"data": data, "optimizer": optimizer}
-    rows = []  # each row appended as soon as it is measured
+    rows = []  # each row kept (`_keep`) as soon as it is measured
     variants = shardings.split(",") if dist.enabled else ["auto"]  # one GPU: nothing to shard
     sizes = [int(b) for b in batches.split(",")]
     runs = itertools.product(configs.split(","), precisions.split(","), sizes, variants)
@@ -445,6 +446,7 @@ def main(
                     }
                 )
                 if dist.is_main:
+                    _keep(rows)
                     print(
                         f"{config:<8}{precision:<6}{backend:<23}W={dist.world_size} B={batch:<7}"
                         f"{sharding:<15}"
@@ -455,22 +457,24 @@ def main(
                         f"first step {r['first_step_s']:.1f} s",
                         flush=True,
                     )
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (`timeout`): the rows measured before it are whole
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (`timeout`): the rows measured before it are kept
         if dist.is_main:
-            print(f"interrupted: writing the {len(rows)} rows measured before it", flush=True)
-            _write_rows(rows)
+            print(f"interrupted: the {len(rows)} rows measured before it are kept", flush=True)
         raise
-    if dist.is_main:
-        _write_rows(rows)
     parallel.shutdown()
 
 
-def _write_rows(rows: list[dict]) -> None:
-    """Rank 0's rows: to train.csv (scaling filled in), or to the parent's file under `launch_each`."""
+def _keep(rows: list[dict]) -> None:
+    """Rank 0's rows as each is measured, so that a run stopped or killed keeps every whole row before it:
+    the newest appended to train.csv (scaling filled in), or under `launch_each` all of them written to the
+    parent's file (whole: written beside it, then renamed over it)."""
     if os.environ.get(ROWS_ENV):  # launched by launch_each: the parent writes the CSV
-        Path(os.environ[ROWS_ENV]).write_text(json.dumps(rows))
+        path = Path(os.environ[ROWS_ENV])
+        part = path.with_name(path.name + ".part")
+        part.write_text(json.dumps(rows))
+        part.replace(path)
     else:
-        append_rows(RESULTS, with_scaling(rows))
+        append_rows(RESULTS, with_scaling(rows[-1:]))
 
 
 ROWS_ENV = "DLRM_BENCH_ROWS"
