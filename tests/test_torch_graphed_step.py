@@ -5,6 +5,7 @@ caller's back; a compiled baseline starts from fresh dynamo state."""
 
 import csv
 import functools
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -311,21 +312,29 @@ def test_compiled_baselines_do_not_share_dynamo_state(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_bench_train_keeps_the_rows_measured_before_an_interrupt(monkeypatch, tmp_path):
-    """`timeout -s INT` ends a bench_train invocation with KeyboardInterrupt: the rows measured before it
-    are written to the results file (each is whole), and the interrupt still ends the run."""
+@pytest.mark.parametrize("handed_back", [False, True])
+@pytest.mark.parametrize("ended", [KeyboardInterrupt, torch.OutOfMemoryError])
+def test_bench_train_keeps_the_rows_measured_before_it_stops(monkeypatch, tmp_path, ended, handed_back):
+    """bench_train keeps each row as soon as it is measured: an invocation that `timeout -s INT` ends
+    (KeyboardInterrupt), or that fails in a later batch (out of memory), keeps the rows measured before it
+    (each whole) in the results file, or, run by `launch_each`, in the file its parent reads; the interrupt
+    or the error still ends the run."""
     from dlrm import parallel
 
     monkeypatch.syspath_prepend(str(_PATH.parent))
     import bench_train
 
-    results = tmp_path / "train.csv"
+    results, handed = tmp_path / "train.csv", tmp_path / "rows.json"
+    if handed_back:
+        monkeypatch.setenv(bench_train.ROWS_ENV, str(handed))
+    else:
+        monkeypatch.delenv(bench_train.ROWS_ENV, raising=False)
     calls = []
 
     def fake_bench(config, backend, batch, *args):
         calls.append(backend)
         if len(calls) == 3:
-            raise KeyboardInterrupt
+            raise ended
         return {"config": config, "backend": backend, "batch": batch, "world_size": 1, "ms_per_step": 1.0,
                 "samples_per_s": batch * 1000, "peak_mem_gib": 1.0, "first_step_s": 0.1}  # fmt: skip
 
@@ -334,13 +343,17 @@ def test_bench_train_keeps_the_rows_measured_before_an_interrupt(monkeypatch, tm
     monkeypatch.setattr(bench_train.parallel, "init_distributed", lambda *a: (parallel.SINGLE, None))
     monkeypatch.setattr(bench_train, "bench", fake_bench)
     monkeypatch.setattr(bench_train, "RESULTS", results)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(ended):
         bench_train.main.callback(
             configs="kaggle", batches="128,2048", backends="torch-graphed,triton+graphs", steps=5,
             max_rows=None, precisions="tf32", ids="uniform", nproc="1", cardinalities="kaggle",
             optimizer="sgd", shardings="auto", table_dtype="fp32",
         )  # fmt: skip
-    with results.open() as f:
-        written = list(csv.DictReader(f))
-    measured = [(r["backend"], r["batch"]) for r in written]
+    if handed_back:
+        assert not results.exists()
+        written = json.loads(handed.read_text())
+    else:
+        with results.open() as f:
+            written = list(csv.DictReader(f))
+    measured = [(r["backend"], str(r["batch"])) for r in written]
     assert measured == [("torch-graphed", "128"), ("triton+graphs", "128")]
