@@ -67,7 +67,7 @@ from torch import nn
 from torch_graphed_dcn import PlainDCN, TorchGraphedDCNStep
 from torch_graphed_step import PlainDLRM, TorchGraphedStep, precision_flags
 
-from dlrm import parallel
+from dlrm import atomic, parallel
 from dlrm.choices import OPTIMIZERS, TABLE_DTYPES
 from dlrm.config import load_config, replace
 from dlrm.data.bags import is_one_hot
@@ -466,13 +466,10 @@ def main(
 
 def _keep(rows: list[dict]) -> None:
     """Rank 0's rows as each is measured, so that a run stopped or killed keeps every whole row before it:
-    the newest appended to train.csv (scaling filled in), or under `launch_each` all of them written to the
-    parent's file (whole: written beside it, then renamed over it)."""
+    the newest appended to train.csv (scaling filled in), or under `launch_each` all of them written whole
+    to the parent's file (`dlrm.atomic.write_text`)."""
     if os.environ.get(ROWS_ENV):  # launched by launch_each: the parent writes the CSV
-        path = Path(os.environ[ROWS_ENV])
-        part = path.with_name(path.name + ".part")
-        part.write_text(json.dumps(rows))
-        part.replace(path)
+        atomic.write_text(Path(os.environ[ROWS_ENV]), json.dumps(rows))
     else:
         append_rows(RESULTS, with_scaling(rows[-1:]))
 
